@@ -1,0 +1,170 @@
+"""Configuration: one TOML file with a table per stage, overridable by environment variables.
+
+Precedence, highest first: environment (`GPUFAIL_<TABLE>__<KEY>`, e.g.
+`GPUFAIL_LABELS__HORIZON=12h`), the TOML file given with `--config` (or `GPUFAIL_CONFIG`),
+the defaults below. `gpufail.example.toml` at the repository root documents every key; a test
+keeps it identical to these defaults.
+
+Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
+nothing here runs at import time, and no other package imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from datetime import timedelta
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from ingest.errors import ConfigError
+from ingest.xid_catalog import default_failure_xids
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(value: Any) -> timedelta:
+    """`"90s"`, `"5m"`, `"24h"`, `"7d"`, `"1w"` or a number of seconds -> timedelta."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", value)
+        if match:
+            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    raise ValueError(f"expected a duration such as '30s', '5m', '24h' or '7d', got {value!r}")
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+
+
+class _Table(BaseModel):
+    # A misspelt key must fail loudly rather than silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreSettings(_Table):
+    root: str = "data"
+    """Data root: a local folder or an fsspec URL (s3://bucket/prefix)."""
+
+
+class SimulateSettings(_Table):
+    preset: Literal["demo", "paper"] = "demo"
+    seed: int = 7
+
+
+class IngestSettings(_Table):
+    cluster: str = "default"
+    """Cluster name written into every row, so several clusters can share a data root."""
+    xid_dedup_window: Duration = timedelta(minutes=5)
+    """Identical XIDs on one GPU within this window are one incident with a repeat count."""
+
+
+class FeatureSettings(_Table):
+    grid: Duration = timedelta(hours=1)
+    windows: list[Duration] = Field(default_factory=lambda: [timedelta(hours=h) for h in (1, 6, 24, 168)])
+
+
+class LabelSettings(_Table):
+    horizon: Duration = timedelta(hours=24)
+    """Label at grid time t: does the GPU fail in (t, t + horizon]?"""
+    failure_xids: list[int] = Field(default_factory=lambda: list(default_failure_xids()))
+    merge_window: Duration = timedelta(hours=6)
+    """Failure events on one GPU closer than this are one failure episode."""
+
+
+class ModelSettings(_Table):
+    kind: Literal["lightgbm", "xgboost", "logistic"] = "lightgbm"
+    train_window: Duration = timedelta(days=21)
+    top_k: int = Field(default=10, gt=0)
+    """Precision is reported over the K highest-risk GPUs at each grid time."""
+
+
+class PublishSettings(_Table):
+    target: Literal["log", "slurm", "kubernetes", "webhook"] = "log"
+    dry_run: bool = True
+    risk_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    max_nodes_fraction: float = Field(default=0.05, gt=0.0, le=1.0)
+    """Circuit breaker: never act on more than this share of the fleet's nodes at once."""
+
+
+class Settings(_Table):
+    store: StoreSettings = StoreSettings()
+    simulate: SimulateSettings = SimulateSettings()
+    ingest: IngestSettings = IngestSettings()
+    features: FeatureSettings = FeatureSettings()
+    labels: LabelSettings = LabelSettings()
+    model: ModelSettings = ModelSettings()
+    publish: PublishSettings = PublishSettings()
+
+
+ENV_PREFIX = "GPUFAIL_"
+
+
+def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the configuration file (if any) and the environment into one Settings object.
+
+    Errors name the file or variable, the table and key, and what was expected.
+    """
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("GPUFAIL_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
+    for table, key, value in _env_overrides(environ):
+        section = data.setdefault(table, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"config file {path}: [{table}] must be a table")
+        section[key] = value
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, str(path) if path else "defaults")) from None
+
+
+def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:
+    """`GPUFAIL_LABELS__HORIZON=12h` -> ("labels", "horizon", "12h").
+
+    A value that parses as JSON (numbers, booleans, lists) is used as such, so
+    `GPUFAIL_LABELS__FAILURE_XIDS='[48, 79]'` works; anything else stays a string."""
+    found = []
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == "GPUFAIL_CONFIG":
+            continue
+        table, sep, key = name.removeprefix(ENV_PREFIX).lower().partition("__")
+        if not sep or not key:
+            raise ConfigError(f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        found.append((table, key, value))
+    return found
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        loc = err["loc"]
+        table = loc[0] if loc else "?"
+        key = ".".join(str(part) for part in loc[1:])
+        where = f"[{table}] {key}".strip() if key else f"[{table}]"
+        env_name = "GPUFAIL_" + "__".join(str(part).upper() for part in loc[:2])
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{where}: unknown key (not a gpufail setting)")
+        else:
+            message = err["msg"].removeprefix("Value error, ")
+            received = "" if "got " in message else f", got {err.get('input')!r}"
+            problems.append(f"{where} (or {env_name}): {message}{received}")
+    return f"configuration from {source}: " + "; ".join(problems)

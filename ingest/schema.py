@@ -1,0 +1,189 @@
+"""The data contract of the raw datasets that `ingest` owns.
+
+Two datasets, both hive-partitioned by `date=YYYY-MM-DD` (the UTC date of `ts`):
+
+- `telemetry`: one row per GPU sample. Identity columns first, then one typed column per
+  metric from the metric catalogue (`metrics.csv`); every metric column carries its unit in
+  its name, and a missing reading is a null, never a sentinel value.
+- `xid_events`: one row per distinct XID incident; a flood of identical lines becomes one
+  row with `repeat_count` (see `ingest.kernel_log`).
+
+`SCHEMA_VERSION` changes whenever a column is added, removed or retyped, so a store written by
+another version is refused with a clear message instead of being read wrong.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+MetricKind = Literal["gauge", "counter", "flag", "bitmask"]
+
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the metric catalogue (`ingest/metrics.csv`)."""
+
+    column: str
+    kind: MetricKind
+    arrow_type: pa.DataType
+    unit: str
+    nvml_field: str
+    dcgm_field_id: int
+    description: str
+
+
+_ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.int64()}
+
+
+@cache
+def metric_catalogue() -> tuple[Metric, ...]:
+    """The metrics gpufail collects, read from the packaged `metrics.csv`.
+
+    Kept as data so that a new counter is a one-line change and so that features can ask
+    which columns are gauges and which are counters instead of hard-coding names.
+    """
+    text = resources.files("ingest").joinpath("metrics.csv").read_text()
+    metrics = []
+    for line_no, row in enumerate(csv.DictReader(text.splitlines()), start=2):
+        if row["kind"] not in ("gauge", "counter", "flag", "bitmask"):
+            raise ValueError(f"metrics.csv line {line_no}: unknown kind {row['kind']!r}")
+        metrics.append(
+            Metric(
+                column=row["column"],
+                kind=row["kind"],  # type: ignore[arg-type]
+                arrow_type=_ARROW_TYPES[row["arrow_type"]],
+                unit=row["unit"],
+                nvml_field=row["nvml_field"],
+                dcgm_field_id=int(row["dcgm_field_id"]),
+                description=row["description"],
+            )
+        )
+    return tuple(metrics)
+
+
+def metric_columns(kind: MetricKind | None = None) -> list[str]:
+    """Names of the metric columns, optionally only those of one kind."""
+    return [m.column for m in metric_catalogue() if kind is None or m.kind == kind]
+
+
+# Identity of a sample. `pci_bus_id` is normalised to `dddd:bb:dd` (lower-case, no function),
+# the form kernel-log XID lines use, so XID events can be joined to GPUs.
+TELEMETRY_ID_FIELDS = [
+    pa.field("ts", TIMESTAMP, nullable=False),
+    pa.field("cluster", pa.string(), nullable=False),
+    pa.field("node", pa.string(), nullable=False),
+    pa.field("gpu_index", pa.int16(), nullable=False),
+    pa.field("gpu_uuid", pa.string(), nullable=False),
+    pa.field("pci_bus_id", pa.string()),
+    pa.field("gpu_model", pa.string()),
+    pa.field("driver", pa.string()),
+]
+
+
+@cache
+def telemetry_schema() -> pa.Schema:
+    metric_fields = [pa.field(m.column, m.arrow_type) for m in metric_catalogue()]
+    return pa.schema(TELEMETRY_ID_FIELDS + metric_fields, metadata=_metadata("telemetry"))
+
+
+XID_EVENTS_SCHEMA = pa.schema(
+    [
+        pa.field("ts", TIMESTAMP, nullable=False),  # first line of the incident
+        pa.field("last_ts", TIMESTAMP, nullable=False),  # last repeated line folded into it
+        pa.field("cluster", pa.string(), nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("pci_bus_id", pa.string(), nullable=False),
+        pa.field("gpu_index", pa.int16()),  # null when the bus id could not be mapped
+        pa.field("gpu_uuid", pa.string()),
+        pa.field("xid", pa.int32(), nullable=False),
+        pa.field("pid", pa.int64()),
+        pa.field("process", pa.string()),
+        pa.field("message", pa.string()),
+        pa.field("source", pa.string(), nullable=False),  # e.g. "kmsg", "journal", "file:<name>"
+        pa.field("repeat_count", pa.int32(), nullable=False),
+    ],
+    metadata=None,
+)
+
+
+def _metadata(dataset: str) -> dict[bytes, bytes]:
+    return {b"gpufail.dataset": dataset.encode(), b"gpufail.schema_version": str(SCHEMA_VERSION).encode()}
+
+
+def xid_events_schema() -> pa.Schema:
+    return XID_EVENTS_SCHEMA.with_metadata(_metadata("xid_events"))
+
+
+# Ground truth written only by the simulator, so that evaluation and tests can compare what
+# the pipeline infers (labels from XIDs and gaps) with what really happened.
+FAILURES_SCHEMA = pa.schema(
+    [
+        pa.field("ts", TIMESTAMP, nullable=False),
+        pa.field("cluster", pa.string(), nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu_index", pa.int16(), nullable=False),
+        pa.field("gpu_uuid", pa.string(), nullable=False),
+        pa.field("gpu_model", pa.string(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("xid", pa.int32()),  # the terminal XID; null when the GPU left no Xid line
+        pa.field("precursor_start", TIMESTAMP),  # null for modes without precursors
+        pa.field("precursor_strength", pa.float32()),
+    ]
+)
+
+# Operator records: a failed GPU is replaced (new UUID in the same slot) or returned to service.
+REPAIRS_SCHEMA = pa.schema(
+    [
+        pa.field("ts", TIMESTAMP, nullable=False),
+        pa.field("cluster", pa.string(), nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu_index", pa.int16(), nullable=False),
+        pa.field("old_gpu_uuid", pa.string(), nullable=False),
+        pa.field("new_gpu_uuid", pa.string()),
+        pa.field("action", pa.string(), nullable=False),  # "replace" | "reseat" | "reset"
+    ]
+)
+
+DatasetName = Literal["telemetry", "xid_events", "failures", "repairs"]
+
+
+def schema_for(dataset: str) -> pa.Schema:
+    """The schema a dataset must have, with gpufail's identifying metadata attached."""
+    schemas = {
+        "telemetry": telemetry_schema(),
+        "xid_events": xid_events_schema(),
+        "failures": FAILURES_SCHEMA.with_metadata(_metadata("failures")),
+        "repairs": REPAIRS_SCHEMA.with_metadata(_metadata("repairs")),
+    }
+    try:
+        return schemas[dataset]
+    except KeyError:
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {sorted(schemas)}") from None
+
+
+def normalise_pci_bus_id(raw: str) -> str:
+    """`00000000:3B:00.0`, `0000:3b:00.0` or `PCI:0000:3b:00` -> `0000:3b:00`.
+
+    NVML reports an 8-digit domain and a function; the kernel log prints a 4-digit domain and
+    no function. One canonical form lets XID lines be joined to NVML samples.
+    """
+    text = raw.strip().lower().removeprefix("pci:")
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"PCI bus id {raw!r}: expected domain:bus:device[.function]")
+    domain, bus, device = parts
+    device = device.split(".")[0]
+    try:
+        return f"{int(domain, 16) & 0xFFFF:04x}:{int(bus, 16):02x}:{int(device, 16):02x}"
+    except ValueError:
+        raise ValueError(f"PCI bus id {raw!r}: expected hexadecimal domain:bus:device") from None
