@@ -117,16 +117,19 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool) -> Sim
     )
 
 
-def _hours_to_ts(plan: FleetPlan, hours: np.ndarray) -> pa.Array:
+def _hours_to_ts(plan: FleetPlan, hours: np.ndarray, missing: np.ndarray | None = None) -> pa.Array:
+    """Hours since the period start -> UTC timestamps; `missing` marks nulls."""
     start = np.datetime64(plan.preset.start.isoformat(), "us")
-    return pa.array(start + (hours * 3_600_000_000).astype("timedelta64[us]"), type=pa.timestamp("us", tz="UTC"))
+    finite = np.where(np.isfinite(hours), hours, 0)
+    values = start + (finite * 3_600_000_000).astype("timedelta64[us]")
+    return pa.array(values, type=pa.timestamp("us", tz="UTC"), mask=missing)
 
 
 def ground_truth_failures(plan: FleetPlan) -> pa.Table:
     gpus = np.flatnonzero(plan.fail_mode >= 0)
     end = plan.gpu_end_h[gpus]
     has_lead = plan.lead_h[gpus] > 0
-    precursor_start = _hours_to_ts(plan, np.where(has_lead, end - plan.lead_h[gpus], end))
+    precursor_start = _hours_to_ts(plan, end - plan.lead_h[gpus], missing=~has_lead)
     xid = plan.fail_xid[gpus]
     return pa.table(
         {
@@ -138,7 +141,7 @@ def ground_truth_failures(plan: FleetPlan) -> pa.Table:
             "gpu_model": [plan.model_names[plan.node_model[n]] for n in plan.gpu_node[gpus]],
             "mode": [plan.preset.failure_modes[m].name for m in plan.fail_mode[gpus]],
             "xid": pa.array(xid, type=pa.int32(), mask=xid == 0),
-            "precursor_start": pa.array(precursor_start, mask=~has_lead),
+            "precursor_start": precursor_start,
             "precursor_strength": plan.strength[gpus].astype(np.float32),
         }
     )
@@ -168,7 +171,7 @@ def ground_truth_gpus(plan: FleetPlan) -> pa.Table:
             "gpu_index": plan.gpu_slot.astype(np.int16),
             "gpu_model": [plan.model_names[plan.node_model[n]] for n in plan.gpu_node],
             "installed": _hours_to_ts(plan, plan.gpu_start_h),
-            "failed": pa.array(_hours_to_ts(plan, np.where(np.isfinite(plan.gpu_end_h), plan.gpu_end_h, 0)), mask=~np.isfinite(plan.gpu_end_h)),
+            "failed": _hours_to_ts(plan, plan.gpu_end_h, missing=~np.isfinite(plan.gpu_end_h)),
             "failure_mode": [modes[m] if m >= 0 else None for m in plan.fail_mode],
             "frailty": plan.gpu_frailty.astype(np.float32),
             "bad_batch": plan.gpu_bad_batch,

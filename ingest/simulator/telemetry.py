@@ -6,7 +6,7 @@ bounded by one day of the fleet.
 
 Physics, roughly: power follows utilisation up to the board's limit; temperature follows
 power plus the node's inlet offset and the slot's position; precursors of a coming failure
-ramp up as `strength * x**2`, x going from 0 at the start of the warning period to 1 at the
+ramp up as `strength * x**2` (linearly for a GPU going quiet before it falls off the bus), x going from 0 at the start of the warning period to 1 at the
 failure, so the signal is faint at first and clear only near the end.
 """
 
@@ -78,8 +78,9 @@ class DayEvents:
         self.xid.extend([xid] * len(gpus))
 
 
-def precursor(plan: FleetPlan, gpus: np.ndarray, t_h: np.ndarray, mode: str) -> np.ndarray:
-    """Precursor intensity in [0, 1] of `mode` for each GPU at each time (0 for other modes)."""
+def precursor(plan: FleetPlan, gpus: np.ndarray, t_h: np.ndarray, mode: str, shape: float = 2.0) -> np.ndarray:
+    """Precursor intensity in [0, 1] of `mode` for each GPU at each time (0 for other modes):
+    `strength * x**shape`, x the fraction of the warning period elapsed."""
     names = [m.name for m in plan.preset.failure_modes]
     out = np.zeros((len(gpus), len(t_h)), dtype=np.float32)
     rows = np.flatnonzero((plan.fail_mode[gpus] == names.index(mode)) & (plan.strength[gpus] > 0))
@@ -87,7 +88,7 @@ def precursor(plan: FleetPlan, gpus: np.ndarray, t_h: np.ndarray, mode: str) -> 
         g = gpus[row]
         end, lead = plan.gpu_end_h[g], plan.lead_h[g]
         x = np.clip((t_h - (end - lead)) / lead, 0, 1)
-        out[row] = plan.strength[g] * x**2
+        out[row] = plan.strength[g] * x**shape
     return out
 
 
@@ -118,7 +119,9 @@ def render_day(plan: FleetPlan, day: int, state: CounterState, rng: np.random.Ge
     hbm = precursor(plan, gpus, t_h, "hbm_ecc")
     nvl = precursor(plan, gpus, t_h, "nvlink")
     therm = precursor(plan, gpus, t_h, "thermal_power")
-    offbus = precursor(plan, gpus, t_h, "off_bus")
+    # A GPU on its way off the bus misses more and more samples: a steadier ramp than the
+    # accelerating counter precursors.
+    offbus = precursor(plan, gpus, t_h, "off_bus", shape=1.0)
 
     util = np.where(busy, np.clip(level + 4 * noise(shape), 0, 100), np.clip(0.5 + 0.5 * noise(shape), 0, 100))
     new_driver = plan.driver_at(node[:, None], t_h[None, :])
@@ -240,7 +243,7 @@ def _present(
     alive = (t_h[None, :] >= plan.gpu_start_h[gpus, None]) & (t_h[None, :] < plan.gpu_end_h[gpus, None])
     alive &= t_h[None, :] >= plan.node_join_h[node, None]
     up = ~plan.down[np.ix_(node, sample_idx)]
-    kept = rng.random(alive.shape) >= plan.preset.sample_drop_probability + 0.7 * offbus
+    kept = rng.random(alive.shape) >= plan.preset.sample_drop_probability + 0.9 * offbus
     return alive & up & kept
 
 

@@ -1,0 +1,53 @@
+# gpufail: every target creates the environment it needs from nothing (a venv in .venv).
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DATA ?= demo-data
+DEMO_OUT ?= $(DEMO_DATA)/out
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test lint bench lock clean
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements.lock
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP) ## Create .venv with the pinned dependencies (requirements.lock)
+
+demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DATA)/)
+	rm -rf $(DEMO_DATA)
+	$(BIN)/gpufail simulate --out $(DEMO_DATA) --preset demo
+	$(BIN)/gpufail ingest kernel-log --data $(DEMO_DATA)
+	$(BIN)/gpufail features --data $(DEMO_DATA)
+	$(BIN)/gpufail train --data $(DEMO_DATA) --model-out $(DEMO_OUT)/model
+	$(BIN)/gpufail evaluate --data $(DEMO_DATA) --report $(DEMO_OUT)/report
+	$(BIN)/gpufail score --data $(DEMO_DATA) --model $(DEMO_OUT)/model
+	$(BIN)/gpufail publish --data $(DEMO_DATA) --to log --dry-run
+	$(BIN)/gpufail summary --data $(DEMO_DATA) --report $(DEMO_OUT)/report
+
+test: $(STAMP) ## Run the test suite (no GPU, no ../shared needed)
+	$(BIN)/pytest -q
+
+lint: $(STAMP) ## ruff, mypy and the layer contract
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+lock: ## Re-resolve requirements.lock from pyproject.toml
+	$(BIN)/uv pip compile --quiet pyproject.toml --extra dev -o requirements.lock --python-version 3.11
+
+clean: ## Remove the venv, caches and demo data
+	rm -rf $(VENV) $(DEMO_DATA) .pytest_cache .mypy_cache .ruff_cache

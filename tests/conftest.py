@@ -1,0 +1,36 @@
+"""Shared test helpers: small, valid tables for each dataset."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+
+from ingest.schema import schema_for
+
+T0 = datetime(2026, 1, 5, tzinfo=timezone.utc)
+
+
+def make_rows(dataset: str, times: list[datetime], **values: object) -> pa.Table:
+    """Rows of `dataset` at `times`: required columns get plain values, the rest nulls."""
+    schema = schema_for(dataset)
+    n = len(times)
+    columns = {}
+    for field in schema:
+        if field.name in values:
+            v = values[field.name]
+            columns[field.name] = pa.array(v if isinstance(v, list) else [v] * n, type=field.type)
+        elif field.name in ("ts", "last_ts"):
+            columns[field.name] = pa.array(times, type=field.type)
+        elif not field.nullable:
+            default = {"string": "x", "int16": 0, "int32": 1}.get(str(field.type), 0)
+            columns[field.name] = pa.array([default] * n, type=field.type)
+        else:
+            columns[field.name] = pa.nulls(n, type=field.type)
+    return pa.table(columns, schema=schema)
+
+
+@pytest.fixture
+def hours():
+    return lambda *hs: [T0 + timedelta(hours=h) for h in hs]

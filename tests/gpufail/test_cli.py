@@ -1,0 +1,35 @@
+"""The CLI as a user meets it: a real subprocess, exit codes and one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
+
+
+def run(*args, env=None):
+    return subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_help_lists_the_commands():
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("simulate", "ingest"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate", "--out", "{tmp}/x", "--preset", "huge"], "simulator preset 'huge' does not exist; expected one of ['demo', 'paper']"),
+        (["--config", "{tmp}/missing.toml", "simulate", "--out", "{tmp}/x"], "missing.toml: not found"),
+        (["ingest", "kernel-log", "--data", "{tmp}"], "is not a gpufail dataset"),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_status_2_and_write_nothing(tmp_path, args, message):
+    result = run(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x").exists()

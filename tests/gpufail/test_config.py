@@ -1,0 +1,78 @@
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gpufail.config import Settings, load_settings, parse_duration
+from ingest.errors import ConfigError
+from ingest.xid_catalog import default_failure_xids
+
+EXAMPLE = Path(__file__).parents[2] / "gpufail.example.toml"
+
+
+def test_the_documented_example_file_states_exactly_the_defaults():
+    assert load_settings(EXAMPLE, environ={}) == Settings()
+
+
+def test_defaults_without_a_file():
+    settings = load_settings(environ={})
+    assert settings.labels.horizon == timedelta(hours=24)
+    assert settings.labels.failure_xids == list(default_failure_xids())
+    assert settings.publish.dry_run is True
+
+
+def test_file_values_override_defaults_and_environment_overrides_the_file(tmp_path):
+    path = tmp_path / "gpufail.toml"
+    path.write_text('[labels]\nhorizon = "12h"\n[model]\ntop_k = 20\n')
+    settings = load_settings(path, environ={"GPUFAIL_MODEL__TOP_K": "5", "GPUFAIL_LABELS__FAILURE_XIDS": "[48, 79]"})
+    assert settings.labels.horizon == timedelta(hours=12)
+    assert settings.model.top_k == 5
+    assert settings.labels.failure_xids == [48, 79]
+
+
+def test_config_path_can_come_from_the_environment(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[store]\nroot = "s3://fleet/data"\n')
+    assert load_settings(environ={"GPUFAIL_CONFIG": str(path)}).store.root == "s3://fleet/data"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[labels]\nhorizn = "12h"\n', r"\[labels\] horizn: unknown key"),
+        ('[lables]\nhorizon = "12h"\n', r"\[lables\]: unknown key"),
+        ('[labels]\nhorizon = "soon"\n', r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\): expected a duration.*'soon'"),
+        ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
+        ('[model]\nkind = "magic"\n', r"\[model\] kind.*'lightgbm', 'xgboost' or 'logistic'"),
+        ("[labels\n", "not valid TOML"),
+    ],
+)
+def test_bad_configuration_names_the_file_key_and_expectation(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_settings(path, environ={})
+    assert "bad.toml" in str(err.value)
+
+
+def test_bad_environment_override_is_named():
+    with pytest.raises(ConfigError, match="GPUFAIL_HORIZON: expected GPUFAIL_<TABLE>__<KEY>"):
+        load_settings(environ={"GPUFAIL_HORIZON": "12h"})
+    with pytest.raises(ConfigError, match=r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\)"):
+        load_settings(environ={"GPUFAIL_LABELS__HORIZON": "forever"})
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nowhere.toml: not found"):
+        load_settings(tmp_path / "nowhere.toml", environ={})
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1w", 604800), (90, 90)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+def test_settings_are_immutable_so_no_stage_can_change_another_stages_view():
+    settings = load_settings(environ={})
+    with pytest.raises(Exception, match="frozen"):
+        settings.model.top_k = 3  # type: ignore[misc]

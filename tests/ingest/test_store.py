@@ -1,0 +1,130 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.errors import StoreError
+from ingest.store import MARKER, Store
+from tests.conftest import make_rows
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.create(str(tmp_path / "root"))
+
+
+def visible_files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def test_write_splits_by_utc_date_and_reads_back(store, hours):
+    table = make_rows("xid_events", hours(1, 25, 49), xid=[79, 48, 13])
+    paths = store.write("xid_events", table)
+    assert len(paths) == 3
+    assert [d.isoformat() for d in store.dates("xid_events")] == ["2026-01-05", "2026-01-06", "2026-01-07"]
+    back = store.read("xid_events")
+    assert sorted(back["xid"].to_pylist()) == [13, 48, 79]
+
+
+def test_append_adds_files_and_never_touches_existing_ones(store, hours):
+    first = store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    before = {p: open(p, "rb").read() for p in first}
+    store.write("xid_events", make_rows("xid_events", hours(2), xid=48))
+    assert all(open(p, "rb").read() == data for p, data in before.items())
+    assert store.read("xid_events").num_rows == 2
+
+
+def test_range_read_returns_only_rows_in_range(store, hours):
+    store.write("xid_events", make_rows("xid_events", hours(1, 23, 25, 47, 49), xid=[1, 2, 3, 4, 5]))
+    t = hours(23, 48)
+    got = store.read("xid_events", start=t[0], end=t[1])
+    assert sorted(got["xid"].to_pylist()) == [2, 3, 4]  # start inclusive, end exclusive
+
+
+def test_range_read_never_opens_partitions_outside_the_range(store, hours, tmp_path):
+    store.write("xid_events", make_rows("xid_events", hours(1, 25), xid=[79, 48]))
+    # Corrupt the first day's file: a read of the second day must not even open it.
+    (first_day_file,) = (tmp_path / "root" / "xid_events" / "date=2026-01-05").glob("*.parquet")
+    first_day_file.write_bytes(b"not parquet at all")
+    t = hours(24, 48)
+    assert store.read("xid_events", start=t[0], end=t[1])["xid"].to_pylist() == [48]
+    with pytest.raises(StoreError, match="date=2026-01-05.*not a readable Parquet file"):
+        store.read("xid_events")
+
+
+def test_column_pruning_returns_only_requested_columns(store, hours):
+    store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    assert store.read("xid_events", columns=["xid", "node"]).column_names == ["xid", "node"]
+    with pytest.raises(StoreError, match="unknown columns"):
+        store.read("xid_events", columns=["xid", "nope"])
+
+
+def test_interrupted_write_leaves_no_visible_or_temporary_file(store, hours, tmp_path, monkeypatch):
+    store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    before = visible_files(tmp_path / "root")
+
+    def write_half_then_die(table, where, **kwargs):
+        where.write(b"PAR1 half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pq, "write_table", write_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        store.write("xid_events", make_rows("xid_events", hours(2), xid=48))
+    assert visible_files(tmp_path / "root") == before
+    monkeypatch.undo()
+    assert store.read("xid_events")["xid"].to_pylist() == [79]
+
+
+def test_a_partition_with_a_foreign_schema_is_named_in_the_error(store, hours, tmp_path):
+    store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    foreign = tmp_path / "root" / "xid_events" / "date=2026-01-05" / "part-foreign.parquet"
+    pq.write_table(pa.table({"ts": [1], "temperature": [3.0]}), foreign)
+    with pytest.raises(StoreError, match=r"part-foreign\.parquet has a foreign schema.*missing column 'xid'"):
+        store.read("xid_events")
+
+
+def test_rows_that_do_not_match_the_schema_are_refused_before_anything_is_written(store, hours, tmp_path):
+    bad = make_rows("xid_events", hours(1), xid=79).drop_columns(["source"])
+    with pytest.raises(StoreError, match=r"missing \['source'\]"):
+        store.write("xid_events", bad)
+    nulls = make_rows("xid_events", hours(1), xid=79).set_column(7, "xid", pa.nulls(1, pa.int32()))
+    with pytest.raises(StoreError, match="xid_events.xid: 1 null values in a required column"):
+        store.write("xid_events", nulls)
+    assert not (tmp_path / "root" / "xid_events").exists()
+
+
+def test_opening_a_folder_that_is_not_a_gpufail_root_fails_clearly(tmp_path):
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(StoreError, match=r"photos.*is not a gpufail dataset: gpufail.json is missing"):
+        Store.open(str(tmp_path / "photos"))
+    with pytest.raises(StoreError, match="exists, is not empty and is not a gpufail dataset"):
+        Store.create(str(tmp_path / "photos"))
+    with pytest.raises(StoreError, match="does not exist"):
+        Store.open(str(tmp_path / "absent"))
+
+
+def test_a_root_of_another_schema_version_is_refused(tmp_path):
+    Store.create(str(tmp_path / "root"))
+    (tmp_path / "root" / MARKER).write_text(json.dumps({"format": "gpufail", "schema_version": 999}))
+    with pytest.raises(StoreError, match="schema version 999; this gpufail reads version 1"):
+        Store.open(str(tmp_path / "root"))
+
+
+def test_state_files_round_trip_and_corruption_is_reported(store, tmp_path):
+    assert store.read_state("cursor") is None
+    store.write_state("cursor", {"offset": 42})
+    assert store.read_state("cursor") == {"offset": 42}
+    (tmp_path / "root" / "_state" / "cursor.json").write_text("{half")
+    with pytest.raises(StoreError, match="cursor.json: corrupt state file"):
+        store.read_state("cursor")
+
+
+def test_memory_filesystem_url_works_like_a_folder(hours):
+    # Any fsspec URL is a data root; memory:// stands in for s3:// in tests.
+    store = Store.create("memory://gpufail-test-root")
+    store.write("xid_events", make_rows("xid_events", hours(1, 30), xid=[79, 48]))
+    t = hours(24, 48)
+    assert store.read("xid_events", start=t[0], end=t[1])["xid"].to_pylist() == [48]
+    assert Store.open("memory://gpufail-test-root").dates("xid_events")[0].isoformat() == "2026-01-05"
