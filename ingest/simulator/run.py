@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -84,12 +85,20 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool) -> Sim
     logs = KernelLogWriter(plan, root / "raw" / "kernel-log", rng)
     rows = 0
     days = tqdm(range(preset.days), desc=f"simulate {preset.name}", unit="day", disable=not progress)
-    for day in days:
-        table, events = render_day(plan, day, state, rng)
-        store.write_partition("telemetry", preset.start + timedelta(days=day), table)
-        logs.write(logs.day_entries(day, (events.gpu, events.t_h, events.xid)))
-        rows += table.num_rows
-        days.set_postfix(rows=f"{rows:,}")
+    # Parquet encoding releases the GIL: write day d on a second thread while day d+1 renders.
+    # At most one day waits, so memory stays bounded by two days of the fleet.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-writer") as writer:
+        pending: Future[str] | None = None
+        for day in days:
+            table, events = render_day(plan, day, state, rng)
+            if pending is not None:
+                pending.result()  # surfaces a write error before more work is done
+            pending = writer.submit(store.write_partition, "telemetry", preset.start + timedelta(days=day), table)
+            logs.write(logs.day_entries(day, (events.gpu, events.t_h, events.xid)))
+            rows += table.num_rows
+            days.set_postfix(rows=f"{rows:,}")
+        if pending is not None:
+            pending.result()
     # Year-less log formats take their year from the file's modification time, as on a real host.
     end = datetime.combine(preset.start + timedelta(days=preset.days), datetime.min.time(), tzinfo=timezone.utc).timestamp()
     for log in (root / "raw" / "kernel-log").glob("*.log"):
