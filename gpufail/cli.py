@@ -48,8 +48,11 @@ def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None,
     """Simulate a GPU fleet: telemetry, kernel logs, repairs and ground truth."""
     from ingest.simulator.run import simulate as run_simulation
 
-    cfg = _settings(ctx).simulate
-    summary = run_simulation(out, preset or cfg.preset, cfg.seed if seed is None else seed, progress=not quiet)
+    settings = _settings(ctx)
+    cfg = settings.simulate
+    summary = run_simulation(
+        out, preset or cfg.preset, cfg.seed if seed is None else seed, progress=not quiet, cluster=settings.ingest.cluster
+    )
     modes = ", ".join(f"{k} {v}" for k, v in summary.failures_by_mode.items())
     click.echo(
         f"simulated {summary.gpus} GPUs on {summary.nodes} nodes over {summary.days} days: "

@@ -31,6 +31,7 @@ NO_FAILURE = -1
 @dataclass
 class FleetPlan:
     preset: Preset
+    cluster: str
     hours: int
     model_names: list[str]
     # per node
@@ -78,7 +79,7 @@ def make_uuid(rng: np.random.Generator) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def plan_fleet(preset: Preset, seed: int) -> FleetPlan:
+def plan_fleet(preset: Preset, seed: int, cluster: str = "default") -> FleetPlan:
     rng = np.random.default_rng(seed)
     hours = preset.days * 24
     n_nodes = preset.nodes + int(round(preset.nodes * preset.new_nodes_fraction))
@@ -106,6 +107,7 @@ def plan_fleet(preset: Preset, seed: int) -> FleetPlan:
     gpus = _plan_gpus(rng, preset, hours, node_model, node_join_h, node_frailty, node_upgrade_h, model_names)
     return FleetPlan(
         preset=preset,
+        cluster=cluster,
         hours=hours,
         model_names=model_names,
         node_names=node_names,

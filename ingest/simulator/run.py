@@ -53,8 +53,18 @@ class SimulationSummary:
     seconds: float
 
 
-def simulate(out: str | Path, preset_name: str = "demo", seed: int = 7, progress: bool = True, **overrides: object) -> SimulationSummary:
-    """Simulate a fleet into a new data root at `out` (which must be absent or empty)."""
+def simulate(
+    out: str | Path,
+    preset_name: str = "demo",
+    seed: int = 7,
+    progress: bool = True,
+    cluster: str = "default",
+    **overrides: object,
+) -> SimulationSummary:
+    """Simulate a fleet into a new data root at `out` (which must be absent or empty).
+
+    `cluster` is the name written into every row; use the one `gpufail ingest` is configured
+    with so kernel-log events map onto the simulated GPUs."""
     preset = get_preset(preset_name, **overrides)
     if "://" in str(out):
         raise InputError(f"simulate --out {out}: the simulator writes to a local folder; copy the result to object storage afterwards")
@@ -64,7 +74,7 @@ def simulate(out: str | Path, preset_name: str = "demo", seed: int = 7, progress
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        summary = _simulate_into(staging, preset, seed, progress)
+        summary = _simulate_into(staging, preset, seed, progress, cluster)
         if out.exists():
             out.rmdir()
         os.rename(staging, out)
@@ -76,10 +86,10 @@ def simulate(out: str | Path, preset_name: str = "demo", seed: int = 7, progress
     return summary
 
 
-def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool) -> SimulationSummary:
+def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool, cluster: str) -> SimulationSummary:
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
-    plan = plan_fleet(preset, seed)
+    plan = plan_fleet(preset, seed, cluster)
     store = Store.create(str(root))
     state = CounterState.start(len(plan.gpu_uuid), rng)
     logs = KernelLogWriter(plan, root / "raw" / "kernel-log", rng)
@@ -143,7 +153,7 @@ def ground_truth_failures(plan: FleetPlan) -> pa.Table:
     return pa.table(
         {
             "ts": _hours_to_ts(plan, end),
-            "cluster": ["sim"] * len(gpus),
+            "cluster": [plan.cluster] * len(gpus),
             "node": [plan.node_names[n] for n in plan.gpu_node[gpus]],
             "gpu_index": plan.gpu_slot[gpus].astype(np.int16),
             "gpu_uuid": [plan.gpu_uuid[g] for g in gpus],
@@ -161,7 +171,7 @@ def ground_truth_repairs(plan: FleetPlan) -> pa.Table:
     return pa.table(
         {
             "ts": _hours_to_ts(plan, plan.repair_h[old]),
-            "cluster": ["sim"] * len(old),
+            "cluster": [plan.cluster] * len(old),
             "node": [plan.node_names[n] for n in plan.gpu_node[old]],
             "gpu_index": plan.gpu_slot[old].astype(np.int16),
             "old_gpu_uuid": [plan.gpu_uuid[g] for g in old],

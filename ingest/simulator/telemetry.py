@@ -265,7 +265,7 @@ def _to_table(
     node = plan.gpu_node[gpus[rows]]
     data: dict[str, pa.Array] = {
         "ts": pa.array(ts, type=pa.timestamp("us", tz="UTC")),
-        "cluster": pa.DictionaryArray.from_arrays(np.zeros(len(rows), dtype=np.int32), ["sim"]),
+        "cluster": pa.DictionaryArray.from_arrays(np.zeros(len(rows), dtype=np.int32), [plan.cluster]),
         "node": _dict(node, plan.node_names),
         "gpu_index": pa.array(plan.gpu_slot[gpus[rows]].astype(np.int16)),
         "gpu_uuid": _dict(gpus[rows], plan.gpu_uuid),
