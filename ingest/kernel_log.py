@@ -1,0 +1,670 @@
+"""XID events from kernel-log text, in every format the NVIDIA driver's lines reach us in.
+
+The driver prints one line per XID (DOMAIN.md 3):
+
+    NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
+
+but that line arrives wrapped in whatever prefix the collecting tool adds: `/dev/kmsg` records,
+`dmesg` with uptime, ctime or ISO stamps, journald's short format (possibly with a localized
+month), RFC 3339 syslog, or nothing at all. This module recognises the prefix, turns its stamp
+into a UTC time where that is possible, and parses the NVRM payload.
+
+Everything here is a pure function of text and of the times the caller passes in (boot time,
+reference time, time zone): no files, no clock. `ingest.kernel_log_ingest` does the I/O.
+
+Two things are not one-line-one-event:
+- `NVRM: GPU at PCI:0000:0b:00: GPU-<uuid>` banners say which GPU sits at a bus id; later
+  records of that bus id carry the UUID.
+- A GPU can fall off the bus with no Xid line at all, only a multi-line "The NVIDIA GPU
+  <bus id> ... has fallen off the bus" message; that becomes an XID 79 record, because for
+  labelling it is the same event.
+
+Floods (hundreds of thousands of identical lines) are folded by `deduplicate`, which streams
+and keeps only the incidents still open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta, tzinfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from ingest.schema import normalise_pci_bus_id
+
+OFF_BUS_XID = 79
+OFF_BUS_MESSAGE = "GPU has fallen off the bus (from the NVRM off-the-bus text; the driver printed no Xid line)"
+
+# How many later NVRM lines may separate "The NVIDIA GPU <bus id>" from "fallen off the bus":
+# the driver prints the message as 2-3 lines, and other GPUs' lines may interleave.
+OFF_BUS_LOOKAHEAD = 6
+
+# A huge garbage file must not make the parser hold one entry per bad line.
+MAX_REJECTED_KEPT = 1000
+
+# Slack allowed when inferring the year of a year-less stamp: clocks of the writer and of the
+# reader differ, and a log copied just after midnight on Dec 31 must not go back a year.
+YEAR_INFERENCE_SLACK = timedelta(days=1)
+
+# Month abbreviations as `%b` prints them (glibc), lower-cased and without a trailing dot.
+# journald's short format uses the locale of whoever ran journalctl, so a log pasted from a
+# Polish machine says `kwi 15 07:56:59` for April 15. Kept as data, one row per locale.
+MONTH_ABBREVIATIONS: dict[str, tuple[str, ...]] = {
+    "en": ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"),
+    "de": ("jan", "feb", "mär", "apr", "mai", "jun", "jul", "aug", "sep", "okt", "nov", "dez"),
+    "fr": ("janv", "févr", "mars", "avr", "mai", "juin", "juil", "août", "sept", "oct", "nov", "déc"),
+    "es": ("ene", "feb", "mar", "abr", "may", "jun", "jul", "ago", "sept", "oct", "nov", "dic"),
+    "it": ("gen", "feb", "mar", "apr", "mag", "giu", "lug", "ago", "set", "ott", "nov", "dic"),
+    "pt": ("jan", "fev", "mar", "abr", "mai", "jun", "jul", "ago", "set", "out", "nov", "dez"),
+    "nl": ("jan", "feb", "mrt", "apr", "mei", "jun", "jul", "aug", "sep", "okt", "nov", "dec"),
+    "pl": ("sty", "lut", "mar", "kwi", "maj", "cze", "lip", "sie", "wrz", "paź", "lis", "gru"),
+    "ru": ("янв", "фев", "мар", "апр", "мая", "июн", "июл", "авг", "сен", "окт", "ноя", "дек"),
+    "zh_ja": tuple(f"{m}月" for m in range(1, 13)),
+    "ko": tuple(f"{m}월" for m in range(1, 13)),
+}
+# Older or newer glibc releases spell a few months differently.
+MONTH_VARIANTS: dict[str, int] = {"avril": 4, "mrz": 3, "mae": 3, "sep": 9, "май": 5, "märz": 3}
+
+
+def _month_table() -> dict[str, int]:
+    table = dict(MONTH_VARIANTS)
+    for locale, names in MONTH_ABBREVIATIONS.items():
+        if len(names) != 12:
+            raise ValueError(f"MONTH_ABBREVIATIONS[{locale!r}]: expected 12 names, got {len(names)}")
+        for number, name in enumerate(names, start=1):
+            if table.setdefault(name, number) != number:
+                raise ValueError(f"month abbreviation {name!r} ({locale}) means two different months")
+    return table
+
+
+MONTHS: dict[str, int] = _month_table()
+
+
+# -- records -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class XidRecord:
+    """One XID line (or off-the-bus message) as read from the log."""
+
+    ts: datetime | None  # UTC; None when the format's stamp cannot be placed in time
+    host: str | None  # from the line's prefix, for formats that carry one
+    pci_bus_id: str  # normalised, `0000:3b:00`
+    xid: int
+    pid: int | None
+    process: str | None
+    message: str
+    gpu_uuid: str | None  # from an earlier `GPU at PCI:...` banner of the same bus id
+    line_no: int
+    log_format: str
+
+
+@dataclass(slots=True)
+class RejectedLine:
+    line_no: int
+    reason: str
+
+
+@dataclass(slots=True)
+class ParseStats:
+    """Counts for one parsed stream; `rejected_lines` keeps the first `MAX_REJECTED_KEPT`."""
+
+    lines: int = 0
+    xid_records: int = 0
+    rejected: int = 0
+    rejected_lines: list[RejectedLine] = field(default_factory=list)
+
+    def reject(self, line_no: int, reason: str) -> None:
+        self.rejected += 1
+        if len(self.rejected_lines) < MAX_REJECTED_KEPT:
+            self.rejected_lines.append(RejectedLine(line_no, reason))
+
+
+# -- prefixes: which tool wrote the line, and when ----------------------------------------
+
+_ISO = r"(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)"
+_UPTIME_TAIL = r"(?:\[\s*\d+\.\d+\] *)?"  # syslog copies of kernel lines often keep the uptime
+
+
+@dataclass(frozen=True, slots=True)
+class _TimeContext:
+    boot_time: datetime | None
+    reference_time: datetime | None
+    tz: tzinfo
+
+
+def _ts_none(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    return None
+
+
+def _ts_kmsg(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    # /dev/kmsg stamps are microseconds of CLOCK_MONOTONIC since boot.
+    if ctx.boot_time is None:
+        return None
+    return ctx.boot_time + timedelta(microseconds=int(m["usec"]))
+
+
+def _ts_uptime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    if ctx.boot_time is None:
+        return None
+    micros = int(m["frac"].ljust(6, "0")[:6])
+    return ctx.boot_time + timedelta(seconds=int(m["sec"]), microseconds=micros)
+
+
+def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    month = MONTHS.get(m["mon"].lower().rstrip("."))
+    if month is None:
+        return None
+    hour, minute, second = (int(x) for x in m["hms"].split(":"))
+    try:
+        local = datetime(int(m["year"]), month, int(m["day"]), hour, minute, second, tzinfo=ctx.tz)
+    except ValueError:
+        return None
+    return local.astimezone(UTC)
+
+
+def _ts_iso(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(m["iso"])
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=ctx.tz)
+    return moment.astimezone(UTC)
+
+
+def _ts_journal(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    month = MONTHS.get(m["mon"].lower().rstrip("."))
+    if month is None or ctx.reference_time is None:
+        return None
+    hour, minute, second = (int(x) for x in m["hms"].split(":"))
+    return infer_year(month, int(m["day"]), hour, minute, second, ctx.reference_time, ctx.tz)
+
+
+def infer_year(
+    month: int, day: int, hour: int, minute: int, second: int, reference_time: datetime, tz: tzinfo = UTC
+) -> datetime | None:
+    """The UTC time of a year-less local stamp: the latest year in which it is not after
+    `reference_time` (plus a day of slack), as syslog readers do. None for an impossible date.
+
+    Starting one year after the reference lets a stamp of Jan 1 00:10 read on Dec 31 23:50 (a
+    clock a little ahead) land in the next year instead of almost a year back. Feb 29 searches
+    back to the last leap year.
+    """
+    limit = _aware(reference_time) + YEAR_INFERENCE_SLACK
+    for year in range(limit.year + 1, limit.year - 8, -1):
+        try:
+            moment = datetime(year, month, day, hour, minute, second, tzinfo=tz).astimezone(UTC)
+        except ValueError:
+            continue
+        if moment <= limit:
+            return moment
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefix:
+    name: str
+    pattern: re.Pattern[str]  # the prefix alone, matched against the text before "NVRM:"
+    xid_pattern: re.Pattern[str]  # prefix + a well-formed Xid line: the fast path
+    timestamp: Callable[[re.Match[str], _TimeContext], datetime | None]
+    has_host: bool
+    # Stamps with one-second resolution repeat thousands of times in a flood: cache them.
+    cache_ts: bool
+
+
+# A well-formed Xid line. Anything that contains "NVRM: Xid" but does not match this goes the
+# slow way, which explains what is wrong with it.
+_XID_FAST = (
+    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): (?P<code>[0-9]+)"
+    r"(?:, *(?:pid=(?P<pid>[^,]*), *)?(?:name=(?P<name>[^,]*)(?:, *|$))?(?P<msg>.*))?"
+)
+
+
+def _prefix(
+    name: str,
+    source: str,
+    timestamp: Callable[[re.Match[str], _TimeContext], datetime | None],
+    *,
+    has_host: bool = False,
+    cache_ts: bool = False,
+) -> _Prefix:
+    return _Prefix(
+        name=name,
+        pattern=re.compile(source),
+        xid_pattern=re.compile(f"(?P<prefix>{source}){_XID_FAST}"),
+        timestamp=timestamp,
+        has_host=has_host,
+        cache_ts=cache_ts,
+    )
+
+
+# Tried in this order at first, then the last successful one first: one file almost always
+# holds one format, so the first try usually matches.
+PREFIXES: tuple[_Prefix, ...] = (
+    _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_none),
+    _prefix("kmsg", r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;", _ts_kmsg),
+    _prefix("dmesg_uptime", r"(?:<\d+>)?\[\s*(?P<sec>\d+)\.(?P<frac>\d+)\]\s*", _ts_uptime),
+    _prefix(
+        "dmesg_ctime",
+        r"\[(?:[^\W\d]+ +)?(?P<mon>[^\W\d]+\.?) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d) (?P<year>\d{4})\]\s*",
+        _ts_ctime,
+        cache_ts=True,
+    ),
+    _prefix("dmesg_iso", rf"(?:[a-z]+ *: *[a-z]+ *: *)?{_ISO}\s+", _ts_iso),
+    _prefix("rfc3339_syslog", rf"{_ISO} +(?P<host>\S+) +kernel: *{_UPTIME_TAIL}", _ts_iso, has_host=True),
+    _prefix("journal_noprefix", rf"\s*kernel: *{_UPTIME_TAIL}", _ts_none),
+    _prefix(
+        "journal",
+        r"\s*(?P<mon>\S+) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? +"
+        rf"(?:(?P<host>[^\s\[]\S*) +)??(?:kernel: *)?{_UPTIME_TAIL}",
+        _ts_journal,
+        has_host=True,
+        cache_ts=True,
+    ),
+)
+
+
+# -- NVRM payloads -------------------------------------------------------------------------
+
+_XID = re.compile(r"NVRM: Xid *\((?:PCI:)?(?P<pci>[^)]*)\): *(?P<code>[^,]*?) *(?:,(?P<rest>.*))?")
+_BANNER = re.compile(
+    r"NVRM: GPU at (?:PCI:)?(?P<pci>[0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)"
+)
+_PCI = r"(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
+_OFF_BUS_START = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}")
+_OFF_BUS_ONE_LINE = re.compile(rf"NVRM: GPU {_PCI}:? .*fallen off the bus")
+_UNKNOWN = ("<unknown>", "'<unknown>'", "")
+
+# Bound on the per-parser caches (timestamps, bus ids), so a long log cannot grow them forever.
+_CACHE_LIMIT = 4096
+
+
+@dataclass(slots=True)
+class _PendingOffBus:
+    pci_bus_id: str
+    ts: datetime | None
+    line_no: int
+    log_format: str
+    nvrm_lines_left: int
+
+
+class KernelLogParser:
+    """Stateful line-by-line parser: remembers banner UUIDs and half-seen off-bus messages.
+
+    Feed it lines in log order with `feed`; it returns an `XidRecord` for each XID and counts
+    rejected lines in `stats` (`stats.lines` is kept by `parse_lines`). `parse_lines` is the
+    usual way to drive it.
+    """
+
+    def __init__(
+        self,
+        *,
+        boot_time: datetime | None = None,
+        reference_time: datetime | None = None,
+        tz: str | tzinfo | None = None,
+    ) -> None:
+        self._ctx = _TimeContext(
+            boot_time=_aware(boot_time) if boot_time is not None else None,
+            reference_time=_aware(reference_time) if reference_time is not None else None,
+            tz=resolve_tz(tz),
+        )
+        self.stats = ParseStats()
+        self._prefixes = list(PREFIXES)
+        self._uuids: dict[tuple[str | None, str], str] = {}
+        self._pending: dict[str | None, _PendingOffBus] = {}
+        self._ts_cache: dict[str, datetime | None] = {}
+        self._pci_cache: dict[str, str] = {}
+
+    def feed(self, line: str, line_no: int) -> XidRecord | None:
+        # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
+        # flood almost every one is a well-formed Xid line that one regex match fully parses.
+        if "NVRM:" not in line:
+            if "\x00" in line or "\ufffd" in line:
+                self.stats.reject(line_no, "not text (NUL or undecodable bytes)")
+            return None
+        if "NVRM: Xid (" in line:
+            record = self._xid_fast(line, line_no)
+            if record is not None:
+                return record
+        return self._slow(line, line_no)
+
+    def _xid_fast(self, line: str, line_no: int) -> XidRecord | None:
+        prefixes = self._prefixes
+        spec = prefixes[0]
+        m = spec.xid_pattern.match(line)
+        if m is None:
+            for i in range(1, len(prefixes)):
+                m = prefixes[i].xid_pattern.match(line)
+                if m is not None:
+                    spec = prefixes.pop(i)
+                    prefixes.insert(0, spec)
+                    break
+            else:
+                return None
+        raw_pci, code, raw_pid, name, msg = m.group("pci", "code", "pid", "name", "msg")
+        pci = self._pci_cache.get(raw_pci)
+        if pci is None:
+            try:
+                pci = normalise_pci_bus_id(raw_pci)
+            except ValueError:
+                return None  # the slow path rejects it with the reason
+            if len(self._pci_cache) >= _CACHE_LIMIT:
+                self._pci_cache.clear()
+            self._pci_cache[raw_pci] = pci
+        ts = self._timestamp(spec, m) if spec.cache_ts else spec.timestamp(m, self._ctx)
+        if spec.has_host:
+            host = m["host"]
+            fmt = spec.name if host is not None else "journal_nohost"
+        else:
+            host, fmt = None, spec.name
+        pid = None
+        if raw_pid is not None:
+            raw_pid = raw_pid.strip()
+            if raw_pid.isdigit():
+                pid = int(raw_pid)
+        if name is not None:
+            name = name.strip()
+            if name in _UNKNOWN:
+                name = None
+        self.stats.xid_records += 1
+        uuid = self._uuids.get((host, pci)) if self._uuids else None
+        return XidRecord(ts, host, pci, int(code), pid, name, msg.strip() if msg else "", uuid, line_no, fmt)
+
+    def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
+        key = m["prefix"]
+        try:
+            return self._ts_cache[key]
+        except KeyError:
+            pass
+        if len(self._ts_cache) >= _CACHE_LIMIT:
+            self._ts_cache.clear()
+        ts = self._ts_cache[key] = spec.timestamp(m, self._ctx)
+        return ts
+
+    def _slow(self, line: str, line_no: int) -> XidRecord | None:
+        cut = line.find("NVRM:")
+        prefix = self._match_prefix(line[:cut])
+        if prefix is None:
+            fmt, ts, host = "unknown", None, None
+        else:
+            spec, m = prefix
+            fmt, ts = spec.name, spec.timestamp(m, self._ctx)
+            host = m["host"] if spec.has_host else None
+            if host is None and fmt == "journal":
+                fmt = "journal_nohost"
+        body = line[cut:].rstrip("\r\n")
+        if body.startswith("NVRM: Xid"):
+            return self._xid(body, ts, host, line_no, fmt)
+        if "GPU at " in body:
+            self._banner(body, host)
+            return None
+        return self._off_bus(body, ts, host, line_no, fmt)
+
+    def _match_prefix(self, text: str) -> tuple[_Prefix, re.Match[str]] | None:
+        for spec in self._prefixes:
+            m = spec.pattern.fullmatch(text)
+            if m is not None:
+                return spec, m
+        return None
+
+    def _xid(self, body: str, ts: datetime | None, host: str | None, line_no: int, fmt: str) -> XidRecord | None:
+        m = _XID.fullmatch(body)
+        if m is None:
+            self.stats.reject(line_no, "Xid line not of the form 'NVRM: Xid (PCI:dddd:bb:dd): <code>, ...'")
+            return None
+        code = m["code"]
+        if not (code.isascii() and code.isdigit()):
+            self.stats.reject(line_no, f"Xid code {code!r} is not a number")
+            return None
+        try:
+            pci = normalise_pci_bus_id(m["pci"])
+        except ValueError as exc:
+            self.stats.reject(line_no, str(exc))
+            return None
+        pid, process, message = _split_rest(m["rest"] or "")
+        self.stats.xid_records += 1
+        return XidRecord(ts, host, pci, int(code), pid, process, message, self._uuids.get((host, pci)), line_no, fmt)
+
+    def _banner(self, body: str, host: str | None) -> None:
+        m = _BANNER.match(body)
+        if m is not None:
+            # A banner we cannot read costs only the UUID, not the events.
+            with contextlib.suppress(ValueError):
+                self._uuids[(host, normalise_pci_bus_id(m["pci"]))] = m["uuid"]
+
+    def _off_bus(self, body: str, ts: datetime | None, host: str | None, line_no: int, fmt: str) -> XidRecord | None:
+        pending = self._pending.get(host)
+        if "fallen off the bus" in body:
+            m = _OFF_BUS_START.match(body) or _OFF_BUS_ONE_LINE.match(body)
+            if m is not None:
+                return self._off_bus_record(m["pci"], ts, host, line_no, fmt)
+            if pending is not None:
+                del self._pending[host]
+                return self._off_bus_record(pending.pci_bus_id, pending.ts, host, pending.line_no, pending.log_format)
+            return None
+        m = _OFF_BUS_START.match(body)
+        if m is not None:
+            self._pending[host] = _PendingOffBus(m["pci"], ts, line_no, fmt, OFF_BUS_LOOKAHEAD)
+        elif pending is not None:
+            pending.nvrm_lines_left -= 1
+            if pending.nvrm_lines_left <= 0:
+                del self._pending[host]
+        return None
+
+    def _off_bus_record(
+        self, raw_pci: str, ts: datetime | None, host: str | None, line_no: int, fmt: str
+    ) -> XidRecord | None:
+        try:
+            pci = normalise_pci_bus_id(raw_pci)
+        except ValueError as exc:
+            self.stats.reject(line_no, str(exc))
+            return None
+        self.stats.xid_records += 1
+        uuid = self._uuids.get((host, pci))
+        return XidRecord(ts, host, pci, OFF_BUS_XID, None, None, OFF_BUS_MESSAGE, uuid, line_no, fmt)
+
+
+def _split_rest(rest: str) -> tuple[int | None, str | None, str]:
+    """`pid=12, name=python3, Ch 00000008` -> (12, "python3", "Ch 00000008").
+
+    Split by hand rather than by regex: this runs once per line of a flood. Process names may
+    hold ':' '[' '.' (`nvc:[driver]`, `ray::WorkerDict`) but not ','.
+    """
+    text = rest.strip()
+    pid: int | None = None
+    process: str | None = None
+    if text.startswith("pid="):
+        raw_pid, _, text = text[4:].partition(",")
+        raw_pid = raw_pid.strip()
+        # A garbled pid loses the pid only: the XID itself is still worth keeping.
+        pid = int(raw_pid) if raw_pid.isascii() and raw_pid.isdigit() else None
+        text = text.lstrip()
+    if text.startswith("name="):
+        raw_name, _, text = text[5:].partition(",")
+        raw_name = raw_name.strip()
+        process = None if raw_name in _UNKNOWN else raw_name
+        text = text.strip()
+    return pid, process, text
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def resolve_tz(tz: str | tzinfo | None) -> tzinfo:
+    """A zoneinfo name, a tzinfo, or None (UTC) -> tzinfo; an unknown name is a ValueError."""
+    if tz is None:
+        return UTC
+    if isinstance(tz, tzinfo):
+        return tz
+    try:
+        return ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"time zone {tz!r}: unknown; expected an IANA name such as 'Europe/Warsaw' or 'UTC'") from None
+
+
+# -- public parsing API --------------------------------------------------------------------
+
+
+def parse_lines(
+    lines: Iterable[str],
+    *,
+    boot_time: datetime | None = None,
+    reference_time: datetime | None = None,
+    tz: str | tzinfo | None = None,
+    stats: ParseStats | None = None,
+    first_line_no: int = 1,
+) -> Iterator[XidRecord]:
+    """XID records from a stream of log lines, in log order.
+
+    - `boot_time`: wall-clock time of boot, to place `/dev/kmsg` and `[uptime]` stamps; without
+      it those records have `ts=None`.
+    - `reference_time`: a time at or after the log's last line (e.g. the file's mtime), to give
+      year-less journal stamps a year; without it those records have `ts=None`.
+    - `tz`: time zone of naive stamps (ctime, journal); UTC by default.
+    - `stats`: filled in as the stream is consumed (lines, records, rejected lines).
+    """
+    parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
+    if stats is not None:
+        parser.stats = stats
+    feed = parser.feed
+    line_no = first_line_no - 1
+    try:
+        for line_no, line in enumerate(lines, start=first_line_no):
+            record = feed(line, line_no)
+            if record is not None:
+                yield record
+    finally:
+        parser.stats.lines += line_no - first_line_no + 1
+
+
+def parse_line(
+    line: str,
+    *,
+    boot_time: datetime | None = None,
+    reference_time: datetime | None = None,
+    tz: str | tzinfo | None = None,
+) -> XidRecord | None:
+    """The XID record of one line, or None when the line is not an XID line.
+
+    Raises ValueError, with the reason, for a line that looks like an Xid line but is malformed.
+    """
+    parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
+    record = parser.feed(line, 1)
+    if parser.stats.rejected_lines:
+        raise ValueError(f"{line.strip()!r}: {parser.stats.rejected_lines[0].reason}")
+    return record
+
+
+# -- deduplication -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class XidIncident:
+    """Identical XID lines of one GPU folded together: one row of `xid_events`."""
+
+    ts: datetime | None  # first line
+    last_ts: datetime | None  # last line folded in
+    node: str | None
+    pci_bus_id: str
+    xid: int
+    pid: int | None
+    process: str | None
+    message: str
+    gpu_uuid: str | None
+    repeat_count: int
+    first_line_no: int
+
+
+# Expired incidents are swept out every this many records, so memory holds only incidents
+# that started within the last window, whatever the length of the stream.
+_SWEEP_EVERY = 1024
+
+
+def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | None = None) -> Iterator[XidIncident]:
+    """Fold records of the same (node, bus id, xid) within `window` of an incident's first line.
+
+    Streams: an incident is yielded once a record of its key falls outside its window, or once
+    the stream's latest time has moved past it, or at the end; so incidents come out roughly,
+    not strictly, in time order. `node` stands in for records whose line has no host.
+    A record with a different GPU UUID (a replaced GPU) starts a new incident.
+    Records without a time cannot be windowed: those of one key fold into one incident.
+    """
+    if window < timedelta(0):
+        raise ValueError(f"dedup window {window}: expected a duration >= 0")
+    open_: dict[tuple[str | None, str, int], XidIncident] = {}
+    untimed: dict[tuple[str | None, str, int], XidIncident] = {}
+    watermark: datetime | None = None
+    countdown = _SWEEP_EVERY
+    for rec in records:
+        ts = rec.ts
+        key = (rec.host or node, rec.pci_bus_id, rec.xid)
+        if ts is None:
+            incident = untimed.get(key)
+            if incident is not None and _same_gpu(incident, rec):
+                _fold(incident, rec)
+                continue
+            if incident is not None:
+                yield incident
+            untimed[key] = _new_incident(rec, key[0])
+            continue
+        incident = open_.get(key)
+        # Inlined fold of the common case (a flood line inside the window, same GPU): this loop
+        # runs once per line of a flood.
+        if incident is not None and (rec.gpu_uuid is None or rec.gpu_uuid == incident.gpu_uuid):
+            delta = ts - incident.ts  # type: ignore[operator]
+            if -window <= delta <= window:
+                incident.repeat_count += 1
+                if ts > incident.last_ts:  # type: ignore[operator]
+                    incident.last_ts = ts
+                elif delta < _ZERO:
+                    incident.ts = ts
+                continue
+        if incident is not None and _same_gpu(incident, rec) and abs(ts - incident.ts) <= window:  # type: ignore[operator]
+            _fold(incident, rec)  # a UUID learnt mid-incident
+        else:
+            if incident is not None:
+                yield open_.pop(key)
+            open_[key] = _new_incident(rec, key[0])
+        if watermark is None or ts > watermark:
+            watermark = ts
+        countdown -= 1
+        if countdown <= 0:
+            countdown = _SWEEP_EVERY
+            yield from _sweep(open_, watermark - window)
+    yield from sorted(open_.values(), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
+    yield from untimed.values()
+
+
+_ZERO = timedelta(0)
+
+
+def _new_incident(rec: XidRecord, node: str | None) -> XidIncident:
+    return XidIncident(
+        rec.ts, rec.ts, node, rec.pci_bus_id, rec.xid, rec.pid, rec.process, rec.message, rec.gpu_uuid, 1, rec.line_no
+    )
+
+
+def _same_gpu(incident: XidIncident, rec: XidRecord) -> bool:
+    return incident.gpu_uuid is None or rec.gpu_uuid is None or incident.gpu_uuid == rec.gpu_uuid
+
+
+def _fold(incident: XidIncident, rec: XidRecord) -> None:
+    incident.repeat_count += 1
+    if incident.gpu_uuid is None:
+        incident.gpu_uuid = rec.gpu_uuid
+    if rec.ts is not None:
+        # Lines of one incident can arrive slightly out of order (merged syslog streams).
+        if rec.ts > incident.last_ts:  # type: ignore[operator]
+            incident.last_ts = rec.ts
+        elif rec.ts < incident.ts:  # type: ignore[operator]
+            incident.ts = rec.ts
+
+
+def _sweep(open_: dict[tuple[str | None, str, int], XidIncident], before: datetime) -> Iterator[XidIncident]:
+    expired = [key for key, incident in open_.items() if incident.ts < before]  # type: ignore[operator]
+    for key in expired:
+        yield open_.pop(key)
