@@ -270,9 +270,7 @@ PREFIXES: tuple[_Prefix, ...] = (
 # -- NVRM payloads -------------------------------------------------------------------------
 
 _XID = re.compile(r"NVRM: Xid *\((?:PCI:)?(?P<pci>[^)]*)\): *(?P<code>[^,]*?) *(?:,(?P<rest>.*))?")
-_BANNER = re.compile(
-    r"NVRM: GPU at (?:PCI:)?(?P<pci>[0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F.]+): (?P<uuid>GPU-[0-9a-fA-F-]+)"
-)
+_BANNER = re.compile(r"NVRM: GPU at (?:PCI:)?(?P<pci>[0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F.]+): (?P<uuid>GPU-[^\s,;]+)")
 _PCI = r"(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
 _OFF_BUS_START = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}")
 _OFF_BUS_ONE_LINE = re.compile(rf"NVRM: GPU {_PCI}:? .*fallen off the bus")

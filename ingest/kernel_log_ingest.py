@@ -1,0 +1,473 @@
+"""`gpufail ingest kernel-log`: kernel-log files -> the `xid_events` dataset.
+
+For each file: read the lines not ingested before, parse and deduplicate them
+(`ingest.kernel_log`), map each incident's PCI bus id to the GPU that sat there at that time
+(from the `telemetry` dataset of the same store), write the rows, then record how far the file
+was read.
+
+Never replay (DOMAIN.md 5, complaint 3). The state `_state/kernel_log_ingest.json` remembers,
+per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
+whose content is unchanged is skipped; a file that grew is read from where the last run
+stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped) is recognised by its
+content, not its name, so its lines are not read twice either. The state is written only after
+the events are, so a crash in between re-reads a file rather than losing it (at-least-once).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta, tzinfo
+from pathlib import Path
+from typing import IO, Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from ingest.errors import InputError
+from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
+from ingest.schema import TIMESTAMP, normalise_pci_bus_id, xid_events_schema
+from ingest.store import Store
+
+STATE_NAME = "kernel_log_ingest"
+STATE_VERSION = 1
+# Oldest entries are dropped beyond this, so the state file of a long-lived fleet stays small.
+MAX_STATE_ENTRIES = 20_000
+# The fingerprint hashes this much at the start and at the end of the ingested bytes: enough to
+# tell one log from another and to notice truncation or rewriting, without re-reading gigabytes
+# of a growing syslog on every run.
+FINGERPRINT_SPAN = 64 * 1024
+# Telemetry is read this far around the events, first narrowly, then (only for events with no
+# GPU seen before them) widely: see `map_to_gpus`.
+TELEMETRY_LOOKBACKS = (timedelta(days=1), timedelta(days=30))
+MAX_REJECTED_REPORTED = 20
+_GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
+
+
+@dataclass
+class IngestSummary:
+    """What one `ingest_kernel_logs` call did."""
+
+    files: int = 0  # files read (at least partly)
+    lines: int = 0  # new lines read
+    xid_lines: int = 0  # XID records parsed (Xid lines and off-the-bus messages)
+    incidents: int = 0  # rows written to xid_events
+    rejected: int = 0  # malformed Xid lines and non-text lines
+    untimed: int = 0  # XID records whose stamp could not be placed in time (not written)
+    unmapped: int = 0  # incidents written with no gpu_index (bus id not found in telemetry)
+    unmapped_bus_ids: list[str] = field(default_factory=list)  # "node pci_bus_id"
+    skipped_files: list[str] = field(default_factory=list)  # already ingested, unchanged
+    rejected_examples: list[str] = field(default_factory=list)  # "file:line: reason"
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.files} files, {self.lines:,} lines, {self.xid_lines:,} XID lines -> "
+            f"{self.incidents:,} incidents; {self.rejected:,} rejected lines, "
+            f"{self.untimed:,} untimed XID lines, {self.unmapped:,} unmapped incidents, "
+            f"{len(self.skipped_files)} files unchanged"
+        )
+        if self.untimed:
+            text += " (untimed: kmsg and [uptime] stamps need the boot time)"
+        if self.rejected_examples:
+            text += f" (first rejected: {self.rejected_examples[0]})"
+        return text
+
+
+def ingest_kernel_logs(
+    store: Store,
+    paths: list[Path],
+    *,
+    cluster: str,
+    dedup_window: timedelta,
+    node: str | None = None,
+    boot_time: datetime | None = None,
+    tz: str | tzinfo | None = None,
+    reference_time: datetime | None = None,
+) -> IngestSummary:
+    """Ingest kernel-log files (plain or gzip) into `xid_events`; see the module docstring.
+
+    - node: the node of lines whose format has no host field (default: the file name stem).
+    - boot_time: places `/dev/kmsg` and `[uptime]` stamps; without it their XIDs are untimed.
+    - tz: time zone of naive stamps (`dmesg -T`, journal short); UTC by default.
+    - reference_time: for year-less journal stamps; default: each file's modification time.
+    """
+    try:
+        zone = resolve_tz(tz)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        _check_readable(path)
+    state = _load_state(store)
+    summary = IngestSummary()
+    for path in paths:
+        _ingest_file(store, state, path, summary, cluster, dedup_window, node, boot_time, zone, reference_time)
+    return summary
+
+
+# -- one file ------------------------------------------------------------------------------
+
+
+@dataclass
+class _FileScan:
+    """Where to start reading a file, and the entry of the state it continues."""
+
+    offset: int = 0
+    lines: int = 0
+    unchanged: bool = False
+
+
+def _ingest_file(
+    store: Store,
+    state: dict[str, Any],
+    path: Path,
+    summary: IngestSummary,
+    cluster: str,
+    dedup_window: timedelta,
+    node: str | None,
+    boot_time: datetime | None,
+    tz: tzinfo,
+    reference_time: datetime | None,
+) -> None:
+    stat = path.stat()
+    compressed = _is_gzip(path)
+    scan = _resume_point(state, path, compressed)
+    if scan.unchanged:
+        summary.skipped_files.append(str(path))
+        return
+    stats = ParseStats()
+    default_node = node or node_from_filename(path.name)
+    mtime = datetime.fromtimestamp(stat.st_mtime, UTC)
+    with _open(path, compressed) as fh:
+        fh.seek(scan.offset)
+        reader = _LineReader(fh, scan.offset)
+        records = parse_lines(
+            reader,
+            boot_time=boot_time,
+            reference_time=reference_time or mtime,
+            tz=tz,
+            stats=stats,
+            first_line_no=scan.lines + 1,
+        )
+        incidents = list(deduplicate(records, dedup_window, node=default_node))
+        end = reader.offset
+    summary.files += 1
+    summary.lines += stats.lines
+    summary.xid_lines += stats.xid_records
+    summary.rejected += stats.rejected
+    for rejected in stats.rejected_lines:
+        if len(summary.rejected_examples) < MAX_REJECTED_REPORTED:
+            summary.rejected_examples.append(f"{path}:{rejected.line_no}: {rejected.reason}")
+    timed = [i for i in incidents if i.ts is not None]
+    untimed = sum(i.repeat_count for i in incidents if i.ts is None)
+    summary.untimed += untimed
+    if untimed and not timed:
+        # Nothing could be placed in time (kmsg or uptime stamps without a boot time): leave the
+        # file unread, so that a run given the boot time ingests it in full.
+        return
+    if timed:
+        table = _events_table(timed, cluster=cluster, source=f"file:{path.name}")
+        table = map_to_gpus(store, table, cluster)
+        store.write("xid_events", table)
+        summary.incidents += table.num_rows
+        _count_unmapped(table, summary)
+    # Only now that the events are safely written does the file count as read this far.
+    _remember(state, path, compressed, stat, end, scan.lines + stats.lines)
+    store.write_state(STATE_NAME, state)
+
+
+def _check_readable(path: Path) -> None:
+    if not path.exists():
+        raise InputError(f"kernel log {path}: no such file")
+    if not path.is_file():
+        raise InputError(f"kernel log {path}: not a regular file (expected a log file, plain or gzip)")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"kernel log {path}: not readable (permission denied)")
+
+
+_ROTATION = re.compile(r"^(?P<stem>.+?)(?:\.(?:log|txt)(?:\.\d+|-\d{8})?)?(?:\.gz)?$")
+
+
+def node_from_filename(name: str) -> str:
+    """`gpu-node-007.log`, `gpu-node-007.log.1`, `gpu-node-007.log.2.gz` -> `gpu-node-007`."""
+    m = _ROTATION.match(name)
+    return m["stem"] if m else name
+
+
+_ROTATION_SUFFIX = re.compile(r"(?:\.gz|\.[0-9]+|-[0-9]{8})$")
+
+
+def rotation_family(path: Path) -> str:
+    """`/var/log/syslog.2.gz`, `/var/log/syslog.1` and `/var/log/syslog` -> `/var/log/syslog`:
+    the names logrotate gives one log over time."""
+    name = path.name
+    while (shorter := _ROTATION_SUFFIX.sub("", name)) != name and shorter:
+        name = shorter
+    return str(path.resolve().parent / name)
+
+
+def _is_gzip(path: Path) -> bool:
+    # By content, not name: logrotate's `delaycompress` leaves `*.log.1` plain and gzips later.
+    with open(path, "rb") as fh:
+        return fh.read(2) == _GZIP_MAGIC
+
+
+def _open(path: Path, compressed: bool) -> IO[bytes]:
+    return gzip.open(path, "rb") if compressed else open(path, "rb")  # type: ignore[return-value]
+
+
+class _LineReader:
+    """Decoded lines of a binary stream, counting the bytes consumed.
+
+    Undecodable bytes become U+FFFD, which the parser counts as a rejected line, so a binary
+    file is reported instead of crashing the run. A last line without a newline is read too:
+    copies of logs often lack the final newline.
+    """
+
+    def __init__(self, fh: IO[bytes], offset: int) -> None:
+        self._fh = fh
+        self.offset = offset
+
+    def __iter__(self) -> Iterator[str]:
+        pending = b""
+        while True:
+            chunk = self._fh.read(_CHUNK)
+            if not chunk:
+                break
+            lines = (pending + chunk).split(b"\n")
+            pending = lines.pop()
+            for raw in lines:
+                self.offset += len(raw) + 1
+                yield raw.decode("utf-8", "replace")
+        if pending:
+            self.offset += len(pending)
+            yield pending.decode("utf-8", "replace")
+
+
+# -- never replay: the state ---------------------------------------------------------------
+
+
+def _load_state(store: Store) -> dict[str, Any]:
+    state = store.read_state(STATE_NAME)
+    if not state or state.get("version") != STATE_VERSION or not isinstance(state.get("files"), dict):
+        return {"version": STATE_VERSION, "seq": 0, "files": {}}
+    return state
+
+
+def _fingerprint(fh: IO[bytes], end: int) -> str | None:
+    """Hash of `end` and of the first and last `FINGERPRINT_SPAN` bytes before `end`; None
+    when the stream is shorter than `end` (the file was truncated or replaced)."""
+    fh.seek(0)
+    head = fh.read(min(end, FINGERPRINT_SPAN))
+    tail_start = max(end - FINGERPRINT_SPAN, len(head))
+    fh.seek(tail_start)
+    tail = fh.read(end - tail_start)
+    if len(head) < min(end, FINGERPRINT_SPAN) or len(tail) < end - tail_start:
+        return None
+    digest = hashlib.sha256(str(end).encode())
+    digest.update(head)
+    digest.update(tail)
+    return digest.hexdigest()
+
+
+def _resume_point(state: dict[str, Any], path: Path, compressed: bool) -> _FileScan:
+    """Where reading `path` starts: after the longest already-ingested content it begins with.
+
+    Candidates are the entry of this path and entries of rotated copies (same folder, same
+    name up to rotation suffixes) with the same first bytes; each is checked by fingerprint at
+    its own offset. Limiting copies to one rotation family keeps two nodes' logs, named after
+    their nodes, from ever being taken for each other.
+    """
+    key = str(path.resolve())
+    entries: dict[str, dict[str, Any]] = state["files"]
+    stat = path.stat()
+    own = entries.get(key)
+    if own and own.get("raw_size") == stat.st_size and own.get("raw_mtime_ns") == stat.st_mtime_ns:
+        # Same size and mtime as last time: confirm with the fingerprint of the whole content
+        # (cheap: two 64 KiB reads) before calling it unchanged.
+        with _open(path, compressed) as fh:
+            if _fingerprint(fh, own["offset"]) == own["fingerprint"] and _at_eof(fh, own["offset"]):
+                return _FileScan(own["offset"], own["lines"], unchanged=True)
+    family = rotation_family(path)
+    with _open(path, compressed) as fh:
+        head = fh.read(FINGERPRINT_SPAN)
+        candidates = sorted(
+            (e for k, e in entries.items() if k == key or (e.get("family") == family and _head_matches(e, head))),
+            key=lambda e: e["offset"],
+            reverse=True,
+        )
+        for entry in candidates:
+            if _fingerprint(fh, entry["offset"]) == entry["fingerprint"]:
+                return _FileScan(entry["offset"], entry["lines"], unchanged=_at_eof(fh, entry["offset"]))
+    return _FileScan()
+
+
+def _head_matches(entry: dict[str, Any], head: bytes) -> bool:
+    length = entry["head_len"]
+    return len(head) >= length > 0 and hashlib.sha256(head[:length]).hexdigest() == entry["head_sha256"]
+
+
+def _at_eof(fh: IO[bytes], offset: int) -> bool:
+    fh.seek(offset)
+    return not fh.read(1)
+
+
+def _remember(state: dict[str, Any], path: Path, compressed: bool, stat: os.stat_result, end: int, lines: int) -> None:
+    with _open(path, compressed) as fh:
+        fingerprint = _fingerprint(fh, end)
+        fh.seek(0)
+        head = fh.read(min(end, FINGERPRINT_SPAN))
+    state["seq"] = state.get("seq", 0) + 1
+    state["files"][str(path.resolve())] = {
+        "path": str(path),
+        "family": rotation_family(path),
+        "compressed": compressed,
+        "raw_size": stat.st_size,
+        "raw_mtime_ns": stat.st_mtime_ns,
+        "offset": end,
+        "lines": lines,
+        "fingerprint": fingerprint,
+        "head_len": len(head),
+        "head_sha256": hashlib.sha256(head).hexdigest(),
+        "seq": state["seq"],
+    }
+    if len(state["files"]) > MAX_STATE_ENTRIES:
+        oldest = sorted(state["files"], key=lambda k: state["files"][k]["seq"])
+        for k in oldest[: len(state["files"]) - MAX_STATE_ENTRIES]:
+            del state["files"][k]
+
+
+# -- rows ----------------------------------------------------------------------------------
+
+
+def _events_table(incidents: list[XidIncident], *, cluster: str, source: str) -> pa.Table:
+    n = len(incidents)
+    schema = xid_events_schema()
+    columns = {
+        "ts": pa.array([i.ts for i in incidents], TIMESTAMP),
+        "last_ts": pa.array([i.last_ts for i in incidents], TIMESTAMP),
+        "cluster": pa.array([cluster] * n, pa.string()),
+        "node": pa.array([i.node for i in incidents], pa.string()),
+        "pci_bus_id": pa.array([i.pci_bus_id for i in incidents], pa.string()),
+        "gpu_index": pa.nulls(n, pa.int16()),
+        "gpu_uuid": pa.array([i.gpu_uuid for i in incidents], pa.string()),
+        "xid": pa.array([i.xid for i in incidents], pa.int32()),
+        "pid": pa.array([i.pid for i in incidents], pa.int64()),
+        "process": pa.array([i.process for i in incidents], pa.string()),
+        "message": pa.array([i.message for i in incidents], pa.string()),
+        "source": pa.array([source] * n, pa.string()),
+        "repeat_count": pa.array([i.repeat_count for i in incidents], pa.int32()),
+    }
+    return pa.table(columns, schema=schema).sort_by([("ts", "ascending")])
+
+
+def _count_unmapped(table: pa.Table, summary: IngestSummary) -> None:
+    unmapped = table.filter(table["gpu_index"].is_null())
+    summary.unmapped += unmapped.num_rows
+    seen = set(summary.unmapped_bus_ids)
+    for node, pci in zip(unmapped["node"].to_pylist(), unmapped["pci_bus_id"].to_pylist(), strict=True):
+        name = f"{node} {pci}"
+        if name not in seen:
+            seen.add(name)
+            summary.unmapped_bus_ids.append(name)
+
+
+# -- bus id -> GPU -------------------------------------------------------------------------
+
+
+def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
+    """Fill `gpu_index` and `gpu_uuid` of `xid_events` rows from the store's telemetry.
+
+    For an event at time t on (node, bus id): the GPU whose observed span on that slot contains
+    t, else the one seen last before t, else the first one seen after t. A UUID already on the
+    row (from the driver's `GPU at PCI` banner) wins over telemetry's; its index is then the
+    index telemetry gives that UUID on the node, if any. Rows with no GPU keep nulls.
+    """
+    if events.num_rows == 0 or not store.exists("telemetry"):
+        return events
+    frame = pl.DataFrame(events).with_row_index("_row")
+    keys = frame.select("_row", "node", "pci_bus_id", "ts")
+    nodes = sorted(set(frame["node"].to_list()))
+    best: pl.DataFrame | None = None
+    spans = pl.DataFrame()
+    for lookback in TELEMETRY_LOOKBACKS:
+        todo = (
+            keys if best is None else keys.join(best.filter(pl.col("_rank") < 2).select("_row"), on="_row", how="anti")
+        )
+        if todo.is_empty():
+            break
+        start = todo["ts"].min() - lookback  # type: ignore[operator]
+        end = todo["ts"].max() + lookback  # type: ignore[operator]
+        spans = telemetry_spans(store, cluster, nodes, start, end)  # type: ignore[arg-type]
+        found = _pick_gpu(todo, spans)
+        best = found if best is None else pl.concat([best.join(found.select("_row"), on="_row", how="anti"), found])
+    assert best is not None
+    by_uuid = spans.group_by("node", "gpu_uuid").agg(pl.col("gpu_index").last().alias("_uuid_index"))
+    out = (
+        frame.join(best, on="_row", how="left")
+        .join(by_uuid, on=["node", "gpu_uuid"], how="left")
+        .with_columns(
+            pl.coalesce("_uuid_index", "_index").cast(pl.Int16).alias("gpu_index"),
+            pl.coalesce("gpu_uuid", "_uuid").alias("gpu_uuid"),
+        )
+        .sort("_row")
+    )
+    return out.select(events.column_names).to_arrow().cast(events.schema)
+
+
+def telemetry_spans(store: Store, cluster: str, nodes: list[str], start: datetime, end: datetime) -> pl.DataFrame:
+    """First and last time each GPU was seen in each slot: node, pci_bus_id, gpu_index,
+    gpu_uuid, first_ts, last_ts (telemetry rows of `cluster` and `nodes` in [start, end))."""
+    table = store.read(
+        "telemetry",
+        start=start,
+        end=end,
+        columns=["ts", "node", "pci_bus_id", "gpu_index", "gpu_uuid"],
+        filter=(ds.field("cluster") == cluster) & ds.field("node").isin(nodes),
+    )
+    frame = pl.DataFrame(table).filter(pl.col("pci_bus_id").is_not_null())
+    # Telemetry should already hold the canonical form; normalising the few distinct values
+    # costs nothing and makes a join on a differently written id impossible to miss.
+    distinct = frame["pci_bus_id"].unique().to_list()
+    canonical = {raw: _normalise_or_none(raw) for raw in distinct}
+    return (
+        frame.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String))
+        .filter(pl.col("pci_bus_id").is_not_null())
+        .group_by("node", "pci_bus_id", "gpu_index", "gpu_uuid")
+        .agg(pl.col("ts").min().alias("first_ts"), pl.col("ts").max().alias("last_ts"))
+    )
+
+
+def _normalise_or_none(raw: str) -> str | None:
+    try:
+        return normalise_pci_bus_id(raw)
+    except ValueError:
+        return None
+
+
+def _pick_gpu(keys: pl.DataFrame, spans: pl.DataFrame) -> pl.DataFrame:
+    """Per event row, the best GPU of its slot: rank 0 = span contains t (latest start first),
+    1 = seen before t (latest last sighting first), 2 = seen after t (earliest first)."""
+    ts, first, last = pl.col("ts"), pl.col("first_ts"), pl.col("last_ts")
+    candidates = keys.join(spans, on=["node", "pci_bus_id"], how="inner")
+    ranked = candidates.with_columns(
+        pl.when((first <= ts) & (ts <= last)).then(0).when(last < ts).then(1).otherwise(2).alias("_rank"),
+        pl.when((first <= ts) & (ts <= last))
+        .then(ts - first)
+        .when(last < ts)
+        .then(ts - last)
+        .otherwise(first - ts)
+        .alias("_gap"),
+    )
+    return (
+        ranked.sort("_row", "_rank", "_gap")
+        .group_by("_row", maintain_order=True)
+        .first()
+        .select("_row", pl.col("gpu_index").alias("_index"), pl.col("gpu_uuid").alias("_uuid"), "_rank")
+    )
