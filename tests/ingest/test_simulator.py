@@ -276,3 +276,27 @@ def test_refuses_a_non_empty_folder_and_unknown_presets(tmp_path):
     assert (tmp_path / "busy" / "keep.txt").read_text() == "precious"
     with pytest.raises(InputError, match="preset 'tiny' does not exist"):
         simulate(tmp_path / "new", "tiny", progress=False)
+
+
+def test_the_real_parser_recovers_every_simulated_failure_from_the_kernel_logs(sim, tmp_path):
+    """simulate -> ingest kernel-log: each ground-truth failure appears as an XID incident on
+    the right GPU (UUID), with its terminal XID (79 for the off-the-bus text), and floods fold
+    into far fewer incidents than lines."""
+    import shutil
+    from datetime import timedelta
+
+    from ingest.kernel_log_ingest import ingest_kernel_logs
+
+    out, summary, _, failures = sim
+    copy = tmp_path / "fleet"
+    shutil.copytree(out, copy)
+    store = Store.open(str(copy))
+    result = ingest_kernel_logs(store, sorted((copy / "raw" / "kernel-log").glob("*.log")), cluster="default", dedup_window=timedelta(minutes=5))
+    events = pl.from_arrow(store.read("xid_events"))
+    assert events["gpu_uuid"].null_count() == 0
+    assert events.height < summary.kernel_log_lines / 10
+    expected = failures.with_columns(pl.col("xid").fill_null(79))
+    found = expected.join(events.select("gpu_uuid", pl.col("xid").alias("seen"), pl.col("ts").alias("seen_ts")), on="gpu_uuid")
+    found = found.filter((pl.col("seen") == pl.col("xid")) & ((pl.col("seen_ts") - pl.col("ts")).abs() < np.timedelta64(1, "s")))
+    assert found["gpu_uuid"].n_unique() == failures.height
+    assert result.rejected == 0 and result.unmapped == 0 and result.untimed == 0
