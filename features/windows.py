@@ -1,0 +1,554 @@
+"""Resampling to the time grid and trailing-window features: pure functions of polars frames.
+
+Time (ARCHITECTURE.md "Time"). Scoring happens at grid times t (multiples of `grid` since the
+Unix epoch, UTC). The bucket labelled t holds the samples with `t - grid < ts <= t`: a sample
+exactly at t belongs to t, one at t + 1 us to t + grid. A window W at t is the `W / grid` buckets
+ending at t, i.e. the data in `(t - W, t]`. Nothing at t ever reads a timestamp after t, which is
+what `tests/features/test_leakage.py` checks.
+
+Pipeline (PERFORMANCE.md: aggregate raw samples to the grid first, then compute windows over
+buckets; that is ~60x fewer rows at one sample a minute):
+
+1. `hourly_aggregate` - raw samples -> one row per (gpu_uuid, bucket) with mergeable bucket
+   statistics (count, mean, variance, max, min, last, counter increase, ...).
+2. `dense_grid` - every grid time from a GPU's first bucket until its telemetry has been silent
+   for `max_silence` (or the data ends), so trailing windows are fixed numbers of rows and
+   silence shows up as empty buckets.
+3. `window_features`, `xid_features`, `peer_features` - the feature columns.
+
+Choices, so that a reader need not reverse-engineer them:
+
+- Gauges: per window mean, max and standard deviation over the *samples* in the window (exact,
+  combined from per-bucket count, mean and variance), and `delta` = mean of the last bucket minus
+  mean of the window (same unit as the metric; positive = rising). We chose this over an OLS slope
+  because it needs no extra running sums and reads in the metric's own unit.
+- Counters: increase over the window, robust to resets: each sample adds `value - previous` when
+  the value did not drop, and `value` when it did (a volatile counter restarts from 0 after a
+  driver reload, so the new value is what accrued since). The increase across a telemetry gap
+  longer than `max_gap` is not counted (the baseline restarts): this keeps every feature a
+  function of at most `max(windows) + max_gap` of history, so a build in time blocks with that
+  much lookback equals a build over all history. Also `<counter>_last`, the latest reading.
+- Flags: the window maximum (was the flag ever raised in the window).
+- Bitmasks: the fraction of samples in the window with any bit of a named group set
+  (`BITMASK_GROUPS`).
+- Telemetry health: `telemetry_missing_frac_<w>` = 1 - samples / (min(W, GPU age) / expected
+  interval), clipped to [0, 1], where the expected interval is the median over the longest window of the per-bucket
+  mean spacing between consecutive samples (causal: only spacings up to t); 1 when the window
+  has no sample. `telemetry_since_last_h`: hours from the last sample at or before t to t.
+- XIDs: incidents per class and window (`xid_<class>_count_<w>`, one per `xid_events` row, by its
+  first line `ts`); lines of application-class incidents (`xid_application_repeats_<w>`, the sum
+  of `repeat_count`, counted at the incident's `last_ts`, when the last repeat was known);
+  `xid_<class>_since_last_h`, hours since the last incident of the class, capped at
+  `xid_since_cap` (also the value when there was none).
+- Peers: `<metric>_peer_delta_<grid>` = the GPU's bucket mean minus the median of the bucket
+  means of the *other* GPUs of its node at the same grid time (null without a peer).
+- Static: `gpu_age_h`, hours since the GPU (uuid) was first seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Literal
+
+import polars as pl
+
+from features.schema import TS_DTYPE, window_label
+from ingest.schema import metric_catalogue
+from ingest.xid_catalog import XID_CLASSES, xid_class_map
+
+GPU = "gpu_uuid"
+HOUR_US = 3_600_000_000
+# polars 2 runs lazy queries on the streaming engine by default; for these in-memory frames the
+# in-memory engine was ~2x faster (features.bench, 1M rows).
+ENGINE: Literal["in-memory"] = "in-memory"
+
+DEFAULT_GRID = timedelta(hours=1)
+DEFAULT_WINDOWS: tuple[timedelta, ...] = (
+    timedelta(hours=1),
+    timedelta(hours=6),
+    timedelta(hours=24),
+    timedelta(days=7),
+)
+DEFAULT_MAX_SILENCE = timedelta(hours=24)
+DEFAULT_XID_SINCE_CAP = timedelta(hours=720)
+
+# Identity columns carried per bucket (the latest value in the bucket).
+BUCKET_ID_COLUMNS = ("cluster", "node", "gpu_index", "pci_bus_id", "gpu_model", "driver")
+
+# NVML clock-event (throttle) reason bits (nvml.h, nvmlClocksEventReason*). The hardware and
+# thermal groups mean the board itself held its clocks down, which is what precedes failures;
+# the software power cap is routine under heavy load but worth separating from it.
+BITMASK_GROUPS: dict[str, dict[str, int]] = {
+    "clock_event_reasons": {
+        "hw_slowdown": 0x8 | 0x20 | 0x40 | 0x80,  # HwSlowdown | SwThermal | HwThermal | HwPowerBrake
+        "sw_power_cap": 0x4,
+    },
+}
+
+# Gauges compared with the other GPUs of the node: a GPU hotter than its neighbours at the same
+# power is a cooling or silicon problem, not a workload.
+PEER_METRICS = ("temp_gpu_c", "power_w")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _us(delta: timedelta) -> int:
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def check_grid(grid: timedelta, windows: Sequence[timedelta]) -> list[int]:
+    """Window lengths in buckets; every window must be a positive multiple of the grid."""
+    g = _us(grid)
+    if g <= 0:
+        raise ValueError(f"grid must be positive, got {grid!r}")
+    if not windows:
+        raise ValueError("expected at least one window, got none")
+    sizes = []
+    for w in windows:
+        if _us(w) <= 0 or _us(w) % g:
+            raise ValueError(f"window {w!r} must be a positive multiple of the grid {grid!r}")
+        sizes.append(_us(w) // g)
+    if len({window_label(w) for w in windows}) != len(windows):
+        raise ValueError(f"windows must be distinct, got {[window_label(w) for w in windows]}")
+    return sizes
+
+
+def grid_time(ts: pl.Expr, grid: timedelta) -> pl.Expr:
+    """The grid time labelling the bucket that holds `ts`: the smallest multiple of `grid` that
+    is >= ts (so bucket (t - grid, t] is labelled t)."""
+    g = _us(grid)
+    return (((ts.dt.epoch("us") - 1) // g + 1) * g).cast(TS_DTYPE)
+
+
+def grid_floor(moment: datetime, grid: timedelta) -> datetime:
+    """The last grid time at or before `moment` (a timezone-aware datetime)."""
+    epoch_us = int(pl.Series([moment]).cast(TS_DTYPE).dt.epoch("us")[0])
+    g = _us(grid)
+    return pl.Series([(epoch_us // g) * g]).cast(TS_DTYPE)[0]
+
+
+def present_metrics(columns: Sequence[str]) -> dict[str, list[str]]:
+    """Catalogue metric columns present in a frame, by kind, in catalogue order. Features are
+    built for the metrics a frame has, so a frame from a collector that lacks a metric (or a test
+    frame) still works; a store frame has them all."""
+    have = set(columns)
+    kinds: dict[str, list[str]] = {"gauge": [], "counter": [], "flag": [], "bitmask": []}
+    for m in metric_catalogue():
+        if m.column in have:
+            kinds[m.kind].append(m.column)
+    return kinds
+
+
+# The bucket column that tells `window_features` a metric of each kind was aggregated.
+_MARKER = {"gauge": "count", "counter": "last", "flag": "max", "bitmask": "count"}
+
+
+def aggregated_metrics(columns: Sequence[str], grid: timedelta) -> dict[str, list[str]]:
+    """Catalogue metrics present in a frame of bucket aggregates (`hourly_aggregate` output)."""
+    have, sfx = set(columns), _sfx(grid)
+    kinds: dict[str, list[str]] = {"gauge": [], "counter": [], "flag": [], "bitmask": []}
+    for m in metric_catalogue():
+        if f"{m.column}_{_MARKER[m.kind]}{sfx}" in have:
+            kinds[m.kind].append(m.column)
+    return kinds
+
+
+def _sfx(grid: timedelta) -> str:
+    return "_" + window_label(grid)
+
+
+# -- 1. raw samples -> grid buckets -------------------------------------------------------------
+
+
+def _interior_nulls(df: pl.DataFrame, column: str) -> bool:
+    """Whether some GPU has both null and non-null readings of `column` (df sorted by GPU with a
+    `_run` id per GPU)."""
+    if df[column].null_count() in (0, df.height):
+        return False
+    has = pl.col(column).is_not_null()
+    changes = df.select(((has != has.shift(1)) & (pl.col("_run") == pl.col("_run").shift(1))).any())
+    return bool(changes.item())
+
+
+def hourly_aggregate(
+    telemetry: pl.DataFrame | pl.LazyFrame,
+    grid: timedelta = DEFAULT_GRID,
+    *,
+    max_gap: timedelta = DEFAULT_MAX_SILENCE,
+) -> pl.DataFrame:
+    """One row per (gpu_uuid, grid time `ts`) that has at least one sample in `(ts - grid, ts]`.
+
+    Columns (`<g>` is the grid label, e.g. `1h`): `gpu_uuid`, `ts`, the identity columns
+    (latest in the bucket), `n_samples_<g>`, `first_sample_ts`, `last_sample_ts`, `sample_interval_s_<g>` (mean
+    spacing to the previous sample of the GPU, spacings longer than `max_gap` ignored); per gauge
+    `<m>_count_<g>` (non-null samples), `_mean_`, `_max_`, `_min_`, `_last_`, `_var_` (sample
+    variance, ddof=1); per counter `<m>_last_<g>` and `<m>_increase_<g>` (reset-robust, see the
+    module notes; null when the bucket has no reading); per flag `<m>_max_<g>`; per bitmask group
+    `<m>_<group>_n_<g>` (samples with a bit of the group set) and `<m>_count_<g>`.
+    Sorted by (gpu_uuid, ts).
+    """
+    df = telemetry.collect() if isinstance(telemetry, pl.LazyFrame) else telemetry
+    names = df.columns
+    kinds = present_metrics(names)
+    sfx = _sfx(grid)
+    gap_us = _us(max_gap)
+
+    df = df.sort([GPU, "ts"]).with_columns(pl.col(GPU).rle_id().alias("_run"))
+    run = pl.col("_run")
+    ts_us = pl.col("ts").dt.epoch("us")
+    prev_ok = (run == run.shift(1)) & ((ts_us - ts_us.shift(1)) <= gap_us)
+    sample_cols: list[pl.Expr] = [
+        grid_time(pl.col("ts"), grid).alias("_t"),
+        pl.when(prev_ok).then((ts_us - ts_us.shift(1)) / 1e6).alias("_dt_s"),
+    ]
+    for c in kinds["counter"]:
+        has = pl.col(c).is_not_null()
+        if not _interior_nulls(df, c):
+            # Common case, and ~3x cheaper: on every GPU the counter is either always or never
+            # null, so the previous reading is the previous sample's.
+            prev_v, valid = pl.col(c).shift(1), pl.col("_prev_ok")
+        else:
+            # The previous *non-null* reading of this counter on the same GPU, if recent enough.
+            prev_v = pl.col(c).shift(1).forward_fill()
+            prev_run = pl.when(has).then(run).shift(1).forward_fill()
+            prev_ts = pl.when(has).then(ts_us).shift(1).forward_fill()
+            valid = (prev_run == run) & ((ts_us - prev_ts) <= gap_us)
+        inc = (
+            pl.when(~has)
+            .then(None)
+            .when(valid & (pl.col(c) >= prev_v))
+            .then(pl.col(c) - prev_v)
+            .when(valid)
+            .then(pl.col(c))  # reset: what accrued since the counter restarted from 0
+            .otherwise(0)  # first reading (or first after a long gap): a baseline, not an increase
+        )
+        sample_cols.append(inc.alias(f"_inc_{c}"))
+    for b in kinds["bitmask"]:
+        for group, mask in BITMASK_GROUPS.get(b, {}).items():
+            sample_cols.append(((pl.col(b) & mask) != 0).cast(pl.Int32).alias(f"_bm_{b}_{group}"))
+
+    ids = [c for c in BUCKET_ID_COLUMNS if c in names]
+    aggs: list[pl.Expr] = [pl.col(GPU).first(), pl.col("_t").first().alias("ts")]
+    aggs += [pl.col(c).last().alias(c) for c in ids]
+    aggs += [
+        pl.len().cast(pl.Int32).alias(f"n_samples{sfx}"),
+        pl.col("ts").first().alias("first_sample_ts"),
+        pl.col("ts").last().alias("last_sample_ts"),
+        # Mean spacing (cheap: a sum and a count); gaps inside one bucket inflate it, and the
+        # rolling median over buckets in `window_features` discards those buckets.
+        (pl.col("_dt_s").sum() / pl.col("_dt_s").count()).alias(f"sample_interval_s{sfx}"),
+    ]
+    for g in kinds["gauge"]:
+        x = pl.col(g).cast(pl.Float64)
+        aggs += [
+            x.count().cast(pl.Int32).alias(f"{g}_count{sfx}"),
+            x.mean().alias(f"{g}_mean{sfx}"),
+            x.max().alias(f"{g}_max{sfx}"),
+            x.min().alias(f"{g}_min{sfx}"),
+            x.last(ignore_nulls=True).alias(f"{g}_last{sfx}"),
+            x.var().alias(f"{g}_var{sfx}"),
+        ]
+    for c in kinds["counter"]:
+        aggs += [
+            pl.col(c).last(ignore_nulls=True).alias(f"{c}_last{sfx}"),
+            pl.col(f"_inc_{c}").sum().alias(f"{c}_increase{sfx}"),
+        ]
+    for f in kinds["flag"]:
+        aggs.append(pl.col(f).max().alias(f"{f}_max{sfx}"))
+    for b in kinds["bitmask"]:
+        groups = BITMASK_GROUPS.get(b, {})
+        if groups:
+            aggs.append(pl.col(b).count().cast(pl.Int32).alias(f"{b}_count{sfx}"))
+        for group in groups:
+            aggs.append(pl.col(f"_bm_{b}_{group}").sum().cast(pl.Int32).alias(f"{b}_{group}_n{sfx}"))
+
+    return (
+        df.lazy()
+        .with_columns(prev_ok.alias("_prev_ok"))
+        .with_columns(sample_cols)
+        # Rows are sorted by (gpu, ts), so each bucket is a contiguous run: grouping on the run
+        # id, declared sorted, lets polars aggregate slices instead of gathering row indices
+        # (~3x faster than grouping on (gpu_uuid, bucket)).
+        .with_columns(pl.struct("_run", "_t").rle_id().set_sorted().alias("_bucket"))
+        .group_by("_bucket", maintain_order=True)
+        .agg(aggs)
+        .drop("_bucket")
+        # An all-null bucket has no increase (sum() would say 0); null keeps "no reading" apart
+        # from "no errors".
+        .with_columns(
+            pl.when(pl.col(f"{c}_last{sfx}").is_not_null())
+            .then(pl.col(f"{c}_increase{sfx}"))
+            .alias(f"{c}_increase{sfx}")
+            for c in kinds["counter"]
+        )
+        .collect(engine=ENGINE)
+    )
+
+
+# -- 2. dense grid --------------------------------------------------------------------------------
+
+
+def dense_grid(
+    hourly: pl.DataFrame,
+    grid: timedelta,
+    *,
+    data_end: datetime,
+    max_silence: timedelta = DEFAULT_MAX_SILENCE,
+) -> pl.DataFrame:
+    """Every grid time from each GPU's first bucket to `min(last bucket + max_silence,
+    data_end)`, left-joined with the bucket aggregates. Identity columns and `last_sample_ts`
+    are carried forward into empty buckets (they describe the GPU as last seen). Sorted by
+    (gpu_uuid, ts)."""
+    end_cap = grid_floor(data_end, grid)
+    silence_steps = _us(max_silence) // _us(grid)
+    spans = (
+        hourly.lazy()
+        .group_by(GPU)
+        .agg(pl.col("ts").min().alias("_first"), pl.col("ts").max().alias("_last"))
+        .with_columns(
+            pl.min_horizontal(
+                pl.col("_last") + pl.duration(microseconds=silence_steps * _us(grid)),
+                pl.lit(end_cap, dtype=TS_DTYPE),
+            ).alias("_end")
+        )
+        .filter(pl.col("_first") <= pl.col("_end"))
+    )
+    keys = spans.select(GPU, pl.datetime_ranges("_first", "_end", interval=grid, closed="both").alias("ts")).explode(
+        "ts"
+    )
+    carried = [c for c in (*BUCKET_ID_COLUMNS, "last_sample_ts") if c in hourly.columns]
+    return (
+        keys.join(hourly.lazy(), on=[GPU, "ts"], how="left")
+        .sort([GPU, "ts"])
+        .with_columns(pl.col(c).forward_fill().over(GPU) for c in carried)
+        .collect(engine=ENGINE)
+    )
+
+
+# -- 3. window features ---------------------------------------------------------------------------
+
+
+def _roll_sum(e: pl.Expr, k: int) -> pl.Expr:
+    return e if k == 1 else e.rolling_sum(k, min_samples=1).over(GPU)
+
+
+def _roll_max(e: pl.Expr, k: int) -> pl.Expr:
+    return e if k == 1 else e.rolling_max(k, min_samples=1).over(GPU)
+
+
+def window_features(
+    dense: pl.DataFrame,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    *,
+    first_seen: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """Telemetry window features on a dense grid (from `dense_grid`): `gpu_uuid`, `ts`, then
+    `gpu_age_h`, `telemetry_since_last_h`, `telemetry_missing_frac_<w>`, per gauge
+    `<m>_mean_<w>`, `<m>_max_<w>`, `<m>_std_<w>`, `<m>_delta_<w>` (windows longer than the grid),
+    per counter `<m>_last` and `<m>_increase_<w>`, per flag `<m>_max_<w>`, per bitmask group
+    `<m>_<group>_frac_<w>`. All Float64 here; `build_features` casts to Float32.
+
+    `first_seen` (gpu_uuid, first_ts) gives the GPU's true first sample when `dense` holds only
+    part of its history; by default the first bucket's first sample is used.
+    """
+    sizes = check_grid(grid, windows)
+    sfx = _sfx(grid)
+    kinds = aggregated_metrics(dense.columns, grid)
+    labels = [window_label(w) for w in windows]
+    k_max = max(sizes)
+
+    # Stage 1: running sums per window (temporary columns).
+    tmp: list[pl.Expr] = []
+    n = pl.col(f"n_samples{sfx}").fill_null(0).cast(pl.Float64)
+    for k, wl in zip(sizes, labels, strict=True):
+        tmp.append(_roll_sum(n, k).alias(f"_n_{wl}"))
+    tmp.append(
+        pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GPU).alias("_interval_s")
+        if k_max > 1
+        else pl.col(f"sample_interval_s{sfx}").alias("_interval_s")
+    )
+    for g in kinds["gauge"]:
+        cnt = pl.col(f"{g}_count{sfx}").fill_null(0).cast(pl.Float64)
+        mean = pl.col(f"{g}_mean{sfx}")
+        s = (mean * cnt).fill_null(0.0)
+        m2 = (pl.col(f"{g}_var{sfx}") * (cnt - 1)).fill_null(0.0)
+        q = m2 + (cnt * mean * mean).fill_null(0.0)
+        for k, wl in zip(sizes, labels, strict=True):
+            tmp += [
+                _roll_sum(cnt, k).alias(f"_{g}_n_{wl}"),
+                _roll_sum(s, k).alias(f"_{g}_s_{wl}"),
+                _roll_sum(q, k).alias(f"_{g}_q_{wl}"),
+            ]
+    for b in kinds["bitmask"]:
+        groups = BITMASK_GROUPS.get(b, {})
+        for k, wl in zip(sizes, labels, strict=True):
+            if groups:
+                tmp.append(_roll_sum(pl.col(f"{b}_count{sfx}").fill_null(0), k).alias(f"_{b}_n_{wl}"))
+            for group in groups:
+                tmp.append(_roll_sum(pl.col(f"{b}_{group}_n{sfx}").fill_null(0), k).alias(f"_{b}_{group}_{wl}"))
+    lf = dense.lazy().with_columns(tmp)
+
+    # Stage 2: the features.
+    out: list[pl.Expr] = []
+    if first_seen is not None:
+        lf = lf.join(first_seen.lazy().select(GPU, pl.col("first_ts").alias("_first_ts")), on=GPU, how="left")
+        first = pl.col("_first_ts")
+    else:
+        first = pl.col("first_sample_ts").min().over(GPU)
+    out.append(((pl.col("ts") - first).dt.total_microseconds() / HOUR_US).alias("gpu_age_h"))
+    out.append(
+        ((pl.col("ts") - pl.col("last_sample_ts")).dt.total_microseconds() / HOUR_US).alias("telemetry_since_last_h")
+    )
+    age_s = (pl.col("ts") - first).dt.total_microseconds() / 1e6
+    for w, wl in zip(windows, labels, strict=True):
+        # A GPU younger than the window is not missing the samples from before it existed.
+        expected = pl.min_horizontal(pl.lit(w.total_seconds()), age_s) / pl.col("_interval_s")
+        out.append(
+            pl.when(pl.col(f"_n_{wl}") == 0)
+            .then(1.0)
+            .otherwise((1.0 - pl.col(f"_n_{wl}") / expected).clip(0.0, 1.0))
+            .alias(f"telemetry_missing_frac_{wl}")
+        )
+    for g in kinds["gauge"]:
+        for k, wl in zip(sizes, labels, strict=True):
+            nw, sw, qw = pl.col(f"_{g}_n_{wl}"), pl.col(f"_{g}_s_{wl}"), pl.col(f"_{g}_q_{wl}")
+            mean_w = pl.when(nw > 0).then(sw / nw)
+            out += [
+                mean_w.alias(f"{g}_mean_{wl}"),
+                _roll_max(pl.col(f"{g}_max{sfx}"), k).alias(f"{g}_max_{wl}"),
+                pl.when(nw > 1)
+                .then(((qw - sw * sw / nw).clip(lower_bound=0.0) / (nw - 1)).sqrt())
+                .alias(f"{g}_std_{wl}"),
+            ]
+            if k > 1:
+                out.append((pl.col(f"{g}_mean{sfx}") - mean_w).alias(f"{g}_delta_{wl}"))
+    for c in kinds["counter"]:
+        out.append(pl.col(f"{c}_last{sfx}").forward_fill().over(GPU).cast(pl.Float64).alias(f"{c}_last"))
+        for k, wl in zip(sizes, labels, strict=True):
+            inc = pl.col(f"{c}_increase{sfx}").cast(pl.Float64)
+            out.append(_roll_sum(inc, k).alias(f"{c}_increase_{wl}"))
+    for f in kinds["flag"]:
+        for k, wl in zip(sizes, labels, strict=True):
+            out.append(_roll_max(pl.col(f"{f}_max{sfx}").cast(pl.Float64), k).alias(f"{f}_max_{wl}"))
+    for b in kinds["bitmask"]:
+        for group in BITMASK_GROUPS.get(b, {}):
+            for wl in labels:
+                nb = pl.col(f"_{b}_n_{wl}")
+                out.append(pl.when(nb > 0).then(pl.col(f"_{b}_{group}_{wl}") / nb).alias(f"{b}_{group}_frac_{wl}"))
+    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
+
+
+# -- XID features ---------------------------------------------------------------------------------
+
+
+def xid_features(
+    keys: pl.DataFrame,
+    xid_events: pl.DataFrame,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    *,
+    since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    classes: Mapping[int, str] | None = None,
+) -> pl.DataFrame:
+    """XID features at the grid times in `keys` (gpu_uuid, ts; a dense grid sorted by
+    (gpu_uuid, ts)): `xid_<class>_count_<w>` for every class in `XID_CLASSES`,
+    `xid_application_repeats_<w>`, `xid_<class>_since_last_h`. Events without a `gpu_uuid`
+    are ignored (resolve them first, `features.labels.resolve_xid_gpus`)."""
+    sizes = check_grid(grid, windows)
+    labels = [window_label(w) for w in windows]
+    class_map = dict(xid_class_map() if classes is None else classes)
+    cap_h = since_cap.total_seconds() / 3600
+
+    ev = (
+        xid_events.lazy()
+        .filter(pl.col(GPU).is_not_null())
+        .select(
+            GPU,
+            "ts",
+            "last_ts",
+            "repeat_count",
+            pl.col("xid").replace_strict(class_map, default="other", return_dtype=pl.String).alias("_class"),
+        )
+    )
+    # Counts by the incident's first line; repeats by its last line (only then are they known).
+    counts = (
+        ev.with_columns(grid_time(pl.col("ts"), grid).alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg((pl.col("_class") == c).sum().cast(pl.Int32).alias(f"_x_{c}") for c in XID_CLASSES)
+        .rename({"ts_bucket": "ts"})
+    )
+    repeats = (
+        ev.filter(pl.col("_class") == "application")
+        .with_columns(grid_time(pl.col("last_ts"), grid).alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg(pl.col("repeat_count").sum().cast(pl.Int64).alias("_x_app_rep"))
+        .rename({"ts_bucket": "ts"})
+    )
+    # Latest incident per class per bucket. Incidents before a GPU's first grid time are moved
+    # into its first bucket, so "since last" also sees XIDs older than the grid.
+    first = keys.lazy().group_by(GPU).agg(pl.col("ts").min().alias("_first"))
+    lasts = (
+        ev.with_columns(grid_time(pl.col("ts"), grid).alias("_b"))
+        .join(first, on=GPU, how="inner")
+        .with_columns(pl.max_horizontal("_b", "_first").alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg(pl.col("ts").filter(pl.col("_class") == c).max().alias(f"_xl_{c}") for c in XID_CLASSES)
+        .rename({"ts_bucket": "ts"})
+    )
+    lf = (
+        keys.lazy()
+        .select(GPU, "ts")
+        .join(counts, on=[GPU, "ts"], how="left")
+        .join(repeats, on=[GPU, "ts"], how="left")
+        .join(lasts, on=[GPU, "ts"], how="left")
+        .sort([GPU, "ts"])
+        .with_columns(pl.col(f"_x_{c}").fill_null(0) for c in XID_CLASSES)
+        .with_columns(pl.col("_x_app_rep").fill_null(0))
+    )
+    out: list[pl.Expr] = []
+    for c in XID_CLASSES:
+        for k, wl in zip(sizes, labels, strict=True):
+            out.append(_roll_sum(pl.col(f"_x_{c}"), k).cast(pl.Float64).alias(f"xid_{c}_count_{wl}"))
+        if c == "application":
+            for k, wl in zip(sizes, labels, strict=True):
+                out.append(_roll_sum(pl.col("_x_app_rep"), k).cast(pl.Float64).alias(f"xid_application_repeats_{wl}"))
+    for c in XID_CLASSES:
+        last = pl.col(f"_xl_{c}").forward_fill().over(GPU)
+        out.append(
+            ((pl.col("ts") - last).dt.total_microseconds() / HOUR_US)
+            .clip(upper_bound=cap_h)
+            .fill_null(cap_h)
+            .alias(f"xid_{c}_since_last_h")
+        )
+    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
+
+
+# -- peers ----------------------------------------------------------------------------------------
+
+
+def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
+    """`<m>_peer_delta_<g>` for m in `PEER_METRICS` present: the GPU's bucket mean minus the
+    median bucket mean of the other GPUs in its (cluster, node) at the same grid time. Null when
+    the GPU has no reading or no peer has one. Returns gpu_uuid, ts and those columns."""
+    sfx = _sfx(grid)
+    metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in dense.columns]
+    keys = ["cluster", "node", "ts"]
+    base = dense.lazy().select(*keys, GPU, *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
+    if not metrics:
+        return base.select(GPU, "ts").collect(engine=ENGINE)
+    peers = base.select(*keys, pl.col(GPU).alias("_peer"), *[pl.col(f"_p_{m}").alias(f"_q_{m}") for m in metrics])
+    medians = (
+        base.select(*keys, GPU)
+        .join(peers, on=keys, how="inner")
+        .filter(pl.col(GPU) != pl.col("_peer"))
+        .group_by(GPU, "ts")
+        .agg(pl.col(f"_q_{m}").median().alias(f"_med_{m}") for m in metrics)
+    )
+    return (
+        base.join(medians, on=[GPU, "ts"], how="left")
+        .select(GPU, "ts", *[(pl.col(f"_p_{m}") - pl.col(f"_med_{m}")).alias(f"{m}_peer_delta{sfx}") for m in metrics])
+        .collect(engine=ENGINE)
+    )

@@ -1,0 +1,165 @@
+"""The feature frame's contract, and building over a store in chunks equals building in memory."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from features.bench import bench_build, synthetic_telemetry, synthetic_xids
+from features.build import (
+    build_features,
+    build_features_from_store,
+    empty_features,
+    feature_files,
+    read_features,
+    write_features,
+)
+from features.schema import (
+    ID_COLUMNS,
+    LABEL_COLUMNS,
+    FeatureSchemaError,
+    feature_columns,
+    validate_features,
+    window_label,
+)
+from ingest.schema import metric_columns
+from ingest.store import Store
+from tests.features import NO_XIDS, T0, H, at, every, samples
+
+WINDOWS = [H, 6 * H, 24 * H]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> tuple[pl.DataFrame, pl.DataFrame]:
+    tel = synthetic_telemetry(24, 72, seed=3, start=T0)
+    # One GPU goes silent for good at 40:00 while its node keeps reporting: a lost GPU.
+    tel = tel.filter(~((pl.col("gpu_uuid") == "GPU-00000004") & (pl.col("ts") > T0 + 40 * H)))
+    events = synthetic_xids(tel, per_gpu_day=0.3, seed=3)
+    return tel, events
+
+
+def test_columns_types_and_order(fleet):
+    tel, events = fleet
+    out = build_features(tel, events, windows=WINDOWS)
+    validate_features(out)
+    assert out.columns[: len(ID_COLUMNS)] == ID_COLUMNS
+    assert out.columns[-2:] == LABEL_COLUMNS
+    feats = feature_columns(out)
+    assert all(out.schema[c] == pl.Float32 for c in feats)
+    # Every catalogue metric shows up, in a window-named column.
+    for g in metric_columns("gauge"):
+        assert {f"{g}_mean_6h", f"{g}_max_24h", f"{g}_std_1h", f"{g}_delta_6h"} <= set(feats)
+    for c in metric_columns("counter"):
+        assert {f"{c}_increase_24h", f"{c}_last"} <= set(feats)
+    for f in metric_columns("flag"):
+        assert f"{f}_max_6h" in feats
+    assert {
+        "gpu_age_h",
+        "telemetry_since_last_h",
+        "telemetry_missing_frac_24h",
+        "xid_gsp_count_6h",
+        "xid_application_repeats_1h",
+        "xid_bus_since_last_h",
+        "temp_gpu_c_peer_delta_1h",
+    } <= set(feats)
+    assert len(feats) == len(set(feats))
+    assert out.select("gpu_uuid", "ts").is_unique().all()
+    assert out["label"].drop_nulls().is_in([0, 1]).all()
+
+
+def test_empty_features_has_the_columns_of_a_build(fleet):
+    tel, events = fleet
+    out = build_features(tel, events, windows=WINDOWS)
+    empty = empty_features(tel.columns, windows=WINDOWS)
+    assert empty.height == 0
+    assert empty.schema == out.schema
+
+
+def test_validate_names_the_problem():
+    out = build_features(samples(every(at(0, 10), at(5)), temp_gpu_c=60.0), NO_XIDS)
+    with pytest.raises(FeatureSchemaError, match="share a"):
+        validate_features(pl.concat([out, out.head(1)]))
+    with pytest.raises(FeatureSchemaError, match="temp_gpu_c_mean_1h"):
+        validate_features(out.with_columns(pl.col("temp_gpu_c_mean_1h").cast(pl.Float64)))
+    with pytest.raises(FeatureSchemaError, match="missing columns"):
+        validate_features(out.drop("label"))
+
+
+def test_window_labels():
+    assert [
+        window_label(w) for w in (H, 6 * H, 24 * H, timedelta(days=7), timedelta(minutes=15), timedelta(hours=48))
+    ] == ["1h", "6h", "24h", "7d", "15m", "2d"]
+    with pytest.raises(ValueError):
+        window_label(timedelta(0))
+
+
+def test_write_and_read_features_round_trip(tmp_path, fleet):
+    tel, events = fleet
+    out = build_features(tel, events, windows=WINDOWS)
+    store = Store.create(str(tmp_path / "data"))
+    written = write_features(store, out)
+    assert len(written) == out["ts"].dt.date().n_unique()
+    assert not [p for p in (tmp_path / "data").rglob(".tmp-*")]
+    back = read_features(store)
+    assert_frame_equal(back, out.sort("ts", "gpu_uuid"))
+    part = read_features(store, start=T0 + 30 * H, end=T0 + 31 * H, columns=["temp_gpu_c_mean_1h", "label"])
+    assert part["ts"].unique().to_list() == [T0 + 30 * H]
+    assert part.columns == ["ts", "gpu_uuid", "temp_gpu_c_mean_1h", "label"]
+
+
+def test_building_from_a_store_in_chunks_equals_building_in_memory(tmp_path, fleet):
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    # Small blocks and chunks so that lookback and chunk edges are exercised.
+    summary = build_features_from_store(
+        store, windows=WINDOWS, gpus_per_chunk=10, block=timedelta(hours=20), flush_rows=500, progress=False
+    )
+    assert summary.chunks == 2 and summary.blocks > 3
+    assert summary.telemetry_rows_read > tel.height  # the lookback is read twice
+    stored = read_features(store)
+    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert summary.rows == stored.height == expected.height
+    assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+    assert stored.filter(pl.col("gpu_uuid") == "GPU-00000004")["ts"].max() <= T0 + 40 * H
+    assert "features:" in str(summary)
+
+    # A second build over the same days is refused, then replaces the files when asked to.
+    with pytest.raises(FileExistsError, match="overwrite"):
+        build_features_from_store(store, windows=WINDOWS, progress=False)
+    before = set(feature_files(store))
+    summary = build_features_from_store(store, windows=WINDOWS, overwrite=True, progress=False)
+    assert summary.files_replaced == len(before)
+    assert not before & set(feature_files(store))
+    assert_frame_equal(read_features(store), stored, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_building_part_of_a_store(tmp_path, fleet):
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    summary = build_features_from_store(store, windows=WINDOWS, start=T0 + 30 * H, end=T0 + 50 * H, progress=False)
+    stored = read_features(store)
+    # Whole UTC days: day 2 (24:00 .. 47:00 ... 48:00 is day 3) up to the day holding 50:00.
+    assert stored["ts"].min() == T0 + 24 * H
+    assert stored["ts"].max() == T0 + 71 * H  # the data ends at 71:59
+    expected = build_features(tel, events, windows=WINDOWS).filter(pl.col("ts") >= T0 + 24 * H).sort("ts", "gpu_uuid")
+    assert summary.data_end == tel["ts"].max()
+    assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_an_empty_store_builds_nothing(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    summary = build_features_from_store(store, progress=False)
+    assert summary.rows == 0 and read_features(store).height == 0
+
+
+def test_bench_reports_a_rate():
+    result = bench_build(8, 10, repeat=1)
+    assert result["telemetry_rows"] == 8 * 600
+    assert result["rows_per_s"] > 0

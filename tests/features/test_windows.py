@@ -1,0 +1,247 @@
+"""Bucket and window arithmetic on hand-made series, with values worked out by hand."""
+
+from __future__ import annotations
+
+import statistics
+from datetime import timedelta
+
+import polars as pl
+import pytest
+
+from features.build import build_features
+from features.windows import grid_time, hourly_aggregate
+from tests.features import MIN, NO_XIDS, US, H, at, every, samples, xids
+
+
+def row(frame: pl.DataFrame, t, gpu: str = "GPU-a") -> dict:
+    hit = frame.filter((pl.col("gpu_uuid") == gpu) & (pl.col("ts") == t))
+    assert hit.height == 1, f"expected one row for {gpu} at {t}, got {hit.height}"
+    return hit.row(0, named=True)
+
+
+# -- buckets --------------------------------------------------------------------------------------
+
+
+def test_grid_time_puts_a_sample_exactly_at_t_in_t_and_one_microsecond_later_in_the_next():
+    ts = pl.Series([at(1), at(1) + US, at(1) - US, at(0, 30)], dtype=pl.Datetime("us", "UTC"))
+    got = pl.DataFrame({"ts": ts}).select(grid_time(pl.col("ts"), H))["ts"].to_list()
+    assert got == [at(1), at(2), at(1), at(1)]
+
+
+def test_hourly_aggregate_bucket_boundaries():
+    tel = samples([at(1), at(1) + US, at(2)], temp_gpu_c=[10.0, 20.0, 30.0])
+    agg = hourly_aggregate(tel, H)
+    assert agg["ts"].to_list() == [at(1), at(2)]
+    assert agg["n_samples_1h"].to_list() == [1, 2]
+    assert agg["temp_gpu_c_mean_1h"].to_list() == [10.0, 25.0]
+    assert agg["temp_gpu_c_last_1h"].to_list() == [10.0, 30.0]
+    assert agg["temp_gpu_c_min_1h"].to_list() == [10.0, 20.0]
+
+
+def test_counter_reset_counts_the_value_after_the_drop():
+    # 5 -> 7 is +2; the drop to 0 is a reset (driver reload), 0 accrued; 0 -> 2 is +2: 4 in all.
+    tel = samples([at(0, 10), at(0, 20), at(0, 30), at(0, 40)], ecc_dbe_volatile_total=[5, 7, 0, 2])
+    agg = hourly_aggregate(tel, H)
+    assert agg["ecc_dbe_volatile_total_increase_1h"].to_list() == [4]
+    assert agg["ecc_dbe_volatile_total_last_1h"].to_list() == [2]
+    # The bucket (00:00, 01:00] is complete only once the data reaches 01:00.
+    assert build_features(tel, NO_XIDS).height == 0
+    out = build_features(tel, NO_XIDS, data_end=at(1))
+    assert out["ecc_dbe_volatile_total_increase_1h"].to_list() == [4.0]
+
+
+def test_counter_reset_to_a_nonzero_value_and_across_buckets():
+    # Buckets: (00:00, 01:00] 10 (a baseline, not an increase) | (01:00, 02:00] 12 (+2), 3 (reset:
+    # +3), 4 at exactly 02:00 (+1) | (02:00, 03:00] 1 (reset: +1, the previous reading is in the
+    # bucket before).
+    tel = samples([at(0, 30), at(1, 10), at(1, 20), at(2, 0), at(2, 30)], pcie_replay_total=[10, 12, 3, 4, 1])
+    agg = hourly_aggregate(tel, H)
+    assert agg["pcie_replay_total_increase_1h"].to_list() == [0, 6, 1]
+    out = build_features(tel, NO_XIDS, data_end=at(3))
+    assert row(out, at(3))["pcie_replay_total_increase_6h"] == 7.0
+    assert row(out, at(3))["pcie_replay_total_last"] == 1.0
+
+
+def test_counter_null_readings_are_skipped_not_counted_as_resets():
+    tel = samples([at(0, 10), at(0, 20), at(0, 30), at(0, 40)], ecc_sbe_volatile_total=[5, None, 8, 9])
+    tel = pl.concat([tel, samples([at(0, 10)], gpu="GPU-b", gpu_index=1, ecc_sbe_volatile_total=[None])])
+    agg = hourly_aggregate(tel, H)
+    assert agg.filter(pl.col("gpu_uuid") == "GPU-a")["ecc_sbe_volatile_total_increase_1h"].to_list() == [4]
+    # A bucket without a reading has no increase (null), not an increase of 0.
+    assert agg.filter(pl.col("gpu_uuid") == "GPU-b")["ecc_sbe_volatile_total_increase_1h"].to_list() == [None]
+
+
+def test_counter_increase_is_not_counted_across_a_gap_longer_than_max_gap():
+    tel = samples([at(0, 30), at(30, 30)], pcie_replay_total=[10, 50])
+    agg = hourly_aggregate(tel, H, max_gap=timedelta(hours=24))
+    assert agg["pcie_replay_total_increase_1h"].to_list() == [0, 0]
+    agg = hourly_aggregate(tel, H, max_gap=timedelta(hours=48))
+    assert agg["pcie_replay_total_increase_1h"].to_list() == [0, 40]
+
+
+# -- gauge windows --------------------------------------------------------------------------------
+
+
+def test_gauge_window_mean_max_std_delta_over_six_hours():
+    # One sample every 30 minutes, value i at 00:30 * i. At t = 12:00 the 6 h window is
+    # (06:00, 12:00]: samples 13..24 (the one exactly at 06:00, value 12, is outside).
+    times = [at(0, 30 * i) for i in range(1, 25)]
+    tel = samples(times, temp_gpu_c=[float(i) for i in range(1, 25)])
+    out = build_features(tel, NO_XIDS)
+    r = row(out, at(12))
+    inside = list(range(13, 25))
+    assert r["temp_gpu_c_mean_6h"] == pytest.approx(statistics.mean(inside))
+    assert r["temp_gpu_c_max_6h"] == 24.0
+    assert r["temp_gpu_c_std_6h"] == pytest.approx(statistics.stdev(inside), rel=1e-6)
+    # The last bucket (11:00, 12:00] holds 23 and 24.
+    assert r["temp_gpu_c_mean_1h"] == 23.5
+    assert r["temp_gpu_c_std_1h"] == pytest.approx(statistics.stdev([23, 24]), rel=1e-6)
+    assert r["temp_gpu_c_delta_6h"] == pytest.approx(23.5 - 18.5)
+    assert "temp_gpu_c_delta_1h" not in out.columns  # the last bucket minus itself: always 0
+    # 24 h window at 12:00 holds everything (the GPU is 11.5 h old).
+    assert r["temp_gpu_c_mean_24h"] == pytest.approx(12.5)
+    assert r["temp_gpu_c_max_7d"] == 24.0
+
+
+def test_gauge_windows_ignore_null_readings_and_empty_buckets():
+    tel = samples([at(0, 30), at(1, 30), at(1, 40), at(4, 30)], temp_gpu_c=[10.0, None, 30.0, 50.0])
+    out = build_features(tel, NO_XIDS, data_end=at(5))
+    r = row(out, at(3))  # buckets 1, 2 hold data; bucket 3 is empty
+    assert r["temp_gpu_c_mean_1h"] is None
+    assert r["temp_gpu_c_mean_6h"] == 20.0
+    assert r["temp_gpu_c_max_6h"] == 30.0
+    assert row(out, at(5))["temp_gpu_c_mean_6h"] == 30.0
+
+
+# -- telemetry health -----------------------------------------------------------------------------
+
+
+def test_missing_sample_fraction_rises_when_samples_are_dropped():
+    times = every(at(0, 1), at(48))
+    full = samples(times, gpu="GPU-a", temp_gpu_c=60.0)
+    # GPU-b loses 30 of the 60 samples of hour (39:00, 40:00].
+    holey = [t for t in times if not (at(39, 30) <= t < at(40))]
+    part = samples(holey, gpu="GPU-b", gpu_index=1, temp_gpu_c=60.0)
+    out = build_features(pl.concat([full, part]), NO_XIDS)
+    a, b = row(out, at(40), "GPU-a"), row(out, at(40), "GPU-b")
+    assert a["telemetry_missing_frac_1h"] == 0.0
+    assert a["telemetry_missing_frac_6h"] == 0.0
+    assert b["telemetry_missing_frac_1h"] == pytest.approx(0.5)
+    assert b["telemetry_missing_frac_6h"] == pytest.approx(30 / 360)
+    # The GPU is 40 h - 1 min old at 40:00: 2399 one-minute samples expected, 2370 seen.
+    assert b["telemetry_missing_frac_7d"] == pytest.approx(1 - 2370 / 2399, rel=1e-4)
+    assert row(out, at(42), "GPU-b")["telemetry_missing_frac_1h"] == 0.0
+
+
+def test_silence_makes_rows_with_growing_hours_since_last_sample_then_stops():
+    times = every(at(0, 10), at(10), 10 * MIN) + every(at(14, 30), at(20), 10 * MIN)
+    tel = samples(times, temp_gpu_c=60.0)
+    out = build_features(tel, NO_XIDS, max_silence=timedelta(hours=3), lost_after=None)
+    since = dict(zip(out["ts"].to_list(), out["telemetry_since_last_h"].to_list(), strict=True))
+    assert since[at(10)] == 0.0
+    assert since[at(11)] == 1.0 and since[at(13)] == 3.0
+    assert at(14) not in since  # silent for more than max_silence: no row
+    assert since[at(15)] == 0.0  # samples at 14:30 ... 15:00
+    assert row(out, at(12))["telemetry_missing_frac_1h"] == 1.0
+    assert row(out, at(12))["temp_gpu_c_mean_1h"] is None
+    assert row(out, at(12))["temp_gpu_c_mean_6h"] == 60.0
+
+
+def test_gpu_age_counts_from_the_first_sample():
+    tel = samples(every(at(2, 30), at(6), 30 * MIN), temp_gpu_c=60.0)
+    out = build_features(tel, NO_XIDS)
+    assert row(out, at(3))["gpu_age_h"] == 0.5
+    assert row(out, at(6))["gpu_age_h"] == 3.5
+
+
+# -- flags, bitmasks ------------------------------------------------------------------------------
+
+
+def test_flag_window_max_and_throttle_fraction():
+    times = [at(0, 15), at(0, 30), at(0, 45), at(1)]
+    tel = samples(times, retired_pages_pending=[0, 1, 0, 0], clock_event_reasons=[0, 0x40, 0x1, 0x4 | 0x8])
+    out = build_features(tel, NO_XIDS)
+    r = row(out, at(1))
+    assert r["retired_pages_pending_max_1h"] == 1.0
+    assert r["clock_event_reasons_hw_slowdown_frac_1h"] == 0.5  # 0x40 and 0x8
+    assert r["clock_event_reasons_sw_power_cap_frac_1h"] == 0.25
+
+
+# -- peers ----------------------------------------------------------------------------------------
+
+
+def test_a_gpu_ten_degrees_hotter_than_its_seven_neighbours_has_peer_delta_ten():
+    times = every(at(0, 1), at(3))
+    parts = [
+        samples(times, gpu=f"GPU-{i}", gpu_index=i, temp_gpu_c=60.0 + 0.1 * (i - 4), power_w=300.0) for i in range(1, 8)
+    ]
+    parts.append(samples(times, gpu="GPU-hot", gpu_index=0, temp_gpu_c=70.0, power_w=300.0))
+    # Another node, much hotter: must not count as a peer.
+    parts.append(samples(times, gpu="GPU-other", node="n1", temp_gpu_c=95.0, power_w=300.0))
+    out = build_features(pl.concat(parts), NO_XIDS)
+    hot = row(out, at(2), "GPU-hot")
+    assert hot["temp_gpu_c_peer_delta_1h"] == pytest.approx(10.0, abs=1e-4)
+    assert hot["power_w_peer_delta_1h"] == 0.0
+    assert abs(row(out, at(2), "GPU-3")["temp_gpu_c_peer_delta_1h"]) < 0.2
+    assert row(out, at(2), "GPU-other")["temp_gpu_c_peer_delta_1h"] is None  # alone on its node
+
+
+# -- XIDs -----------------------------------------------------------------------------------------
+
+
+def test_xid_counts_per_class_repeats_and_hours_since_last():
+    tel = samples(every(at(0, 10), at(30), 10 * MIN), temp_gpu_c=60.0)
+    events = xids(
+        [
+            {"ts": at(2, 30), "gpu_uuid": "GPU-a", "xid": 63},  # memory, not a failure
+            {"ts": at(3), "gpu_uuid": "GPU-a", "xid": 63},  # exactly at a grid time: belongs to it
+            {"ts": at(5, 10), "last_ts": at(7, 5), "gpu_uuid": "GPU-a", "xid": 13, "repeat_count": 40},
+            {"ts": at(6, 1), "gpu_uuid": "GPU-a", "xid": 31, "repeat_count": 2},
+            {"ts": at(6, 2), "gpu_uuid": "GPU-a", "xid": 145},  # nvlink, not a failure
+            {"ts": at(6, 3), "gpu_uuid": "GPU-a", "xid": 999},  # unknown code: class "other"
+            {"ts": at(6, 4), "gpu_uuid": "GPU-b", "xid": 13},  # another GPU
+        ]
+    )
+    out = build_features(tel, events)
+    r3 = row(out, at(3))
+    assert r3["xid_memory_count_1h"] == 2.0
+    assert r3["xid_memory_since_last_h"] == 0.0
+    assert r3["xid_application_count_24h"] == 0.0
+    assert r3["xid_application_since_last_h"] == 720.0  # none yet: the cap
+    r7 = row(out, at(7))
+    assert r7["xid_memory_count_6h"] == 2.0
+    assert r7["xid_memory_count_1h"] == 0.0
+    assert r7["xid_memory_since_last_h"] == 4.0
+    assert r7["xid_application_count_6h"] == 2.0  # incidents, by their first line
+    assert r7["xid_nvlink_count_6h"] == 1.0
+    assert r7["xid_other_count_6h"] == 1.0
+    assert r7["xid_bus_count_7d"] == 0.0
+    assert r7["xid_application_since_last_h"] == pytest.approx(1 - 1 / 60)
+    # Repeats are known only when the last one is logged: 2 (xid 31) by 07:00, 42 by 08:00.
+    assert r7["xid_application_repeats_6h"] == 2.0
+    assert row(out, at(8))["xid_application_repeats_6h"] == 42.0
+    assert row(out, at(13))["xid_application_repeats_6h"] == 40.0
+    assert row(out, at(14))["xid_application_repeats_6h"] == 0.0
+    assert row(out, at(30))["xid_memory_since_last_h"] == 27.0
+
+
+def test_xid_since_last_sees_incidents_older_than_the_gpus_first_bucket():
+    tel = samples(every(at(10, 10), at(12), 10 * MIN), temp_gpu_c=60.0)
+    events = xids([{"ts": at(1), "gpu_uuid": "GPU-a", "xid": 92}])
+    out = build_features(tel, events)
+    assert row(out, at(11))["xid_memory_since_last_h"] == 10.0
+    assert row(out, at(11))["xid_memory_count_24h"] == 0.0  # before the GPU's first bucket
+
+
+def test_windows_must_be_multiples_of_the_grid():
+    tel = samples([at(0, 10)], temp_gpu_c=60.0)
+    with pytest.raises(ValueError, match="multiple of the grid"):
+        build_features(tel, NO_XIDS, windows=[timedelta(minutes=90)])
+
+
+def test_a_finer_grid_names_columns_after_it():
+    tel = samples(every(at(0, 1), at(2)), temp_gpu_c=60.0, power_w=100.0)
+    out = build_features(tel, NO_XIDS, grid=timedelta(minutes=15), windows=[timedelta(minutes=15), H])
+    assert "temp_gpu_c_mean_15m" in out.columns and "temp_gpu_c_peer_delta_15m" in out.columns
+    assert row(out, at(1, 15))["telemetry_missing_frac_15m"] == 0.0
+    assert out["ts"].diff().drop_nulls().unique().to_list() == [timedelta(minutes=15)]
