@@ -143,14 +143,15 @@ def _ts_kmsg(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     # /dev/kmsg stamps are microseconds of CLOCK_MONOTONIC since boot.
     if ctx.boot_time is None:
         return None
-    return ctx.boot_time + timedelta(microseconds=int(m["usec"]))
+    return ctx.boot_time + timedelta(0, 0, int(m["usec"]))  # positional: 2x faster than keywords
 
 
 def _ts_uptime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     if ctx.boot_time is None:
         return None
-    micros = int(m["frac"].ljust(6, "0")[:6])
-    return ctx.boot_time + timedelta(seconds=int(m["sec"]), microseconds=micros)
+    sec, frac = m.group("sec", "frac")
+    micros = int(frac) if len(frac) == 6 else int(frac[:6].ljust(6, "0"))
+    return ctx.boot_time + timedelta(0, int(sec), micros)
 
 
 def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -208,18 +209,18 @@ def infer_year(
 class _Prefix:
     name: str
     pattern: re.Pattern[str]  # the prefix alone, matched against the text before "NVRM:"
-    xid_pattern: re.Pattern[str]  # prefix + a well-formed Xid line: the fast path
+    xid_prefix: re.Pattern[str]  # the prefix when an Xid line follows it: the fast path
     timestamp: Callable[[re.Match[str], _TimeContext], datetime | None]
     has_host: bool
     # Stamps with one-second resolution repeat thousands of times in a flood: cache them.
     cache_ts: bool
 
 
-# A well-formed Xid line. Anything that contains "NVRM: Xid" but does not match this goes the
-# slow way, which explains what is wrong with it.
-_XID_FAST = (
+# A well-formed Xid payload. Anything that contains "NVRM: Xid" but does not match this goes
+# the slow way, which explains what is wrong with it.
+_XID_FAST = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): (?P<code>[0-9]+)"
-    r"(?:, *(?:pid=(?P<pid>[^,]*), *)?(?:name=(?P<name>[^,]*)(?:, *|$))?(?P<msg>.*))?"
+    r"(?:, *(?:pid=(?P<pid>[^,]*), *)?(?:name=(?P<name>[^,]*)(?:, *|$))?(?P<msg>.*))?\s*\Z"
 )
 
 
@@ -234,7 +235,7 @@ def _prefix(
     return _Prefix(
         name=name,
         pattern=re.compile(source),
-        xid_pattern=re.compile(f"(?P<prefix>{source}){_XID_FAST}"),
+        xid_prefix=re.compile(rf"(?:{source})(?=NVRM: Xid \()"),
         timestamp=timestamp,
         has_host=has_host,
         cache_ts=cache_ts,
@@ -314,7 +315,7 @@ class KernelLogParser:
         self._uuids: dict[tuple[str | None, str], str] = {}
         self._pending: dict[str | None, _PendingOffBus] = {}
         self._ts_cache: dict[str, datetime | None] = {}
-        self._pci_cache: dict[str, str] = {}
+        self._payloads: dict[str, tuple[str, int, int | None, str | None, str]] = {}
 
     def feed(self, line: str, line_no: int) -> XidRecord | None:
         # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
@@ -332,47 +333,39 @@ class KernelLogParser:
     def _xid_fast(self, line: str, line_no: int) -> XidRecord | None:
         prefixes = self._prefixes
         spec = prefixes[0]
-        m = spec.xid_pattern.match(line)
+        m = spec.xid_prefix.match(line)
         if m is None:
             for i in range(1, len(prefixes)):
-                m = prefixes[i].xid_pattern.match(line)
+                m = prefixes[i].xid_prefix.match(line)
                 if m is not None:
                     spec = prefixes.pop(i)
                     prefixes.insert(0, spec)
                     break
             else:
                 return None
-        raw_pci, code, raw_pid, name, msg = m.group("pci", "code", "pid", "name", "msg")
-        pci = self._pci_cache.get(raw_pci)
-        if pci is None:
-            try:
-                pci = normalise_pci_bus_id(raw_pci)
-            except ValueError:
+        # Flood lines differ only in their stamp: the payload after it is parsed once.
+        payload = line[m.end() :]
+        fields = self._payloads.get(payload)
+        if fields is None:
+            fields = _parse_payload(payload)
+            if fields is None:
                 return None  # the slow path rejects it with the reason
-            if len(self._pci_cache) >= _CACHE_LIMIT:
-                self._pci_cache.clear()
-            self._pci_cache[raw_pci] = pci
+            if len(self._payloads) >= _CACHE_LIMIT:
+                self._payloads.clear()
+            self._payloads[payload] = fields
+        pci, xid, pid, process, message = fields
         ts = self._timestamp(spec, m) if spec.cache_ts else spec.timestamp(m, self._ctx)
         if spec.has_host:
             host = m["host"]
             fmt = spec.name if host is not None else "journal_nohost"
         else:
             host, fmt = None, spec.name
-        pid = None
-        if raw_pid is not None:
-            raw_pid = raw_pid.strip()
-            if raw_pid.isdigit():
-                pid = int(raw_pid)
-        if name is not None:
-            name = name.strip()
-            if name in _UNKNOWN:
-                name = None
         self.stats.xid_records += 1
         uuid = self._uuids.get((host, pci)) if self._uuids else None
-        return XidRecord(ts, host, pci, int(code), pid, name, msg.strip() if msg else "", uuid, line_no, fmt)
+        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt)
 
     def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
-        key = m["prefix"]
+        key = m.group()
         try:
             return self._ts_cache[key]
         except KeyError:
@@ -463,6 +456,28 @@ class KernelLogParser:
         self.stats.xid_records += 1
         uuid = self._uuids.get((host, pci))
         return XidRecord(ts, host, pci, OFF_BUS_XID, None, None, OFF_BUS_MESSAGE, uuid, line_no, fmt)
+
+
+def _parse_payload(payload: str) -> tuple[str, int, int | None, str | None, str] | None:
+    """(bus id, xid, pid, process, message) of a well-formed `NVRM: Xid ...` text, else None."""
+    m = _XID_FAST.match(payload)
+    if m is None:
+        return None
+    raw_pci, code, raw_pid, name, msg = m.group("pci", "code", "pid", "name", "msg")
+    try:
+        pci = normalise_pci_bus_id(raw_pci)
+    except ValueError:
+        return None
+    pid = None
+    if raw_pid is not None:
+        raw_pid = raw_pid.strip()
+        if raw_pid.isdigit():
+            pid = int(raw_pid)
+    if name is not None:
+        name = name.strip()
+        if name in _UNKNOWN:
+            name = None
+    return pci, int(code), pid, name, msg.strip() if msg else ""
 
 
 def _split_rest(rest: str) -> tuple[int | None, str | None, str]:

@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, time, timedelta, tzinfo
 from pathlib import Path
 from typing import IO, Any
 
@@ -101,13 +101,31 @@ def ingest_kernel_logs(
         zone = resolve_tz(tz)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    paths = [Path(p) for p in paths]
+    paths = list(dict.fromkeys(Path(p) for p in paths))  # a path given twice is read once
     for path in paths:
         _check_readable(path)
     state = _load_state(store)
     summary = IngestSummary()
+    # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
+    # read once per run rather than once per file; then write and commit file by file.
+    parsed = []
     for path in paths:
-        _ingest_file(store, state, path, summary, cluster, dedup_window, node, boot_time, zone, reference_time)
+        result = _parse_file(state, path, summary, cluster, dedup_window, node, boot_time, zone, reference_time)
+        if result is not None:
+            parsed.append(result)
+    tables = [p.table for p in parsed if p.table is not None]
+    mapped = iter(
+        _split(map_to_gpus(store, pa.concat_tables(tables), cluster), [t.num_rows for t in tables]) if tables else []
+    )
+    for result in parsed:
+        if result.table is not None:
+            table = next(mapped)
+            store.write("xid_events", table)
+            summary.incidents += table.num_rows
+            _count_unmapped(table, summary)
+        # Only now that the events are safely written does the file count as read this far.
+        _remember(state, result.path, result.compressed, result.stat, result.end, result.lines)
+        store.write_state(STATE_NAME, state)
     return summary
 
 
@@ -123,8 +141,17 @@ class _FileScan:
     unchanged: bool = False
 
 
-def _ingest_file(
-    store: Store,
+@dataclass
+class _ParsedFile:
+    path: Path
+    compressed: bool
+    stat: os.stat_result
+    end: int  # bytes (decompressed) read up to
+    lines: int  # lines read up to `end`
+    table: pa.Table | None  # xid_events rows, GPUs not yet mapped; None when there are none
+
+
+def _parse_file(
     state: dict[str, Any],
     path: Path,
     summary: IngestSummary,
@@ -134,13 +161,14 @@ def _ingest_file(
     boot_time: datetime | None,
     tz: tzinfo,
     reference_time: datetime | None,
-) -> None:
+) -> _ParsedFile | None:
+    """The new incidents of one file, or None when the file is to be left as it is."""
     stat = path.stat()
     compressed = _is_gzip(path)
     scan = _resume_point(state, path, compressed)
     if scan.unchanged:
         summary.skipped_files.append(str(path))
-        return
+        return None
     stats = ParseStats()
     default_node = node or node_from_filename(path.name)
     mtime = datetime.fromtimestamp(stat.st_mtime, UTC)
@@ -170,16 +198,16 @@ def _ingest_file(
     if untimed and not timed:
         # Nothing could be placed in time (kmsg or uptime stamps without a boot time): leave the
         # file unread, so that a run given the boot time ingests it in full.
-        return
-    if timed:
-        table = _events_table(timed, cluster=cluster, source=f"file:{path.name}")
-        table = map_to_gpus(store, table, cluster)
-        store.write("xid_events", table)
-        summary.incidents += table.num_rows
-        _count_unmapped(table, summary)
-    # Only now that the events are safely written does the file count as read this far.
-    _remember(state, path, compressed, stat, end, scan.lines + stats.lines)
-    store.write_state(STATE_NAME, state)
+        return None
+    table = _events_table(timed, cluster=cluster, source=f"file:{path.name}") if timed else None
+    return _ParsedFile(path, compressed, stat, end, scan.lines + stats.lines, table)
+
+
+def _split(table: pa.Table, sizes: list[int]) -> Iterator[pa.Table]:
+    offset = 0
+    for size in sizes:
+        yield table.slice(offset, size)
+        offset += size
 
 
 def _check_readable(path: Path) -> None:
@@ -389,7 +417,9 @@ def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
     row (from the driver's `GPU at PCI` banner) wins over telemetry's; its index is then the
     index telemetry gives that UUID on the node, if any. Rows with no GPU keep nulls.
     """
-    if events.num_rows == 0 or not store.exists("telemetry"):
+    if events.num_rows == 0:
+        return events
+    if not store.exists("telemetry"):
         return events
     frame = pl.DataFrame(events).with_row_index("_row")
     keys = frame.select("_row", "node", "pci_bus_id", "ts")
@@ -423,25 +453,57 @@ def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
 
 def telemetry_spans(store: Store, cluster: str, nodes: list[str], start: datetime, end: datetime) -> pl.DataFrame:
     """First and last time each GPU was seen in each slot: node, pci_bus_id, gpu_index,
-    gpu_uuid, first_ts, last_ts (telemetry rows of `cluster` and `nodes` in [start, end))."""
-    table = store.read(
-        "telemetry",
-        start=start,
-        end=end,
-        columns=["ts", "node", "pci_bus_id", "gpu_index", "gpu_uuid"],
-        filter=(ds.field("cluster") == cluster) & ds.field("node").isin(nodes),
-    )
-    frame = pl.DataFrame(table).filter(pl.col("pci_bus_id").is_not_null())
+    gpu_uuid, first_ts, last_ts (telemetry rows of `cluster` and `nodes` in [start, end)).
+
+    Read one daily partition at a time and folded into the running spans, so memory holds one
+    day of telemetry plus one row per GPU and slot, however long the range.
+    """
+    spans = _EMPTY_SPANS
+    node_filter = (ds.field("cluster") == cluster) & ds.field("node").isin(nodes)
+    for day in store.dates("telemetry"):
+        day_start = datetime.combine(day, time(), UTC)
+        if day_start + timedelta(days=1) <= start or day_start >= end:
+            continue
+        table = store.read(
+            "telemetry",
+            start=max(start, day_start),
+            end=min(end, day_start + timedelta(days=1)),
+            columns=["ts", "node", "pci_bus_id", "gpu_index", "gpu_uuid"],
+            filter=node_filter,
+        )
+        spans = _fold_spans(pl.concat([spans, _day_spans(pl.DataFrame(table))]))
+    return spans
+
+
+_SPAN_KEYS = ["node", "pci_bus_id", "gpu_index", "gpu_uuid"]
+_EMPTY_SPANS = pl.DataFrame(
+    schema={
+        "node": pl.String,
+        "pci_bus_id": pl.String,
+        "gpu_index": pl.Int16,
+        "gpu_uuid": pl.String,
+        "first_ts": pl.Datetime("us", "UTC"),
+        "last_ts": pl.Datetime("us", "UTC"),
+    }
+)
+
+
+def _day_spans(frame: pl.DataFrame) -> pl.DataFrame:
+    frame = frame.filter(pl.col("pci_bus_id").is_not_null())
     # Telemetry should already hold the canonical form; normalising the few distinct values
     # costs nothing and makes a join on a differently written id impossible to miss.
-    distinct = frame["pci_bus_id"].unique().to_list()
-    canonical = {raw: _normalise_or_none(raw) for raw in distinct}
-    return (
+    canonical = {raw: _normalise_or_none(raw) for raw in frame["pci_bus_id"].unique().to_list()}
+    spans = (
         frame.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String))
         .filter(pl.col("pci_bus_id").is_not_null())
-        .group_by("node", "pci_bus_id", "gpu_index", "gpu_uuid")
+        .group_by(_SPAN_KEYS)
         .agg(pl.col("ts").min().alias("first_ts"), pl.col("ts").max().alias("last_ts"))
     )
+    return spans.cast(_EMPTY_SPANS.schema)  # type: ignore[arg-type]
+
+
+def _fold_spans(spans: pl.DataFrame) -> pl.DataFrame:
+    return spans.group_by(_SPAN_KEYS).agg(pl.col("first_ts").min(), pl.col("last_ts").max())
 
 
 def _normalise_or_none(raw: str) -> str | None:

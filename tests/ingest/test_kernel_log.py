@@ -403,6 +403,7 @@ def test_malformed_lines_in_a_stream_are_counted_with_line_numbers_not_raised() 
         "[ 5.0] NVRM: Xid (PCI:0000:3b:00): abc, pid=1, name=x, y",  # non-numeric code
         "[ 5.1] NVRM: Xid (PCI:zz:3b): 13, pid=1, name=x, y",  # bad bus id
         "[ 5.2] NVRM: Xid garbled",
+        "[ 5.3] NVRM: Xid (PCI:0000:3b:00): 13abc, pid=1, name=x, y",  # a code with letters
         "\x00\x00\x00\x00",
         "caf\ufffd\ufffd binary",
         row(27),
@@ -410,10 +411,15 @@ def test_malformed_lines_in_a_stream_are_counted_with_line_numbers_not_raised() 
     stats = ParseStats()
     records = list(parse_lines(lines, stats=stats))
     assert [r.xid for r in records] == [109, 13]
-    assert stats.rejected == 5
-    assert [r.line_no for r in stats.rejected_lines] == [2, 3, 4, 5, 6]
+    assert stats.rejected == 6
+    assert [r.line_no for r in stats.rejected_lines] == [2, 3, 4, 5, 6, 7]
     assert "not a number" in stats.rejected_lines[0].reason
     assert "PCI bus id" in stats.rejected_lines[1].reason
+
+
+def test_windows_line_endings_are_not_part_of_the_message() -> None:
+    record = parse(row(27) + "\r\n")
+    assert record.message.endswith("Multiple Warp Errors")
 
 
 def test_garbled_pid_keeps_the_xid() -> None:
