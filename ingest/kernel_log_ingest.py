@@ -1,9 +1,9 @@
 """`gpufail ingest kernel-log`: kernel-log files -> the `xid_events` dataset.
 
-For each file: read the lines not ingested before, parse and deduplicate them
-(`ingest.kernel_log`), map each incident's PCI bus id to the GPU that sat there at that time
-(from the `telemetry` dataset of the same store), write the rows, then record how far the file
-was read.
+Read the lines of each file not ingested before, parse and deduplicate them
+(`ingest.kernel_log`); map every incident's PCI bus id to the GPU that sat there at that time
+(from the `telemetry` dataset of the same store, read once per run); then, file by file, write
+the rows and record how far the file was read.
 
 Never replay (DOMAIN.md 5, complaint 3). The state `_state/kernel_log_ingest.json` remembers,
 per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
@@ -134,7 +134,7 @@ def ingest_kernel_logs(
 
 @dataclass
 class _FileScan:
-    """Where to start reading a file, and the entry of the state it continues."""
+    """Where to start reading a file (bytes and lines already ingested), or that nothing is new."""
 
     offset: int = 0
     lines: int = 0
@@ -416,6 +416,10 @@ def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
     t, else the one seen last before t, else the first one seen after t. A UUID already on the
     row (from the driver's `GPU at PCI` banner) wins over telemetry's; its index is then the
     index telemetry gives that UUID on the node, if any. Rows with no GPU keep nulls.
+
+    Telemetry is read within a day of the events first; only events that found no GPU seen
+    before them read further back (`TELEMETRY_LOOKBACKS`), so a run over a few new minutes of
+    logs reads a few days of telemetry, not the fleet's history.
     """
     if events.num_rows == 0:
         return events
@@ -423,7 +427,6 @@ def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
         return events
     frame = pl.DataFrame(events).with_row_index("_row")
     keys = frame.select("_row", "node", "pci_bus_id", "ts")
-    nodes = sorted(set(frame["node"].to_list()))
     best: pl.DataFrame | None = None
     spans = pl.DataFrame()
     for lookback in TELEMETRY_LOOKBACKS:
@@ -434,6 +437,7 @@ def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
             break
         start = todo["ts"].min() - lookback  # type: ignore[operator]
         end = todo["ts"].max() + lookback  # type: ignore[operator]
+        nodes = sorted(set(todo["node"].to_list()))
         spans = telemetry_spans(store, cluster, nodes, start, end)  # type: ignore[arg-type]
         found = _pick_gpu(todo, spans)
         best = found if best is None else pl.concat([best.join(found.select("_row"), on="_row", how="anti"), found])

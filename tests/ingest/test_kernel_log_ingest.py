@@ -140,6 +140,14 @@ def test_events_are_mapped_to_the_gpu_in_the_slot_at_that_time(store: Store, tmp
     assert "7 incidents" in str(summary)
 
 
+def test_gpu_last_seen_days_before_the_event_is_still_found(store: Store, tmp_path: Path) -> None:
+    # Telemetry ends at hour 24; an XID five days later reads further back to find the GPU.
+    log = write(tmp_path / f"{NODE}.log", xid_line(hours(24 * 5), BUS_B, 79, "GPU has fallen off the bus."))
+    summary = ingest(store, log)
+    (row,) = events(store)
+    assert (row["gpu_index"], row["gpu_uuid"], summary.unmapped) == (1, "GPU-B", 0)
+
+
 def test_same_file_twice_writes_nothing_the_second_time(store: Store, tmp_path: Path) -> None:
     log = write(tmp_path / f"{NODE}.log", node_log())
     ingest(store, log)
