@@ -8,6 +8,8 @@ stays fast. Errors a user can cause (`GpufailError`) print as one line and exit 
 from __future__ import annotations
 
 import sys
+from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,201 @@ def ingest_kernel_log(ctx: click.Context, data: str | None, node: str | None, fi
         raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
     summary = ingest_kernel_logs(store, paths, cluster=settings.ingest.cluster, dedup_window=settings.ingest.xid_dedup_window, node=node)
     click.echo(f"kernel-log: {summary}")
+
+
+def _when(text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00") from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@cli.command()
+@_data_option
+@click.option("--start", default=None, help="First grid time (ISO, UTC); default: the start of the telemetry.")
+@click.option("--end", default=None, help="End of the grid, exclusive (ISO, UTC); default: the end of the telemetry.")
+@click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def features(ctx: click.Context, data: str | None, start: str | None, end: str | None, overwrite: bool, quiet: bool) -> None:
+    """Build sliding-window features and labels into the features dataset."""
+    from features.build import build_features_from_store
+    from ingest.store import Store
+
+    settings = _settings(ctx)
+    summary = build_features_from_store(
+        Store.open(_root(ctx, data)),
+        start=_when(start),
+        end=_when(end),
+        grid=settings.features.grid,
+        windows=settings.features.windows,
+        horizon=settings.labels.horizon,
+        failure_xids=settings.labels.failure_xids,
+        merge_window=settings.labels.merge_window,
+        overwrite=overwrite,
+        progress=not quiet,
+    )
+    click.echo(str(summary))
+
+
+def _load_features(root: str) -> Any:
+    from features.build import read_features
+    from ingest.store import Store
+
+    frame = read_features(Store.open(root))
+    if frame.height == 0:
+        raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
+    return frame
+
+
+@cli.command()
+@_data_option
+@click.option("--model-out", required=True, type=click.Path(file_okay=False), help="Folder to write the trained model into.")
+@click.pass_context
+def train(ctx: click.Context, data: str | None, model_out: str) -> None:
+    """Train the configured model on the most recent training window."""
+    from models.train import save_model, train_model
+
+    settings = _settings(ctx)
+    frame = _load_features(_root(ctx, data))
+    model = train_model(frame, kind=settings.model.kind, train_window=settings.model.train_window, horizon=settings.labels.horizon)
+    path = save_model(model, model_out)
+    click.echo(
+        f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
+        f"from {model.train_start:%Y-%m-%d %H:%M} to {model.train_end:%Y-%m-%d %H:%M} -> {path}"
+    )
+
+
+@cli.command()
+@_data_option
+@click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="Folder for report.md and metrics.json.")
+@click.option("--test-days", type=float, default=14.0, show_default=True, help="Length of the held-out period at the end of the data.")
+@click.pass_context
+def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: float) -> None:
+    """Train before a held-out period, score it, compare with baselines, write a report."""
+    from models.evaluate import evaluate_holdout, write_report
+
+    settings = _settings(ctx)
+    frame = _load_features(_root(ctx, data))
+    metrics = evaluate_holdout(
+        frame,
+        kind=settings.model.kind,
+        horizon=settings.labels.horizon,
+        test_days=test_days,
+        top_k=settings.model.top_k,
+        train_window=settings.model.train_window,
+    )
+    report, _ = write_report(metrics, report_dir)
+    scores = metrics["scores"]
+    click.echo(
+        f"precision@{settings.model.top_k}: model {scores['model']['precision_at_k_pooled']:.3f} vs "
+        f"random {scores['random']['precision_at_k_pooled']:.3f}, heuristic {scores['heuristic']['precision_at_k_pooled']:.3f} -> {report}"
+    )
+
+
+@cli.command()
+@_data_option
+@click.option("--model", "model_path", required=True, type=click.Path(file_okay=False), help="A model folder written by `gpufail train`.")
+@click.pass_context
+def score(ctx: click.Context, data: str | None, model_path: str) -> None:
+    """Score every GPU's latest grid time and append to the predictions dataset."""
+    import pyarrow as pa
+
+    from ingest.store import Store
+    from models.train import load_model
+    from serving.score import score_latest
+
+    import polars as pl
+
+    root = _root(ctx, data)
+    model = load_model(model_path)
+    frame = _load_features(root)
+    # Score the fleet as it is now: GPUs that failed or left earlier have no row at the latest
+    # grid time (the feature grid is dense for every GPU still in service).
+    frame = frame.filter(pl.col("ts") == pl.col("ts").max())
+    predictions = score_latest(model, frame)
+    day = predictions["ts"].max().date()
+    path = Store.open(root).write_owned("predictions", day, pa.Table.from_pandas(predictions, preserve_index=False))
+    top = predictions.nsmallest(3, "rank")
+    riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
+    click.echo(f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest} -> {path}")
+
+
+@cli.command()
+@_data_option
+@click.option("--to", "target", type=click.Choice(["log"]), default=None, help="Where to publish (default: [publish] target). Slurm, Kubernetes and webhooks come next.")
+@click.option("--dry-run/--no-dry-run", default=None, help="Record what would be done without doing it (default: [publish] dry_run).")
+@click.pass_context
+def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: bool | None) -> None:
+    """Turn the latest predictions into node actions, bounded by a circuit breaker, and append
+    every decision to the actions audit log."""
+    from ingest.store import Store
+    from serving.publish import append_audit, decide_actions
+
+    settings = _settings(ctx).publish
+    target = target or settings.target
+    if target != "log":
+        raise GpufailError(f"publish --to {target}: not available yet; only 'log' (the audit log) is")
+    root = _root(ctx, data)
+    store = Store.open(root)
+    table = store.read_owned("predictions")
+    if table is None:
+        raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
+    predictions = table.to_pandas()
+    latest = predictions[predictions["ts"] == predictions["ts"].max()]
+    decisions = decide_actions(
+        latest,
+        risk_threshold=settings.risk_threshold,
+        max_nodes_fraction=settings.max_nodes_fraction,
+        total_nodes=latest["node"].nunique(),
+        dry_run=settings.dry_run if dry_run is None else dry_run,
+    )
+    path = append_audit(decisions, store.path("actions"))
+    counts = Counter(d.action for d in decisions)
+    mode = "dry run" if (settings.dry_run if dry_run is None else dry_run) else "live"
+    click.echo(f"publish ({mode}, {target}): " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + f" -> {path}")
+
+
+@cli.command()
+@_data_option
+@click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="The folder `gpufail evaluate` wrote.")
+@click.pass_context
+def summary(ctx: click.Context, data: str | None, report_dir: str) -> None:
+    """Print what the pipeline found and where its outputs are."""
+    import json
+
+    from ingest.store import Store
+
+    root = _root(ctx, data)
+    store = Store.open(root)
+    metrics_path = Path(report_dir) / "metrics.json"
+    if not metrics_path.exists():
+        raise GpufailError(f"{metrics_path}: not found; run `gpufail evaluate --report {report_dir}` first")
+    metrics = json.loads(metrics_path.read_text())
+    lines = [f"gpufail summary for {root}"]
+    if store.exists("failures"):
+        lines.append(f"  simulated failures (ground truth): {store.read('failures', columns=['ts']).num_rows}")
+    xids = store.read("xid_events", columns=["xid", "repeat_count"])
+    lines.append(f"  XID incidents parsed from kernel logs: {xids.num_rows:,} (from {sum(xids['repeat_count'].to_pylist()):,} lines)")
+    lines.extend("  " + line for line in _metric_lines(metrics))
+    lines.append(f"  outputs: features {store.path('features')}, predictions {store.path('predictions')}, actions {store.path('actions')}, report {metrics_path.parent / 'report.md'}")
+    click.echo("\n".join(lines))
+
+
+def _metric_lines(metrics: dict[str, Any]) -> list[str]:
+    k = metrics["top_k"]
+    scores = metrics["scores"]
+    model = scores["model"]
+    others = ", ".join(f"{name} {s['precision_at_k_pooled']:.3f}" for name, s in scores.items() if name != "model")
+    return [
+        f"held-out test period: {metrics['test']['start']} to {metrics['test']['end']} ({metrics['test']['n_gpus']} GPUs)",
+        f"precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
+        f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}, "
+        f"median lead {model['lead_time_h_median_at_k']:.1f} h",
+    ]
 
 
 def main() -> None:

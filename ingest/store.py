@@ -134,6 +134,19 @@ class Store:
         table = conform(table, dataset)
         return self._write_part(dataset, day.isoformat(), table)
 
+    def write_owned(self, dataset: str, day: date, table: pa.Table) -> str:
+        """Write one file of a dataset whose schema a later stage owns (features, predictions,
+        actions). The owner validates the table; the store gives the same write-once, atomic,
+        date-partitioned layout as the raw datasets."""
+        return self._write_part(dataset, day.isoformat(), table)
+
+    def read_owned(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> pa.Table | None:
+        """All rows of an owned dataset within the given days, or None when it has no file."""
+        files = self._files(dataset, first_day, last_day)
+        if not files:
+            return None
+        return ds.dataset(files, format="parquet", filesystem=self.fs).to_table()
+
     def _write_part(self, dataset: str, day: str, table: pa.Table) -> str:
         folder = self.path(dataset, f"date={day}")
         self.fs.makedirs(folder, exist_ok=True)

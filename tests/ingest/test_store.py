@@ -128,3 +128,13 @@ def test_memory_filesystem_url_works_like_a_folder(hours):
     t = hours(24, 48)
     assert store.read("xid_events", start=t[0], end=t[1])["xid"].to_pylist() == [48]
     assert Store.open("memory://gpufail-test-root").dates("xid_events")[0].isoformat() == "2026-01-05"
+
+
+def test_datasets_owned_by_later_stages_get_the_same_atomic_dated_layout(store, hours):
+    from datetime import date
+
+    assert store.read_owned("predictions") is None
+    store.write_owned("predictions", date(2026, 1, 5), pa.table({"gpu_uuid": ["a"], "risk": [0.9]}))
+    store.write_owned("predictions", date(2026, 1, 6), pa.table({"gpu_uuid": ["b"], "risk": [0.1]}))
+    assert store.read_owned("predictions")["gpu_uuid"].to_pylist() == ["a", "b"]
+    assert store.read_owned("predictions", first_day=date(2026, 1, 6))["gpu_uuid"].to_pylist() == ["b"]
