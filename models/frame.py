@@ -1,0 +1,111 @@
+"""From a feature frame to the matrices a model sees.
+
+The feature frame (owned by `features/`) has one row per (gpu_uuid, ts) on the grid:
+
+- id columns `ID_COLUMNS`; of these, `gpu_model` and `driver` are also model inputs
+  (`CATEGORICAL_COLUMNS`), encoded inside the model pipeline (see `models.estimators`);
+- label columns `label` (1 = fails within the horizon after ts, 0 = does not, null = censored)
+  and `time_to_failure_h`;
+- every other numeric (or boolean) column is a feature. Columns of any other type (strings,
+  timestamps) that are not ids are not features and are ignored.
+
+Censored rows (null label) are never used for training or evaluation. The feature column order
+is fixed when a model is trained and saved with it; at scoring time columns are selected by
+name in that order, so a frame whose columns come in another order scores the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ingest.errors import InputError
+
+ID_COLUMNS = ("ts", "cluster", "node", "gpu_index", "gpu_uuid", "gpu_model", "driver")
+LABEL_COLUMNS = ("label", "time_to_failure_h")
+CATEGORICAL_COLUMNS = ("gpu_model", "driver")
+MISSING_CATEGORY = "unknown"
+"""What a null `gpu_model` or `driver` becomes, so that it is one more category."""
+
+
+def to_pandas(frame: Any) -> pd.DataFrame:
+    """A polars or pandas DataFrame as pandas (polars is converted; pandas is returned as is)."""
+    if isinstance(frame, pd.DataFrame):
+        return frame
+    if hasattr(frame, "to_pandas") and type(frame).__module__.startswith("polars"):
+        return frame.to_pandas()
+    raise InputError(f"expected a polars or pandas DataFrame, got {type(frame).__name__}")
+
+
+def require_columns(frame: pd.DataFrame, columns: Sequence[str], what: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(
+            f"{what}: missing column(s) {missing}; expected a feature frame with {list(columns)}, "
+            f"got columns {list(frame.columns)[:20]}{' ...' if frame.shape[1] > 20 else ''}"
+        )
+
+
+def feature_columns(frame: Any) -> list[str]:
+    """The model inputs of a feature frame, in a stable order: the numeric feature columns in
+    the frame's order, then the categorical id columns that are present."""
+    df = to_pandas(frame)
+    excluded = set(ID_COLUMNS) | set(LABEL_COLUMNS)
+    numeric = [
+        c
+        for c in df.columns
+        if c not in excluded and (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]))
+    ]
+    return numeric + [c for c in CATEGORICAL_COLUMNS if c in df.columns]
+
+
+def labels(frame: Any) -> pd.Series:
+    """The `label` column as float (1.0, 0.0, NaN for censored), checked to hold only 0/1/null."""
+    df = to_pandas(frame)
+    require_columns(df, ["label"], "labels")
+    label = pd.to_numeric(df["label"], errors="coerce").astype("float64")
+    bad = label.notna() & ~label.isin([0.0, 1.0])
+    if bad.any():
+        raise InputError(
+            f"column label: expected 0, 1 or null, got {sorted(set(label[bad].tolist()))[:5]} "
+            f"(first at row {int(np.flatnonzero(bad.to_numpy())[0])})"
+        )
+    return label
+
+
+def feature_matrix(frame: Any, columns: Sequence[str]) -> pd.DataFrame:
+    """The model inputs `columns` of `frame`, in that order: numeric columns as float32 (null ->
+    NaN), categorical columns as Python strings (null -> `MISSING_CATEGORY`)."""
+    df = to_pandas(frame)
+    require_columns(df, columns, "feature frame")
+    out: dict[str, Any] = {}
+    for c in columns:
+        if c in CATEGORICAL_COLUMNS:
+            values = df[c].astype(object)
+            out[c] = values.where(values.notna(), MISSING_CATEGORY).astype(str).astype(object).to_numpy()
+        else:
+            out[c] = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float32, na_value=np.nan)
+    return pd.DataFrame(out, index=df.index, columns=list(columns))
+
+
+def split_xy(
+    frame: Any, columns: Sequence[str] | None = None
+) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
+    """Labelled rows of a feature frame as (X, y, ids).
+
+    X holds `columns` (default: `feature_columns(frame)`), y the 0/1 labels as int8, ids the id
+    columns present. Censored rows (null label) are dropped. The three share one index.
+    """
+    df = to_pandas(frame)
+    require_columns(df, ["ts", "gpu_uuid", "label"], "split_xy")
+    label = labels(df)
+    keep = label.notna().to_numpy()
+    df = df.loc[keep]
+    columns = feature_columns(df) if columns is None else list(columns)
+    X = feature_matrix(df, columns)
+    y = label.to_numpy()[keep].astype(np.int8)
+    ids = df[[c for c in ID_COLUMNS if c in df.columns]]
+    return X, y, ids
