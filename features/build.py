@@ -217,13 +217,14 @@ def build_features(
     pf = peer_features(dense, grid)
 
     ids = [c for c in ID_COLUMNS if c in dense.columns]
-    frame = (
-        dense.select(ids)
-        .join(wf, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(xf, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(pf, on=[GPU, "ts"], how="left", maintain_order="left")
-        .filter(pl.col("telemetry_since_last_h") <= max_silence.total_seconds() / 3600)
-    )
+    # The three feature frames have the rows of `dense` in its order (checked: a silent
+    # misalignment would be the worst kind of bug), so they are placed side by side.
+    for part in (wf, xf, pf):
+        if not part.select(GPU, "ts").equals(keys):
+            raise AssertionError("feature frames are not aligned with the grid; this is a bug in features.windows")
+    frame = pl.concat(
+        [dense.select(ids), wf.drop(GPU, "ts"), xf.drop(GPU, "ts"), pf.drop(GPU, "ts")], how="horizontal"
+    ).filter(pl.col("telemetry_since_last_h") <= max_silence.total_seconds() / 3600)
     if emit_start is not None:
         frame = frame.filter(pl.col("ts") >= pl.lit(_utc(emit_start), dtype=TS_DTYPE))
     if emit_end is not None:
@@ -370,6 +371,53 @@ def node_chunks(presence: pl.DataFrame, gpus_per_chunk: int) -> list[pl.DataFram
     return chunks
 
 
+def _chunk_ids(frame: pl.DataFrame, chunk_of: pl.DataFrame) -> pl.Expr:
+    """`_chunk` for each row of `frame` from (cluster, node) -> chunk; null for other nodes."""
+    if chunk_of["node"].n_unique() == chunk_of.height:
+        # Node names are unique across clusters (the usual case): a lookup on node is enough.
+        ids = pl.col("node").replace_strict(chunk_of["node"], chunk_of["_chunk"], default=None, return_dtype=pl.Int32)
+        clusters = dict(zip(chunk_of["node"].to_list(), chunk_of["cluster"].to_list(), strict=True))
+        same = pl.col("cluster") == pl.col("node").replace_strict(clusters, default=None, return_dtype=pl.String)
+        return pl.when(same).then(ids).alias("_chunk")
+    key = pl.concat_str("cluster", pl.lit("\x00"), "node")
+    keys = chunk_of.select(pl.concat_str("cluster", pl.lit("\x00"), "node")).to_series()
+    return key.replace_strict(keys, chunk_of["_chunk"], default=None, return_dtype=pl.Int32).alias("_chunk")
+
+
+def plan_blocks(
+    emit_start: datetime,
+    emit_end: datetime,
+    *,
+    lookback: timedelta,
+    day_rows: dict[date, int],
+    max_rows: int,
+    block: timedelta,
+) -> list[tuple[datetime, datetime, bool]]:
+    """Split [emit_start, emit_end) into whole-day blocks `(start, end, whole)`. A block is
+    `whole` when the fleet's telemetry for it plus its lookback is at most `max_rows` rows (it is
+    read once, then split by chunk), and then as long as that allows; otherwise it is `block`
+    long and read chunk by chunk."""
+    day = timedelta(days=1)
+
+    def rows(a: datetime, b: datetime) -> int:
+        first, last = a.date(), (b - timedelta(microseconds=1)).date()
+        return sum(n for d, n in day_rows.items() if first <= d <= last)
+
+    blocks = []
+    b0 = emit_start
+    while b0 < emit_end:
+        b1 = min(b0 + day, emit_end)
+        if rows(b0 - lookback, b1) > max_rows:
+            b1 = min(b0 + max(block, day), emit_end)
+            blocks.append((b0, b1, False))
+        else:
+            while b1 < emit_end and rows(b0 - lookback, min(b1 + day, emit_end)) <= max_rows:
+                b1 = min(b1 + day, emit_end)
+            blocks.append((b0, b1, True))
+        b0 = b1
+    return blocks
+
+
 def build_features_from_store(
     store: Store,
     *,
@@ -385,6 +433,7 @@ def build_features_from_store(
     xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     gpus_per_chunk: int = 256,
     block: timedelta = timedelta(days=14),
+    max_rows_in_memory: int = 8_000_000,
     flush_rows: int = 1_000_000,
     overwrite: bool = False,
     progress: bool = True,
@@ -403,6 +452,9 @@ def build_features_from_store(
     chunk of whole nodes of about `gpus_per_chunk` GPUs, telemetry is read for the block plus a
     lookback of max(windows) + max_silence, which makes each row equal to an all-history build.
     A chunk read filters on a node range; it is cheap when telemetry files are sorted by node.
+    When the whole fleet's telemetry for a block plus its lookback is at most
+    `max_rows_in_memory` rows, the block is instead read once and split by chunk in memory, and
+    made as long as that budget allows (fewer lookback re-reads).
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written.
@@ -419,9 +471,11 @@ def build_features_from_store(
     days = store.dates("telemetry")
     id_cols = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
     parts = []
+    day_rows: dict[date, int] = {}
     for day in tqdm(days, desc="features: scan", unit="day", disable=not progress):
         day_start = datetime(day.year, day.month, day.day, tzinfo=UTC)
         table = store.read("telemetry", day_start, day_start + timedelta(days=1), columns=id_cols)
+        day_rows[day] = table.num_rows
         parts.append(gpu_presence(_as_frame(table)))
     presence = combine_presence(parts)
     if presence.height == 0:
@@ -460,13 +514,11 @@ def build_features_from_store(
     lookback_us = (max_window + max_silence + grid) // timedelta(microseconds=1)
     g_us = grid // timedelta(microseconds=1)
     lookback = timedelta(microseconds=-(-lookback_us // g_us) * g_us)
-    blocks = []
-    b0 = emit_start
-    while b0 < emit_end:
-        b1 = min(b0 + block, emit_end)
-        blocks.append((b0, b1))
-        b0 = b1
+    blocks = plan_blocks(
+        emit_start, emit_end, lookback=lookback, day_rows=day_rows, max_rows=max_rows_in_memory, block=block
+    )
     chunks = node_chunks(presence, gpus_per_chunk)
+    chunk_of = pl.concat([c.with_columns(pl.lit(i, dtype=pl.Int32).alias("_chunk")) for i, c in enumerate(chunks)])
     summary.blocks, summary.chunks = len(blocks), len(chunks)
 
     buffer: list[pl.DataFrame] = []
@@ -480,45 +532,67 @@ def build_features_from_store(
             summary.files_written += write_features(store, out)
             buffer, buffered = [], 0
 
+    def build_chunk(tel: pl.DataFrame, nodes: pl.DataFrame, b0: datetime, b1: datetime) -> None:
+        nonlocal buffered
+        summary.telemetry_rows_read += tel.height
+        if tel.height == 0:
+            return
+        chunk_xid = xid.join(nodes, on=["cluster", "node"], how="semi").filter(
+            pl.col("ts") < pl.lit(b1, dtype=TS_DTYPE)
+        )
+        frame = build_features(
+            tel,
+            chunk_xid,
+            grid=grid,
+            windows=windows,
+            horizon=horizon,
+            failure_xids=failure_xids,
+            merge_window=merge_window,
+            data_end=data_end,
+            lost_after=lost_after,
+            max_silence=max_silence,
+            xid_since_cap=xid_since_cap,
+            presence=presence,
+            episodes=episodes,
+            emit_start=b0,
+            emit_end=b1,
+        )
+        if frame.height:
+            summary.rows += frame.height
+            summary.positives += int((frame["label"] == 1).sum())
+            summary.censored += frame["label"].null_count()
+            gpus.update(frame[GPU].unique().to_list())
+            buffer.append(frame)
+            buffered += frame.height
+            if buffered >= flush_rows:
+                flush()
+
     bar = tqdm(total=len(blocks) * len(chunks), desc="features: build", unit="chunk", disable=not progress)
-    for b0, b1 in blocks:
+    for b0, b1, whole in blocks:
         read_start = b0 - lookback + timedelta(microseconds=1)
+        if whole:
+            # The block fits in memory: read it once and split it by chunk.
+            # One sort by (chunk, GPU, time) leaves each chunk a zero-copy slice that is already
+            # in the order `hourly_aggregate` needs.
+            table = _as_frame(store.read("telemetry", read_start, b1))
+            table = table.with_columns(_chunk_ids(table, chunk_of)).filter(pl.col("_chunk").is_not_null())
+            table = table.sort("_chunk", pl.col(GPU).hash(), "ts")
+            sizes = dict(table["_chunk"].value_counts().iter_rows())
+            offset = 0
+            for i, nodes in enumerate(chunks):
+                n = sizes.get(i, 0)
+                build_chunk(table.slice(offset, n).drop("_chunk"), nodes, b0, b1)
+                offset += n
+                bar.update(1)
+            del table
+            continue
         for nodes in chunks:
+            # One read per chunk; cheap when the files are sorted by node (row-group statistics
+            # let the reader skip the other nodes).
             lo, hi = nodes["node"].min(), nodes["node"].max()
             node_filter = (pc.field("node") >= lo) & (pc.field("node") <= hi)
-            table = store.read("telemetry", read_start, b1, filter=node_filter)
-            tel = _as_frame(table).join(nodes, on=["cluster", "node"], how="semi")
-            summary.telemetry_rows_read += tel.height
-            if tel.height:
-                chunk_xid = xid.join(nodes, on=["cluster", "node"], how="semi").filter(
-                    pl.col("ts") < pl.lit(b1, dtype=TS_DTYPE)
-                )
-                frame = build_features(
-                    tel,
-                    chunk_xid,
-                    grid=grid,
-                    windows=windows,
-                    horizon=horizon,
-                    failure_xids=failure_xids,
-                    merge_window=merge_window,
-                    data_end=data_end,
-                    lost_after=lost_after,
-                    max_silence=max_silence,
-                    xid_since_cap=xid_since_cap,
-                    presence=presence,
-                    episodes=episodes,
-                    emit_start=b0,
-                    emit_end=b1,
-                )
-                if frame.height:
-                    summary.rows += frame.height
-                    summary.positives += int((frame["label"] == 1).sum())
-                    summary.censored += frame["label"].null_count()
-                    gpus.update(frame[GPU].unique().to_list())
-                    buffer.append(frame)
-                    buffered += frame.height
-                    if buffered >= flush_rows:
-                        flush()
+            tel = _as_frame(store.read("telemetry", read_start, b1, filter=node_filter))
+            build_chunk(tel.join(nodes, on=["cluster", "node"], how="semi"), nodes, b0, b1)
             bar.update(1)
     bar.close()
     flush()

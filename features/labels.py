@@ -12,8 +12,10 @@ A *failure episode* is when a GPU stops being usable. Two sources, XIDs first:
    sample, which the GPU was alive to send. This
    catches GPUs that fall off the bus without an Xid line, and GPUs pulled for replacement.
    A whole node going silent is not counted: that is a node (or collector) outage, and a GPU
-   that failed with it is found by its XID. A GPU that has an XID episode is labelled by its
-   first episode anyway, so a lost-GPU episode after it changes nothing.
+   that failed with it is found by its XID. A failure XID logged within `lost_after` after the
+   last sample explains the silence, and its episode is used instead (a GPU often stops
+   answering NVML minutes to hours before the driver logs the Xid; the rows of that silence are
+   kept, labelled positive, as telemetry collapse is itself a precursor).
 
 Labels (`attach_labels`), with T the GPU's *first* episode start:
 - rows with t >= T are dropped (the GPU is out of service until repaired or replaced; a
@@ -201,10 +203,17 @@ def episodes_for(
 ) -> pl.DataFrame:
     """All failure episodes: failure XIDs (events resolved to GPUs first) plus lost GPUs
     (`lost_after=None` turns those off). Sorted by (gpu_uuid, start)."""
-    parts = [failure_episodes(resolve_xid_gpus(xid_events, presence), failure_xids, merge_window)]
-    if lost_after is not None:
-        parts.append(lost_gpu_episodes(presence, data_end, lost_after))
-    return pl.concat(parts).sort(GPU, "start")
+    xid_eps = failure_episodes(resolve_xid_gpus(xid_events, presence), failure_xids, merge_window)
+    if lost_after is None:
+        return xid_eps
+    lost = lost_gpu_episodes(presence, data_end, lost_after)
+    # A failure XID logged within `lost_after` of the GPU's last sample explains the silence
+    # and dates the failure: XIDs are the primary source.
+    explained = lost.join(xid_eps.select(GPU, pl.col("start").alias("_xid_start")), on=GPU, how="inner").filter(
+        pl.col("_xid_start") <= pl.col("start") + lost_after
+    )
+    lost = lost.join(explained.select(GPU).unique(), on=GPU, how="anti")
+    return pl.concat([xid_eps, lost]).sort(GPU, "start")
 
 
 def attach_labels(

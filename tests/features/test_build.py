@@ -14,6 +14,7 @@ from features.build import (
     build_features_from_store,
     empty_features,
     feature_files,
+    plan_blocks,
     read_features,
     write_features,
 )
@@ -115,11 +116,18 @@ def test_building_from_a_store_in_chunks_equals_building_in_memory(tmp_path, fle
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
-    # Small blocks and chunks so that lookback and chunk edges are exercised.
+    # Small blocks and chunks, each chunk read on its own (no in-memory budget), so that
+    # lookback, chunk edges and node-filtered reads are exercised.
     summary = build_features_from_store(
-        store, windows=WINDOWS, gpus_per_chunk=10, block=timedelta(hours=20), flush_rows=500, progress=False
+        store,
+        windows=WINDOWS,
+        gpus_per_chunk=10,
+        block=timedelta(hours=20),
+        max_rows_in_memory=0,
+        flush_rows=500,
+        progress=False,
     )
-    assert summary.chunks == 2 and summary.blocks > 3
+    assert summary.chunks == 2 and summary.blocks == 3
     assert summary.telemetry_rows_read > tel.height  # the lookback is read twice
     stored = read_features(store)
     expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
@@ -128,11 +136,13 @@ def test_building_from_a_store_in_chunks_equals_building_in_memory(tmp_path, fle
     assert stored.filter(pl.col("gpu_uuid") == "GPU-00000004")["ts"].max() <= T0 + 40 * H
     assert "features:" in str(summary)
 
-    # A second build over the same days is refused, then replaces the files when asked to.
+    # A second build over the same days is refused, then replaces the files when asked to;
+    # this time the fleet fits the in-memory budget: one block, read once.
     with pytest.raises(FileExistsError, match="overwrite"):
         build_features_from_store(store, windows=WINDOWS, progress=False)
     before = set(feature_files(store))
-    summary = build_features_from_store(store, windows=WINDOWS, overwrite=True, progress=False)
+    summary = build_features_from_store(store, windows=WINDOWS, gpus_per_chunk=10, overwrite=True, progress=False)
+    assert summary.blocks == 1 and summary.telemetry_rows_read == tel.height
     assert summary.files_replaced == len(before)
     assert not before & set(feature_files(store))
     assert_frame_equal(read_features(store), stored, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
@@ -163,3 +173,33 @@ def test_bench_reports_a_rate():
     result = bench_build(8, 10, repeat=1)
     assert result["telemetry_rows"] == 8 * 600
     assert result["rows_per_s"] > 0
+
+
+def test_plan_blocks_fits_the_memory_budget():
+    days = {(T0 + timedelta(days=i)).date(): 100 for i in range(10)}
+    day = timedelta(days=1)
+    # Everything fits: one block.
+    assert plan_blocks(T0, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=1000, block=3 * day) == [
+        (T0, T0 + 10 * day, True)
+    ]
+    # 500 rows: a block plus a 2-day lookback spans at most 5 days.
+    blocks = plan_blocks(T0 + 2 * day, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=500, block=3 * day)
+    assert blocks == [
+        (T0 + 2 * day, T0 + 5 * day, True),
+        (T0 + 5 * day, T0 + 8 * day, True),
+        (T0 + 8 * day, T0 + 10 * day, True),
+    ]
+    # Not even one day fits: blocks of `block`, read chunk by chunk.
+    blocks = plan_blocks(T0, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=50, block=4 * day)
+    assert blocks == [
+        (T0, T0 + 4 * day, False),
+        (T0 + 4 * day, T0 + 8 * day, False),
+        (T0 + 8 * day, T0 + 10 * day, False),
+    ]
+
+
+def test_row_order_of_the_input_does_not_matter(fleet):
+    tel, events = fleet
+    expected = build_features(tel, events, windows=WINDOWS)
+    shuffled = build_features(tel.sample(fraction=1.0, shuffle=True, seed=5), events.reverse(), windows=WINDOWS)
+    assert_frame_equal(shuffled, expected, check_exact=False, rel_tol=1e-6, abs_tol=1e-5)

@@ -159,3 +159,17 @@ def test_attach_labels_keeps_row_order_and_types():
     assert out.schema["label"] == pl.Int8 and out.schema["time_to_failure_h"] == pl.Float32
     with pytest.raises(AssertionError):
         assert out.height == 3  # the row at 03:00 is after the failure
+
+
+def test_a_failure_xid_soon_after_the_telemetry_stops_dates_the_failure():
+    lost = samples(every(at(0, 10), at(20, 20), 10 * MIN), gpu="GPU-a", gpu_index=0, temp_gpu_c=60.0)
+    peer = samples(every(at(0, 10), at(48), 10 * MIN), gpu="GPU-b", gpu_index=1, temp_gpu_c=60.0)
+    events = xids([{"ts": at(23, 30), "gpu_uuid": "GPU-a", "xid": 79}])
+    out = build_features(pl.concat([lost, peer]), events, horizon=6 * H)
+    a = out.filter(pl.col("gpu_uuid") == "GPU-a")
+    # Rows continue through the silence, labelled by the XID, until it is logged.
+    assert a["ts"].max() == at(23)
+    last = a.row(-1, named=True)
+    assert last["label"] == 1 and last["time_to_failure_h"] == 0.5
+    assert last["telemetry_since_last_h"] == pytest.approx(23 - (20 + 20 / 60))
+    assert labels_by_ts(out, "GPU-a")[at(17)] == 0  # 17 + 6 < 23:30
