@@ -71,22 +71,36 @@ def ingest() -> None:
 @ingest.command("kernel-log")
 @_data_option
 @click.option("--node", default=None, help="Node name for formats without a host field (default: the file name).")
+@click.option("--boot-time", default=None, help="When the host booted (ISO, UTC): places /dev/kmsg and [uptime] stamps in time.")
+@click.option("--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw.")
 @click.argument("files", nargs=-1, type=click.Path())
 @click.pass_context
-def ingest_kernel_log(ctx: click.Context, data: str | None, node: str | None, files: tuple[str, ...]) -> None:
+def ingest_kernel_log(
+    ctx: click.Context, data: str | None, node: str | None, boot_time: str | None, tz: str | None, files: tuple[str, ...]
+) -> None:
     """Parse NVRM/Xid kernel-log lines into the xid_events dataset.
 
-    FILES default to DATA/raw/kernel-log/*.log (what `gpufail simulate` writes)."""
+    FILES (plain, rotated or gzip-compressed) default to everything under DATA/raw/kernel-log/
+    (what `gpufail simulate` writes). Files already ingested are skipped; a grown file is read
+    from where the last run stopped."""
     from ingest.kernel_log_ingest import ingest_kernel_logs
     from ingest.store import Store
 
     settings = _settings(ctx)
     root = _root(ctx, data)
     store = Store.open(root)
-    paths = [Path(f) for f in files] or sorted(Path(store.path("raw", "kernel-log")).glob("*.log"))
+    paths = [Path(f) for f in files] or sorted(p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file())
     if not paths:
         raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
-    summary = ingest_kernel_logs(store, paths, cluster=settings.ingest.cluster, dedup_window=settings.ingest.xid_dedup_window, node=node)
+    summary = ingest_kernel_logs(
+        store,
+        paths,
+        cluster=settings.ingest.cluster,
+        dedup_window=settings.ingest.xid_dedup_window,
+        node=node,
+        boot_time=_when(boot_time),
+        tz=tz,
+    )
     click.echo(f"kernel-log: {summary}")
 
 
