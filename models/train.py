@@ -16,6 +16,7 @@ import os
 import platform
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -176,10 +177,17 @@ def train_model(
     as_of: TimeLike | None = None,
     params: dict[str, Any] | None = None,
     max_pos_weight: float = MAX_POS_WEIGHT,
+    monotone_increasing: Sequence[str] = (),
 ) -> TrainedModel:
     """Fit a `kind` model on the most recent `train_window` of labelled rows that ends a
     `horizon` before `as_of` (see `training_rows`). `params` override the defaults of
-    `models.estimators.DEFAULT_PARAMS`."""
+    `models.estimators.DEFAULT_PARAMS`.
+
+    `monotone_increasing` names features whose rise must never lower the risk (error counters:
+    a new double-bit ECC error is never good news); the trees get monotone constraints on them.
+    Without them, trees fit on a few hundred failures can rank a GPU lower because its error
+    count went up. Logistic regression has no such constraint here: naming features is an error.
+    """
     if kind not in DEFAULT_PARAMS:
         raise InputError(f"model kind: expected one of {sorted(DEFAULT_PARAMS)}, got {kind!r}")
     rows = training_rows(frame, train_window=train_window, horizon=horizon, as_of=as_of)
@@ -195,6 +203,17 @@ def train_model(
         )
     pos_weight = balanced_pos_weight(y, max_pos_weight)
     user_params = dict(params or {})
+    if monotone_increasing:
+        unknown = sorted(set(monotone_increasing) - set(X.columns))
+        if unknown:
+            raise InputError(f"monotone_increasing: {unknown} are not feature columns; expected some of {list(X.columns)}")
+        if kind == "logistic":
+            raise InputError("monotone_increasing: only the tree models (lightgbm, xgboost) support it, got kind 'logistic'")
+        constraints = [int(c in set(monotone_increasing)) for c in X.columns]
+        # LightGBM takes a list aligned with the columns; XGBoost 3 wants its "(1,0,...)" string.
+        user_params["monotone_constraints"] = (
+            constraints if kind == "lightgbm" else "(" + ",".join(map(str, constraints)) + ")"
+        )
     estimator = make_model(kind, pos_weight=pos_weight, **user_params)
     estimator.fit(X, y)
     ts = _utc_ts(ids)

@@ -1,0 +1,108 @@
+"""Scoring: the risk of each GPU now, from its most recent row of the feature frame.
+
+The prediction schema (`PREDICTION_COLUMNS`) is owned here. `risk` is the model's probability
+that the GPU fails within the model's horizon, with class weighting divided out
+(`TrainedModel.predict_risk`); `node_risk` = 1 - prod(1 - risk) over the GPUs of the node, the
+chance that at least one fails if they fail independently (they do not quite: a node's GPUs
+share power, cooling and a baseboard, so read it as a ranking of nodes more than a probability).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from ingest.errors import InputError
+from models.frame import require_columns, to_pandas
+from models.train import TrainedModel
+
+PREDICTION_SCHEMA = pa.schema(
+    [
+        ("ts", pa.timestamp("us", tz="UTC")),
+        ("cluster", pa.string()),
+        ("node", pa.string()),
+        ("gpu_index", pa.int32()),
+        ("gpu_uuid", pa.string()),
+        ("risk", pa.float64()),
+        ("rank", pa.int64()),
+        ("node_risk", pa.float64()),
+        ("model_kind", pa.string()),
+        ("model_version", pa.string()),
+    ]
+)
+PREDICTION_COLUMNS = tuple(PREDICTION_SCHEMA.names)
+
+
+def latest_rows(frame: Any) -> pd.DataFrame:
+    """Each GPU's most recent row (a GPU that stopped reporting keeps its last row: compare its
+    `ts` with the others' to see that it is stale)."""
+    df = to_pandas(frame)
+    require_columns(df, ["ts", "cluster", "node", "gpu_index", "gpu_uuid"], "scoring frame")
+    if len(df) == 0:
+        return df
+    last = df.groupby("gpu_uuid", sort=False)["ts"].transform("max")
+    latest = df.loc[(df["ts"] == last).to_numpy()]
+    return latest.drop_duplicates("gpu_uuid", keep="last")
+
+
+def node_risk(risk: np.ndarray | pd.Series, cluster: Any, node: Any) -> np.ndarray:
+    """1 - prod(1 - risk) over the rows of each (cluster, node), aligned with the inputs."""
+    keys = pd.DataFrame({"cluster": np.asarray(cluster), "node": np.asarray(node)})
+    per_node = pd.Series(_log_survival(risk)).groupby([keys["cluster"], keys["node"]]).transform("sum")
+    return -np.expm1(per_node.to_numpy())
+
+
+def _log_survival(risk: Any) -> np.ndarray:
+    # Summing log(1 - p) keeps the product accurate for small p (1 - prod would round to 0).
+    return np.log1p(-np.clip(np.asarray(risk, dtype=np.float64), 0.0, 1.0 - 1e-15))
+
+
+def score_latest(model: TrainedModel, frame: Any) -> pd.DataFrame:
+    """Score each GPU's most recent row of `frame` with `model`.
+
+    One row per GPU with `PREDICTION_COLUMNS`, sorted by rank (1 = highest risk; ties broken by
+    gpu_uuid so that the order is reproducible)."""
+    latest = latest_rows(frame)
+    if len(latest) == 0:
+        return PREDICTION_SCHEMA.empty_table().to_pandas()
+    risk = model.predict_risk(latest)
+    if not np.all(np.isfinite(risk)):
+        raise InputError(f"model {model.version} returned non-finite risks for {int((~np.isfinite(risk)).sum())} GPUs")
+    out = pd.DataFrame(
+        {
+            "ts": latest["ts"].to_numpy(),
+            "cluster": latest["cluster"].astype(str).to_numpy(),
+            "node": latest["node"].astype(str).to_numpy(),
+            "gpu_index": latest["gpu_index"].to_numpy(dtype=np.int32),
+            "gpu_uuid": latest["gpu_uuid"].astype(str).to_numpy(),
+            "risk": risk,
+        }
+    )
+    out = out.sort_values(["risk", "gpu_uuid"], ascending=[False, True], ignore_index=True)
+    out["rank"] = np.arange(1, len(out) + 1, dtype=np.int64)
+    out["node_risk"] = node_risk(out["risk"], out["cluster"], out["node"])
+    out["model_kind"] = model.kind
+    out["model_version"] = model.version
+    return out[list(PREDICTION_COLUMNS)]
+
+
+def node_risks(predictions: pd.DataFrame) -> pd.DataFrame:
+    """One row per (cluster, node) of `score_latest`'s output: node_risk, n_gpus, and the
+    node's GPUs as lists of gpu_uuid / gpu_index / risk ordered by risk, highest first;
+    sorted by node_risk, highest first."""
+    require_columns(predictions, ["cluster", "node", "gpu_uuid", "gpu_index", "risk"], "predictions")
+    ordered = predictions.sort_values(["risk", "gpu_uuid"], ascending=[False, True])
+    ordered = ordered.assign(_log_survival=_log_survival(ordered["risk"]))
+    nodes = ordered.groupby(["cluster", "node"], sort=False).agg(
+        log_survival=("_log_survival", "sum"),
+        n_gpus=("gpu_uuid", "size"),
+        gpu_uuids=("gpu_uuid", list),
+        gpu_indices=("gpu_index", list),
+        gpu_risks=("risk", list),
+    )
+    nodes.insert(0, "node_risk", -np.expm1(nodes.pop("log_survival")))
+    nodes = nodes.reset_index()
+    return nodes.sort_values(["node_risk", "cluster", "node"], ascending=[False, True, True], ignore_index=True)

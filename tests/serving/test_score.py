@@ -1,0 +1,109 @@
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from models.train import TrainedModel, train_model
+from serving.score import PREDICTION_COLUMNS, PREDICTION_SCHEMA, node_risks, score_latest
+from tests.models import ONE_THREAD, demo_frame
+
+T0 = pd.Timestamp("2026-01-01", tz="UTC")
+
+
+class ColumnAsProbability:
+    """A stand-in estimator whose probability of failure is the feature `p`."""
+
+    def predict_proba(self, X: pd.DataFrame) -> np.ndarray:
+        p = X["p"].to_numpy(dtype=float)
+        return np.column_stack([1 - p, p])
+
+
+def fake_model(pos_weight: float = 1.0) -> TrainedModel:
+    return TrainedModel(
+        estimator=ColumnAsProbability(),
+        feature_columns=["p"],
+        kind="fake",
+        params={},
+        train_start=T0,
+        train_end=T0,
+        n_rows=1,
+        n_positives=1,
+        horizon=pd.Timedelta("24h"),
+        pos_weight=pos_weight,
+    )
+
+
+def hand_frame() -> pd.DataFrame:
+    rows = [
+        # (hour, node, index, uuid, p)
+        (0, "n1", 0, "a", 0.9),  # old row of a: not scored
+        (1, "n1", 0, "a", 0.5),
+        (1, "n1", 1, "b", 0.2),
+        (1, "n2", 0, "c", 0.1),
+        (0, "n2", 1, "d", 0.7),  # d stopped reporting after hour 0: its last row is scored
+    ]
+    frame = pd.DataFrame(rows, columns=["hour", "node", "gpu_index", "gpu_uuid", "p"])
+    frame["ts"] = T0 + pd.to_timedelta(frame.pop("hour"), unit="h")
+    frame["cluster"] = "c1"
+    return frame
+
+
+def test_score_latest_by_hand():
+    predictions = score_latest(fake_model(), hand_frame())
+    assert list(predictions.columns) == list(PREDICTION_COLUMNS)
+    assert predictions["gpu_uuid"].tolist() == ["d", "a", "b", "c"]
+    assert predictions["rank"].tolist() == [1, 2, 3, 4]
+    assert predictions["risk"].tolist() == pytest.approx([0.7, 0.5, 0.2, 0.1])
+    assert predictions.loc[predictions["gpu_uuid"] == "d", "ts"].item() == T0  # stale, and says so
+    node = dict(zip(predictions["gpu_uuid"], predictions["node_risk"]))
+    assert node["a"] == node["b"] == pytest.approx(1 - 0.5 * 0.8)
+    assert node["c"] == node["d"] == pytest.approx(1 - 0.9 * 0.3)
+    assert set(predictions["model_version"]) == {fake_model().version}
+    pa.Table.from_pandas(predictions, schema=PREDICTION_SCHEMA, preserve_index=False)  # fits the schema
+
+
+def test_risk_divides_out_the_class_weight():
+    predictions = score_latest(fake_model(pos_weight=9.0), hand_frame())
+    # p' = 0.5 from a model fit with positives weighted 9 -> p = 0.5 / (0.5 + 9 * 0.5) = 0.1
+    assert predictions.loc[predictions["gpu_uuid"] == "a", "risk"].item() == pytest.approx(0.1)
+
+
+def test_node_risks_one_row_per_node_highest_first():
+    nodes = node_risks(score_latest(fake_model(), hand_frame()))
+    assert nodes[["node", "n_gpus"]].values.tolist() == [["n2", 2], ["n1", 2]]
+    assert nodes["node_risk"].tolist() == pytest.approx([0.73, 0.6])
+    assert nodes.loc[0, "gpu_uuids"] == ["d", "c"]
+
+
+def test_node_risk_stays_accurate_for_tiny_probabilities():
+    frame = pd.DataFrame(
+        {"ts": T0, "cluster": "c", "node": "n", "gpu_index": range(8), "gpu_uuid": list("abcdefgh"), "p": 1e-12}
+    )
+    predictions = score_latest(fake_model(), frame)
+    assert predictions["node_risk"].iloc[0] == pytest.approx(8e-12, rel=1e-6)
+
+
+def test_empty_frame_gives_empty_predictions_with_the_schema():
+    predictions = score_latest(fake_model(), hand_frame().iloc[0:0])
+    assert len(predictions) == 0 and list(predictions.columns) == list(PREDICTION_COLUMNS)
+
+
+def test_a_trained_model_scores_every_gpu_once_from_a_polars_frame():
+    import polars as pl
+
+    frame = demo_frame()
+    model = train_model(frame, kind="logistic", train_window="5d", horizon="12h")
+    predictions = score_latest(model, pl.from_pandas(frame))
+    assert len(predictions) == frame["gpu_uuid"].nunique()
+    assert predictions["gpu_uuid"].is_unique
+    assert predictions["risk"].between(0, 1).all()
+    assert (np.diff(predictions["risk"].to_numpy()) <= 0).all()
+    assert predictions["model_kind"].unique().tolist() == ["logistic"]
+
+
+def test_lightgbm_model_scores_too():
+    frame = demo_frame()
+    model = train_model(frame, kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    predictions = score_latest(model, frame)
+    assert len(predictions) == frame["gpu_uuid"].nunique()
+    assert np.isfinite(predictions["node_risk"]).all()
