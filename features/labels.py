@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Literal
 
 import polars as pl
 
@@ -51,7 +52,9 @@ EPISODE_SCHEMA = {
 }
 
 
-def gpu_presence(telemetry: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
+def gpu_presence(
+    telemetry: pl.DataFrame | pl.LazyFrame, *, engine: Literal["in-memory", "streaming"] = ENGINE
+) -> pl.DataFrame:
     """Where and when each GPU reported: one row per (cluster, node, gpu_index, pci_bus_id,
     gpu_uuid) with `first_ts`, `last_ts` and `n_samples`. Small; the input of XID-to-GPU
     resolution and of lost-GPU detection. Presences of several time ranges combine with
@@ -67,8 +70,8 @@ def gpu_presence(telemetry: pl.DataFrame | pl.LazyFrame) -> pl.DataFrame:
             pl.col("ts").max().alias("last_ts"),
             pl.len().cast(pl.Int64).alias("n_samples"),
         )
+        .collect(engine=engine)
         .sort(GPU, "first_ts")
-        .collect(engine=ENGINE)
     )
 
 
@@ -227,25 +230,23 @@ def attach_labels(
     `time_to_failure_h` (Float32) to `rows` (which need `gpu_uuid` and `ts`); see the module
     notes for the rules. Row order is kept."""
     first = episodes.group_by(GPU).agg(pl.col("start").min().alias("_fail"))
-    ttf_us = (pl.col("_fail") - pl.col("ts")).dt.total_microseconds()
+    # A lookup rather than a join: `rows` can be wide (hundreds of feature columns).
+    fail = pl.col(GPU).replace_strict(first[GPU], first["_fail"], default=None, return_dtype=TS_DTYPE)
+    ttf_us = (fail - pl.col("ts")).dt.total_microseconds()
     horizon_us = int(horizon.total_seconds() * 1_000_000)
     end = pl.lit(data_end, dtype=TS_DTYPE)
+    within = fail.is_not_null() & (ttf_us <= horizon_us)
     label = (
-        pl.when(pl.col("_fail").is_not_null() & (ttf_us <= horizon_us))
+        pl.when(within)
         .then(pl.lit(1, dtype=pl.Int8))
         .when(pl.col("ts") + horizon > end)
         .then(pl.lit(None, dtype=pl.Int8))
         .otherwise(pl.lit(0, dtype=pl.Int8))
     )
-    return (
-        rows.join(first, on=GPU, how="left", maintain_order="left")
-        .filter(pl.col("_fail").is_null() | (pl.col("ts") < pl.col("_fail")))
-        .with_columns(
-            label.alias("label"),
-            pl.when(pl.col("_fail").is_not_null() & (ttf_us <= horizon_us))
-            .then(ttf_us / HOUR_US)
-            .cast(pl.Float32)
-            .alias("time_to_failure_h"),
-        )
-        .drop("_fail")
+    keep = rows.select(fail.is_null() | (pl.col("ts") < fail)).to_series()
+    if not keep.all():
+        rows = rows.filter(keep)
+    return rows.with_columns(
+        label.alias("label"),
+        pl.when(within).then(ttf_us / HOUR_US).cast(pl.Float32).alias("time_to_failure_h"),
     )

@@ -68,6 +68,7 @@ def test_columns_types_and_order(fleet):
     } <= set(feats)
     assert len(feats) == len(set(feats))
     assert out.select("gpu_uuid", "ts").is_unique().all()
+    assert out.equals(out.sort("gpu_uuid", "ts"))
     assert out["label"].drop_nulls().is_in([0, 1]).all()
 
 
@@ -203,3 +204,16 @@ def test_row_order_of_the_input_does_not_matter(fleet):
     expected = build_features(tel, events, windows=WINDOWS)
     shuffled = build_features(tel.sample(fraction=1.0, shuffle=True, seed=5), events.reverse(), windows=WINDOWS)
     assert_frame_equal(shuffled, expected, check_exact=False, rel_tol=1e-6, abs_tol=1e-5)
+
+
+def test_a_store_on_another_filesystem_builds_the_same(tmp_path, fleet):
+    """Non-local stores (s3://, memory://) are read through `Store.read`, not polars."""
+    tel, events = fleet
+    local = Store.create(str(tmp_path / "data"))
+    remote = Store.create(f"memory://gpufail-features-test-{tmp_path.name}")
+    for store in (local, remote):
+        store.write("telemetry", tel.to_arrow())
+        store.write("xid_events", events.to_arrow())
+        build_features_from_store(store, windows=WINDOWS, max_rows_in_memory=50_000, progress=False)
+    assert_frame_equal(read_features(remote), read_features(local))
+    remote.fs.rm(remote.path(), recursive=True)
