@@ -325,6 +325,15 @@ def read_features(
     files = feature_files(store, first_day, last_day)
     if not files:
         return pl.DataFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
+    cols = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
+    if _local(store):
+        # polars read these files 2.5x faster than pyarrow's dataset reader (see _read_telemetry).
+        lf = pl.scan_parquet(files, hive_partitioning=False)
+        if start is not None:
+            lf = lf.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=TS_DTYPE))
+        if end is not None:
+            lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
+        return (lf if cols is None else lf.select(cols)).collect().sort("ts", GPU)
     dataset = ds.dataset(files, format="parquet", filesystem=store.fs)
     expr = None
     if start is not None:
@@ -332,7 +341,6 @@ def read_features(
     if end is not None:
         term = ds.field("ts") < pa.scalar(_utc(end), pa.timestamp("us", tz="UTC"))
         expr = term if expr is None else expr & term
-    cols = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
     frame = pl.from_arrow(dataset.to_table(columns=cols, filter=expr))
     assert isinstance(frame, pl.DataFrame)
     return frame.sort("ts", GPU)
@@ -662,7 +670,8 @@ def build_features_from_store(
         for nodes in chunks:
             # One read per chunk; cheap when the files are sorted by node (row-group statistics
             # let the reader skip the other nodes).
-            tel = _read_telemetry(store, read_start, b1, nodes=(nodes["node"].min(), nodes["node"].max()))
+            node_range = (str(nodes["node"].min()), str(nodes["node"].max()))
+            tel = _read_telemetry(store, read_start, b1, nodes=node_range)
             build_chunk(tel.join(nodes, on=["cluster", "node"], how="semi"), nodes, b0, b1)
             bar.update(1)
     bar.close()
