@@ -27,14 +27,17 @@ Choices, so that a reader need not reverse-engineer them:
   driver reload, so the new value is what accrued since). The increase across a telemetry gap
   longer than `max_gap` is not counted (the baseline restarts): this keeps every feature a
   function of at most `max(windows) + max_gap` of history, so a build in time blocks with that
-  much lookback equals a build over all history. Also `<counter>_last`, the latest reading.
+  much lookback equals a build over all history (`build_features` passes `max_silence` as
+  `max_gap`). Also `<counter>_last`, the latest reading (for lifetime counters such as
+  `ecc_dbe_aggregate_total` the level itself is the signal).
 - Flags: the window maximum (was the flag ever raised in the window).
 - Bitmasks: the fraction of samples in the window with any bit of a named group set
   (`BITMASK_GROUPS`).
 - Telemetry health: `telemetry_missing_frac_<w>` = 1 - samples / (min(W, GPU age) / expected
-  interval), clipped to [0, 1], where the expected interval is the median over the longest window of the per-bucket
-  mean spacing between consecutive samples (causal: only spacings up to t); 1 when the window
-  has no sample. `telemetry_since_last_h`: hours from the last sample at or before t to t.
+  interval), clipped to [0, 1], where the expected interval is the median over the longest
+  window of the per-bucket mean spacing between consecutive samples (causal: only spacings up
+  to t); 1 when the window has no sample. `telemetry_since_last_h`: hours from the last sample
+  at or before t to t. A GPU younger than a window is not counted as missing its samples.
 - XIDs: incidents per class and window (`xid_<class>_count_<w>`, one per `xid_events` row, by its
   first line `ts`); lines of application-class incidents (`xid_application_repeats_<w>`, the sum
   of `repeat_count`, counted at the incident's `last_ts`, when the last repeat was known);
