@@ -19,7 +19,13 @@ from ingest.errors import GpufailError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="TOML configuration file (default: $GPUFAIL_CONFIG, else built-in defaults).")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML configuration file (default: $GPUFAIL_CONFIG, else built-in defaults).",
+)
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None) -> None:
     """Predict GPU failures in training fleets from telemetry and XID kernel-log events."""
@@ -33,7 +39,9 @@ def _settings(ctx: click.Context) -> Any:
 
 
 def _data_option(f: Any) -> Any:
-    return click.option("--data", "data", default=None, help="Data root: folder or fsspec URL (default: [store] root).")(f)
+    return click.option(
+        "--data", "data", default=None, help="Data root: folder or fsspec URL (default: [store] root)."
+    )(f)
 
 
 def _root(ctx: click.Context, data: str | None) -> str:
@@ -41,7 +49,9 @@ def _root(ctx: click.Context, data: str | None) -> str:
 
 
 @cli.command()
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New folder to write the simulated fleet into.")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="New folder to write the simulated fleet into."
+)
 @click.option("--preset", default=None, help="demo (a few hundred GPUs, 2 months) or paper (~30k GPUs, 4 months).")
 @click.option("--seed", type=int, default=None, help="Random seed (default: [simulate] seed).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -53,7 +63,11 @@ def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None,
     settings = _settings(ctx)
     cfg = settings.simulate
     summary = run_simulation(
-        out, preset or cfg.preset, cfg.seed if seed is None else seed, progress=not quiet, cluster=settings.ingest.cluster
+        out,
+        preset or cfg.preset,
+        cfg.seed if seed is None else seed,
+        progress=not quiet,
+        cluster=settings.ingest.cluster,
     )
     modes = ", ".join(f"{k} {v}" for k, v in summary.failures_by_mode.items())
     click.echo(
@@ -71,12 +85,21 @@ def ingest() -> None:
 @ingest.command("kernel-log")
 @_data_option
 @click.option("--node", default=None, help="Node name for formats without a host field (default: the file name).")
-@click.option("--boot-time", default=None, help="When the host booted (ISO, UTC): places /dev/kmsg and [uptime] stamps in time.")
-@click.option("--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw.")
+@click.option(
+    "--boot-time", default=None, help="When the host booted (ISO, UTC): places /dev/kmsg and [uptime] stamps in time."
+)
+@click.option(
+    "--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw."
+)
 @click.argument("files", nargs=-1, type=click.Path())
 @click.pass_context
 def ingest_kernel_log(
-    ctx: click.Context, data: str | None, node: str | None, boot_time: str | None, tz: str | None, files: tuple[str, ...]
+    ctx: click.Context,
+    data: str | None,
+    node: str | None,
+    boot_time: str | None,
+    tz: str | None,
+    files: tuple[str, ...],
 ) -> None:
     """Parse NVRM/Xid kernel-log lines into the xid_events dataset.
 
@@ -89,7 +112,9 @@ def ingest_kernel_log(
     settings = _settings(ctx)
     root = _root(ctx, data)
     store = Store.open(root)
-    paths = [Path(f) for f in files] or sorted(p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file())
+    paths = [Path(f) for f in files] or sorted(
+        p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file()
+    )
     if not paths:
         raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
     summary = ingest_kernel_logs(
@@ -110,7 +135,9 @@ def _when(text: str | None) -> datetime | None:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00") from None
+        raise click.BadParameter(
+            f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00"
+        ) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
@@ -121,7 +148,9 @@ def _when(text: str | None) -> datetime | None:
 @click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def features(ctx: click.Context, data: str | None, start: str | None, end: str | None, overwrite: bool, quiet: bool) -> None:
+def features(
+    ctx: click.Context, data: str | None, start: str | None, end: str | None, overwrite: bool, quiet: bool
+) -> None:
     """Build sliding-window features and labels into the features dataset."""
     from features.build import build_features_from_store
     from ingest.store import Store
@@ -154,7 +183,9 @@ def _load_features(root: str) -> Any:
 
 @cli.command()
 @_data_option
-@click.option("--model-out", required=True, type=click.Path(file_okay=False), help="Folder to write the trained model into.")
+@click.option(
+    "--model-out", required=True, type=click.Path(file_okay=False), help="Folder to write the trained model into."
+)
 @click.pass_context
 def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     """Train the configured model on the most recent training window."""
@@ -162,7 +193,9 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
 
     settings = _settings(ctx)
     frame = _load_features(_root(ctx, data))
-    model = train_model(frame, kind=settings.model.kind, train_window=settings.model.train_window, horizon=settings.labels.horizon)
+    model = train_model(
+        frame, kind=settings.model.kind, train_window=settings.model.train_window, horizon=settings.labels.horizon
+    )
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
@@ -172,8 +205,20 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
 
 @cli.command()
 @_data_option
-@click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="Folder for report.md and metrics.json.")
-@click.option("--test-days", type=float, default=14.0, show_default=True, help="Length of the held-out period at the end of the data.")
+@click.option(
+    "--report",
+    "report_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for report.md and metrics.json.",
+)
+@click.option(
+    "--test-days",
+    type=float,
+    default=14.0,
+    show_default=True,
+    help="Length of the held-out period at the end of the data.",
+)
 @click.pass_context
 def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: float) -> None:
     """Train before a held-out period, score it, compare with baselines, write a report."""
@@ -199,17 +244,22 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
 
 @cli.command()
 @_data_option
-@click.option("--model", "model_path", required=True, type=click.Path(file_okay=False), help="A model folder written by `gpufail train`.")
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="A model folder written by `gpufail train`.",
+)
 @click.pass_context
 def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     """Score every GPU's latest grid time and append to the predictions dataset."""
+    import polars as pl
     import pyarrow as pa
 
     from ingest.store import Store
     from models.train import load_model
     from serving.score import score_latest
-
-    import polars as pl
 
     root = _root(ctx, data)
     model = load_model(model_path)
@@ -222,13 +272,25 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     path = Store.open(root).write_owned("predictions", day, pa.Table.from_pandas(predictions, preserve_index=False))
     top = predictions.nsmallest(3, "rank")
     riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
-    click.echo(f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest} -> {path}")
+    click.echo(
+        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest} -> {path}"
+    )
 
 
 @cli.command()
 @_data_option
-@click.option("--to", "target", type=click.Choice(["log"]), default=None, help="Where to publish (default: [publish] target). Slurm, Kubernetes and webhooks come next.")
-@click.option("--dry-run/--no-dry-run", default=None, help="Record what would be done without doing it (default: [publish] dry_run).")
+@click.option(
+    "--to",
+    "target",
+    type=click.Choice(["log"]),
+    default=None,
+    help="Where to publish (default: [publish] target). Slurm, Kubernetes and webhooks come next.",
+)
+@click.option(
+    "--dry-run/--no-dry-run",
+    default=None,
+    help="Record what would be done without doing it (default: [publish] dry_run).",
+)
 @click.pass_context
 def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: bool | None) -> None:
     """Turn the latest predictions into node actions, bounded by a circuit breaker, and append
@@ -257,12 +319,20 @@ def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: b
     path = append_audit(decisions, store.path("actions"))
     counts = Counter(d.action for d in decisions)
     mode = "dry run" if (settings.dry_run if dry_run is None else dry_run) else "live"
-    click.echo(f"publish ({mode}, {target}): " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + f" -> {path}")
+    click.echo(
+        f"publish ({mode}, {target}): " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + f" -> {path}"
+    )
 
 
 @cli.command()
 @_data_option
-@click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="The folder `gpufail evaluate` wrote.")
+@click.option(
+    "--report",
+    "report_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="The folder `gpufail evaluate` wrote.",
+)
 @click.pass_context
 def summary(ctx: click.Context, data: str | None, report_dir: str) -> None:
     """Print what the pipeline found and where its outputs are."""
@@ -280,9 +350,13 @@ def summary(ctx: click.Context, data: str | None, report_dir: str) -> None:
     if store.exists("failures"):
         lines.append(f"  simulated failures (ground truth): {store.read('failures', columns=['ts']).num_rows}")
     xids = store.read("xid_events", columns=["xid", "repeat_count"])
-    lines.append(f"  XID incidents parsed from kernel logs: {xids.num_rows:,} (from {sum(xids['repeat_count'].to_pylist()):,} lines)")
+    lines.append(
+        f"  XID incidents parsed from kernel logs: {xids.num_rows:,} (from {sum(xids['repeat_count'].to_pylist()):,} lines)"
+    )
     lines.extend("  " + line for line in _metric_lines(metrics))
-    lines.append(f"  outputs: features {store.path('features')}, predictions {store.path('predictions')}, actions {store.path('actions')}, report {metrics_path.parent / 'report.md'}")
+    lines.append(
+        f"  outputs: features {store.path('features')}, predictions {store.path('predictions')}, actions {store.path('actions')}, report {metrics_path.parent / 'report.md'}"
+    )
     click.echo("\n".join(lines))
 
 

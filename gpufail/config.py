@@ -15,8 +15,8 @@ import json
 import os
 import re
 import tomllib
-from datetime import timedelta
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -144,7 +144,9 @@ def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:
             continue
         table, sep, key = name.removeprefix(ENV_PREFIX).lower().partition("__")
         if not sep or not key:
-            raise ConfigError(f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON")
+            raise ConfigError(
+                f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON"
+            )
         try:
             value: Any = json.loads(raw)
         except ValueError:

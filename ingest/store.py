@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import fsspec
@@ -56,7 +56,9 @@ class Store:
         fs, path = fsspec.core.url_to_fs(root)
         marker = f"{path.rstrip('/')}/{MARKER}"
         if not fs.exists(path):
-            raise StoreError(f"data root {root!r} does not exist; create it with `gpufail simulate` or `gpufail collect`")
+            raise StoreError(
+                f"data root {root!r} does not exist; create it with `gpufail simulate` or `gpufail collect`"
+            )
         if not fs.exists(marker):
             raise StoreError(
                 f"data root {root!r} is not a gpufail dataset: {MARKER} is missing "
@@ -66,7 +68,9 @@ class Store:
             info = json.loads(fs.cat_file(marker))
             version = int(info["schema_version"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(f"{root}/{MARKER}: unreadable marker ({exc}); expected JSON with 'schema_version'") from None
+            raise StoreError(
+                f"{root}/{MARKER}: unreadable marker ({exc}); expected JSON with 'schema_version'"
+            ) from None
         if version != SCHEMA_VERSION:
             raise StoreError(
                 f"data root {root!r} has schema version {version}; this gpufail reads version {SCHEMA_VERSION}"
@@ -87,7 +91,9 @@ class Store:
             )
         fs.makedirs(path, exist_ok=True)
         store = cls(root, fs, path)
-        store._write_bytes_atomic(f"{path}/{MARKER}", json.dumps({"format": "gpufail", "schema_version": SCHEMA_VERSION}).encode())
+        store._write_bytes_atomic(
+            f"{path}/{MARKER}", json.dumps({"format": "gpufail", "schema_version": SCHEMA_VERSION}).encode()
+        )
         return store
 
     # -- paths -----------------------------------------------------------------------------
@@ -265,9 +271,7 @@ def conform(table: pa.Table, dataset: str) -> pa.Table:
     missing = [f.name for f in expected if f.name not in table.column_names]
     extra = sorted(set(table.column_names) - set(expected.names))
     if missing or extra:
-        raise StoreError(
-            f"rows for {dataset!r} do not match its schema: missing {missing}, unexpected {extra}"
-        )
+        raise StoreError(f"rows for {dataset!r} do not match its schema: missing {missing}, unexpected {extra}")
     columns = []
     for field in expected:
         column = table[field.name]
@@ -294,8 +298,8 @@ def _time_filter(start: datetime | None, end: datetime | None) -> pc.Expression 
 
 def _utc(moment: datetime) -> datetime:
     if moment.tzinfo is None:
-        return moment.replace(tzinfo=timezone.utc)
-    return moment.astimezone(timezone.utc)
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
 
 
 def iter_days(start: date, end: date) -> Iterable[date]:

@@ -47,7 +47,7 @@ def xid_catalogue() -> dict[int, XidInfo]:
             description=row["Description"].strip(),
             immediate_action=row["Resolution Bucket  (Immediate Action)"].strip(),
             xid_class=cls["class"] if cls else "other",
-            is_failure=bool(cls) and cls["is_failure"] == "true",
+            is_failure=cls is not None and cls["is_failure"] == "true",
         )
     return catalogue
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 import pytest
 
 from ingest.schema import schema_for
 
-T0 = datetime(2026, 1, 5, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 5, tzinfo=UTC)
 
 
 def make_rows(dataset: str, times: list[datetime], **values: object) -> pa.Table:

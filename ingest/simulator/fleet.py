@@ -18,13 +18,23 @@ Decided here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ingest.simulator.presets import GPU_MODELS, LOG_FORMATS, LLAMA3_GPU_FAILURES_PER_GPU_HOUR, Preset
+from ingest.simulator.presets import GPU_MODELS, LLAMA3_GPU_FAILURES_PER_GPU_HOUR, LOG_FORMATS, GpuModel, Preset
 
 # PCI bus ids of the eight GPUs on an HGX baseboard, as the kernel log prints them.
-SLOT_PCI_BUS_IDS = ("0000:18:00", "0000:2a:00", "0000:3a:00", "0000:5d:00", "0000:9a:00", "0000:ab:00", "0000:ba:00", "0000:db:00")
+SLOT_PCI_BUS_IDS = (
+    "0000:18:00",
+    "0000:2a:00",
+    "0000:3a:00",
+    "0000:5d:00",
+    "0000:9a:00",
+    "0000:ab:00",
+    "0000:ba:00",
+    "0000:db:00",
+)
 NO_FAILURE = -1
 
 
@@ -82,7 +92,7 @@ def make_uuid(rng: np.random.Generator) -> str:
 def plan_fleet(preset: Preset, seed: int, cluster: str = "default") -> FleetPlan:
     rng = np.random.default_rng(seed)
     hours = preset.days * 24
-    n_nodes = preset.nodes + int(round(preset.nodes * preset.new_nodes_fraction))
+    n_nodes = preset.nodes + round(preset.nodes * preset.new_nodes_fraction)
     model_names = list(preset.model_mix)
     probs = np.array([preset.model_mix[m] for m in model_names])
     node_model = rng.choice(len(model_names), size=n_nodes, p=probs / probs.sum())
@@ -178,7 +188,7 @@ def _plan_gpus(
     node_frailty: np.ndarray,
     node_upgrade_h: np.ndarray,
     model_names: list[str],
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Who sits in each slot, and when and how each board fails.
 
     An hourly loop over the period, vectorised over slots: at each hour every occupied slot
@@ -192,7 +202,9 @@ def _plan_gpus(
     gsp = [m.name for m in modes].index("gsp")
     base = LLAMA3_GPU_FAILURES_PER_GPU_HOUR * preset.acceleration
 
-    rows: dict[str, list] = {k: [] for k in ("node", "slot", "start", "frailty", "bad", "benign_sbe", "benign_nvl", "eff")}
+    rows: dict[str, list] = {
+        k: [] for k in ("node", "slot", "start", "frailty", "bad", "benign_sbe", "benign_nvl", "eff")
+    }
 
     def install(slots: np.ndarray, at: np.ndarray, first: bool) -> np.ndarray:
         start = len(rows["node"])
@@ -227,7 +239,7 @@ def _plan_gpus(
             for old, nw, t in zip(occupant[arriving], new, arrive_at, strict=True):
                 replacements.append((int(old), int(nw), float(t)))
             occupant[arriving] = new
-            slot_frailty[arriving] = np.asarray(rows["frailty"][-len(new):]) * node_frailty[slot_node[arriving]]
+            slot_frailty[arriving] = np.asarray(rows["frailty"][-len(new) :]) * node_frailty[slot_node[arriving]]
             slot_bad[arriving] = False
             pending_until[arriving] = np.inf
         live = (occupant >= 0) & (node_join_h[slot_node] <= hour)
@@ -263,12 +275,15 @@ def _plan_gpus(
         codes = list(mode.terminal_xids)
         fail_xid[g] = codes[rng.choice(len(codes), p=list(mode.terminal_xids.values()))]
         if mode.lead_median_h > 0 and rng.random() >= mode.silent_fraction:
-            lead[g] = np.clip(rng.lognormal(np.log(mode.lead_median_h), mode.lead_sigma), mode.lead_min_h, mode.lead_max_h)
+            lead[g] = np.clip(
+                rng.lognormal(np.log(mode.lead_median_h), mode.lead_sigma), mode.lead_min_h, mode.lead_max_h
+            )
             strength[g] = rng.uniform(0.15, 1.0)
     repair = np.full(n, np.inf)
     replaced_by = np.full(n, -1)
-    for old, new, t in replacements:
-        repair[old], replaced_by[old] = t, new
+    for old_gpu, new_gpu, arrived in replacements:
+        repair[old_gpu] = arrived
+        replaced_by[old_gpu] = new_gpu
     return {
         "gpu_uuid": [make_uuid(rng) for _ in range(n)],
         "gpu_node": np.asarray(rows["node"]),
@@ -289,5 +304,5 @@ def _plan_gpus(
     }
 
 
-def gpu_models(plan: FleetPlan) -> list:
+def gpu_models(plan: FleetPlan) -> list[GpuModel]:
     return [GPU_MODELS[plan.model_names[i]] for i in plan.node_model]

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 
 from ingest.simulator.fleet import SLOT_PCI_BUS_IDS, FleetPlan
-from ingest.simulator.presets import APP_CRASH_XIDS, GPU_MODELS
+from ingest.simulator.presets import APP_CRASH_XIDS, GPU_MODELS, GpuModel
 
 MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 WEEKDAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
@@ -103,7 +103,9 @@ def plan_app_incidents(plan: FleetPlan, rng: np.random.Generator) -> list[AppInc
     # One large gang-scheduled job spans many nodes; when it crashes, they all log at once.
     n_big = rng.poisson(preset.days / preset.fleet_crash_every_days)
     for t in rng.uniform(0, plan.hours, n_big):
-        span = rng.choice(len(plan.node_names), size=max(2, int(len(plan.node_names) * rng.uniform(0.1, 0.3))), replace=False)
+        span = rng.choice(
+            len(plan.node_names), size=max(2, int(len(plan.node_names) * rng.uniform(0.1, 0.3))), replace=False
+        )
         pid = int(rng.integers(1000, 4_000_000))
         for node in span:
             if plan.node_join_h[node] <= t:
@@ -118,7 +120,7 @@ class KernelLogWriter:
         self.plan = plan
         self.folder = folder
         self.rng = rng
-        self.start = datetime.combine(plan.preset.start, datetime.min.time(), tzinfo=timezone.utc)
+        self.start = datetime.combine(plan.preset.start, datetime.min.time(), tzinfo=UTC)
         self.incidents = plan_app_incidents(plan, rng)
         self._next_incident = 0
         self._gpus_by_node: dict[int, np.ndarray] = defaultdict(lambda: np.empty(0, dtype=int))
@@ -149,7 +151,7 @@ class KernelLogWriter:
             text = VOLTA_63
         return f"NVRM: Xid (PCI:{SLOT_PCI_BUS_IDS[slot]}): {xid}, {who}, {text}"
 
-    def _model(self, gpu: int):  # noqa: ANN202 - a GpuModel
+    def _model(self, gpu: int) -> GpuModel:
         return GPU_MODELS[self.plan.model_names[self.plan.node_model[self.plan.gpu_node[gpu]]]]
 
     def _emit(self, entries: list[Entry], t_h: float, gpu: int, message: list[str]) -> None:
@@ -180,8 +182,18 @@ class KernelLogWriter:
         # Driver loads reset the banner memory of the node's GPUs.
         for node, _, end, is_upgrade in plan.maintenance:
             if lo <= end < hi:
-                driver = plan.preset.driver_new if is_upgrade or end >= plan.node_upgrade_h[node] else plan.preset.driver_old
-                entries.append(Entry(end, node, [f"NVRM: loading NVIDIA UNIX x86_64 Kernel Module  {driver}  Release Build  (dvs-builder@U16-I3-B03-4-3)"]))
+                driver = (
+                    plan.preset.driver_new if is_upgrade or end >= plan.node_upgrade_h[node] else plan.preset.driver_old
+                )
+                entries.append(
+                    Entry(
+                        end,
+                        node,
+                        [
+                            f"NVRM: loading NVIDIA UNIX x86_64 Kernel Module  {driver}  Release Build  (dvs-builder@U16-I3-B03-4-3)"
+                        ],
+                    )
+                )
                 self.banner_shown.difference_update(self._gpus_by_node[node].tolist())
         # Application crashes.
         while self._next_incident < len(self.incidents) and self.incidents[self._next_incident].t_h < hi:
@@ -212,9 +224,9 @@ class KernelLogWriter:
             message = self._off_bus_text(gpu) if xid == 0 else [self._xid_line(gpu, xid, UNKNOWN)]
             self._emit(entries, float(plan.gpu_end_h[gpu]), gpu, message)
         # Unrelated kernel noise.
-        for node in np.flatnonzero(plan.node_join_h < hi):
+        for noisy in np.flatnonzero(plan.node_join_h < hi).tolist():
             for t in rng.uniform(lo, hi, rng.poisson(3)):
-                entries.append(Entry(float(t), int(node), [NOISE[int(rng.integers(len(NOISE)))]]))
+                entries.append(Entry(float(t), noisy, [NOISE[int(rng.integers(len(NOISE)))]]))
         return entries
 
     # -- formatting and writing ------------------------------------------------------------

@@ -21,7 +21,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +67,9 @@ def simulate(
     with so kernel-log events map onto the simulated GPUs."""
     preset = get_preset(preset_name, **overrides)
     if "://" in str(out):
-        raise InputError(f"simulate --out {out}: the simulator writes to a local folder; copy the result to object storage afterwards")
+        raise InputError(
+            f"simulate --out {out}: the simulator writes to a local folder; copy the result to object storage afterwards"
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"simulate --out {out}: exists and is not an empty folder; choose a new folder")
@@ -82,7 +84,9 @@ def simulate(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     summary.out = str(out)
-    (out / "simulation.json").write_text(json.dumps(asdict(summary) | {"preset_parameters": _describe(preset)}, indent=1, default=str))
+    (out / "simulation.json").write_text(
+        json.dumps(asdict(summary) | {"preset_parameters": _describe(preset)}, indent=1, default=str)
+    )
     return summary
 
 
@@ -110,7 +114,7 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool, cluste
         if pending is not None:
             pending.result()
     # Year-less log formats take their year from the file's modification time, as on a real host.
-    end = datetime.combine(preset.start + timedelta(days=preset.days), datetime.min.time(), tzinfo=timezone.utc).timestamp()
+    end = datetime.combine(preset.start + timedelta(days=preset.days), datetime.min.time(), tzinfo=UTC).timestamp()
     for log in (root / "raw" / "kernel-log").glob("*.log"):
         os.utime(log, (end, end))
     failures = ground_truth_failures(plan)
@@ -119,7 +123,12 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool, cluste
     (root / "ground_truth").mkdir()
     pq.write_table(ground_truth_gpus(plan), root / "ground_truth" / "gpus.parquet")
     modes = [m.name for m in preset.failure_modes]
-    by_mode = {name: int(count) for name, count in zip(modes, np.bincount(plan.fail_mode[plan.fail_mode >= 0], minlength=len(modes)), strict=True)}
+    by_mode = {
+        name: int(count)
+        for name, count in zip(
+            modes, np.bincount(plan.fail_mode[plan.fail_mode >= 0], minlength=len(modes)), strict=True
+        )
+    }
     return SimulationSummary(
         out=str(root),
         preset=preset.name,

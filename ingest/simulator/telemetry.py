@@ -141,7 +141,9 @@ def render_day(plan: FleetPlan, day: int, state: CounterState, rng: np.random.Ge
     capped = power > 0.97 * tdp
     sm_max = np.array([m.sm_clock_mhz for m in models], dtype=np.float32)[:, None]
     sm_clock = np.where(busy, sm_max - np.abs(30 * noise(shape)), 345.0) * np.where(hot, 0.85, 1.0)
-    reasons = np.where(busy, 0, GPU_IDLE) | np.where(capped, SW_POWER_CAP, 0) | np.where(hot, SW_THERMAL | HW_THERMAL, 0)
+    reasons = (
+        np.where(busy, 0, GPU_IDLE) | np.where(capped, SW_POWER_CAP, 0) | np.where(hot, SW_THERMAL | HW_THERMAL, 0)
+    )
     fb_total = np.array([m.fb_total_mib for m in models], dtype=np.float32)[:, None]
     columns: dict[str, np.ndarray] = {
         "temp_gpu_c": temp,
@@ -180,7 +182,9 @@ def render_day(plan: FleetPlan, day: int, state: CounterState, rng: np.random.Ge
         "nvlink_crc_data_errors_total": draws(np.where(benign_nvl, 0.5, 0.0) + 60 * nvl),
         "nvlink_replay_errors_total": draws(25 * nvl),
         "nvlink_recovery_errors_total": draws(1.0 * nvl**2),
-        "power_violation_us_total": np.where(capped, (dt_h * 3.6e9 * 0.3 * (1 + noise(shape) ** 2)).astype(np.int64), 0),
+        "power_violation_us_total": np.where(
+            capped, (dt_h * 3.6e9 * 0.3 * (1 + noise(shape) ** 2)).astype(np.int64), 0
+        ),
         "thermal_violation_us_total": np.where(hot, int(dt_h * 3.6e9 * 0.5), 0),
     }
     for name, increments in inc.items():

@@ -22,7 +22,10 @@ def test_help_lists_the_commands():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["simulate", "--out", "{tmp}/x", "--preset", "huge"], "simulator preset 'huge' does not exist; expected one of ['demo', 'paper']"),
+        (
+            ["simulate", "--out", "{tmp}/x", "--preset", "huge"],
+            "simulator preset 'huge' does not exist; expected one of ['demo', 'paper']",
+        ),
         (["--config", "{tmp}/missing.toml", "simulate", "--out", "{tmp}/x"], "missing.toml: not found"),
         (["ingest", "kernel-log", "--data", "{tmp}"], "is not a gpufail dataset"),
     ],

@@ -41,7 +41,10 @@ def test_config_path_can_come_from_the_environment(tmp_path):
     [
         ('[labels]\nhorizn = "12h"\n', r"\[labels\] horizn: unknown key"),
         ('[lables]\nhorizon = "12h"\n', r"\[lables\]: unknown key"),
-        ('[labels]\nhorizon = "soon"\n', r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\): expected a duration.*'soon'"),
+        (
+            '[labels]\nhorizon = "soon"\n',
+            r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\): expected a duration.*'soon'",
+        ),
         ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
         ('[model]\nkind = "magic"\n', r"\[model\] kind.*'lightgbm', 'xgboost' or 'logistic'"),
         ("[labels\n", "not valid TOML"),
@@ -67,7 +70,9 @@ def test_missing_config_file_is_named(tmp_path):
         load_settings(tmp_path / "nowhere.toml", environ={})
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1w", 604800), (90, 90)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1w", 604800), (90, 90)]
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == timedelta(seconds=seconds)
 

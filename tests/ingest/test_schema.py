@@ -1,7 +1,14 @@
 import pyarrow as pa
 import pytest
 
-from ingest.schema import SCHEMA_VERSION, metric_catalogue, metric_columns, normalise_pci_bus_id, schema_for, telemetry_schema
+from ingest.schema import (
+    SCHEMA_VERSION,
+    metric_catalogue,
+    metric_columns,
+    normalise_pci_bus_id,
+    schema_for,
+    telemetry_schema,
+)
 
 UNITS = ("_c", "_w", "_pct", "_mhz", "_mib", "_total", "_pending", "_failure", "_reasons")
 
@@ -21,13 +28,29 @@ def test_telemetry_schema_has_identity_then_every_catalogued_metric():
     assert schema.names[:5] == ["ts", "cluster", "node", "gpu_index", "gpu_uuid"]
     assert schema.field("ts").type == pa.timestamp("us", tz="UTC")
     assert set(metric_columns()) <= set(schema.names)
-    assert set(metric_columns("counter")) >= {"ecc_dbe_volatile_total", "pcie_replay_total", "remapped_rows_uncorrectable_total"}
+    assert set(metric_columns("counter")) >= {
+        "ecc_dbe_volatile_total",
+        "pcie_replay_total",
+        "remapped_rows_uncorrectable_total",
+    }
     assert schema.metadata[b"gpufail.schema_version"] == str(SCHEMA_VERSION).encode()
 
 
 def test_xid_events_schema_matches_the_architecture():
     names = schema_for("xid_events").names
-    for column in ("ts", "node", "pci_bus_id", "gpu_index", "gpu_uuid", "xid", "pid", "process", "message", "source", "repeat_count"):
+    for column in (
+        "ts",
+        "node",
+        "pci_bus_id",
+        "gpu_index",
+        "gpu_uuid",
+        "xid",
+        "pid",
+        "process",
+        "message",
+        "source",
+        "repeat_count",
+    ):
         assert column in names
 
 
@@ -38,7 +61,12 @@ def test_unknown_dataset_is_refused_with_the_choices():
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("00000000:3B:00.0", "0000:3b:00"), ("0000:b3:00.0", "0000:b3:00"), ("PCI:0000:0b:00", "0000:0b:00"), ("0001:6c:00", "0001:6c:00")],
+    [
+        ("00000000:3B:00.0", "0000:3b:00"),
+        ("0000:b3:00.0", "0000:b3:00"),
+        ("PCI:0000:0b:00", "0000:0b:00"),
+        ("0001:6c:00", "0001:6c:00"),
+    ],
 )
 def test_pci_bus_ids_from_nvml_and_the_kernel_log_normalise_alike(raw, expected):
     assert normalise_pci_bus_id(raw) == expected

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,9 +30,9 @@ def test_write_splits_by_utc_date_and_reads_back(store, hours):
 
 def test_append_adds_files_and_never_touches_existing_ones(store, hours):
     first = store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
-    before = {p: open(p, "rb").read() for p in first}
+    before = {p: Path(p).read_bytes() for p in first}
     store.write("xid_events", make_rows("xid_events", hours(2), xid=48))
-    assert all(open(p, "rb").read() == data for p, data in before.items())
+    assert all(Path(p).read_bytes() == data for p, data in before.items())
     assert store.read("xid_events").num_rows == 2
 
 
