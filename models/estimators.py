@@ -117,9 +117,7 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
     def transform(self, X: pd.DataFrame) -> pd.DataFrame:
         check_is_fitted(self, "categories_")
         if list(X.columns) != list(self.feature_names_in_):
-            raise ValueError(
-                f"CategoryCodes: expected columns {list(self.feature_names_in_)}, got {list(X.columns)}"
-            )
+            raise ValueError(f"CategoryCodes: expected columns {list(self.feature_names_in_)}, got {list(X.columns)}")
         codes = {}
         for c, cats in self.categories_.items():
             code = pd.Index(cats).get_indexer(X[c].astype(str)).astype(np.float32)

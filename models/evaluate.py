@@ -86,7 +86,7 @@ def _precision(df: pd.DataFrame, k: int, seed: int) -> dict[str, Any]:
     return {
         "precision_at_k_mean": _num((per_time["hit"] / per_time["picked"]).mean()),
         "precision_at_k_pooled": _num(per_time["hit"].sum() / per_time["picked"].sum()),
-        "n_times": int(len(per_time)),
+        "n_times": len(per_time),
         "n_times_with_positive": int(df.loc[df["label"] == 1, "ts"].nunique()),
     }
 
@@ -139,7 +139,7 @@ def _recall(df: pd.DataFrame, caught: np.ndarray) -> dict[str, Any]:
     lead_h = (first.index.get_level_values("failure_ts") - pd.DatetimeIndex(first)) / pd.Timedelta(hours=1)
     return {
         "n_episodes": n,
-        "n_caught": int(len(first)),
+        "n_caught": len(first),
         "recall": _num(len(first) / n) if n else None,
         "lead_time_h_median": _num(np.median(np.asarray(lead_h, dtype=float))) if len(first) else None,
     }
@@ -215,8 +215,7 @@ def heuristic_columns(frame: pd.DataFrame) -> list[str]:
     return [
         c
         for c in frame.columns
-        if pd.api.types.is_numeric_dtype(frame[c])
-        and (c.startswith("xid_count") or ("ecc" in c and "increase" in c))
+        if pd.api.types.is_numeric_dtype(frame[c]) and (c.startswith("xid_count") or ("ecc" in c and "increase" in c))
     ]
 
 
@@ -276,7 +275,7 @@ def evaluate_holdout(
         "test": {
             "start": test_start.isoformat(),
             "end": last.isoformat(),
-            "n_rows": int(len(test)),
+            "n_rows": len(test),
             "n_positives": int(y.sum()),
             "n_gpus": int(test["gpu_uuid"].nunique()),
         },

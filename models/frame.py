@@ -91,9 +91,7 @@ def feature_matrix(frame: Any, columns: Sequence[str]) -> pd.DataFrame:
     return pd.DataFrame(out, index=df.index, columns=list(columns))
 
 
-def split_xy(
-    frame: Any, columns: Sequence[str] | None = None
-) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
+def split_xy(frame: Any, columns: Sequence[str] | None = None) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
     """Labelled rows of a feature frame as (X, y, ids).
 
     X holds `columns` (default: `feature_columns(frame)`), y the 0/1 labels as int8, ids the id

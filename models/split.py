@@ -26,7 +26,7 @@ def as_utc(moment: TimeLike) -> pd.Timestamp:
     return ts.tz_localize("UTC") if ts.tzinfo is None else ts.tz_convert("UTC")
 
 
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_UNITS = {"s": "s", "m": "min", "h": "h", "d": "D", "w": "W"}
 
 
 def as_timedelta(duration: DurationLike, what: str = "duration") -> pd.Timedelta:
@@ -35,7 +35,7 @@ def as_timedelta(duration: DurationLike, what: str = "duration") -> pd.Timedelta
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", duration) if isinstance(duration, str) else None
     if match:
         # Not pd.Timedelta("7d"): pandas 3.1 deprecates the lower-case day unit.
-        value = pd.Timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        value = pd.Timedelta(float(match.group(1)), unit=_UNITS[match.group(2)])  # type: ignore[arg-type]
     else:
         try:
             value = pd.Timedelta(duration)

@@ -18,7 +18,7 @@ import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from models.estimators import (
     make_model,
     prior_correction,
 )
-from models.frame import feature_matrix, labels, require_columns, split_xy, to_pandas
+from models.frame import feature_matrix, require_columns, split_xy, to_pandas
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -206,9 +206,13 @@ def train_model(
     if monotone_increasing:
         unknown = sorted(set(monotone_increasing) - set(X.columns))
         if unknown:
-            raise InputError(f"monotone_increasing: {unknown} are not feature columns; expected some of {list(X.columns)}")
+            raise InputError(
+                f"monotone_increasing: {unknown} are not feature columns; expected some of {list(X.columns)}"
+            )
         if kind == "logistic":
-            raise InputError("monotone_increasing: only the tree models (lightgbm, xgboost) support it, got kind 'logistic'")
+            raise InputError(
+                "monotone_increasing: only the tree models (lightgbm, xgboost) support it, got kind 'logistic'"
+            )
         constraints = [int(c in set(monotone_increasing)) for c in X.columns]
         # LightGBM takes a list aligned with the columns; XGBoost 3 wants its "(1,0,...)" string.
         user_params["monotone_constraints"] = (
@@ -263,7 +267,7 @@ def save_model(model: TrainedModel, path: str | os.PathLike[str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     joblib.dump(model, buffer)
-    meta = {**model.metadata(), "saved_at": datetime.now(timezone.utc).isoformat()}
+    meta = {**model.metadata(), "saved_at": datetime.now(UTC).isoformat()}
     _write_atomic(folder / MODEL_FILE, buffer.getvalue())
     _write_atomic(folder / METADATA_FILE, json.dumps(meta, indent=2, default=str).encode())
     return folder

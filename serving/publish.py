@@ -108,10 +108,11 @@ def decide_actions(
     over = int((nodes["node_risk"] >= risk_threshold).sum())
     prefix = "dry-run: " if dry_run else ""
     decisions = []
-    for position, row in enumerate(nodes.itertuples(index=False)):
-        risk = float(row.node_risk)
-        flagged = tuple(u for u, r in zip(row.gpu_uuids, row.gpu_risks) if r >= watch)
-        top = f"riskiest GPU {row.gpu_uuids[0]} (index {row.gpu_indices[0]}) at {row.gpu_risks[0]:.3f}"
+    for position, row in enumerate(nodes.to_dict("records")):
+        risk = float(row["node_risk"])
+        uuids, risks = list(row["gpu_uuids"]), list(row["gpu_risks"])
+        flagged = tuple(u for u, r in zip(uuids, risks, strict=True) if r >= watch)
+        top = f"riskiest GPU {uuids[0]} (index {row['gpu_indices'][0]}) at {risks[0]:.3f}"
         if risk >= risk_threshold and position < limit:
             action = "drain"
             reason = f"{prefix}would drain: node risk {risk:.3f} >= drain threshold {risk_threshold:.3f}; {top}"
@@ -128,12 +129,12 @@ def decide_actions(
         else:
             action = "none"
             reason = f"node risk {risk:.3f} below watch threshold {watch:.3f}"
-        gpus = flagged or ((row.gpu_uuids[0],) if action != "none" else ())
+        gpus = flagged or ((uuids[0],) if action != "none" else ())
         decisions.append(
             Decision(
                 time=time,
-                cluster=str(row.cluster),
-                node=str(row.node),
+                cluster=str(row["cluster"]),
+                node=str(row["node"]),
                 gpus=tuple(str(g) for g in gpus),
                 risk=risk,
                 action=action,

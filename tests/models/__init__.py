@@ -76,7 +76,14 @@ def make_synthetic_frame(
     frame = pd.concat(parts, ignore_index=True).sort_values(["ts", "gpu_uuid"], ignore_index=True)
     frame["gpu_index"] = frame["gpu_index"].astype("int32")
     frame["label"] = frame["label"].astype("Int8")
-    for c in ["time_to_failure_h", PRECURSOR, "xid_count_24h", "temp_gpu_c_mean_1h", "power_w_mean_1h", "util_gpu_pct_mean_1h"]:
+    for c in [
+        "time_to_failure_h",
+        PRECURSOR,
+        "xid_count_24h",
+        "temp_gpu_c_mean_1h",
+        "power_w_mean_1h",
+        "util_gpu_pct_mean_1h",
+    ]:
         frame[c] = frame[c].astype("float32")
     return frame
 

@@ -27,7 +27,9 @@ def small_xy(n: int = 600, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_fits_and_scores_with_nan_and_unseen_categories(kind):
     X, y = small_xy()
-    model = make_model(kind, pos_weight=balanced_pos_weight(y), **({} if kind == "logistic" else {"n_jobs": 1})).fit(X, y)
+    model = make_model(kind, pos_weight=balanced_pos_weight(y), **({} if kind == "logistic" else {"n_jobs": 1})).fit(
+        X, y
+    )
     proba = model.predict_proba(X)[:, 1]
     assert proba.shape == (len(X),) and np.all((proba >= 0) & (proba <= 1))
     # The categorical is learnt: H100 rows score higher on average.

@@ -1,6 +1,6 @@
 import hashlib
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pandas as pd
 import pytest

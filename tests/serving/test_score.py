@@ -55,7 +55,7 @@ def test_score_latest_by_hand():
     assert predictions["rank"].tolist() == [1, 2, 3, 4]
     assert predictions["risk"].tolist() == pytest.approx([0.7, 0.5, 0.2, 0.1])
     assert predictions.loc[predictions["gpu_uuid"] == "d", "ts"].item() == T0  # stale, and says so
-    node = dict(zip(predictions["gpu_uuid"], predictions["node_risk"]))
+    node = dict(zip(predictions["gpu_uuid"], predictions["node_risk"], strict=True))
     assert node["a"] == node["b"] == pytest.approx(1 - 0.5 * 0.8)
     assert node["c"] == node["d"] == pytest.approx(1 - 0.9 * 0.3)
     assert set(predictions["model_version"]) == {fake_model().version}
