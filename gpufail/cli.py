@@ -292,7 +292,7 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     help="Record what would be done without doing it (default: [publish] dry_run).",
 )
 @click.pass_context
-def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: bool | None) -> None:
+def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: bool) -> None:
     """Turn the latest predictions into node actions, bounded by a circuit breaker, and append
     every decision to the actions audit log."""
     from ingest.store import Store
@@ -309,16 +309,18 @@ def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: b
         raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
     predictions = table.to_pandas()
     latest = predictions[predictions["ts"] == predictions["ts"].max()]
+    dry = dry_run or settings.dry_run
     decisions = decide_actions(
         latest,
         risk_threshold=settings.risk_threshold,
         max_nodes_fraction=settings.max_nodes_fraction,
-        total_nodes=latest["node"].nunique(),
-        dry_run=settings.dry_run if dry_run is None else dry_run,
+        # The breaker bounds a share of the fleet in service: every node scored at this time.
+        total_nodes=len(latest[["cluster", "node"]].drop_duplicates()),
+        dry_run=dry,
     )
-    path = append_audit(decisions, store.path("actions"))
+    path = append_audit(decisions, store.path("actions"), fs=store.fs)
     counts = Counter(d.action for d in decisions)
-    mode = "dry run" if (settings.dry_run if dry_run is None else dry_run) else "live"
+    mode = "dry run" if dry else "live"
     click.echo(
         f"publish ({mode}, {target}): " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + f" -> {path}"
     )
@@ -368,8 +370,8 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     return [
         f"held-out test period: {metrics['test']['start']} to {metrics['test']['end']} ({metrics['test']['n_gpus']} GPUs)",
         f"precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
-        f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}, "
-        f"median lead {model['lead_time_h_median_at_k']:.1f} h",
+        f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
+        + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
     ]
 
 

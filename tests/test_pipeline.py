@@ -1,0 +1,67 @@
+"""The demo pipeline end to end through the real CLI, on a fleet small enough for CI:
+simulate -> ingest kernel-log -> features -> train -> evaluate -> score -> publish -> summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from ingest.simulator.run import simulate
+from ingest.store import Store
+
+GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
+
+
+def gpufail(*args: str) -> str:
+    result = subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
+    data = tmp_path / "fleet"
+    out = tmp_path / "out"
+    simulate(data, "demo", seed=3, progress=False, nodes=12, days=24, sample_interval_s=900, acceleration=80.0)
+
+    assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
+    assert "features:" in gpufail("features", "--data", str(data), "--quiet")
+    assert "trained lightgbm" in gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
+    assert "precision@10" in gpufail("evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6")
+    scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
+    published = gpufail("publish", "--data", str(data), "--dry-run")
+    summary = gpufail("summary", "--data", str(data), "--report", str(out / "report"))
+
+    store = Store.open(str(data))
+    predictions = pl.from_arrow(store.read_owned("predictions"))
+    # The fleet as of the last grid time: GPUs that failed earlier are not scored.
+    assert predictions["ts"].n_unique() == 1
+    failed = pl.from_arrow(store.read("failures"))["gpu_uuid"].to_list()
+    assert not predictions["gpu_uuid"].is_in(failed).any()
+    assert f"scored {predictions.height} GPUs" in scored
+    assert predictions["rank"].sort().to_list() == list(range(1, predictions.height + 1))
+
+    actions = pl.from_arrow(store.read_owned("actions"))
+    assert actions["dry_run"].all()
+    assert actions["node"].n_unique() == predictions["node"].n_unique()
+    assert "dry run" in published
+
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    scores = metrics["scores"]
+    assert scores["model"]["precision_at_k_pooled"] > scores["random"]["precision_at_k_pooled"]
+    assert "simulated failures (ground truth)" in summary
+
+
+def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):
+    data = tmp_path / "fleet"
+    simulate(data, "demo", seed=1, progress=False, nodes=2, days=2, sample_interval_s=3600)
+    result = subprocess.run([*GPUFAIL, "train", "--data", str(data), "--model-out", str(tmp_path / "m")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "the features dataset is empty; run `gpufail features" in result.stderr
+    result = subprocess.run([*GPUFAIL, "publish", "--data", str(data), "--dry-run"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "no predictions; run `gpufail score` first" in result.stderr
