@@ -40,6 +40,9 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 test: $(STAMP) ## Run the test suite (no GPU, no ../shared needed)
 	$(BIN)/pytest -q
 
+bench: $(STAMP) ## Time each demo stage (and peak memory) and the hot loops -> bench-results/
+	$(BIN)/gpufail bench --out bench-results
+
 lint: $(STAMP) ## ruff, mypy and the layer contract
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

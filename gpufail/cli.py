@@ -181,6 +181,10 @@ def _load_features(root: str) -> Any:
     return frame
 
 
+def _model_params(settings: Any) -> dict[str, Any]:
+    return {"n_jobs": settings.model.threads} if settings.model.kind in ("lightgbm", "xgboost") else {}
+
+
 @cli.command()
 @_data_option
 @click.option(
@@ -194,7 +198,11 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     settings = _settings(ctx)
     frame = _load_features(_root(ctx, data))
     model = train_model(
-        frame, kind=settings.model.kind, train_window=settings.model.train_window, horizon=settings.labels.horizon
+        frame,
+        kind=settings.model.kind,
+        train_window=settings.model.train_window,
+        horizon=settings.labels.horizon,
+        params=_model_params(settings),
     )
     path = save_model(model, model_out)
     click.echo(
@@ -233,6 +241,7 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
         test_days=test_days,
         top_k=settings.model.top_k,
         train_window=settings.model.train_window,
+        params=_model_params(settings),
     )
     report, _ = write_report(metrics, report_dir)
     scores = metrics["scores"]
@@ -373,6 +382,25 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
         f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
     ]
+
+
+@cli.command()
+@click.option(
+    "--out",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for bench.md and bench.json.",
+)
+def bench(out: str) -> None:
+    """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops."""
+    import tempfile
+
+    from gpufail.bench import run_bench
+
+    with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as work:
+        report = run_bench(Path(out), Path(work))
+    click.echo(report.read_text())
 
 
 def main() -> None:

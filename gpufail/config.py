@@ -84,6 +84,9 @@ class ModelSettings(_Table):
     train_window: Duration = timedelta(days=21)
     top_k: int = Field(default=10, gt=0)
     """Precision is reported over the K highest-risk GPUs at each grid time."""
+    threads: int = Field(default=1, ge=1)
+    """Threads for LightGBM/XGBoost. More are faster only on an otherwise idle machine: on a
+    2-core machine with other load, 2 OpenMP threads trained 4x slower per tree than 1."""
 
 
 class PublishSettings(_Table):

@@ -1,0 +1,140 @@
+"""`gpufail bench`: measure the demo pipeline stage by stage, and the hot loops on their own.
+
+Each pipeline stage runs as its own process (the same `gpufail` command a user runs), so its
+wall time and peak memory are its own. The machine is shared and noisy (PERFORMANCE.md: the
+same run varied up to 2x minutes apart): compare figures from one run, and rerun before
+trusting a small difference. Results go to `bench.md` (a table) and `bench.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+# Runs one gpufail command and reports its own peak resident memory on stderr's last line.
+_CHILD = (
+    "import resource, sys\n"
+    "from gpufail.cli import main\n"
+    "sys.argv = ['gpufail', *sys.argv[1:]]\n"
+    "try:\n"
+    "    main()\n"
+    "finally:\n"
+    "    print(f'\\nGPUFAIL_BENCH_MAXRSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr)\n"
+)
+
+
+@dataclass
+class StageResult:
+    stage: str
+    command: str
+    seconds: float
+    peak_rss_mb: float
+    output: str
+
+
+def run_stage(stage: str, args: list[str]) -> StageResult:
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"bench stage {stage!r} failed: gpufail {' '.join(args)}\n{result.stderr[-2000:]}")
+    peak_kb = next(
+        int(line.split("=", 1)[1])
+        for line in reversed(result.stderr.splitlines())
+        if line.startswith("GPUFAIL_BENCH_MAXRSS_KB=")
+    )
+    return StageResult(
+        stage, "gpufail " + " ".join(args), round(seconds, 2), round(peak_kb / 1024, 1), result.stdout.strip()
+    )
+
+
+def demo_pipeline(work: Path) -> list[StageResult]:
+    data, out = str(work / "demo-data"), work / "out"
+    stages = [
+        ("simulate", ["simulate", "--out", data, "--preset", "demo", "--quiet"]),
+        ("ingest kernel-log", ["ingest", "kernel-log", "--data", data]),
+        ("features", ["features", "--data", data, "--quiet"]),
+        ("train", ["train", "--data", data, "--model-out", str(out / "model")]),
+        ("evaluate", ["evaluate", "--data", data, "--report", str(out / "report")]),
+        ("score", ["score", "--data", data, "--model", str(out / "model")]),
+        ("publish (dry run)", ["publish", "--data", data, "--dry-run"]),
+    ]
+    results = []
+    for name, args in stages:
+        results.append(run_stage(name, args))
+        print(f"  {name}: {results[-1].seconds:.1f} s, {results[-1].peak_rss_mb:.0f} MB", file=sys.stderr)
+    return results
+
+
+def micro_benchmarks() -> dict[str, float]:
+    """The hot loops alone, in this process: parse speed and in-memory feature building."""
+    from features.bench import bench_build
+    from ingest.kernel_log_bench import bench_parse
+
+    parse = bench_parse(1_000_000, "rfc3339_syslog", repeat=2)
+    build = bench_build(n_gpus=128, hours=130, repeat=2)
+    return {"kernel_log_parse_lines_per_s": round(parse), "feature_build_rows_per_s": round(build["rows_per_s"])}
+
+
+def write_results(out: Path, stages: list[StageResult], micro: dict[str, float], rows: dict[str, int]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# gpufail bench ({when}; {machine})",
+        "",
+        "Demo pipeline (`make demo`'s stages), each stage its own process:",
+        "",
+        "| stage | seconds | peak memory (MB) | throughput |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for s in stages:
+        lines.append(f"| {s.stage} | {s.seconds:.1f} | {s.peak_rss_mb:.0f} | {_throughput(s, rows)} |")
+    total = sum(s.seconds for s in stages)
+    lines += ["", f"Total: {total:.0f} s.", "", "Hot loops alone:", ""]
+    lines.append(
+        f"- kernel-log parse + dedup (1M-line XID flood, RFC 3339 syslog): {micro['kernel_log_parse_lines_per_s']:,.0f} lines/s"
+    )
+    lines.append(
+        f"- feature build in memory (128 GPUs x 130 h, 1-minute samples): {micro['feature_build_rows_per_s']:,.0f} telemetry rows/s"
+    )
+    (out / "bench.md").write_text("\n".join(lines) + "\n")
+    (out / "bench.json").write_text(
+        json.dumps(
+            {"when": when, "machine": machine, "stages": [asdict(s) for s in stages], "micro": micro, "rows": rows},
+            indent=1,
+        )
+    )
+    return out / "bench.md"
+
+
+def _throughput(stage: StageResult, rows: dict[str, int]) -> str:
+    if stage.stage == "simulate":
+        return f"{rows['telemetry'] / stage.seconds:,.0f} telemetry rows/s"
+    if stage.stage == "ingest kernel-log":
+        return f"{rows['kernel_log_lines'] / stage.seconds:,.0f} log lines/s"
+    if stage.stage == "features":
+        return f"{rows['telemetry'] / stage.seconds:,.0f} telemetry rows/s"
+    return ""
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def run_bench(out: Path, work: Path) -> Path:
+    print("gpufail bench: demo pipeline", file=sys.stderr)
+    stages = demo_pipeline(work)
+    summary = json.loads((work / "demo-data" / "simulation.json").read_text())
+    rows = {"telemetry": summary["telemetry_rows"], "kernel_log_lines": summary["kernel_log_lines"]}
+    print("gpufail bench: hot loops", file=sys.stderr)
+    micro = micro_benchmarks()
+    return write_results(out, stages, micro, rows)
