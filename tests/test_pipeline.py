@@ -31,7 +31,9 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
     assert "features:" in gpufail("features", "--data", str(data), "--quiet")
     assert "trained lightgbm" in gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
-    assert "precision@10" in gpufail("evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6")
+    assert "precision@10" in gpufail(
+        "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6"
+    )
     scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
     published = gpufail("publish", "--data", str(data), "--dry-run")
     summary = gpufail("summary", "--data", str(data), "--report", str(out / "report"))
@@ -59,7 +61,9 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
 def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):
     data = tmp_path / "fleet"
     simulate(data, "demo", seed=1, progress=False, nodes=2, days=2, sample_interval_s=3600)
-    result = subprocess.run([*GPUFAIL, "train", "--data", str(data), "--model-out", str(tmp_path / "m")], capture_output=True, text=True)
+    result = subprocess.run(
+        [*GPUFAIL, "train", "--data", str(data), "--model-out", str(tmp_path / "m")], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert "the features dataset is empty; run `gpufail features" in result.stderr
     result = subprocess.run([*GPUFAIL, "publish", "--data", str(data), "--dry-run"], capture_output=True, text=True)

@@ -1,10 +1,10 @@
 import numpy as np
 import pandas as pd
-import polars as pl
 import pytest
 
 from ingest.errors import InputError
 from models.frame import MISSING_CATEGORY, feature_columns, feature_matrix, split_xy
+from tests.pandas_arrow import polars_from_pandas
 
 
 def tiny_frame() -> pd.DataFrame:
@@ -54,7 +54,7 @@ def test_split_xy_drops_censored_rows_and_keeps_ids_aligned():
 def test_polars_and_pandas_frames_give_the_same_matrices():
     frame = tiny_frame().drop(columns=["xid_count_24h"])
     Xp, yp, _ = split_xy(frame)
-    Xl, yl, _ = split_xy(pl.from_pandas(frame))
+    Xl, yl, _ = split_xy(polars_from_pandas(frame))
     pd.testing.assert_frame_equal(Xp.reset_index(drop=True), Xl.reset_index(drop=True))
     assert (yp == yl).all()
 

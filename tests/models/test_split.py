@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from ingest.errors import InputError
 from models.split import time_split
+from tests.pandas_arrow import polars_from_pandas
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")
 
@@ -49,7 +50,7 @@ def test_split_by_hand():
 def test_polars_frame_gives_polars_back_with_the_same_rows():
     frame = grid(n_hours=30)
     train_pd, test_pd = time_split(frame, "2026-01-01T20:00Z", "6h", "5h")
-    train_pl, test_pl = time_split(pl.from_pandas(frame), "2026-01-01T20:00Z", "6h", "5h")
+    train_pl, test_pl = time_split(polars_from_pandas(frame), "2026-01-01T20:00Z", "6h", "5h")
     assert isinstance(train_pl, pl.DataFrame)
     assert len(train_pl) == len(train_pd) and len(test_pl) == len(test_pd)
     assert train_pl["ts"].max() < pd.Timestamp("2026-01-01T14:00Z")

@@ -1,11 +1,11 @@
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pytest
 
 from models.train import TrainedModel, train_model
 from serving.score import PREDICTION_COLUMNS, PREDICTION_SCHEMA, node_risks, score_latest
 from tests.models import ONE_THREAD, demo_frame
+from tests.pandas_arrow import arrow_from_pandas, polars_from_pandas
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")
 
@@ -59,7 +59,7 @@ def test_score_latest_by_hand():
     assert node["a"] == node["b"] == pytest.approx(1 - 0.5 * 0.8)
     assert node["c"] == node["d"] == pytest.approx(1 - 0.9 * 0.3)
     assert set(predictions["model_version"]) == {fake_model().version}
-    pa.Table.from_pandas(predictions, schema=PREDICTION_SCHEMA, preserve_index=False)  # fits the schema
+    arrow_from_pandas(predictions, PREDICTION_SCHEMA)  # fits the schema
 
 
 def test_risk_divides_out_the_class_weight():
@@ -89,11 +89,9 @@ def test_empty_frame_gives_empty_predictions_with_the_schema():
 
 
 def test_a_trained_model_scores_every_gpu_once_from_a_polars_frame():
-    import polars as pl
-
     frame = demo_frame()
     model = train_model(frame, kind="logistic", train_window="5d", horizon="12h")
-    predictions = score_latest(model, pl.from_pandas(frame))
+    predictions = score_latest(model, polars_from_pandas(frame))
     assert len(predictions) == frame["gpu_uuid"].nunique()
     assert predictions["gpu_uuid"].is_unique
     assert predictions["risk"].between(0, 1).all()
