@@ -102,7 +102,7 @@ class Store:
         return "/".join([self._path, *parts])
 
     def exists(self, dataset: str) -> bool:
-        return bool(self._files(dataset))
+        return bool(self.files(dataset))
 
     def dates(self, dataset: str) -> list[date]:
         """The partition dates present in a dataset, oldest first."""
@@ -140,27 +140,29 @@ class Store:
         table = conform(table, dataset)
         return self._write_part(dataset, day.isoformat(), table)
 
-    def write_owned(self, dataset: str, day: date, table: pa.Table) -> str:
+    def write_owned(self, dataset: str, day: date, table: pa.Table, **parquet_options: Any) -> str:
         """Write one file of a dataset whose schema a later stage owns (features, predictions,
         actions). The owner validates the table; the store gives the same write-once, atomic,
-        date-partitioned layout as the raw datasets."""
-        return self._write_part(dataset, day.isoformat(), table)
+        date-partitioned layout as the raw datasets. `parquet_options` go to
+        `pyarrow.parquet.write_table` (e.g. `use_dictionary`)."""
+        return self._write_part(dataset, day.isoformat(), table, **parquet_options)
 
     def read_owned(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> pa.Table | None:
         """All rows of an owned dataset within the given days, or None when it has no file."""
-        files = self._files(dataset, first_day, last_day)
+        files = self.files(dataset, first_day, last_day)
         if not files:
             return None
         return ds.dataset(files, format="parquet", filesystem=self.fs).to_table()
 
-    def _write_part(self, dataset: str, day: str, table: pa.Table) -> str:
+    def _write_part(self, dataset: str, day: str, table: pa.Table, **parquet_options: Any) -> str:
         folder = self.path(dataset, f"date={day}")
         self.fs.makedirs(folder, exist_ok=True)
         final = f"{folder}/part-{uuid.uuid4().hex}.parquet"
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}.parquet"
         try:
             with self.fs.open(tmp, "wb") as fh:
-                pq.write_table(table, fh, compression=COMPRESSION, row_group_size=ROW_GROUP_SIZE)
+                options = {"compression": COMPRESSION, "row_group_size": ROW_GROUP_SIZE, **parquet_options}
+                pq.write_table(table, fh, **options)
             self.fs.mv(tmp, final)
         except BaseException:
             # Leave nothing behind on any interruption, KeyboardInterrupt included.
@@ -209,7 +211,7 @@ class Store:
         """A pyarrow dataset over the files of `dataset` dated within the given days (all when
         omitted), each checked against the dataset's schema."""
         expected = schema_for(dataset)
-        files = self._files(dataset, first_day, last_day)
+        files = self.files(dataset, first_day, last_day)
         dataset_obj = ds.dataset(files, schema=expected, format="parquet", filesystem=self.fs)
         for fragment in dataset_obj.get_fragments():
             try:
@@ -219,7 +221,7 @@ class Store:
             _check_physical(physical, expected, f"{dataset} file {fragment.path}")
         return dataset_obj
 
-    def _files(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> list[str]:
+    def files(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> list[str]:
         """Visible part files, pruned by the date in their partition folder's name.
 
         Pruning here, before pyarrow sees the files, means files outside the range are never
