@@ -96,7 +96,7 @@ def plan_app_incidents(plan: FleetPlan, rng: np.random.Generator) -> list[AppInc
                         t_h=t,
                         xid=int(rng.choice(codes, p=code_p / code_p.sum())),
                         gpus_hit=int(rng.integers(1, 9)),
-                        repeats=int(rng.integers(200, 3000)) if flood else int(rng.integers(1, 4)),
+                        repeats=int(rng.integers(*preset.flood_lines)) if flood else int(rng.integers(1, 4)),
                         pid=int(rng.integers(1000, 4_000_000)),
                     )
                 )

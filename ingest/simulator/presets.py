@@ -115,6 +115,7 @@ class Preset:
     idle_mean_h: float = 2.0
     job_crash_probability: float = 0.08
     flood_probability: float = 0.25
+    flood_lines: tuple[int, int] = (200, 3000)  # lines per GPU in a flood
     fleet_crash_every_days: float = 6.0  # one big multi-node job crash
     maintenance_every_days: float = 25.0
     sample_drop_probability: float = 0.003
@@ -156,6 +157,10 @@ PRESETS = {
         acceleration=4.0,
         model_mix={"Tesla V100-SXM2-32GB": 0.5, "NVIDIA A100-SXM4-80GB": 0.3, "NVIDIA H100 80GB HBM3": 0.2},
         new_nodes_fraction=0.05,
+        # Floods as in the demo would write ~1M log lines a day at this scale (~20 GB over the
+        # period); smaller, rarer floods keep the logs near 1 GB and still exercise dedup.
+        flood_probability=0.1,
+        flood_lines=(20, 200),
     ),
 }
 
