@@ -171,11 +171,15 @@ def features(
     click.echo(str(summary))
 
 
-def _load_features(root: str) -> Any:
-    from features.build import read_features
+def _load_features(root: str, latest_day_only: bool = False) -> Any:
+    from features.build import FEATURES_DATASET, read_features
     from ingest.store import Store
 
-    frame = read_features(Store.open(root))
+    store = Store.open(root)
+    start = None
+    if latest_day_only and (days := store.dates(FEATURES_DATASET)):
+        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
+    frame = read_features(store, start=start)
     if frame.height == 0:
         raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
     return frame
@@ -272,7 +276,8 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
 
     root = _root(ctx, data)
     model = load_model(model_path)
-    frame = _load_features(root)
+    # Scoring needs only the latest grid time: read the last day, not the whole history.
+    frame = _load_features(root, latest_day_only=True)
     # Score the fleet as it is now: GPUs that failed or left earlier have no row at the latest
     # grid time (the feature grid is dense for every GPU still in service).
     frame = frame.filter(pl.col("ts") == pl.col("ts").max())
