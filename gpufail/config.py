@@ -133,7 +133,9 @@ def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | N
     try:
         return Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, str(path) if path else "defaults")) from None
+        overrides = sorted(f"{ENV_PREFIX}{t.upper()}__{k.upper()}" for t, k, _ in _env_overrides(environ))
+        source = " and ".join(filter(None, [str(path) if path else "defaults", ", ".join(overrides)]))
+        raise ConfigError(_describe(exc, source)) from None
 
 
 def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:

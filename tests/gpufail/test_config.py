@@ -61,7 +61,10 @@ def test_bad_configuration_names_the_file_key_and_expectation(tmp_path, text, me
 def test_bad_environment_override_is_named():
     with pytest.raises(ConfigError, match="GPUFAIL_HORIZON: expected GPUFAIL_<TABLE>__<KEY>"):
         load_settings(environ={"GPUFAIL_HORIZON": "12h"})
-    with pytest.raises(ConfigError, match=r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"from defaults and GPUFAIL_LABELS__HORIZON: \[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\)",
+    ):
         load_settings(environ={"GPUFAIL_LABELS__HORIZON": "forever"})
 
 
