@@ -183,9 +183,17 @@ def _identity(
     }
 
 
+# Boards without an HBM temperature sensor (T4, L4: GDDR6) report memory temperature as 0. No
+# board in a data centre runs at 0 degC, and a 0 would drag temperature features down, so it is
+# a missing reading.
+_ZERO_MEANS_NO_SENSOR = frozenset({"temp_mem_c"})
+
+
 def _reading(value: float, metric: Metric) -> float | int | None:
     """The value in our column's unit and type; None for NaN, infinities and DCGM blank sentinels."""
     if not math.isfinite(value) or value >= INT64_BLANK_MIN or value in FP64_BLANKS:
+        return None
+    if metric.column in _ZERO_MEANS_NO_SENSOR and value == 0:
         return None
     value *= _SCALE_BY_FIELD_ID.get(metric.dcgm_field_id, 1.0)
     if pa.types.is_integer(metric.arrow_type):

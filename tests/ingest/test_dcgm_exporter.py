@@ -167,3 +167,18 @@ def test_schema_matches_and_store_accepts(name: str, tmp_path: Path) -> None:
     assert set(metric_columns()) <= set(table.column_names)
     store = Store.create(str(tmp_path / "root"))
     assert len(store.write("telemetry", table)) == 1
+
+
+def test_a_memory_temperature_of_zero_means_no_sensor_and_becomes_null():
+    # Real T4 and L4 scrapes report DCGM_FI_DEV_MEMORY_TEMP 0: GDDR6 boards have no HBM sensor.
+    from datetime import UTC, datetime
+
+    from ingest.dcgm_exporter import parse_scrape
+
+    scrape = (
+        "# TYPE DCGM_FI_DEV_MEMORY_TEMP gauge\n"
+        'DCGM_FI_DEV_MEMORY_TEMP{gpu="0",UUID="GPU-a",pci_bus_id="00000000:3B:00.0",Hostname="n1"} 0\n'
+        'DCGM_FI_DEV_MEMORY_TEMP{gpu="1",UUID="GPU-b",pci_bus_id="00000000:5D:00.0",Hostname="n1"} 41\n'
+    )
+    table = parse_scrape(scrape, now=datetime(2026, 1, 5, tzinfo=UTC), cluster="c")
+    assert table.sort_by("gpu_index")["temp_mem_c"].to_pylist() == [None, 41.0]
