@@ -129,6 +129,33 @@ def ingest_kernel_log(
     click.echo(f"kernel-log: {summary}")
 
 
+@ingest.command("dcgm-exporter")
+@_data_option
+@click.option("--node", default=None, help="Node name (default: each GPU's Hostname label).")
+@click.argument("sources", nargs=-1, required=True)
+@click.pass_context
+def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None, sources: tuple[str, ...]) -> None:
+    """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
+
+    SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
+    from ingest.dcgm_exporter import fetch_scrape, parse_scrape
+    from ingest.store import Store
+
+    settings = _settings(ctx)
+    store = Store.create(_root(ctx, data))
+    # Parse every source before writing any, so one bad source writes nothing.
+    tables = [
+        parse_scrape(
+            fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
+        )
+        for source in sources
+    ]
+    for table in tables:
+        store.write("telemetry", table)
+    rows = sum(table.num_rows for table in tables)
+    click.echo(f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}")
+
+
 def _when(text: str | None) -> datetime | None:
     if text is None:
         return None

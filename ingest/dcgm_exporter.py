@@ -199,3 +199,26 @@ def _reading(value: float, metric: Metric) -> float | int | None:
     if pa.types.is_integer(metric.arrow_type):
         return round(value)
     return value
+
+
+def fetch_scrape(source: str, timeout_s: float = 10.0) -> str:
+    """The text of a scrape: an http(s) URL of a dcgm-exporter `/metrics` endpoint, or a file
+    holding a saved scrape. Failures become one `InputError` naming the source."""
+    if source.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(source, timeout=timeout_s) as response:
+                return response.read().decode("utf-8", errors="replace")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise InputError(
+                f"dcgm-exporter scrape {source}: cannot fetch ({exc}); expected a reachable /metrics URL"
+            ) from None
+    try:
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise InputError(
+            f"dcgm-exporter scrape {source}: cannot read ({exc.strerror}); expected a file or an http(s) URL"
+        ) from None
