@@ -142,14 +142,14 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
     from ingest.store import Store
 
     settings = _settings(ctx)
-    store = Store.create(_root(ctx, data))
-    # Parse every source before writing any, so one bad source writes nothing.
+    # Parse every source before touching the store, so one bad source writes nothing at all.
     tables = [
         parse_scrape(
             fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
         )
         for source in sources
     ]
+    store = Store.create(_root(ctx, data))
     for table in tables:
         store.write("telemetry", table)
     rows = sum(table.num_rows for table in tables)

@@ -16,6 +16,8 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from ingest.kernel_log import deduplicate, parse_lines
+from ingest.simulator.kernel_log_writer import format_message
+from ingest.simulator.presets import LOG_FORMATS
 
 _PAYLOAD = (
     "NVRM: Xid (PCI:0000:{bus:02x}:00): 13, pid='<unknown>', name=<unknown>, "
@@ -28,18 +30,13 @@ _BOOT = datetime(2025, 1, 20, tzinfo=UTC)
 
 def _prefix(log_format: str, moment: datetime) -> str:
     uptime = (moment - _BOOT).total_seconds()
-    if log_format == "dmesg_iso":
-        return f"kern  :warn  : {moment.strftime('%Y-%m-%dT%H:%M:%S,%f')}+00:00 "
-    if log_format == "dmesg_ctime":
-        return f"[{moment.strftime('%a %b %d %H:%M:%S %Y')}] "
     if log_format == "dmesg_uptime":
         return f"[{uptime:12.6f}] "
     if log_format == "kmsg":
         return f"4,{int(uptime)},{int(uptime * 1e6)},-;"
-    if log_format == "journal":
-        return f"{moment.strftime('%b %d %H:%M:%S')} gpu-node-007 kernel: "
-    if log_format == "rfc3339_syslog":
-        return f"{moment.isoformat()} gpu-node-007 kernel: "
+    if log_format in LOG_FORMATS:
+        # The formats the simulator writes: the same prefixes the demo's logs carry.
+        return format_message(log_format, moment, "gpu-node-007", [""])[0]
     raise ValueError(f"log format {log_format!r}: expected one of {FORMATS}")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -302,11 +301,3 @@ def _utc(moment: datetime) -> datetime:
     if moment.tzinfo is None:
         return moment.replace(tzinfo=UTC)
     return moment.astimezone(UTC)
-
-
-def iter_days(start: date, end: date) -> Iterable[date]:
-    """Each date from `start` up to and including `end`."""
-    day = start
-    while day <= end:
-        yield day
-        day += timedelta(days=1)

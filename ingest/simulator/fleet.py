@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ingest.simulator.presets import GPU_MODELS, LLAMA3_GPU_FAILURES_PER_GPU_HOUR, LOG_FORMATS, GpuModel, Preset
+from ingest.simulator.presets import LLAMA3_GPU_FAILURES_PER_GPU_HOUR, LOG_FORMATS, Preset
 
 # PCI bus ids of the eight GPUs on an HGX baseboard, as the kernel log prints them.
 SLOT_PCI_BUS_IDS = (
@@ -74,10 +74,6 @@ class FleetPlan:
     strength: np.ndarray  # 0 for silent failures
     repair_h: np.ndarray  # when the replacement arrives (+inf when none)
     replaced_by: np.ndarray  # index of the replacement GPU, or -1
-
-    @property
-    def samples_per_hour(self) -> float:
-        return 3600 / self.preset.sample_interval_s
 
     def driver_at(self, node: np.ndarray, t_h: np.ndarray) -> np.ndarray:
         """True where the node already runs the new driver at time t."""
@@ -302,7 +298,3 @@ def _plan_gpus(
         "repair_h": repair,
         "replaced_by": replaced_by,
     }
-
-
-def gpu_models(plan: FleetPlan) -> list[GpuModel]:
-    return [GPU_MODELS[plan.model_names[i]] for i in plan.node_model]

@@ -1,4 +1,5 @@
 import json
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -124,11 +125,12 @@ def test_state_files_round_trip_and_corruption_is_reported(store, tmp_path):
 
 def test_memory_filesystem_url_works_like_a_folder(hours):
     # Any fsspec URL is a data root; memory:// stands in for s3:// in tests.
-    store = Store.create("memory://gpufail-test-root")
+    root = f"memory://gpufail-test-{uuid.uuid4().hex}"  # the memory filesystem is process-wide
+    store = Store.create(root)
     store.write("xid_events", make_rows("xid_events", hours(1, 30), xid=[79, 48]))
     t = hours(24, 48)
     assert store.read("xid_events", start=t[0], end=t[1])["xid"].to_pylist() == [48]
-    assert Store.open("memory://gpufail-test-root").dates("xid_events")[0].isoformat() == "2026-01-05"
+    assert Store.open(root).dates("xid_events")[0].isoformat() == "2026-01-05"
 
 
 def test_datasets_owned_by_later_stages_get_the_same_atomic_dated_layout(store, hours):
