@@ -154,7 +154,22 @@ REPAIRS_SCHEMA = pa.schema(
     ]
 )
 
-DatasetName = Literal["telemetry", "xid_events", "failures", "repairs"]
+# One row per call of a live collector (ingest.collect): whether it worked, how long it took,
+# how many rows it returned and, when it failed, why. Lets an operator see a dying collector.
+COLLECTOR_RUNS_SCHEMA = pa.schema(
+    [
+        pa.field("ts", TIMESTAMP, nullable=False),
+        pa.field("cluster", pa.string(), nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("collector", pa.string(), nullable=False),
+        pa.field("ok", pa.bool_(), nullable=False),
+        pa.field("duration_s", pa.float64(), nullable=False),
+        pa.field("rows", pa.int64(), nullable=False),
+        pa.field("error", pa.string()),
+    ]
+)
+
+DatasetName = Literal["telemetry", "xid_events", "failures", "repairs", "collector_runs"]
 
 
 def schema_for(dataset: str) -> pa.Schema:
@@ -164,6 +179,7 @@ def schema_for(dataset: str) -> pa.Schema:
         "xid_events": xid_events_schema(),
         "failures": FAILURES_SCHEMA.with_metadata(_metadata("failures")),
         "repairs": REPAIRS_SCHEMA.with_metadata(_metadata("repairs")),
+        "collector_runs": COLLECTOR_RUNS_SCHEMA.with_metadata(_metadata("collector_runs")),
     }
     try:
         return schemas[dataset]
