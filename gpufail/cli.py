@@ -156,6 +156,56 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
     click.echo(f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}")
 
 
+@cli.command()
+@click.option("--out", "--data", "data", default=None, help="Data root to write to (default: [store] root).")
+@click.option("--source", "sources", default=None, help="Comma-separated collectors (default: [collect] sources).")
+@click.option("--interval", default=None, help="Time between collections, e.g. 30s (default: [collect] interval).")
+@click.option("--once", is_flag=True, help="Collect once, flush and exit.")
+@click.option("--max-runs", type=click.IntRange(min=1), default=None, help="Stop after this many collections.")
+@click.option("--node", default=None, help="Node name (default: [collect] node, else the hostname).")
+@click.pass_context
+def collect(
+    ctx: click.Context,
+    data: str | None,
+    sources: str | None,
+    interval: str | None,
+    once: bool,
+    max_runs: int | None,
+    node: str | None,
+) -> None:
+    """Run the live collectors (NVML, kernel log, dcgm-exporter) into the store until SIGTERM
+    or SIGINT, flushing on a size/time policy; prints a line per flush and a summary."""
+    import socket
+
+    from gpufail.config import parse_duration
+    from ingest.collect.daemon import CollectOptions, StopFlag, parse_sources, run_collect, stop_on_signals
+    from ingest.store import Store
+
+    settings = _settings(ctx)
+    cfg = settings.collect
+    try:
+        every = parse_duration(interval) if interval is not None else cfg.interval
+    except ValueError as exc:
+        raise GpufailError(f"--interval: {exc}") from None
+    options = CollectOptions(
+        cluster=settings.ingest.cluster,
+        node=node or cfg.node or socket.gethostname(),
+        sources=parse_sources(sources if sources is not None else cfg.sources),
+        interval=every,
+        flush_rows=cfg.flush_rows,
+        flush_interval=cfg.flush_interval,
+        dcgm_exporter_url=cfg.dcgm_exporter_url,
+        kernel_log_source=cfg.kernel_log_source,
+        kernel_log_paths=tuple(cfg.kernel_log_paths),
+        dedup_window=settings.ingest.xid_dedup_window,
+        max_lines=cfg.max_lines_per_run,
+    )
+    store = Store.create(_root(ctx, data))
+    with stop_on_signals(StopFlag()) as stop:
+        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=click.echo)
+    click.echo(f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}")
+
+
 def _when(text: str | None) -> datetime | None:
     if text is None:
         return None

@@ -97,6 +97,28 @@ class PublishSettings(_Table):
     """Circuit breaker: never act on more than this share of the fleet's nodes at once."""
 
 
+class CollectSettings(_Table):
+    """`gpufail collect`, the live collector daemon on each GPU node."""
+
+    interval: Duration = timedelta(seconds=30)
+    """Every collector is called once per interval."""
+    sources: list[Literal["nvml", "kernel-log", "dcgm-exporter"]] = Field(
+        default_factory=lambda: ["nvml", "kernel-log"]  # type: ignore[arg-type]
+    )
+    flush_rows: int = Field(default=50_000, ge=1)
+    """Buffered rows are written when the buffer holds this many rows (a kill loses at most
+    these), or when flush_interval has passed, or when the daemon stops."""
+    flush_interval: Duration = timedelta(minutes=5)
+    dcgm_exporter_url: str = "http://localhost:9400/metrics"
+    kernel_log_source: Literal["kmsg", "journal", "files"] = "kmsg"
+    kernel_log_paths: list[str] = Field(default_factory=list)
+    """Log files to follow when kernel_log_source = "files" (e.g. /var/log/kern.log)."""
+    max_lines_per_run: int = Field(default=200_000, ge=1)
+    """Kernel-log lines read per interval at most; a larger backlog is read over later ones."""
+    node: str = ""
+    """Node name written into every row; empty means this machine's hostname."""
+
+
 class Settings(_Table):
     store: StoreSettings = StoreSettings()
     simulate: SimulateSettings = SimulateSettings()
@@ -105,6 +127,7 @@ class Settings(_Table):
     labels: LabelSettings = LabelSettings()
     model: ModelSettings = ModelSettings()
     publish: PublishSettings = PublishSettings()
+    collect: CollectSettings = CollectSettings()
 
 
 ENV_PREFIX = "GPUFAIL_"

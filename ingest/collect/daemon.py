@@ -1,0 +1,442 @@
+"""`gpufail collect`: run the live collectors on an interval and flush what they return.
+
+The registry maps each source name to a factory, so the CLI and the config speak names
+("nvml", "kernel-log", "dcgm-exporter") and the NVML collector, with its vendor library, is
+imported only when asked for.
+
+One tick calls every collector once. A collector that raises is recorded as a failed run
+(CONVENTIONS.md 2) and the others go on; every call, good or bad, becomes a `collector_runs`
+row with its duration. Rows go to a `WriteBuffer`, flushed on its size/time policy; after a
+flush reaches the store, collectors that keep a cursor (the kernel log) checkpoint it, so a
+cursor never runs ahead of the data it covers.
+
+Stopping: SIGTERM or SIGINT set a flag that the loop checks between collectors and while it
+waits (in slices of at most `STOP_CHECK_S`); the daemon then drains open incidents, flushes,
+checkpoints and returns, and the CLI exits 0. All time comes from a `Clock`.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol, runtime_checkable
+
+import pyarrow as pa
+
+from ingest.collect.base import Clock, Collected, Collector, CollectorError, CollectorRun, SystemClock
+from ingest.collect.buffer import WriteBuffer
+from ingest.errors import GpufailError, InputError, StoreError
+from ingest.kernel_log_ingest import map_to_gpus
+from ingest.schema import schema_for
+from ingest.store import Store
+
+# The longest the daemon waits before noticing a stop request.
+STOP_CHECK_S = 1.0
+# The buffer may grow to this many times `flush_rows` while the store cannot be written.
+BUFFER_CAP_FACTOR = 10
+
+
+@dataclass(frozen=True)
+class CollectOptions:
+    """Plain values for one daemon, from `[collect]` and the command line."""
+
+    cluster: str
+    node: str
+    sources: tuple[str, ...]
+    interval: timedelta
+    flush_rows: int
+    flush_interval: timedelta
+    dcgm_exporter_url: str
+    kernel_log_source: str  # "kmsg" | "journal" | "files"
+    kernel_log_paths: tuple[str, ...]
+    kmsg_path: str = "/dev/kmsg"
+    journalctl: str = "journalctl"
+    dedup_window: timedelta = timedelta(minutes=5)
+    max_lines: int = 200_000
+    tz: str | None = None
+    dcgm_timeout_s: float = 5.0
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    def checkpoint(self) -> None:
+        """Persist how far the collector has read; everything it returned is in the store."""
+        ...
+
+
+@runtime_checkable
+class Draining(Protocol):
+    def drain(self) -> Collected:
+        """Hand over what is held back (open incidents) because the daemon is stopping."""
+        ...
+
+
+# -- the registry --------------------------------------------------------------------------
+
+CollectorFactory = Callable[[Store, CollectOptions, Clock], Collector]
+
+
+def _nvml(store: Store, options: CollectOptions, clock: Clock) -> Collector:
+    # Imported here: the module loads the vendor library, which a node without NVIDIA
+    # drivers (or a CI runner) does not have.
+    from ingest.collect.nvml import NvmlCollector
+
+    return NvmlCollector(options.cluster, options.node, clock=clock)  # type: ignore[no-any-return]
+
+
+def _kernel_log(store: Store, options: CollectOptions, clock: Clock) -> Collector:
+    from ingest.collect.kernel_log import KernelLogCollector
+
+    return KernelLogCollector(
+        store,
+        make_log_source(options),
+        cluster=options.cluster,
+        node=options.node,
+        dedup_window=options.dedup_window,
+        clock=clock,
+        tz=options.tz,
+        max_lines=options.max_lines,
+    )
+
+
+def _dcgm_exporter(store: Store, options: CollectOptions, clock: Clock) -> Collector:
+    from ingest.collect.dcgm_exporter import DcgmExporterCollector
+
+    if not options.dcgm_exporter_url:
+        raise InputError(
+            "[collect] dcgm_exporter_url is empty; expected the exporter's URL, e.g. http://localhost:9400/metrics"
+        )
+    return DcgmExporterCollector(
+        options.dcgm_exporter_url,
+        cluster=options.cluster,
+        node=options.node,
+        clock=clock,
+        timeout_s=options.dcgm_timeout_s,
+    )
+
+
+REGISTRY: dict[str, CollectorFactory] = {
+    "nvml": _nvml,
+    "kernel-log": _kernel_log,
+    "dcgm-exporter": _dcgm_exporter,
+}
+
+
+def make_log_source(options: CollectOptions) -> Any:
+    from ingest.collect.log_sources import FileSource, JournalSource, KmsgSource
+
+    kind = options.kernel_log_source
+    if kind == "kmsg":
+        return KmsgSource(options.kmsg_path)
+    if kind == "journal":
+        return JournalSource(executable=options.journalctl)
+    if kind == "files":
+        if not options.kernel_log_paths:
+            raise InputError(
+                "[collect] kernel_log_source = 'files' but kernel_log_paths is empty; "
+                "expected files such as ['/var/log/kern.log']"
+            )
+        return FileSource(options.kernel_log_paths)
+    raise InputError(f"[collect] kernel_log_source = {kind!r}; expected 'kmsg', 'journal' or 'files'")
+
+
+def parse_sources(text: str | Sequence[str]) -> tuple[str, ...]:
+    """`"nvml,kernel-log"` or a list -> names, each checked against the registry."""
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown or not names:
+        raise InputError(
+            f"collector sources {', '.join(unknown) or '(none)'}: unknown; expected a comma-separated "
+            f"list of {', '.join(REGISTRY)}"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def build_collectors(
+    store: Store, options: CollectOptions, clock: Clock, registry: Mapping[str, CollectorFactory] | None = None
+) -> list[Collector]:
+    """One collector per source name. A collector that cannot even be built (its library is
+    not installed) is a configuration problem, reported before the daemon starts."""
+    registry = REGISTRY if registry is None else registry
+    collectors = []
+    for name in options.sources:
+        if name not in registry:
+            raise InputError(f"collector {name!r}: unknown; expected one of {', '.join(registry)}")
+        try:
+            collectors.append(registry[name](store, options, clock))
+        except ImportError as exc:
+            raise InputError(f"collector {name!r}: cannot be loaded ({exc})") from None
+    return collectors
+
+
+# -- the loop ------------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by a signal handler (or a test); read by the loop."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str = "stop requested") -> None:
+        self.reason = reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+@contextmanager
+def stop_on_signals(flag: StopFlag) -> Iterator[StopFlag]:
+    """SIGTERM and SIGINT set `flag` instead of killing the process, for the block's duration."""
+
+    def handler(signum: int, frame: Any) -> None:
+        flag.set(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@dataclass
+class _Tally:
+    ok: int = 0
+    failed: int = 0
+    rows: int = 0
+    last_error: str | None = None
+
+
+@dataclass
+class CollectSummary:
+    """What a daemon run did, for the one-line reports."""
+
+    ticks: int = 0
+    flushes: int = 0
+    files: int = 0
+    rows_written: Counter[str] = field(default_factory=Counter)
+    by_collector: dict[str, _Tally] = field(default_factory=dict)
+    dropped_rows: int = 0
+    flush_errors: int = 0
+    stop_reason: str = ""
+
+    def line(self) -> str:
+        runs = "; ".join(
+            f"{name} {t.ok} ok"
+            + (f", {t.failed} failed (last: {t.last_error})" if t.failed else "")
+            + f", {t.rows} rows"
+            for name, t in self.by_collector.items()
+        )
+        written = ", ".join(f"{d} {n:,}" for d, n in sorted(self.rows_written.items())) or "nothing"
+        text = f"{self.ticks} ticks, {self.flushes} flushes ({written} rows in {self.files} files); {runs}"
+        if self.dropped_rows:
+            text += f"; {self.dropped_rows:,} rows dropped (store unwritable)"
+        if self.flush_errors:
+            text += f"; {self.flush_errors} failed flushes"
+        return text
+
+
+class Daemon:
+    """Runs collectors on an interval and flushes their rows; see the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        collectors: Sequence[Collector],
+        *,
+        cluster: str,
+        node: str,
+        interval: timedelta,
+        flush_rows: int,
+        flush_interval: timedelta,
+        clock: Clock | None = None,
+        stop: StopFlag | None = None,
+        report: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        if interval <= timedelta(0):
+            raise InputError(f"collect interval {interval}: expected a positive duration")
+        if flush_rows < 1:
+            raise InputError(f"[collect] flush_rows = {flush_rows}: expected at least 1")
+        self.store = store
+        self.collectors = list(collectors)
+        self.cluster = cluster
+        self.node = node
+        self.interval = interval.total_seconds()
+        self.flush_rows = flush_rows
+        self.flush_interval = flush_interval.total_seconds()
+        self.clock = clock or SystemClock()
+        self.stop = stop or StopFlag()
+        self.report = report
+        self.buffer = WriteBuffer(max_rows=flush_rows * BUFFER_CAP_FACTOR)
+        self.summary = CollectSummary(by_collector={c.name: _Tally() for c in self.collectors})
+        self._last_flush = self.clock.monotonic()
+
+    def run(self, *, max_ticks: int | None = None) -> CollectSummary:
+        """Tick until stopped or `max_ticks` ticks have run (1 for `--once`); then drain,
+        flush, close. Returns the summary."""
+        next_tick = self.clock.monotonic()
+        try:
+            while not self.stop.is_set():
+                self.tick()
+                if max_ticks is not None and self.summary.ticks >= max_ticks:
+                    break
+                if self._flush_due():
+                    self.flush()
+                next_tick += self.interval
+                self._wait_until(next_tick)
+                # A tick that overran the interval does not cause a burst of catch-up ticks.
+                next_tick = max(next_tick, self.clock.monotonic() - self.interval)
+        finally:
+            self._stop()
+        return self.summary
+
+    def tick(self) -> None:
+        for collector in self.collectors:
+            if self.stop.is_set():
+                break
+            self._run_one(collector, collector.collect)
+        self.summary.ticks += 1
+
+    def _run_one(self, collector: Collector, call: Callable[[], Collected]) -> None:
+        started = self.clock.monotonic()
+        ts = self.clock.now()
+        tally = self.summary.by_collector.setdefault(collector.name, _Tally())
+        try:
+            collected = call()
+            error = None
+        except CollectorError as exc:
+            collected, error = {}, str(exc)
+        except Exception as exc:  # a bug in one collector must not stop the others
+            collected, error = {}, f"{collector.name}: unexpected {type(exc).__name__}: {exc}"
+        rows = 0
+        for dataset, table in collected.items():
+            self.buffer.add(dataset, table)
+            rows += table.num_rows
+        duration = max(0.0, self.clock.monotonic() - started)
+        run = CollectorRun(ts, self.cluster, self.node, collector.name, error is None, duration, rows, error)
+        self.buffer.add("collector_runs", _runs_table([run]))
+        if error is None:
+            tally.ok += 1
+        else:
+            tally.failed += 1
+            tally.last_error = error
+        tally.rows += rows
+
+    def _flush_due(self) -> bool:
+        return self.buffer.rows >= self.flush_rows or self.clock.monotonic() - self._last_flush >= self.flush_interval
+
+    def flush(self) -> bool:
+        """Write the buffer, then let collectors checkpoint. False (and reported) when the store
+        refused: the rows stay buffered and the cursors stay where they were."""
+        self._last_flush = self.clock.monotonic()
+        try:
+            result = self.buffer.flush(self.store, self._prepare)
+        except (GpufailError, OSError) as exc:
+            self.summary.flush_errors += 1
+            self.summary.dropped_rows = self.buffer.dropped_rows
+            self.report(f"collect: flush failed, {self.buffer.rows:,} rows kept for the next flush: {exc}")
+            return False
+        for collector in self.collectors:
+            if isinstance(collector, Checkpointing):
+                collector.checkpoint()
+        self.summary.flushes += 1
+        self.summary.files += result.files
+        self.summary.rows_written.update(result.rows)
+        self.summary.dropped_rows = self.buffer.dropped_rows
+        written = ", ".join(f"{d} {n:,}" for d, n in result.rows.items()) or "nothing new"
+        self.report(f"collect: flushed {written} ({result.files} files) | {self.summary.line()}")
+        return True
+
+    def _prepare(self, dataset: str, table: pa.Table) -> pa.Table:
+        if dataset == "xid_events":
+            # Bus id -> GPU index and UUID from the telemetry in the store, which this flush
+            # has just written first (see FLUSH_ORDER).
+            return map_to_gpus(self.store, table, self.cluster)
+        return table
+
+    def _wait_until(self, deadline: float) -> None:
+        while not self.stop.is_set():
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                return
+            self.clock.sleep(min(remaining, STOP_CHECK_S))
+
+    def _stop(self) -> None:
+        for collector in self.collectors:
+            if isinstance(collector, Draining):
+                self._run_drain(collector)
+        # Always flush, even with nothing buffered: collectors that read lines without finding
+        # anything still checkpoint how far they read.
+        flushed = self.flush()
+        for collector in self.collectors:
+            try:
+                collector.close()
+            except Exception as exc:  # closing must not hide the flush result
+                self.report(f"collect: closing {collector.name} failed: {exc}")
+        self.summary.stop_reason = self.stop.reason or "done"
+        if not flushed:
+            raise StoreError(
+                f"collect: the last flush to {self.store.root} failed; {self.buffer.rows:,} rows were not written"
+            )
+
+    def _run_drain(self, collector: Draining) -> None:
+        try:
+            for dataset, table in collector.drain().items():
+                self.buffer.add(dataset, table)
+        except CollectorError as exc:
+            self.report(f"collect: draining failed: {exc}")
+
+
+def _runs_table(runs: list[CollectorRun]) -> pa.Table:
+    schema = schema_for("collector_runs")
+    return pa.table(
+        {
+            "ts": [r.ts for r in runs],
+            "cluster": [r.cluster for r in runs],
+            "node": [r.node for r in runs],
+            "collector": [r.collector for r in runs],
+            "ok": [r.ok for r in runs],
+            "duration_s": [r.duration_s for r in runs],
+            "rows": [r.rows for r in runs],
+            "error": [r.error for r in runs],
+        },
+        schema=schema,
+    )
+
+
+def run_collect(
+    store: Store,
+    options: CollectOptions,
+    *,
+    once: bool = False,
+    max_runs: int | None = None,
+    clock: Clock | None = None,
+    stop: StopFlag | None = None,
+    report: Callable[[str], None] = lambda line: None,
+    registry: Mapping[str, CollectorFactory] | None = None,
+) -> CollectSummary:
+    """Build the collectors named in `options`, run them (once, `max_runs` ticks, or until
+    stopped), flush and return the summary."""
+    clock = clock or SystemClock()
+    collectors = build_collectors(store, options, clock, registry)
+    daemon = Daemon(
+        store,
+        collectors,
+        cluster=options.cluster,
+        node=options.node,
+        interval=options.interval,
+        flush_rows=options.flush_rows,
+        flush_interval=options.flush_interval,
+        clock=clock,
+        stop=stop,
+        report=report,
+    )
+    return daemon.run(max_ticks=1 if once else max_runs)
