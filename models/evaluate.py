@@ -26,6 +26,7 @@ import json
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -351,3 +352,360 @@ def write_report(metrics: dict[str, Any], out_dir: str | os.PathLike[str]) -> tu
         os.replace(tmp, final)
         written.append(final)
     return written[0], written[1]
+
+
+# -- walk-forward metrics ---------------------------------------------------------------------
+#
+# The walk-forward comparison (models/walk_forward.py) scores every grid time of a test period
+# with several contenders and compares them day by day. The pieces below are pure functions of
+# a prepared frame (`prepare_scored`): they know nothing about how the scores were made.
+
+HARDWARE_XID_CLASSES = ("memory", "nvlink", "bus", "gsp")
+"""XID classes (ingest/xid_classes.csv) a rule-based monitor treats as hardware trouble."""
+UNCORRECTABLE_ECC_COUNTERS = (
+    "ecc_dbe_volatile_total",
+    "ecc_dbe_aggregate_total",
+    "retired_pages_dbe_total",
+    "remapped_rows_uncorrectable_total",
+)
+"""Counters whose increase means an uncorrectable (double-bit) memory error."""
+RULE_WINDOW = "24h"
+
+
+def rule_columns(frame: Any, window: str = RULE_WINDOW) -> list[str]:
+    """The feature columns the rule baseline reads that `frame` has: hardware-class XID counts
+    and uncorrectable-ECC counter increases over `window` (a feature window label, "24h")."""
+    names = [f"xid_{c}_count_{window}" for c in HARDWARE_XID_CLASSES]
+    names += [f"{c}_increase_{window}" for c in UNCORRECTABLE_ECC_COUNTERS]
+    return [c for c in names if c in to_pandas(frame).columns]
+
+
+def rule_flags(frame: Any, window: str = RULE_WINDOW) -> np.ndarray:
+    """The rule existing monitors apply (NVSentinel, DCGM health watches): flag a GPU when it
+    logged any hardware-class XID or any uncorrectable ECC error in the last `window`.
+    A missing value never flags. Raises InputError when the frame has none of the columns."""
+    df = to_pandas(frame)
+    columns = rule_columns(df, window)
+    if not columns:
+        raise InputError(
+            f"rule baseline: no xid_<class>_count_{window} or <ecc counter>_increase_{window} columns; "
+            f"expected some of {[f'xid_{c}_count_{window}' for c in HARDWARE_XID_CLASSES]}"
+        )
+    flags = np.zeros(len(df), dtype=bool)
+    for c in columns:
+        flags |= pd.to_numeric(df[c], errors="coerce").fillna(0).to_numpy(dtype=np.float64) > 0
+    return flags
+
+
+def parse_top_k(spec: str | int) -> tuple[str, float]:
+    """A K specification: a count ("10" or 10) -> ("count", 10); a share of the GPUs present at
+    each grid time ("2%" or "0.02") -> ("fraction", 0.02); "expected" -> ("expected", 0): as
+    many GPUs as failures are expected per day (see `expected_failures_per_day`)."""
+    text = str(spec).strip().lower()
+    if text == "expected":
+        return "expected", 0.0
+    try:
+        if text.endswith("%"):
+            value = float(text[:-1]) / 100.0
+            kind = "fraction"
+        else:
+            value = float(text)
+            kind = "count" if value >= 1 and value == int(value) else "fraction"
+    except ValueError:
+        value, kind = math.nan, "bad"
+    if kind == "bad" or not (value > 0) or (kind == "fraction" and value >= 1):
+        raise InputError(
+            f"top_k {spec!r}: expected a number of GPUs ('10'), a share of the fleet ('2%' or '0.02') or 'expected'"
+        )
+    return kind, value
+
+
+def expected_failures_per_day(frame: Any) -> float:
+    """Failure episodes per day in `frame` (its labelled rows), over the days it spans."""
+    df = to_pandas(frame)
+    cols = [c for c in ("ts", "gpu_uuid", "label", "time_to_failure_h") if c in df.columns]
+    episodes = failure_episodes(df[cols])
+    ts = pd.to_datetime(df["ts"])
+    days = max((ts.max() - ts.min()) / pd.Timedelta(days=1), 1.0) if len(df) else 1.0
+    return len(episodes) / days
+
+
+def k_per_row(prepared: pd.DataFrame, spec: str | int, expected_per_day: float | None = None) -> np.ndarray:
+    """K for each row of `prepared` (its grid time's K) under `spec` (`parse_top_k`)."""
+    kind, value = parse_top_k(spec)
+    if kind == "count":
+        return np.full(len(prepared), int(value), dtype=np.int64)
+    if kind == "expected":
+        if expected_per_day is None:
+            raise InputError("top_k 'expected': the expected failures per day were not given")
+        return np.full(len(prepared), max(1, round(expected_per_day)), dtype=np.int64)
+    fleet = prepared.groupby("ts")["gpu_uuid"].transform("size").to_numpy()
+    return np.maximum(1, np.ceil(value * fleet - 1e-9)).astype(np.int64)
+
+
+def prepare_scored(frame: Any, scores: Any) -> pd.DataFrame:
+    """The labelled rows of `frame` with their `score`: ts (UTC), gpu_uuid, label,
+    time_to_failure_h and failure_ts (the failure each positive row announces; NaT elsewhere)."""
+    df = _prepared(frame, scores)
+    df["failure_ts"] = _failure_times(df)
+    return df
+
+
+def ranks(prepared: pd.DataFrame, seed: int = SEED) -> np.ndarray:
+    """1-based rank of each row's score among the rows of its grid time (ties at random)."""
+    return _ranks(prepared, seed)
+
+
+def episode_table(prepared: pd.DataFrame, caught: np.ndarray) -> pd.DataFrame:
+    """One row per failure episode in `prepared`: gpu_uuid, failure_ts, caught (the GPU was
+    caught on one of its positive rows) and lead_h (hours from the first catch to the failure)."""
+    pos = prepared["failure_ts"].notna().to_numpy()
+    rows = pd.DataFrame(
+        {
+            "gpu_uuid": prepared["gpu_uuid"].to_numpy()[pos],
+            "failure_ts": prepared["failure_ts"].to_numpy()[pos],
+            "ts": prepared["ts"].to_numpy()[pos],
+            "caught": np.asarray(caught)[pos],
+        }
+    )
+    keys = ["gpu_uuid", "failure_ts"]
+    episodes = rows.groupby(keys, sort=True)["caught"].any().rename("caught").reset_index()
+    first = rows.loc[rows["caught"]].groupby(keys)["ts"].min().rename("first_catch").reset_index()
+    episodes = episodes.merge(first, on=keys, how="left")
+    lead = pd.to_datetime(episodes["failure_ts"]) - pd.to_datetime(episodes["first_catch"])
+    episodes["lead_h"] = lead.dt.total_seconds() / 3600.0
+    return episodes.drop(columns="first_catch").sort_values(["failure_ts", "gpu_uuid"], ignore_index=True)
+
+
+def attach_modes(episodes: pd.DataFrame, failures: pd.DataFrame | None, tolerance: str = "6h") -> pd.Series:
+    """The failure mode of each episode: the ground-truth failure (`failures`: gpu_uuid, ts,
+    mode) of the same GPU nearest in time within `tolerance`; "unknown" where there is none
+    (a real fleet has no ground truth, and a label can come from an XID the truth calls noise)."""
+    if failures is None or len(episodes) == 0:
+        return pd.Series("unknown", index=episodes.index, dtype=object)
+    truth = to_pandas(failures)
+    require_columns(truth, ["gpu_uuid", "ts", "mode"], "failures")
+    truth_ts = pd.to_datetime(truth["ts"])
+    truth_ts = truth_ts.dt.tz_localize("UTC") if truth_ts.dt.tz is None else truth_ts.dt.tz_convert("UTC")
+    right = pd.DataFrame(
+        {"gpu_uuid": truth["gpu_uuid"].astype(str).to_numpy(), "truth_ts": truth_ts.to_numpy(), "mode": truth["mode"]}
+    ).sort_values("truth_ts")
+    left = (
+        episodes.assign(_order=np.arange(len(episodes)), gpu_uuid=episodes["gpu_uuid"].astype(str))
+        .sort_values("failure_ts")
+        .reset_index(drop=True)
+    )
+    left["failure_ts"] = pd.to_datetime(left["failure_ts"], utc=True)
+    right["truth_ts"] = pd.to_datetime(right["truth_ts"], utc=True)
+    matched = pd.merge_asof(
+        left,
+        right,
+        left_on="failure_ts",
+        right_on="truth_ts",
+        by="gpu_uuid",
+        direction="nearest",
+        tolerance=as_timedelta(tolerance, "tolerance"),
+    ).sort_values("_order")
+    return pd.Series(matched["mode"].fillna("unknown").to_numpy(dtype=object), index=episodes.index)
+
+
+def bootstrap_ci(
+    per_day: np.ndarray,
+    statistic: Any,
+    *,
+    samples: int,
+    seed: int,
+    level: float = 0.95,
+) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval over days: resample the rows of `per_day` (one per day;
+    1-D or 2-D) with replacement `samples` times with a generator seeded by `seed`, apply
+    `statistic` to each resample. Resampling whole days keeps the grid times of a day, which
+    are strongly correlated, together. The same seed and number of days draw the same days,
+    so intervals of several contenders are paired. (None, None) with fewer than 2 days."""
+    values = np.asarray(per_day, dtype=np.float64)
+    n = len(values)
+    if n < 2 or samples < 1:
+        return None, None
+    draws = np.random.default_rng(seed).integers(0, n, size=(samples, n))
+    stats = np.array([statistic(values[idx]) for idx in draws], dtype=np.float64)
+    stats = stats[~np.isnan(stats)]
+    if len(stats) == 0:
+        return None, None
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(stats, [tail, 1.0 - tail])
+    return _num(low), _num(high)
+
+
+def mean_of_ratios(per_day: np.ndarray) -> float:
+    """Mean over days of hits/picks (columns 0 and 1); days without picks are left out."""
+    hits, picks = per_day[:, 0], per_day[:, 1]
+    keep = picks > 0
+    return float(np.mean(hits[keep] / picks[keep])) if keep.any() else math.nan
+
+
+def pooled_ratio(per_day: np.ndarray) -> float:
+    """sum(column 0) / sum(column 1): e.g. episodes caught / episodes over the drawn days."""
+    total = per_day[:, 1].sum()
+    return float(per_day[:, 0].sum() / total) if total > 0 else math.nan
+
+
+def safe_pr_auc(y: np.ndarray, score: np.ndarray) -> float | None:
+    """Average precision, or None where only one class is present."""
+    y = np.asarray(y)
+    if len(np.unique(y)) < 2:
+        return None
+    return _num(average_precision_score(y, score))
+
+
+def _day_index(prepared: pd.DataFrame, start: pd.Timestamp) -> np.ndarray:
+    return ((prepared["ts"] - start) // pd.Timedelta(days=1)).to_numpy(dtype=np.int64)
+
+
+def _by_k(
+    prepared: pd.DataFrame,
+    episodes: pd.DataFrame,
+    modes: pd.Series,
+    day: np.ndarray,
+    n_days: int,
+    k: np.ndarray,
+    *,
+    samples: int,
+    seed: int,
+) -> dict[str, Any]:
+    """precision@K per day and overall, episode recall and lead time overall and per mode."""
+    picked = ranks(prepared, seed) <= k
+    hit = picked & (prepared["label"] == 1).to_numpy()
+    hits = np.bincount(day, weights=hit, minlength=n_days)
+    picks = np.bincount(day, weights=picked, minlength=n_days)
+    caught = episode_table(prepared, picked)
+    fail_day = ((caught["failure_ts"] - prepared["ts"].min()) // pd.Timedelta(days=1)).clip(0, n_days - 1)
+    fail_day = fail_day.to_numpy(dtype=np.int64)
+    caught_d = np.bincount(fail_day, weights=caught["caught"].to_numpy(dtype=float), minlength=n_days)
+    failures_d = np.bincount(fail_day, minlength=n_days).astype(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        daily_precision = np.where(picks > 0, hits / np.where(picks > 0, picks, 1), np.nan)
+    per_time_hits = pd.Series(hit).groupby(prepared["ts"].to_numpy()).sum()
+    per_time_picks = pd.Series(picked).groupby(prepared["ts"].to_numpy()).sum()
+    leads = caught.loc[caught["caught"], "lead_h"].to_numpy(dtype=float)
+    by_mode = {}
+    for mode in sorted(set(modes)):
+        mask = (modes == mode).to_numpy()
+        mode_leads = caught.loc[mask & caught["caught"].to_numpy(), "lead_h"].to_numpy(dtype=float)
+        by_mode[mode] = {
+            "n_episodes": int(mask.sum()),
+            "n_caught": int(caught["caught"].to_numpy()[mask].sum()),
+            "recall": _num(caught["caught"].to_numpy()[mask].mean()) if mask.any() else None,
+            "lead_time_h_median": _num(np.median(mode_leads)) if len(mode_leads) else None,
+        }
+    precision_days = np.column_stack([hits, picks])
+    recall_days = np.column_stack([caught_d, failures_d])
+    valid = picks > 0
+    return {
+        "k_mean": _num(k.mean()) if len(k) else None,
+        "precision_at_k_mean": _num((per_time_hits / per_time_picks).mean()),
+        "precision_at_k_pooled": _num(hits.sum() / picks.sum()) if picks.sum() else None,
+        "precision_daily_mean": _num(np.nanmean(daily_precision)) if valid.any() else None,
+        "precision_daily_std": _num(np.nanstd(daily_precision)) if valid.any() else None,
+        "precision_daily_ci": list(bootstrap_ci(precision_days, mean_of_ratios, samples=samples, seed=seed)),
+        "n_episodes": len(caught),
+        "n_caught": int(caught["caught"].sum()),
+        "recall": _num(caught["caught"].mean()) if len(caught) else None,
+        "recall_ci": list(bootstrap_ci(recall_days, pooled_ratio, samples=samples, seed=seed)),
+        "lead_time_h_median": _num(np.median(leads)) if len(leads) else None,
+        "by_mode": by_mode,
+        "daily": [
+            {
+                "day": d,
+                "precision": _num(daily_precision[d]),
+                "n_failures": int(failures_d[d]),
+                "n_caught": int(caught_d[d]),
+                "recall": _num(caught_d[d] / failures_d[d]) if failures_d[d] else None,
+            }
+            for d in range(n_days)
+        ],
+        "_picked": picked,
+    }
+
+
+def _by_age(prepared: pd.DataFrame, picked: np.ndarray, age_h: np.ndarray, bucket_h: float) -> list[dict[str, Any]]:
+    """Pooled precision@K by the age of the model that made the ranking, in `bucket_h` bins."""
+    bucket = np.floor(age_h / bucket_h).astype(np.int64)
+    hit = picked & (prepared["label"] == 1).to_numpy()
+    table = pd.DataFrame({"bucket": bucket, "hit": hit, "picked": picked}).groupby("bucket")[["hit", "picked"]].sum()
+    return [
+        {"age_h": float(b) * bucket_h, "precision": _num(h / p) if p else None, "n_picks": int(p)}
+        for b, h, p in zip(table.index.to_numpy(), table["hit"].to_numpy(), table["picked"].to_numpy(), strict=True)
+    ]
+
+
+def compare_scores(
+    test: Any,
+    scores: dict[str, np.ndarray],
+    *,
+    top_k: Sequence[str],
+    expected_per_day: float,
+    model_age_h: dict[str, np.ndarray] | None = None,
+    failures: Any = None,
+    bootstrap_samples: int = 1000,
+    seed: int = SEED,
+    age_bucket_h: float = 6.0,
+) -> dict[str, Any]:
+    """Every figure of the walk-forward comparison for each score vector of `scores` (aligned
+    with the rows of `test`), at every K of `top_k` (the first is the headline).
+
+    Per scorer: the headline figures under the keys of `score_metrics` (precision_at_k_mean,
+    precision_at_k_pooled, n_episodes, n_caught_at_k, recall_at_k, lead_time_h_median_at_k,
+    pr_auc, roc_auc), `by_k` (per K: daily precision mean, std and bootstrap CI over days,
+    episode recall with its CI, lead time, the same per failure mode, and the daily series),
+    `daily_pr_auc`, and `by_model_age` (headline precision@K by hours since the model's
+    retraining, for scorers in `model_age_h`). Episodes get their failure mode from `failures`
+    (see `attach_modes`)."""
+    if not top_k:
+        raise InputError("top_k: expected at least one K specification, got none")
+    specs = [str(spec) for spec in top_k]
+    for spec in specs:
+        parse_top_k(spec)
+    first = next(iter(scores.values())) if scores else np.zeros(len(to_pandas(test)))
+    base = prepare_scored(test, first)
+    if len(base) == 0:
+        raise InputError("compare_scores: no labelled test rows; expected a test period with settled labels")
+    day = _day_index(base, base["ts"].min())
+    n_days = int(day.max()) + 1
+    episodes = episode_table(base, np.zeros(len(base), dtype=bool))
+    modes = attach_modes(episodes, failures)
+    k_rows = {spec: k_per_row(base, spec, expected_per_day) for spec in specs}
+    y = base["label"].to_numpy(dtype=int)
+    labelled = _labelled(test)
+    out: dict[str, Any] = {}
+    for name, raw in scores.items():
+        values = np.asarray(raw, dtype=np.float64)
+        if values.shape != labelled.shape:
+            raise InputError(
+                f"scores of {name!r}: expected one per test row ({len(labelled)}), got shape {values.shape}"
+            )
+        prepared = base.assign(score=values[labelled])
+        by_k = {
+            spec: _by_k(prepared, episodes, modes, day, n_days, k_rows[spec], samples=bootstrap_samples, seed=seed)
+            for spec in specs
+        }
+        head = by_k[specs[0]]
+        picked = head["_picked"]
+        entry: dict[str, Any] = {
+            "precision_at_k_mean": head["precision_at_k_mean"],
+            "precision_at_k_pooled": head["precision_at_k_pooled"],
+            "n_episodes": head["n_episodes"],
+            "n_caught_at_k": head["n_caught"],
+            "recall_at_k": head["recall"],
+            "lead_time_h_median_at_k": head["lead_time_h_median"],
+            **row_metrics(y, prepared["score"].to_numpy()),
+            "daily_pr_auc": [safe_pr_auc(y[day == d], prepared["score"].to_numpy()[day == d]) for d in range(n_days)],
+            "by_k": {spec: {key: value for key, value in v.items() if key != "_picked"} for spec, v in by_k.items()},
+        }
+        if model_age_h is not None and name in model_age_h:
+            entry["by_model_age"] = _by_age(prepared, picked, np.asarray(model_age_h[name])[labelled], age_bucket_h)
+        out[name] = entry
+    return out
+
+
+def _labelled(frame: Any) -> np.ndarray:
+    return labels(to_pandas(frame)).notna().to_numpy()
