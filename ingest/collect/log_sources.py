@@ -99,17 +99,19 @@ class KmsgSource:
         *,
         boot_id: Callable[[], str] = read_boot_id,
         boot_time: Callable[[], datetime] = system_boot_time,
+        open_device: Callable[[str], KmsgDevice] | None = None,
     ) -> None:
         self.path = path
         self._boot_id = boot_id
         self._boot_time = boot_time
-        self._fd: int | None = None
+        self._open_device = open_device or FdDevice
+        self._device: KmsgDevice | None = None
         self._last_seq: int | None = None
 
     def read(self, cursor: Cursor | None, max_lines: int) -> LogChunk:
         boot_id = self._boot_id()
         after = cursor.get("seq") if cursor and cursor.get("boot_id") == boot_id else None
-        fd = self._open()
+        device = self._open()
         lines: list[str] = []
         lost = 0
         last = self._last_seq if self._last_seq is not None else after
@@ -119,7 +121,7 @@ class KmsgSource:
                 exhausted = False
                 break
             try:
-                raw = os.read(fd, KMSG_READ_SIZE)
+                raw = device.read(KMSG_READ_SIZE)
             except BlockingIOError:
                 break
             except BrokenPipeError:
@@ -147,21 +149,43 @@ class KmsgSource:
         new_cursor = {"boot_id": boot_id, "seq": last} if last is not None else dict(cursor or {})
         return LogChunk(lines, new_cursor, lost=lost, boot_time=self._boot_time(), exhausted=exhausted)
 
-    def _open(self) -> int:
-        if self._fd is None:
+    def _open(self) -> KmsgDevice:
+        if self._device is None:
             try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+                self._device = self._open_device(self.path)
             except OSError as exc:
                 raise CollectorError(
                     f"kernel-log collector: cannot open {self.path} ({exc.strerror}); expected a readable "
                     "/dev/kmsg (root, or CAP_SYSLOG with kernel.dmesg_restrict=1)"
                 ) from None
-        return self._fd
+        return self._device
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._device is not None:
+            self._device.close()
+            self._device = None
+
+
+class KmsgDevice(Protocol):
+    """The calls `KmsgSource` makes on /dev/kmsg: one record per `read`, BlockingIOError when
+    there is nothing new, BrokenPipeError when records were overwritten."""
+
+    def read(self, size: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class FdDevice:
+    """/dev/kmsg opened without blocking."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+
+    def read(self, size: int) -> bytes:
+        return os.read(self._fd, size)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _kmsg_seq(header: str) -> int | None:
@@ -343,7 +367,8 @@ class FileSource:
             with open(path, "rb") as fh:
                 fh.seek(offset)
                 pending = b""
-                while taken < budget:
+                more = False
+                while not more:
                     chunk = fh.read(FILE_CHUNK)
                     if not chunk:
                         break
@@ -351,11 +376,11 @@ class FileSource:
                     pending = parts.pop()
                     for raw in parts:
                         if taken >= budget:
+                            more = True  # complete lines are left for the next read
                             break
                         out.append(raw.decode("utf-8", "replace"))
                         offset += len(raw) + 1
                         taken += 1
-                more = taken >= budget and bool(fh.read(1) or pending)
         except OSError as exc:
             raise CollectorError(f"kernel-log collector: cannot read {path} ({exc.strerror})") from None
         # The head hash covers the first HEAD_BYTES bytes once the file is that long; until
