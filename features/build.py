@@ -29,6 +29,7 @@ from features.labels import (
     gpu_presence,
     resolve_xid_gpus,
 )
+from features.peers import peer_features
 from features.schema import (
     FEATURE_DTYPE,
     FEATURES_SCHEMA_VERSION,
@@ -50,10 +51,9 @@ from features.windows import (
     dense_grid,
     grid_floor,
     hourly_aggregate,
-    peer_features,
     window_features,
-    xid_features,
 )
+from features.xids import xid_features
 from ingest.schema import metric_catalogue
 from ingest.store import Store
 from ingest.xid_catalog import default_failure_xids
@@ -160,38 +160,85 @@ def build_features(
     lost_after: timedelta | None = DEFAULT_LOST_AFTER,
     max_silence: timedelta = DEFAULT_MAX_SILENCE,
     xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    repairs: pl.DataFrame | pa.Table | None = None,
     presence: pl.DataFrame | None = None,
     episodes: pl.DataFrame | None = None,
     emit_start: datetime | None = None,
     emit_end: datetime | None = None,
 ) -> pl.DataFrame:
-    """The feature frame (`features.schema`) for the GPUs in `telemetry`.
+    """The feature frame (`features.schema`) for the GPUs in `telemetry`, built in memory.
 
     One row per (gpu_uuid, grid time t) from the GPU's first bucket up to `data_end` (default:
     the last telemetry timestamp), while the GPU's last sample is at most `max_silence` old,
-    and before its first failure episode. Features use only data <= t; labels look at
-    (t, t + horizon] (see `features.windows` and `features.labels`).
+    and while the GPU is in service (not between a failure episode and its repair). Features use
+    only data <= t; labels look at (t, t + horizon] (see `features.windows`, `features.labels`).
 
-    `presence`, `episodes` let a caller that sees only part of the fleet or of the history
-    (`build_features_from_store`) pass fleet-wide facts: GPU presence (`labels.gpu_presence`:
-    first sample, for `gpu_age_h`, and lost-GPU detection) and failure episodes. `emit_start` /
-    `emit_end` keep only rows with emit_start <= t < emit_end (the rest served as lookback).
+    `repairs` are operator records (the `repairs` dataset). `presence`, `episodes` let a caller
+    that sees only part of the fleet or of the history pass fleet-wide facts: GPU presence
+    (`labels.gpu_presence`: first sample, for `gpu_age_h`, and lost-GPU detection) and failure
+    episodes. `emit_start` / `emit_end` keep only rows with emit_start <= t < emit_end.
     """
     check_grid(grid, windows)
     tel = _normalise_ts(_as_frame(telemetry), ["ts"], "telemetry")
     missing = [c for c in ("ts", GPU) if c not in tel.columns]
     if missing:
         raise ValueError(f"telemetry: missing required columns {missing}; got {tel.columns}")
-    xid = _prepare_xids(_as_frame(xid_events))
     if data_end is None:
         if tel.height == 0:
             raise ValueError("telemetry is empty and no data_end was given; cannot place the grid")
         data_end = tel["ts"].max()  # type: ignore[assignment]
     assert data_end is not None
-    data_end = _utc(data_end)
-    failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
-
     hourly = hourly_aggregate(tel, grid, max_gap=max_silence)
+    return features_from_buckets(
+        hourly,
+        xid_events,
+        grid=grid,
+        windows=windows,
+        horizon=horizon,
+        failure_xids=failure_xids,
+        merge_window=merge_window,
+        data_end=data_end,
+        lost_after=lost_after,
+        max_silence=max_silence,
+        xid_since_cap=xid_since_cap,
+        repairs=repairs,
+        presence=presence,
+        episodes=episodes,
+        emit_start=emit_start,
+        emit_end=emit_end,
+    )
+
+
+def features_from_buckets(
+    hourly: pl.DataFrame,
+    xid_events: pl.DataFrame | pa.Table,
+    *,
+    data_end: datetime,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    horizon: timedelta = DEFAULT_HORIZON,
+    failure_xids: Iterable[int] | None = None,
+    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
+    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
+    max_silence: timedelta = DEFAULT_MAX_SILENCE,
+    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    repairs: pl.DataFrame | pa.Table | None = None,
+    presence: pl.DataFrame | None = None,
+    episodes: pl.DataFrame | None = None,
+    emit_start: datetime | None = None,
+    emit_end: datetime | None = None,
+    gpus_per_chunk: int | None = None,
+) -> pl.DataFrame:
+    """`build_features` from bucket aggregates (`features.windows.hourly_aggregate` output)
+    instead of raw samples: the second half of a build, which the store build runs on the
+    buckets it carries from day to day. Window and XID features are computed for chunks of
+    `gpus_per_chunk` GPUs at a time (all at once when None) to bound memory; peer features
+    for all GPUs together (the fleet median needs them all)."""
+    check_grid(grid, windows)
+    data_end = _utc(data_end)
+    xid = _prepare_xids(_as_frame(xid_events))
+    fixes = _prepare_repairs(repairs)
+    failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
     if presence is None:
         presence = _presence_from_buckets(hourly, grid)
     xid = resolve_xid_gpus(xid, presence)
@@ -203,37 +250,42 @@ def build_features(
             merge_window=merge_window,
             data_end=data_end,
             lost_after=lost_after,
+            repairs=fixes,
         )
     first_seen = presence.group_by(GPU).agg(pl.col("first_ts").min())
 
     dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence)
-    keys = dense.select(GPU, "ts")
-    wf = window_features(dense, grid, windows, first_seen=first_seen)
-    xf = xid_features(keys, xid, grid, windows, since_cap=xid_since_cap)
-    pf = peer_features(dense, grid)
-
-    ids = [c for c in ID_COLUMNS if c in dense.columns]
-    # The three feature frames have the rows of `dense` in its order (checked: a silent
-    # misalignment would be the worst kind of bug), so they are placed side by side.
-    for part in (wf, xf, pf):
-        if not part.select(GPU, "ts").equals(keys):
-            raise AssertionError("feature frames are not aligned with the grid; this is a bug in features.windows")
-    keep = wf["telemetry_since_last_h"] <= max_silence.total_seconds() / 3600
+    emit = pl.lit(True)
     if emit_start is not None:
-        keep &= dense["ts"] >= _utc(emit_start)
+        emit &= pl.col("ts") >= pl.lit(_utc(emit_start), dtype=TS_DTYPE)
     if emit_end is not None:
-        keep &= dense["ts"] < _utc(emit_end)
-    # Filter the narrow frames before placing them side by side (one wide filter is costly).
-    frame = pl.concat(
-        [
-            dense.select(ids).filter(keep),
-            wf.drop(GPU, "ts").filter(keep),
-            xf.drop(GPU, "ts").filter(keep),
-            pf.drop(GPU, "ts").filter(keep),
-        ],
-        how="horizontal",
-    )
-    frame = attach_labels(frame, episodes, horizon=horizon, data_end=data_end)
+        emit &= pl.col("ts") < pl.lit(_utc(emit_end), dtype=TS_DTYPE)
+    since_last_max_h = max_silence.total_seconds() / 3600
+
+    pieces: list[pl.DataFrame] = []
+    gpu_ids = dense[GPU].rle_id()
+    n_gpus = int(gpu_ids.max() or 0) + 1 if dense.height else 0
+    step = n_gpus if gpus_per_chunk is None else max(gpus_per_chunk, 1)
+    for first_gpu in range(0, max(n_gpus, 1), max(step, 1)):
+        part = dense.filter((gpu_ids >= first_gpu) & (gpu_ids < first_gpu + step)) if step < n_gpus else dense
+        keys = part.select(GPU, "ts")
+        wf = window_features(part, grid, windows, first_seen=first_seen)
+        xf = xid_features(
+            keys, xid.join(keys.select(GPU).unique(), on=GPU, how="semi"), grid, windows, since_cap=xid_since_cap
+        )
+        # The feature frames have the rows of `part` in its order (checked: a silent misalignment
+        # would be the worst kind of bug), so they are placed side by side.
+        for frame in (wf, xf):
+            if not frame.select(GPU, "ts").equals(keys):
+                raise AssertionError("feature frames are not aligned with the grid; this is a bug in features")
+        ids = [c for c in ID_COLUMNS if c in part.columns]
+        piece = pl.concat([part.select(ids), wf.drop(GPU, "ts"), xf.drop(GPU, "ts")], how="horizontal")
+        # Filter before the pieces meet the peers: rows outside the emitted range were lookback.
+        pieces.append(piece.filter(emit & (pl.col("telemetry_since_last_h") <= since_last_max_h)))
+    frame = pl.concat(pieces, how="vertical") if len(pieces) > 1 else pieces[0]
+    peers = peer_features(dense.filter(emit), grid)
+    frame = frame.join(peers, on=[GPU, "ts"], how="left", maintain_order="left")
+    frame = attach_labels(frame, episodes, horizon=horizon, data_end=data_end, repairs=fixes)
 
     features = [c for c in frame.columns if c not in ID_COLUMNS and c not in LABEL_COLUMNS]
     return frame.select(
@@ -243,7 +295,17 @@ def build_features(
         ],
         *[pl.col(c).cast(FEATURE_DTYPE) for c in features],
         *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
-    )  # already sorted by (gpu_uuid, ts): the order of the dense grid
+    )  # sorted by (gpu_uuid, ts): the order of the dense grid
+
+
+def _prepare_repairs(repairs: pl.DataFrame | pa.Table | None) -> pl.DataFrame | None:
+    if repairs is None:
+        return None
+    frame = _as_frame(repairs)
+    missing = [c for c in ("ts", "old_gpu_uuid") if c not in frame.columns]
+    if missing:
+        raise ValueError(f"repairs: missing required columns {missing}; got {frame.columns}")
+    return _normalise_ts(frame, ["ts"], "repairs")
 
 
 # -- the features dataset -----------------------------------------------------------------------
@@ -351,24 +413,6 @@ def _day_start(moment: datetime) -> datetime:
     return datetime(m.year, m.month, m.day, tzinfo=UTC)
 
 
-def node_chunks(presence: pl.DataFrame, gpus_per_chunk: int) -> list[pl.DataFrame]:
-    """Group whole nodes (peer features need every GPU of a node together) into chunks of about
-    `gpus_per_chunk` GPUs, in (cluster, node) order so a chunk is a contiguous node range."""
-    per_node = presence.group_by("cluster", "node").agg(pl.col(GPU).n_unique().alias("_n")).sort("cluster", "node")
-    chunks: list[pl.DataFrame] = []
-    current: list[tuple[str, str]] = []
-    count = 0
-    for cluster, node, n in per_node.iter_rows():
-        current.append((cluster, node))
-        count += n
-        if count >= gpus_per_chunk:
-            chunks.append(pl.DataFrame(current, schema=["cluster", "node"], orient="row"))
-            current, count = [], 0
-    if current:
-        chunks.append(pl.DataFrame(current, schema=["cluster", "node"], orient="row"))
-    return chunks
-
-
 _ID_COLS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
 
 
@@ -427,55 +471,44 @@ def _scan_presence(store: Store, *, progress: bool) -> tuple[pl.DataFrame, dict[
     return combine_presence(parts), day_rows
 
 
-def _chunk_ids(frame: pl.DataFrame, chunk_of: pl.DataFrame) -> pl.Expr:
-    """`_chunk` for each row of `frame` from (cluster, node) -> chunk; null for other nodes."""
-    if chunk_of["cluster"].n_unique() == 1:
-        cluster = chunk_of["cluster"][0]
-        ids = pl.col("node").replace_strict(chunk_of["node"], chunk_of["_chunk"], default=None, return_dtype=pl.Int32)
-        return pl.when(pl.col("cluster") == cluster).then(ids).alias("_chunk")
-    if chunk_of["node"].n_unique() == chunk_of.height:
-        # Node names are unique across clusters (the usual case): a lookup on node is enough.
-        ids = pl.col("node").replace_strict(chunk_of["node"], chunk_of["_chunk"], default=None, return_dtype=pl.Int32)
-        clusters = dict(zip(chunk_of["node"].to_list(), chunk_of["cluster"].to_list(), strict=True))
-        same = pl.col("cluster") == pl.col("node").replace_strict(clusters, default=None, return_dtype=pl.String)
-        return pl.when(same).then(ids).alias("_chunk")
-    key = pl.concat_str("cluster", pl.lit("\x00"), "node")
-    keys = chunk_of.select(pl.concat_str("cluster", pl.lit("\x00"), "node")).to_series()
-    return key.replace_strict(keys, chunk_of["_chunk"], default=None, return_dtype=pl.Int32).alias("_chunk")
+def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
+    """The latest row of each GPU."""
+    return frame.sort("ts").group_by(GPU, maintain_order=True).last().select(frame.columns)
 
 
-def plan_blocks(
-    emit_start: datetime,
-    emit_end: datetime,
-    *,
-    lookback: timedelta,
-    day_rows: dict[date, int],
-    max_rows: int,
-    block: timedelta,
-) -> list[tuple[datetime, datetime, bool]]:
-    """Split [emit_start, emit_end) into whole-day blocks `(start, end, whole)`. A block is
-    `whole` when the fleet's telemetry for it plus its lookback is at most `max_rows` rows (it is
-    read once, then split by chunk), and then as long as that allows; otherwise it is `block`
-    long and read chunk by chunk."""
-    day = timedelta(days=1)
+class _BucketStream:
+    """Raw telemetry, one UTC day at a time, turned into complete grid buckets.
 
-    def rows(a: datetime, b: datetime) -> int:
-        first, last = a.date(), (b - timedelta(microseconds=1)).date()
-        return sum(n for d, n in day_rows.items() if first <= d <= last)
+    The bucket labelled b holds the samples in (b - grid, b], so a day file's last partial
+    bucket also needs the next file's first instant: rows after the day's last complete bucket
+    are held back for the next day. The last sample of each GPU is carried too, as the baseline
+    of its counter increases and sample spacing (so a counter increase across midnight is
+    counted exactly as in an all-history build)."""
 
-    blocks = []
-    b0 = emit_start
-    while b0 < emit_end:
-        b1 = min(b0 + day, emit_end)
-        if rows(b0 - lookback, b1) > max_rows:
-            b1 = min(b0 + max(block, day), emit_end)
-            blocks.append((b0, b1, False))
-        else:
-            while b1 < emit_end and rows(b0 - lookback, min(b1 + day, emit_end)) <= max_rows:
-                b1 = min(b1 + day, emit_end)
-            blocks.append((b0, b1, True))
-        b0 = b1
-    return blocks
+    def __init__(self, grid: timedelta, max_gap: timedelta) -> None:
+        self.grid, self.max_gap = grid, max_gap
+        self.held: pl.DataFrame | None = None  # raw rows after the last complete bucket
+        self.context: pl.DataFrame | None = None  # the last aggregated sample per GPU
+        self.cut: datetime | None = None
+
+    def day(self, raw: pl.DataFrame, day_end: datetime) -> pl.DataFrame:
+        """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
+        cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
+        frames = [f for f in (self.held, raw) if f is not None and f.height]
+        pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
+        cut_lit = pl.lit(cut, dtype=TS_DTYPE)
+        now = pending.filter(pl.col("ts") <= cut_lit)
+        self.held = pending.filter(pl.col("ts") > cut_lit)
+        if now.height == 0:
+            return hourly_aggregate(now, self.grid, max_gap=self.max_gap)
+        parts = [now] if self.context is None else [self.context.select(now.columns), now]
+        buckets = hourly_aggregate(pl.concat(parts, how="vertical_relaxed"), self.grid, max_gap=self.max_gap)
+        if self.cut is not None:
+            buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets
+        latest = _last_rows(pl.concat(parts, how="vertical_relaxed") if self.context is not None else now)
+        self.context = latest.filter(pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE))
+        self.cut = cut
+        return buckets
 
 
 def build_features_from_store(
@@ -491,9 +524,8 @@ def build_features_from_store(
     lost_after: timedelta | None = DEFAULT_LOST_AFTER,
     max_silence: timedelta = DEFAULT_MAX_SILENCE,
     xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
-    gpus_per_chunk: int = 256,
-    block: timedelta = timedelta(days=14),
-    max_rows_in_memory: int = 4_000_000,
+    gpus_per_chunk: int = 2048,
+    max_buckets_in_memory: int = 4_000_000,
     flush_rows: int = 1_000_000,
     overwrite: bool = False,
     progress: bool = True,
@@ -506,15 +538,15 @@ def build_features_from_store(
     data allows; rows whose horizon is not yet observed are censored (null) and are filled by a
     later rebuild.
 
-    How it bounds memory: one pass over telemetry reads only identity columns (GPU presence:
-    first/last sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution; the data
-    end); XID events are read whole (they are small). Then, per time block of `block` and per
-    chunk of whole nodes of about `gpus_per_chunk` GPUs, telemetry is read for the block plus a
-    lookback of max(windows) + max_silence, which makes each row equal to an all-history build.
-    A chunk read filters on a node range; it is cheap when telemetry files are sorted by node.
-    When the whole fleet's telemetry for a block plus its lookback is at most
-    `max_rows_in_memory` rows, the block is instead read once and split by chunk in memory, and
-    made as long as that budget allows (fewer lookback re-reads).
+    Two passes, bounded memory. Pass 1 reads only identity columns (GPU presence: first/last
+    sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution, and the data end); XID
+    events and repair records are read whole (they are small) and give the failure episodes.
+    Pass 2 reads raw telemetry one day partition at a time, from the longest window before
+    `start` on, and aggregates it to grid buckets (`_BucketStream`); only the buckets of that
+    trailing window are carried from day to day. Features are computed when the carried buckets
+    reach `max_buckets_in_memory` rows (or at the end), for the days not yet emitted, in chunks
+    of `gpus_per_chunk` GPUs. Every row equals what an all-history in-memory build gives (up to
+    floating-point rounding).
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written.
@@ -540,8 +572,15 @@ def build_features_from_store(
     else:
         xid = _prepare_xids(pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32()}))
     xid = resolve_xid_gpus(xid, presence)
+    repairs = _prepare_repairs(store.read("repairs")) if store.exists("repairs") else None
     episodes = episodes_for(
-        xid, presence, failure_xids=failure_xids, merge_window=merge_window, data_end=data_end, lost_after=lost_after
+        xid,
+        presence,
+        failure_xids=failure_xids,
+        merge_window=merge_window,
+        data_end=data_end,
+        lost_after=lost_after,
+        repairs=repairs,
     )
 
     # The emitted range, in whole UTC days, within the data.
@@ -561,91 +600,82 @@ def build_features_from_store(
             f"(e.g. {old_files[0]}); pass overwrite=True to rebuild them"
         )
 
-    max_window = max(windows)
-    lookback_us = (max_window + max_silence + grid) // timedelta(microseconds=1)
-    g_us = grid // timedelta(microseconds=1)
-    lookback = timedelta(microseconds=-(-lookback_us // g_us) * g_us)
-    blocks = plan_blocks(
-        emit_start, emit_end, lookback=lookback, day_rows=day_rows, max_rows=max_rows_in_memory, block=block
-    )
-    chunks = node_chunks(presence, gpus_per_chunk)
-    chunk_of = pl.concat([c.with_columns(pl.lit(i, dtype=pl.Int32).alias("_chunk")) for i, c in enumerate(chunks)])
-    summary.blocks, summary.chunks = len(blocks), len(chunks)
+    # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
+    lookback = max(max(windows), max_silence + grid)
+    one_day = timedelta(days=1)
+    first_read = max(_day_start(emit_start - lookback), _day_start(first_data))
+    days = [first_read + i * one_day for i in range((emit_end - first_read) // one_day)]
+    days = [d for d in days if d.date() in day_rows or d >= emit_start]
 
-    buffer: list[pl.DataFrame] = []
+    stream = _BucketStream(grid, max_silence)
+    carried: list[pl.DataFrame] = []
+    carried_rows = 0
+    pending_from: datetime | None = None  # first day whose rows are not yet emitted
+    written: list[pl.DataFrame] = []
     buffered = 0
     gpus: set[str] = set()
 
     def flush() -> None:
-        nonlocal buffer, buffered
-        if buffer:
-            out = pl.concat(buffer, how="vertical")
-            summary.files_written += write_features(store, out)
-            buffer, buffered = [], 0
+        nonlocal written, buffered
+        if written:
+            summary.files_written += write_features(store, pl.concat(written, how="vertical"))
+            written, buffered = [], 0
 
-    def build_chunk(tel: pl.DataFrame, nodes: pl.DataFrame, b0: datetime, b1: datetime) -> None:
-        nonlocal buffered
-        summary.telemetry_rows_read += tel.height
-        if tel.height == 0:
-            return
-        chunk_xid = xid.join(nodes, on=["cluster", "node"], how="semi").filter(
-            pl.col("ts") < pl.lit(b1, dtype=TS_DTYPE)
-        )
-        frame = build_features(
-            tel,
-            chunk_xid,
+    def emit(until: datetime) -> None:
+        nonlocal pending_from, buffered
+        assert pending_from is not None
+        buckets = pl.concat(carried, how="vertical_relaxed") if len(carried) > 1 else carried[0]
+        frame = features_from_buckets(
+            buckets.filter(pl.col("ts") > pl.lit(pending_from - lookback, dtype=TS_DTYPE)),
+            xid,
+            data_end=data_end,
             grid=grid,
             windows=windows,
             horizon=horizon,
             failure_xids=failure_xids,
             merge_window=merge_window,
-            data_end=data_end,
             lost_after=lost_after,
             max_silence=max_silence,
             xid_since_cap=xid_since_cap,
+            repairs=repairs,
             presence=presence,
             episodes=episodes,
-            emit_start=b0,
-            emit_end=b1,
+            emit_start=pending_from,
+            emit_end=until,
+            gpus_per_chunk=gpus_per_chunk,
         )
+        summary.blocks += 1
+        pending_from = until
         if frame.height:
             summary.rows += frame.height
             summary.positives += int((frame["label"] == 1).sum())
             summary.censored += frame["label"].null_count()
             gpus.update(frame[GPU].unique().to_list())
-            buffer.append(frame)
+            written.append(frame)
             buffered += frame.height
             if buffered >= flush_rows:
                 flush()
 
-    bar = tqdm(total=len(blocks) * len(chunks), desc="features: build", unit="chunk", disable=not progress)
-    for b0, b1, whole in blocks:
-        read_start = b0 - lookback + timedelta(microseconds=1)
-        if whole:
-            # The block fits in memory: read it once and split it by chunk.
-            # One sort by (chunk, GPU, time) leaves each chunk a zero-copy slice that is already
-            # in the order `hourly_aggregate` needs.
-            table = _read_telemetry(store, read_start, b1)
-            table = table.with_columns(_chunk_ids(table, chunk_of))
-            if table["_chunk"].null_count():  # rows of nodes that appeared after the presence scan
-                table = table.filter(pl.col("_chunk").is_not_null())
-            table = table.sort("_chunk", pl.col(GPU).hash(), "ts")
-            sizes = dict(table["_chunk"].value_counts().iter_rows())
-            offset = 0
-            for i, nodes in enumerate(chunks):
-                n = sizes.get(i, 0)
-                build_chunk(table.slice(offset, n).drop("_chunk"), nodes, b0, b1)
-                offset += n
-                bar.update(1)
-            del table
-            continue
-        for nodes in chunks:
-            # One read per chunk; cheap when the files are sorted by node (row-group statistics
-            # let the reader skip the other nodes).
-            node_range = (str(nodes["node"].min()), str(nodes["node"].max()))
-            tel = _read_telemetry(store, read_start, b1, nodes=node_range)
-            build_chunk(tel.join(nodes, on=["cluster", "node"], how="semi"), nodes, b0, b1)
-            bar.update(1)
+    bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
+    for day in days:
+        raw = _read_telemetry(store, day, day + one_day) if day.date() in day_rows else None
+        if raw is not None:
+            summary.telemetry_rows_read += raw.height
+            buckets = stream.day(raw, day + one_day)
+            if buckets.height:
+                carried.append(buckets)
+                carried_rows += buckets.height
+        if day >= emit_start and pending_from is None:
+            pending_from = day
+        last_day = day == days[-1]
+        if pending_from is not None and carried and (carried_rows >= max_buckets_in_memory or last_day):
+            emit(day + one_day)
+            # Keep only the trailing window for the next days.
+            keep_from = pl.lit(day + one_day - lookback, dtype=TS_DTYPE)
+            carried = [f.filter(pl.col("ts") > keep_from) for f in carried]
+            carried = [f for f in carried if f.height]
+            carried_rows = sum(f.height for f in carried)
+        bar.update(1)
     bar.close()
     flush()
     for f in old_files:

@@ -17,10 +17,17 @@ A *failure episode* is when a GPU stops being usable. Two sources, XIDs first:
    answering NVML minutes to hours before the driver logs the Xid; the rows of that silence are
    kept, labelled positive, as telemetry collapse is itself a precursor).
 
-Labels (`attach_labels`), with T the GPU's *first* episode start:
-- rows with t >= T are dropped (the GPU is out of service until repaired or replaced; a
-  replacement has a new uuid and starts fresh - repairs that keep the uuid are not modelled yet);
-- label(t) = 1 if T is in (t, t + horizon], and `time_to_failure_h` = (T - t) in hours;
+3. Repair records (`repair_episodes`, the `repairs` dataset: an operator replaced, reseated or
+   reset a GPU): a repair of a GPU that was in service (no failure episode since its previous
+   repair) is evidence of a failure the first two sources missed. That episode starts just after
+   the GPU's last sample, or at the repair time if the GPU kept reporting until then.
+
+Labels (`attach_labels`):
+- after a failure episode starts, the GPU is out of service until a repair record of it (any
+  action) at or after the start: rows in between are dropped. A replacement has a new uuid and
+  starts fresh; a GPU without a repair record stays out for good;
+- label(t) = 1 if the next episode start T after t is in (t, t + horizon], and
+  `time_to_failure_h` = (T - t) in hours;
 - otherwise label(t) = null when t + horizon > data_end (censored: we cannot know), else 0.
 """
 
@@ -46,7 +53,7 @@ EPISODE_SCHEMA = {
     GPU: pl.String(),
     "start": TS_DTYPE,
     "end": TS_DTYPE,
-    "source": pl.String(),  # "xid" | "lost"
+    "source": pl.String(),  # "xid" | "lost" | "repair"
     "xids": pl.List(pl.Int32()),
     "n_events": pl.Int32(),
 }
@@ -203,9 +210,25 @@ def episodes_for(
     merge_window: timedelta = DEFAULT_MERGE_WINDOW,
     data_end: datetime,
     lost_after: timedelta | None = DEFAULT_LOST_AFTER,
+    repairs: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """All failure episodes: failure XIDs (events resolved to GPUs first) plus lost GPUs
-    (`lost_after=None` turns those off). Sorted by (gpu_uuid, start)."""
+    """All failure episodes: failure XIDs (events resolved to GPUs first), lost GPUs
+    (`lost_after=None` turns those off) and repairs of GPUs in service (`repairs`, the
+    `repairs` dataset; none when omitted). Sorted by (gpu_uuid, start)."""
+    known = _xid_and_lost_episodes(xid_events, presence, failure_xids, merge_window, data_end, lost_after)
+    if repairs is None or repairs.height == 0:
+        return known
+    return pl.concat([known, repair_episodes(repairs, known, presence)]).sort(GPU, "start")
+
+
+def _xid_and_lost_episodes(
+    xid_events: pl.DataFrame,
+    presence: pl.DataFrame,
+    failure_xids: Iterable[int],
+    merge_window: timedelta,
+    data_end: datetime,
+    lost_after: timedelta | None,
+) -> pl.DataFrame:
     xid_eps = failure_episodes(resolve_xid_gpus(xid_events, presence), failure_xids, merge_window)
     if lost_after is None:
         return xid_eps
@@ -219,34 +242,112 @@ def episodes_for(
     return pl.concat([xid_eps, lost]).sort(GPU, "start")
 
 
+def _repair_times(repairs: pl.DataFrame | None) -> pl.DataFrame:
+    """(gpu_uuid, repaired) sorted: when each GPU was returned to service or replaced."""
+    if repairs is None or repairs.height == 0:
+        return pl.DataFrame(schema={GPU: pl.String(), "repaired": TS_DTYPE})
+    return (
+        repairs.select(pl.col("old_gpu_uuid").alias(GPU), pl.col("ts").cast(TS_DTYPE).alias("repaired"))
+        .drop_nulls()
+        .sort("repaired")
+    )
+
+
+def repair_episodes(repairs: pl.DataFrame, episodes: pl.DataFrame, presence: pl.DataFrame) -> pl.DataFrame:
+    """Failure episodes implied by repair records of GPUs that were in service when repaired
+    (module notes, source 3). `episodes` are those already known (XIDs, lost GPUs); `presence`
+    from `gpu_presence` dates the failure at the GPU's last sample."""
+    fixes = _repair_times(repairs).with_columns(
+        pl.col("repaired").shift(1).over(GPU, order_by="repaired").alias("_previous_repair")
+    )
+    known = episodes.select(GPU, pl.col("start").alias("_episode")).sort("_episode")
+    last_seen = presence.group_by(GPU).agg(pl.col("last_ts").max().alias("_last_ts"))
+    found = (
+        fixes.join_asof(known, left_on="repaired", right_on="_episode", by=GPU, strategy="backward")
+        # Out of service already: the repair closes a known episode.
+        .filter(
+            pl.col("_episode").is_null()
+            | (pl.col("_previous_repair").is_not_null() & (pl.col("_previous_repair") >= pl.col("_episode")))
+        )
+        .join(last_seen, on=GPU, how="left")
+    )
+    start = (
+        pl.when(pl.col("_last_ts").is_not_null() & (pl.col("_last_ts") < pl.col("repaired")))
+        .then(pl.col("_last_ts") + timedelta(microseconds=1))
+        .otherwise(pl.col("repaired"))
+    )
+    return (
+        found.select(
+            GPU,
+            start.alias("start"),
+            pl.col("repaired").alias("end"),
+            pl.lit("repair").alias("source"),
+            pl.lit([], dtype=pl.List(pl.Int32)).alias("xids"),
+            pl.lit(0, dtype=pl.Int32).alias("n_events"),
+        )
+        .cast(EPISODE_SCHEMA)  # type: ignore[arg-type]
+        .sort(GPU, "start")
+    )
+
+
 def attach_labels(
     rows: pl.DataFrame,
     episodes: pl.DataFrame,
     *,
     horizon: timedelta = DEFAULT_HORIZON,
     data_end: datetime,
+    repairs: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """Drop rows at or after each GPU's first episode and add `label` (Int8, nullable) and
+    """Drop the rows where the GPU is out of service (from an episode start until its next
+    repair record, `repairs` with `ts` and `old_gpu_uuid`) and add `label` (Int8, nullable) and
     `time_to_failure_h` (Float32) to `rows` (which need `gpu_uuid` and `ts`); see the module
     notes for the rules. Row order is kept."""
-    first = episodes.group_by(GPU).agg(pl.col("start").min().alias("_fail"))
-    # A lookup rather than a join: `rows` can be wide (hundreds of feature columns).
-    fail = pl.col(GPU).replace_strict(first[GPU], first["_fail"], default=None, return_dtype=TS_DTYPE)
-    ttf_us = (fail - pl.col("ts")).dt.total_microseconds()
+    starts = episodes.select(GPU, pl.col("start").cast(TS_DTYPE)).unique().sort("start")
+    fixes = _repair_times(repairs)
+    # The as-of joins run on a narrow key frame; `rows` can be wide (hundreds of features).
+    keys = rows.select(GPU, "ts").with_row_index("_row").sort("ts")
+    keys = keys.join_asof(
+        starts.rename({"start": "_last_start"}),
+        left_on="ts",
+        right_on="_last_start",
+        by=GPU,
+        strategy="backward",
+        check_sortedness=False,
+    )
+    keys = keys.join_asof(
+        starts.rename({"start": "_next_start"}),
+        left_on="ts",
+        right_on="_next_start",
+        by=GPU,
+        strategy="forward",
+        allow_exact_matches=False,
+        check_sortedness=False,
+    )
+    keys = keys.join_asof(
+        fixes.rename({"repaired": "_repaired"}),
+        left_on="ts",
+        right_on="_repaired",
+        by=GPU,
+        strategy="backward",
+        check_sortedness=False,
+    ).sort("_row")
+    out_of_service = pl.col("_last_start").is_not_null() & (
+        pl.col("_repaired").is_null() | (pl.col("_repaired") < pl.col("_last_start"))
+    )
+    ttf_us = (pl.col("_next_start") - pl.col("ts")).dt.total_microseconds()
     horizon_us = int(horizon.total_seconds() * 1_000_000)
+    within = pl.col("_next_start").is_not_null() & (ttf_us <= horizon_us)
     end = pl.lit(data_end, dtype=TS_DTYPE)
-    within = fail.is_not_null() & (ttf_us <= horizon_us)
-    label = (
+    result = keys.select(
+        out_of_service.alias("_out"),
         pl.when(within)
         .then(pl.lit(1, dtype=pl.Int8))
         .when(pl.col("ts") + horizon > end)
         .then(pl.lit(None, dtype=pl.Int8))
         .otherwise(pl.lit(0, dtype=pl.Int8))
-    )
-    keep = rows.select(fail.is_null() | (pl.col("ts") < fail)).to_series()
-    if not keep.all():
-        rows = rows.filter(keep)
-    return rows.with_columns(
-        label.alias("label"),
+        .alias("label"),
         pl.when(within).then(ttf_us / HOUR_US).cast(pl.Float32).alias("time_to_failure_h"),
     )
+    rows = rows.with_columns(result["label"], result["time_to_failure_h"])
+    keep = ~result["_out"]
+    return rows if keep.all() else rows.filter(keep)

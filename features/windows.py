@@ -14,22 +14,24 @@ buckets; that is ~60x fewer rows at one sample a minute):
 2. `dense_grid` - every grid time from a GPU's first bucket until its telemetry has been silent
    for `max_silence` (or the data ends), so trailing windows are fixed numbers of rows and
    silence shows up as empty buckets.
-3. `window_features`, `xid_features`, `peer_features` - the feature columns.
+3. `window_features` (here), `features.xids.xid_features`, `features.peers.peer_features`.
 
 Choices, so that a reader need not reverse-engineer them:
 
-- Gauges: per window mean, max and standard deviation over the *samples* in the window (exact,
-  combined from per-bucket count, mean and variance), and `delta` = mean of the last bucket minus
-  mean of the window (same unit as the metric; positive = rising). We chose this over an OLS slope
-  because it needs no extra running sums and reads in the metric's own unit.
+- Gauges: per window mean, max, min and standard deviation over the *samples* in the window
+  (exact, combined from per-bucket count, mean and variance), and `slope`: the least-squares
+  slope of the bucket means on time, in the metric's unit per hour (windows longer than the
+  grid; null with fewer than two buckets). `<m>_last`: the latest reading at or before t.
 - Counters: increase over the window, robust to resets: each sample adds `value - previous` when
   the value did not drop, and `value` when it did (a volatile counter restarts from 0 after a
   driver reload, so the new value is what accrued since). The increase across a telemetry gap
   longer than `max_gap` is not counted (the baseline restarts): this keeps every feature a
-  function of at most `max(windows) + max_gap` of history, so a build in time blocks with that
-  much lookback equals a build over all history (`build_features` passes `max_silence` as
-  `max_gap`). Also `<counter>_last`, the latest reading (for lifetime counters such as
+  function of at most `max(windows) + max_gap` of history. `<m>_rate_<w>`: the increase per
+  hour the GPU was in service within the window (its age when younger than the window).
+  `<counter>_last`, the latest reading (for lifetime counters such as
   `ecc_dbe_aggregate_total` the level itself is the signal).
+- "Last" readings look back at most the longest window (a reading older than that is no
+  longer "last"), so that a build that carries only that much history gives the same values.
 - Flags: the window maximum (was the flag ever raised in the window).
 - Bitmasks: the fraction of samples in the window with any bit of a named group set
   (`BITMASK_GROUPS`).
@@ -38,19 +40,14 @@ Choices, so that a reader need not reverse-engineer them:
   window of the per-bucket mean spacing between consecutive samples (causal: only spacings up
   to t); 1 when the window has no sample. `telemetry_since_last_h`: hours from the last sample
   at or before t to t. A GPU younger than a window is not counted as missing its samples.
-- XIDs: incidents per class and window (`xid_<class>_count_<w>`, one per `xid_events` row, by its
-  first line `ts`); lines of application-class incidents (`xid_application_repeats_<w>`, the sum
-  of `repeat_count`, counted at the incident's `last_ts`, when the last repeat was known);
-  `xid_<class>_since_last_h`, hours since the last incident of the class, capped at
-  `xid_since_cap` (also the value when there was none).
-- Peers: `<metric>_peer_delta_<grid>` = the GPU's bucket mean minus the median of the bucket
-  means of the *other* GPUs of its node at the same grid time (null without a peer).
-- Static: `gpu_age_h`, hours since the GPU (uuid) was first seen.
+- Static: `gpu_age_h`, hours since the GPU (uuid) was first seen; `gpu_model`, `driver`,
+  `node` and `gpu_index` (the slot) are identity columns of the frame.
+- XID history and peers have their own modules: `features.xids`, `features.peers`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -58,7 +55,6 @@ import polars as pl
 
 from features.schema import TS_DTYPE, window_label
 from ingest.schema import metric_catalogue
-from ingest.xid_catalog import XID_CLASSES, xid_class_map
 
 GPU = "gpu_uuid"
 HOUR_US = 3_600_000_000
@@ -88,10 +84,6 @@ BITMASK_GROUPS: dict[str, dict[str, int]] = {
         "sw_power_cap": 0x4,
     },
 }
-
-# Gauges compared with the other GPUs of the node: a GPU hotter than its neighbours at the same
-# power is a cooling or silicon problem, not a workload.
-PEER_METRICS = ("temp_gpu_c", "power_w")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -348,13 +340,27 @@ def dense_grid(
 
 # -- 3. window features ---------------------------------------------------------------------------
 
+# Rolling expressions run per GPU over `_gid`, an integer id of the GPU's run of rows in a frame
+# sorted by (gpu_uuid, ts): partitioning on an integer was ~1.5x faster than on the uuid string.
+GID = "_gid"
 
-def _roll_sum(e: pl.Expr, k: int) -> pl.Expr:
-    return e if k == 1 else e.rolling_sum(k, min_samples=1).over(GPU)
+
+def gpu_run_id() -> pl.Expr:
+    """`_gid`: an integer per GPU in a frame sorted by gpu_uuid."""
+    return pl.col(GPU).rle_id().alias(GID)
 
 
-def _roll_max(e: pl.Expr, k: int) -> pl.Expr:
-    return e if k == 1 else e.rolling_max(k, min_samples=1).over(GPU)
+def roll_sum(e: pl.Expr, k: int) -> pl.Expr:
+    """Sum over the last `k` rows of the GPU (fewer at its start); needs `_gid`."""
+    return e if k == 1 else e.rolling_sum(k, min_samples=1).over(GID)
+
+
+def roll_max(e: pl.Expr, k: int) -> pl.Expr:
+    return e if k == 1 else e.rolling_max(k, min_samples=1).over(GID)
+
+
+def roll_min(e: pl.Expr, k: int) -> pl.Expr:
+    return e if k == 1 else e.rolling_min(k, min_samples=1).over(GID)
 
 
 def window_features(
@@ -364,11 +370,12 @@ def window_features(
     *,
     first_seen: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """Telemetry window features on a dense grid (from `dense_grid`): `gpu_uuid`, `ts`, then
-    `gpu_age_h`, `telemetry_since_last_h`, `telemetry_missing_frac_<w>`, per gauge
-    `<m>_mean_<w>`, `<m>_max_<w>`, `<m>_std_<w>`, `<m>_delta_<w>` (windows longer than the grid),
-    per counter `<m>_last` and `<m>_increase_<w>`, per flag `<m>_max_<w>`, per bitmask group
-    `<m>_<group>_frac_<w>`. All Float64 here; `build_features` casts to Float32.
+    """Telemetry window features on a dense grid (from `dense_grid`, sorted by (gpu_uuid, ts)):
+    `gpu_uuid`, `ts`, then `gpu_age_h`, `telemetry_since_last_h`, `telemetry_missing_frac_<w>`;
+    per gauge `<m>_last` and per window `<m>_mean_<w>`, `_max_`, `_min_`, `_std_`, `_slope_`
+    (windows longer than the grid); per counter `<m>_last` and per window `<m>_increase_<w>`,
+    `<m>_rate_<w>`; per flag `<m>_max_<w>`; per bitmask group `<m>_<group>_frac_<w>`. All
+    Float64 here; `build_features` casts to Float32. Module notes give the definitions.
 
     `first_seen` (gpu_uuid, first_ts) gives the GPU's true first sample when `dense` holds only
     part of its history; by default the first bucket's first sample is used.
@@ -378,37 +385,52 @@ def window_features(
     kinds = aggregated_metrics(dense.columns, grid)
     labels = [window_label(w) for w in windows]
     k_max = max(sizes)
+    grid_h = _us(grid) / HOUR_US
 
     # Stage 1: running sums per window (temporary columns).
     tmp: list[pl.Expr] = []
     n = pl.col(f"n_samples{sfx}").fill_null(0).cast(pl.Float64)
     for k, wl in zip(sizes, labels, strict=True):
-        tmp.append(_roll_sum(n, k).alias(f"_n_{wl}"))
+        tmp.append(roll_sum(n, k).alias(f"_n_{wl}"))
     tmp.append(
-        pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GPU).alias("_interval_s")
+        pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GID).alias("_interval_s")
         if k_max > 1
         else pl.col(f"sample_interval_s{sfx}").alias("_interval_s")
     )
+    # Slope: least squares of the bucket means on time. x is the bucket's position in hours from
+    # the frame's first grid time (the slope does not depend on where x starts; a small origin
+    # keeps x*x exact).
+    x = (pl.col("ts") - pl.col("ts").min()).dt.total_microseconds() / HOUR_US
     for g in kinds["gauge"]:
         cnt = pl.col(f"{g}_count{sfx}").fill_null(0).cast(pl.Float64)
         mean = pl.col(f"{g}_mean{sfx}")
         s = (mean * cnt).fill_null(0.0)
         m2 = (pl.col(f"{g}_var{sfx}") * (cnt - 1)).fill_null(0.0)
         q = m2 + (cnt * mean * mean).fill_null(0.0)
+        has = mean.is_not_null().cast(pl.Float64)
+        xs = pl.when(mean.is_not_null()).then(x).otherwise(0.0)
         for k, wl in zip(sizes, labels, strict=True):
             tmp += [
-                _roll_sum(cnt, k).alias(f"_{g}_n_{wl}"),
-                _roll_sum(s, k).alias(f"_{g}_s_{wl}"),
-                _roll_sum(q, k).alias(f"_{g}_q_{wl}"),
+                roll_sum(cnt, k).alias(f"_{g}_n_{wl}"),
+                roll_sum(s, k).alias(f"_{g}_s_{wl}"),
+                roll_sum(q, k).alias(f"_{g}_q_{wl}"),
             ]
+            if k > 1:
+                tmp += [
+                    roll_sum(has, k).alias(f"_{g}_bn_{wl}"),
+                    roll_sum(xs, k).alias(f"_{g}_bx_{wl}"),
+                    roll_sum(xs * xs, k).alias(f"_{g}_bxx_{wl}"),
+                    roll_sum(mean.fill_null(0.0), k).alias(f"_{g}_by_{wl}"),
+                    roll_sum((xs * mean).fill_null(0.0), k).alias(f"_{g}_bxy_{wl}"),
+                ]
     for b in kinds["bitmask"]:
         groups = BITMASK_GROUPS.get(b, {})
         for k, wl in zip(sizes, labels, strict=True):
             if groups:
-                tmp.append(_roll_sum(pl.col(f"{b}_count{sfx}").fill_null(0), k).alias(f"_{b}_n_{wl}"))
+                tmp.append(roll_sum(pl.col(f"{b}_count{sfx}").fill_null(0), k).alias(f"_{b}_n_{wl}"))
             for group in groups:
-                tmp.append(_roll_sum(pl.col(f"{b}_{group}_n{sfx}").fill_null(0), k).alias(f"_{b}_{group}_{wl}"))
-    lf = dense.lazy().with_columns(tmp)
+                tmp.append(roll_sum(pl.col(f"{b}_{group}_n{sfx}").fill_null(0), k).alias(f"_{b}_{group}_{wl}"))
+    lf = dense.lazy().with_columns(gpu_run_id()).with_columns(tmp)
 
     # Stage 2: the features.
     out: list[pl.Expr] = []
@@ -416,157 +438,63 @@ def window_features(
         # A lookup, not a join: the rolling expressions below depend on the row order.
         first = pl.col(GPU).replace_strict(first_seen[GPU], first_seen["first_ts"], default=None, return_dtype=TS_DTYPE)
     else:
-        first = pl.col("first_sample_ts").min().over(GPU)
-    out.append(((pl.col("ts") - first).dt.total_microseconds() / HOUR_US).alias("gpu_age_h"))
+        first = pl.col("first_sample_ts").min().over(GID)
+    age_h = (pl.col("ts") - first).dt.total_microseconds() / HOUR_US
+    out.append(age_h.alias("gpu_age_h"))
     out.append(
         ((pl.col("ts") - pl.col("last_sample_ts")).dt.total_microseconds() / HOUR_US).alias("telemetry_since_last_h")
     )
-    age_s = (pl.col("ts") - first).dt.total_microseconds() / 1e6
     for w, wl in zip(windows, labels, strict=True):
         # A GPU younger than the window is not missing the samples from before it existed.
-        expected = pl.min_horizontal(pl.lit(w.total_seconds()), age_s) / pl.col("_interval_s")
+        expected = pl.min_horizontal(pl.lit(w.total_seconds()), age_h * 3600) / pl.col("_interval_s")
         out.append(
             pl.when(pl.col(f"_n_{wl}") == 0)
             .then(1.0)
             .otherwise((1.0 - pl.col(f"_n_{wl}") / expected).clip(0.0, 1.0))
             .alias(f"telemetry_missing_frac_{wl}")
         )
+    # "Last" readings look back at most the longest window, so that every feature depends on a
+    # bounded stretch of history (what lets the store build carry only that much).
+    last_limit = max(k_max - 1, 0)
     for g in kinds["gauge"]:
+        out.append(
+            pl.col(f"{g}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"{g}_last")
+        )
         for k, wl in zip(sizes, labels, strict=True):
             nw, sw, qw = pl.col(f"_{g}_n_{wl}"), pl.col(f"_{g}_s_{wl}"), pl.col(f"_{g}_q_{wl}")
             mean_w = pl.when(nw > 0).then(sw / nw)
             out += [
                 mean_w.alias(f"{g}_mean_{wl}"),
-                _roll_max(pl.col(f"{g}_max{sfx}"), k).alias(f"{g}_max_{wl}"),
+                roll_max(pl.col(f"{g}_max{sfx}").cast(pl.Float64), k).alias(f"{g}_max_{wl}"),
+                roll_min(pl.col(f"{g}_min{sfx}").cast(pl.Float64), k).alias(f"{g}_min_{wl}"),
                 pl.when(nw > 1)
                 .then(((qw - sw * sw / nw).clip(lower_bound=0.0) / (nw - 1)).sqrt())
                 .alias(f"{g}_std_{wl}"),
             ]
             if k > 1:
-                out.append((pl.col(f"{g}_mean{sfx}") - mean_w).alias(f"{g}_delta_{wl}"))
+                bn, bx, bxx = pl.col(f"_{g}_bn_{wl}"), pl.col(f"_{g}_bx_{wl}"), pl.col(f"_{g}_bxx_{wl}")
+                by, bxy = pl.col(f"_{g}_by_{wl}"), pl.col(f"_{g}_bxy_{wl}")
+                denominator = bn * bxx - bx * bx
+                out.append(
+                    pl.when((bn > 1) & (denominator > 0))
+                    .then((bn * bxy - bx * by) / denominator)
+                    .alias(f"{g}_slope_{wl}")
+                )
     for c in kinds["counter"]:
-        out.append(pl.col(f"{c}_last{sfx}").forward_fill().over(GPU).cast(pl.Float64).alias(f"{c}_last"))
-        for k, wl in zip(sizes, labels, strict=True):
-            inc = pl.col(f"{c}_increase{sfx}").cast(pl.Float64)
-            out.append(_roll_sum(inc, k).alias(f"{c}_increase_{wl}"))
+        out.append(
+            pl.col(f"{c}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"{c}_last")
+        )
+        for w, k, wl in zip(windows, sizes, labels, strict=True):
+            increase = roll_sum(pl.col(f"{c}_increase{sfx}").cast(pl.Float64), k)
+            # Per hour the GPU was in service within the window (at least one grid step).
+            hours = pl.min_horizontal(pl.lit(w.total_seconds() / 3600), age_h).clip(lower_bound=grid_h)
+            out += [increase.alias(f"{c}_increase_{wl}"), (increase / hours).alias(f"{c}_rate_{wl}")]
     for f in kinds["flag"]:
         for k, wl in zip(sizes, labels, strict=True):
-            out.append(_roll_max(pl.col(f"{f}_max{sfx}").cast(pl.Float64), k).alias(f"{f}_max_{wl}"))
+            out.append(roll_max(pl.col(f"{f}_max{sfx}").cast(pl.Float64), k).alias(f"{f}_max_{wl}"))
     for b in kinds["bitmask"]:
         for group in BITMASK_GROUPS.get(b, {}):
             for wl in labels:
                 nb = pl.col(f"_{b}_n_{wl}")
                 out.append(pl.when(nb > 0).then(pl.col(f"_{b}_{group}_{wl}") / nb).alias(f"{b}_{group}_frac_{wl}"))
     return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
-
-
-# -- XID features ---------------------------------------------------------------------------------
-
-
-def xid_features(
-    keys: pl.DataFrame,
-    xid_events: pl.DataFrame,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    *,
-    since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
-    classes: Mapping[int, str] | None = None,
-) -> pl.DataFrame:
-    """XID features at the grid times in `keys` (gpu_uuid, ts; a dense grid sorted by
-    (gpu_uuid, ts); the result has the same rows in the same order): `xid_<class>_count_<w>` for every class in `XID_CLASSES`,
-    `xid_application_repeats_<w>`, `xid_<class>_since_last_h`. Events without a `gpu_uuid`
-    are ignored (resolve them first, `features.labels.resolve_xid_gpus`)."""
-    sizes = check_grid(grid, windows)
-    labels = [window_label(w) for w in windows]
-    class_map = dict(xid_class_map() if classes is None else classes)
-    cap_h = since_cap.total_seconds() / 3600
-
-    ev = (
-        xid_events.lazy()
-        .filter(pl.col(GPU).is_not_null())
-        .select(
-            GPU,
-            "ts",
-            "last_ts",
-            "repeat_count",
-            pl.col("xid").replace_strict(class_map, default="other", return_dtype=pl.String).alias("_class"),
-        )
-    )
-    # Counts by the incident's first line; repeats by its last line (only then are they known).
-    counts = (
-        ev.with_columns(grid_time(pl.col("ts"), grid).alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg((pl.col("_class") == c).sum().cast(pl.Int32).alias(f"_x_{c}") for c in XID_CLASSES)
-        .rename({"ts_bucket": "ts"})
-    )
-    repeats = (
-        ev.filter(pl.col("_class") == "application")
-        .with_columns(grid_time(pl.col("last_ts"), grid).alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg(pl.col("repeat_count").sum().cast(pl.Int64).alias("_x_app_rep"))
-        .rename({"ts_bucket": "ts"})
-    )
-    # Latest incident per class per bucket. Incidents before a GPU's first grid time are moved
-    # into its first bucket, so "since last" also sees XIDs older than the grid.
-    first = keys.lazy().group_by(GPU).agg(pl.col("ts").min().alias("_first"))
-    lasts = (
-        ev.with_columns(grid_time(pl.col("ts"), grid).alias("_b"))
-        .join(first, on=GPU, how="inner")
-        .with_columns(pl.max_horizontal("_b", "_first").alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg(pl.col("ts").filter(pl.col("_class") == c).max().alias(f"_xl_{c}") for c in XID_CLASSES)
-        .rename({"ts_bucket": "ts"})
-    )
-    lf = (
-        keys.lazy()
-        .select(GPU, "ts")
-        .join(counts, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(repeats, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(lasts, on=[GPU, "ts"], how="left", maintain_order="left")
-        .with_columns(pl.col(f"_x_{c}").fill_null(0) for c in XID_CLASSES)
-        .with_columns(pl.col("_x_app_rep").fill_null(0))
-    )
-    out: list[pl.Expr] = []
-    for c in XID_CLASSES:
-        for k, wl in zip(sizes, labels, strict=True):
-            out.append(_roll_sum(pl.col(f"_x_{c}"), k).cast(pl.Float64).alias(f"xid_{c}_count_{wl}"))
-        if c == "application":
-            for k, wl in zip(sizes, labels, strict=True):
-                out.append(_roll_sum(pl.col("_x_app_rep"), k).cast(pl.Float64).alias(f"xid_application_repeats_{wl}"))
-    for c in XID_CLASSES:
-        last = pl.col(f"_xl_{c}").forward_fill().over(GPU)
-        out.append(
-            ((pl.col("ts") - last).dt.total_microseconds() / HOUR_US)
-            .clip(upper_bound=cap_h)
-            .fill_null(cap_h)
-            .alias(f"xid_{c}_since_last_h")
-        )
-    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
-
-
-# -- peers ----------------------------------------------------------------------------------------
-
-
-def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
-    """`<m>_peer_delta_<g>` for m in `PEER_METRICS` present: the GPU's bucket mean minus the
-    median bucket mean of the other GPUs in its (cluster, node) at the same grid time. Null when
-    the GPU has no reading or no peer has one. Returns gpu_uuid, ts and those columns."""
-    sfx = _sfx(grid)
-    metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in dense.columns]
-    keys = ["cluster", "node", "ts"]
-    base = dense.lazy().select(*keys, GPU, *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
-    if not metrics:
-        return base.select(GPU, "ts").collect(engine=ENGINE)
-    peers = base.select(*keys, pl.col(GPU).alias("_peer"), *[pl.col(f"_p_{m}").alias(f"_q_{m}") for m in metrics])
-    medians = (
-        base.select(*keys, GPU)
-        .join(peers, on=keys, how="inner")
-        .filter(pl.col(GPU) != pl.col("_peer"))
-        .group_by(GPU, "ts")
-        .agg(pl.col(f"_q_{m}").median().alias(f"_med_{m}") for m in metrics)
-    )
-    return (
-        base.join(medians, on=[GPU, "ts"], how="left", maintain_order="left")
-        .select(GPU, "ts", *[(pl.col(f"_p_{m}") - pl.col(f"_med_{m}")).alias(f"{m}_peer_delta{sfx}") for m in metrics])
-        .collect(engine=ENGINE)
-    )

@@ -14,7 +14,6 @@ from features.build import (
     build_features_from_store,
     empty_features,
     feature_files,
-    plan_blocks,
     read_features,
     write_features,
 )
@@ -52,9 +51,9 @@ def test_columns_types_and_order(fleet):
     assert all(out.schema[c] == pl.Float32 for c in feats)
     # Every catalogue metric shows up, in a window-named column.
     for g in metric_columns("gauge"):
-        assert {f"{g}_mean_6h", f"{g}_max_24h", f"{g}_std_1h", f"{g}_delta_6h"} <= set(feats)
+        assert {f"{g}_mean_6h", f"{g}_max_24h", f"{g}_min_1h", f"{g}_std_1h", f"{g}_slope_6h", f"{g}_last"} <= set(feats)
     for c in metric_columns("counter"):
-        assert {f"{c}_increase_24h", f"{c}_last"} <= set(feats)
+        assert {f"{c}_increase_24h", f"{c}_rate_6h", f"{c}_last"} <= set(feats)
     for f in metric_columns("flag"):
         assert f"{f}_max_6h" in feats
     assert {
@@ -64,7 +63,10 @@ def test_columns_types_and_order(fleet):
         "xid_gsp_count_6h",
         "xid_application_repeats_1h",
         "xid_bus_since_last_h",
-        "temp_gpu_c_peer_delta_1h",
+        "xid_13_count_24h",
+        "xid_application_burst_h_6h",
+        "temp_gpu_c_node_delta_1h",
+        "power_w_model_delta_1h",
     } <= set(feats)
     assert len(feats) == len(set(feats))
     assert out.select("gpu_uuid", "ts").is_unique().all()
@@ -112,24 +114,18 @@ def test_write_and_read_features_round_trip(tmp_path, fleet):
     assert part.columns == ["ts", "gpu_uuid", "temp_gpu_c_mean_1h", "label"]
 
 
-def test_building_from_a_store_in_chunks_equals_building_in_memory(tmp_path, fleet):
+def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fleet):
     tel, events = fleet
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
-    # Small blocks and chunks, each chunk read on its own (no in-memory budget), so that
-    # lookback, chunk edges and node-filtered reads are exercised.
+    # A tiny bucket budget: features are computed day by day from the carried trailing window,
+    # in chunks of 10 GPUs, so that day edges, the carried raw rows and chunk edges are exercised.
     summary = build_features_from_store(
-        store,
-        windows=WINDOWS,
-        gpus_per_chunk=10,
-        block=timedelta(hours=20),
-        max_rows_in_memory=0,
-        flush_rows=500,
-        progress=False,
+        store, windows=WINDOWS, gpus_per_chunk=10, max_buckets_in_memory=0, flush_rows=500, progress=False
     )
-    assert summary.chunks == 2 and summary.blocks == 3
-    assert summary.telemetry_rows_read > tel.height  # the lookback is read twice
+    assert summary.blocks == 3  # 72 h: three days, each emitted on its own
+    assert summary.telemetry_rows_read == tel.height  # each raw row is read once
     stored = read_features(store)
     expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
     assert summary.rows == stored.height == expected.height
@@ -138,11 +134,11 @@ def test_building_from_a_store_in_chunks_equals_building_in_memory(tmp_path, fle
     assert "features:" in str(summary)
 
     # A second build over the same days is refused, then replaces the files when asked to;
-    # this time the fleet fits the in-memory budget: one block, read once.
+    # this time everything fits the budget: one step.
     with pytest.raises(FileExistsError, match="overwrite"):
         build_features_from_store(store, windows=WINDOWS, progress=False)
     before = set(feature_files(store))
-    summary = build_features_from_store(store, windows=WINDOWS, gpus_per_chunk=10, overwrite=True, progress=False)
+    summary = build_features_from_store(store, windows=WINDOWS, overwrite=True, progress=False)
     assert summary.blocks == 1 and summary.telemetry_rows_read == tel.height
     assert summary.files_replaced == len(before)
     assert not before & set(feature_files(store))
@@ -176,29 +172,6 @@ def test_bench_reports_a_rate():
     assert result["rows_per_s"] > 0
 
 
-def test_plan_blocks_fits_the_memory_budget():
-    days = {(T0 + timedelta(days=i)).date(): 100 for i in range(10)}
-    day = timedelta(days=1)
-    # Everything fits: one block.
-    assert plan_blocks(T0, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=1000, block=3 * day) == [
-        (T0, T0 + 10 * day, True)
-    ]
-    # 500 rows: a block plus a 2-day lookback spans at most 5 days.
-    blocks = plan_blocks(T0 + 2 * day, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=500, block=3 * day)
-    assert blocks == [
-        (T0 + 2 * day, T0 + 5 * day, True),
-        (T0 + 5 * day, T0 + 8 * day, True),
-        (T0 + 8 * day, T0 + 10 * day, True),
-    ]
-    # Not even one day fits: blocks of `block`, read chunk by chunk.
-    blocks = plan_blocks(T0, T0 + 10 * day, lookback=2 * day, day_rows=days, max_rows=50, block=4 * day)
-    assert blocks == [
-        (T0, T0 + 4 * day, False),
-        (T0 + 4 * day, T0 + 8 * day, False),
-        (T0 + 8 * day, T0 + 10 * day, False),
-    ]
-
-
 def test_row_order_of_the_input_does_not_matter(fleet):
     tel, events = fleet
     expected = build_features(tel, events, windows=WINDOWS)
@@ -214,6 +187,6 @@ def test_a_store_on_another_filesystem_builds_the_same(tmp_path, fleet):
     for store in (local, remote):
         store.write("telemetry", tel.to_arrow())
         store.write("xid_events", events.to_arrow())
-        build_features_from_store(store, windows=WINDOWS, max_rows_in_memory=50_000, progress=False)
+        build_features_from_store(store, windows=WINDOWS, max_buckets_in_memory=0, progress=False)
     assert_frame_equal(read_features(remote), read_features(local))
     remote.fs.rm(remote.path(), recursive=True)

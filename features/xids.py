@@ -1,0 +1,136 @@
+"""XID history features on the grid: counts per class and for key codes, repeats, bursts, and
+time since the last incident of each class. Pure functions of polars frames.
+
+Definitions (window W at grid time t = the buckets in (t - W, t], see `features.windows`):
+
+- `xid_<class>_count_<w>`: incidents of the class (one per `xid_events` row, counted at its
+  first line `ts`), for every class of `ingest.xid_catalog.XID_CLASSES`.
+- `xid_<code>_count_<w>` for the key codes in `KEY_XIDS`: precursors and application codes
+  whose own count carries more than their class's.
+- `xid_application_repeats_<w>`: lines of application-class incidents (the sum of
+  `repeat_count`), counted at the incident's `last_ts`, when the last repeat was known.
+- `xid_application_burst_h_<w>`: grid buckets in the window with at least `BURST_MIN`
+  application-class incidents on the GPU (NVSentinel escalates "XID 13 three times in an hour":
+  one crash is the user's program, a crash every few minutes on one GPU is the GPU).
+- `xid_<class>_since_last_h`: hours from the class's last incident (at or before t) to t,
+  capped at `since_cap` (also the value when there was none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import polars as pl
+
+from features.schema import window_label
+from features.windows import (
+    DEFAULT_GRID,
+    DEFAULT_WINDOWS,
+    DEFAULT_XID_SINCE_CAP,
+    ENGINE,
+    GPU,
+    HOUR_US,
+    check_grid,
+    gpu_run_id,
+    grid_time,
+    roll_sum,
+)
+from ingest.xid_catalog import XID_CLASSES, xid_class_map
+
+# Precursor codes (63 row remap / page retirement, 92 high single-bit ECC rate, 94 contained ECC
+# error) and the application codes whose repetition on one GPU is a signal (13, 31, 43, 45).
+# Failure codes are left out: rows at or after a failure are not in the frame, so their count
+# before it is always 0.
+KEY_XIDS: tuple[int, ...] = (13, 31, 43, 45, 63, 92, 94)
+BURST_MIN = 3
+
+
+def xid_features(
+    keys: pl.DataFrame,
+    xid_events: pl.DataFrame,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    *,
+    since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    classes: Mapping[int, str] | None = None,
+    key_xids: Sequence[int] = KEY_XIDS,
+) -> pl.DataFrame:
+    """XID features (module notes) at the grid times in `keys` (gpu_uuid, ts; a dense grid
+    sorted by (gpu_uuid, ts)); the result has the same rows in the same order. Events without a
+    `gpu_uuid` are ignored (resolve them first, `features.labels.resolve_xid_gpus`)."""
+    sizes = check_grid(grid, windows)
+    labels = [window_label(w) for w in windows]
+    class_map = dict(xid_class_map() if classes is None else classes)
+    cap_h = since_cap.total_seconds() / 3600
+    codes = [int(c) for c in key_xids]
+
+    ev = (
+        xid_events.lazy()
+        .filter(pl.col(GPU).is_not_null())
+        .select(
+            GPU,
+            "ts",
+            "last_ts",
+            "repeat_count",
+            pl.col("xid").cast(pl.Int64),
+            pl.col("xid").replace_strict(class_map, default="other", return_dtype=pl.String).alias("_class"),
+        )
+    )
+    # Counts by the incident's first line; repeats by its last line (only then are they known).
+    counts = (
+        ev.with_columns(grid_time(pl.col("ts"), grid).alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg(
+            *[(pl.col("_class") == c).sum().cast(pl.Int32).alias(f"_x_{c}") for c in XID_CLASSES],
+            *[(pl.col("xid") == code).sum().cast(pl.Int32).alias(f"_xc_{code}") for code in codes],
+        )
+        .rename({"ts_bucket": "ts"})
+    )
+    repeats = (
+        ev.filter(pl.col("_class") == "application")
+        .with_columns(grid_time(pl.col("last_ts"), grid).alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg(pl.col("repeat_count").sum().cast(pl.Int64).alias("_x_app_rep"))
+        .rename({"ts_bucket": "ts"})
+    )
+    # Latest incident per class per bucket. Incidents before a GPU's first grid time are moved
+    # into its first bucket, so "since last" also sees XIDs older than the grid.
+    first = keys.lazy().group_by(GPU).agg(pl.col("ts").min().alias("_first"))
+    lasts = (
+        ev.with_columns(grid_time(pl.col("ts"), grid).alias("_b"))
+        .join(first, on=GPU, how="inner")
+        .with_columns(pl.max_horizontal("_b", "_first").alias("ts_bucket"))
+        .group_by(GPU, "ts_bucket")
+        .agg(pl.col("ts").filter(pl.col("_class") == c).max().alias(f"_xl_{c}") for c in XID_CLASSES)
+        .rename({"ts_bucket": "ts"})
+    )
+    filled = [f"_x_{c}" for c in XID_CLASSES] + [f"_xc_{code}" for code in codes] + ["_x_app_rep"]
+    lf = (
+        keys.lazy()
+        .select(GPU, "ts")
+        .join(counts, on=[GPU, "ts"], how="left", maintain_order="left")
+        .join(repeats, on=[GPU, "ts"], how="left", maintain_order="left")
+        .join(lasts, on=[GPU, "ts"], how="left", maintain_order="left")
+        .with_columns(pl.col(c).fill_null(0) for c in filled)
+        .with_columns(gpu_run_id(), (pl.col("_x_application") >= BURST_MIN).cast(pl.Int32).alias("_x_burst"))
+    )
+    out: list[pl.Expr] = []
+    for c in XID_CLASSES:
+        for k, wl in zip(sizes, labels, strict=True):
+            out.append(roll_sum(pl.col(f"_x_{c}"), k).cast(pl.Float64).alias(f"xid_{c}_count_{wl}"))
+    for code in codes:
+        for k, wl in zip(sizes, labels, strict=True):
+            out.append(roll_sum(pl.col(f"_xc_{code}"), k).cast(pl.Float64).alias(f"xid_{code}_count_{wl}"))
+    for k, wl in zip(sizes, labels, strict=True):
+        out.append(roll_sum(pl.col("_x_app_rep"), k).cast(pl.Float64).alias(f"xid_application_repeats_{wl}"))
+        out.append(roll_sum(pl.col("_x_burst"), k).cast(pl.Float64).alias(f"xid_application_burst_h_{wl}"))
+    for c in XID_CLASSES:
+        last = pl.col(f"_xl_{c}").forward_fill().over("_gid")
+        out.append(
+            ((pl.col("ts") - last).dt.total_microseconds() / HOUR_US)
+            .clip(upper_bound=cap_h)
+            .fill_null(cap_h)
+            .alias(f"xid_{c}_since_last_h")
+        )
+    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
