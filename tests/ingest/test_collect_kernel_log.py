@@ -84,7 +84,7 @@ def test_a_flood_spanning_several_intervals_is_one_incident_emitted_when_its_win
     log, clock = FakeLog(), FakeClock()
     c = collector(store, log, clock)
     emitted = []
-    for tick in range(8):  # 8 intervals of 30 s, 100 identical lines each
+    for _ in range(8):  # 8 intervals of 30 s, 100 identical lines each
         log.lines += [xid(clock.now() - timedelta(seconds=1) + timedelta(milliseconds=i)) for i in range(100)]
         emitted += rows(c.collect())
         clock.advance(30)
@@ -105,14 +105,24 @@ def test_different_gpus_and_xids_are_different_incidents_and_drain_emits_the_ope
     c = collector(store, log, clock)
     assert rows(c.collect()) == []
     drained = rows(c.drain())
-    assert sorted((r["pci_bus_id"], r["xid"]) for r in drained) == [("0000:1b:00", 94), ("0000:9b:00", 63), ("0000:9b:00", 94)]
+    assert sorted((r["pci_bus_id"], r["xid"]) for r in drained) == [
+        ("0000:1b:00", 94),
+        ("0000:9b:00", 63),
+        ("0000:9b:00", 94),
+    ]
     assert rows(c.drain()) == []
 
 
 def test_old_lines_are_emitted_at_once_and_untimed_ones_are_counted_not_written(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     old = T0 - timedelta(days=2)
-    log = FakeLog([xid(old), xid(old + timedelta(minutes=10)), "6,5,1000,-;NVRM: Xid (PCI:0000:9b:00): 79, GPU has fallen off the bus."])
+    log = FakeLog(
+        [
+            xid(old),
+            xid(old + timedelta(minutes=10)),
+            "6,5,1000,-;NVRM: Xid (PCI:0000:9b:00): 79, GPU has fallen off the bus.",
+        ]
+    )
     c = collector(store, log, FakeClock())
     out = rows(c.collect())
     assert [r["ts"] for r in out] == [old, old + timedelta(minutes=10)]  # 10 min apart: two incidents

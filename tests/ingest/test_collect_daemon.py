@@ -1,0 +1,385 @@
+"""The collector daemon: independent failures, collector_runs, the flush policy, stopping, the
+registry, a SIGKILL at any moment, and `gpufail collect` end to end."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from ingest.collect.base import CollectorError
+from ingest.collect.buffer import WriteBuffer
+from ingest.collect.daemon import (
+    REGISTRY,
+    CollectOptions,
+    Daemon,
+    StopFlag,
+    build_collectors,
+    parse_sources,
+    run_collect,
+)
+from ingest.errors import InputError, StoreError
+from ingest.store import Store
+from tests.conftest import make_rows
+
+T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
+GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
+SCRAPE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = T0
+        self.mono = 0.0
+        self.slept = 0.0
+
+    def now(self) -> datetime:
+        return self.t
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        self.t += timedelta(seconds=seconds)
+        self.mono += seconds
+
+
+class EightGpus:
+    """A telemetry collector: 8 GPU rows per call, taking 0.5 s of the fake clock."""
+
+    name = "fake-gpus"
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.calls = 0
+        self.closed = False
+
+    def collect(self):
+        self.calls += 1
+        self.clock.mono += 0.5
+        return {"telemetry": make_rows("telemetry", [self.clock.now()] * 8, node="n1", gpu_index=list(range(8)))}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Broken:
+    def __init__(self, name: str, error: Exception) -> None:
+        self.name = name
+        self.error = error
+        self.closed = False
+
+    def collect(self):
+        raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Checkpointed(EightGpus):
+    name = "checkpointed"
+
+    def __init__(self, clock: FakeClock, store: Store) -> None:
+        super().__init__(clock)
+        self.store = store
+        self.checkpoints: list[int] = []
+        self.drained = False
+
+    def checkpoint(self) -> None:
+        # Everything returned so far must already be in the store.
+        self.checkpoints.append(self.store.read("telemetry").num_rows if self.store.exists("telemetry") else 0)
+
+    def drain(self):
+        self.drained = True
+        return {"xid_events": make_rows("xid_events", [T0], node="n1", pci_bus_id="0000:9b:00", xid=79)}
+
+
+def daemon(store: Store, collectors, clock: FakeClock, **kw) -> Daemon:
+    options = {"interval": timedelta(seconds=10), "flush_rows": 1000, "flush_interval": timedelta(minutes=5)}
+    options.update(kw)
+    return Daemon(store, collectors, cluster="c1", node="n1", clock=clock, **options)
+
+
+def test_a_failing_collector_is_recorded_and_the_others_go_on(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    good = EightGpus(clock)
+    down = Broken("dcgm-exporter", CollectorError("dcgm-exporter collector: http://x/metrics: cannot fetch"))
+    buggy = Broken("buggy", ZeroDivisionError("division by zero"))
+    summary = daemon(store, [down, good, buggy], clock).run(max_ticks=3)
+    assert good.calls == 3 and good.closed and down.closed and buggy.closed
+    assert store.read("telemetry").num_rows == 24
+    runs = store.read("collector_runs").to_pylist()
+    assert len(runs) == 9
+    by_name = {r["collector"]: r for r in runs}
+    assert (
+        by_name["fake-gpus"]["ok"] and by_name["fake-gpus"]["rows"] == 8 and by_name["fake-gpus"]["duration_s"] == 0.5
+    )
+    assert not by_name["dcgm-exporter"]["ok"] and "cannot fetch" in by_name["dcgm-exporter"]["error"]
+    assert by_name["buggy"]["error"] == "buggy: unexpected ZeroDivisionError: division by zero"
+    assert {r["node"] for r in runs} == {"n1"} and {r["cluster"] for r in runs} == {"c1"}
+    assert summary.by_collector["dcgm-exporter"].failed == 3
+    assert "dcgm-exporter 0 ok, 3 failed" in summary.line()
+
+
+def test_ticks_keep_the_interval_and_flushes_follow_the_time_policy_in_separate_files(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    lines: list[str] = []
+    d = daemon(store, [EightGpus(clock)], clock, flush_interval=timedelta(minutes=1), report=lines.append)
+    summary = d.run(max_ticks=13)  # 12 intervals of 10 s
+    assert clock.mono == pytest.approx(120 + 0.5)  # the 0.5 s of collecting is inside the interval
+    assert summary.flushes == 2  # after 60 s, and at the end
+    files = store.files("telemetry")
+    assert len(files) == 2 and store.read("telemetry").num_rows == 13 * 8
+    assert all(line.startswith("collect: flushed") for line in lines)
+
+
+def test_the_row_policy_flushes_early_and_checkpoints_come_after_the_data(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    c = Checkpointed(clock, store)
+    summary = daemon(store, [c], clock, flush_rows=20).run(max_ticks=5)
+    # 9 rows per tick (8 telemetry + 1 collector run): flushes after ticks 3 and 5 (stop)
+    assert summary.flushes == 2
+    assert c.checkpoints == [24, 40]
+    assert c.drained and store.read("xid_events").num_rows == 1
+
+
+def test_a_stop_request_drains_flushes_and_returns(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    stop = StopFlag()
+
+    class StopsAfterTwo(EightGpus):
+        def collect(self):
+            if self.calls == 1:
+                stop.set("SIGTERM")
+            return super().collect()
+
+    summary = daemon(store, [StopsAfterTwo(clock)], clock, stop=stop).run()
+    assert summary.ticks == 2 and summary.stop_reason == "SIGTERM"
+    assert store.read("telemetry").num_rows == 16
+
+
+def test_a_store_that_refuses_keeps_the_rows_for_the_next_flush(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    real_write = store.write
+    failures = iter([True, False, False, False])
+
+    def flaky(dataset, table):
+        if next(failures, False):
+            raise StoreError("disk full")
+        return real_write(dataset, table)
+
+    store.write = flaky  # type: ignore[method-assign]
+    lines: list[str] = []
+    summary = daemon(store, [EightGpus(clock)], clock, flush_rows=5, report=lines.append).run(max_ticks=2)
+    assert summary.flush_errors == 1 and "flush failed" in lines[0]
+    assert store.read("telemetry").num_rows == 16  # nothing lost, nothing doubled
+    assert store.read("collector_runs").num_rows == 2
+
+
+def test_a_final_flush_that_fails_is_an_error(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+
+    def refuse(dataset, table):
+        raise StoreError("bucket unreachable")
+
+    store.write = refuse  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match="last flush .* failed; 9 rows were not written"):
+        daemon(store, [EightGpus(clock)], clock).run(max_ticks=1)
+
+
+def test_the_buffer_is_capped_and_drops_telemetry_before_xid_events():
+    buffer = WriteBuffer(max_rows=10)
+    buffer.add("xid_events", make_rows("xid_events", [T0] * 4))
+    for _ in range(2):
+        buffer.add("telemetry", make_rows("telemetry", [T0] * 3))
+    assert buffer.rows == 10 and buffer.dropped_rows == 0
+    buffer.add("telemetry", make_rows("telemetry", [T0] * 3))
+    assert buffer.rows == 10 and buffer.dropped_rows == 3
+    buffer.add("telemetry", make_rows("telemetry", [T0] * 9))  # 19 rows: telemetry goes, oldest first
+    assert buffer.rows == 4 and buffer.dropped_rows == 18
+
+
+def test_sources_are_checked_against_the_registry():
+    assert set(REGISTRY) == {"nvml", "kernel-log", "dcgm-exporter"}
+    assert parse_sources("kernel-log, dcgm-exporter,kernel-log") == ("kernel-log", "dcgm-exporter")
+    with pytest.raises(InputError, match="sources smi: unknown; expected .*nvml, kernel-log, dcgm-exporter"):
+        parse_sources("kernel-log,smi")
+    with pytest.raises(InputError, match=r"\(none\)"):
+        parse_sources("")
+
+
+def options(**kw) -> CollectOptions:
+    values = {
+        "cluster": "c1",
+        "node": "n1",
+        "sources": ("kernel-log",),
+        "interval": timedelta(seconds=30),
+        "flush_rows": 1000,
+        "flush_interval": timedelta(minutes=5),
+        "dcgm_exporter_url": "",
+        "kernel_log_source": "files",
+        "kernel_log_paths": (),
+    }
+    values.update(kw)
+    return CollectOptions(**values)  # type: ignore[arg-type]
+
+
+def test_collectors_that_cannot_be_built_are_named(tmp_path):
+    store = Store.create(str(tmp_path / "d"))
+    with pytest.raises(InputError, match="kernel_log_paths is empty"):
+        build_collectors(store, options(), FakeClock())
+    with pytest.raises(InputError, match="dcgm_exporter_url is empty"):
+        build_collectors(store, options(sources=("dcgm-exporter",)), FakeClock())
+
+    def missing(store, opts, clock):
+        raise ImportError("No module named 'pynvml'")
+
+    with pytest.raises(InputError, match="collector 'nvml': cannot be loaded .*pynvml"):
+        build_collectors(store, options(sources=("nvml",)), FakeClock(), {"nvml": missing})
+
+
+def test_run_collect_once_with_a_registered_fake(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    fakes: list[EightGpus] = []
+
+    def factory(store, opts, clk):
+        fakes.append(EightGpus(clk))
+        return fakes[-1]
+
+    summary = run_collect(store, options(sources=("fake",)), once=True, clock=clock, registry={"fake": factory})
+    assert summary.ticks == 1 and fakes[0].calls == 1 and clock.slept == 0
+    assert store.read("telemetry").num_rows == 8
+
+
+# -- real processes ------------------------------------------------------------------------
+
+
+def syslog_line(i: int) -> str:
+    at = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=10 * i)
+    bus = f"0000:{0x18 + i % 8:02x}:00"
+    return f"{at.isoformat()} gpu-node-017 kernel: NVRM: Xid (PCI:{bus}): 79, pid={i}, name=python3, GPU has fallen off the bus.\n"
+
+
+def collect_env(log: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env.update(
+        GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
+        GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),
+        GPUFAIL_COLLECT__NODE="gpu-node-017",
+        **extra,
+    )
+    return env
+
+
+def every_file_reads(root: Path) -> int:
+    """Rows in all visible Parquet files of xid_events, each file opened on its own."""
+    return sum(pq.read_table(f).num_rows for f in root.glob("xid_events/date=*/part-*.parquet"))
+
+
+def test_sigkill_at_any_moment_loses_nothing_flushed_and_a_restart_does_not_replay(tmp_path):
+    lines = 3000
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(lines)))
+    root = tmp_path / "data"
+    env = collect_env(log, GPUFAIL_COLLECT__MAX_LINES_PER_RUN="100", GPUFAIL_COLLECT__FLUSH_ROWS="50")
+    cmd = [*GPUFAIL, "collect", "--out", str(root), "--source", "kernel-log", "--interval", "0.01s"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state = root / "_state" / "collect_kernel_log-gpu-node-017.json"
+    deadline = time.monotonic() + 60
+    while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 0.3))  # then any moment: mid-read, mid-write, mid-checkpoint
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert state.exists(), proc.stderr.read().decode() if proc.stderr else ""
+    flushed = every_file_reads(root)  # a killed write leaves at most a hidden .tmp file
+    assert 0 < flushed <= lines
+
+    done = subprocess.run([*cmd, "--max-runs", "60"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    store = Store.open(str(root))
+    events = store.read("xid_events")
+    assert every_file_reads(root) == events.num_rows == lines  # nothing lost, nothing twice
+    assert len(set(events["pid"].to_pylist())) == lines
+
+
+@pytest.fixture
+def exporter():
+    body = SCRAPE.read_bytes()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+
+
+def test_gpufail_collect_once_from_the_kernel_log_and_dcgm_exporter(tmp_path, exporter):
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(3)) + "an unrelated line\n")
+    root = tmp_path / "data"
+    env = collect_env(log, GPUFAIL_COLLECT__DCGM_EXPORTER_URL=exporter)
+    cmd = [*GPUFAIL, "collect", "--once", "--source", "kernel-log,dcgm-exporter", "--out", str(root)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "collect: stopped (done) on gpu-node-017" in result.stdout
+    assert "kernel-log 1 ok, 3 rows; dcgm-exporter 1 ok, 1 rows" in result.stdout
+    store = Store.open(str(root))
+    assert store.read("xid_events").num_rows == 3
+    assert store.read("telemetry")["node"].to_pylist() == ["gpu-node-017"]
+    runs = store.read("collector_runs").to_pylist()
+    assert sorted((r["collector"], r["ok"]) for r in runs) == [("dcgm-exporter", True), ("kernel-log", True)]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and store.read("xid_events").num_rows == 3  # the cursor: no replay
+
+
+def test_gpufail_collect_refuses_bad_arguments_in_one_line(tmp_path):
+    result = subprocess.run(
+        [*GPUFAIL, "collect", "--once", "--source", "smi", "--out", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("gpufail: error: collector sources smi: unknown")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_flushes_and_exits_zero(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(5)))
+    root = tmp_path / "data"
+    cmd = [*GPUFAIL, "collect", "--source", "kernel-log", "--interval", "1h", "--out", str(root)]
+    env = collect_env(log, GPUFAIL_COLLECT__FLUSH_ROWS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    # flush_rows = 1: the first tick flushes at once; then the daemon waits an hour for the next.
+    while proc.poll() is None and time.monotonic() < deadline and not list(root.glob("xid_events/*/*.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "stopped (SIGTERM)" in out
+    assert Store.open(str(root)).read("xid_events").num_rows == 5
