@@ -23,9 +23,10 @@ A *failure episode* is when a GPU stops being usable. Two sources, XIDs first:
    the GPU's last sample, or at the repair time if the GPU kept reporting until then.
 
 Labels (`attach_labels`):
-- after a failure episode starts, the GPU is out of service until a repair record of it (any
-  action) at or after the start: rows in between are dropped. A replacement has a new uuid and
-  starts fresh; a GPU without a repair record stays out for good;
+- after a failure episode starts, the GPU is out of service until a repair record that returns
+  it (action `reseat`, `reset`, anything but `replace`) at or after the start: rows in between
+  are dropped. A replacement has a new uuid and starts fresh (the old uuid stays out for good,
+  as does a GPU without a repair record);
 - label(t) = 1 if the next episode start T after t is in (t, t + horizon], and
   `time_to_failure_h` = (T - t) in hours;
 - otherwise label(t) = null when t + horizon > data_end (censored: we cannot know), else 0.
@@ -242,10 +243,13 @@ def _xid_and_lost_episodes(
     return pl.concat([xid_eps, lost]).sort(GPU, "start")
 
 
-def _repair_times(repairs: pl.DataFrame | None) -> pl.DataFrame:
-    """(gpu_uuid, repaired) sorted: when each GPU was returned to service or replaced."""
+def _repair_times(repairs: pl.DataFrame | None, *, returns_only: bool = False) -> pl.DataFrame:
+    """(gpu_uuid, repaired) sorted: when each GPU was repaired. With `returns_only`, only the
+    repairs that return the same GPU to service: a replaced GPU leaves the slot for good."""
     if repairs is None or repairs.height == 0:
         return pl.DataFrame(schema={GPU: pl.String(), "repaired": TS_DTYPE})
+    if returns_only and "action" in repairs.columns:
+        repairs = repairs.filter(pl.col("action").is_null() | (pl.col("action") != "replace"))
     return (
         repairs.select(pl.col("old_gpu_uuid").alias(GPU), pl.col("ts").cast(TS_DTYPE).alias("repaired"))
         .drop_nulls()
@@ -263,7 +267,9 @@ def repair_episodes(repairs: pl.DataFrame, episodes: pl.DataFrame, presence: pl.
     known = episodes.select(GPU, pl.col("start").alias("_episode")).sort("_episode")
     last_seen = presence.group_by(GPU).agg(pl.col("last_ts").max().alias("_last_ts"))
     found = (
-        fixes.join_asof(known, left_on="repaired", right_on="_episode", by=GPU, strategy="backward")
+        fixes.join_asof(
+            known, left_on="repaired", right_on="_episode", by=GPU, strategy="backward", check_sortedness=False
+        )
         # Out of service already: the repair closes a known episode.
         .filter(
             pl.col("_episode").is_null()
@@ -298,12 +304,12 @@ def attach_labels(
     data_end: datetime,
     repairs: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """Drop the rows where the GPU is out of service (from an episode start until its next
-    repair record, `repairs` with `ts` and `old_gpu_uuid`) and add `label` (Int8, nullable) and
+    """Drop the rows where the GPU is out of service (from an episode start until a repair
+    record returns it, `repairs` with `ts`, `old_gpu_uuid` and `action`) and add `label` (Int8, nullable) and
     `time_to_failure_h` (Float32) to `rows` (which need `gpu_uuid` and `ts`); see the module
     notes for the rules. Row order is kept."""
     starts = episodes.select(GPU, pl.col("start").cast(TS_DTYPE)).unique().sort("start")
-    fixes = _repair_times(repairs)
+    fixes = _repair_times(repairs, returns_only=True)
     # The as-of joins run on a narrow key frame; `rows` can be wide (hundreds of features).
     keys = rows.select(GPU, "ts").with_row_index("_row").sort("ts")
     keys = keys.join_asof(

@@ -51,7 +51,9 @@ def test_columns_types_and_order(fleet):
     assert all(out.schema[c] == pl.Float32 for c in feats)
     # Every catalogue metric shows up, in a window-named column.
     for g in metric_columns("gauge"):
-        assert {f"{g}_mean_6h", f"{g}_max_24h", f"{g}_min_1h", f"{g}_std_1h", f"{g}_slope_6h", f"{g}_last"} <= set(feats)
+        assert {f"{g}_mean_6h", f"{g}_max_24h", f"{g}_min_1h", f"{g}_std_1h", f"{g}_slope_6h", f"{g}_last"} <= set(
+            feats
+        )
     for c in metric_columns("counter"):
         assert {f"{c}_increase_24h", f"{c}_rate_6h", f"{c}_last"} <= set(feats)
     for f in metric_columns("flag"):

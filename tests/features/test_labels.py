@@ -8,7 +8,14 @@ import polars as pl
 import pytest
 
 from features.build import build_features
-from features.labels import attach_labels, failure_episodes, gpu_presence, lost_gpu_episodes, resolve_xid_gpus
+from features.labels import (
+    attach_labels,
+    failure_episodes,
+    gpu_presence,
+    lost_gpu_episodes,
+    repair_episodes,
+    resolve_xid_gpus,
+)
 from tests.features import MIN, NO_XIDS, H, at, every, samples, xids
 
 DAY = timedelta(hours=24)
@@ -173,3 +180,96 @@ def test_a_failure_xid_soon_after_the_telemetry_stops_dates_the_failure():
     assert last["label"] == 1 and last["time_to_failure_h"] == 0.5
     assert last["telemetry_since_last_h"] == pytest.approx(23 - (20 + 20 / 60))
     assert labels_by_ts(out, "GPU-a")[at(17)] == 0  # 17 + 6 < 23:30
+
+
+# -- repairs --------------------------------------------------------------------------------------
+
+
+def repairs(rows: list[tuple]) -> pl.DataFrame:
+    """Repair records (ts, old_gpu_uuid, action) in the `repairs` schema's columns."""
+    return pl.DataFrame(
+        [
+            {
+                "ts": ts,
+                "cluster": "c0",
+                "node": "n0",
+                "gpu_index": 0,
+                "old_gpu_uuid": gpu,
+                "new_gpu_uuid": None,
+                "action": a,
+            }
+            for ts, gpu, a in rows
+        ],
+        schema={
+            "ts": pl.Datetime("us", "UTC"),
+            "cluster": pl.String,
+            "node": pl.String,
+            "gpu_index": pl.Int16,
+            "old_gpu_uuid": pl.String,
+            "new_gpu_uuid": pl.String,
+            "action": pl.String,
+        },
+    )
+
+
+def test_a_repaired_gpu_returns_to_service_and_can_fail_again():
+    tel = one_gpu_two_days()
+    events = xids(
+        [
+            {"ts": at(10, 30), "gpu_uuid": "GPU-a", "xid": 79},
+            {"ts": at(40, 30), "gpu_uuid": "GPU-a", "xid": 48},
+        ]
+    )
+    out = build_features(tel, events, horizon=6 * H, repairs=repairs([(at(14), "GPU-a", "reseat")]))
+    labels = labels_by_ts(out)
+    # Out of service from the failure at 10:30 until the reseat at 14:00.
+    assert at(10) in labels and not any(at(h) in labels for h in (11, 12, 13))
+    assert labels[at(14)] == 0 and labels[at(34)] == 0
+    # The second failure at 40:30 labels (34:30, 40:30) again, then the GPU is out for good.
+    assert all(labels[at(h)] == 1 for h in range(35, 41))
+    assert max(labels) == at(40)
+    # Without the repair record the GPU never comes back.
+    assert max(labels_by_ts(build_features(tel, events, horizon=6 * H))) == at(10)
+
+
+def test_a_repair_of_a_gpu_in_service_is_a_failure_at_its_last_sample():
+    tel = samples(every(at(0, 10), at(20), 10 * MIN), temp_gpu_c=60.0)
+    out = build_features(
+        tel, NO_XIDS, horizon=6 * H, data_end=at(48), lost_after=None, repairs=repairs([(at(30), "GPU-a", "replace")])
+    )
+    labels = labels_by_ts(out)
+    # Failed just after its last sample at 20:00: label 1 for (14:00, 20:00].
+    assert labels[at(14)] == 0
+    assert all(labels[at(h)] == 1 for h in range(15, 21))
+    assert max(labels) == at(20)
+    assert out.filter(pl.col("ts") == at(20))["time_to_failure_h"].item() == pytest.approx(1 / 3_600_000_000)
+
+
+def test_a_repair_closing_a_known_failure_adds_no_second_episode():
+    events = xids([{"ts": at(10, 30), "gpu_uuid": "GPU-a", "xid": 79}])
+    fixes = repairs([(at(12), "GPU-a", "reset")])
+    presence = gpu_presence(one_gpu_two_days())
+    known = failure_episodes(events, [79])
+    assert repair_episodes(fixes, known, presence).height == 0
+    # A second repair while in service again is a new failure.
+    assert (
+        repair_episodes(repairs([(at(12), "GPU-a", "reset"), (at(40), "GPU-a", "reset")]), known, presence).height == 1
+    )
+
+
+def test_a_failure_exactly_at_the_horizon_edge_is_a_positive_and_one_just_past_it_is_not():
+    tel = one_gpu_two_days()
+    edge = build_features(tel, xids([{"ts": at(30), "gpu_uuid": "GPU-a", "xid": 79}]), horizon=6 * H)
+    labels = labels_by_ts(edge)
+    assert labels[at(24)] == 1  # failure at 24:00 + 6 h exactly: inside (t, t + horizon]
+    assert labels[at(23)] == 0
+    assert max(labels) == at(29)  # the row at the failure time itself is dropped
+    past = build_features(
+        tel, xids([{"ts": at(30) + timedelta(microseconds=1), "gpu_uuid": "GPU-a", "xid": 79}]), horizon=6 * H
+    )
+    assert labels_by_ts(past)[at(24)] == 0
+
+
+def test_repairs_without_the_needed_columns_are_refused():
+    with pytest.raises(ValueError, match="repairs: missing required columns"):
+        build_features(one_gpu_two_days(), NO_XIDS, repairs=pl.DataFrame({"ts": [at(1)]}))

@@ -3,7 +3,8 @@
 The most important property of the feature builder (ARCHITECTURE.md "Time"): a model trained on
 features that peeked past t looks good offline and fails in production. Each test builds once on
 the data up to t0 and once on everything, and compares the feature columns of every row with
-ts <= t0 exactly (labels may differ: they are about the future by definition).
+ts <= t0 exactly (labels may differ: they are about the future by definition). The last test
+checks the other property a store build relies on: the order of the input rows never matters.
 """
 
 from __future__ import annotations
@@ -108,3 +109,17 @@ def test_appending_data_never_changes_past_features_with_lost_gpu_labels():
 def test_appending_data_never_changes_past_features_at_any_cut(minutes: int, micro: int):
     t0 = T0 + timedelta(minutes=minutes, microseconds=micro)
     compare_up_to(*FLEET, t0, lost_after=None)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_the_order_of_input_rows_never_changes_the_features(seed: int):
+    tel, events = FLEET
+    expected = build_features(tel, events, windows=WINDOWS, horizon=6 * H)
+    shuffled = build_features(
+        tel.sample(fraction=1.0, shuffle=True, seed=seed),
+        events.sample(fraction=1.0, shuffle=True, seed=seed),
+        windows=WINDOWS,
+        horizon=6 * H,
+    )
+    assert_frame_equal(shuffled, expected, check_exact=True)

@@ -82,7 +82,7 @@ def test_counter_increase_is_not_counted_across_a_gap_longer_than_max_gap():
 # -- gauge windows --------------------------------------------------------------------------------
 
 
-def test_gauge_window_mean_max_std_delta_over_six_hours():
+def test_gauge_window_mean_max_min_std_slope_last_over_six_hours():
     # One sample every 30 minutes, value i at 00:30 * i. At t = 12:00 the 6 h window is
     # (06:00, 12:00]: samples 13..24 (the one exactly at 06:00, value 12, is outside).
     times = [at(0, 30 * i) for i in range(1, 25)]
@@ -96,8 +96,11 @@ def test_gauge_window_mean_max_std_delta_over_six_hours():
     # The last bucket (11:00, 12:00] holds 23 and 24.
     assert r["temp_gpu_c_mean_1h"] == 23.5
     assert r["temp_gpu_c_std_1h"] == pytest.approx(statistics.stdev([23, 24]), rel=1e-6)
-    assert r["temp_gpu_c_delta_6h"] == pytest.approx(23.5 - 18.5)
-    assert "temp_gpu_c_delta_1h" not in out.columns  # the last bucket minus itself: always 0
+    assert r["temp_gpu_c_min_6h"] == 13.0 and r["temp_gpu_c_min_1h"] == 23.0
+    assert r["temp_gpu_c_last"] == 24.0
+    # Bucket means 13.5, 15.5, ..., 23.5 at 07:00 .. 12:00: a slope of 2 degC per hour.
+    assert r["temp_gpu_c_slope_6h"] == pytest.approx(2.0)
+    assert "temp_gpu_c_slope_1h" not in out.columns  # one bucket has no slope
     # 24 h window at 12:00 holds everything (the GPU is 11.5 h old).
     assert r["temp_gpu_c_mean_24h"] == pytest.approx(12.5)
     assert r["temp_gpu_c_max_7d"] == 24.0
@@ -154,6 +157,27 @@ def test_gpu_age_counts_from_the_first_sample():
     assert row(out, at(6))["gpu_age_h"] == 3.5
 
 
+def test_a_gpu_appearing_mid_window_is_not_missing_samples_and_its_rates_use_its_age():
+    # GPU-new joins at 10:00 (first sample 10:01) next to GPU-old, which reports from 00:01.
+    old = samples(every(at(0, 1), at(12)), gpu="GPU-old", temp_gpu_c=50.0, ecc_sbe_volatile_total=0)
+    new_times = every(at(10, 1), at(12))
+    new = samples(
+        new_times, gpu="GPU-new", gpu_index=1, temp_gpu_c=70.0, ecc_sbe_volatile_total=list(range(len(new_times)))
+    )
+    out = build_features(pl.concat([old, new]), NO_XIDS)
+    assert out.filter(pl.col("gpu_uuid") == "GPU-new")["ts"].min() == at(11)
+    r = row(out, at(12), "GPU-new")
+    assert r["gpu_age_h"] == pytest.approx(2 - 1 / 60)
+    # Younger than the 6 h window: only its own life counts as expected samples.
+    assert r["telemetry_missing_frac_6h"] == 0.0 and r["telemetry_missing_frac_7d"] == 0.0
+    assert r["temp_gpu_c_mean_6h"] == 70.0 and r["temp_gpu_c_std_6h"] == 0.0
+    # One error a minute since 10:01 (the first reading is the baseline): 119 over 2 h of life.
+    assert r["ecc_sbe_volatile_total_increase_6h"] == 119.0
+    assert r["ecc_sbe_volatile_total_rate_6h"] == pytest.approx(119 / (2 - 1 / 60), rel=1e-6)
+    assert r["ecc_sbe_volatile_total_rate_1h"] == 60.0
+    assert r["temp_gpu_c_node_delta_1h"] == 20.0
+
+
 # -- flags, bitmasks ------------------------------------------------------------------------------
 
 
@@ -170,7 +194,7 @@ def test_flag_window_max_and_throttle_fraction():
 # -- peers ----------------------------------------------------------------------------------------
 
 
-def test_a_gpu_ten_degrees_hotter_than_its_seven_neighbours_has_peer_delta_ten():
+def test_a_gpu_ten_degrees_hotter_than_its_seven_neighbours_has_node_delta_ten_and_a_model_delta():
     times = every(at(0, 1), at(3))
     parts = [
         samples(times, gpu=f"GPU-{i}", gpu_index=i, temp_gpu_c=60.0 + 0.1 * (i - 4), power_w=300.0) for i in range(1, 8)
@@ -178,12 +202,19 @@ def test_a_gpu_ten_degrees_hotter_than_its_seven_neighbours_has_peer_delta_ten()
     parts.append(samples(times, gpu="GPU-hot", gpu_index=0, temp_gpu_c=70.0, power_w=300.0))
     # Another node, much hotter: must not count as a peer.
     parts.append(samples(times, gpu="GPU-other", node="n1", temp_gpu_c=95.0, power_w=300.0))
+    # A GPU of another model: not part of the H100 fleet median.
+    parts.append(samples(times, gpu="GPU-v100", node="n2", gpu_model="V100", temp_gpu_c=20.0, power_w=200.0))
     out = build_features(pl.concat(parts), NO_XIDS)
     hot = row(out, at(2), "GPU-hot")
-    assert hot["temp_gpu_c_peer_delta_1h"] == pytest.approx(10.0, abs=1e-4)
-    assert hot["power_w_peer_delta_1h"] == 0.0
-    assert abs(row(out, at(2), "GPU-3")["temp_gpu_c_peer_delta_1h"]) < 0.2
-    assert row(out, at(2), "GPU-other")["temp_gpu_c_peer_delta_1h"] is None  # alone on its node
+    assert hot["temp_gpu_c_node_delta_1h"] == pytest.approx(10.0, abs=1e-4)
+    assert hot["power_w_node_delta_1h"] == 0.0
+    assert abs(row(out, at(2), "GPU-3")["temp_gpu_c_node_delta_1h"]) < 0.2
+    assert row(out, at(2), "GPU-other")["temp_gpu_c_node_delta_1h"] is None  # alone on its node
+    # The H100 fleet at 02:00: 59.7 .. 60.3, 70 and 95; its median is 60.1.
+    assert hot["temp_gpu_c_model_delta_1h"] == pytest.approx(70.0 - 60.1, abs=1e-4)
+    assert row(out, at(2), "GPU-other")["temp_gpu_c_model_delta_1h"] == pytest.approx(95.0 - 60.1, abs=1e-4)
+    v100 = row(out, at(2), "GPU-v100")
+    assert v100["temp_gpu_c_model_delta_1h"] == 0.0 and v100["power_w_model_delta_1h"] == 0.0
 
 
 # -- XIDs -----------------------------------------------------------------------------------------
@@ -233,6 +264,31 @@ def test_xid_since_last_sees_incidents_older_than_the_gpus_first_bucket():
     assert row(out, at(11))["xid_memory_count_24h"] == 0.0  # before the GPU's first bucket
 
 
+def test_key_xid_codes_and_application_bursts():
+    tel = samples(every(at(0, 10), at(12), 10 * MIN), temp_gpu_c=60.0)
+    events = xids(
+        [
+            # Three XID 13 incidents within the hour (05:00, 06:00]: a burst.
+            {"ts": at(5, 10), "gpu_uuid": "GPU-a", "xid": 13},
+            {"ts": at(5, 20), "gpu_uuid": "GPU-a", "xid": 13},
+            {"ts": at(5, 40), "gpu_uuid": "GPU-a", "xid": 13, "repeat_count": 500},
+            # Two in the next hour: not a burst.
+            {"ts": at(6, 10), "gpu_uuid": "GPU-a", "xid": 31},
+            {"ts": at(6, 20), "gpu_uuid": "GPU-a", "xid": 31},
+            {"ts": at(6, 30), "gpu_uuid": "GPU-a", "xid": 92},
+        ]
+    )
+    out = build_features(tel, events)
+    r6, r7 = row(out, at(6)), row(out, at(7))
+    assert r6["xid_13_count_1h"] == 3.0 and r6["xid_31_count_1h"] == 0.0
+    assert r6["xid_application_burst_h_1h"] == 1.0
+    assert r7["xid_application_burst_h_1h"] == 0.0
+    assert r7["xid_application_burst_h_6h"] == 1.0
+    assert r7["xid_31_count_1h"] == 2.0 and r7["xid_92_count_1h"] == 1.0 and r7["xid_memory_count_1h"] == 1.0
+    assert r7["xid_13_count_6h"] == 3.0
+    assert row(out, at(12))["xid_application_burst_h_6h"] == 0.0  # 05:00 .. 06:00 is out of (06:00, 12:00]
+
+
 def test_windows_must_be_multiples_of_the_grid():
     tel = samples([at(0, 10)], temp_gpu_c=60.0)
     with pytest.raises(ValueError, match="multiple of the grid"):
@@ -242,6 +298,6 @@ def test_windows_must_be_multiples_of_the_grid():
 def test_a_finer_grid_names_columns_after_it():
     tel = samples(every(at(0, 1), at(2)), temp_gpu_c=60.0, power_w=100.0)
     out = build_features(tel, NO_XIDS, grid=timedelta(minutes=15), windows=[timedelta(minutes=15), H])
-    assert "temp_gpu_c_mean_15m" in out.columns and "temp_gpu_c_peer_delta_15m" in out.columns
+    assert "temp_gpu_c_mean_15m" in out.columns and "temp_gpu_c_node_delta_15m" in out.columns
     assert row(out, at(1, 15))["telemetry_missing_frac_15m"] == 0.0
     assert out["ts"].diff().drop_nulls().unique().to_list() == [timedelta(minutes=15)]
