@@ -124,7 +124,7 @@ class ParseStats:
 
 # -- prefixes: which tool wrote the line, and when ----------------------------------------
 
-_ISO = r"(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?)"
+_ISO = r"(?P<iso>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,](?P<frac>\d+))?(?:Z|[+-]\d\d:?\d\d)?)"
 _UPTIME_TAIL = r"(?:\[\s*\d+\.\d+\] *)?"  # syslog copies of kernel lines often keep the uptime
 
 
@@ -167,12 +167,16 @@ def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
 
 
 def _ts_iso(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    return _iso_to_utc(m["iso"], ctx.tz)
+
+
+def _iso_to_utc(stamp: str, tz: tzinfo) -> datetime | None:
     try:
-        moment = datetime.fromisoformat(m["iso"])
+        moment = datetime.fromisoformat(stamp)
     except ValueError:
         return None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=ctx.tz)
+        moment = moment.replace(tzinfo=tz)
     return moment.astimezone(UTC)
 
 
@@ -214,6 +218,11 @@ class _Prefix:
     has_host: bool
     # Stamps with one-second resolution repeat thousands of times in a flood: cache them.
     cache_ts: bool
+    # The prefix cache (see `_PrefixShape`) may stand in for this prefix's regex: False where a
+    # field other than the sub-second digits changes on every line (kmsg's sequence number).
+    shape_cache: bool
+    # Whether the `frac` group's digits move the time (journal's ignores them).
+    frac_in_ts: bool
 
 
 # A well-formed Xid payload. Anything that contains "NVRM: Xid" but does not match this goes
@@ -231,6 +240,8 @@ def _prefix(
     *,
     has_host: bool = False,
     cache_ts: bool = False,
+    shape_cache: bool = True,
+    frac_in_ts: bool = True,
 ) -> _Prefix:
     return _Prefix(
         name=name,
@@ -239,6 +250,8 @@ def _prefix(
         timestamp=timestamp,
         has_host=has_host,
         cache_ts=cache_ts,
+        shape_cache=shape_cache,
+        frac_in_ts=frac_in_ts,
     )
 
 
@@ -246,7 +259,7 @@ def _prefix(
 # holds one format, so the first try usually matches.
 PREFIXES: tuple[_Prefix, ...] = (
     _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_none),
-    _prefix("kmsg", r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;", _ts_kmsg),
+    _prefix("kmsg", r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;", _ts_kmsg, shape_cache=False),
     _prefix("dmesg_uptime", r"(?:<\d+>)?\[\s*(?P<sec>\d+)\.(?P<frac>\d+)\]\s*", _ts_uptime),
     _prefix(
         "dmesg_ctime",
@@ -259,11 +272,12 @@ PREFIXES: tuple[_Prefix, ...] = (
     _prefix("journal_noprefix", rf"\s*kernel: *{_UPTIME_TAIL}", _ts_none),
     _prefix(
         "journal",
-        r"\s*(?P<mon>\S+) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? +"
+        r"\s*(?P<mon>\S+) +(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.(?P<frac>\d+))? +"
         rf"(?:(?P<host>[^\s\[]\S*) +)??(?:kernel: *)?{_UPTIME_TAIL}",
         _ts_journal,
         has_host=True,
         cache_ts=True,
+        frac_in_ts=False,
     ),
 )
 
@@ -279,6 +293,41 @@ _UNKNOWN = ("<unknown>", "'<unknown>'", "")
 
 # Bound on the per-parser caches (timestamps, bus ids), so a long log cannot grow them forever.
 _CACHE_LIMIT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefixShape:
+    """What one prefix regex match established, reusable without the regex.
+
+    In a flood, consecutive prefixes differ only in the digits of their sub-second field
+    (`[103304.000100]`, `...T04:41:44,000100+00:00`). Python's regex engine treats every
+    ASCII digit alike (no prefix pattern names a particular digit), so a line equal to an
+    already matched one outside `frac_start:frac_end`, with as many ASCII digits inside, takes
+    the same path through the prefix's regex: same spec, same host, same groups. Only the time
+    is recomputed, the way `stamp` says.
+    """
+
+    spec: _Prefix
+    ts: datetime | None  # STAMP_FIXED: the time; STAMP_PLUS_FRACTION: the time at a zero fraction
+    host: str | None
+    log_format: str
+    stamp: int
+    iso_start: int  # STAMP_ISO: where the ISO stamp is
+    iso_end: int
+
+
+# How a known prefix's time is had. Stamps count whole seconds, and zone offsets are whole
+# seconds too, so adding the fraction to the time at a zero fraction is exact.
+STAMP_FIXED = 0  # no sub-second field, or one the time ignores (journal)
+STAMP_ISO = 1  # parse the ISO stamp again: `fromisoformat` costs less than a timedelta sum
+STAMP_PLUS_FRACTION = 2  # dmesg uptime: boot time + seconds, plus the fraction
+
+_NO_FRACTION = (-1, -1)
+
+
+def _micros(frac: str) -> int:
+    """Microseconds of a fraction's digits, truncated past six as `fromisoformat` does."""
+    return int(frac) if len(frac) == 6 else int(frac[:6].ljust(6, "0"))
 
 
 @dataclass(slots=True)
@@ -316,6 +365,11 @@ class KernelLogParser:
         self._pending: dict[str | None, _PendingOffBus] = {}
         self._ts_cache: dict[str, datetime | None] = {}
         self._payloads: dict[str, tuple[str, int, int | None, str | None, str]] = {}
+        # Prefixes already matched, keyed by their text outside the sub-second field; all of
+        # one span (`_span`), and all of the spec in front of `_prefixes`, so that a hit gives
+        # what trying the prefixes in order would give.
+        self._shapes: dict[str, _PrefixShape] = {}
+        self._span = _NO_FRACTION
 
     def feed(self, line: str, line_no: int) -> XidRecord | None:
         # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
@@ -324,13 +378,55 @@ class KernelLogParser:
             if "\x00" in line or "\ufffd" in line:
                 self.stats.reject(line_no, "not text (NUL or undecodable bytes)")
             return None
-        if "NVRM: Xid (" in line:
-            record = self._xid_fast(line, line_no)
+        start = line.find("NVRM: Xid (")
+        if start >= 0:
+            record = self._xid_known_prefix(line, start, line_no) if self._shapes else None
+            if record is None:
+                record = self._xid_fast(line, start, line_no)
             if record is not None:
                 return record
         return self._slow(line, line_no)
 
-    def _xid_fast(self, line: str, line_no: int) -> XidRecord | None:
+    def _xid_known_prefix(self, line: str, start: int, line_no: int) -> XidRecord | None:
+        """The record of an Xid line whose prefix `_shapes` knows, else None (then try the regex).
+
+        The hot path of a flood: kept in one function, since each call costs as much as a
+        dictionary look-up.
+        """
+        frac_start, frac_end = self._span
+        if frac_start < 0:
+            shape = self._shapes.get(line[:start])
+        elif frac_end <= start:
+            frac = line[frac_start:frac_end]
+            if not (frac.isascii() and frac.isdigit()):
+                return None
+            shape = self._shapes.get(line[:frac_start] + line[frac_end:start])
+        else:
+            return None
+        if shape is None:
+            return None
+        payload = line[start:]
+        fields = self._payloads.get(payload)
+        if fields is None:
+            fields = self._payload_fields(payload)
+            if fields is None:
+                return None
+        stamp = shape.stamp
+        if stamp == STAMP_FIXED:
+            ts = shape.ts
+        elif stamp == STAMP_ISO:
+            ts = _iso_to_utc(line[shape.iso_start : shape.iso_end], self._ctx.tz)
+        else:
+            ts = shape.ts
+            if ts is not None:
+                ts += timedelta(0, 0, int(frac) if len(frac) == 6 else _micros(frac))
+        pci, xid, pid, process, message = fields
+        self.stats.xid_records += 1
+        host = shape.host
+        uuid = self._uuids.get((host, pci)) if self._uuids else None
+        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, shape.log_format)
+
+    def _xid_fast(self, line: str, start: int, line_no: int) -> XidRecord | None:
         prefixes = self._prefixes
         spec = prefixes[0]
         m = spec.xid_prefix.match(line)
@@ -340,6 +436,7 @@ class KernelLogParser:
                 if m is not None:
                     spec = prefixes.pop(i)
                     prefixes.insert(0, spec)
+                    self._shapes.clear()  # they were all of the spec that was in front
                     break
             else:
                 return None
@@ -347,22 +444,59 @@ class KernelLogParser:
         payload = line[m.end() :]
         fields = self._payloads.get(payload)
         if fields is None:
-            fields = _parse_payload(payload)
+            fields = self._payload_fields(payload)
             if fields is None:
                 return None  # the slow path rejects it with the reason
-            if len(self._payloads) >= _CACHE_LIMIT:
-                self._payloads.clear()
-            self._payloads[payload] = fields
-        pci, xid, pid, process, message = fields
         ts = self._timestamp(spec, m) if spec.cache_ts else spec.timestamp(m, self._ctx)
         if spec.has_host:
             host = m["host"]
             fmt = spec.name if host is not None else "journal_nohost"
         else:
             host, fmt = None, spec.name
+        if spec.shape_cache and m.end() == start:
+            self._remember_shape(line, start, m, spec, ts, host, fmt)
+        pci, xid, pid, process, message = fields
         self.stats.xid_records += 1
         uuid = self._uuids.get((host, pci)) if self._uuids else None
         return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt)
+
+    def _remember_shape(
+        self, line: str, start: int, m: re.Match[str], spec: _Prefix, ts: datetime | None, host: str | None, fmt: str
+    ) -> None:
+        groups = spec.pattern.groupindex
+        frac_start, frac_end = m.span("frac") if "frac" in groups else _NO_FRACTION
+        iso_start, iso_end = m.span("iso") if "iso" in groups else _NO_FRACTION
+        if frac_start < 0:
+            key = line[:start]
+            stamp = STAMP_FIXED
+        else:
+            frac = line[frac_start:frac_end]
+            if not frac.isascii():
+                return
+            key = line[:frac_start] + line[frac_end:start]
+            if not spec.frac_in_ts:
+                stamp = STAMP_FIXED
+            elif iso_start >= 0:
+                stamp = STAMP_ISO
+            else:
+                stamp = STAMP_PLUS_FRACTION
+                if ts is not None:
+                    ts -= timedelta(0, 0, _micros(frac))
+        if (frac_start, frac_end) != self._span or len(self._shapes) >= _CACHE_LIMIT:
+            self._shapes.clear()
+            self._span = (frac_start, frac_end)
+        self._shapes[key] = _PrefixShape(spec, ts, host, fmt, stamp, iso_start, iso_end)
+
+    def _payload_fields(self, payload: str) -> tuple[str, int, int | None, str | None, str] | None:
+        fields = self._payloads.get(payload)
+        if fields is None:
+            fields = _parse_payload(payload)
+            if fields is None:
+                return None
+            if len(self._payloads) >= _CACHE_LIMIT:
+                self._payloads.clear()
+            self._payloads[payload] = fields
+        return fields
 
     def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
         key = m.group()
@@ -547,9 +681,14 @@ def parse_lines(
     line_no = first_line_no - 1
     try:
         for line_no, line in enumerate(lines, start=first_line_no):
-            record = feed(line, line_no)
-            if record is not None:
-                yield record
+            # `feed`'s first test, repeated here: most lines of a real log stop at it, and a
+            # call costs more than the test.
+            if "NVRM:" in line:
+                record = feed(line, line_no)
+                if record is not None:
+                    yield record
+            elif "\x00" in line or "\ufffd" in line:
+                feed(line, line_no)  # rejects it, with the reason
     finally:
         parser.stats.lines += line_no - first_line_no + 1
 
@@ -608,7 +747,9 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     """
     if window < timedelta(0):
         raise ValueError(f"dedup window {window}: expected a duration >= 0")
-    open_: dict[tuple[str | None, str, int], XidIncident] = {}
+    # Each open incident with the bounds of its window, so that the check per record compares
+    # times instead of building a timedelta.
+    open_: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]] = {}
     untimed: dict[tuple[str | None, str, int], XidIncident] = {}
     watermark: datetime | None = None
     countdown = _SWEEP_EVERY
@@ -624,35 +765,48 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
                 yield incident
             untimed[key] = _new_incident(rec, key[0])
             continue
-        incident = open_.get(key)
+        entry = open_.get(key)
         # Inlined fold of the common case (a flood line inside the window, same GPU): this loop
         # runs once per line of a flood.
-        if incident is not None and (rec.gpu_uuid is None or rec.gpu_uuid == incident.gpu_uuid):
-            delta = ts - incident.ts  # type: ignore[operator]
-            if -window <= delta <= window:
+        if entry is not None:
+            incident, earliest, latest = entry
+            if earliest <= ts <= latest and (rec.gpu_uuid is None or rec.gpu_uuid == incident.gpu_uuid):
                 incident.repeat_count += 1
                 if ts > incident.last_ts:  # type: ignore[operator]
                     incident.last_ts = ts
-                elif delta < _ZERO:
+                elif ts < incident.ts:  # type: ignore[operator]
                     incident.ts = ts
+                    open_[key] = (incident, *_window_around(ts, window))
                 continue
-        if incident is not None and _same_gpu(incident, rec) and abs(ts - incident.ts) <= window:  # type: ignore[operator]
-            _fold(incident, rec)  # a UUID learnt mid-incident
+            if _same_gpu(incident, rec) and earliest <= ts <= latest:
+                _fold(incident, rec)  # a UUID learnt mid-incident
+                open_[key] = (incident, *_window_around(incident.ts, window))  # type: ignore[arg-type]
+            else:
+                yield open_.pop(key)[0]
+                open_[key] = (_new_incident(rec, key[0]), *_window_around(ts, window))
         else:
-            if incident is not None:
-                yield open_.pop(key)
-            open_[key] = _new_incident(rec, key[0])
+            open_[key] = (_new_incident(rec, key[0]), *_window_around(ts, window))
         if watermark is None or ts > watermark:
             watermark = ts
         countdown -= 1
         if countdown <= 0:
             countdown = _SWEEP_EVERY
             yield from _sweep(open_, watermark - window)
-    yield from sorted(open_.values(), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
+    yield from sorted((entry[0] for entry in open_.values()), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
     yield from untimed.values()
 
 
-_ZERO = timedelta(0)
+def _window_around(moment: datetime, window: timedelta) -> tuple[datetime, datetime]:
+    """`moment - window` and `moment + window`, clamped to the calendar's ends."""
+    try:
+        earliest = moment - window
+    except OverflowError:
+        earliest = datetime.min.replace(tzinfo=moment.tzinfo)
+    try:
+        latest = moment + window
+    except OverflowError:
+        latest = datetime.max.replace(tzinfo=moment.tzinfo)
+    return earliest, latest
 
 
 def _new_incident(rec: XidRecord, node: str | None) -> XidIncident:
@@ -677,7 +831,9 @@ def _fold(incident: XidIncident, rec: XidRecord) -> None:
             incident.ts = rec.ts
 
 
-def _sweep(open_: dict[tuple[str | None, str, int], XidIncident], before: datetime) -> Iterator[XidIncident]:
-    expired = [key for key, incident in open_.items() if incident.ts < before]  # type: ignore[operator]
+def _sweep(
+    open_: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]], before: datetime
+) -> Iterator[XidIncident]:
+    expired = [key for key, (incident, _, _) in open_.items() if incident.ts < before]  # type: ignore[operator]
     for key in expired:
-        yield open_.pop(key)
+        yield open_.pop(key)[0]
