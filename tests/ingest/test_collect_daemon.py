@@ -14,6 +14,7 @@ import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -107,7 +108,11 @@ class Checkpointed(EightGpus):
 
 
 def daemon(store: Store, collectors, clock: FakeClock, **kw) -> Daemon:
-    options = {"interval": timedelta(seconds=10), "flush_rows": 1000, "flush_interval": timedelta(minutes=5)}
+    options: dict[str, Any] = {
+        "interval": timedelta(seconds=10),
+        "flush_rows": 1000,
+        "flush_interval": timedelta(minutes=5),
+    }
     options.update(kw)
     return Daemon(store, collectors, cluster="c1", node="n1", clock=clock, **options)
 
