@@ -87,7 +87,7 @@ class _Gpu:
     model: str | None = None
     lost: bool = False
     field_ids: list[int] = field(default_factory=list)  # the fields this GPU has not refused
-    unsupported: set[NvmlSource] = field(default_factory=set)
+    unsupported: set[int] = field(default_factory=set)  # ordinals of sources this GPU refused
     warned: set[tuple[str, int]] = field(default_factory=set)
 
 
@@ -102,6 +102,7 @@ class _ResolvedSource:
     source: NvmlSource
     constant: int | None  # field id, sensor or clock domain; None where the getter needs none
     integer: bool  # the column is an integer column
+    ordinal: int  # position in the mapping: a cheap key for per-GPU bookkeeping
 
 
 class NvmlCollector:
@@ -129,9 +130,10 @@ class NvmlCollector:
         self._event_set: EventSet | None = None
         self._resolved: dict[str, list[_ResolvedSource]] = {}
         self._field_ids: list[int] = []
-        self._sources_by_field: dict[int, list[NvmlSource]] = {}
+        self._sources_by_field: dict[int, list[int]] = {}
         self._telemetry_schema = schema_for("telemetry")
         self._xid_schema = schema_for("xid_events")
+        self._no_xid_events = self._xid_schema.empty_table()  # the usual answer, built once
 
     # ---- lifecycle ----
 
@@ -147,7 +149,7 @@ class NvmlCollector:
         events.extend(self._drain_xid_events(ts))
         return {
             "telemetry": pa.Table.from_pylist(rows, schema=self._telemetry_schema),
-            "xid_events": pa.Table.from_pylist(events, schema=self._xid_schema),
+            "xid_events": pa.Table.from_pylist(events, schema=self._xid_schema) if events else self._no_xid_events,
         }
 
     def close(self) -> None:
@@ -196,7 +198,7 @@ class NvmlCollector:
     def _resolve_sources(self) -> None:
         integer_columns = {m.column for m in metric_catalogue() if pa.types.is_integer(m.arrow_type)}
         resolved: dict[str, list[_ResolvedSource]] = {}
-        for source in self._sources:
+        for ordinal, source in enumerate(self._sources):
             constant = None
             if source.argument.startswith("NVML_"):
                 constant = self._client.constant(source.argument)
@@ -204,14 +206,14 @@ class NvmlCollector:
                     log.warning("nvml: this nvidia-ml-py has no %s; %s skips it", source.argument, source.column)
                     continue
             resolved.setdefault(source.column, []).append(
-                _ResolvedSource(source, constant, source.column in integer_columns)
+                _ResolvedSource(source, constant, source.column in integer_columns, ordinal)
             )
         self._resolved = resolved
         self._sources_by_field = {}
         for candidates in resolved.values():
             for r in candidates:
                 if r.source.getter == "field" and r.constant is not None:
-                    self._sources_by_field.setdefault(r.constant, []).append(r.source)
+                    self._sources_by_field.setdefault(r.constant, []).append(r.ordinal)
         self._field_ids = sorted(self._sources_by_field)
 
     # ---- per GPU ----
@@ -270,7 +272,7 @@ class NvmlCollector:
         for column, candidates in self._resolved.items():
             value = None
             for candidate in candidates:
-                if candidate.source in gpu.unsupported:
+                if candidate.ordinal in gpu.unsupported:
                     continue
                 if candidate.source.getter == "field":
                     raw = fields.get(candidate.constant)  # type: ignore[arg-type]
@@ -329,7 +331,7 @@ class NvmlCollector:
             if exc.code in LOST_CODES:
                 raise _GpuLost(exc) from None
             if exc.code in UNSUPPORTED_CODES:
-                gpu.unsupported.add(source)
+                gpu.unsupported.add(candidate.ordinal)
             else:
                 self._warn_once(gpu, exc, f"GPU {gpu.index}: {source.column} unreadable")
             return None

@@ -10,6 +10,7 @@ fake, a recorded session) can stand in for it. Every NVML failure leaves a clien
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -111,12 +112,27 @@ _T = TypeVar("_T")
 # c_nvmlValue_t member holding the value, by nvmlValueType_t.
 _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
+# c_nvmlFieldValue_t as nvidia-ml-py declares it (fieldId, scopeId, timestamp, latencyUsec,
+# valueType, nvmlReturn, value): unpacking the whole array at once is several times cheaper
+# than pynvml's per-attribute access. Used only when pynvml's declared offsets match.
+_FIELD_VALUE = struct.Struct("=IIqqii8s")
+_FIELD_VALUE_OFFSETS = (0, 4, 8, 16, 24, 28, 32)
+_VALUE_BY_TYPE = tuple(
+    struct.Struct(f) for f in ("=d", "=I", "=Q" if ctypes.sizeof(ctypes.c_ulong) == 8 else "=I", "=Q", "=q", "=i", "=H")
+)
+
+
+def _packed_layout_matches(structure: Any) -> bool:
+    offsets = tuple(getattr(structure, name).offset for name, _ in structure._fields_)
+    return ctypes.sizeof(structure) == _FIELD_VALUE.size and offsets == _FIELD_VALUE_OFFSETS
+
 
 class PynvmlClient:
     """`NvmlClient` over nvidia-ml-py. pynvml is imported on first use, not at import time."""
 
     def __init__(self) -> None:
         self._pynvml: Any = None
+        self._unpack_fields = False
 
     def _module(self) -> Any:
         if self._pynvml is None:
@@ -125,6 +141,7 @@ class PynvmlClient:
             except ImportError as exc:  # the dependency is declared; this is a broken install
                 raise NvmlCallError("import pynvml", NVML_ERROR_LIBRARY_NOT_FOUND, str(exc)) from None
             self._pynvml = pynvml
+            self._unpack_fields = _packed_layout_matches(pynvml.c_nvmlFieldValue_t)
         return self._pynvml
 
     def _call(self, call: str, fn: Callable[..., _T], *args: Any) -> _T:
@@ -171,6 +188,8 @@ class PynvmlClient:
 
     def field_values(self, handle: DeviceHandle, field_ids: Sequence[int]) -> list[FieldReading]:
         raw = self._call("nvmlDeviceGetFieldValues", self._pynvml.nvmlDeviceGetFieldValues, handle, list(field_ids))
+        if self._unpack_fields:
+            return _unpack_field_values(raw)
         readings = []
         for entry in raw:
             if entry.nvmlReturn != NVML_SUCCESS:
@@ -219,3 +238,16 @@ class PynvmlClient:
 
     def event_set_free(self, event_set: EventSet) -> None:
         self._call("nvmlEventSetFree", self._pynvml.nvmlEventSetFree, event_set)
+
+
+def _unpack_field_values(raw: Any) -> list[FieldReading]:
+    """Decode a c_nvmlFieldValue_t array from its bytes (layout checked by `_packed_layout_matches`)."""
+    readings = []
+    for _, _, _, _, value_type, code, value in _FIELD_VALUE.iter_unpack(ctypes.string_at(raw, ctypes.sizeof(raw))):
+        if code != NVML_SUCCESS:
+            readings.append(FieldReading(code, None))
+        elif 0 <= value_type < len(_VALUE_BY_TYPE):
+            readings.append(FieldReading(NVML_SUCCESS, _VALUE_BY_TYPE[value_type].unpack_from(value)[0]))
+        else:
+            readings.append(FieldReading(NVML_ERROR_NOT_SUPPORTED, None))
+    return readings

@@ -167,13 +167,28 @@ def test_a_memory_temperature_of_zero_is_a_missing_reading(use_scenario, make_co
     assert rows(make_collector().collect()["telemetry"])[0]["temp_mem_c"] is None
 
 
-def test_every_field_value_type_is_decoded(use_scenario, make_collector) -> None:
+class _AttributeDecoding(PynvmlClient):
+    """The real client made to read field values through pynvml's structure attributes, the path
+    it takes when nvidia-ml-py declares a c_nvmlFieldValue_t layout it cannot unpack directly."""
+
+    def _module(self) -> object:
+        module = super()._module()
+        self._unpack_fields = False
+        return module
+
+
+@pytest.mark.parametrize("client", [PynvmlClient, _AttributeDecoding])
+def test_every_field_value_type_is_decoded(use_scenario, make_collector, client) -> None:
     scenario = scenario_from_capture(A100)
+    scenario.gpus[0].field_errors[field_id("NVML_FI_DEV_RETIRED_SBE")] = 3  # not supported
     for value_type in range(7):  # double, uint, ulong, ulonglong, slonglong, sint, ushort
         scenario.gpus[0].set_field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 4242, value_type=value_type)
         use_scenario(scenario)
-        collector = make_collector()
-        assert rows(collector.collect()["telemetry"])[0]["pcie_replay_total"] == 4242, value_type
+        collector = make_collector(client=client())
+        row = rows(collector.collect()["telemetry"])[0]
+        assert row["pcie_replay_total"] == 4242, value_type
+        assert row["retired_pages_sbe_total"] is None
+        assert row["temp_mem_c"] == 34.0
         collector.close()
 
 
@@ -471,3 +486,20 @@ def test_collects_every_gpu_of_this_machine() -> None:
     assert 0 < first["temp_gpu_c"] < 120
     assert first["power_w"] is not None and first["power_w"] > 0
     assert first["fb_used_mib"] is not None and first["sm_clock_mhz"] is not None
+
+
+# ---- the benchmark's own path ----
+
+
+def test_the_benchmark_runs_the_collector_on_eight_fake_h100s(tmp_path: Path) -> None:
+    from ingest.collect.nvml_bench import run_with_library
+    from tests.fake_nvml.bench_node import fake_h100_node
+
+    try:
+        library_dir, env = fake_h100_node(tmp_path)
+    except NoCompiler as exc:
+        pytest.skip(f"fake libnvidia-ml.so.1 not built: {exc}")
+    figures = run_with_library(library_dir, collections=3, env=env)
+    assert figures["gpus"] == 8 and figures["collections"] == 3
+    assert figures["us_per_gpu_sample"] > 0
+    assert figures["us_per_collect"] == pytest.approx(figures["us_per_gpu_sample"] * 8, rel=0.05)
