@@ -79,7 +79,29 @@ def micro_benchmarks() -> dict[str, float]:
 
     parse = bench_parse(1_000_000, "rfc3339_syslog", repeat=2)
     build = bench_build(n_gpus=128, hours=130, repeat=2)
-    return {"kernel_log_parse_lines_per_s": round(parse), "feature_build_rows_per_s": round(build["rows_per_s"])}
+    return {
+        "kernel_log_parse_lines_per_s": round(parse),
+        "feature_build_rows_per_s": round(build["rows_per_s"]),
+        **nvml_collector_micro(),
+    }
+
+
+def nvml_collector_micro() -> dict[str, float]:
+    """The NVML collector against the fake libnvidia-ml.so.1 (8 x H100) in tests/fake_nvml; empty
+    where that is absent (an installed gpufail has no tests/) or no C compiler can build it."""
+    try:
+        from tests.fake_nvml.bench_node import bench_fake_h100_node
+        from tests.fake_nvml.build import NoCompiler
+    except ImportError:
+        return {}
+    try:
+        figures = bench_fake_h100_node(collections=2000)
+    except NoCompiler:
+        return {}
+    return {
+        "nvml_collect_us_per_gpu_sample": figures["us_per_gpu_sample"],
+        "nvml_collect_cpu_us_per_gpu_sample": figures["cpu_us_per_gpu_sample"],
+    }
 
 
 def write_results(out: Path, stages: list[StageResult], micro: dict[str, float], rows: dict[str, int]) -> Path:
@@ -104,6 +126,11 @@ def write_results(out: Path, stages: list[StageResult], micro: dict[str, float],
     lines.append(
         f"- feature build in memory (128 GPUs x 130 h, 1-minute samples): {micro['feature_build_rows_per_s']:,.0f} telemetry rows/s"
     )
+    if "nvml_collect_us_per_gpu_sample" in micro:
+        lines.append(
+            f"- NVML collector, fake libnvidia-ml.so.1 with 8 x H100: {micro['nvml_collect_us_per_gpu_sample']:.0f} us"
+            f" per GPU sample ({micro['nvml_collect_cpu_us_per_gpu_sample']:.0f} us CPU)"
+        )
     (out / "bench.md").write_text("\n".join(lines) + "\n")
     (out / "bench.json").write_text(
         json.dumps(

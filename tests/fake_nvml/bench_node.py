@@ -17,6 +17,21 @@ def fake_h100_node(work: Path) -> tuple[Path, dict[str, str]]:
     scenario = scenario_from_capture(H100_CAPTURE, nvlink_counters=True)
     for gpu in scenario.gpus:
         gpu.set_field("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 0, step=1)
-        gpu.set_field("NVML_FI_DEV_PCIE_REPLAY_COUNTER", gpu.field_value("NVML_FI_DEV_PCIE_REPLAY_COUNTER") or 0, step=1)
+        gpu.set_field(
+            "NVML_FI_DEV_PCIE_REPLAY_COUNTER", gpu.field_value("NVML_FI_DEV_PCIE_REPLAY_COUNTER") or 0, step=1
+        )
     path = scenario.write(work / "h100-node.txt")
     return library.parent, {"FAKE_NVML_CONFIG": str(path)}
+
+
+def bench_fake_h100_node(collections: int = 2000) -> dict[str, float]:
+    """`ingest.collect.nvml_bench` against the fake 8 x H100 node, built in a temporary folder.
+
+    Raises `NoCompiler` where no C compiler exists."""
+    import tempfile
+
+    from ingest.collect.nvml_bench import run_with_library
+
+    with tempfile.TemporaryDirectory(prefix="gpufail-fake-nvml-") as work:
+        library_dir, env = fake_h100_node(Path(work))
+        return run_with_library(library_dir, collections, env=env)
