@@ -134,6 +134,7 @@ class NvmlCollector:
         self._telemetry_schema = schema_for("telemetry")
         self._xid_schema = schema_for("xid_events")
         self._no_xid_events = self._xid_schema.empty_table()  # the usual answer, built once
+        self._event_errors_seen: set[int] = set()
 
     # ---- lifecycle ----
 
@@ -156,15 +157,14 @@ class NvmlCollector:
         if not self._open:
             return
         self._open = False
-        try:
-            if self._event_set is not None:
+        if self._event_set is not None:
+            try:
                 self._client.event_set_free(self._event_set)
-            self._client.shutdown()
-        except NvmlCallError as exc:  # shutting down: nothing left to protect, say it and go on
-            log.warning("nvml: closing: %s", exc)
-        finally:
-            self._event_set = None
-            self._gpus = []
+            except NvmlCallError as exc:  # shutting down: say it, and still shut NVML down
+                log.warning("nvml: closing: %s", exc)
+        self._event_set = None
+        self._gpus = []
+        self._shutdown_quietly()
 
     def _ensure_open(self) -> None:
         if self._open:
@@ -193,7 +193,7 @@ class NvmlCollector:
         try:
             self._client.shutdown()
         except NvmlCallError as exc:
-            log.warning("nvml: shutdown after a failed start: %s", exc)
+            log.warning("nvml: shutdown: %s", exc)
 
     def _resolve_sources(self) -> None:
         integer_columns = {m.column for m in metric_catalogue() if pa.types.is_integer(m.arrow_type)}
@@ -384,9 +384,11 @@ class NvmlCollector:
             try:
                 event = self._client.wait_event(self._event_set, 0)
             except NvmlCallError as exc:
-                # A lost GPU can make the whole set report GPU_IS_LOST; the per-GPU reads already
-                # said which one, so stop draining for this call.
-                log.warning("nvml: reading XID events: %s", exc)
+                # A lost GPU can make the whole set report GPU_IS_LOST on every call; the per-GPU
+                # reads already said which one, so stop draining for this call and say it once.
+                if exc.code not in self._event_errors_seen:
+                    self._event_errors_seen.add(exc.code)
+                    log.warning("nvml: reading XID events: %s", exc)
                 break
             if event is None:
                 break

@@ -351,6 +351,19 @@ def test_a_gpu_without_event_support_still_reports_telemetry(use_scenario, make_
     assert out["telemetry"].num_rows == 1 and out["xid_events"].num_rows == 0
 
 
+def test_an_event_set_that_reports_an_error_stops_the_drain_not_the_collection(use_scenario, make_collector) -> None:
+    class WaitFails(PynvmlClient):
+        def wait_event(self, event_set: object, timeout_ms: int) -> None:
+            raise NvmlCallError("nvmlEventSetWait", NVML_ERROR_GPU_IS_LOST, "GPU is lost")
+
+    scenario = scenario_from_capture(H100, nvlink_counters=True)
+    scenario.events = [(0, 48, 0)]
+    use_scenario(scenario)
+    collector = make_collector(client=WaitFails())
+    outs = [collector.collect() for _ in range(2)]
+    assert [(o["telemetry"].num_rows, o["xid_events"].num_rows) for o in outs] == [(8, 0), (8, 0)]
+
+
 # ---- the library as a whole failing ----
 
 
@@ -389,6 +402,18 @@ def test_close_frees_the_event_set_and_shuts_nvml_down_once(use_scenario, make_c
     collector.close()
     collector.close()
     assert fake.call_count("nvmlEventSetFree") == 1
+    assert fake.call_count("nvmlShutdown") == 1
+
+
+def test_close_still_shuts_nvml_down_when_freeing_the_event_set_fails(use_scenario, make_collector) -> None:
+    class FreeFails(PynvmlClient):
+        def event_set_free(self, event_set: object) -> None:
+            raise NvmlCallError("nvmlEventSetFree", 999, "Unknown Error")
+
+    fake = use_scenario(scenario_from_capture(A100))
+    collector = make_collector(client=FreeFails())
+    collector.collect()
+    collector.close()
     assert fake.call_count("nvmlShutdown") == 1
 
 
