@@ -156,6 +156,37 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
     click.echo(f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}")
 
 
+@ingest.command("nvidia-smi")
+@_data_option
+@click.option("--node", default=None, help="Node name (default: the file name without its extensions).")
+@click.option("--time", "time_", default=None, help="Capture time (ISO) for output with no timestamp of its own.")
+@click.option("--tz", default=None, help="Time zone of nvidia-smi's local-time stamps (default: UTC).")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.pass_context
+def ingest_nvidia_smi(
+    ctx: click.Context, data: str | None, node: str | None, time_: str | None, tz: str | None, files: tuple[str, ...]
+) -> None:
+    """Import saved nvidia-smi output into the telemetry dataset.
+
+    FILES hold `nvidia-smi --query-gpu=timestamp,uuid,... --format=csv` output (with its
+    header; looped runs and `nounits` are fine) or `nvidia-smi -q -x` XML, plain or gzip."""
+    from ingest.nvidia_smi import import_nvidia_smi
+    from ingest.store import Store
+
+    try:
+        summary = import_nvidia_smi(
+            Store.create(_root(ctx, data)),
+            [Path(f) for f in files],
+            cluster=_settings(ctx).ingest.cluster,
+            node=node,
+            time=_when(time_),
+            tz=tz,
+        )
+    except ValueError as exc:  # an unknown --tz
+        raise click.BadParameter(str(exc)) from None
+    click.echo(f"nvidia-smi: {summary.line()}")
+
+
 @cli.command()
 @click.option("--out", "--data", "data", default=None, help="Data root to write to (default: [store] root).")
 @click.option("--source", "sources", default=None, help="Comma-separated collectors (default: [collect] sources).")
