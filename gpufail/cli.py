@@ -187,6 +187,29 @@ def ingest_nvidia_smi(
     click.echo(f"nvidia-smi: {summary.line()}")
 
 
+@ingest.command("table")
+@_data_option
+@click.option("--map", "mapping_file", required=True, type=click.Path(dir_okay=False), help="TOML mapping file.")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.pass_context
+def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: str) -> None:
+    """Import another system's telemetry (CSV or Parquet), and optionally its failure and
+    repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
+    from ingest.store import Store
+    from ingest.table_import import import_table
+    from ingest.table_mapping import load_mapping
+
+    mapping = load_mapping(Path(mapping_file))
+    summary = import_table(
+        Store.create(_root(ctx, data)),
+        Path(file),
+        mapping,
+        mapping_path=Path(mapping_file),
+        cluster=_settings(ctx).ingest.cluster,
+    )
+    click.echo(f"table: {summary.line()}")
+
+
 @cli.command()
 @click.option("--out", "--data", "data", default=None, help="Data root to write to (default: [store] root).")
 @click.option("--source", "sources", default=None, help="Comma-separated collectors (default: [collect] sources).")
@@ -335,31 +358,54 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
 @click.option(
     "--test-days",
     type=float,
-    default=14.0,
-    show_default=True,
-    help="Length of the held-out period at the end of the data.",
+    default=None,
+    help="Length of the walk-forward test period at the end of the data (default: [evaluate] test_days).",
 )
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: float) -> None:
-    """Train before a held-out period, score it, compare with baselines, write a report."""
-    from models.evaluate import evaluate_holdout, write_report
+def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: float | None, quiet: bool) -> None:
+    """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
+    metrics.json and plots."""
+    from ingest.store import Store
+    from models.report import write_walk_forward_report
+    from models.walk_forward import Contender, WalkForwardPlan, evaluate_walk_forward
 
     settings = _settings(ctx)
-    frame = _load_features(_root(ctx, data))
-    metrics = evaluate_holdout(
-        frame,
-        kind=settings.model.kind,
-        horizon=settings.labels.horizon,
-        test_days=test_days,
-        top_k=settings.model.top_k,
-        train_window=settings.model.train_window,
-        params=_model_params(settings),
+    cfg = settings.evaluate
+    root = _root(ctx, data)
+    frame = _load_features(root)
+    store = Store.open(root)
+    failures = (
+        store.read("failures", columns=["ts", "gpu_uuid", "mode"]).to_pandas() if store.exists("failures") else None
     )
-    report, _ = write_report(metrics, report_dir)
-    scores = metrics["scores"]
+    plan = WalkForwardPlan(
+        horizon=settings.labels.horizon,
+        test_days=cfg.test_days if test_days is None else test_days,
+        retrain_every=cfg.retrain_every,
+        train_window=cfg.train_window,
+        candidate_windows=tuple(cfg.candidate_windows),
+        validation_window=cfg.validation_window,
+        negative_fraction=cfg.negative_fraction,
+        seed=cfg.seed,
+        jobs=cfg.jobs,
+    )
+    contenders = [Contender(c.name, c.kind, c.mode, dict(c.params), c.train_window) for c in cfg.contenders]
+    metrics = evaluate_walk_forward(
+        frame,
+        contenders,
+        plan,
+        top_k=cfg.top_k,
+        failures=failures,
+        bootstrap_samples=cfg.bootstrap_samples,
+        progress=not quiet,
+    )
+    report, _ = write_walk_forward_report(metrics, report_dir)
+    scores, claims = metrics["scores"], metrics["claims"]
     click.echo(
-        f"precision@{settings.model.top_k}: model {scores['model']['precision_at_k_pooled']:.3f} vs "
-        f"random {scores['random']['precision_at_k_pooled']:.3f}, heuristic {scores['heuristic']['precision_at_k_pooled']:.3f} -> {report}"
+        f"precision@{metrics['top_k']} (daily mean): best {claims['best']} "
+        f"{claims['best_precision']:.3f}, random {scores['random']['by_k'][metrics['top_k']]['precision_daily_mean']:.3f}, "
+        + (f"rule {claims['rule_precision']:.3f}, " if "rule_precision" in claims else "")
+        + f"oracle {claims['oracle_precision']:.3f} -> {report}"
     )
 
 
@@ -404,48 +450,166 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
 @click.option(
     "--to",
     "target",
-    type=click.Choice(["log"]),
+    type=click.Choice(["log", "slurm", "kubernetes", "webhook"]),
     default=None,
-    help="Where to publish (default: [publish] target). Slurm, Kubernetes and webhooks come next.",
+    help="Where to publish (default: [publish] target).",
 )
 @click.option(
     "--dry-run/--no-dry-run",
     default=None,
-    help="Record what would be done without doing it (default: [publish] dry_run).",
+    help="Record what would be done without doing it (default: [publish] dry_run, true).",
 )
+@click.option("--shadow", is_flag=True, default=None, help="Run the policy on its own state; touch nothing.")
+@click.option("--reset-breaker", is_flag=True, help="Close a tripped circuit breaker (with a fresh budget) and exit.")
+@click.option("--quiet", is_flag=True, help="Print only the summary line.")
 @click.pass_context
-def publish(ctx: click.Context, data: str | None, target: str | None, dry_run: bool) -> None:
-    """Turn the latest predictions into node actions, bounded by a circuit breaker, and append
-    every decision to the actions audit log."""
+def publish(
+    ctx: click.Context,
+    data: str | None,
+    target: str | None,
+    dry_run: bool | None,
+    shadow: bool | None,
+    reset_breaker: bool,
+    quiet: bool,
+) -> None:
+    """Turn the latest predictions into risk tiers through the action policy (hysteresis,
+    cooldown, circuit breaker), apply them to the scheduler unless in dry run, and append every
+    decision to the actions audit log."""
     from ingest.store import Store
-    from serving.publish import append_audit, decide_actions
+    from serving.policy import PolicyState
+    from serving.policy import reset_breaker as closed_breaker
+    from serving.publish import append_audit, state_name
+    from serving.publish import publish as run_publish
 
     settings = _settings(ctx).publish
     target = target or settings.target
-    if target != "log":
-        raise GpufailError(f"publish --to {target}: not available yet; only 'log' (the audit log) is")
+    dry = settings.dry_run if dry_run is None else dry_run
+    mode = "dry-run" if dry else "shadow" if (settings.shadow if shadow is None else shadow) else "live"
     root = _root(ctx, data)
     store = Store.open(root)
+    name = state_name(target, mode)
+    where = f"{root}: _state/{name}.json"
+    state = PolicyState.from_json(store.read_state(name), where)
+    if reset_breaker:
+        was = state.breaker
+        store.write_state(name, closed_breaker(state).to_json())
+        status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
+        click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
+        return
     table = store.read_owned("predictions")
     if table is None:
         raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
     predictions = table.to_pandas()
     latest = predictions[predictions["ts"] == predictions["ts"].max()]
-    dry = dry_run or settings.dry_run
-    decisions = decide_actions(
+    publisher = _publisher(settings, target)
+    outcome = run_publish(
         latest,
-        risk_threshold=settings.risk_threshold,
-        max_nodes_fraction=settings.max_nodes_fraction,
-        # The breaker bounds a share of the fleet in service: every node scored at this time.
-        total_nodes=len(latest[["cluster", "node"]].drop_duplicates()),
-        dry_run=dry,
+        publisher,
+        _policy(settings),
+        state,
+        mode=mode,
+        now=datetime.now(UTC),
+        repairs=_latest_repairs(store),
+        top_features=_top_features(latest),
     )
-    path = append_audit(decisions, store.path("actions"), fs=store.fs)
-    counts = Counter(d.action for d in decisions)
-    mode = "dry run" if dry else "live"
+    if mode != "dry-run":
+        store.write_state(name, outcome.state.to_json())
+    path = append_audit(outcome.rows, store.path("actions"), fs=store.fs)
+    if not quiet:
+        for row in outcome.rows:
+            if row.action != "keep" or row.result != "unchanged":
+                click.echo(
+                    f"  {row.node:<14} risk {row.risk:.3f}  {row.previous_tier} -> {row.tier:<15} {row.action:<13} {row.result}"
+                )
+    counts = Counter(r.action for r in outcome.rows)
+    tiers = Counter(r.tier for r in outcome.rows if r.tier != "none")
+    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[mode]
+    breaker = (
+        "; circuit breaker OPEN"
+        if outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in outcome.rows)
+        else ""
+    )
+    unreachable = f"; scheduler unreachable: {outcome.scheduler_error}" if outcome.scheduler_error else ""
     click.echo(
-        f"publish ({mode}, {target}): " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) + f" -> {path}"
+        f"publish ({label}, {target}): {len(outcome.rows)} nodes; "
+        + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+        + "; tiers: "
+        + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")
+        + f"{breaker}{unreachable} -> {path}"
     )
+
+
+def _policy(settings: Any) -> Any:
+    from serving.policy import PolicyConfig, Tier
+
+    configured = {name: getattr(settings.tiers, name) for name in type(settings.tiers).model_fields}
+    tiers = tuple(Tier(name, t.enter, t.exit) for name, t in configured.items() if t is not None)
+    return PolicyConfig(
+        tiers=tiers,
+        recovery_period=settings.recovery_period,
+        cooldown=settings.cooldown,
+        breaker_max_nodes=settings.breaker_max_nodes,
+        breaker_max_fraction=settings.breaker_max_fraction,
+        breaker_window=settings.breaker_window,
+    )
+
+
+def _publisher(settings: Any, target: str) -> Any:
+    import os
+
+    retry = {"attempts": settings.attempts, "backoff": settings.backoff.total_seconds()}
+    if target == "slurm":
+        from serving.publishers.slurm import SlurmPublisher
+
+        return SlurmPublisher(
+            bin_dir=settings.slurm_bin_dir,
+            slurm_conf=settings.slurm_conf,
+            avoid_weight=settings.slurm_avoid_weight,
+            timeout=settings.timeout.total_seconds(),
+            **retry,
+        )
+    if target == "kubernetes":
+        from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
+
+        return KubernetesPublisher(kubernetes_api(settings.kubeconfig), **retry)
+    if target == "webhook":
+        from serving.publishers.webhook import WebhookPublisher
+
+        secret = os.environ.get(settings.webhook_secret_env, "")
+        if not settings.webhook_url or not secret:
+            raise GpufailError(
+                "publish --to webhook: expected [publish] webhook_url and a secret in the environment variable "
+                f"{settings.webhook_secret_env}, got url {settings.webhook_url!r} and "
+                f"{'a secret' if secret else 'no secret'}"
+            )
+        return WebhookPublisher(
+            settings.webhook_url, secret.encode(), timeout=settings.timeout.total_seconds(), **retry
+        )
+    from serving.publishers.log import LogPublisher
+
+    return LogPublisher()
+
+
+def _latest_repairs(store: Any) -> dict[tuple[str, str], datetime]:
+    """(cluster, node) -> its latest repair record, from the optional repairs dataset."""
+    if not store.exists("repairs"):
+        return {}
+    repairs = store.read("repairs", columns=["ts", "cluster", "node"]).to_pandas()
+    if repairs.empty:
+        return {}
+    latest = repairs.groupby(["cluster", "node"])["ts"].max()
+    return {(str(c), str(n)): ts.to_pydatetime() for (c, n), ts in latest.items()}
+
+
+def _top_features(predictions: Any) -> dict[str, list[str]]:
+    """gpu_uuid -> its top features, when the predictions carry a `top_features` column; empty
+    otherwise (the audit then records an empty list)."""
+    if "top_features" not in predictions:
+        return {}
+    return {
+        str(u): [str(f) for f in (fs if fs is not None else [])]
+        for u, fs in zip(predictions["gpu_uuid"], predictions["top_features"], strict=True)
+    }
 
 
 @cli.command()

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ingest.errors import ConfigError
 from ingest.xid_catalog import default_failure_xids
@@ -89,12 +89,60 @@ class ModelSettings(_Table):
     2-core machine with other load, 2 OpenMP threads trained 4x slower per tree than 1."""
 
 
+class TierSettings(_Table):
+    enter: float = Field(ge=0.0, le=1.0)
+    """A node enters the tier when its risk reaches this."""
+    exit: float = Field(ge=0.0, le=1.0)
+    """It leaves when its risk has stayed below this for [publish] recovery_period."""
+
+
+class TiersSettings(_Table):
+    """Risk tiers, weakest first; set one to `false` in TOML (null in JSON) to switch it off."""
+
+    watch: TierSettings | None = TierSettings(enter=0.2, exit=0.1)
+    avoid: TierSettings | None = TierSettings(enter=0.35, exit=0.25)
+    drain_after_job: TierSettings | None = TierSettings(enter=0.5, exit=0.35)
+    drain_now: TierSettings | None = TierSettings(enter=0.8, exit=0.6)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _false_is_off(cls, value: Any) -> Any:
+        return None if value is False else value
+
+
 class PublishSettings(_Table):
+    """`gpufail publish`: the action policy (serving/policy.py) and the scheduler publishers."""
+
     target: Literal["log", "slurm", "kubernetes", "webhook"] = "log"
     dry_run: bool = True
-    risk_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
-    max_nodes_fraction: float = Field(default=0.05, gt=0.0, le=1.0)
-    """Circuit breaker: never act on more than this share of the fleet's nodes at once."""
+    """Record what would be done without doing it. Set false (or --no-dry-run) to act."""
+    shadow: bool = False
+    """With dry_run false: run the policy with its own state and record, but touch nothing."""
+    tiers: TiersSettings = TiersSettings()
+    recovery_period: Duration = timedelta(hours=24)
+    """A node leaves its tier after its risk stayed below the tier's exit threshold this long."""
+    cooldown: Duration = timedelta(hours=6)
+    """A node is not raised again within this of its last change (except to drain_now)."""
+    breaker_max_nodes: int = Field(default=2, ge=0)
+    breaker_max_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Circuit breaker: at most the larger of breaker_max_nodes and this share of the fleet
+    raised to avoid or above within breaker_window; then it trips until --reset-breaker."""
+    breaker_window: Duration = timedelta(hours=24)
+    attempts: int = Field(default=3, ge=1)
+    """Tries per scheduler call (with exponential back-off from `backoff`)."""
+    backoff: Duration = timedelta(seconds=2)
+    timeout: Duration = timedelta(seconds=30)
+    slurm_bin_dir: str = ""
+    """Folder of sinfo/scontrol; empty: PATH."""
+    slurm_conf: str = ""
+    """SLURM_CONF for sinfo/scontrol; empty: Slurm's default."""
+    slurm_avoid_weight: int = Field(default=100_000, ge=1)
+    """Slurm node weight for the avoid tier (Slurm fills lower weights first)."""
+    kubeconfig: str = ""
+    """Empty: the in-cluster service account, else ~/.kube/config."""
+    webhook_url: str = ""
+    webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
+    """Environment variable holding the webhook's HMAC-SHA256 secret (never the config file)."""
 
 
 class CollectSettings(_Table):
@@ -119,6 +167,50 @@ class CollectSettings(_Table):
     """Node name written into every row; empty means this machine's hostname."""
 
 
+class ContenderSettings(_Table):
+    """One configuration of the walk-forward comparison (`gpufail evaluate`)."""
+
+    name: str = Field(min_length=1)
+    kind: str
+    """A model kind of `train_model`: lightgbm, xgboost, logistic, and those added since."""
+    mode: Literal["static", "sliding", "auto"]
+    """static: trained once; sliding: retrained on `train_window`; auto: window chosen on validation."""
+    train_window: Duration | None = None
+    """static and sliding: overrides [evaluate] train_window."""
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+def _default_contenders() -> list[ContenderSettings]:
+    # 100 trees instead of 200: ~2 s per fit on the demo, so ~100 daily fits fit the budget.
+    trees = {"n_estimators": 100}
+    singles = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
+    out = [
+        ContenderSettings(name=f"{k} {m}", kind=k, mode=m, params=p) for m in ("static", "sliding") for k, p in singles
+    ]
+    return [*out, ContenderSettings(name="lightgbm auto", kind="lightgbm", mode="auto", params=trees)]
+
+
+class EvaluateSettings(_Table):
+    test_days: float = Field(default=14.0, gt=0)
+    """The walk-forward test period: the last test_days of settled labels."""
+    retrain_every: Duration = timedelta(days=1)
+    train_window: Duration = timedelta(days=21)
+    """Training window of the static and sliding contenders (unless they set their own)."""
+    candidate_windows: list[Duration] = Field(default_factory=lambda: [timedelta(days=d) for d in (7, 14, 21)])
+    """Training windows the auto contenders choose from before each retrain."""
+    validation_window: Duration = timedelta(days=3)
+    """The auto choice is made on the most recent validation_window of settled labels."""
+    top_k: list[str] = Field(default_factory=lambda: ["10", "expected"], min_length=1)
+    """K as a count ("10"), a share of the fleet ("1%") or "expected" (failures per day); the first is the headline."""
+    negative_fraction: float = Field(default=0.05, gt=0.0, le=1.0)
+    """Share of the healthy rows each walk-forward fit trains on (every failing row is kept)."""
+    bootstrap_samples: int = Field(default=1000, ge=0)
+    seed: int = 0
+    jobs: int = Field(default=2, ge=1)
+    """Processes that run the fits (each fit uses one thread)."""
+    contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
+
+
 class Settings(_Table):
     store: StoreSettings = StoreSettings()
     simulate: SimulateSettings = SimulateSettings()
@@ -126,6 +218,7 @@ class Settings(_Table):
     features: FeatureSettings = FeatureSettings()
     labels: LabelSettings = LabelSettings()
     model: ModelSettings = ModelSettings()
+    evaluate: EvaluateSettings = EvaluateSettings()
     publish: PublishSettings = PublishSettings()
     collect: CollectSettings = CollectSettings()
 

@@ -495,8 +495,9 @@ def attach_modes(episodes: pd.DataFrame, failures: pd.DataFrame | None, toleranc
         .sort_values("failure_ts")
         .reset_index(drop=True)
     )
-    left["failure_ts"] = pd.to_datetime(left["failure_ts"], utc=True)
-    right["truth_ts"] = pd.to_datetime(right["truth_ts"], utc=True)
+    # merge_asof needs one resolution on both sides (pandas keeps us or ns as read).
+    left["failure_ts"] = pd.to_datetime(left["failure_ts"], utc=True).astype("datetime64[ns, UTC]")
+    right["truth_ts"] = pd.to_datetime(right["truth_ts"], utc=True).astype("datetime64[ns, UTC]")
     matched = pd.merge_asof(
         left,
         right,

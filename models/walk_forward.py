@@ -54,7 +54,7 @@ class Contender:
     kind: str
     mode: str
     params: Mapping[str, Any] = field(default_factory=dict)
-    train_window: str | None = None
+    train_window: DurationLike | None = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class WalkForwardResult:
 
 def available_kinds() -> tuple[str, ...]:
     """Model kinds `models.train.train_model` accepts in this installation."""
-    from models.estimators import DEFAULT_PARAMS
+    from models import estimators
 
-    return tuple(DEFAULT_PARAMS)
+    return tuple(estimators.KINDS)
 
 
 def check_contenders(contenders: Sequence[Contender], kinds: Sequence[str] | None = None) -> None:
@@ -149,6 +149,15 @@ def check_contenders(contenders: Sequence[Contender], kinds: Sequence[str] | Non
 
 
 BASELINE_NAMES = ("random", "rule", "heuristic", "oracle", "model")
+
+
+def duration_label(duration: DurationLike, what: str = "duration") -> str:
+    """A duration in the configuration's grammar, largest whole unit: "21d", "36h", "90m", "45s"."""
+    seconds = int(as_timedelta(duration, what).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 # -- the data, indexed by time ------------------------------------------------------------------
@@ -228,7 +237,16 @@ def _params(contender: Contender) -> dict[str, Any]:
     return params
 
 
+def _takes_negative_fraction() -> bool:
+    import inspect
+
+    return "negative_fraction" in inspect.signature(train_model).parameters
+
+
 def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
+    # The pool is already subsampled (the same rows for every fit); train_model must not
+    # subsample it again where it can.
+    extra: dict[str, Any] = {"negative_fraction": 1.0} if _takes_negative_fraction() else {}
     return train_model(
         task.pool,
         kind=task.contender.kind,
@@ -236,6 +254,7 @@ def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
         horizon=task.horizon,
         as_of=as_of,
         params=_params(task.contender),
+        **extra,
     )
 
 
@@ -308,9 +327,9 @@ def _tasks(
     horizon = as_timedelta(plan.horizon, "horizon")
     validation_window = as_timedelta(plan.validation_window, "validation_window")
     every = as_timedelta(plan.retrain_every, "retrain_every")
-    candidates = tuple(str(w) for w in plan.candidate_windows)
+    candidates = tuple(duration_label(w, "candidate_windows") for w in plan.candidate_windows)
     for contender in contenders:
-        window = str(contender.train_window or plan.train_window)
+        window = duration_label(contender.train_window or plan.train_window, f"train_window of {contender.name}")
         times = retrain_times[:1] if contender.mode == "static" else retrain_times
         for r in times:
             end = test_end_excl if contender.mode == "static" else min(r + every, test_end_excl)
@@ -539,17 +558,23 @@ def evaluate_walk_forward(
         },
         "plan": {
             "test_days": plan.test_days,
-            "retrain_every": str(plan.retrain_every),
-            "train_window": str(plan.train_window),
-            "candidate_windows": [str(w) for w in plan.candidate_windows],
-            "validation_window": str(plan.validation_window),
+            "retrain_every": duration_label(plan.retrain_every, "retrain_every"),
+            "train_window": duration_label(plan.train_window, "train_window"),
+            "candidate_windows": [duration_label(w, "candidate_windows") for w in plan.candidate_windows],
+            "validation_window": duration_label(plan.validation_window, "validation_window"),
             "negative_fraction": plan.negative_fraction,
             "bootstrap_samples": bootstrap_samples,
             "seed": plan.seed,
             "jobs": plan.jobs,
         },
         "contenders": [
-            {"name": c.name, "kind": c.kind, "mode": c.mode, "params": dict(c.params), "train_window": c.train_window}
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "mode": c.mode,
+                "params": dict(c.params),
+                "train_window": None if c.train_window is None else duration_label(c.train_window, "train_window"),
+            }
             for c in contenders
         ],
         "baselines": {

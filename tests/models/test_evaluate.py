@@ -171,3 +171,132 @@ def test_lightgbm_ranks_well_at_1_to_1000_and_the_trap_parameters_do_not():
     assert chosen > 0.9
     # The guard can fail: LightGBM's defaults for these two parameters do much worse here.
     assert auc(reg_lambda=0.0, min_child_weight=1e-3) < chosen - 0.05
+
+
+# -- walk-forward metrics ---------------------------------------------------------------------
+
+from models.evaluate import (  # noqa: E402
+    attach_modes,
+    bootstrap_ci,
+    compare_scores,
+    episode_table,
+    k_per_row,
+    mean_of_ratios,
+    parse_top_k,
+    prepare_scored,
+    rule_columns,
+    rule_flags,
+)
+
+
+def test_the_rule_flags_exactly_hardware_xids_and_uncorrectable_ecc_in_the_window():
+    frame = pd.DataFrame(
+        {
+            "xid_memory_count_24h": [1.0, 0.0, 0.0, 0.0, 0.0, None, 0.0],
+            "xid_gsp_count_24h": [0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            "ecc_dbe_volatile_total_increase_24h": [0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0],
+            "remapped_rows_uncorrectable_total_increase_24h": [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+            # Not part of the rule: application XIDs, correctable ECC, other windows.
+            "xid_application_count_24h": [0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0],
+            "ecc_sbe_volatile_total_increase_24h": [0.0, 0.0, 0.0, 0.0, 50.0, 0.0, 0.0],
+            "xid_memory_count_1h": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 4.0],
+        }
+    )
+    assert rule_flags(frame).tolist() == [True, True, True, True, False, False, False]
+    assert rule_columns(frame) == [
+        "xid_memory_count_24h",
+        "xid_gsp_count_24h",
+        "ecc_dbe_volatile_total_increase_24h",
+        "remapped_rows_uncorrectable_total_increase_24h",
+    ]
+    assert rule_flags(frame, window="1h").tolist() == [False] * 6 + [True]
+    with pytest.raises(InputError, match="rule baseline: no xid_<class>_count_24h"):
+        rule_flags(frame[["xid_application_count_24h"]])
+
+
+def test_bootstrap_ci_contains_the_estimate_and_repeats_under_a_seed():
+    rng = np.random.default_rng(3)
+    per_day = np.column_stack([rng.integers(0, 10, 20), np.full(20, 10)]).astype(float)
+    estimate = mean_of_ratios(per_day)
+    low, high = bootstrap_ci(per_day, mean_of_ratios, samples=500, seed=7)
+    assert low is not None and high is not None
+    assert low <= estimate <= high and low < high
+    assert bootstrap_ci(per_day, mean_of_ratios, samples=500, seed=7) == (low, high)
+    assert bootstrap_ci(per_day, mean_of_ratios, samples=500, seed=8) != (low, high)
+    assert bootstrap_ci(per_day[:1], mean_of_ratios, samples=500, seed=7) == (None, None)
+
+
+def test_shuffled_labels_give_precision_at_k_near_the_base_rate():
+    frame = demo_frame()
+    labelled = frame.loc[frame["label"].notna()].reset_index(drop=True)
+    shuffled = labelled.assign(label=np.random.default_rng(0).permutation(labelled["label"].to_numpy()))
+    # A model that ranks well on the true labels ranks at chance once the labels are shuffled.
+    score = labelled["pcie_replay_rate_6h"].to_numpy()
+    base_rate = float((shuffled["label"] == 1).mean())
+    result = compare_scores(shuffled, {"m": score}, top_k=["10"], expected_per_day=1.0, bootstrap_samples=200)
+    at = result["m"]["by_k"]["10"]
+    assert at["precision_daily_ci"][0] <= base_rate <= at["precision_daily_ci"][1]
+    assert abs(result["m"]["precision_at_k_pooled"] - base_rate) < 0.01
+    truthful = compare_scores(labelled, {"m": score}, top_k=["10"], expected_per_day=1.0, bootstrap_samples=0)
+    assert truthful["m"]["precision_at_k_pooled"] > 5 * base_rate  # the guard can fail
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [("10", ("count", 10.0)), (5, ("count", 5.0)), ("2%", ("fraction", 0.02)), ("0.5", ("fraction", 0.5)),
+     ("expected", ("expected", 0.0)), (" Expected ", ("expected", 0.0))],
+)  # fmt: skip
+def test_parse_top_k(spec, expected):
+    assert parse_top_k(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["0", "-3", "100%", "1.5", "ten", ""])
+def test_parse_top_k_refuses_what_is_not_a_k(spec):
+    with pytest.raises(InputError, match="top_k"):
+        parse_top_k(spec)
+
+
+def test_k_per_row_as_count_fraction_and_expected_failures():
+    frame = lead_time_frame()
+    prepared = prepare_scored(frame, frame["score"])
+    fleet = prepared.groupby("ts")["gpu_uuid"].transform("size").to_numpy()
+    assert (k_per_row(prepared, "2") == 2).all()
+    assert (k_per_row(prepared, "50%") == np.ceil(0.5 * fleet)).all()  # 3 GPUs -> 2, 2 GPUs -> 1
+    assert (k_per_row(prepared, "expected", 2.6) == 3).all()
+    assert (k_per_row(prepared, "expected", 0.1) == 1).all()
+    with pytest.raises(InputError, match="expected failures per day"):
+        k_per_row(prepared, "expected")
+
+
+def test_episodes_get_the_mode_of_the_nearest_ground_truth_failure():
+    frame = lead_time_frame()
+    prepared = prepare_scored(frame, frame["score"])
+    episodes = episode_table(prepared, np.zeros(len(prepared), dtype=bool))
+    truth = pd.DataFrame(
+        {
+            "gpu_uuid": ["g", "g", "h", "n"],
+            "ts": [at(10.6), at(30), at(40), at(10.5)],  # h's truth is too far away; n never fails
+            "mode": ["hbm_ecc", "gsp", "nvlink", "off_bus"],
+        }
+    )
+    assert attach_modes(episodes, truth).tolist() == ["hbm_ecc", "unknown"]
+    assert attach_modes(episodes, None).tolist() == ["unknown", "unknown"]
+
+
+def test_compare_scores_per_mode_recall_lead_time_and_model_age():
+    frame = lead_time_frame()
+    truth = pd.DataFrame({"gpu_uuid": ["g", "h"], "ts": [at(10.5), at(20.5)], "mode": ["hbm_ecc", "off_bus"]})
+    age = np.arange(len(frame), dtype=float)
+    result = compare_scores(
+        frame, {"m": frame["score"].to_numpy()}, top_k=["1"], expected_per_day=1.0, failures=truth,
+        model_age_h={"m": age}, bootstrap_samples=10,
+    )  # fmt: skip
+    m = result["m"]
+    assert m["by_k"]["1"]["by_mode"] == {
+        "hbm_ecc": {"n_episodes": 1, "n_caught": 1, "recall": 1.0, "lead_time_h_median": 3.5},
+        "off_bus": {"n_episodes": 1, "n_caught": 0, "recall": 0.0, "lead_time_h_median": None},
+    }
+    assert (m["n_episodes"], m["n_caught_at_k"], m["recall_at_k"]) == (2, 1, 0.5)
+    assert sum(b["n_picks"] for b in m["by_model_age"]) == 23  # one pick per grid time
+    with pytest.raises(InputError, match="scores.*expected one per"):
+        compare_scores(frame, {"m": np.zeros(3)}, top_k=["1"], expected_per_day=1.0)

@@ -1,0 +1,218 @@
+"""Walk-forward training on small synthetic frames: the horizon gap, auto L_train under a
+planted drift, static vs sliding, and refusing what cannot be run."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ingest.errors import InputError
+from models.walk_forward import (
+    Contender,
+    WalkForwardPlan,
+    check_contenders,
+    duration_label,
+    evaluate_walk_forward,
+    run_walk_forward,
+)
+from tests.models import ONE_THREAD, START, make_synthetic_frame
+
+FAST = {"n_estimators": 30, **ONE_THREAD}
+PLAN = WalkForwardPlan(
+    horizon="12h",
+    test_days=3,
+    train_window="4d",
+    candidate_windows=("2d", "6d"),
+    validation_window="1d",
+    negative_fraction=0.3,
+)
+
+
+@cache
+def small_frame() -> pd.DataFrame:
+    return make_synthetic_frame(n_gpus=120, n_hours=24 * 12, horizon_h=12, fail_fraction=0.4, seed=1)
+
+
+@cache
+def small_run():
+    contenders = [
+        Contender("lgb static", "lightgbm", "static", FAST),
+        Contender("lgb sliding", "lightgbm", "sliding", FAST),
+        Contender("lgb auto", "lightgbm", "auto", FAST),
+    ]
+    return run_walk_forward(small_frame(), contenders, PLAN)
+
+
+def test_no_fit_trains_on_a_row_whose_label_window_reaches_its_test_period():
+    result = small_run()
+    horizon = pd.Timedelta(hours=12)
+    trained = [f for f in result.fits if f.status == "trained"]
+    assert len(trained) == 1 + 3 + 3  # static once, sliding and auto at each of the 3 days
+    for fit in trained:
+        # A training row at ts has its label window (ts, ts + horizon]; the model scores from retrain_at.
+        assert fit.train_end + horizon < fit.retrain_at
+    ts = result.test["ts"]
+    for name in ("lgb sliding", "lgb auto"):
+        assert not np.isnan(result.scores[name]).any()
+        ages = result.model_age_h[name]
+        assert ages.min() >= 0 and ages.max() < 24  # every row scored by the model of its own day
+    static_age = result.model_age_h["lgb static"]
+    assert static_age.max() == pytest.approx((ts.max() - result.test_start) / pd.Timedelta(hours=1))
+
+
+def test_the_sliding_window_moves_with_the_retraining_time():
+    fits = [f for f in small_run().fits if f.contender == "lgb sliding"]
+    assert [f.retrain_at - fits[0].retrain_at for f in fits] == [pd.Timedelta(days=d) for d in range(3)]
+    for f in fits:
+        assert f.train_window == "4d"
+        assert f.train_end - f.train_start <= pd.Timedelta(days=4)
+        assert f.train_start >= f.retrain_at - pd.Timedelta(hours=12) - pd.Timedelta(days=4)
+
+
+def test_the_test_period_ends_at_the_last_settled_label_and_spans_test_days():
+    result = small_run()
+    last = small_frame()["ts"].max()
+    assert result.test_end == last - pd.Timedelta(hours=12)
+    assert result.test["ts"].min() == result.test_start
+    assert result.test_end - result.test_start == pd.Timedelta(days=3) - pd.Timedelta(hours=1)
+    assert result.test["label"].notna().all()
+
+
+def drifting_frame(seed: int = 0) -> pd.DataFrame:
+    """The precursor that announces failures switches from one column to another on day 8:
+    a long window mixes the old pattern in, a short one has only the new."""
+    frame = make_synthetic_frame(n_gpus=160, n_hours=24 * 14, horizon_h=12, fail_fraction=0.5, seed=seed, signal=4.0)
+    rng = np.random.default_rng(seed + 100)
+    switch = START + pd.Timedelta(days=8)
+    late = (frame["ts"] >= switch).to_numpy()
+    signal = frame["pcie_replay_rate_6h"].to_numpy().copy()
+    # After the switch the old column is noise and the new one carries the ramp; before, the reverse.
+    frame["nvlink_crc_rate_6h"] = np.where(late, signal, rng.normal(0.0, 1.0, len(frame))).astype("float32")
+    frame["pcie_replay_rate_6h"] = np.where(late, rng.normal(0.0, 1.0, len(frame)), signal).astype("float32")
+    frame["xid_count_24h"] = np.float32(0.0)
+    return frame
+
+
+def test_auto_picks_the_window_that_is_best_on_validation_after_a_drift():
+    frame = drifting_frame()
+    plan = WalkForwardPlan(
+        horizon="12h",
+        test_days=2,
+        candidate_windows=("2d", "8d"),
+        validation_window="1d",
+        negative_fraction=0.5,
+        top_k="5",
+    )
+    result = run_walk_forward(frame, [Contender("auto", "logistic", "auto")], plan)
+    fits = result.fits
+    assert len(fits) == 2
+    for fit in fits:
+        # After the switch the 2-day window holds only the new pattern; the 8-day one mostly the old.
+        assert fit.validation is not None
+        assert fit.validation["2d"] > fit.validation["8d"]
+        assert fit.train_window == "2d"
+        assert fit.train_end - fit.train_start <= pd.Timedelta(days=2)
+
+
+def test_evaluate_walk_forward_reports_contenders_and_baselines():
+    frame = small_frame()
+    contenders = [Contender("lgb sliding", "lightgbm", "sliding", FAST), Contender("lr static", "logistic", "static")]
+    metrics = evaluate_walk_forward(frame, contenders, PLAN, top_k=["5", "3%", "expected"], bootstrap_samples=50)
+    scores = metrics["scores"]
+    assert set(scores) == {"lgb sliding", "lr static", "random", "heuristic", "oracle", "model"}
+    assert "rule" not in scores and "no hardware-XID" in metrics["baselines"]["rule"]
+    assert scores["model"]["name"] == "lgb sliding"  # no auto contender: the first one
+    for name in ("lgb sliding", "lr static"):
+        at = scores[name]["by_k"]["5"]
+        assert at["precision_daily_mean"] > scores["random"]["by_k"]["5"]["precision_daily_mean"]
+        assert at["precision_daily_mean"] <= scores["oracle"]["by_k"]["5"]["precision_daily_mean"]
+        assert len(at["daily"]) == 3
+    assert scores["oracle"]["by_k"]["expected"]["k_mean"] == max(1, round(metrics["expected_failures_per_day"]))
+    claims = metrics["claims"]
+    assert claims["best_static_single"] == "lr static"
+    assert claims["best"] in ("lgb sliding", "lr static")
+
+
+def test_a_kind_that_is_not_available_is_refused_before_any_training():
+    contenders = [Contender("ok", "lightgbm", "sliding"), Contender("future", "quantum_forest", "sliding")]
+    with pytest.raises(InputError, match=r"'future'.*'quantum_forest' is not available"):
+        run_walk_forward(small_frame(), contenders, PLAN)
+
+
+@pytest.mark.parametrize(
+    ("contenders", "message"),
+    [
+        ([], "at least one contender"),
+        ([Contender("a", "lightgbm", "static"), Contender("a", "logistic", "static")], "unique name"),
+        ([Contender("random", "lightgbm", "static")], "unique name"),
+        ([Contender("a", "lightgbm", "weekly")], "mode expected one of"),
+    ],
+)
+def test_bad_contender_lists_are_refused(contenders, message):
+    with pytest.raises(InputError, match=message):
+        check_contenders(contenders)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"test_days": 0}, "test_days"),
+        ({"test_days": 30}, "before any settled training label"),
+        ({"negative_fraction": 0.0}, "negative_fraction"),
+        ({"jobs": 0}, "jobs"),
+        ({"top_k": "many"}, "top_k 'many'"),
+        ({"candidate_windows": ()}, "candidate_windows"),
+        ({"retrain_every": "soon"}, "retrain_every"),
+    ],
+)
+def test_bad_plans_are_refused(change, message):
+    plan = WalkForwardPlan(**{**PLAN.__dict__, **change})
+    with pytest.raises(InputError, match=message):
+        run_walk_forward(small_frame(), [Contender("auto", "logistic", "auto")], plan)
+
+
+def test_a_retrain_without_failures_keeps_the_previous_model():
+    frame = small_frame().copy()
+    # No failure is labelled during the last 3 days of training data before the last test day.
+    last_day = frame["ts"].max() - pd.Timedelta(hours=12) - pd.Timedelta(days=1)
+    quiet = (frame["ts"] >= last_day - pd.Timedelta(days=3)) & (frame["ts"] < last_day)
+    frame.loc[quiet & (frame["label"] == 1), "label"] = 0
+    plan = WalkForwardPlan(**{**PLAN.__dict__, "train_window": "2d"})
+    result = run_walk_forward(frame, [Contender("lr", "logistic", "sliding")], plan)
+    statuses = [f.status for f in result.fits]
+    assert statuses[0] == "trained"
+    assert any(s.startswith("kept previous model") for s in statuses)
+    assert not np.isnan(result.scores["lr"]).any()
+    kept = next(f for f in result.fits if f.status != "trained")
+    rows = (result.test["ts"] >= kept.retrain_at).to_numpy()
+    assert result.model_age_h["lr"][rows].min() >= 24  # scored by an older model
+
+
+def test_a_contender_that_cannot_train_at_its_first_retrain_is_an_error():
+    frame = small_frame().copy()
+    frame["label"] = frame["label"].where(frame["label"].isna(), 0).astype("Int8")
+    with pytest.raises(InputError, match="could not be trained at its first retraining time"):
+        run_walk_forward(frame, [Contender("lr", "logistic", "static")], PLAN)
+
+
+def test_duration_labels():
+    assert [duration_label(d) for d in ("21d", "36h", "90m", "45s", pd.Timedelta(days=2))] == [
+        "21d",
+        "36h",
+        "90m",
+        "45s",
+        "2d",
+    ]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_scores_as_one():
+    contenders = [Contender("lgb sliding", "lightgbm", "sliding", FAST), Contender("lr auto", "logistic", "auto")]
+    one = run_walk_forward(small_frame(), contenders, PLAN)
+    two = run_walk_forward(small_frame(), contenders, WalkForwardPlan(**{**PLAN.__dict__, "jobs": 2}))
+    for name in one.scores:
+        assert np.array_equal(one.scores[name], two.scores[name])
+    assert [f.as_dict() for f in one.fits] == [f.as_dict() for f in two.fits]
