@@ -1,16 +1,15 @@
-"""The action policy and its audit log. This first version decides and records; it acts on
-nothing (dry-run only: there is no scheduler publisher yet).
+"""Publishing: the latest predictions through the action policy (`serving.policy`) to a
+scheduler (`serving.publishers`), with every decision appended to the audit log.
 
-Policy, per (cluster, node), on the node risk of `serving.score`:
-
-- `drain`: node risk >= `risk_threshold`, and within the circuit breaker's limit;
-- `breaker_held`: would be drained, but more than `max_nodes_fraction` of the fleet's
-  `total_nodes` would then be drained at once; the highest-risk nodes up to the limit
-  (floor(max_nodes_fraction * total_nodes), possibly 0) are drained and the rest held. Mass
-  drains after an XID flood or a bad model are the top complaint about existing tools
-  (DOMAIN.md 5);
-- `watch`: node risk >= `watch_threshold` (default half the risk threshold);
-- `none`: below both.
+Modes:
+- `dry-run` (the default): decide from the persisted state and the scheduler's current view
+  (read, never written), record what would be done; the state is not advanced, so a dry run
+  can be repeated and changes nothing.
+- `shadow`: as if live, against a separate state (`publish-<target>-shadow`), without touching
+  the scheduler: shows over weeks what the policy would have done.
+- `live`: act. A change that the scheduler did not take (unreachable, refused) leaves the
+  node's `applied` tier as it was, so the next run tries again; re-running with the same
+  predictions changes nothing (idempotent).
 
 The audit log is a Parquet dataset, one new file per call of `append_audit` under
 `date=YYYY-MM-DD/` (the UTC date of the decisions): files are written to a temporary name and
@@ -19,10 +18,9 @@ renamed, and old files are never rewritten.
 
 from __future__ import annotations
 
-import math
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -31,9 +29,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError
+from serving.policy import NodeRisk, PolicyConfig, PolicyState, decide
+from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable
 from serving.score import node_risks
 
-ACTIONS = ("drain", "breaker_held", "watch", "none")
+MODES = ("dry-run", "shadow", "live")
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -42,117 +42,188 @@ AUDIT_SCHEMA = pa.schema(
         ("node", pa.string()),
         ("gpus", pa.list_(pa.string())),
         ("risk", pa.float64()),
+        ("previous_tier", pa.string()),
+        ("tier", pa.string()),
         ("action", pa.string()),
         ("reason", pa.string()),
-        ("dry_run", pa.bool_()),
+        ("top_features", pa.list_(pa.string())),
         ("model_version", pa.string()),
+        ("target", pa.string()),
+        ("mode", pa.string()),
+        ("dry_run", pa.bool_()),
+        ("result", pa.string()),
     ]
 )
 
 
 @dataclass(frozen=True)
-class Decision:
-    """What the policy decided for one node. `gpus` names the GPUs behind the decision (those
-    at or above the watch threshold, else the riskiest one; none for action `none`)."""
+class AuditRow:
+    """One decision and what became of it (a row of `AUDIT_SCHEMA`)."""
 
-    time: pd.Timestamp
+    time: datetime
     cluster: str
     node: str
     gpus: tuple[str, ...]
     risk: float
+    previous_tier: str
+    tier: str
     action: str
     reason: str
-    dry_run: bool
+    top_features: tuple[str, ...]
     model_version: str
+    target: str
+    mode: str
+    dry_run: bool
+    result: str
 
 
-def _breaker_limit(max_nodes_fraction: float, total_nodes: int) -> int:
-    # The epsilon keeps 0.2 * 10 at 2 despite binary floating point.
-    return math.floor(max_nodes_fraction * total_nodes + 1e-9)
+@dataclass(frozen=True)
+class PublishOutcome:
+    rows: list[AuditRow]
+    state: PolicyState
+    """The state to persist (for a dry run: the state it started from, unchanged)."""
+    scheduler_error: str
+    """Why the scheduler could not be read ('' when it could)."""
 
 
-def decide_actions(
+def state_name(target: str, mode: str) -> str:
+    """The `Store` state file of a target: shadow runs keep their own, dry runs read the live one."""
+    return f"publish-{target}-shadow" if mode == "shadow" else f"publish-{target}"
+
+
+def node_inputs(
     predictions: pd.DataFrame,
     *,
-    risk_threshold: float,
-    max_nodes_fraction: float,
-    total_nodes: int,
-    watch_threshold: float | None = None,
-    dry_run: bool = True,
-    now: datetime | pd.Timestamp | None = None,
-) -> list[Decision]:
-    """One decision per (cluster, node) in `predictions` (the output of
-    `serving.score.score_latest`), highest node risk first. See the module docstring."""
-    if not dry_run:
-        raise InputError(
-            "dry_run: only dry-run publishing exists in this version (no scheduler publisher yet), got dry_run=False"
-        )
-    watch = risk_threshold / 2 if watch_threshold is None else watch_threshold
-    if not 0.0 <= watch <= risk_threshold <= 1.0:
-        raise InputError(
-            f"thresholds: expected 0 <= watch_threshold <= risk_threshold <= 1, got {watch} and {risk_threshold}"
-        )
-    if not 0.0 < max_nodes_fraction <= 1.0:
-        raise InputError(f"max_nodes_fraction: expected a share in (0, 1], got {max_nodes_fraction}")
-    nodes = node_risks(predictions)
-    if total_nodes < len(nodes):
-        raise InputError(
-            f"total_nodes: expected at least the {len(nodes)} nodes present in the predictions, got {total_nodes}"
-        )
-    versions = predictions["model_version"].astype(str).unique().tolist() if "model_version" in predictions else []
-    model_version = ",".join(sorted(versions)) if versions else "unknown"
-    time = pd.Timestamp.now(tz="UTC") if now is None else pd.Timestamp(now)
-    time = time.tz_localize("UTC") if time.tzinfo is None else time.tz_convert("UTC")
-
-    limit = _breaker_limit(max_nodes_fraction, total_nodes)
-    over = int((nodes["node_risk"] >= risk_threshold).sum())
-    prefix = "dry-run: " if dry_run else ""
-    decisions = []
-    for position, row in enumerate(nodes.to_dict("records")):
-        risk = float(row["node_risk"])
+    flag_threshold: float,
+    views: Mapping[str, NodeView] | None = None,
+    repairs: Mapping[tuple[str, str], datetime] | None = None,
+    top_features: Mapping[str, Sequence[str]] | None = None,
+) -> list[NodeRisk]:
+    """The policy's input per node of `predictions` (`serving.score` output): node risk, the
+    GPUs at or over `flag_threshold` (else the riskiest), the riskiest GPU's top features, the
+    scheduler's view and the latest repair."""
+    out = []
+    for row in node_risks(predictions).to_dict("records"):
         uuids, risks = list(row["gpu_uuids"]), list(row["gpu_risks"])
-        flagged = tuple(u for u, r in zip(uuids, risks, strict=True) if r >= watch)
-        top = f"riskiest GPU {uuids[0]} (index {row['gpu_indices'][0]}) at {risks[0]:.3f}"
-        if risk >= risk_threshold and position < limit:
-            action = "drain"
-            reason = f"{prefix}would drain: node risk {risk:.3f} >= drain threshold {risk_threshold:.3f}; {top}"
-        elif risk >= risk_threshold:
-            action = "breaker_held"
-            reason = (
-                f"{prefix}circuit breaker held the drain: {over} nodes at or over drain threshold "
-                f"{risk_threshold:.3f}, at most {limit} ({max_nodes_fraction:.0%} of {total_nodes} nodes) "
-                f"may be drained at once; this node ranks {position + 1}; node risk {risk:.3f}; {top}"
-            )
-        elif risk >= watch:
-            action = "watch"
-            reason = f"{prefix}would watch: node risk {risk:.3f} >= watch threshold {watch:.3f}; {top}"
-        else:
-            action = "none"
-            reason = f"node risk {risk:.3f} below watch threshold {watch:.3f}"
-        gpus = flagged or ((uuids[0],) if action != "none" else ())
-        decisions.append(
-            Decision(
-                time=time,
-                cluster=str(row["cluster"]),
-                node=str(row["node"]),
-                gpus=tuple(str(g) for g in gpus),
-                risk=risk,
-                action=action,
-                reason=reason,
-                dry_run=dry_run,
-                model_version=model_version,
+        flagged = tuple(str(u) for u, r in zip(uuids, risks, strict=True) if r >= flag_threshold) or (str(uuids[0]),)
+        cluster, node = str(row["cluster"]), str(row["node"])
+        view = (views or {}).get(node, NodeView())
+        out.append(
+            NodeRisk(
+                key=f"{cluster}/{node}",
+                cluster=cluster,
+                node=node,
+                risk=float(row["node_risk"]),
+                gpus=flagged,
+                top_features=tuple((top_features or {}).get(str(uuids[0]), ())),
+                unavailable=view.unavailable,
+                repaired_at=(repairs or {}).get((cluster, node)),
             )
         )
-    return decisions
+    return out
 
 
-def decisions_table(decisions: Sequence[Decision]) -> pa.Table:
-    """Decisions as a table of `AUDIT_SCHEMA`."""
+def model_version(predictions: pd.DataFrame) -> str:
+    versions = predictions["model_version"].astype(str).unique().tolist() if "model_version" in predictions else []
+    return ",".join(sorted(versions)) if versions else "unknown"
+
+
+def publish(
+    predictions: pd.DataFrame,
+    publisher: Publisher,
+    config: PolicyConfig,
+    state: PolicyState,
+    *,
+    mode: str,
+    now: datetime,
+    repairs: Mapping[tuple[str, str], datetime] | None = None,
+    top_features: Mapping[str, Sequence[str]] | None = None,
+) -> PublishOutcome:
+    """Decide for every node of `predictions` and, in live mode, make the scheduler follow.
+    Never raises for an unreachable scheduler: the rows say so and the next run retries."""
+    if mode not in MODES:
+        raise InputError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    nodes = sorted(set(predictions["node"].astype(str)))
+    scheduler_error = ""
+    views: dict[str, NodeView] | None
+    try:
+        views = publisher.observe(nodes)
+    except SchedulerUnavailable as exc:
+        views, scheduler_error = None, str(exc)
+    inputs = node_inputs(
+        predictions,
+        flag_threshold=config.tiers[0].enter,
+        views=views,
+        repairs=repairs,
+        top_features=top_features,
+    )
+    decisions, after = decide(inputs, state, config, now)
+    version = model_version(predictions)
+
+    results: dict[str, str] = {}
+    pending: list[tuple[str, Change]] = []
+    for d in decisions:
+        node_state = after.nodes.get(d.key)
+        applied = node_state.applied if node_state else state.nodes[d.key].applied if d.key in state.nodes else "none"
+        if d.action == "skip":
+            results[d.key] = "skipped"
+        elif d.tier == applied:
+            results[d.key] = "unchanged"
+        elif mode == "dry-run":
+            results[d.key] = f"dry-run: would set {applied} -> {d.tier}"
+        elif mode == "shadow":
+            results[d.key] = f"shadow: would set {applied} -> {d.tier}"
+        elif views is None:
+            results[d.key] = f"failed: {scheduler_error}; retried next run"
+        else:
+            saved = node_state.saved if node_state else {}
+            change = Change(d.node, applied, d.tier, d.risk, d.reason, d.gpus, d.top_features, version, saved)
+            pending.append((d.key, change))
+
+    nodes_after = dict(after.nodes)
+    if mode == "shadow":
+        for key, s in after.nodes.items():
+            nodes_after[key] = replace(s, applied=s.tier)
+    for (key, change), outcome in zip(pending, publisher.apply([c for _, c in pending]), strict=True):
+        results[key] = outcome.detail
+        if outcome.ok:
+            nodes_after[key] = replace(
+                nodes_after.get(key) or after.nodes[key], applied=change.new, saved=dict(outcome.saved)
+            )
+        elif key in nodes_after:
+            nodes_after[key] = replace(nodes_after[key], saved=dict(outcome.saved) or nodes_after[key].saved)
+    final = state if mode == "dry-run" else replace(after, nodes=nodes_after)
+
+    rows = [
+        AuditRow(
+            time=d.time,
+            cluster=d.cluster,
+            node=d.node,
+            gpus=d.gpus,
+            risk=d.risk,
+            previous_tier=d.previous_tier,
+            tier=d.tier,
+            action=d.action,
+            reason=d.reason,
+            top_features=d.top_features,
+            model_version=version,
+            target=publisher.name,
+            mode=mode,
+            dry_run=mode != "live",
+            result=results[d.key],
+        )
+        for d in decisions
+    ]
+    return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error)
+
+
+def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
+    """Audit rows as a table of `AUDIT_SCHEMA`."""
     columns: dict[str, list[Any]] = {name: [] for name in AUDIT_SCHEMA.names}
     for d in decisions:
         for name in AUDIT_SCHEMA.names:
             value = getattr(d, name)
-            columns[name].append(list(value) if name == "gpus" else value)
+            columns[name].append(list(value) if name in ("gpus", "top_features") else value)
     return pa.Table.from_pydict(columns, schema=AUDIT_SCHEMA)
 
 
@@ -164,7 +235,7 @@ def _filesystem(path: str, fs: Any) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(str(path))
 
 
-def append_audit(decisions: Sequence[Decision], path: str, fs: Any = None) -> str | None:
+def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
     """Add the decisions to the audit log rooted at `path` as one new Parquet file; returns its
     path (None, and nothing written, for no decisions). `path` is a local folder or fsspec URL,
     or a path within `fs` (an fsspec filesystem, e.g. `Store.fs` with `Store.path("actions")`)."""

@@ -1,0 +1,100 @@
+"""Scheduler publishers: how each risk tier reaches a scheduler, and how it is undone.
+
+Every publisher has the same small interface (`Publisher`): `observe` reads what the scheduler
+says about the nodes (which may be touched, which are down or drained by an operator), and
+`apply` moves nodes from the tier the scheduler was last told to a new one, returning one
+`Applied` per change. A publisher changes and removes only marks it made itself (a reason
+prefix, a taint key, a label, a condition type), so an operator's decisions are never undone.
+
+A scheduler that cannot be reached raises `SchedulerUnavailable` after `with_retries` gave up;
+the caller records it and tries again at the next run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from ingest.errors import GpufailError
+
+REASON_PREFIX = "gpufail:"
+"""Every drain reason, condition message and annotation of ours starts with this."""
+
+T = TypeVar("T")
+
+
+class SchedulerUnavailable(GpufailError):
+    """The scheduler did not answer (after retries); nothing was changed by this call."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the scheduler says about one node."""
+
+    exists: bool = True
+    unavailable: str = ""
+    """Why the node must not be touched ('' if it may be): down, drained by an operator, ..."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """Move `node` from the tier the scheduler was last told (`old`) to `new`."""
+
+    node: str
+    old: str
+    new: str
+    risk: float
+    reason: str
+    gpus: tuple[str, ...] = ()
+    top_features: tuple[str, ...] = ()
+    model_version: str = ""
+    saved: Mapping[str, Any] = field(default_factory=dict)
+    """What this publisher saved when it first marked the node (to restore it)."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    ok: bool
+    detail: str
+    saved: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Publisher(Protocol):
+    name: str
+
+    def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
+        """The scheduler's view of `nodes` (a node it does not know has `exists=False`)."""
+        ...
+
+    def apply(self, changes: Sequence[Change]) -> list[Applied]:
+        """Make each change; one result per change, in order. Never raises for one node's
+        failure: that node's result says what went wrong."""
+        ...
+
+
+def with_retries(
+    call: Callable[[], T],
+    *,
+    what: str,
+    attempts: int,
+    backoff: float,
+    retry_on: tuple[type[BaseException], ...],
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """`call()`, retried up to `attempts` times in all with exponential back-off (backoff,
+    2 x backoff, ...) on `retry_on`; then `SchedulerUnavailable` naming `what` and the last error."""
+    last: BaseException | None = None
+    for attempt in range(max(attempts, 1)):
+        if attempt:
+            sleep(backoff * 2 ** (attempt - 1))
+        try:
+            return call()
+        except retry_on as exc:
+            last = exc
+    raise SchedulerUnavailable(f"{what}: no answer after {max(attempts, 1)} tries ({last})")
+
+
+def tier_phrase(tier: str) -> str:
+    return tier.replace("_", "-")
