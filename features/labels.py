@@ -305,14 +305,32 @@ def attach_labels(
     repairs: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Drop the rows where the GPU is out of service (from an episode start until a repair
-    record returns it, `repairs` with `ts`, `old_gpu_uuid` and `action`) and add `label` (Int8, nullable) and
-    `time_to_failure_h` (Float32) to `rows` (which need `gpu_uuid` and `ts`); see the module
-    notes for the rules. Row order is kept."""
+    record returns it, `repairs` with `ts`, `old_gpu_uuid` and `action`) and add `label` (Int8,
+    nullable) and `time_to_failure_h` (Float32) to `rows` (which need `gpu_uuid` and `ts`); see
+    the module notes for the rules. Row order is kept."""
+    facts = label_rows(rows.select(GPU, "ts"), episodes, horizon=horizon, data_end=data_end, repairs=repairs)
+    rows = rows.with_columns(facts["label"], facts["time_to_failure_h"])
+    keep = facts["in_service"]
+    return rows if keep.all() else rows.filter(keep)
+
+
+def label_rows(
+    keys: pl.DataFrame,
+    episodes: pl.DataFrame,
+    *,
+    horizon: timedelta = DEFAULT_HORIZON,
+    data_end: datetime,
+    repairs: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """For each (gpu_uuid, ts) row of `keys`, in its order: `in_service` (Boolean; false where
+    the GPU is out of service, module notes), `label` and `time_to_failure_h`."""
     starts = episodes.select(GPU, pl.col("start").cast(TS_DTYPE)).unique().sort("start")
     fixes = _repair_times(repairs, returns_only=True)
-    # The as-of joins run on a narrow key frame; `rows` can be wide (hundreds of features).
-    keys = rows.select(GPU, "ts").with_row_index("_row").sort("ts")
-    keys = keys.join_asof(
+    # The as-of joins run only for the GPUs that ever failed; the others are in service with no
+    # failure ahead.
+    keys = keys.select(GPU, "ts").with_row_index("_row")
+    touched = keys.join(starts.select(GPU).unique(), on=GPU, how="semi").sort("ts")
+    touched = touched.join_asof(
         starts.rename({"start": "_last_start"}),
         left_on="ts",
         right_on="_last_start",
@@ -320,7 +338,7 @@ def attach_labels(
         strategy="backward",
         check_sortedness=False,
     )
-    keys = keys.join_asof(
+    touched = touched.join_asof(
         starts.rename({"start": "_next_start"}),
         left_on="ts",
         right_on="_next_start",
@@ -329,14 +347,15 @@ def attach_labels(
         allow_exact_matches=False,
         check_sortedness=False,
     )
-    keys = keys.join_asof(
+    touched = touched.join_asof(
         fixes.rename({"repaired": "_repaired"}),
         left_on="ts",
         right_on="_repaired",
         by=GPU,
         strategy="backward",
         check_sortedness=False,
-    ).sort("_row")
+    ).select("_row", "_last_start", "_next_start", "_repaired")
+    keys = keys.join(touched, on="_row", how="left", maintain_order="left")
     out_of_service = pl.col("_last_start").is_not_null() & (
         pl.col("_repaired").is_null() | (pl.col("_repaired") < pl.col("_last_start"))
     )
@@ -344,8 +363,8 @@ def attach_labels(
     horizon_us = int(horizon.total_seconds() * 1_000_000)
     within = pl.col("_next_start").is_not_null() & (ttf_us <= horizon_us)
     end = pl.lit(data_end, dtype=TS_DTYPE)
-    result = keys.select(
-        out_of_service.alias("_out"),
+    return keys.select(
+        (~out_of_service).alias("in_service"),
         pl.when(within)
         .then(pl.lit(1, dtype=pl.Int8))
         .when(pl.col("ts") + horizon > end)
@@ -354,6 +373,3 @@ def attach_labels(
         .alias("label"),
         pl.when(within).then(ttf_us / HOUR_US).cast(pl.Float32).alias("time_to_failure_h"),
     )
-    rows = rows.with_columns(result["label"], result["time_to_failure_h"])
-    keep = ~result["_out"]
-    return rows if keep.all() else rows.filter(keep)

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import polars as pl
 
-from features.windows import DEFAULT_GRID, ENGINE, GPU, _sfx
+from features.windows import DEFAULT_GRID, ENGINE, GPU, grid_suffix
 
 PEER_METRICS = ("temp_gpu_c", "power_w")
 
@@ -25,7 +25,7 @@ PEER_METRICS = ("temp_gpu_c", "power_w")
 def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
     """The peer features (module notes) for the rows of `dense` (bucket aggregates on the grid,
     from `features.windows.dense_grid`), in its row order: gpu_uuid, ts, then the features."""
-    sfx = _sfx(grid)
+    sfx = grid_suffix(grid)
     metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in dense.columns]
     keys = ["cluster", "node", "ts"]
     has_model = "gpu_model" in dense.columns

@@ -142,7 +142,7 @@ _MARKER = {"gauge": "count", "counter": "last", "flag": "max", "bitmask": "count
 
 def aggregated_metrics(columns: Sequence[str], grid: timedelta) -> dict[str, list[str]]:
     """Catalogue metrics present in a frame of bucket aggregates (`hourly_aggregate` output)."""
-    have, sfx = set(columns), _sfx(grid)
+    have, sfx = set(columns), grid_suffix(grid)
     kinds: dict[str, list[str]] = {"gauge": [], "counter": [], "flag": [], "bitmask": []}
     for m in metric_catalogue():
         if f"{m.column}_{_MARKER[m.kind]}{sfx}" in have:
@@ -150,7 +150,7 @@ def aggregated_metrics(columns: Sequence[str], grid: timedelta) -> dict[str, lis
     return kinds
 
 
-def _sfx(grid: timedelta) -> str:
+def grid_suffix(grid: timedelta) -> str:
     return "_" + window_label(grid)
 
 
@@ -206,7 +206,7 @@ def hourly_aggregate(
     df = telemetry.collect() if isinstance(telemetry, pl.LazyFrame) else telemetry
     names = df.columns
     kinds = present_metrics(names)
-    sfx = _sfx(grid)
+    sfx = grid_suffix(grid)
     gap_us = _us(max_gap)
 
     df = _sorted_by_gpu_and_time(df)
@@ -369,6 +369,8 @@ def window_features(
     windows: Sequence[timedelta] = DEFAULT_WINDOWS,
     *,
     first_seen: pl.DataFrame | None = None,
+    keep: pl.Series | None = None,
+    dtype: type[pl.DataType] | pl.DataType = pl.Float64,
 ) -> pl.DataFrame:
     """Telemetry window features on a dense grid (from `dense_grid`, sorted by (gpu_uuid, ts)):
     `gpu_uuid`, `ts`, then `gpu_age_h`, `telemetry_since_last_h`, `telemetry_missing_frac_<w>`;
@@ -378,10 +380,12 @@ def window_features(
     Float64 here; `build_features` casts to Float32. Module notes give the definitions.
 
     `first_seen` (gpu_uuid, first_ts) gives the GPU's true first sample when `dense` holds only
-    part of its history; by default the first bucket's first sample is used.
+    part of its history; by default the first bucket's first sample is used. `keep` (a boolean
+    per row of `dense`) returns only those rows, `dtype` is the features' type: both applied
+    before the (wide) result is materialised, which saves copying it.
     """
     sizes = check_grid(grid, windows)
-    sfx = _sfx(grid)
+    sfx = grid_suffix(grid)
     kinds = aggregated_metrics(dense.columns, grid)
     labels = [window_label(w) for w in windows]
     k_max = max(sizes)
@@ -497,4 +501,20 @@ def window_features(
             for wl in labels:
                 nb = pl.col(f"_{b}_n_{wl}")
                 out.append(pl.when(nb > 0).then(pl.col(f"_{b}_{group}_{wl}") / nb).alias(f"{b}_{group}_frac_{wl}"))
-    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
+    return select_rows(lf, out, keep, dtype)
+
+
+def select_rows(
+    lf: pl.LazyFrame, features: list[pl.Expr], keep: pl.Series | None, dtype: type[pl.DataType] | pl.DataType
+) -> pl.DataFrame:
+    """gpu_uuid, ts and `features` cast to `dtype`, for the rows where `keep` is true."""
+    columns = [GPU, "ts", *[e.cast(dtype) for e in features]]
+    if keep is None:
+        return lf.select(columns).collect(engine=ENGINE)
+    return (
+        lf.with_columns(keep.alias("_keep"))
+        .select(*columns, "_keep")
+        .filter("_keep")
+        .drop("_keep")
+        .collect(engine=ENGINE)
+    )

@@ -28,13 +28,13 @@ from features.windows import (
     DEFAULT_GRID,
     DEFAULT_WINDOWS,
     DEFAULT_XID_SINCE_CAP,
-    ENGINE,
     GPU,
     HOUR_US,
     check_grid,
     gpu_run_id,
     grid_time,
     roll_sum,
+    select_rows,
 )
 from ingest.xid_catalog import XID_CLASSES, xid_class_map
 
@@ -55,10 +55,13 @@ def xid_features(
     since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     classes: Mapping[int, str] | None = None,
     key_xids: Sequence[int] = KEY_XIDS,
+    keep: pl.Series | None = None,
+    dtype: type[pl.DataType] | pl.DataType = pl.Float64,
 ) -> pl.DataFrame:
     """XID features (module notes) at the grid times in `keys` (gpu_uuid, ts; a dense grid
     sorted by (gpu_uuid, ts)); the result has the same rows in the same order. Events without a
-    `gpu_uuid` are ignored (resolve them first, `features.labels.resolve_xid_gpus`)."""
+    `gpu_uuid` are ignored (resolve them first, `features.labels.resolve_xid_gpus`). `keep`
+    and `dtype` as in `features.windows.window_features`."""
     sizes = check_grid(grid, windows)
     labels = [window_label(w) for w in windows]
     class_map = dict(xid_class_map() if classes is None else classes)
@@ -133,4 +136,4 @@ def xid_features(
             .fill_null(cap_h)
             .alias(f"xid_{c}_since_last_h")
         )
-    return lf.select(GPU, "ts", *out).collect(engine=ENGINE)
+    return select_rows(lf, out, keep, dtype)
