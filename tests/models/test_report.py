@@ -1,0 +1,109 @@
+"""The walk-forward report: same data and seed give the same metrics.json; the Markdown and
+plots say what the figures say; files are written atomically."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from functools import cache
+
+import pandas as pd
+
+from models.report import METRICS_FILE, PLOTS, REPORT_FILE, metrics_json, write_walk_forward_report
+from models.walk_forward import Contender, WalkForwardPlan, evaluate_walk_forward
+from tests.models import ONE_THREAD, make_synthetic_frame
+
+PLAN = WalkForwardPlan(
+    horizon="12h", test_days=3, train_window="4d", candidate_windows=("2d", "4d"), validation_window="1d",
+    negative_fraction=0.3, seed=5,
+)  # fmt: skip
+CONTENDERS = [
+    Contender("lgb static", "lightgbm", "static", {"n_estimators": 20, **ONE_THREAD}),
+    Contender("lr sliding", "logistic", "sliding"),
+    Contender("lr auto", "logistic", "auto"),
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fleet_frame() -> pd.DataFrame:
+    """The synthetic frame with the columns the rule baseline reads: a memory XID in the last
+    24 h rises before some failures (the rule's signal), and an uncorrectable ECC column."""
+    frame = make_synthetic_frame(n_gpus=100, n_hours=24 * 10, horizon_h=12, fail_fraction=0.4, seed=2)
+    frame = frame.rename(columns={"xid_count_24h": "xid_memory_count_24h"})
+    frame["ecc_dbe_volatile_total_increase_24h"] = (frame["gpu_uuid"] == "GPU-00003").astype("float32")
+    return frame
+
+
+@cache
+def metrics() -> dict:
+    return evaluate_walk_forward(fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100)
+
+
+def test_same_data_and_seed_give_a_byte_identical_metrics_json_apart_from_the_timestamp(tmp_path):
+    again = evaluate_walk_forward(fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100)
+    first, _ = write_walk_forward_report(metrics(), tmp_path / "a", generated_at=datetime(2026, 1, 1, tzinfo=UTC))
+    second, _ = write_walk_forward_report(again, tmp_path / "b", generated_at=datetime(2026, 2, 2, tzinfo=UTC))
+    a, b = first.read_text().splitlines(), second.read_text().splitlines()
+    assert a[1].strip().startswith('"generated_at"') and a[1] != b[1]
+    assert a[2:] == b[2:]
+    # A different seed draws other negatives and other bootstrap days: the figures move.
+    other = evaluate_walk_forward(
+        fleet_frame(), CONTENDERS, WalkForwardPlan(**{**PLAN.__dict__, "seed": 6}), top_k=["5"], bootstrap_samples=100
+    )
+    assert metrics_json(other, datetime(2026, 1, 1, tzinfo=UTC)) != first.read_text()
+
+
+def test_metrics_json_keeps_what_gpufail_summary_reads(tmp_path):
+    json_path, _ = write_walk_forward_report(metrics(), tmp_path)
+    data = json.loads(json_path.read_text())
+    assert data["top_k"] == "5"
+    assert {"start", "end", "n_gpus"} <= set(data["test"])
+    for name in ("model", "random", "rule", "heuristic", "oracle", "lr auto"):
+        entry = data["scores"][name]
+        assert {"precision_at_k_pooled", "n_caught_at_k", "n_episodes", "lead_time_h_median_at_k"} <= set(entry)
+    assert data["scores"]["model"]["name"] == "lr auto"
+    assert data["scores"]["rule"]["flagged"]["flags_per_grid_time_mean"] > 0
+
+
+def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(tmp_path):
+    _, md_path = write_walk_forward_report(metrics(), tmp_path)
+    text = md_path.read_text()
+    for row in ("| lgb static | lightgbm, static |", "| lr auto | logistic, auto |", "| rule | baseline |"):
+        assert row in text
+    best = metrics()["claims"]["best"]
+    assert f"Best configuration: **{best}**" in text
+    assert "## Comparison at K = expected" in text
+    assert "## Failure modes (K = 5)" in text
+    auto_fits = [f for f in metrics()["fits"] if f["contender"] == "lr auto"]
+    assert len(auto_fits) == 3
+    for fit in auto_fits:
+        assert f"lr auto at {fit['retrain_at']}: **{fit['train_window']}**" in text
+    for name in PLOTS:
+        assert f"]({name})" in text
+
+
+def test_plots_are_png_and_nothing_temporary_is_left(tmp_path):
+    out = tmp_path / "report"
+    write_walk_forward_report(metrics(), out)
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    assert sorted(p.name for p in out.iterdir()) == sorted([METRICS_FILE, REPORT_FILE, *PLOTS])
+
+
+def test_a_failed_write_leaves_the_previous_report_in_place(tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    write_walk_forward_report(metrics(), out)
+    before = (out / METRICS_FILE).read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("models.report.os.replace", broken)
+    try:
+        write_walk_forward_report(metrics(), out, generated_at=datetime(2030, 1, 1, tzinfo=UTC))
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the broken write did not fail")
+    assert (out / METRICS_FILE).read_bytes() == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
