@@ -1,0 +1,518 @@
+"""`gpufail nightly`: the retraining job, once a day.
+
+ingest (new kernel-log lines) -> features (new days, and the recent days whose labels the new
+data settles) -> train (the most recent window before the held-out window) -> evaluate (on the
+held-out window) -> register (an MLflow run and a model version, alias `challenger`) -> gate
+(`champion` moves only on evidence) -> score (the fleet, with the champion loaded by alias) ->
+publish (the action policy; dry run unless configured otherwise).
+
+The job is keyed by its day, the date of the newest telemetry partition. Each completed step
+is recorded in the store's state (`_state/nightly.json`) with what it produced, so:
+- a second run for the same day finds every step done and changes nothing;
+- a run that crashed resumes at the first step not done (MLflow logging and registration are
+  themselves idempotent: a run for this day and data fingerprint, or a version made from that
+  run, is reused);
+- a new day starts from the first step.
+A file lock (`flock`, released by the kernel when the process dies, so a crash leaves no stale
+lock) keeps two runs from overlapping. When a step fails, the champion keeps serving: the job
+still scores and publishes with it (falling back to the last champion loaded when the registry
+is down), without marking those steps done, and then exits non-zero naming the failed step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ingest.errors import ConfigError, GpufailError
+from ingest.store import Store
+
+STEPS = ("ingest", "features", "train", "evaluate", "register", "gate", "score", "publish")
+SERVING_STEPS = ("score", "publish")
+STATE = "nightly"
+
+
+class NightlyError(GpufailError):
+    """A nightly step failed (the champion keeps serving), or another run holds the lock."""
+
+
+@dataclass(frozen=True)
+class NightlyOptions:
+    """Everything the job needs, as plain values (read from the settings by the CLI)."""
+
+    work_dir: Path
+    tracking_uri: str
+    model_name: str
+    experiment: str
+    kind: str
+    train_window: timedelta
+    horizon: timedelta
+    top_k: int
+    holdout_days: float
+    promotion_margin: float
+    recall_tolerance: float
+    precision_floor: float
+    negative_fraction: float = 0.1
+    params: dict[str, Any] = field(default_factory=dict)
+    retries: int = 3
+    backoff_s: float = 2.0
+    cluster: str = "default"
+    dedup_window: timedelta = timedelta(minutes=5)
+    grid: timedelta = timedelta(hours=1)
+    windows: tuple[timedelta, ...] = (timedelta(hours=1), timedelta(hours=6), timedelta(hours=24), timedelta(days=7))
+    failure_xids: tuple[int, ...] | None = None
+    merge_window: timedelta = timedelta(hours=6)
+    progress: bool = True
+
+
+@dataclass
+class NightlySummary:
+    day: str
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    already_done: bool = False
+    results: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        if self.already_done:
+            return f"nightly {self.day}: already complete, nothing to do"
+        gate = self.results.get("gate", {})
+        score = self.results.get("score", {})
+        parts = [f"nightly {self.day}: ran {', '.join(self.done) or 'nothing'}"]
+        if self.skipped:
+            parts.append(f"skipped {', '.join(self.skipped)}")
+        if "reason" in self.results.get("train", {}):
+            parts.append(f"no training: {self.results['train']['reason']}")
+        if gate:
+            verdict = "promoted" if gate.get("promote") else "kept the champion"
+            parts.append(f"version {gate.get('version')} {verdict} ({gate.get('reason')})")
+        if score:
+            parts.append(f"scored {score.get('gpus')} GPUs with champion version {score.get('version')}")
+        return "; ".join(parts) + f" in {self.seconds:.1f}s"
+
+
+def default_work_dir(root: str, configured: str) -> Path:
+    """`configured`, else DATA/_nightly for a local data root."""
+    if configured:
+        return Path(configured)
+    if "://" in root and not root.startswith("file://"):
+        raise ConfigError(
+            f"[nightly] work_dir: the data root {root} is not a local folder; set work_dir to a local folder "
+            "for the lock, the model being trained and the champion cache"
+        )
+    return Path(root.removeprefix("file://")) / "_nightly"
+
+
+@contextmanager
+def job_lock(work_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on work_dir/nightly.lock, or fail at once if another run holds it."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    path = work_dir / "nightly.lock"
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NightlyError(
+                f"another `gpufail nightly` holds the lock {path}; runs must not overlap (wait for it to finish)"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def job_day(store: Store) -> str:
+    """The day a run is for: the date of the newest telemetry partition."""
+    days = store.dates("telemetry")
+    if not days:
+        raise NightlyError(f"{store.root}: no telemetry; collect or simulate data before running the nightly job")
+    return days[-1].isoformat()
+
+
+def run_nightly(
+    root: str,
+    options: NightlyOptions,
+    *,
+    publish: Publish,
+    report: Callable[[str], None] = print,
+    sleep: Callable[[float], None] = time.sleep,
+) -> NightlySummary:
+    """Run (or resume, or confirm) the nightly job for the newest day of data under `root`;
+    `publish` is the last step (`policy_publisher`)."""
+    began = time.perf_counter()
+    store = Store.open(root)
+    with job_lock(options.work_dir):
+        day = job_day(store)
+        state = store.read_state(STATE)
+        if state is None or state.get("day") != day:
+            state = {"day": day, "steps": {}, "started_at": _now()}
+        summary = NightlySummary(day=day)
+        if all(step in state["steps"] for step in STEPS):
+            summary.already_done = True
+            summary.results = dict(state["steps"])
+            return summary
+        job = _Job(store, options, day, state, publish, sleep)
+        for step in STEPS:
+            if step in state["steps"]:
+                summary.results[step] = state["steps"][step]
+                continue
+            report(f"nightly {day}: {step} ...")
+            try:
+                result = job.run(step)
+            except Exception as exc:
+                summary.seconds = time.perf_counter() - began
+                raise job.fail(step, exc, report) from exc
+            state["steps"][step] = result
+            state.pop("failed", None)
+            store.write_state(STATE, state)
+            summary.results[step] = result
+            (summary.skipped if result.get("skipped") else summary.done).append(step)
+        state["completed_at"] = _now()
+        store.write_state(STATE, state)
+    summary.seconds = time.perf_counter() - began
+    return summary
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class _Job:
+    """The steps of one day's run. Each returns a JSON-ready record of what it did."""
+
+    def __init__(
+        self,
+        store: Store,
+        options: NightlyOptions,
+        day: str,
+        state: dict[str, Any],
+        publish: Publish,
+        sleep: Callable[[float], None],
+    ) -> None:
+        self.store = store
+        self.publish = publish
+        self.o = options
+        self.day = day
+        self.state = state
+        self.sleep = sleep
+        self.folder = options.work_dir / day
+        self._frame: Any = None
+        self._registry: Any = None
+        self._served: dict[str, Any] = {}
+
+    def run(self, step: str) -> dict[str, Any]:
+        if step in ("evaluate", "register", "gate") and self.state["steps"].get("train", {}).get("skipped"):
+            return {"skipped": True, "reason": "no model was trained"}
+        result: dict[str, Any] = getattr(self, f"_{step}")()
+        return result
+
+    # -- failure -------------------------------------------------------------------------------
+
+    def fail(self, step: str, exc: Exception, report: Callable[[str], None]) -> NightlyError:
+        """Record the failure, keep the champion serving, and say what happened."""
+        message = str(exc) if isinstance(exc, GpufailError) else f"{type(exc).__name__}: {exc}"
+        self.state["failed"] = {"step": step, "error": message, "at": _now(), "trace": traceback.format_exc()[-4000:]}
+        notes = []
+        try:
+            self.store.write_state(STATE, self.state)
+        except Exception as write_exc:  # a full disk: the log below still says what failed
+            notes.append(f"the job state could not be saved either ({type(write_exc).__name__})")
+        if STEPS.index(step) < STEPS.index("score"):
+            try:
+                served = self._score()
+                self._publish()
+                notes.append(
+                    f"the champion (version {served['version']}, from the {served['source']}) scored the fleet and "
+                    "publishing went on"
+                )
+            except Exception as serve_exc:
+                detail = str(serve_exc) if isinstance(serve_exc, GpufailError) else type(serve_exc).__name__
+                notes.append(f"no champion could score the fleet ({detail})")
+        else:
+            notes.append("the champion keeps serving")
+        for note in notes:
+            report(f"nightly {self.day}: {note}")
+        return NightlyError(
+            f"nightly {self.day}: step {step} failed: {message}; " + "; ".join(notes) + "; run `gpufail nightly` "
+            "again to resume from this step"
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def registry(self) -> Any:
+        from models.registry import Registry
+
+        if self._registry is None:
+            self._registry = Registry(
+                self.o.tracking_uri,
+                self.o.model_name,
+                experiment=self.o.experiment,
+                retries=self.o.retries,
+                backoff_s=self.o.backoff_s,
+                sleep=self.sleep,
+            )
+        return self._registry
+
+    def frame(self) -> Any:
+        from features.build import read_features
+
+        if self._frame is None:
+            self._frame = read_features(self.store)
+            if self._frame.height == 0:
+                raise NightlyError(f"{self.store.root}: the features dataset is empty after the features step")
+        return self._frame
+
+    def holdout(self) -> Any:
+        import polars as pl
+
+        train = self.state["steps"]["train"]
+        start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
+        return self.frame().filter((pl.col("ts") >= start) & (pl.col("ts") <= end) & pl.col("label").is_not_null())
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    def _ingest(self) -> dict[str, Any]:
+        from ingest.kernel_log_ingest import ingest_kernel_logs
+
+        folder = Path(self.store.path("raw", "kernel-log"))
+        paths = sorted(p for p in folder.glob("*") if p.is_file()) if self.store.fs.exists(str(folder)) else []
+        if not paths:
+            return {"kernel_log": "no kernel-log files under raw/kernel-log"}
+        summary = ingest_kernel_logs(self.store, paths, cluster=self.o.cluster, dedup_window=self.o.dedup_window)
+        return {"kernel_log": str(summary)}
+
+    def _features(self) -> dict[str, Any]:
+        from features.build import FEATURES_DATASET, build_features_from_store
+
+        built = self.store.dates(FEATURES_DATASET)
+        start = None
+        if built:
+            # New data settles labels up to horizon + merge_window back: rebuild those days too.
+            back = math.ceil((self.o.horizon + self.o.merge_window) / timedelta(days=1))
+            start = datetime.combine(built[-1] - timedelta(days=back), datetime.min.time(), tzinfo=UTC)
+        summary = build_features_from_store(
+            self.store,
+            start=start,
+            grid=self.o.grid,
+            windows=list(self.o.windows),
+            horizon=self.o.horizon,
+            failure_xids=self.o.failure_xids,
+            merge_window=self.o.merge_window,
+            overwrite=bool(built),
+            progress=self.o.progress,
+        )
+        return {"features": str(summary), "from": None if start is None else start.isoformat()}
+
+    def _train(self) -> dict[str, Any]:
+        import polars as pl
+
+        from models.registry import dataset_fingerprint
+        from models.train import save_model, settled_until, train_model
+
+        frame = self.frame()
+        settled = settled_until(frame, self.o.horizon)
+        holdout_start = settled - timedelta(days=self.o.holdout_days) + self.o.grid
+        # The fit's labels end a horizon before the held-out window: it never sees it.
+        window_start = holdout_start - self.o.horizon - self.o.train_window
+        window_end = holdout_start - self.o.horizon
+        positives = frame.filter((pl.col("ts") >= window_start) & (pl.col("ts") < window_end))["label"].sum()
+        base = {
+            "holdout_start": holdout_start.isoformat(),
+            "holdout_end": settled.isoformat(),
+            "window_start": window_start.isoformat(),
+            "window_end": window_end.isoformat(),
+            "fingerprint": dataset_fingerprint(self.store, ["telemetry", "xid_events", "features"]),
+        }
+        if not positives:
+            return {
+                **base,
+                "skipped": True,
+                "reason": f"the training window {window_start:%Y-%m-%d %H:%M} to {window_end:%Y-%m-%d %H:%M} "
+                "has no failures; no model trained, the champion stays",
+            }
+        model = train_model(
+            frame,
+            kind=self.o.kind,
+            train_window=self.o.train_window,
+            horizon=self.o.horizon,
+            as_of=holdout_start,
+            params=dict(self.o.params),
+            negative_fraction=self.o.negative_fraction,
+        )
+        path = save_model(model, self.folder / "model")
+        return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
+
+    def _evaluate(self) -> dict[str, Any]:
+        from models.registry import holdout_metrics, write_holdout_report
+        from models.train import load_model
+
+        train = self.state["steps"]["train"]
+        model = load_model(train["model_dir"])
+        metrics = holdout_metrics(model, self.holdout(), self.o.top_k)
+        report = self.folder / "report"
+        title = f"held-out window {train['holdout_start'][:16]} to {train['holdout_end'][:16]}, K={self.o.top_k}"
+        write_holdout_report(metrics, report, title=title)
+        m = metrics["model"]
+        return {
+            "report": str(report),
+            "precision_at_k": m["precision_at_k_mean"],
+            "recall_at_k": m.get("recall_at_k"),
+            "episodes": m.get("n_episodes"),
+        }
+
+    def _register(self) -> dict[str, Any]:
+        import json
+
+        from models.registry import DAY_TAG, log_training_run, register
+        from models.train import load_model
+
+        train, evaluate = self.state["steps"]["train"], self.state["steps"]["evaluate"]
+        model = load_model(train["model_dir"])
+        metrics = json.loads((Path(evaluate["report"]) / "metrics.json").read_text())
+        logged = log_training_run(
+            self.registry(),
+            model,
+            example=self.holdout().head(5),
+            metrics=metrics,
+            report_dir=Path(evaluate["report"]),
+            fingerprint=train["fingerprint"],
+            data_window=(train["window_start"], train["holdout_end"]),
+            params={
+                "holdout_start": train["holdout_start"],
+                "holdout_end": train["holdout_end"],
+                "top_k": self.o.top_k,
+                "train_window_days": self.o.train_window / timedelta(days=1),
+            },
+            tags={DAY_TAG: self.day},
+        )
+        version = register(self.registry(), logged)
+        return {"run_id": logged.run_id, "version": version}
+
+    def _gate(self) -> dict[str, Any]:
+        from models.registry import promote_if_better
+        from models.train import load_model
+
+        version = self.state["steps"]["register"]["version"]
+        decision = promote_if_better(
+            self.registry(),
+            version,
+            self.holdout(),
+            top_k=self.o.top_k,
+            margin=self.o.promotion_margin,
+            recall_tolerance=self.o.recall_tolerance,
+            floor=self.o.precision_floor,
+            challenger_model=load_model(self.state["steps"]["train"]["model_dir"]),
+        )
+        return {
+            "version": version,
+            "promote": decision.promote,
+            "reason": decision.reason,
+            "champion_before": decision.champion_version,
+        }
+
+    def _score(self) -> dict[str, Any]:
+        import polars as pl
+        import pyarrow as pa
+
+        from features.build import FEATURES_DATASET, read_features
+        from models.registry import load_champion
+        from serving.score import score_latest
+
+        loaded = load_champion(
+            self.o.tracking_uri,
+            self.o.model_name,
+            cache_dir=self.o.work_dir / "champion",
+            retries=self.o.retries,
+            backoff_s=self.o.backoff_s,
+            sleep=self.sleep,
+        )
+        last_day = self.store.dates(FEATURES_DATASET)[-1]
+        frame = read_features(self.store, start=datetime.combine(last_day, datetime.min.time(), tzinfo=UTC))
+        frame = frame.filter(pl.col("ts") == pl.col("ts").max())
+        predictions = score_latest(loaded.model, frame)
+        ts = predictions["ts"].max()
+        existing = self.store.read_owned("predictions", ts.date(), ts.date())
+        # A resumed job does not score the same grid time with the same model twice.
+        already = existing is not None and any(
+            row["ts"] == ts and row["model_version"] == loaded.model.version
+            for row in existing.select(["ts", "model_version"]).to_pylist()
+        )
+        path = None
+        if not already:
+            path = self.store.write_owned(
+                "predictions", ts.date(), pa.Table.from_pandas(predictions, preserve_index=False)
+            )
+        self._served = {
+            "version": loaded.version,
+            "source": loaded.source,
+            "model_version": loaded.model.version,
+            "ts": str(ts),
+            "gpus": len(predictions),
+            "path": path,
+        }
+        return dict(self._served)
+
+    def _publish(self) -> dict[str, Any]:
+        table = self.store.read_owned("predictions")
+        if table is None:
+            raise NightlyError(f"{self.store.root}: no predictions to publish")
+        predictions = table.to_pandas()
+        latest = predictions[predictions["ts"] == predictions["ts"].max()]
+        served = self._served or self.state["steps"].get("score", {})
+        if served.get("model_version") in set(latest["model_version"]):
+            # A grid time scored twice (a champion promoted on a resumed run): publish the newest.
+            latest = latest[latest["model_version"] == served["model_version"]]
+        return self.publish(self.store, latest)
+
+
+Publish = Callable[[Store, Any], dict[str, Any]]
+"""Publishes the latest predictions (a pandas frame) of a store; returns a record of it."""
+
+
+def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
+    """The `gpufail publish` path (action policy, configured target, audit log) as a step:
+    `publish_settings` is the [publish] table; `dry_run` overrides its dry_run."""
+
+    def publish(store: Store, latest: Any) -> dict[str, Any]:
+        from collections import Counter
+
+        from gpufail.cli import _latest_repairs, _policy, _publisher, _top_features
+        from serving.policy import PolicyState
+        from serving.publish import append_audit, state_name
+        from serving.publish import publish as run_publish
+
+        cfg = publish_settings
+        mode = "dry-run" if dry_run else "shadow" if cfg.shadow else "live"
+        name = state_name(cfg.target, mode)
+        state = PolicyState.from_json(store.read_state(name), f"{store.root}: _state/{name}.json")
+        outcome = run_publish(
+            latest,
+            _publisher(cfg, cfg.target),
+            _policy(cfg),
+            state,
+            mode=mode,
+            now=datetime.now(UTC),
+            repairs=_latest_repairs(store),
+            top_features=_top_features(latest),
+        )
+        if mode != "dry-run":
+            store.write_state(name, outcome.state.to_json())
+        path = append_audit(outcome.rows, store.path("actions"), fs=store.fs)
+        return {
+            "mode": mode,
+            "target": cfg.target,
+            "actions": dict(Counter(r.action for r in outcome.rows)),
+            "scheduler_error": outcome.scheduler_error,
+            "path": path,
+        }
+
+    return publish
