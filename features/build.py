@@ -54,11 +54,17 @@ from features.windows import (
     window_features,
 )
 from features.xids import xid_features
+from ingest.errors import StoreError
 from ingest.schema import metric_catalogue
 from ingest.store import Store
 from ingest.xid_catalog import default_failure_xids
 
 FEATURES_DATASET = "features"
+
+
+class FeaturesExistError(StoreError, FileExistsError):
+    """The features dataset already has files for the dates a build would write."""
+
 
 _XID_DEFAULTS: dict[str, pl.DataType] = {
     "cluster": pl.String(),
@@ -607,9 +613,9 @@ def build_features_from_store(
 
     old_files = feature_files(store, emit_start.date(), (emit_end - timedelta(days=1)).date())
     if old_files and not overwrite:
-        raise FileExistsError(
+        raise FeaturesExistError(
             f"features: {len(old_files)} files already cover {emit_start.date()}..{(emit_end - timedelta(days=1)).date()} "
-            f"(e.g. {old_files[0]}); pass overwrite=True to rebuild them"
+            f"(e.g. {old_files[0]}); pass overwrite=True (gpufail features --overwrite) to rebuild them"
         )
 
     # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.

@@ -278,24 +278,54 @@ def _when(text: str | None) -> datetime | None:
 @click.option("--end", default=None, help="End of the grid, exclusive (ISO, UTC); default: the end of the telemetry.")
 @click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option(
+    "--dictionary",
+    "dictionary_path",
+    default=None,
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the feature dictionary (name, meaning, unit, window) as Markdown to this file ('-': stdout) and build nothing.",
+)
 @click.pass_context
 def features(
-    ctx: click.Context, data: str | None, start: str | None, end: str | None, overwrite: bool, quiet: bool
+    ctx: click.Context,
+    data: str | None,
+    start: str | None,
+    end: str | None,
+    overwrite: bool,
+    quiet: bool,
+    dictionary_path: str | None,
 ) -> None:
     """Build sliding-window features and labels into the features dataset."""
+    settings = _settings(ctx)
+    if dictionary_path is not None:
+        from features.dictionary import dictionary_markdown
+
+        text = dictionary_markdown(settings.features.grid, settings.features.windows)
+        if dictionary_path == "-":
+            click.echo(text, nl=False)
+        else:
+            Path(dictionary_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(dictionary_path).write_text(text)
+            click.echo(f"feature dictionary -> {dictionary_path}")
+        return
     from features.build import build_features_from_store
     from ingest.store import Store
 
-    settings = _settings(ctx)
+    first, last = _when(start), _when(end)
+    if first is not None and last is not None and last <= first:
+        raise GpufailError(f"--end {end}: expected a time after --start {start}")
     summary = build_features_from_store(
         Store.open(_root(ctx, data)),
-        start=_when(start),
-        end=_when(end),
+        start=first,
+        end=last,
         grid=settings.features.grid,
         windows=settings.features.windows,
+        max_silence=settings.features.max_silence,
+        max_buckets_in_memory=settings.features.buckets_in_memory,
         horizon=settings.labels.horizon,
         failure_xids=settings.labels.failure_xids,
         merge_window=settings.labels.merge_window,
+        lost_after=settings.labels.lost_after,
         overwrite=overwrite,
         progress=not quiet,
     )

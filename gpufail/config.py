@@ -69,6 +69,10 @@ class IngestSettings(_Table):
 class FeatureSettings(_Table):
     grid: Duration = timedelta(hours=1)
     windows: list[Duration] = Field(default_factory=lambda: [timedelta(hours=h) for h in (1, 6, 24, 168)])
+    max_silence: Duration = timedelta(hours=24)
+    """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
+    buckets_in_memory: int = Field(default=4_000_000, ge=0)
+    """Hourly (grid) buckets the build holds before computing features: bounds its memory."""
 
 
 class LabelSettings(_Table):
@@ -77,6 +81,8 @@ class LabelSettings(_Table):
     failure_xids: list[int] = Field(default_factory=lambda: list(default_failure_xids()))
     merge_window: Duration = timedelta(hours=6)
     """Failure events on one GPU closer than this are one failure episode."""
+    lost_after: Duration = timedelta(hours=6)
+    """A GPU silent this long while its node keeps reporting is lost (a failure)."""
 
 
 class ModelSettings(_Table):
