@@ -73,14 +73,26 @@ class SlurmPublisher:
             retry_on=(_CommandFailed,),
         )
 
+    def _sinfo(self) -> dict[str, dict[str, Any]]:
+        text = self._run("sinfo", "--json")
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _CommandFailed(f"sinfo --json: not JSON ({exc})") from None
+        # With the controller unreachable, 22.05's sinfo --json exits 0 with an "errors" list.
+        errors = answer.get("errors") if isinstance(answer, dict) else None
+        if errors:
+            raise _CommandFailed(f"sinfo --json reported {errors}")
+        try:
+            return {str(r["name"]): r for r in answer["nodes"]}
+        except (KeyError, TypeError) as exc:
+            raise _CommandFailed(f"sinfo --json: not Slurm's node list (no {exc})") from None
+
     def read_nodes(self) -> dict[str, dict[str, Any]]:
         """Node name -> its `sinfo --json` record."""
-        text = self._call("sinfo", "--json")
-        try:
-            records = json.loads(text)["nodes"]
-            self._nodes = {str(r["name"]): r for r in records}
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SchedulerUnavailable(f"slurm: `sinfo --json` output is not Slurm's node list ({exc})") from None
+        self._nodes = with_retries(
+            self._sinfo, what="slurm (sinfo)", attempts=self.attempts, backoff=self.backoff, retry_on=(_CommandFailed,)
+        )
         return self._nodes
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:

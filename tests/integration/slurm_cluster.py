@@ -78,11 +78,12 @@ class SlurmCluster:
 
     def reset_nodes(self) -> None:
         """Resume every node and clear its weight, so each test starts from an idle cluster."""
-        names = ",".join(self.nodes)
         states = self.node_states()
-        if any(s.get("state_flags") for s in states.values()):
-            self.scontrol("update", f"NodeName={names}", "State=RESUME")
-        self.scontrol("update", f"NodeName={names}", "Weight=1")
+        # RESUME is refused for a node that is neither drained nor down.
+        stuck = [n for n, s in states.items() if s.get("state_flags") or s.get("state") == "down"]
+        if stuck:
+            self.scontrol("update", f"NodeName={','.join(stuck)}", "State=RESUME")
+        self.scontrol("update", f"NodeName={','.join(self.nodes)}", "Weight=1")
         self.wait_idle()
 
     def stop(self) -> None:

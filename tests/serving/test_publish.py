@@ -1,17 +1,27 @@
-import hashlib
-from collections import Counter
-from pathlib import Path
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from serving.publish import AUDIT_SCHEMA, append_audit, decide_actions, read_audit
+from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.publish import AUDIT_SCHEMA, append_audit, publish, read_audit, state_name
+from serving.publishers import Applied, NodeView, SchedulerUnavailable
+from serving.publishers.log import LogPublisher
 
-NOW = pd.Timestamp("2026-01-05T12:00Z")
+NOW = datetime(2026, 1, 5, 12, tzinfo=UTC)
+CONFIG = PolicyConfig(
+    tiers=(
+        Tier("watch", 0.2, 0.1),
+        Tier("avoid", 0.35, 0.25),
+        Tier("drain_after_job", 0.5, 0.35),
+        Tier("drain_now", 0.8, 0.6),
+    ),
+    breaker_max_nodes=10,
+)
 
 
-def fleet(node_gpu_risks: dict[str, list[float]]) -> pd.DataFrame:
+def fleet(node_gpu_risks):
     rows = [
         ("c1", node, i, f"{node}-gpu{i}", risk)
         for node, risks in node_gpu_risks.items()
@@ -22,80 +32,99 @@ def fleet(node_gpu_risks: dict[str, list[float]]) -> pd.DataFrame:
     return frame
 
 
-def ten_nodes_five_risky() -> pd.DataFrame:
-    risky = {f"n{i}": [r, 0.01] for i, r in enumerate([0.9, 0.85, 0.8, 0.75, 0.7])}
-    calm = {f"n{i}": [0.01, 0.01] for i in range(5, 10)}
-    return fleet({**risky, **calm})
+class RecordingPublisher:
+    """A scheduler stand-in that records changes; `down` makes every call fail like an unreachable one."""
+
+    name = "fake"
+
+    def __init__(self, views=None, down=False):
+        self.views, self.down, self.changes = views or {}, down, []
+
+    def observe(self, nodes):
+        if self.down:
+            raise SchedulerUnavailable("fake: no answer after 3 tries (connection refused)")
+        return {n: self.views.get(n, NodeView()) for n in nodes}
+
+    def apply(self, changes):
+        self.changes.extend(changes)
+        return [Applied(True, f"set {c.new}", {"mark": c.new}) for c in changes]
 
 
-def test_circuit_breaker_drains_only_up_to_the_limit():
-    decisions = decide_actions(
-        ten_nodes_five_risky(), risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=10, now=NOW
+def test_live_publish_applies_changes_once_and_a_rerun_is_idempotent():
+    predictions = fleet({"a": [0.6, 0.01], "b": [0.3, 0.01], "c": [0.01]})
+    publisher = RecordingPublisher()
+    out = publish(predictions, publisher, CONFIG, PolicyState(), mode="live", now=NOW)
+    assert {(c.node, c.old, c.new) for c in publisher.changes} == {
+        ("a", "none", "drain_after_job"),
+        ("b", "none", "watch"),
+    }
+    change_a = next(c for c in publisher.changes if c.node == "a")
+    assert change_a.gpus == ("a-gpu0",) and change_a.model_version == "lightgbm-test"
+    assert out.state.nodes["c1/a"].applied == "drain_after_job" and out.state.nodes["c1/a"].saved == {
+        "mark": "drain_after_job"
+    }
+    rows = {r.node: r for r in out.rows}
+    assert rows["a"].result == "set drain_after_job" and rows["c"].result == "unchanged" and not rows["a"].dry_run
+    publisher.changes.clear()
+    again = publish(predictions, publisher, CONFIG, out.state, mode="live", now=NOW + timedelta(hours=1))
+    assert publisher.changes == [] and {r.result for r in again.rows} == {"unchanged"}
+
+
+def test_dry_run_changes_nothing_and_keeps_the_state():
+    publisher = RecordingPublisher()
+    out = publish(fleet({"a": [0.9]}), publisher, CONFIG, PolicyState(), mode="dry-run", now=NOW)
+    assert publisher.changes == [] and out.state == PolicyState()
+    assert out.rows[0].result == "dry-run: would set none -> drain_now" and out.rows[0].dry_run
+
+
+def test_shadow_advances_its_own_state_without_touching_the_scheduler():
+    publisher = RecordingPublisher()
+    out = publish(fleet({"a": [0.9]}), publisher, CONFIG, PolicyState(), mode="shadow", now=NOW)
+    assert publisher.changes == [] and out.state.nodes["c1/a"].applied == "drain_now"
+    assert out.rows[0].result.startswith("shadow: would set")
+    assert state_name("slurm", "shadow") == "publish-slurm-shadow" and state_name("slurm", "dry-run") == "publish-slurm"
+
+
+def test_an_unreachable_scheduler_is_reported_and_retried_next_run():
+    predictions = fleet({"a": [0.9]})
+    out = publish(predictions, RecordingPublisher(down=True), CONFIG, PolicyState(), mode="live", now=NOW)
+    assert "no answer after 3 tries" in out.scheduler_error
+    assert out.rows[0].result.startswith("failed: fake: no answer") and out.rows[0].result.endswith("retried next run")
+    assert out.state.nodes["c1/a"].tier == "drain_now" and out.state.nodes["c1/a"].applied == "none"
+    up = RecordingPublisher()
+    later = publish(predictions, up, CONFIG, out.state, mode="live", now=NOW + timedelta(hours=1))
+    assert [(c.node, c.old, c.new) for c in up.changes] == [("a", "none", "drain_now")]
+    assert later.state.nodes["c1/a"].applied == "drain_now"
+
+
+def test_a_node_the_scheduler_says_is_not_ours_is_skipped():
+    publisher = RecordingPublisher(views={"a": NodeView(unavailable="Slurm state down")})
+    out = publish(fleet({"a": [0.9]}), publisher, CONFIG, PolicyState(), mode="live", now=NOW)
+    assert publisher.changes == [] and out.rows[0].action == "skip" and out.rows[0].result == "skipped"
+
+
+def test_log_publisher_records_and_audit_round_trips(tmp_path):
+    out = publish(
+        fleet({"a": [0.9], "b": [0.01]}),
+        LogPublisher(),
+        CONFIG,
+        PolicyState(),
+        mode="live",
+        now=NOW,
+        top_features={"a-gpu0": ["ecc_sbe_rate_24h", "xid_count_24h"]},
     )
-    actions = Counter(d.action for d in decisions)
-    assert actions == {"drain": 2, "breaker_held": 3, "none": 5}
-    by_node = {d.node: d for d in decisions}
-    assert {n for n, d in by_node.items() if d.action == "drain"} == {"n0", "n1"}  # the riskiest
-    assert {n for n, d in by_node.items() if d.action == "breaker_held"} == {"n2", "n3", "n4"}
-    held = by_node["n3"]
-    assert "circuit breaker" in held.reason and "at most 2" in held.reason and "20% of 10 nodes" in held.reason
-    assert held.gpus == ("n3-gpu0",)
-    assert all(d.dry_run for d in decisions)
-    assert all(d.reason.startswith("dry-run") for d in decisions if d.action != "none")
-    assert all(d.time == NOW and d.model_version == "lightgbm-test" for d in decisions)
-    assert [d.risk for d in decisions] == sorted((d.risk for d in decisions), reverse=True)
+    assert out.rows[0].result == "recorded: none -> drain-now (no scheduler)"
+    path = append_audit(out.rows, str(tmp_path / "actions"))
+    assert path is not None and "/date=2026-01-05/part-" in path
+    audit = read_audit(str(tmp_path / "actions"))
+    assert list(audit.columns) == AUDIT_SCHEMA.names and len(audit) == 2
+    first = audit.iloc[0]
+    assert first["node"] == "a" and list(first["top_features"]) == ["ecc_sbe_rate_24h", "xid_count_24h"]
+    assert first["tier"] == "drain_now" and first["target"] == "log" and first["mode"] == "live"
+    assert append_audit([], str(tmp_path / "actions")) is None
+    assert not list((tmp_path / "actions").rglob(".tmp-*"))
 
 
-def test_limit_can_be_zero_and_then_every_drain_is_held():
-    decisions = decide_actions(ten_nodes_five_risky(), risk_threshold=0.5, max_nodes_fraction=0.05, total_nodes=10)
-    assert Counter(d.action for d in decisions)["breaker_held"] == 5
-
-
-def test_total_nodes_counts_nodes_not_in_the_predictions():
-    decisions = decide_actions(ten_nodes_five_risky(), risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=25)
-    assert Counter(d.action for d in decisions)["drain"] == 5  # limit 5 of 25
-
-
-def test_watch_uses_node_risk_from_several_moderate_gpus():
-    # No GPU is over the drain threshold 0.5, but the node is: 1 - 0.7**2 = 0.51.
-    decisions = decide_actions(
-        fleet({"a": [0.3, 0.3], "b": [0.2, 0.1], "c": [0.01]}),
-        risk_threshold=0.5,
-        max_nodes_fraction=1.0,
-        total_nodes=3,
-    )
-    assert [(d.node, d.action) for d in decisions] == [("a", "drain"), ("b", "watch"), ("c", "none")]
-    assert decisions[0].gpus == ("a-gpu0", "a-gpu1")
-    assert decisions[1].gpus == ("b-gpu0",)  # none at the watch threshold: the riskiest
-    assert decisions[2].gpus == ()
-
-
-def test_bad_arguments_are_refused():
-    predictions = ten_nodes_five_risky()
-    with pytest.raises(InputError, match="total_nodes"):
-        decide_actions(predictions, risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=3)
-    with pytest.raises(InputError, match="dry_run"):
-        decide_actions(predictions, risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=10, dry_run=False)
-    with pytest.raises(InputError, match="max_nodes_fraction"):
-        decide_actions(predictions, risk_threshold=0.5, max_nodes_fraction=0.0, total_nodes=10)
-
-
-def test_audit_appends_a_new_file_per_call_and_never_touches_old_ones(tmp_path):
-    root = tmp_path / "actions"
-    first = decide_actions(ten_nodes_five_risky(), risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=10, now=NOW)
-    path1 = append_audit(first, str(root))
-    digest = hashlib.sha256(Path(path1).read_bytes()).hexdigest()
-    second = decide_actions(
-        ten_nodes_five_risky(), risk_threshold=0.5, max_nodes_fraction=0.2, total_nodes=10, now=NOW + pd.Timedelta("1h")
-    )
-    path2 = append_audit(second, str(root))
-    assert path1 != path2
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    assert [str(p) for p in files] == sorted([path1, path2])  # no temporary files left behind
-    assert hashlib.sha256(Path(path1).read_bytes()).hexdigest() == digest
-    log = read_audit(str(root))
-    assert list(log.columns) == AUDIT_SCHEMA.names
-    assert len(log) == 20 and log["dry_run"].all()
-    assert log["time"].tolist() == [NOW] * 10 + [NOW + pd.Timedelta("1h")] * 10
-    assert log.loc[0, "gpus"].tolist() == ["n0-gpu0"] and log.loc[0, "action"] == "drain"
-    assert append_audit([], str(root)) is None
+def test_unknown_mode_is_refused():
+    with pytest.raises(InputError, match="mode: expected one of dry-run, shadow, live"):
+        publish(fleet({"a": [0.9]}), LogPublisher(), CONFIG, PolicyState(), mode="yolo", now=NOW)
