@@ -574,15 +574,16 @@ def gate(
     >= the champion's + `margin` and recall >= the champion's - `recall_tolerance`."""
     p, r = _headline(challenger)
     if champion is None:
-        if p >= floor:
+        if p + 1e-9 >= floor:
             return True, f"no champion yet; precision@K {p:.3f} reaches the floor {floor:.3f}"
         return False, f"no champion yet, but precision@K {p:.3f} is below the floor {floor:.3f}"
     if int(challenger.get("n_episodes") or 0) == 0:
         return False, "the held-out window has no failure episodes: nothing to compare on, the champion stays"
     cp, cr = _headline(champion)
-    if p < cp + margin:
+    # The epsilon keeps 0.28 + 0.02 from exceeding 0.30 in binary floating point.
+    if p + 1e-9 < cp + margin:
         return False, f"precision@K {p:.3f} does not beat the champion's {cp:.3f} by the margin {margin:.3f}"
-    if r is not None and cr is not None and r < cr - recall_tolerance:
+    if r is not None and cr is not None and r + 1e-9 < cr - recall_tolerance:
         return False, (
             f"precision@K {p:.3f} beats the champion's {cp:.3f}, but recall {r:.3f} is below the champion's "
             f"{cr:.3f} by more than the tolerance {recall_tolerance:.3f}"

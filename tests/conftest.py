@@ -34,3 +34,18 @@ def make_rows(dataset: str, times: list[datetime], **values: object) -> pa.Table
 @pytest.fixture
 def hours():
     return lambda *hs: [T0 + timedelta(hours=h) for h in hs]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite store, local artifacts) on 127.0.0.1 and a free
+    port, started once per session when a test asks for it; yields (url, home folder)."""
+    from gpufail.mlflow_server import start_server, stop_server
+
+    home = tmp_path_factory.mktemp("mlflow")
+    # Slow to start on a loaded 2-core machine (database migrations): allow minutes.
+    process, url = start_server(home, timeout=300)
+    try:
+        yield url, home
+    finally:
+        stop_server(process)
