@@ -74,14 +74,18 @@ def demo_pipeline(work: Path) -> list[StageResult]:
 
 def micro_benchmarks() -> dict[str, float]:
     """The hot loops alone, in this process: parse speed and in-memory feature building."""
-    from features.bench import bench_build
+    from features.bench import bench_build, bench_compare
     from ingest.kernel_log_bench import bench_parse
 
     parse = bench_parse(1_000_000, "rfc3339_syslog", repeat=2)
     build = bench_build(n_gpus=128, hours=130, repeat=2)
+    versus = bench_compare(n_gpus=32, hours=130)
     return {
         "kernel_log_parse_lines_per_s": round(parse),
         "feature_build_rows_per_s": round(build["rows_per_s"]),
+        "feature_compare_telemetry_rows": round(versus["telemetry_rows"]),
+        "feature_compare_gpufail_rows_per_s": round(versus["gpufail_rows_per_s"]),
+        "feature_compare_pandas_rows_per_s": round(versus["pandas_rows_per_s"]),
         **nvml_collector_micro(),
     }
 
@@ -126,6 +130,12 @@ def write_results(out: Path, stages: list[StageResult], micro: dict[str, float],
     lines.append(
         f"- feature build in memory (128 GPUs x 130 h, 1-minute samples): {micro['feature_build_rows_per_s']:,.0f} telemetry rows/s"
     )
+    if "feature_compare_pandas_rows_per_s" in micro:
+        lines.append(
+            f"- same {micro['feature_compare_telemetry_rows']:,} rows (32 GPUs x 130 h), same run: gpufail's build (every feature"
+            f" and label) {micro['feature_compare_gpufail_rows_per_s']:,.0f} rows/s; a straightforward pandas groupby-rolling"
+            f" over raw samples (window statistics only) {micro['feature_compare_pandas_rows_per_s']:,.0f} rows/s"
+        )
     if "nvml_collect_us_per_gpu_sample" in micro:
         lines.append(
             f"- NVML collector, fake libnvidia-ml.so.1 with 8 x H100: {micro['nvml_collect_us_per_gpu_sample']:.0f} us"
