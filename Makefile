@@ -12,7 +12,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint bench lock clean
+.PHONY: help install demo test lint bench lock clean mlflow
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -34,11 +34,16 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 	$(BIN)/gpufail train --data $(DEMO_DATA) --model-out $(DEMO_OUT)/model
 	$(BIN)/gpufail evaluate --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 	$(BIN)/gpufail score --data $(DEMO_DATA) --model $(DEMO_OUT)/model
-	$(BIN)/gpufail publish --data $(DEMO_DATA) --to log --dry-run
+	@# A dry run to Slurm when a controller answers here, else to the audit log only.
+	if timeout 15 scontrol ping >/dev/null 2>&1; then target=slurm; else target=log; fi; \
+		$(BIN)/gpufail publish --data $(DEMO_DATA) --to $$target --dry-run
 	$(BIN)/gpufail summary --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 
 test: $(STAMP) ## Run the test suite (no GPU, no ../shared needed)
 	$(BIN)/pytest -q
+
+mlflow: $(STAMP) ## Run the embedded MLflow registry on 127.0.0.1:5000 (SQLite, ./mlruns)
+	$(BIN)/gpufail mlflow
 
 bench: $(STAMP) ## Time each demo stage (and peak memory) and the hot loops -> bench-results/
 	$(BIN)/gpufail bench --out bench-results
