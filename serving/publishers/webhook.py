@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ class WebhookPublisher:
     attempts: int = 3
     backoff: float = 2.0
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    sleep: Callable[[float], None] = time.sleep
     name = "webhook"
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
@@ -91,7 +93,12 @@ class WebhookPublisher:
 
         try:
             status = with_retries(
-                post, what=f"webhook {self.url}", attempts=self.attempts, backoff=self.backoff, retry_on=(_Retryable,)
+                post,
+                what=f"webhook {self.url}",
+                attempts=self.attempts,
+                backoff=self.backoff,
+                retry_on=(_Retryable,),
+                sleep=self.sleep,
             )
         except SchedulerUnavailable as exc:
             return [Applied(False, f"failed: {exc}") for _ in changes]
