@@ -3,6 +3,14 @@
 A saved model is a folder of two files: `model.joblib` (a joblib pickle of a `TrainedModel`)
 and `metadata.json` (its description and the library versions it was trained with, readable
 without unpickling).
+Negative subsampling (`negative_fraction` r): healthy rows outnumber failing ones ~300:1, and
+most of them say the same thing. Keeping a random share r of the negatives (every positive
+kept) makes a fit ~1/r times cheaper and, on the demo, ranks as well (see `train_model`). It
+multiplies the odds a model estimates by 1/r; with positives also weighted w, a model
+overstates the odds by w / r, the one factor (`TrainedModel.pos_weight`) that `predict_risk`
+divides out. The sample is drawn before the feature matrix is built, so a large window is
+never materialised whole (the paper preset's 21-day window is ~18M rows).
+
 Pickles run code when loaded: load only model files you trust. They also break across
 library upgrades (DOMAIN.md 5, complaint 7), so `load_model` warns when the installed
 scikit-learn / LightGBM / XGBoost / numpy differ from the recorded ones.
@@ -28,13 +36,18 @@ import pandas as pd
 from ingest.errors import InputError
 from models.estimators import (
     DEFAULT_PARAMS,
+    ENSEMBLE_DEFAULTS,
+    ENSEMBLE_KINDS,
+    KINDS,
     MAX_POS_WEIGHT,
+    MONOTONE_KINDS,
     balanced_pos_weight,
     effective_pos_weight,
     make_model,
+    member_kinds,
     prior_correction,
 )
-from models.frame import feature_matrix, require_columns, split_xy, to_pandas
+from models.frame import feature_matrix, labels, require_columns, split_xy, to_pandas
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -45,8 +58,14 @@ class ModelVersionWarning(UserWarning):
     """A saved model was trained with other library versions than the installed ones."""
 
 
-def library_versions(kind: str) -> dict[str, str]:
-    """Versions of the libraries a model of `kind` depends on when it is unpickled."""
+DEFAULT_NEGATIVE_FRACTION = 0.1
+"""Share of negative rows `train_model` keeps by default (see the module docstring)."""
+
+
+def library_versions(kind: str, params: dict[str, Any] | None = None) -> dict[str, str]:
+    """Versions of the libraries a model of `kind` (with ensemble `params`) depends on when it
+    is unpickled."""
+    kinds = set(member_kinds(kind, params)) if kind in KINDS else {kind}
     import joblib
     import sklearn
 
@@ -57,11 +76,11 @@ def library_versions(kind: str) -> dict[str, str]:
         "scikit-learn": sklearn.__version__,
         "joblib": joblib.__version__,
     }
-    if kind == "lightgbm":
+    if "lightgbm" in kinds:
         import lightgbm
 
         versions["lightgbm"] = lightgbm.__version__
-    elif kind == "xgboost":
+    if "xgboost" in kinds:
         import xgboost
 
         versions["xgboost"] = xgboost.__version__
@@ -82,9 +101,23 @@ class TrainedModel:
     n_positives: int
     horizon: pd.Timedelta
     pos_weight: float
-    """Factor by which class weighting overstates the odds; `predict_risk` divides it out."""
+    """Factor by which class weighting and negative subsampling overstate the odds
+    (w / negative_fraction); `predict_risk` divides it out."""
     versions: dict[str, str] = field(default_factory=dict)
     trained_at: pd.Timestamp = field(default_factory=lambda: pd.Timestamp.now(tz="UTC"))
+    negative_fraction: float = 1.0
+    """Share of the window's negative rows the model was fit on (`n_rows` counts the sample)."""
+
+    def design_matrix(self, frame: Any) -> pd.DataFrame:
+        """What the estimator takes: the feature columns and, for an ensemble that ranks within
+        scoring times, the time column."""
+        X = feature_matrix(frame, self.feature_columns)
+        time_column = getattr(self.estimator, "time_column", None)
+        if time_column is not None:
+            df = to_pandas(frame)
+            require_columns(df, [time_column], "feature frame")
+            X[time_column] = df[time_column].to_numpy()
+        return X
 
     @property
     def version(self) -> str:
@@ -101,7 +134,7 @@ class TrainedModel:
     def predict_score(self, frame: Any) -> np.ndarray:
         """The estimator's probability of failure for each row of `frame` (class-weighted:
         right for ranking, too high as a probability)."""
-        X = feature_matrix(frame, self.feature_columns)
+        X = self.design_matrix(frame)
         if len(X) == 0:
             return np.zeros(0)
         return np.asarray(self.estimator.predict_proba(X)[:, 1], dtype=np.float64)
@@ -125,6 +158,7 @@ class TrainedModel:
             "n_positives": self.n_positives,
             "horizon_h": self.horizon / pd.Timedelta(hours=1),
             "pos_weight": self.pos_weight,
+            "negative_fraction": getattr(self, "negative_fraction", 1.0),
             "trained_at": self.trained_at.isoformat(),
             "versions": self.versions,
         }
@@ -135,17 +169,51 @@ def _utc_ts(df: pd.DataFrame) -> pd.Series:
     return ts.dt.tz_localize("UTC") if ts.dt.tz is None else ts.dt.tz_convert("UTC")
 
 
+def _is_polars(frame: Any) -> bool:
+    return type(frame).__module__.startswith("polars")
+
+
+def _require(frame: Any, columns: Sequence[str], what: str) -> None:
+    if _is_polars(frame):
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise InputError(
+                f"{what}: missing column(s) {missing}; expected a feature frame with {list(columns)}, "
+                f"got columns {list(frame.columns)[:20]}{' ...' if len(frame.columns) > 20 else ''}"
+            )
+    else:
+        require_columns(to_pandas(frame), columns, what)
+
+
 def settled_until(frame: Any, horizon: DurationLike) -> pd.Timestamp:
     """The last grid time at which every label is settled: the frame's last ts - horizon.
 
     After it, a label is known only where the GPU has already failed (a positive) and is
     censored elsewhere, so those grid times hold failures without their healthy peers; training
     or evaluating on them would overstate the share of failures."""
-    df = to_pandas(frame)
-    require_columns(df, ["ts"], "feature frame")
-    if len(df) == 0:
+    _require(frame, ["ts"], "feature frame")
+    if len(frame) == 0:
         raise InputError("feature frame: no rows; expected at least one grid time")
-    return _utc_ts(df).max() - as_timedelta(horizon, "horizon")
+    last = as_utc(frame["ts"].max()) if _is_polars(frame) else _utc_ts(to_pandas(frame)).max()
+    return last - as_timedelta(horizon, "horizon")
+
+
+def _window(frame: Any, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None) -> Any:
+    """`training_rows` in the type of `frame` (polars stays polars: nothing is converted yet)."""
+    _require(frame, ["ts", "gpu_uuid", "label"], "training frame")
+    window = as_timedelta(train_window, "train_window")
+    settled = settled_until(frame, horizon)
+    if as_of is not None:
+        start, end = as_utc(as_of) - as_timedelta(horizon, "horizon") - window, as_utc(as_of) - as_timedelta(horizon)
+        end = min(end, settled + pd.Timedelta(microseconds=1))
+    else:
+        start, end = settled - window + pd.Timedelta(microseconds=1), settled + pd.Timedelta(microseconds=1)
+    if end <= start:
+        return frame.head(0)
+    # [start, end) on a grid of whole seconds: as_of - horizon - window <= ts < as_of - horizon
+    # (time_split's training side), or settled - window < ts <= settled, never past settled.
+    train, _ = time_split(frame, end + as_timedelta(horizon, "horizon"), horizon, end - start)
+    return train
 
 
 def training_rows(
@@ -157,15 +225,23 @@ def training_rows(
     no label looks past as_of. Without: the `train_window` ending at `settled_until(frame,
     horizon)`, inclusive. Either way, nothing after `settled_until`.
     """
-    df = to_pandas(frame)
-    require_columns(df, ["ts", "gpu_uuid", "label"], "training frame")
-    window = as_timedelta(train_window, "train_window")
-    settled = settled_until(df, horizon)
-    if as_of is not None:
-        df, _ = time_split(df, as_utc(as_of), horizon, window)
-        return df.loc[(_utc_ts(df) <= settled).to_numpy()]
-    ts = _utc_ts(df)
-    return df.loc[((ts > settled - window) & (ts <= settled)).to_numpy()]
+    return to_pandas(_window(frame, train_window=train_window, horizon=horizon, as_of=as_of))
+
+
+def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.DataFrame:
+    """The labelled rows of `frame` with every positive and a random share `negative_fraction`
+    of the negatives (seeded: the same frame and seed give the same sample), as pandas. The
+    sample is drawn before any conversion, so only the kept rows are materialised."""
+    if not 0.0 < negative_fraction <= 1.0:
+        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+    label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
+    draw = np.random.default_rng(seed).random(len(label))
+    keep = (label == 1) | ((label == 0) & (draw < negative_fraction))
+    if _is_polars(frame):
+        import polars as pl
+
+        return to_pandas(frame.filter(pl.Series(keep)))
+    return to_pandas(frame).loc[keep]
 
 
 def train_model(
@@ -178,19 +254,31 @@ def train_model(
     params: dict[str, Any] | None = None,
     max_pos_weight: float = MAX_POS_WEIGHT,
     monotone_increasing: Sequence[str] = (),
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+    seed: int = 0,
 ) -> TrainedModel:
-    """Fit a `kind` model on the most recent `train_window` of labelled rows that ends a
-    `horizon` before `as_of` (see `training_rows`). `params` override the defaults of
-    `models.estimators.DEFAULT_PARAMS`.
+    """Fit a `kind` model (one of `models.estimators.KINDS`) on the most recent `train_window`
+    of labelled rows that ends a `horizon` before `as_of` (see `training_rows`), keeping every
+    positive and a share `negative_fraction` of the negatives (`sample_negatives`, seeded by
+    `seed`). `params` override the defaults of `models.estimators.DEFAULT_PARAMS` (single
+    kinds) or `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first,
+    second, target_recall, validation_fraction; both: n_jobs, member_params).
 
     `monotone_increasing` names features whose rise must never lower the risk (error counters:
-    a new double-bit ECC error is never good news); the trees get monotone constraints on them.
-    Without them, trees fit on a few hundred failures can rank a GPU lower because its error
-    count went up. Logistic regression has no such constraint here: naming features is an error.
+    a new double-bit ECC error is never good news): the trees get monotone constraints on them,
+    logistic regression non-negative coefficients, and every member of an ensemble likewise
+    (the MLP cannot be constrained: naming features for it is an error). Without them, trees
+    fit on a few hundred failures can rank a GPU lower because its error count went up.
     """
-    if kind not in DEFAULT_PARAMS:
-        raise InputError(f"model kind: expected one of {sorted(DEFAULT_PARAMS)}, got {kind!r}")
-    rows = training_rows(frame, train_window=train_window, horizon=horizon, as_of=as_of)
+    if kind not in KINDS:
+        raise InputError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
+    user_params = dict(params or {})
+    kinds = member_kinds(kind, user_params)
+    unknown_kinds = sorted(set(kinds) - set(DEFAULT_PARAMS))
+    if unknown_kinds:
+        raise InputError(f"{kind} members: expected kinds among {sorted(DEFAULT_PARAMS)}, got {unknown_kinds}")
+    window = _window(frame, train_window=train_window, horizon=horizon, as_of=as_of)
+    rows = sample_negatives(window, negative_fraction, seed)
     X, y, ids = split_xy(rows)
     where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
     if X.shape[1] == 0:
@@ -201,29 +289,50 @@ def train_model(
             f"{where}: need both failing and healthy labelled rows to train, got {len(y)} rows "
             f"with {n_pos} positives; widen train_window or check the labels"
         )
-    pos_weight = balanced_pos_weight(y, max_pos_weight)
-    user_params = dict(params or {})
     if monotone_increasing:
         unknown = sorted(set(monotone_increasing) - set(X.columns))
         if unknown:
             raise InputError(
                 f"monotone_increasing: {unknown} are not feature columns; expected some of {list(X.columns)}"
             )
-        if kind == "logistic":
+        unconstrained = sorted(set(kinds) - set(MONOTONE_KINDS))
+        if unconstrained:
             raise InputError(
-                "monotone_increasing: only the tree models (lightgbm, xgboost) support it, got kind 'logistic'"
+                f"monotone_increasing: {unconstrained} cannot be constrained; expected kinds among {list(MONOTONE_KINDS)}"
             )
-        constraints = [int(c in set(monotone_increasing)) for c in X.columns]
-        # LightGBM takes a list aligned with the columns; XGBoost 3 wants its "(1,0,...)" string.
-        user_params["monotone_constraints"] = (
-            constraints if kind == "lightgbm" else "(" + ",".join(map(str, constraints)) + ")"
-        )
-    estimator = make_model(kind, pos_weight=pos_weight, **user_params)
-    estimator.fit(X, y)
+    pos_weight = balanced_pos_weight(y, max_pos_weight)
+    horizon_td = as_timedelta(horizon, "horizon")
+    build_params = dict(user_params)
+    if kind == "cascade":
+        # The first stage's last training label must not look into the validation slice.
+        build_params.setdefault("validation_gap", horizon_td)
+    estimator = make_model(
+        kind,
+        pos_weight=pos_weight,
+        monotone_increasing=tuple(monotone_increasing),
+        columns=list(X.columns),
+        **build_params,
+    )
     ts = _utc_ts(ids)
-    recorded = {**DEFAULT_PARAMS[kind], **user_params}
-    if kind != "logistic":
-        recorded["scale_pos_weight"] = pos_weight
+    design = X.assign(ts=ts.to_numpy()) if kind in ENSEMBLE_KINDS else X
+    try:
+        estimator.fit(design, y)
+    except ValueError as exc:
+        if kind not in ENSEMBLE_KINDS:
+            raise
+        # The ensembles' data checks (a slice without failures, ...) are about the input.
+        raise InputError(f"{where}: {exc}") from exc
+    if kind in ENSEMBLE_KINDS:
+        recorded: dict[str, Any] = {**ENSEMBLE_DEFAULTS[kind], **build_params}
+        if kind == "cascade":
+            recorded["threshold"] = estimator.threshold_
+            recorded["validation_recall"] = estimator.validation_recall_
+            recorded["kept_fraction"] = estimator.kept_fraction_
+    else:
+        recorded = {**DEFAULT_PARAMS[kind], **user_params}
+    recorded["pos_weight"] = pos_weight
+    if monotone_increasing:
+        recorded["monotone_increasing"] = list(monotone_increasing)
     return TrainedModel(
         estimator=estimator,
         feature_columns=list(X.columns),
@@ -233,9 +342,10 @@ def train_model(
         train_end=ts.max(),
         n_rows=len(y),
         n_positives=n_pos,
-        horizon=as_timedelta(horizon, "horizon"),
-        pos_weight=effective_pos_weight(kind, y, pos_weight),
-        versions=library_versions(kind),
+        horizon=horizon_td,
+        pos_weight=effective_pos_weight(kind, y, pos_weight) / negative_fraction,
+        versions=library_versions(kind, user_params),
+        negative_fraction=negative_fraction,
     )
 
 

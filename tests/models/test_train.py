@@ -25,7 +25,9 @@ HORIZON = "12h"
 
 @cache
 def lightgbm_model() -> TrainedModel:
-    return train_model(demo_frame(), kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD)
+    return train_model(
+        demo_frame(), kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=1.0
+    )
 
 
 def test_default_window_ends_at_the_last_settled_grid_time():

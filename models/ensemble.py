@@ -1,0 +1,315 @@
+"""Parallel and cascade ensembles (Liu et al., DOMAIN.md 2), as scikit-learn estimators
+(CONVENTIONS.md 6: `__init__` stores parameters, `fit` validates and returns self, fitted parts
+end in `_`), so `clone`, pipelines and the save/load of `models.train` work on them.
+
+Both take the feature matrix of their members, optionally with one extra column,
+`time_column` (default `ts`), that no member sees:
+
+- `ParallelEnsemble` ranks GPUs within each scoring time: many GPUs share a `ts`, and a GPU is
+  compared only with the fleet at the same moment. Without the column, the rows passed to
+  `predict_proba` are one scoring time.
+- `CascadeEnsemble` splits its training rows by time (CONVENTIONS.md 7): its first stage
+  learns on the earlier rows, its threshold on the later ones. Without the column, rows are
+  taken to be in time order.
+
+Probabilities. Members are fit with the same positive-class weight, so their probabilities
+share one scale, which `models.train` corrects once (`prior_correction`). The parallel
+ensemble's ranking comes from ranks, but serving needs a probability: within each scoring
+time it takes the members' mean probabilities, sorts them, and hands them out in the order of
+the ensemble's ranking (the best-ranked GPU gets the highest mean probability, and so on;
+GPUs tied in the ranking share the mean of theirs). The set of probabilities of a scoring
+time is the members' consensus; only who gets which follows the combination rule. A GPU scored
+alone gets the mean of its members' probabilities. The cascade's probabilities are the first
+stage's for the GPUs it drops and, for the GPUs it keeps, the second stage's, lifted above the
+threshold so every kept GPU ranks above every dropped one (see `CascadeEnsemble`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, ClassifierMixin, clone
+from sklearn.utils import get_tags
+from sklearn.utils.validation import check_consistent_length, check_is_fitted, validate_data
+
+from models.estimators import binary_target
+
+log = logging.getLogger(__name__)
+
+Combine = Literal["top_k_intersection", "rank_average"]
+COMBINE_RULES: tuple[str, ...] = ("top_k_intersection", "rank_average")
+
+
+def _split_time(estimator: Any, X: Any, reset: bool) -> tuple[Any, np.ndarray | None]:
+    """(member input, time of each row or None): the time column is taken out of a DataFrame;
+    feature names and counts are checked against fit as scikit-learn's own estimators do."""
+    column = estimator.time_column
+    if isinstance(X, pd.DataFrame) and column is not None and column in X.columns:
+        time = pd.to_datetime(X[column]).to_numpy()
+        X = X.drop(columns=[column])
+        validate_data(estimator, X, skip_check_array=True, reset=reset)
+        return X, time
+    if isinstance(X, pd.DataFrame):
+        validate_data(estimator, X, skip_check_array=True, reset=reset)
+        return X, None
+    # Members validate the values themselves (NaN allowed for trees, strings for encoders).
+    return validate_data(estimator, X, dtype=None, ensure_all_finite=False, reset=reset), None
+
+
+def _group_codes(time: np.ndarray | None, n: int) -> np.ndarray:
+    """An integer per scoring time (all zeros without times)."""
+    if time is None:
+        return np.zeros(n, dtype=np.int64)
+    return np.asarray(pd.factorize(time)[0], dtype=np.int64)
+
+
+def group_ranks(scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """1-based rank of each score within its group, highest first; ties share their mean rank."""
+    return np.asarray(pd.Series(scores).groupby(groups).rank(ascending=False, method="average"), dtype=np.float64)
+
+
+def combine_rankings(member_ranks: np.ndarray, rule: str, top_k: int) -> np.ndarray:
+    """The ensemble's ordering key from members' ranks (shape members x rows; ranks taken
+    within each scoring time): lower is better, compared within a scoring time.
+
+    `rank_average`: the mean of the members' ranks (a soft vote). `top_k_intersection` (the
+    paper's rule): a GPU is flagged when it is in the top `top_k` of every member; flagged GPUs
+    come first, ordered by mean rank, then the rest by mean rank. With ties, a GPU is in a
+    member's top K when its (mean) rank is at most K."""
+    mean_rank = member_ranks.mean(axis=0)
+    if rule == "rank_average":
+        return mean_rank
+    if rule == "top_k_intersection":
+        flagged = (member_ranks <= top_k).all(axis=0)
+        # A mean rank is at most its group's size <= all rows: the offset puts unflagged GPUs last.
+        return mean_rank + np.where(flagged, 0.0, member_ranks.shape[1] + 1.0)
+    raise ValueError(f"combine: expected one of {list(COMBINE_RULES)}, got {rule!r}")
+
+
+def assign_by_rank(values: np.ndarray, key: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Within each group, hand out `values` sorted high to low in the order of `key` (low
+    first); rows tied in `key` share the mean of what they were handed."""
+    by_value = np.lexsort((-values, groups))
+    by_key = np.lexsort((key, groups))
+    out = np.empty_like(values, dtype=np.float64)
+    # Both orders sort groups alike, so position i of each holds the same group.
+    out[by_key] = values[by_value]
+    return np.asarray(pd.Series(out).groupby([groups, key]).transform("mean"), dtype=np.float64)
+
+
+class ParallelEnsemble(ClassifierMixin, BaseEstimator):
+    """Members of different kinds each rank all GPUs at a scoring time; `combine` turns their
+    rankings into one (`combine_rankings`: `top_k_intersection` or `rank_average`).
+
+    `estimators`: list of (name, unfitted estimator); each is cloned and fit on the same rows.
+    `time_column`: the column of X that groups rows into scoring times (not a member input).
+    Fitted: `estimators_`, `classes_`. See the module docstring for the probabilities."""
+
+    def __init__(
+        self,
+        estimators: list[tuple[str, Any]],
+        combine: Combine = "top_k_intersection",
+        top_k: int = 10,
+        time_column: str | None = "ts",
+    ) -> None:
+        self.estimators = estimators
+        self.combine = combine
+        self.top_k = top_k
+        self.time_column = time_column
+
+    def fit(self, X: Any, y: Any) -> ParallelEnsemble:
+        if self.combine not in COMBINE_RULES:
+            raise ValueError(f"combine: expected one of {list(COMBINE_RULES)}, got {self.combine!r}")
+        if not isinstance(self.top_k, int | np.integer) or self.top_k < 1:
+            raise ValueError(f"top_k: expected a positive number of GPUs, got {self.top_k!r}")
+        if len(self.estimators) < 1:
+            raise ValueError("estimators: expected at least one (name, estimator) pair, got none")
+        X, _ = _split_time(self, X, reset=True)
+        y = binary_target(self, y)
+        check_consistent_length(X, y)
+        self.estimators_ = [clone(est).fit(X, y) for _, est in self.estimators]
+        return self
+
+    @property
+    def named_estimators_(self) -> dict[str, Any]:
+        check_is_fitted(self, "estimators_")
+        return {name: est for (name, _), est in zip(self.estimators, self.estimators_, strict=True)}
+
+    def member_probabilities(self, X: Any) -> np.ndarray:
+        """Each member's probability of the positive class (members x rows)."""
+        check_is_fitted(self, "estimators_")
+        X, _ = _split_time(self, X, reset=False)
+        return self._member_probabilities(X)
+
+    def _member_probabilities(self, X: Any) -> np.ndarray:
+        return np.vstack([np.asarray(est.predict_proba(X)[:, 1], dtype=np.float64) for est in self.estimators_])
+
+    def ranking_key(self, X: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ordering key, group of each row, members' probabilities): lower key ranks higher
+        within a group."""
+        check_is_fitted(self, "estimators_")
+        X, time = _split_time(self, X, reset=False)
+        probs = self._member_probabilities(X)
+        groups = _group_codes(time, probs.shape[1])
+        ranks = np.vstack([group_ranks(p, groups) for p in probs])
+        return combine_rankings(ranks, self.combine, self.top_k), groups, probs
+
+    def predict_proba(self, X: Any) -> np.ndarray:
+        key, groups, probs = self.ranking_key(X)
+        p = assign_by_rank(probs.mean(axis=0), key, groups)
+        return np.column_stack([1.0 - p, p])
+
+    def predict(self, X: Any) -> np.ndarray:
+        positive = self.predict_proba(X)[:, 1] >= 0.5
+        return np.asarray(self.classes_[positive.astype(int)])
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.input_tags.allow_nan = all(get_tags(est).input_tags.allow_nan for _, est in self.estimators)
+        tags.classifier_tags.multi_class = False
+        return tags
+
+
+class CascadeEnsemble(ClassifierMixin, BaseEstimator):
+    """Two stages: `first` scores every GPU and keeps those at or above a threshold; `second`,
+    fit only on the rows the first keeps, ranks them.
+
+    Fit: the training rows are split by time; `first` learns on the earlier
+    1 - `validation_fraction` of the scoring times and is then frozen; the threshold is the
+    highest first-stage probability that keeps at least `target_recall` of the positive rows
+    of the later `validation_fraction` (the validation slice), whose rows start
+    `validation_gap` after the first stage's last training row (the label horizon: earlier
+    labels would look into the validation slice). `second` learns on every training row the
+    frozen first stage keeps. The threshold is logged and stored (`threshold_`), with the
+    recall and kept share it had on the validation slice (`validation_recall_`,
+    `kept_fraction_`).
+
+    Probability: p1 (first stage) for a dropped GPU, which is below the threshold t;
+    t + (1 - t) p2 for a kept one, p2 being the second stage's. Kept GPUs thus rank above
+    dropped ones, each tier in its own stage's order; t is a small probability, so the kept
+    probabilities are p2 lifted by at most t.
+
+    `time_column` (default `ts`) orders the rows in time; without it, rows are taken to be in
+    time order and `validation_gap` is ignored."""
+
+    def __init__(
+        self,
+        first: Any,
+        second: Any,
+        target_recall: float = 0.95,
+        validation_fraction: float = 0.25,
+        validation_gap: Any = None,
+        time_column: str | None = "ts",
+    ) -> None:
+        self.first = first
+        self.second = second
+        self.target_recall = target_recall
+        self.validation_fraction = validation_fraction
+        self.validation_gap = validation_gap
+        self.time_column = time_column
+
+    def _check_params(self) -> None:
+        if not 0.0 < self.target_recall <= 1.0:
+            raise ValueError(f"target_recall: expected a share in (0, 1], got {self.target_recall!r}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction: expected a share in (0, 1), got {self.validation_fraction!r}")
+
+    def _slices(self, time: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row masks of the first stage's training slice and of the validation slice."""
+        if time is None:
+            cut = round(n * (1.0 - self.validation_fraction))
+            position = np.arange(n)
+            return position < cut, position >= cut
+        times = np.unique(time)
+        if len(times) < 2:
+            raise ValueError(f"{self.time_column}: the cascade needs at least two scoring times to split, got one")
+        validation_start = times[min(len(times) - 1, round(len(times) * (1.0 - self.validation_fraction)))]
+        gap = np.timedelta64(0, "ns") if self.validation_gap is None else pd.Timedelta(self.validation_gap).to_numpy()
+        return time < validation_start - gap, time >= validation_start
+
+    def fit(self, X: Any, y: Any) -> CascadeEnsemble:
+        self._check_params()
+        X, time = _split_time(self, X, reset=True)
+        y = binary_target(self, y)
+        check_consistent_length(X, y)
+        positive = y == self.classes_[-1]
+        train, validation = self._slices(time, len(y))
+        for name, mask in [("first-stage training", train), ("validation", validation)]:
+            if len(np.unique(y[mask])) < 2:
+                raise ValueError(
+                    f"CascadeEnsemble: the {name} slice ({int(mask.sum())} rows, {int(positive[mask].sum())} "
+                    "positive) holds only one class; expected failing and healthy rows in both slices "
+                    "(a longer training window)"
+                )
+        rows = _rows(X)
+        self.first_ = clone(self.first).fit(rows(train), y[train])
+        p1 = np.asarray(self.first_.predict_proba(rows(validation))[:, 1], dtype=np.float64)
+        scores = np.sort(p1[positive[validation]])[::-1]
+        keep_n = int(np.ceil(self.target_recall * len(scores)))
+        self.threshold_ = float(scores[keep_n - 1])
+        self.validation_recall_ = float((scores >= self.threshold_).mean())
+        self.kept_fraction_ = float((p1 >= self.threshold_).mean())
+        log.info(
+            "cascade: first-stage threshold %.6g keeps %.1f%% of the validation rows and %.1f%% of its "
+            "positives (target %.1f%%)",
+            self.threshold_,
+            100 * self.kept_fraction_,
+            100 * self.validation_recall_,
+            100 * self.target_recall,
+        )
+        kept = np.asarray(self.first_.predict_proba(X)[:, 1], dtype=np.float64) >= self.threshold_
+        self.n_second_rows_ = int(kept.sum())
+        if len(np.unique(y[kept])) < 2:
+            # The first stage already separates the classes on its training rows: the second has
+            # nothing to learn, and the kept rows keep the first stage's order.
+            log.warning(
+                "cascade: the %d rows the first stage keeps are all of one class; no second stage",
+                self.n_second_rows_,
+            )
+            self.second_ = None
+            return self
+        self.second_ = clone(self.second).fit(rows(kept), y[kept])
+        return self
+
+    def stage_probabilities(self, X: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first-stage probability, kept mask, second-stage probability (NaN where dropped)).
+        Without a second stage (`second_` is None), the kept rows keep their first-stage
+        probability."""
+        check_is_fitted(self, "first_")
+        X, _ = _split_time(self, X, reset=False)
+        p1 = np.asarray(self.first_.predict_proba(X)[:, 1], dtype=np.float64)
+        kept = p1 >= self.threshold_
+        p2 = np.full(len(p1), np.nan)
+        if self.second_ is None:
+            p2[kept] = (p1[kept] - self.threshold_) / (1.0 - self.threshold_)
+        elif kept.any():
+            p2[kept] = self.second_.predict_proba(_rows(X)(kept))[:, 1]
+        return p1, kept, p2
+
+    def predict_proba(self, X: Any) -> np.ndarray:
+        p1, kept, p2 = self.stage_probabilities(X)
+        t = self.threshold_
+        p = np.where(kept, t + (1.0 - t) * np.nan_to_num(p2), p1)
+        return np.column_stack([1.0 - p, p])
+
+    def predict(self, X: Any) -> np.ndarray:
+        positive = self.predict_proba(X)[:, 1] >= 0.5
+        return np.asarray(self.classes_[positive.astype(int)])
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.input_tags.allow_nan = (
+            get_tags(self.first).input_tags.allow_nan and get_tags(self.second).input_tags.allow_nan
+        )
+        tags.classifier_tags.multi_class = False
+        return tags
+
+
+def _rows(X: Any) -> Any:
+    """A row selector by boolean mask for a DataFrame or an array."""
+    if isinstance(X, pd.DataFrame):
+        return lambda mask: X.iloc[np.flatnonzero(mask)]
+    return lambda mask: X[mask]
