@@ -233,13 +233,14 @@ def features_from_buckets(
     episodes: pl.DataFrame | None = None,
     emit_start: datetime | None = None,
     emit_end: datetime | None = None,
-    gpus_per_chunk: int | None = None,
+    rows_per_chunk: int | None = None,
 ) -> pl.DataFrame:
     """`build_features` from bucket aggregates (`features.windows.hourly_aggregate` output)
     instead of raw samples: the second half of a build, which the store build runs on the
     buckets it carries from day to day. Window and XID features are computed for chunks of
-    `gpus_per_chunk` GPUs at a time (all at once when None) to bound memory; peer features
-    for all GPUs together (the fleet median needs them all)."""
+    whole GPUs of about `rows_per_chunk` grid rows at a time (all at once when None), which
+    bounds the memory of their intermediate columns; peer features for all GPUs together (the
+    fleet median needs them all)."""
     check_grid(grid, windows)
     data_end = _utc(data_end)
     xid = _prepare_xids(_as_frame(xid_events))
@@ -275,12 +276,8 @@ def features_from_buckets(
     peers = peer_features(dense.filter(emit), grid).filter(keep.filter(emit))
 
     pieces: list[pl.DataFrame] = []
-    gpu_ids = dense[GPU].rle_id()
-    n_gpus = int(gpu_ids.max() or 0) + 1 if dense.height else 0
-    step = n_gpus if gpus_per_chunk is None else max(gpus_per_chunk, 1)
-    for first_gpu in range(0, max(n_gpus, 1), max(step, 1)):
-        rows = (gpu_ids >= first_gpu) & (gpu_ids < first_gpu + step)
-        part, part_keep = (dense.filter(rows), keep.filter(rows)) if step < n_gpus else (dense, keep)
+    for offset, length in _gpu_slices(dense[GPU], rows_per_chunk):
+        part, part_keep = dense.slice(offset, length), keep.slice(offset, length)
         keys = part.select(GPU, "ts")
         wf = window_features(part, grid, windows, first_seen=first_seen, keep=part_keep, dtype=FEATURE_DTYPE)
         chunk_xid = xid.join(keys.select(GPU).unique(), on=GPU, how="semi")
@@ -306,6 +303,22 @@ def features_from_buckets(
         *[pl.col(c).cast(FEATURE_DTYPE) for c in names],
         *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
     )  # sorted by (gpu_uuid, ts): the order of the dense grid
+
+
+def _gpu_slices(gpus: pl.Series, rows_per_chunk: int | None) -> list[tuple[int, int]]:
+    """(offset, length) slices of a column sorted by GPU: whole GPUs, about `rows_per_chunk`
+    rows each (a GPU with more rows is a slice of its own); one slice when None."""
+    if rows_per_chunk is None or gpus.len() <= rows_per_chunk:
+        return [(0, gpus.len())]
+    run_lengths = gpus.rle().struct.field("len").to_list()
+    slices, offset, length = [], 0, 0
+    for n in run_lengths:
+        if length and length + n > rows_per_chunk:
+            slices.append((offset, length))
+            offset, length = offset + length, 0
+        length += n
+    slices.append((offset, length))
+    return slices
 
 
 def _prepare_repairs(repairs: pl.DataFrame | pa.Table | None) -> pl.DataFrame | None:
@@ -490,8 +503,8 @@ def _scan_presence(store: Store, *, progress: bool) -> tuple[pl.DataFrame, dict[
 
 
 def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
-    """The latest row of each GPU (timestamps of a GPU are unique)."""
-    return frame.filter(pl.col("ts") == pl.col("ts").max().over(GPU))
+    """The latest row of each GPU."""
+    return frame.filter(pl.col("ts") == pl.col("ts").max().over(GPU)).unique(GPU, keep="last", maintain_order=True)
 
 
 class _BucketStream:
@@ -519,11 +532,14 @@ class _BucketStream:
         self.held = pending.filter(pl.col("ts") > cut_lit)
         if now.height == 0:
             return hourly_aggregate(now, self.grid, max_gap=self.max_gap)
+        # The held rows and the context put the frame out of (gpu, ts) order, so
+        # `hourly_aggregate` sorts it: ~10% of a build, the price of exact buckets across days.
         parts = [now] if self.context is None else [self.context.select(now.columns), now]
-        buckets = hourly_aggregate(pl.concat(parts, how="vertical_relaxed"), self.grid, max_gap=self.max_gap)
+        merged = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else now
+        buckets = hourly_aggregate(merged, self.grid, max_gap=self.max_gap)
         if self.cut is not None:
             buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets
-        latest = _last_rows(pl.concat(parts, how="vertical_relaxed") if self.context is not None else now)
+        latest = _last_rows(merged)
         self.context = latest.filter(pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE))
         self.cut = cut
         return buckets
@@ -542,7 +558,7 @@ def build_features_from_store(
     lost_after: timedelta | None = DEFAULT_LOST_AFTER,
     max_silence: timedelta = DEFAULT_MAX_SILENCE,
     xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
-    gpus_per_chunk: int = 2048,
+    rows_per_chunk: int = 250_000,
     max_buckets_in_memory: int = 4_000_000,
     flush_rows: int = 1_000_000,
     overwrite: bool = False,
@@ -563,8 +579,8 @@ def build_features_from_store(
     `start` on, and aggregates it to grid buckets (`_BucketStream`); only the buckets of that
     trailing window are carried from day to day. Features are computed when the carried buckets
     reach `max_buckets_in_memory` rows (or at the end), for the days not yet emitted, in chunks
-    of `gpus_per_chunk` GPUs. Every row equals what an all-history in-memory build gives (up to
-    floating-point rounding).
+    of whole GPUs of about `rows_per_chunk` grid rows. Every row equals what an all-history
+    in-memory build gives (up to floating-point rounding).
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written.
@@ -660,7 +676,7 @@ def build_features_from_store(
             episodes=episodes,
             emit_start=pending_from,
             emit_end=until,
-            gpus_per_chunk=gpus_per_chunk,
+            rows_per_chunk=rows_per_chunk,
         )
         summary.blocks += 1
         pending_from = until

@@ -123,9 +123,9 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
     # A tiny bucket budget: features are computed day by day from the carried trailing window,
-    # in chunks of 10 GPUs, so that day edges, the carried raw rows and chunk edges are exercised.
+    # in chunks of a few GPUs, so that day edges, the carried raw rows and chunk edges are exercised.
     summary = build_features_from_store(
-        store, windows=WINDOWS, gpus_per_chunk=10, max_buckets_in_memory=0, flush_rows=500, progress=False
+        store, windows=WINDOWS, rows_per_chunk=500, max_buckets_in_memory=0, flush_rows=500, progress=False
     )
     assert summary.blocks == 3  # 72 h: three days, each emitted on its own
     assert summary.telemetry_rows_read == tel.height  # each raw row is read once
