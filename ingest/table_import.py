@@ -269,15 +269,6 @@ def _with_gpu_index(rows: pl.DataFrame) -> pl.DataFrame:
 # -- failures and repairs ---------------------------------------------------------------------
 
 
-def _event_frame(
-    spec: EventMapping, section: str, telemetry_frame: pl.DataFrame, data_path: Path, mapping_dir: Path
-) -> tuple[pl.DataFrame, Path]:
-    if spec.file is None:
-        return telemetry_frame, data_path
-    path = (mapping_dir / spec.file) if not Path(spec.file).is_absolute() else Path(spec.file)
-    return read_table(path), path
-
-
 def _events(
     spec: EventMapping,
     section: str,
@@ -290,10 +281,22 @@ def _events(
 ) -> pl.DataFrame:
     """Event rows with `ts`, `gpu_uuid`, identity (node, gpu_index, gpu_model) and `extra` columns."""
     telemetry_frame, data_path, mapping_dir = frames
-    frame, path = _event_frame(spec, section, telemetry_frame, data_path, mapping_dir)
+    if spec.file is None:
+        frame, path = telemetry_frame, data_path
+    else:
+        path = mapping_dir / spec.file  # an absolute `file` stays as it is
+        frame = read_table(path)
     gpu = spec.gpu or mapping.telemetry.gpu
     time = spec.time or mapping.telemetry.time
-    times = spec if spec.time is not None else mapping.telemetry
+    # An event file is usually written by the same system: how to read its times is inherited
+    # from [telemetry] unless the section says otherwise.
+    inherited = mapping.telemetry
+    times = TimeColumns(
+        time=time,
+        time_format=spec.time_format or (inherited.time_format if spec.time_unit is None else None),
+        time_zone=spec.time_zone or inherited.time_zone,
+        time_unit=spec.time_unit or (inherited.time_unit if spec.time_format is None else None),
+    )
     _require(frame, {"gpu": gpu, "time": time, "flag": spec.flag} | extra, path, section)
     if spec.flag is not None:
         values = [v.lower() for v in spec.values] if spec.values else list(_TRUE_WORDS)

@@ -82,13 +82,16 @@ def test_naive_times_take_the_zone_and_offsets_win(tmp_path: Path) -> None:
     ]
 
 
-def test_epoch_times_and_a_single_node_file(tmp_path: Path) -> None:
+def test_epoch_times_a_single_node_file_and_an_event_file_inheriting_the_time_unit(tmp_path: Path) -> None:
+    write(tmp_path / "fail.csv", "gpu,at\ng1,1777640400000\n")
     mapping = MAPPING.replace('node = "host"', 'node_value = "n7"').replace(
         'time = "t"', 'time = "t"\ntime_unit = "ms"'
     )
+    mapping += '[failures]\nfile = "fail.csv"\ntime = "at"\n'
     store, _ = run_import(tmp_path, "gpu,t,temp,mw,dbe\ng1,1777636800000,50,300000,2\n", mapping)
     [row] = store.read("telemetry").to_pylist()
     assert (row["node"], row["ts"], row["ecc_dbe_volatile_total"]) == ("n7", datetime(2026, 5, 1, 12, tzinfo=UTC), 2)
+    assert store.read("failures")["ts"].to_pylist() == [datetime(2026, 5, 1, 13, tzinfo=UTC)]
 
 
 def test_bad_rows_are_skipped_and_counted_with_their_place_and_the_good_ones_kept(tmp_path: Path) -> None:
