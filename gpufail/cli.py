@@ -347,7 +347,17 @@ def _load_features(root: str, latest_day_only: bool = False) -> Any:
 
 
 def _model_params(settings: Any) -> dict[str, Any]:
-    return {"n_jobs": settings.model.threads} if settings.model.kind in ("lightgbm", "xgboost") else {}
+    m = settings.model
+    if m.kind == "parallel":
+        return {"n_jobs": m.threads, "members": list(m.members), "combine": m.combine, "top_k": m.top_k}
+    if m.kind == "cascade":
+        return {
+            "n_jobs": m.threads,
+            "first": m.cascade_first,
+            "second": m.cascade_second,
+            "target_recall": m.cascade_recall,
+        }
+    return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
 
 
 @cli.command()
@@ -368,6 +378,7 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         train_window=settings.model.train_window,
         horizon=settings.labels.horizon,
         params=_model_params(settings),
+        negative_fraction=settings.model.negative_fraction,
     )
     path = save_model(model, model_out)
     click.echo(
@@ -689,6 +700,68 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
         f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
     ]
+
+
+@cli.command("mlflow")
+@click.option("--home", default=None, help="Folder of the SQLite store and artifacts (default: [mlflow] home).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port (default: [mlflow] port).")
+@click.pass_context
+def mlflow_command(ctx: click.Context, home: str | None, port: int | None) -> None:
+    """Run the embedded MLflow tracking server (SQLite store, local artifacts) on 127.0.0.1
+    until interrupted."""
+    from gpufail.mlflow_server import serve_forever, tracking_url
+
+    cfg = _settings(ctx).mlflow
+    folder = Path(home or cfg.home)
+    port = port or cfg.port
+    click.echo(f"mlflow: serving {folder.resolve()} at {tracking_url(cfg.host, port)} (Ctrl-C stops it)")
+    sys.exit(serve_forever(folder, host=cfg.host, port=port))
+
+
+@cli.command()
+@_data_option
+@click.option(
+    "--dry-run/--no-dry-run", default=None, help="Publish as a dry run (default: [publish] dry_run, true)."
+)
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.pass_context
+def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: bool) -> None:
+    """Retrain, gate, score and publish for the newest day of data; resumes after a failure,
+    does nothing when the day is already done. Exits non-zero if a step fails (the champion
+    keeps serving)."""
+    from gpufail.nightly import NightlyOptions, default_work_dir, policy_publisher, run_nightly
+
+    settings = _settings(ctx)
+    root = _root(ctx, data)
+    cfg, ml = settings.nightly, settings.mlflow
+    options = NightlyOptions(
+        work_dir=default_work_dir(root, cfg.work_dir),
+        tracking_uri=ml.tracking_uri,
+        model_name=ml.model_name,
+        experiment=ml.experiment,
+        kind=settings.model.kind,
+        train_window=settings.model.train_window,
+        horizon=settings.labels.horizon,
+        top_k=settings.model.top_k,
+        holdout_days=cfg.holdout_days,
+        promotion_margin=cfg.promotion_margin,
+        recall_tolerance=cfg.recall_tolerance,
+        precision_floor=cfg.precision_floor,
+        negative_fraction=cfg.negative_fraction,
+        params={**_model_params(settings), **cfg.params},
+        retries=ml.retries,
+        backoff_s=ml.backoff.total_seconds(),
+        cluster=settings.ingest.cluster,
+        dedup_window=settings.ingest.xid_dedup_window,
+        grid=settings.features.grid,
+        windows=tuple(settings.features.windows),
+        failure_xids=tuple(settings.labels.failure_xids),
+        merge_window=settings.labels.merge_window,
+        progress=not quiet,
+    )
+    dry = settings.publish.dry_run if dry_run is None else dry_run
+    summary = run_nightly(root, options, publish=policy_publisher(settings.publish, dry_run=dry), report=click.echo)
+    click.echo(summary.line())
 
 
 @cli.command()

@@ -85,14 +85,29 @@ class LabelSettings(_Table):
     """A GPU silent this long while its node keeps reporting is lost (a failure)."""
 
 
+SingleKind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp"]
+
+
 class ModelSettings(_Table):
-    kind: Literal["lightgbm", "xgboost", "logistic"] = "lightgbm"
+    kind: Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp", "parallel", "cascade"] = "lightgbm"
     train_window: Duration = timedelta(days=21)
     top_k: int = Field(default=10, gt=0)
     """Precision is reported over the K highest-risk GPUs at each grid time."""
     threads: int = Field(default=1, ge=1)
     """Threads for LightGBM/XGBoost. More are faster only on an otherwise idle machine: on a
     2-core machine with other load, 2 OpenMP threads trained 4x slower per tree than 1."""
+    negative_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Share of the healthy rows a fit keeps (every failing row is kept); the odds are corrected."""
+    members: list[SingleKind] = Field(default_factory=lambda: ["lightgbm", "xgboost", "logistic"], min_length=2)
+    """kind = "parallel": the member models, each ranking every GPU."""
+    combine: Literal["top_k_intersection", "rank_average"] = "top_k_intersection"
+    """kind = "parallel": GPUs in every member's top_k first, or the mean rank alone."""
+    cascade_first: SingleKind = "logistic"
+    """kind = "cascade": the model that keeps the GPUs worth a second look."""
+    cascade_second: SingleKind = "lightgbm"
+    """kind = "cascade": the model that ranks the kept GPUs."""
+    cascade_recall: float = Field(default=0.95, gt=0.0, le=1.0)
+    """kind = "cascade": share of the failures the first stage must keep (on a validation slice)."""
 
 
 class TierSettings(_Table):
@@ -217,6 +232,44 @@ class EvaluateSettings(_Table):
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
 
 
+class MlflowSettings(_Table):
+    """The model registry (`gpufail mlflow` runs the embedded server)."""
+
+    tracking_uri: str = "http://127.0.0.1:5000"
+    """Tracking and registry server; the default is the embedded one `gpufail mlflow` starts."""
+    model_name: str = "gpufail"
+    """The registered model; aliases `champion` (serving) and `challenger` (newest candidate)."""
+    experiment: str = "gpufail-nightly"
+    home: str = "mlruns"
+    """Embedded server: folder of its SQLite database (mlflow.db) and artifacts."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=5000, ge=1, le=65535)
+    retries: int = Field(default=3, ge=0)
+    """Attempts after the first while the server is unreachable, with doubling waits."""
+    backoff: Duration = timedelta(seconds=2)
+    """Wait before the first retry."""
+
+
+class NightlySettings(_Table):
+    """`gpufail nightly`: retrain, gate, score and publish once a day."""
+
+    holdout_days: float = Field(default=3.0, gt=0)
+    """The most recent held-out window (settled labels) both models are judged on."""
+    promotion_margin: float = Field(default=0.01, ge=0.0)
+    """The challenger must beat the champion's precision@K by at least this (absolute)."""
+    recall_tolerance: float = Field(default=0.05, ge=0.0)
+    """...and may lose at most this much episode recall (absolute)."""
+    precision_floor: float = Field(default=0.02, ge=0.0, le=1.0)
+    """With no champion yet, the first model is promoted only at or above this precision@K."""
+    negative_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Share of the healthy rows the nightly fit trains on (every failing row is kept)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Model parameters for the nightly fit (e.g. n_estimators), on top of the kind's defaults."""
+    work_dir: str = ""
+    """Local folder for the lock, the trained model before it is logged, the report and the
+    champion cache; empty means DATA/_nightly (a local data root is required then)."""
+
+
 class Settings(_Table):
     store: StoreSettings = StoreSettings()
     simulate: SimulateSettings = SimulateSettings()
@@ -227,6 +280,8 @@ class Settings(_Table):
     evaluate: EvaluateSettings = EvaluateSettings()
     publish: PublishSettings = PublishSettings()
     collect: CollectSettings = CollectSettings()
+    mlflow: MlflowSettings = MlflowSettings()
+    nightly: NightlySettings = NightlySettings()
 
 
 ENV_PREFIX = "GPUFAIL_"
