@@ -720,9 +720,7 @@ def mlflow_command(ctx: click.Context, home: str | None, port: int | None) -> No
 
 @cli.command()
 @_data_option
-@click.option(
-    "--dry-run/--no-dry-run", default=None, help="Publish as a dry run (default: [publish] dry_run, true)."
-)
+@click.option("--dry-run/--no-dry-run", default=None, help="Publish as a dry run (default: [publish] dry_run, true).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.pass_context
 def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: bool) -> None:

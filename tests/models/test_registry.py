@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import itertools
-import shutil
-import warnings
 from functools import cache
 from pathlib import Path
 
@@ -169,7 +167,7 @@ def test_an_unreachable_server_fails_clearly_after_retries(tmp_path):
 def test_a_corrupt_artifact_is_reported_with_the_version(mlflow_server, tmp_path):
     url, home = mlflow_server
     registry = fresh_registry(url)
-    version, run_id = logged_version(registry, tmp_path)
+    version, _ = logged_version(registry, tmp_path)
     pickles = list((home / "artifacts").rglob("model.joblib"))
     mv = registry.client.get_model_version(registry.name, version)
     mine = [p for p in pickles if mv.source.removeprefix("models:/") in str(p)]

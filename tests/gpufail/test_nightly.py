@@ -1,0 +1,265 @@
+"""`gpufail nightly` against a real MLflow server on 127.0.0.1 (session fixture
+`mlflow_server`), on a small simulated fleet that grows by one day between runs: the day's
+telemetry, XID events and repair records are copied from a fleet simulated in full, the way a
+collector would have written them that day."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import shutil
+import subprocess
+import sys
+from datetime import date, timedelta
+from functools import cache
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, run_nightly
+from ingest.kernel_log_ingest import ingest_kernel_logs
+from ingest.simulator.run import simulate
+from ingest.store import Store
+from models.registry import Registry, load_champion
+
+pytestmark = pytest.mark.slow
+_names = itertools.count()
+FLEET_DAYS = 20
+
+
+@cache
+def simulated_fleet(tmp_root: Path, acceleration: float) -> Path:
+    source = tmp_root / f"fleet-{acceleration:g}"
+    simulate(
+        source,
+        "demo",
+        seed=3,
+        progress=False,
+        nodes=12,
+        days=FLEET_DAYS,
+        sample_interval_s=900,
+        acceleration=acceleration,
+    )
+    store = Store.open(str(source))
+    ingest_kernel_logs(
+        store,
+        sorted((source / "raw" / "kernel-log").glob("*.log")),
+        cluster="default",
+        dedup_window=timedelta(minutes=5),
+    )
+    return source
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Path:
+    return simulated_fleet(tmp_path_factory.mktemp("source"), 80.0)
+
+
+def grow(source: Path, target: Path, through: date) -> None:
+    """Copy the partitions dated up to `through` that `target` lacks."""
+    src, dst = Store.open(str(source)), Store.create(str(target))
+    for dataset in ("telemetry", "xid_events", "repairs"):
+        have = set(dst.dates(dataset))
+        for day in src.dates(dataset):
+            if day <= through and day not in have:
+                shutil.copytree(src.path(dataset, f"date={day}"), dst.path(dataset, f"date={day}"))
+
+
+def first_day(source: Path) -> date:
+    return Store.open(str(source)).dates("telemetry")[0]
+
+
+def options(tmp_path: Path, url: str, name: str, **overrides) -> NightlyOptions:
+    values = dict(
+        work_dir=tmp_path / "work",
+        tracking_uri=url,
+        model_name=name,
+        experiment=f"test-nightly-{name}",
+        kind="lightgbm",
+        train_window=timedelta(days=10),
+        horizon=timedelta(hours=24),
+        top_k=5,
+        holdout_days=3.0,
+        promotion_margin=0.01,
+        recall_tolerance=0.05,
+        precision_floor=0.0,
+        negative_fraction=0.5,
+        params={"n_estimators": 30, "n_jobs": 1},
+        retries=1,
+        backoff_s=0.0,
+        progress=False,
+    )
+    return NightlyOptions(**{**values, **overrides})
+
+
+def log_publish(store: Store, latest) -> dict:
+    """A publish step that records what it was given (the policy publisher has its own tests)."""
+    log = store.read_state("test-published") or {"calls": []}
+    log["calls"].append({"ts": str(latest["ts"].max()), "model_version": sorted(set(latest["model_version"]))})
+    store.write_state("test-published", log)
+    return {"gpus": len(latest)}
+
+
+def runs_of(url: str, experiment: str) -> list:
+    registry = Registry(url, "unused", experiment=experiment)
+    found = registry.client.get_experiment_by_name(experiment)
+    return [] if found is None else registry.client.search_runs([found.experiment_id])
+
+
+def test_three_nights_give_three_runs_justified_promotions_and_a_champion_serving_loads(mlflow_server, fleet, tmp_path):
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    data = tmp_path / "data"
+    opts = options(tmp_path, url, name)
+    start = first_day(fleet)
+    days = [start + timedelta(days=d) for d in (FLEET_DAYS - 3, FLEET_DAYS - 2, FLEET_DAYS - 1)]
+    summaries = []
+    for day in days:
+        grow(fleet, data, day)
+        summaries.append(run_nightly(str(data), opts, publish=log_publish, report=lambda _: None))
+        assert summaries[-1].day == day.isoformat() and summaries[-1].done == list(STEPS)
+
+    # The same day again changes nothing: no step, no run, no prediction file.
+    predictions_before = Store.open(str(data)).files("predictions")
+    again = run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+    assert again.already_done and "already complete" in again.line()
+    assert Store.open(str(data)).files("predictions") == predictions_before
+
+    runs = runs_of(url, opts.experiment)
+    assert len(runs) == 3
+    assert sorted(r.data.tags["gpufail.day"] for r in runs) == [d.isoformat() for d in days]
+    for r in runs:
+        assert r.data.tags["gpufail.gate_reason"]  # every decision says why
+    gates = [s.results["gate"] for s in summaries]
+    assert gates[0]["promote"] and "no champion yet" in gates[0]["reason"]
+    for g in gates[1:]:
+        # A promotion is justified by the margin on the held-out window, a refusal says so.
+        assert ("beats the champion" in g["reason"]) if g["promote"] else ("champion" in g["reason"])
+    promoted = [g["version"] for g in gates if g["promote"]]
+    champion = load_champion(url, name)
+    assert champion.version == promoted[-1]
+
+    # Each night scored the fleet's latest grid time with that night's champion.
+    store = Store.open(str(data))
+    predictions = pl.from_arrow(store.read_owned("predictions"))
+    assert predictions["ts"].n_unique() == 3
+    assert predictions.filter(pl.col("ts") == pl.col("ts").max())["model_version"].unique().to_list() == [
+        champion.model.version
+    ]
+    assert len(store.read_state("test-published")["calls"]) == 3
+
+
+def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_server, fleet, tmp_path, monkeypatch):
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    data = tmp_path / "data"
+    opts = options(tmp_path, url, name)
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
+
+    real_write = Store.write_owned
+
+    def disk_full(self, dataset, *args, **kwargs):
+        if dataset == "predictions":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, dataset, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "write_owned", disk_full)
+    messages: list[str] = []
+    with pytest.raises(NightlyError, match=r"step score failed: OSError: \[Errno 28\] No space left on device"):
+        run_nightly(str(data), opts, publish=log_publish, report=messages.append)
+    state = Store.open(str(data)).read_state("nightly")
+    assert list(state["steps"]) == ["ingest", "features", "train", "evaluate", "register", "gate"]
+    assert state["failed"]["step"] == "score"
+    assert Store.open(str(data)).files("predictions") == []  # nothing half-written
+
+    monkeypatch.setattr(Store, "write_owned", real_write)
+    resumed = run_nightly(str(data), opts, publish=log_publish, report=messages.append)
+    assert resumed.done == ["score", "publish"]
+    assert len(runs_of(url, opts.experiment)) == 1
+    assert "failed" not in Store.open(str(data)).read_state("nightly")
+
+
+def test_a_failed_step_keeps_the_champion_serving_and_exits_with_the_reason(
+    mlflow_server, fleet, tmp_path, monkeypatch
+):
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    data = tmp_path / "data"
+    opts = options(tmp_path, url, name)
+    start = first_day(fleet)
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 2))
+    run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+    champion = load_champion(url, name).model.version
+
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 1))
+    import models.train
+
+    def broken(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(models.train, "train_model", broken)
+    messages: list[str] = []
+    with pytest.raises(NightlyError, match="step train failed: MemoryError: simulated") as failure:
+        run_nightly(str(data), opts, publish=log_publish, report=messages.append)
+    assert "scored the fleet" in str(failure.value)
+    latest = pl.from_arrow(Store.open(str(data)).read_owned("predictions")).filter(pl.col("ts") == pl.col("ts").max())
+    assert latest["model_version"].unique().to_list() == [champion]
+    assert len(runs_of(url, opts.experiment)) == 1
+
+
+def test_a_window_without_failures_trains_nothing_and_says_why(mlflow_server, tmp_path_factory, tmp_path):
+    url, _ = mlflow_server
+    quiet = simulated_fleet(tmp_path_factory.mktemp("quiet"), 0.0)
+    data = tmp_path / "data"
+    grow(quiet, data, first_day(quiet) + timedelta(days=FLEET_DAYS - 1))
+    opts = options(tmp_path, url, f"nightly-{next(_names)}")
+    with pytest.raises(NightlyError, match="step score failed: .*no version has the alias 'champion'") as failure:
+        run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+    assert "no champion could score the fleet" not in str(failure.value)
+    state = Store.open(str(data)).read_state("nightly")
+    assert "has no failures; no model trained" in state["steps"]["train"]["reason"]
+    assert state["steps"]["register"]["skipped"] and state["steps"]["gate"]["skipped"]
+    assert runs_of(url, opts.experiment) == []
+
+
+def test_two_runs_cannot_overlap(tmp_path, fleet):
+    data = tmp_path / "data"
+    grow(fleet, data, first_day(fleet))
+    opts = options(tmp_path, "http://127.0.0.1:9", "unused")
+    with job_lock(opts.work_dir), pytest.raises(NightlyError, match="another `gpufail nightly` holds the lock"):
+        run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+
+
+def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, fleet, tmp_path):
+    url, _ = mlflow_server
+    data = tmp_path / "data"
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
+    env_base = {
+        "GPUFAIL_MLFLOW__TRACKING_URI": url,
+        "GPUFAIL_MLFLOW__MODEL_NAME": f"nightly-{next(_names)}",
+        "GPUFAIL_MLFLOW__RETRIES": "0",
+        "GPUFAIL_MODEL__TRAIN_WINDOW": "10d",
+        "GPUFAIL_NIGHTLY__PRECISION_FLOOR": "0.0",
+        "GPUFAIL_NIGHTLY__PARAMS": '{"n_estimators": 20}',
+    }
+    import os
+
+    env = {**os.environ, **env_base}
+    cmd = [sys.executable, "-c", "from gpufail.cli import main; main()", "nightly", "--data", str(data), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "promoted" in done.stdout and "scored" in done.stdout
+    actions = pl.from_arrow(Store.open(str(data)).read_owned("actions"))
+    assert actions["dry_run"].all()
+
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS))  # no new day: already complete
+    assert "already complete" in subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
+
+    (data / "telemetry" / f"date={first_day(fleet) + timedelta(days=FLEET_DAYS)}").mkdir()  # a new, empty day
+    down = {**env, "GPUFAIL_MLFLOW__TRACKING_URI": "http://127.0.0.1:9"}
+    failed = subprocess.run(cmd, capture_output=True, text=True, env=down, timeout=600)
+    assert failed.returncode == 2
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpufail: error: nightly ") and "unreachable" in last
+    assert "the champion (version 1, from the cache) scored the fleet" in last
