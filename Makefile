@@ -34,8 +34,11 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 	$(BIN)/gpufail train --data $(DEMO_DATA) --model-out $(DEMO_OUT)/model
 	$(BIN)/gpufail evaluate --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 	$(BIN)/gpufail score --data $(DEMO_DATA) --model $(DEMO_OUT)/model
-	@# A dry run to Slurm when a controller answers here, else to the audit log only.
-	if timeout 15 scontrol ping >/dev/null 2>&1; then target=slurm; else target=log; fi; \
+	@# A dry run to Slurm when one is configured and its controller answers, else to the audit
+	@# log only. The config file check comes first: without one, Slurm tools look for a
+	@# controller in DNS.
+	if [ -f "$${SLURM_CONF:-/etc/slurm/slurm.conf}" ] && timeout 15 scontrol ping >/dev/null 2>&1; \
+		then target=slurm; else target=log; fi; \
 		$(BIN)/gpufail publish --data $(DEMO_DATA) --to $$target --dry-run
 	$(BIN)/gpufail summary --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 
