@@ -291,6 +291,11 @@ _OFF_BUS_START = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}")
 _OFF_BUS_ONE_LINE = re.compile(rf"NVRM: GPU {_PCI}:? .*fallen off the bus")
 _UNKNOWN = ("<unknown>", "'<unknown>'", "")
 
+# What an Xid line says: time, host, log format and the payload's (bus id, xid, pid, process,
+# message).
+_Fields = tuple[str, int, int | None, str | None, str]
+_Known = tuple[datetime | None, str | None, str, _Fields]
+
 # Bound on the per-parser caches (timestamps, bus ids), so a long log cannot grow them forever.
 _CACHE_LIMIT = 4096
 
@@ -380,18 +385,21 @@ class KernelLogParser:
             return None
         start = line.find("NVRM: Xid (")
         if start >= 0:
-            record = self._xid_known_prefix(line, start, line_no) if self._shapes else None
+            known = self._xid_known_prefix(line, start) if self._shapes else None
+            record = None if known is None else self._record(known, line_no)
             if record is None:
                 record = self._xid_fast(line, start, line_no)
             if record is not None:
                 return record
         return self._slow(line, line_no)
 
-    def _xid_known_prefix(self, line: str, start: int, line_no: int) -> XidRecord | None:
-        """The record of an Xid line whose prefix `_shapes` knows, else None (then try the regex).
+    def _xid_known_prefix(self, line: str, start: int) -> _Known | None:
+        """(time, host, log format, payload fields) of an Xid line whose prefix `_shapes` knows,
+        else None (then try the regex).
 
         The hot path of a flood: kept in one function, since each call costs as much as a
-        dictionary look-up.
+        dictionary look-up. Counts nothing: the caller either makes a record of it or folds it
+        into an incident (`deduplicate`).
         """
         frac_start, frac_end = self._span
         if frac_start < 0:
@@ -420,11 +428,13 @@ class KernelLogParser:
             ts = shape.ts
             if ts is not None:
                 ts += timedelta(0, 0, int(frac) if len(frac) == 6 else _micros(frac))
-        pci, xid, pid, process, message = fields
+        return ts, shape.host, shape.log_format, fields
+
+    def _record(self, known: _Known, line_no: int) -> XidRecord:
+        ts, host, fmt, (pci, xid, pid, process, message) = known
         self.stats.xid_records += 1
-        host = shape.host
         uuid = self._uuids.get((host, pci)) if self._uuids else None
-        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, shape.log_format)
+        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt)
 
     def _xid_fast(self, line: str, start: int, line_no: int) -> XidRecord | None:
         prefixes = self._prefixes
@@ -677,20 +687,99 @@ def parse_lines(
     parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
     if stats is not None:
         parser.stats = stats
-    feed = parser.feed
-    line_no = first_line_no - 1
-    try:
-        for line_no, line in enumerate(lines, start=first_line_no):
-            # `feed`'s first test, repeated here: most lines of a real log stop at it, and a
-            # call costs more than the test.
-            if "NVRM:" in line:
-                record = feed(line, line_no)
-                if record is not None:
-                    yield record
-            elif "\x00" in line or "\ufffd" in line:
-                feed(line, line_no)  # rejects it, with the reason
-    finally:
-        parser.stats.lines += line_no - first_line_no + 1
+    return ParsedLines(parser, lines, first_line_no)
+
+
+class ParsedLines(Iterator[XidRecord]):
+    """What `parse_lines` returns: an iterator of records which `deduplicate` can also drive
+    itself, folding flood lines into their incident without making a record of each."""
+
+    def __init__(self, parser: KernelLogParser, lines: Iterable[str], first_line_no: int) -> None:
+        self._parser = parser
+        self._lines = lines
+        self._first_line_no = first_line_no
+        self._records: Iterator[XidRecord] | None = None
+
+    def __iter__(self) -> Iterator[XidRecord]:
+        # The generator itself, so that a `for` loop runs at generator speed.
+        if self._records is None:
+            self._records = self._parse()
+        return self._records
+
+    def __next__(self) -> XidRecord:
+        return next(iter(self))
+
+    def _parse(self) -> Iterator[XidRecord]:
+        parser = self._parser
+        feed = parser.feed
+        known_prefix = parser._xid_known_prefix
+        record_of = parser._record
+        shapes = parser._shapes  # cleared in place, never replaced
+        first = self._first_line_no
+        line_no = first - 1
+        try:
+            for line_no, line in enumerate(self._lines, start=first):
+                # `feed`'s steps, the first ones repeated here: most lines of a real log stop at
+                # the first test, most lines of a flood at the known prefix, and a call costs
+                # more than these tests.
+                if "NVRM:" in line:
+                    if shapes:
+                        start = line.find("NVRM: Xid (")
+                        if start >= 0:
+                            known = known_prefix(line, start)
+                            if known is not None:
+                                yield record_of(known, line_no)
+                                continue
+                    record = feed(line, line_no)
+                    if record is not None:
+                        yield record
+                elif "\x00" in line or "\ufffd" in line:
+                    feed(line, line_no)  # rejects it, with the reason
+        finally:
+            parser.stats.lines += line_no - first + 1
+
+    def _incidents(self, folder: _Folder) -> Iterator[XidIncident]:
+        """`_parse` and `deduplicate` in one loop: a flood line whose prefix is known and which
+        falls into an open incident only bumps that incident's count."""
+        parser = self._parser
+        feed = parser.feed
+        known_prefix = parser._xid_known_prefix
+        shapes = parser._shapes
+        uuids = parser._uuids
+        stats = parser.stats
+        fold_timed = folder.fold_timed
+        add = folder.add
+        done = folder.done
+        first = self._first_line_no
+        line_no = first - 1
+        try:
+            for line_no, line in enumerate(self._lines, start=first):
+                if "NVRM:" in line:
+                    if shapes:
+                        start = line.find("NVRM: Xid (")
+                        if start >= 0:
+                            known = known_prefix(line, start)
+                            if known is not None:
+                                ts, host, fmt, (pci, xid, pid, process, message) = known
+                                stats.xid_records += 1
+                                uuid = uuids.get((host, pci)) if uuids else None
+                                if ts is not None and fold_timed(host, pci, xid, ts, uuid):
+                                    continue
+                                add(XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt))
+                                if done:
+                                    yield from done
+                                    done.clear()
+                                continue
+                    record = feed(line, line_no)
+                    if record is not None:
+                        add(record)
+                        if done:
+                            yield from done
+                            done.clear()
+                elif "\x00" in line or "\ufffd" in line:
+                    feed(line, line_no)
+        finally:
+            stats.lines += line_no - first + 1
 
 
 def parse_line(
@@ -747,53 +836,86 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     """
     if window < timedelta(0):
         raise ValueError(f"dedup window {window}: expected a duration >= 0")
-    # Each open incident with the bounds of its window, so that the check per record compares
-    # times instead of building a timedelta.
-    open_: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]] = {}
-    untimed: dict[tuple[str | None, str, int], XidIncident] = {}
-    watermark: datetime | None = None
-    countdown = _SWEEP_EVERY
-    for rec in records:
+    folder = _Folder(window, node)
+    if isinstance(records, ParsedLines) and records._records is None:
+        yield from records._incidents(folder)
+    else:
+        add, done = folder.add, folder.done
+        for rec in records:
+            add(rec)
+            if done:
+                yield from done
+                done.clear()
+    yield from folder.finish()
+
+
+class _Folder:
+    """The state of `deduplicate`: open incidents, and those done but not yet yielded."""
+
+    def __init__(self, window: timedelta, node: str | None) -> None:
+        self.window = window
+        self.node = node
+        # Each open incident with the bounds of its window, so that the check per record
+        # compares times instead of building a timedelta.
+        self.open: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]] = {}
+        self.untimed: dict[tuple[str | None, str, int], XidIncident] = {}
+        self.done: list[XidIncident] = []
+        self.watermark: datetime | None = None
+        self.countdown = _SWEEP_EVERY
+
+    def fold_timed(self, host: str | None, pci: str, xid: int, ts: datetime, uuid: str | None) -> bool:
+        """Fold a timed record into its open incident if it falls in its window and is of the
+        same GPU (the common case: a flood line); False when `add` has to decide."""
+        key = (host or self.node, pci, xid)
+        entry = self.open.get(key)
+        if entry is None:
+            return False
+        incident, earliest, latest = entry
+        if not (earliest <= ts <= latest and (uuid is None or uuid == incident.gpu_uuid)):
+            return False
+        incident.repeat_count += 1
+        if ts > incident.last_ts:  # type: ignore[operator]
+            incident.last_ts = ts
+        elif ts < incident.ts:  # type: ignore[operator]
+            incident.ts = ts
+            self.open[key] = (incident, *_window_around(ts, self.window))
+        return True
+
+    def add(self, rec: XidRecord) -> None:
         ts = rec.ts
-        key = (rec.host or node, rec.pci_bus_id, rec.xid)
+        key = (rec.host or self.node, rec.pci_bus_id, rec.xid)
         if ts is None:
-            incident = untimed.get(key)
+            incident = self.untimed.get(key)
             if incident is not None and _same_gpu(incident, rec):
                 _fold(incident, rec)
-                continue
+                return
             if incident is not None:
-                yield incident
-            untimed[key] = _new_incident(rec, key[0])
-            continue
-        entry = open_.get(key)
-        # Inlined fold of the common case (a flood line inside the window, same GPU): this loop
-        # runs once per line of a flood.
-        if entry is not None:
-            incident, earliest, latest = entry
-            if earliest <= ts <= latest and (rec.gpu_uuid is None or rec.gpu_uuid == incident.gpu_uuid):
-                incident.repeat_count += 1
-                if ts > incident.last_ts:  # type: ignore[operator]
-                    incident.last_ts = ts
-                elif ts < incident.ts:  # type: ignore[operator]
-                    incident.ts = ts
-                    open_[key] = (incident, *_window_around(ts, window))
-                continue
-            if _same_gpu(incident, rec) and earliest <= ts <= latest:
-                _fold(incident, rec)  # a UUID learnt mid-incident
-                open_[key] = (incident, *_window_around(incident.ts, window))  # type: ignore[arg-type]
-            else:
-                yield open_.pop(key)[0]
-                open_[key] = (_new_incident(rec, key[0]), *_window_around(ts, window))
+                self.done.append(incident)
+            self.untimed[key] = _new_incident(rec, key[0])
+            return
+        if self.fold_timed(rec.host, rec.pci_bus_id, rec.xid, ts, rec.gpu_uuid):
+            return
+        entry = self.open.get(key)
+        if entry is not None and _same_gpu(entry[0], rec) and entry[1] <= ts <= entry[2]:
+            incident = entry[0]
+            _fold(incident, rec)  # a UUID learnt mid-incident
+            self.open[key] = (incident, *_window_around(incident.ts, self.window))  # type: ignore[arg-type]
         else:
-            open_[key] = (_new_incident(rec, key[0]), *_window_around(ts, window))
-        if watermark is None or ts > watermark:
-            watermark = ts
-        countdown -= 1
-        if countdown <= 0:
-            countdown = _SWEEP_EVERY
-            yield from _sweep(open_, watermark - window)
-    yield from sorted((entry[0] for entry in open_.values()), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
-    yield from untimed.values()
+            if entry is not None:
+                self.done.append(self.open.pop(key)[0])
+            self.open[key] = (_new_incident(rec, key[0]), *_window_around(ts, self.window))
+        if self.watermark is None or ts > self.watermark:
+            self.watermark = ts
+        self.countdown -= 1
+        if self.countdown <= 0:
+            self.countdown = _SWEEP_EVERY
+            self.done.extend(_sweep(self.open, self.watermark - self.window))
+
+    def finish(self) -> Iterator[XidIncident]:
+        yield from self.done
+        self.done.clear()
+        yield from sorted((entry[0] for entry in self.open.values()), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
+        yield from self.untimed.values()
 
 
 def _window_around(moment: datetime, window: timedelta) -> tuple[datetime, datetime]:

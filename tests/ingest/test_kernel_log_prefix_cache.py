@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from ingest.kernel_log import XidRecord, parse_line, parse_lines
+from ingest.kernel_log import ParseStats, XidRecord, deduplicate, parse_line, parse_lines
 from ingest.kernel_log_bench import FORMATS, flood_lines
 
 BOOT = datetime(2025, 1, 20, 0, 0, 0, 250_000, tzinfo=UTC)  # not on a whole second, on purpose
@@ -88,3 +88,83 @@ def test_a_fraction_past_microseconds_is_truncated_like_fromisoformat() -> None:
     lines = [f"2025-01-21T04:41:44.{frac}+00:00 host kernel: {PAYLOAD}\n" for frac in ("1234567", "9999999", "5")]
     records = list(parse_lines(lines))
     assert [r.ts.microsecond for r in records if r.ts] == [123456, 999999, 500000]
+
+
+# -- deduplicate driving parse_lines itself ------------------------------------------------------
+
+
+def _incidents(records: object, window: timedelta, node: str | None = None) -> list[tuple[object, ...]]:
+    return [
+        (
+            i.ts,
+            i.last_ts,
+            i.node,
+            i.pci_bus_id,
+            i.xid,
+            i.pid,
+            i.process,
+            i.message,
+            i.gpu_uuid,
+            i.repeat_count,
+            i.first_line_no,
+        )
+        for i in deduplicate(records, window, node=node)  # type: ignore[arg-type]
+    ]
+
+
+def _fused_equals_generic(lines: list[str], window: timedelta, **kwargs: object) -> list[tuple[object, ...]]:
+    fused_stats, generic_stats = ParseStats(), ParseStats()
+    fused = _incidents(parse_lines(lines, stats=fused_stats, **kwargs), window, node="n0")  # type: ignore[arg-type]
+    records = list(parse_lines(lines, stats=generic_stats, **kwargs))  # type: ignore[arg-type]
+    assert fused == _incidents(records, window, node="n0")
+    assert (fused_stats.lines, fused_stats.xid_records, fused_stats.rejected) == (
+        generic_stats.lines,
+        generic_stats.xid_records,
+        generic_stats.rejected,
+    )
+    return fused
+
+
+@pytest.mark.parametrize("log_format", FORMATS)
+@pytest.mark.parametrize("window", [timedelta(0), timedelta(microseconds=300), timedelta(minutes=5)])
+def test_deduplicating_a_flood_straight_from_the_parser_equals_deduplicating_its_records(
+    log_format: str, window: timedelta
+) -> None:
+    incidents = _fused_equals_generic(flood_lines(4_000, log_format), window, boot_time=BOOT, reference_time=REFERENCE)
+    assert sum(i[9] for i in incidents) == 3_600  # type: ignore[misc]  # every Xid line, once
+
+
+def test_fused_dedup_with_banners_replaced_gpus_shuffled_times_hosts_and_junk() -> None:
+    rng = random.Random(11)
+    lines = _variants()
+    banner = "2025-03-30T01:00:00.000000+00:00 node-{h} kernel: NVRM: GPU at PCI:0000:3b:00: GPU-{u}\n"
+    for at in sorted(rng.sample(range(len(lines)), 12), reverse=True):
+        lines.insert(at, banner.format(h=at % 3, u=f"{at:08d}-aaaa"))  # the GPU of a bus changes
+    lines.insert(len(lines) // 2, "\x00\x01binary junk\n")
+    for window in (timedelta(0), timedelta(milliseconds=700), timedelta(hours=1)):
+        _fused_equals_generic(lines, window, boot_time=BOOT, reference_time=REFERENCE)
+
+
+def test_fused_dedup_of_lines_without_a_time() -> None:
+    lines = flood_lines(500, "kmsg") + flood_lines(500, "dmesg_uptime")
+    incidents = _fused_equals_generic(lines, timedelta(minutes=5))  # no boot time: untimed
+    assert {i[0] for i in incidents} == {None}
+
+
+def test_a_partly_consumed_parse_is_deduplicated_from_where_it_stopped() -> None:
+    records = parse_lines(flood_lines(100, "dmesg_iso"))
+    first = next(records)
+    rest = _incidents(records, timedelta(minutes=5))
+    assert first.line_no == 1 and sum(i[9] for i in rest) == 89  # type: ignore[misc]
+
+
+def test_fused_dedup_splits_a_flood_where_a_banner_says_the_gpu_was_replaced() -> None:
+    lines = flood_lines(3_000, "rfc3339_syslog")
+    banner = "2025-01-21T04:41:44.000000+00:00 gpu-node-007 kernel: NVRM: GPU at PCI:0000:18:00: GPU-{}\n"
+    for at, uuid in ((2_000, "bbbb"), (1_000, "aaaa")):
+        lines.insert(at, banner.format(uuid))
+    incidents = _fused_equals_generic(lines, timedelta(minutes=5), boot_time=BOOT, reference_time=REFERENCE)
+    bus_18 = [(i[8], i[9]) for i in incidents if i[3] == "0000:18:00"]
+    # 375 lines of this GPU: those before the first banner fold into the incident that learns
+    # its UUID (aaaa); the replacement's (bbbb) start a new one
+    assert sorted(bus_18, key=str) == [("GPU-aaaa", 250), ("GPU-bbbb", 125)]
