@@ -128,3 +128,165 @@ def test_missing_model_is_an_error_naming_the_path(tmp_path):
     (folder / METADATA_FILE).write_text("{truncated")
     with pytest.raises(InputError, match=METADATA_FILE):
         load_model(folder)
+
+
+# -- negative subsampling -------------------------------------------------------------------
+
+
+def test_negative_subsampling_keeps_every_positive_and_corrects_the_odds():
+    frame = demo_frame()
+    full = lightgbm_model()
+    sampled = train_model(
+        frame, kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=0.2
+    )
+    assert sampled.n_positives == full.n_positives
+    negatives = full.n_rows - full.n_positives
+    assert 0.15 * negatives < sampled.n_rows - sampled.n_positives < 0.25 * negatives
+    # One factor: the class weight (neg/pos of the sample, capped) times 1 / r.
+    assert sampled.pos_weight == pytest.approx(sampled.params["pos_weight"] / 0.2)
+    assert sampled.negative_fraction == 0.2 and sampled.metadata()["negative_fraction"] == 0.2
+    rows = frame[frame["label"].notna()]
+    base_rate = float((rows["label"] == 1).mean())
+    risk = sampled.predict_risk(rows)
+    # Uncorrected, the sample's scores would sit ~5x above the full model's; corrected, near them.
+    assert base_rate / 5 < risk.mean() < base_rate * 2
+    assert sampled.predict_score(rows).mean() > 5 * risk.mean()
+
+
+def test_negative_subsampling_is_seeded_and_works_on_polars_frames():
+    import polars as pl
+
+    frame = demo_frame()
+    kwargs = dict(kind="logistic", train_window="3d", horizon=HORIZON, negative_fraction=0.1)
+    a = train_model(frame, **kwargs)
+    b = train_model(pl.from_pandas(frame), **kwargs)
+    c = train_model(frame, **kwargs, seed=1)
+    probe = frame.tail(500)
+    np.testing.assert_allclose(a.predict_risk(probe), b.predict_risk(probe))
+    assert a.n_rows == b.n_rows
+    assert not np.allclose(a.predict_risk(probe), c.predict_risk(probe))
+    with pytest.raises(InputError, match="negative_fraction"):
+        train_model(frame, **{**kwargs, "negative_fraction": 0.0})
+
+
+# -- every kind ------------------------------------------------------------------------------
+
+FAST = {
+    "lightgbm": {"n_jobs": 1},
+    "xgboost": {"n_jobs": 1},
+    "random_forest": {"n_jobs": 1, "n_estimators": 40},
+    "logistic": {},
+    "mlp": {"hidden_layer_sizes": [16], "max_iter": 15},
+    "parallel": {"n_jobs": 1},
+    "cascade": {"n_jobs": 1},
+}
+
+
+@cache
+def shuffled() -> pd.DataFrame:
+    frame = demo_frame()
+    return frame.assign(label=frame["label"].sample(frac=1.0, random_state=0).to_numpy())
+
+
+@cache
+def trained(kind: str, shuffled_labels: bool = False) -> TrainedModel:
+    frame = shuffled() if shuffled_labels else demo_frame()
+    return train_model(
+        frame, kind=kind, train_window="6d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=FAST[kind]
+    )
+
+
+def held_out() -> pd.DataFrame:
+    frame = demo_frame()
+    test = frame[(frame["ts"] >= pd.Timestamp("2026-01-08T12:00Z")) & frame["label"].notna()]
+    return test.reset_index(drop=True)
+
+
+@pytest.mark.parametrize("kind", list(FAST))
+def test_planted_precursor_is_found_by_every_kind(kind):
+    from models.evaluate import score_metrics
+
+    test = held_out()
+    metrics = score_metrics(test, trained(kind).predict_risk(test), k=5)
+    # The precursor ramps up over the day before each failure: every kind catches almost all.
+    assert metrics["recall_at_k"] >= 0.9, metrics
+    assert metrics["roc_auc"] >= 0.9, metrics
+
+
+@pytest.mark.parametrize("kind", ["lightgbm", "parallel", "cascade"])
+def test_shuffled_labels_give_precision_near_the_base_rate(kind):
+    from models.evaluate import precision_at_k
+
+    # Labels shuffled over the whole frame, held-out period included: nothing links features
+    # to labels any more, so no model (nor any leak of labels into features) can beat chance.
+    shuffled_frame = shuffled()
+    test = shuffled_frame[(shuffled_frame["ts"] >= pd.Timestamp("2026-01-08T12:00Z")) & shuffled_frame["label"].notna()]
+    model = trained(kind, shuffled_labels=True)
+    precision = precision_at_k(test.assign(score=model.predict_risk(test)), 5)["precision_at_k_pooled"]
+    base_rate = float((test["label"] == 1).mean())
+    assert precision < base_rate + 0.03
+    real = held_out()
+    assert precision_at_k(real.assign(score=trained(kind).predict_risk(real)), 5)["precision_at_k_pooled"] > 0.1
+
+
+@pytest.mark.parametrize("kind", ["parallel", "cascade", "random_forest", "mlp"])
+def test_same_seed_same_predictions(kind):
+    frame = demo_frame()
+    kwargs = dict(kind=kind, train_window="6d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=FAST[kind])
+    probe = held_out().head(2000)
+    again = train_model(frame, **kwargs)
+    np.testing.assert_array_equal(again.predict_risk(probe), trained(kind).predict_risk(probe))
+
+
+@pytest.mark.parametrize("kind", ["parallel", "cascade"])
+def test_ensembles_save_load_and_score(tmp_path, kind):
+    from serving.score import score_latest
+
+    model = trained(kind)
+    folder = save_model(model, tmp_path / kind)
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    assert meta["kind"] == kind and meta["versions"]["lightgbm"] and meta["versions"]["scikit-learn"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = load_model(folder)
+    probe = held_out()
+    np.testing.assert_array_equal(loaded.predict_risk(probe), model.predict_risk(probe))
+    latest = probe[probe["ts"] == probe["ts"].max()]
+    scored = score_latest(loaded, latest)
+    assert len(scored) == len(latest) and scored["risk"].between(0, 1).all()
+
+
+def test_cascade_records_its_learnt_threshold():
+    model = trained("cascade")
+    assert 0 < model.params["threshold"] < 1 and model.params["validation_recall"] >= 0.95
+    assert 0 < model.params["kept_fraction"] < 0.5
+    assert model.params["validation_gap"] == pd.Timedelta(HORIZON)
+    assert model.estimator.threshold_ == model.params["threshold"]
+
+
+def test_bad_ensemble_settings_are_input_errors():
+    frame = demo_frame()
+    with pytest.raises(InputError, match="svm"):
+        train_model(frame, kind="parallel", train_window="3d", horizon=HORIZON, params={"members": ["svm", "mlp"]})
+    with pytest.raises(InputError, match="cannot be constrained"):
+        train_model(
+            frame,
+            kind="parallel",
+            train_window="3d",
+            horizon=HORIZON,
+            params={"members": ["lightgbm", "mlp"]},
+            monotone_increasing=[PRECURSOR],
+        )
+    with pytest.raises(InputError, match="model kind"):
+        train_model(frame, kind="svm", train_window="3d", horizon=HORIZON)
+    # A window too short for the cascade's two slices to both hold failures.
+    healthy_late = frame.assign(label=frame["label"].where(frame["ts"] < pd.Timestamp("2026-01-06T18:00Z"), 0))
+    with pytest.raises(InputError, match="validation slice"):
+        train_model(
+            healthy_late,
+            kind="cascade",
+            train_window="2d",
+            horizon=HORIZON,
+            as_of="2026-01-08T00:00Z",
+            params=FAST["cascade"],
+        )
