@@ -61,13 +61,17 @@ class RegistryError(GpufailError):
 
 
 def quiet_mlflow() -> None:
-    """Telemetry off and MLflow's own HTTP retries off (gpufail retries with its own back-off,
+    """Telemetry, run links and progress bars off, and MLflow's own HTTP retries off (gpufail retries with its own back-off,
     so that a server that is down fails in seconds, not after MLflow's ~2 minutes of retries).
     Values the user set are kept."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "true")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    # gpufail reports its own one-line summaries; MLflow's run links and download bars are noise
+    # in a cron log.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -364,6 +368,8 @@ def log_training_run(
                     # Stated, not inferred: inference imports the model in a subprocess.
                     pip_requirements=[f"{lib}=={v}" for lib, v in model.versions.items() if lib != "python"],
                 )
+                # Found again by `_finished_run` when a resumed job logs the same day twice.
+                mlflow.set_tag("gpufail.model_uri", info.model_uri)
                 return LoggedRun(run.info.run_id, info.model_uri)
 
         return registry.call("log the training run", log)
@@ -398,7 +404,6 @@ def register(registry: Registry, run: LoggedRun) -> str:
         mlflow.set_tracking_uri(registry.tracking_uri)
         created = registry.call("register the model", mlflow.register_model, run.model_uri, registry.name)
         version = str(created.version)
-        registry.call("tag the run", registry.client.set_tag, run.run_id, "gpufail.model_uri", run.model_uri)
     champion = registry.alias_version(CHAMPION)
     if champion is None or str(champion.version) != version:
         registry.call(

@@ -217,3 +217,22 @@ def test_the_gate(challenger, champion, promote, reason):
     decided, why = gate(challenger, champion, margin=0.02, recall_tolerance=0.05, floor=0.05)
     assert decided is promote
     assert reason in why
+
+
+def test_logging_the_same_day_and_data_again_returns_the_first_run(mlflow_server, tmp_path):
+    url, _ = mlflow_server
+    registry = fresh_registry(url, retries=0)
+    registry.experiment = f"test-registry-{registry.name}"
+    model, holdout = model_and_holdout()
+    kwargs = dict(
+        example=holdout,
+        metrics={"model": {"precision_at_k_mean": 0.5}},
+        report_dir=None,
+        fingerprint={"features": "f00d"},
+        data_window=("a", "b"),
+        tags={"gpufail.day": "2026-02-01"},
+    )
+    first = log_training_run(registry, model, **kwargs)
+    assert log_training_run(registry, model, **kwargs) == first
+    other = log_training_run(registry, model, **{**kwargs, "fingerprint": {"features": "beef"}})
+    assert other.run_id != first.run_id
