@@ -218,11 +218,14 @@ class _Prefix:
     has_host: bool
     # Stamps with one-second resolution repeat thousands of times in a flood: cache them.
     cache_ts: bool
-    # The prefix cache (see `_PrefixShape`) may stand in for this prefix's regex: False where a
-    # field other than the sub-second digits changes on every line (kmsg's sequence number).
-    shape_cache: bool
-    # Whether the `frac` group's digits move the time (journal's ignores them).
+    # For the prefix cache (see `_PrefixShape`): the group whose digits change from line to
+    # line and move the time (a fraction of a second; kmsg: a count of microseconds), whether
+    # they do move it (journal's fraction does not), and a group whose digits change on every
+    # line without entering the time (kmsg's sequence number), which must come before it.
+    frac_group: str
     frac_in_ts: bool
+    frac_is_micros: bool
+    counter_group: str | None
 
 
 # A well-formed Xid payload. Anything that contains "NVRM: Xid" but does not match this goes
@@ -240,8 +243,10 @@ def _prefix(
     *,
     has_host: bool = False,
     cache_ts: bool = False,
-    shape_cache: bool = True,
+    frac_group: str = "frac",
     frac_in_ts: bool = True,
+    frac_is_micros: bool = False,
+    counter_group: str | None = None,
 ) -> _Prefix:
     return _Prefix(
         name=name,
@@ -250,8 +255,10 @@ def _prefix(
         timestamp=timestamp,
         has_host=has_host,
         cache_ts=cache_ts,
-        shape_cache=shape_cache,
+        frac_group=frac_group,
         frac_in_ts=frac_in_ts,
+        frac_is_micros=frac_is_micros,
+        counter_group=counter_group,
     )
 
 
@@ -259,7 +266,14 @@ def _prefix(
 # holds one format, so the first try usually matches.
 PREFIXES: tuple[_Prefix, ...] = (
     _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_none),
-    _prefix("kmsg", r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;", _ts_kmsg, shape_cache=False),
+    _prefix(
+        "kmsg",
+        r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;",
+        _ts_kmsg,
+        frac_group="usec",
+        frac_is_micros=True,
+        counter_group="seq",
+    ),
     _prefix("dmesg_uptime", r"(?:<\d+>)?\[\s*(?P<sec>\d+)\.(?P<frac>\d+)\]\s*", _ts_uptime),
     _prefix(
         "dmesg_ctime",
@@ -326,6 +340,7 @@ class _PrefixShape:
 STAMP_FIXED = 0  # no sub-second field, or one the time ignores (journal)
 STAMP_ISO = 1  # parse the ISO stamp again: `fromisoformat` costs less than a timedelta sum
 STAMP_PLUS_FRACTION = 2  # dmesg uptime: boot time + seconds, plus the fraction
+STAMP_PLUS_MICROS = 3  # kmsg: boot time plus the microseconds field
 
 _NO_FRACTION = (-1, -1)
 
@@ -375,6 +390,7 @@ class KernelLogParser:
         # what trying the prefixes in order would give.
         self._shapes: dict[str, _PrefixShape] = {}
         self._span = _NO_FRACTION
+        self._counter = _NO_FRACTION  # kmsg's sequence number: digits outside the key as well
 
     def feed(self, line: str, line_no: int) -> XidRecord | None:
         # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
@@ -408,7 +424,14 @@ class KernelLogParser:
             frac = line[frac_start:frac_end]
             if not (frac.isascii() and frac.isdigit()):
                 return None
-            shape = self._shapes.get(line[:frac_start] + line[frac_end:start])
+            counter_start, counter_end = self._counter
+            if counter_start < 0:
+                shape = self._shapes.get(line[:frac_start] + line[frac_end:start])
+            else:
+                counter = line[counter_start:counter_end]
+                if not (counter.isascii() and counter.isdigit()):
+                    return None
+                shape = self._shapes.get(line[:counter_start] + line[counter_end:frac_start] + line[frac_end:start])
         else:
             return None
         if shape is None:
@@ -427,7 +450,8 @@ class KernelLogParser:
         else:
             ts = shape.ts
             if ts is not None:
-                ts += timedelta(0, 0, int(frac) if len(frac) == 6 else _micros(frac))
+                micros = int(frac) if stamp == STAMP_PLUS_MICROS or len(frac) == 6 else _micros(frac)
+                ts += timedelta(0, 0, micros)
         return ts, shape.host, shape.log_format, fields
 
     def _record(self, known: _Known, line_no: int) -> XidRecord:
@@ -463,7 +487,7 @@ class KernelLogParser:
             fmt = spec.name if host is not None else "journal_nohost"
         else:
             host, fmt = None, spec.name
-        if spec.shape_cache and m.end() == start:
+        if m.end() == start:
             self._remember_shape(line, start, m, spec, ts, host, fmt)
         pci, xid, pid, process, message = fields
         self.stats.xid_records += 1
@@ -474,27 +498,37 @@ class KernelLogParser:
         self, line: str, start: int, m: re.Match[str], spec: _Prefix, ts: datetime | None, host: str | None, fmt: str
     ) -> None:
         groups = spec.pattern.groupindex
-        frac_start, frac_end = m.span("frac") if "frac" in groups else _NO_FRACTION
+        frac_start, frac_end = m.span(spec.frac_group) if spec.frac_group in groups else _NO_FRACTION
+        counter = m.span(spec.counter_group) if spec.counter_group is not None else _NO_FRACTION
         iso_start, iso_end = m.span("iso") if "iso" in groups else _NO_FRACTION
         if frac_start < 0:
             key = line[:start]
             stamp = STAMP_FIXED
+            counter = _NO_FRACTION
         else:
             frac = line[frac_start:frac_end]
-            if not frac.isascii():
+            if not frac.isascii() or counter[0] > frac_start or not line[counter[0] : counter[1]].isascii():
                 return
-            key = line[:frac_start] + line[frac_end:start]
+            if counter[0] < 0:
+                key = line[:frac_start] + line[frac_end:start]
+            else:
+                key = line[: counter[0]] + line[counter[1] : frac_start] + line[frac_end:start]
             if not spec.frac_in_ts:
                 stamp = STAMP_FIXED
             elif iso_start >= 0:
                 stamp = STAMP_ISO
+            elif spec.frac_is_micros:
+                stamp = STAMP_PLUS_MICROS
+                if ts is not None:
+                    ts -= timedelta(0, 0, int(frac))
             else:
                 stamp = STAMP_PLUS_FRACTION
                 if ts is not None:
                     ts -= timedelta(0, 0, _micros(frac))
-        if (frac_start, frac_end) != self._span or len(self._shapes) >= _CACHE_LIMIT:
+        if (frac_start, frac_end) != self._span or counter != self._counter or len(self._shapes) >= _CACHE_LIMIT:
             self._shapes.clear()
             self._span = (frac_start, frac_end)
+            self._counter = counter
         self._shapes[key] = _PrefixShape(spec, ts, host, fmt, stamp, iso_start, iso_end)
 
     def _payload_fields(self, payload: str) -> tuple[str, int, int | None, str | None, str] | None:

@@ -72,6 +72,8 @@ def _variants() -> list[str]:
             f"Mar 30 {moment:%H:%M:%S}.{frac} node-{i % 2} kernel: {PAYLOAD}\n",
             f"[{uptime:>6d}.{arabic_frac}] {PAYLOAD}\n",
             f"[{uptime:>6d}.{frac[:-1]}x] {PAYLOAD}\n",  # not a stamp at all
+            f"6,{rng.randrange(10 ** rng.randrange(1, 4))},{uptime}{frac},-;{PAYLOAD}\n",  # kmsg
+            f"6,{i},{uptime}{arabic_frac},-;{PAYLOAD}\n",
             f"[{uptime:>6d}.{frac}] NVRM: Xid (PCI:0000:3b:00): 4x, garbled\n",
             f"{iso}.{frac}+00:00 node-0 kernel: [ {uptime}.{frac}] {PAYLOAD}\n",
         ]
