@@ -109,12 +109,14 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
         "n_jobs": THREADS,
         "random_state": 0,
     },
+    # One hidden layer of 32 and 10 epochs ranked the demo's held-out 14 days as well as
+    # (64, 32) and 30 epochs (precision@10 0.094 / 0.092), several times faster.
     "mlp": {
-        "hidden_layer_sizes": (64, 32),
+        "hidden_layer_sizes": (32,),
         "alpha": 1e-3,
         "batch_size": 256,
         "learning_rate_init": 1e-3,
-        "max_iter": 30,
+        "max_iter": 10,
         "random_state": 0,
     },
 }

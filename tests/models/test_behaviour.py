@@ -1,6 +1,7 @@
 """Behavioural tests on trained models (CONVENTIONS.md 11)."""
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from models.train import train_model
@@ -32,3 +33,36 @@ def test_without_it_trees_can_lower_the_risk_of_a_rising_precursor():
 def test_logistic_regression_raises_the_risk_with_the_precursor():
     before, after = risk_after_raising_the_precursor(kind="logistic")
     assert np.all(after > before)
+
+
+def test_the_default_ensemble_never_lowers_the_risk_of_a_rising_precursor():
+    # The default ensemble (parallel: LightGBM, XGBoost, logistic regression; top-K
+    # intersection) with every member constrained. A GPU's place in each member's ranking can
+    # only improve when its precursor rises, and so can its place in the combined ranking.
+    frame = demo_frame()
+    model = train_model(
+        frame, kind="parallel", train_window="5d", horizon="12h", params=ONE_THREAD, monotone_increasing=[PRECURSOR]
+    )
+    rows = frame.sample(3000, random_state=1).reset_index(drop=True)
+    raised = rows.assign(**{PRECURSOR: rows[PRECURSOR] + 0.5})
+    # Each row its own scoring time: its risk is its members' mean probability.
+    alone = pd.date_range("2030-01-01", periods=len(rows), freq="h", tz="UTC")
+    before = model.predict_risk(rows.assign(ts=alone))
+    after = model.predict_risk(raised.assign(ts=alone))
+    assert np.all(after >= before - 1e-12)
+    assert after.mean() > 1.5 * before.mean()
+    # Within a scoring time, raising one GPU's precursor (its peers unchanged) never lowers
+    # its risk, though the combined ranking reorders it against the others.
+    for ts in frame["ts"].drop_duplicates().sample(3, random_state=2):
+        fleet = frame[frame["ts"] == ts].reset_index(drop=True)
+        base = model.predict_risk(fleet)
+        for i in fleet.sample(8, random_state=3).index:
+            bumped = fleet.copy()
+            bumped.loc[i, PRECURSOR] += 1.0
+            assert model.predict_risk(bumped)[i] >= base[i] - 1e-12
+
+
+def test_the_cascade_with_constrained_stages_never_lowers_the_risk_of_a_rising_precursor():
+    before, after = risk_after_raising_the_precursor(kind="cascade", params=ONE_THREAD, monotone_increasing=[PRECURSOR])
+    assert np.all(after >= before - 1e-12)
+    assert after.mean() > 1.5 * before.mean()
