@@ -161,10 +161,17 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
 @click.option("--node", default=None, help="Node name (default: the file name without its extensions).")
 @click.option("--time", "time_", default=None, help="Capture time (ISO) for output with no timestamp of its own.")
 @click.option("--tz", default=None, help="Time zone of nvidia-smi's local-time stamps (default: UTC).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.pass_context
 def ingest_nvidia_smi(
-    ctx: click.Context, data: str | None, node: str | None, time_: str | None, tz: str | None, files: tuple[str, ...]
+    ctx: click.Context,
+    data: str | None,
+    node: str | None,
+    time_: str | None,
+    tz: str | None,
+    quiet: bool,
+    files: tuple[str, ...],
 ) -> None:
     """Import saved nvidia-smi output into the telemetry dataset.
 
@@ -181,6 +188,7 @@ def ingest_nvidia_smi(
             node=node,
             time=_when(time_),
             tz=tz,
+            progress=not quiet,
         )
     except ValueError as exc:  # an unknown --tz
         raise click.BadParameter(str(exc)) from None

@@ -534,15 +534,19 @@ def import_nvidia_smi(
     node: str | None = None,
     time: datetime | None = None,
     tz: str | tzinfo | None = None,
+    progress: bool = False,
 ) -> NvidiaSmiSummary:
-    """Parse each nvidia-smi file and append its rows to `telemetry`, one file at a time.
+    """Parse each nvidia-smi file and append its rows to `telemetry`, one file at a time
+    (`progress`: a bar over the files).
 
     A file that cannot be used at all is skipped and counted (its reason logged); the others are
     still imported. If no file gave a row, `InputError` says why the first one failed.
     """
     summary = NvidiaSmiSummary()
     first_error: InputError | None = None
-    for path in paths:
+    from tqdm.auto import tqdm
+
+    for path in tqdm(paths, desc="nvidia-smi", unit="file", disable=not progress):
         try:
             text = _read(path)
             table = parse_nvidia_smi(

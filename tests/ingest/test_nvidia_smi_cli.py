@@ -20,7 +20,17 @@ def test_csv_and_xml_captures_become_telemetry_with_a_summary_line(tmp_path: Pat
     csv_file = tmp_path / "gpu-node-1.csv"
     csv_file.write_text((FIXTURES / "query_h100_590.48.01_load.csv").read_text() + "2026/07/14 08:13, truncated\n")
     xml_file = FIXTURES / "qx-h100.xml"
-    result = run("ingest", "nvidia-smi", "--data", str(tmp_path / "root"), "--node", "n1", str(csv_file), str(xml_file))
+    result = run(
+        "ingest",
+        "nvidia-smi",
+        "--data",
+        str(tmp_path / "root"),
+        "--node",
+        "n1",
+        "--quiet",
+        str(csv_file),
+        str(xml_file),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("nvidia-smi: 9 GPU samples from 2 file(s)")
     assert "1 lines with the wrong number of cells" in result.stdout
@@ -31,7 +41,7 @@ def test_csv_and_xml_captures_become_telemetry_with_a_summary_line(tmp_path: Pat
 def test_a_noheader_capture_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "n.csv"
     bad.write_text("2026/05/01 10:00:00.000, 0, GPU-a, 40\n")
-    result = run("ingest", "nvidia-smi", "--data", str(tmp_path / "root"), str(bad))
+    result = run("ingest", "nvidia-smi", "--data", str(tmp_path / "root"), "--quiet", str(bad))
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and f"{bad}, line 1: not a header line" in result.stderr
 
