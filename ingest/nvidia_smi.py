@@ -248,7 +248,7 @@ def _csv_rows(text: str, ctx: _Context, summary: NvidiaSmiSummary) -> Iterator[t
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is None:
         raise InputError(f"nvidia-smi file {ctx.source}: empty; expected --query-gpu CSV or -q -x XML")
-    columns = _header(_split(lines[first]))
+    columns: list[_Column] | None = _header(_split(lines[first]))
     if columns is None:
         raise InputError(
             f"nvidia-smi file {ctx.source}, line {first + 1}: not a header line ({lines[first][:80]!r}); expected "
@@ -270,9 +270,18 @@ def _csv_rows(text: str, ctx: _Context, summary: NvidiaSmiSummary) -> Iterator[t
         cells = _split(line)
         header = _header(cells)
         if header is not None and any(c.name == "uuid" for c in header):
-            # Another run appended to the same file: its own header, possibly other fields.
-            _check_identity(header, ctx, line_no)
-            columns = header
+            # Another run appended to the same file: its own header, possibly other fields. One
+            # that cannot be used costs its own run's lines, not the runs before it.
+            try:
+                _check_identity(header, ctx, line_no)
+                usable: list[_Column] | None = header
+            except InputError as exc:
+                summary.skip("runs whose header cannot be used", str(exc))
+                usable = None
+            columns = usable
+            continue
+        if columns is None:
+            summary.skip("lines under a header that cannot be used", where)
             continue
         if len(cells) != len(columns):
             summary.skip("lines with the wrong number of cells (truncated or garbled)", where)

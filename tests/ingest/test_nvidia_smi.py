@@ -129,6 +129,21 @@ def test_a_looped_capture_with_a_second_run_appended_keeps_both_runs() -> None:
     assert rows[2]["power_w"] is None
 
 
+def test_an_appended_run_with_an_unusable_header_loses_only_its_own_lines() -> None:
+    text = (
+        f"{HEADER}\n"
+        "2026/05/01 10:00:00.000, 0, GPU-a, 40, 300.00 W, 100 MiB, 1400 MHz\n"
+        "index, uuid, temperature.gpu\n"  # no timestamp, and no --time
+        "0, GPU-a, 41\n"
+        f"{HEADER}\n"
+        "2026/05/01 10:02:00.000, 0, GPU-a, 42, 300.00 W, 100 MiB, 1400 MHz\n"
+    )
+    summary = NvidiaSmiSummary()
+    assert [r["temp_gpu_c"] for r in parse(text, summary)] == [40.0, 42.0]
+    assert summary.skipped == {"runs whose header cannot be used": 1, "lines under a header that cannot be used": 1}
+    assert "line 3: no timestamp column" in summary.examples["runs whose header cannot be used"][0]
+
+
 def test_bad_lines_are_skipped_counted_and_the_good_lines_around_them_kept() -> None:
     text = (
         f"{HEADER}\n"
