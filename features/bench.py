@@ -175,13 +175,67 @@ def bench_compare(n_gpus: int = 32, hours: float = 130, *, seed: int = 0) -> dic
     }
 
 
+def bench_store(
+    n_gpus: int,
+    days: int,
+    *,
+    interval: timedelta = timedelta(minutes=15),
+    buckets_in_memory: int = 4_000_000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The whole store build (Parquet read to features written) on a synthetic fleet written
+    day by day into a temporary local store (generated a day at a time, so the fleet can be
+    larger than memory). Run it in its own process to read its peak memory."""
+    import shutil
+    import tempfile
+
+    from features.build import build_features_from_store
+    from ingest.store import Store
+
+    root = tempfile.mkdtemp(prefix="gpufail-features-bench-")
+    try:
+        store = Store.create(root)
+        rows = 0
+        for day in range(days):
+            tel = synthetic_telemetry(n_gpus, 24, interval=interval, start=START + timedelta(days=day), seed=seed + day)
+            store.write("telemetry", tel.to_arrow())
+            store.write("xid_events", synthetic_xids(tel, seed=seed + day).to_arrow())
+            rows += tel.height
+            del tel
+        began = time.perf_counter()
+        summary = build_features_from_store(store, max_buckets_in_memory=buckets_in_memory, progress=False)
+        seconds = time.perf_counter() - began
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "telemetry_rows": float(rows),
+        "feature_rows": float(summary.rows),
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=128)
     parser.add_argument("--hours", type=float, default=130)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pandas", action="store_true", help="Also time the pandas baseline on a 32-GPU frame.")
+    parser.add_argument(
+        "--store-days",
+        type=int,
+        default=0,
+        help="Instead: the whole store build over this many days of 15-minute samples.",
+    )
+    parser.add_argument("--buckets-in-memory", type=int, default=4_000_000, help="The store build's bucket budget.")
     args = parser.parse_args()
+    if args.store_days:
+        r = bench_store(args.gpus, args.store_days, buckets_in_memory=args.buckets_in_memory)
+        print(
+            f"store build: {int(r['telemetry_rows']):,} telemetry rows ({args.gpus:,} GPUs x {args.store_days} days, 15-minute samples)"
+            f" -> {int(r['feature_rows']):,} feature rows in {r['seconds']:.1f} s: {r['rows_per_s']:,.0f} telemetry rows/s"
+        )
+        return
     r = bench_build(args.gpus, args.hours, repeat=args.repeat)
     print(
         f"{int(r['telemetry_rows']):,} telemetry rows -> {int(r['feature_rows']):,} x {int(r['feature_columns'])} features "

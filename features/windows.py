@@ -350,9 +350,42 @@ def gpu_run_id() -> pl.Expr:
     return pl.col(GPU).rle_id().alias(GID)
 
 
-def roll_sum(e: pl.Expr, k: int) -> pl.Expr:
-    """Sum over the last `k` rows of the GPU (fewer at its start); needs `_gid`."""
-    return e if k == 1 else e.rolling_sum(k, min_samples=1).over(GID)
+class WindowSums:
+    """Sums of per-row quantities over the last k rows of each GPU, for several k at once.
+
+    A dense grid (sorted by (gpu_uuid, ts), every grid time present, `_gid` set) makes "the
+    last k rows" the window of k grid steps. One running sum P per quantity and GPU, then the
+    sum over the last k rows at row i is P[i] - P[i - k], or P[i] where the GPU has fewer rows
+    before i. That is one grouped pass per quantity however many windows, instead of one
+    grouped rolling pass per quantity and window (~3x less work for four windows), and the
+    window subtraction is a flat shift. Float rounding depends only on the GPU's own rows from
+    its first one in the frame, so appending later data never changes a value.
+    """
+
+    def __init__(self, sizes: Sequence[int], labels: Sequence[str]) -> None:
+        self.windows = list(zip(sizes, labels, strict=True))
+        self.prefixes: list[pl.Expr] = [pl.int_range(pl.len(), dtype=pl.Int64).over(GID).alias("_pos")]
+        self.sums: list[pl.Expr] = []
+
+    def add(self, name: str, e: pl.Expr, *, longer_than_grid_only: bool = False) -> None:
+        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window."""
+        e = e.cast(pl.Float64).fill_null(0.0)
+        p = pl.col(f"_P_{name}")
+        prefixed = False
+        for k, wl in self.windows:
+            if k == 1:
+                if not longer_than_grid_only:
+                    self.sums.append(e.alias(f"_{name}_{wl}"))
+                continue
+            prefixed = True
+            before = pl.when(pl.col("_pos") >= k).then(p.shift(k)).otherwise(0.0)
+            self.sums.append((p - before).alias(f"_{name}_{wl}"))
+        if prefixed:
+            self.prefixes.append(e.cum_sum().over(GID).alias(f"_P_{name}"))
+
+    def apply(self, lf: pl.LazyFrame) -> pl.LazyFrame:
+        """`lf` (with `_gid`) with the window-sum columns added."""
+        return lf.with_columns(self.prefixes).with_columns(self.sums)
 
 
 def roll_max(e: pl.Expr, k: int) -> pl.Expr:
@@ -391,16 +424,9 @@ def window_features(
     k_max = max(sizes)
     grid_h = _us(grid) / HOUR_US
 
-    # Stage 1: running sums per window (temporary columns).
-    tmp: list[pl.Expr] = []
-    n = pl.col(f"n_samples{sfx}").fill_null(0).cast(pl.Float64)
-    for k, wl in zip(sizes, labels, strict=True):
-        tmp.append(roll_sum(n, k).alias(f"_n_{wl}"))
-    tmp.append(
-        pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GID).alias("_interval_s")
-        if k_max > 1
-        else pl.col(f"sample_interval_s{sfx}").alias("_interval_s")
-    )
+    # Stage 1: sums per window (temporary columns `_<quantity>_<w>`).
+    sums = WindowSums(sizes, labels)
+    sums.add("n", pl.col(f"n_samples{sfx}"))
     # Slope: least squares of the bucket means on time. x is the bucket's position in hours from
     # the frame's first grid time (the slope does not depend on where x starts; a small origin
     # keeps x*x exact).
@@ -408,33 +434,32 @@ def window_features(
     for g in kinds["gauge"]:
         cnt = pl.col(f"{g}_count{sfx}").fill_null(0).cast(pl.Float64)
         mean = pl.col(f"{g}_mean{sfx}")
-        s = (mean * cnt).fill_null(0.0)
         m2 = (pl.col(f"{g}_var{sfx}") * (cnt - 1)).fill_null(0.0)
-        q = m2 + (cnt * mean * mean).fill_null(0.0)
-        has = mean.is_not_null().cast(pl.Float64)
         xs = pl.when(mean.is_not_null()).then(x).otherwise(0.0)
-        for k, wl in zip(sizes, labels, strict=True):
-            tmp += [
-                roll_sum(cnt, k).alias(f"_{g}_n_{wl}"),
-                roll_sum(s, k).alias(f"_{g}_s_{wl}"),
-                roll_sum(q, k).alias(f"_{g}_q_{wl}"),
-            ]
-            if k > 1:
-                tmp += [
-                    roll_sum(has, k).alias(f"_{g}_bn_{wl}"),
-                    roll_sum(xs, k).alias(f"_{g}_bx_{wl}"),
-                    roll_sum(xs * xs, k).alias(f"_{g}_bxx_{wl}"),
-                    roll_sum(mean.fill_null(0.0), k).alias(f"_{g}_by_{wl}"),
-                    roll_sum((xs * mean).fill_null(0.0), k).alias(f"_{g}_bxy_{wl}"),
-                ]
+        sums.add(f"{g}_n", cnt)
+        sums.add(f"{g}_s", mean * cnt)
+        sums.add(f"{g}_q", m2 + (cnt * mean * mean).fill_null(0.0))
+        sums.add(f"{g}_bn", mean.is_not_null(), longer_than_grid_only=True)
+        sums.add(f"{g}_bx", xs, longer_than_grid_only=True)
+        sums.add(f"{g}_bxx", xs * xs, longer_than_grid_only=True)
+        sums.add(f"{g}_by", mean, longer_than_grid_only=True)
+        sums.add(f"{g}_bxy", xs * mean, longer_than_grid_only=True)
+    for c in kinds["counter"]:
+        increase = pl.col(f"{c}_increase{sfx}")
+        sums.add(f"{c}_inc", increase)
+        sums.add(f"{c}_readings", increase.is_not_null())
     for b in kinds["bitmask"]:
         groups = BITMASK_GROUPS.get(b, {})
-        for k, wl in zip(sizes, labels, strict=True):
-            if groups:
-                tmp.append(roll_sum(pl.col(f"{b}_count{sfx}").fill_null(0), k).alias(f"_{b}_n_{wl}"))
-            for group in groups:
-                tmp.append(roll_sum(pl.col(f"{b}_{group}_n{sfx}").fill_null(0), k).alias(f"_{b}_{group}_{wl}"))
-    lf = dense.lazy().with_columns(gpu_run_id()).with_columns(tmp)
+        if groups:
+            sums.add(f"{b}_n", pl.col(f"{b}_count{sfx}"))
+        for group in groups:
+            sums.add(f"{b}_{group}", pl.col(f"{b}_{group}_n{sfx}"))
+    interval = (
+        pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GID)
+        if k_max > 1
+        else pl.col(f"sample_interval_s{sfx}")
+    )
+    lf = sums.apply(dense.lazy().with_columns(gpu_run_id())).with_columns(interval.alias("_interval_s"))
 
     # Stage 2: the features.
     out: list[pl.Expr] = []
@@ -488,8 +513,9 @@ def window_features(
         out.append(
             pl.col(f"{c}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"{c}_last")
         )
-        for w, k, wl in zip(windows, sizes, labels, strict=True):
-            increase = roll_sum(pl.col(f"{c}_increase{sfx}").cast(pl.Float64), k)
+        for w, wl in zip(windows, labels, strict=True):
+            # No reading of the counter in the window: the increase is unknown, not 0.
+            increase = pl.when(pl.col(f"_{c}_readings_{wl}") > 0).then(pl.col(f"_{c}_inc_{wl}"))
             # Per hour the GPU was in service within the window (at least one grid step).
             hours = pl.min_horizontal(pl.lit(w.total_seconds() / 3600), age_h).clip(lower_bound=grid_h)
             out += [increase.alias(f"{c}_increase_{wl}"), (increase / hours).alias(f"{c}_rate_{wl}")]

@@ -30,10 +30,10 @@ from features.windows import (
     DEFAULT_XID_SINCE_CAP,
     GPU,
     HOUR_US,
+    WindowSums,
     check_grid,
     gpu_run_id,
     grid_time,
-    roll_sum,
     select_rows,
 )
 from ingest.xid_catalog import XID_CLASSES, xid_class_map
@@ -118,16 +118,22 @@ def xid_features(
         .with_columns(pl.col(c).fill_null(0) for c in filled)
         .with_columns(gpu_run_id(), (pl.col("_x_application") >= BURST_MIN).cast(pl.Int32).alias("_x_burst"))
     )
+    sums = WindowSums(sizes, labels)
+    for c in XID_CLASSES:
+        sums.add(f"x_{c}", pl.col(f"_x_{c}"))
+    for code in codes:
+        sums.add(f"xc_{code}", pl.col(f"_xc_{code}"))
+    sums.add("x_app_rep", pl.col("_x_app_rep"))
+    sums.add("x_burst", pl.col("_x_burst"))
+    lf = sums.apply(lf)
     out: list[pl.Expr] = []
     for c in XID_CLASSES:
-        for k, wl in zip(sizes, labels, strict=True):
-            out.append(roll_sum(pl.col(f"_x_{c}"), k).cast(pl.Float64).alias(f"xid_{c}_count_{wl}"))
+        out += [pl.col(f"_x_{c}_{wl}").alias(f"xid_{c}_count_{wl}") for wl in labels]
     for code in codes:
-        for k, wl in zip(sizes, labels, strict=True):
-            out.append(roll_sum(pl.col(f"_xc_{code}"), k).cast(pl.Float64).alias(f"xid_{code}_count_{wl}"))
-    for k, wl in zip(sizes, labels, strict=True):
-        out.append(roll_sum(pl.col("_x_app_rep"), k).cast(pl.Float64).alias(f"xid_application_repeats_{wl}"))
-        out.append(roll_sum(pl.col("_x_burst"), k).cast(pl.Float64).alias(f"xid_application_burst_h_{wl}"))
+        out += [pl.col(f"_xc_{code}_{wl}").alias(f"xid_{code}_count_{wl}") for wl in labels]
+    for wl in labels:
+        out.append(pl.col(f"_x_app_rep_{wl}").alias(f"xid_application_repeats_{wl}"))
+        out.append(pl.col(f"_x_burst_{wl}").alias(f"xid_application_burst_h_{wl}"))
     for c in XID_CLASSES:
         last = pl.col(f"_xl_{c}").forward_fill().over("_gid")
         out.append(

@@ -8,7 +8,14 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import bench_build, bench_compare, pandas_window_baseline, synthetic_telemetry, synthetic_xids
+from features.bench import (
+    bench_build,
+    bench_compare,
+    bench_store,
+    pandas_window_baseline,
+    synthetic_telemetry,
+    synthetic_xids,
+)
 from features.build import (
     build_features,
     build_features_from_store,
@@ -215,6 +222,12 @@ def test_the_pandas_baseline_computes_the_same_window_statistics():
         ("ecc_sbe_volatile_total_increase_6h", "ecc_sbe_volatile_total_increase_6h_right"),
     ]:
         assert (joined[a] - joined[b]).abs().max() < 1e-3, a
+
+
+def test_bench_store_builds_a_synthetic_store_end_to_end():
+    result = bench_store(8, 2)
+    assert result["telemetry_rows"] == 8 * 2 * 96
+    assert result["feature_rows"] > 0 and result["rows_per_s"] > 0
 
 
 def test_bench_compare_reports_both_rates():
