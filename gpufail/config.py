@@ -86,6 +86,7 @@ class LabelSettings(_Table):
 
 
 SingleKind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp"]
+_DEFAULT_MEMBERS: list[SingleKind] = ["lightgbm", "xgboost", "logistic"]
 
 
 class ModelSettings(_Table):
@@ -98,7 +99,7 @@ class ModelSettings(_Table):
     2-core machine with other load, 2 OpenMP threads trained 4x slower per tree than 1."""
     negative_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
     """Share of the healthy rows a fit keeps (every failing row is kept); the odds are corrected."""
-    members: list[SingleKind] = Field(default_factory=lambda: ["lightgbm", "xgboost", "logistic"], min_length=2)
+    members: list[SingleKind] = Field(default_factory=lambda: list(_DEFAULT_MEMBERS), min_length=2)
     """kind = "parallel": the member models, each ranking every GPU."""
     combine: Literal["top_k_intersection", "rank_average"] = "top_k_intersection"
     """kind = "parallel": GPUs in every member's top_k first, or the mean rank alone."""
