@@ -94,17 +94,22 @@ def nvml_collector_micro() -> dict[str, float]:
     """The NVML collector against the fake libnvidia-ml.so.1 (8 x H100) in tests/fake_nvml; empty
     where that is absent (an installed gpufail has no tests/) or no C compiler can build it."""
     try:
-        from tests.fake_nvml.bench_node import bench_fake_h100_node
+        from tests.fake_nvml.bench_node import bench_fake_h100_daemon, bench_fake_h100_node
         from tests.fake_nvml.build import NoCompiler
     except ImportError:
         return {}
     try:
         figures = bench_fake_h100_node(collections=2000)
+        daemon = bench_fake_h100_daemon(ticks=1440)
     except NoCompiler:
         return {}
     return {
         "nvml_collect_us_per_gpu_sample": figures["us_per_gpu_sample"],
         "nvml_collect_cpu_us_per_gpu_sample": figures["cpu_us_per_gpu_sample"],
+        # the collect daemon with 8 GPUs at a 10-s interval, flushing every 5 min (4 h simulated)
+        "collect_daemon_cpu_ms_per_tick": daemon["cpu_ms_per_tick"],
+        "collect_daemon_core_percent_at_10s": daemon["core_percent"],
+        "collect_daemon_peak_rss_mb": daemon["peak_rss_mb"],
     }
 
 

@@ -10,6 +10,12 @@ conversion, Arrow tables), since the fake answers at once; on real hardware the 
 is added.
 
     python -m ingest.collect.nvml_bench --collections 2000
+
+`bench_daemon` measures the whole daemon in steady state (NVML collector, write buffer, a
+Parquet flush every 5 minutes) on a simulated clock that advances only when the daemon sleeps:
+CPU per tick and peak memory, hence the share of a core it takes at a given interval.
+
+    python -m ingest.collect.nvml_bench --daemon-ticks 1440
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
+import tempfile
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from ingest.collect.daemon import Daemon
 from ingest.collect.nvml import NvmlCollector
+from ingest.store import Store
 
 
 def bench_nvml_collector(collections: int = 2000, *, warmup: int = 20) -> dict[str, float]:
@@ -50,13 +61,79 @@ def bench_nvml_collector(collections: int = 2000, *, warmup: int = 20) -> dict[s
     }
 
 
-def run_with_library(library_dir: Path, collections: int = 2000, env: dict[str, str] | None = None) -> dict[str, float]:
-    """`bench_nvml_collector` in a child process that loads libnvidia-ml.so.1 from `library_dir`.
+class SimulatedClock:
+    """Wall and monotonic time that move only when the daemon sleeps, so the benchmark runs hours
+    of 10-second ticks in seconds and measures only the daemon's own work."""
+
+    def __init__(self) -> None:
+        self._now = datetime(2026, 1, 1, tzinfo=UTC)
+        self._mono = 0.0
+
+    def now(self) -> datetime:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    def sleep(self, seconds: float) -> None:
+        seconds = max(seconds, 0.0)
+        self._now += timedelta(seconds=seconds)
+        self._mono += seconds
+
+
+def bench_daemon(ticks: int = 1440, *, interval_s: float = 10.0) -> dict[str, float]:
+    """Run the daemon with the NVML collector for `ticks` intervals (1440 x 10 s = 4 h, 48
+    flushes at the default 5-minute flush interval) into a temporary store; CPU per tick, the
+    share of one core that makes at `interval_s`, and the process's peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="gpufail-daemon-bench-") as root:
+        store = Store.create(root)
+        clock = SimulatedClock()
+        collector = NvmlCollector("bench", "bench-node", clock=clock)
+
+        def daemon() -> Daemon:
+            return Daemon(
+                store,
+                [collector],
+                cluster="bench",
+                node="bench-node",
+                interval=timedelta(seconds=interval_s),
+                flush_rows=50_000,
+                flush_interval=timedelta(minutes=5),
+                clock=clock,
+            )
+
+        daemon().run(max_ticks=10)  # warm-up: NVML init, handles, static attributes, first flush
+        cpu_started = time.process_time()
+        summary = daemon().run(max_ticks=ticks)
+        cpu = time.process_time() - cpu_started
+        rows = store.read("telemetry").num_rows
+        collector.close()
+    if rows == 0:
+        raise RuntimeError("daemon bench: no telemetry was flushed (no GPU answered)")
+    per_tick = cpu / ticks
+    return {
+        "ticks": ticks,
+        "interval_s": interval_s,
+        "telemetry_rows": rows,
+        "flushes": summary.flushes,
+        "cpu_ms_per_tick": round(per_tick * 1e3, 2),
+        "core_percent": round(per_tick / interval_s * 100, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+def run_with_library(
+    library_dir: Path, collections: int = 2000, env: dict[str, str] | None = None, *, daemon_ticks: int = 0
+) -> dict[str, float]:
+    """`bench_nvml_collector` (or, with `daemon_ticks`, `bench_daemon`) in a child process that
+    loads libnvidia-ml.so.1 from `library_dir`.
 
     `env` adds variables (the fake library reads its scenario from FAKE_NVML_CONFIG)."""
     child_env = {**os.environ, **(env or {})}
     child_env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(library_dir), os.environ.get("LD_LIBRARY_PATH")]))
     command = [sys.executable, "-m", "ingest.collect.nvml_bench", "--collections", str(collections), "--json"]
+    if daemon_ticks:
+        command += ["--daemon-ticks", str(daemon_ticks)]
     result = subprocess.run(command, env=child_env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"nvml bench failed: {' '.join(command)}\n{result.stderr[-2000:]}")
@@ -68,7 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--collections", type=int, default=2000)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    parser.add_argument("--daemon-ticks", type=int, default=0, help="benchmark the whole daemon for this many ticks")
     args = parser.parse_args(argv)
+    if args.daemon_ticks:
+        daemon = bench_daemon(args.daemon_ticks)
+        print(
+            json.dumps(daemon)
+            if args.json
+            else f"daemon: {daemon['cpu_ms_per_tick']} ms CPU per tick = {daemon['core_percent']}% of a core "
+            f"at a {daemon['interval_s']:.0f}-s interval; peak RSS {daemon['peak_rss_mb']} MB"
+        )
+        return
     figures = bench_nvml_collector(args.collections)
     if args.json:
         print(json.dumps(figures))

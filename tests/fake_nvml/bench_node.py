@@ -24,6 +24,19 @@ def fake_h100_node(work: Path) -> tuple[Path, dict[str, str]]:
     return library.parent, {"FAKE_NVML_CONFIG": str(path)}
 
 
+def bench_fake_h100_daemon(ticks: int = 1440) -> dict[str, float]:
+    """`ingest.collect.nvml_bench.bench_daemon` against the fake 8 x H100 node (10-s interval).
+
+    Raises `NoCompiler` where no C compiler exists."""
+    import tempfile
+
+    from ingest.collect.nvml_bench import run_with_library
+
+    with tempfile.TemporaryDirectory(prefix="gpufail-fake-nvml-") as work:
+        library_dir, env = fake_h100_node(Path(work))
+        return run_with_library(library_dir, env=env, daemon_ticks=ticks)
+
+
 def bench_fake_h100_node(collections: int = 2000) -> dict[str, float]:
     """`ingest.collect.nvml_bench` against the fake 8 x H100 node, built in a temporary folder.
 
