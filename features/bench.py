@@ -148,7 +148,7 @@ def pandas_window_baseline(telemetry: pl.DataFrame, windows: tuple[str, ...] = (
             length = pd.Timedelta(hours=int(pd.Timedelta(w.replace("d", "D")).total_seconds() // 3600))
             rolling = frame.groupby("gpu_uuid", sort=False).rolling(length)
             stats = rolling[gauges].agg(["mean", "max", "min", "std"])
-            stats.columns = [f"{g}_{s}_{w}" for g, s in stats.columns]
+            stats.columns = ["_".join([*pair, w]) for pair in stats.columns.to_list()]
             increase = rolling[counters].sum().add_suffix(f"_increase_{w}")
             parts += [stats, increase]
         features = pd.concat(parts, axis=1).reset_index()

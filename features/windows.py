@@ -566,7 +566,7 @@ def select_rows(
     lf: pl.LazyFrame, features: list[pl.Expr], keep: pl.Series | None, dtype: type[pl.DataType] | pl.DataType
 ) -> pl.DataFrame:
     """gpu_uuid, ts and `features` cast to `dtype`, for the rows where `keep` is true."""
-    columns = [GPU, "ts", *[e.cast(dtype) for e in features]]
+    columns: list[str | pl.Expr] = [GPU, "ts", *[e.cast(dtype) for e in features]]
     if keep is None:
         return lf.select(columns).collect(engine=ENGINE)
     return (
