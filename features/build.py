@@ -421,8 +421,7 @@ class FeatureBuildSummary:
     positives: int = 0
     censored: int = 0
     telemetry_rows_read: int = 0
-    chunks: int = 0
-    blocks: int = 0
+    blocks: int = 0  # feature computations (steps of days)
     files_written: list[str] = field(default_factory=list)
     files_replaced: int = 0
     start: datetime | None = None

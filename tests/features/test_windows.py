@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from datetime import timedelta
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -301,3 +302,40 @@ def test_a_finer_grid_names_columns_after_it():
     assert "temp_gpu_c_mean_15m" in out.columns and "temp_gpu_c_node_delta_15m" in out.columns
     assert row(out, at(1, 15))["telemetry_missing_frac_15m"] == 0.0
     assert out["ts"].diff().drop_nulls().unique().to_list() == [timedelta(minutes=15)]
+
+
+def test_window_sums_and_extremes_match_a_plain_rolling_computation():
+    # Two GPUs, one reading every 20 minutes for 9 days with random values and gaps; the window
+    # sums (running sums) and extremes (built from shorter windows) must equal plain per-GPU
+    # rolling windows over the hourly buckets.
+    rng = np.random.default_rng(4)
+    parts = []
+    for i, gpu in enumerate(["GPU-a", "GPU-b"]):
+        times = [t for t in every(at(i * 30), at(216), 20 * MIN) if rng.random() > 0.1]
+        temps = rng.normal(60, 10, len(times)).round(1).tolist()
+        parts.append(samples(times, gpu=gpu, gpu_index=i, temp_gpu_c=temps))
+    tel = pl.concat(parts)
+    out = build_features(tel, NO_XIDS, max_silence=timedelta(hours=48)).sort("gpu_uuid", "ts")
+    hourly = (
+        tel.with_columns(grid_time(pl.col("ts"), H).alias("t"))
+        .group_by("gpu_uuid", "t")
+        .agg(
+            pl.col("temp_gpu_c").max().alias("mx"),
+            pl.col("temp_gpu_c").min().alias("mn"),
+            pl.len().alias("n"),
+            pl.col("temp_gpu_c").cast(pl.Float64).sum().alias("s"),
+        )
+    )
+    grid = out.select("gpu_uuid", pl.col("ts").alias("t")).join(hourly, on=["gpu_uuid", "t"], how="left")
+    for k, wl in [(6, "6h"), (24, "24h"), (168, "7d")]:
+        expected = grid.select(
+            pl.col("mx").rolling_max(k, min_samples=1).over("gpu_uuid").alias("mx"),
+            pl.col("mn").rolling_min(k, min_samples=1).over("gpu_uuid").alias("mn"),
+            pl.col("n").fill_null(0).rolling_sum(k, min_samples=1).over("gpu_uuid").alias("n"),
+            pl.col("s").fill_null(0).rolling_sum(k, min_samples=1).over("gpu_uuid").alias("s"),
+        )
+        assert out[f"temp_gpu_c_max_{wl}"].to_list() == expected["mx"].cast(pl.Float32).to_list()
+        assert out[f"temp_gpu_c_min_{wl}"].to_list() == expected["mn"].cast(pl.Float32).to_list()
+        mean = expected.select(pl.when(pl.col("n") > 0).then(pl.col("s") / pl.col("n"))).to_series()
+        assert ((out[f"temp_gpu_c_mean_{wl}"].cast(pl.Float64) - mean).abs() < 1e-3).all()
+        assert out[f"temp_gpu_c_mean_{wl}"].null_count() == mean.null_count()
