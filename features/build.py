@@ -53,7 +53,7 @@ from features.windows import (
     hourly_aggregate,
     window_features,
 )
-from features.xids import xid_features
+from features.xids import drop_cross_source_duplicates, xid_features
 from ingest.errors import StoreError
 from ingest.schema import metric_catalogue
 from ingest.store import Store
@@ -111,7 +111,8 @@ def _prepare_xids(xid_events: pl.DataFrame) -> pl.DataFrame:
         extra.append(pl.col("ts").alias("last_ts"))
     if "repeat_count" not in xid.columns:
         extra.append(pl.lit(1, dtype=pl.Int32).alias("repeat_count"))
-    return xid.with_columns(extra) if extra else xid
+    xid = xid.with_columns(extra) if extra else xid
+    return drop_cross_source_duplicates(xid)
 
 
 def _presence_from_buckets(hourly: pl.DataFrame, grid: timedelta) -> pl.DataFrame:

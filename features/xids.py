@@ -143,3 +143,44 @@ def xid_features(
             .alias(f"xid_{c}_since_last_h")
         )
     return select_rows(lf, out, keep, dtype)
+
+
+NVML_SOURCE = "nvml"
+CROSS_SOURCE_TOLERANCE = timedelta(minutes=10)
+"""How far apart the NVML and kernel-log copies of one XID may be stamped. The kernel stamps the
+line when the driver logs it; the NVML collector stamps the event when it next reads its event
+set, up to one collect interval (30 s by default, minutes at most) later."""
+
+
+def drop_cross_source_duplicates(
+    xid_events: pl.DataFrame, tolerance: timedelta = CROSS_SOURCE_TOLERANCE
+) -> pl.DataFrame:
+    """Drop NVML rows that repeat a kernel-log incident.
+
+    A node collecting both NVML event sets and the kernel log sees each XID twice (and a lost GPU
+    as both NVML's GPU_IS_LOST event and the kernel's "fallen off the bus" 79). Counting both
+    would double every XID feature on exactly the nodes that collect the most. The kernel-log row
+    is kept (it has the pid, process, message and repeat count); an NVML row is dropped when a
+    row from another source on the same node, bus id and XID overlaps its span widened by
+    `tolerance`. NVML rows with no kernel-log twin (a node without kernel-log access) stay.
+    """
+    needed = {"source", "node", "pci_bus_id", "xid", "ts", "last_ts"}
+    if xid_events.height == 0 or not needed <= set(xid_events.columns):
+        return xid_events
+    is_nvml = pl.col("source") == NVML_SOURCE
+    nvml = xid_events.filter(is_nvml).with_row_index("_nvml_row")
+    if nvml.height == 0:
+        return xid_events
+    keys = ["node", "pci_bus_id", "xid"]
+    others = xid_events.filter(~is_nvml).select(
+        [*keys, pl.col("ts").alias("_o_ts"), pl.col("last_ts").alias("_o_last")]
+    )
+    twins = (
+        nvml.select(["_nvml_row", *keys, "ts", "last_ts"])
+        .join(others, on=keys, how="inner")
+        .filter((pl.col("_o_ts") <= pl.col("last_ts") + tolerance) & (pl.col("_o_last") >= pl.col("ts") - tolerance))
+        .select("_nvml_row")
+        .unique()
+    )
+    kept_nvml = nvml.join(twins, on="_nvml_row", how="anti").drop("_nvml_row")
+    return pl.concat([xid_events.filter(~is_nvml), kept_nvml]).sort("ts", maintain_order=True)
