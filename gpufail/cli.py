@@ -524,11 +524,11 @@ def publish(
     """Turn the latest predictions into risk tiers through the action policy (hysteresis,
     cooldown, circuit breaker), apply them to the scheduler unless in dry run, and append every
     decision to the actions audit log."""
+    from gpufail.publishing import publish_latest
     from ingest.store import Store
     from serving.policy import PolicyState
     from serving.policy import reset_breaker as closed_breaker
-    from serving.publish import append_audit, state_name
-    from serving.publish import publish as run_publish
+    from serving.publish import state_name
 
     settings = _settings(ctx).publish
     target = target or settings.target
@@ -550,20 +550,7 @@ def publish(
         raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
     predictions = table.to_pandas()
     latest = predictions[predictions["ts"] == predictions["ts"].max()]
-    publisher = _publisher(settings, target)
-    outcome = run_publish(
-        latest,
-        publisher,
-        _policy(settings),
-        state,
-        mode=mode,
-        now=datetime.now(UTC),
-        repairs=_latest_repairs(store),
-        top_features=_top_features(latest),
-    )
-    if mode != "dry-run":
-        store.write_state(name, outcome.state.to_json())
-    path = append_audit(outcome.rows, store.path("actions"), fs=store.fs)
+    outcome, path = publish_latest(store, latest, settings, target=target, mode=mode, state=state)
     if not quiet:
         for row in outcome.rows:
             if row.action != "keep" or row.result != "unchanged":
@@ -586,79 +573,6 @@ def publish(
         + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")
         + f"{breaker}{unreachable} -> {path}"
     )
-
-
-def _policy(settings: Any) -> Any:
-    from serving.policy import PolicyConfig, Tier
-
-    configured = {name: getattr(settings.tiers, name) for name in type(settings.tiers).model_fields}
-    tiers = tuple(Tier(name, t.enter, t.exit) for name, t in configured.items() if t is not None)
-    return PolicyConfig(
-        tiers=tiers,
-        recovery_period=settings.recovery_period,
-        cooldown=settings.cooldown,
-        breaker_max_nodes=settings.breaker_max_nodes,
-        breaker_max_fraction=settings.breaker_max_fraction,
-        breaker_window=settings.breaker_window,
-    )
-
-
-def _publisher(settings: Any, target: str) -> Any:
-    import os
-
-    retry = {"attempts": settings.attempts, "backoff": settings.backoff.total_seconds()}
-    if target == "slurm":
-        from serving.publishers.slurm import SlurmPublisher
-
-        return SlurmPublisher(
-            bin_dir=settings.slurm_bin_dir,
-            slurm_conf=settings.slurm_conf,
-            avoid_weight=settings.slurm_avoid_weight,
-            timeout=settings.timeout.total_seconds(),
-            **retry,
-        )
-    if target == "kubernetes":
-        from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
-
-        return KubernetesPublisher(kubernetes_api(settings.kubeconfig), **retry)
-    if target == "webhook":
-        from serving.publishers.webhook import WebhookPublisher
-
-        secret = os.environ.get(settings.webhook_secret_env, "")
-        if not settings.webhook_url or not secret:
-            raise GpufailError(
-                "publish --to webhook: expected [publish] webhook_url and a secret in the environment variable "
-                f"{settings.webhook_secret_env}, got url {settings.webhook_url!r} and "
-                f"{'a secret' if secret else 'no secret'}"
-            )
-        return WebhookPublisher(
-            settings.webhook_url, secret.encode(), timeout=settings.timeout.total_seconds(), **retry
-        )
-    from serving.publishers.log import LogPublisher
-
-    return LogPublisher()
-
-
-def _latest_repairs(store: Any) -> dict[tuple[str, str], datetime]:
-    """(cluster, node) -> its latest repair record, from the optional repairs dataset."""
-    if not store.exists("repairs"):
-        return {}
-    repairs = store.read("repairs", columns=["ts", "cluster", "node"]).to_pandas()
-    if repairs.empty:
-        return {}
-    latest = repairs.groupby(["cluster", "node"])["ts"].max()
-    return {(str(c), str(n)): ts.to_pydatetime() for (c, n), ts in latest.items()}
-
-
-def _top_features(predictions: Any) -> dict[str, list[str]]:
-    """gpu_uuid -> its top features, when the predictions carry a `top_features` column; empty
-    otherwise (the audit then records an empty list)."""
-    if "top_features" not in predictions:
-        return {}
-    return {
-        str(u): [str(f) for f in (fs if fs is not None else [])]
-        for u, fs in zip(predictions["gpu_uuid"], predictions["top_features"], strict=True)
-    }
 
 
 @cli.command()

@@ -485,28 +485,11 @@ def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
     def publish(store: Store, latest: Any) -> dict[str, Any]:
         from collections import Counter
 
-        from gpufail.cli import _latest_repairs, _policy, _publisher, _top_features
-        from serving.policy import PolicyState
-        from serving.publish import append_audit, state_name
-        from serving.publish import publish as run_publish
+        from gpufail.publishing import publish_latest
 
         cfg = publish_settings
         mode = "dry-run" if dry_run else "shadow" if cfg.shadow else "live"
-        name = state_name(cfg.target, mode)
-        state = PolicyState.from_json(store.read_state(name), f"{store.root}: _state/{name}.json")
-        outcome = run_publish(
-            latest,
-            _publisher(cfg, cfg.target),
-            _policy(cfg),
-            state,
-            mode=mode,
-            now=datetime.now(UTC),
-            repairs=_latest_repairs(store),
-            top_features=_top_features(latest),
-        )
-        if mode != "dry-run":
-            store.write_state(name, outcome.state.to_json())
-        path = append_audit(outcome.rows, store.path("actions"), fs=store.fs)
+        outcome, path = publish_latest(store, latest, cfg, target=cfg.target, mode=mode)
         return {
             "mode": mode,
             "target": cfg.target,

@@ -40,7 +40,7 @@ from ingest.errors import GpufailError
 from ingest.store import Store
 from models.evaluate import baseline_scores, score_metrics
 from models.frame import labels, to_pandas
-from models.train import TrainedModel, load_model, save_model
+from models.train import TrainedModel, load_model, save_model, write_file_atomic
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -246,7 +246,7 @@ def write_holdout_report(metrics: dict[str, Any], out_dir: Path, *, title: str) 
         ("metrics.json", json.dumps(metrics, indent=2, default=str).encode()),
         ("report.md", text.encode()),
     ]:
-        written.append(_write_atomic(out_dir / name, data))
+        written.append(write_file_atomic(out_dir / name, data))
     names = [n for n, m in metrics.items() if isinstance(m, dict) and "precision_at_k_mean" in m]
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar(names, [metrics[n]["precision_at_k_mean"] for n in names], color="#4878a8")
@@ -263,17 +263,6 @@ def write_holdout_report(metrics: dict[str, Any], out_dir: Path, *, title: str) 
 
 def _fmt(value: Any) -> str:
     return "-" if value is None else f"{float(value):.3f}"
-
-
-def _write_atomic(final: Path, data: bytes) -> Path:
-    tmp = final.with_name(f".tmp-{uuid.uuid4().hex}-{final.name}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return final
 
 
 # -- logging and registering -------------------------------------------------------------------

@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from models.train import write_file_atomic
+
 METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.md"
 BASELINES = ("random", "rule", "heuristic", "oracle")
-
-
-def _write_atomic(final: Path, data: bytes) -> None:
-    tmp = final.with_name(f".tmp-{uuid.uuid4().hex}-{final.name}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def metrics_json(metrics: dict[str, Any], generated_at: datetime | None = None) -> str:
@@ -306,7 +297,7 @@ def write_plots(metrics: dict[str, Any], out: Path) -> list[str]:
             fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
         finally:
             plt.close(fig)
-        _write_atomic(out / name, buffer.getvalue())
+        write_file_atomic(out / name, buffer.getvalue())
         written.append(name)
     return written
 
@@ -320,6 +311,6 @@ def write_walk_forward_report(
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(metrics, out)
     json_path, md_path = out / METRICS_FILE, out / REPORT_FILE
-    _write_atomic(json_path, metrics_json(metrics, generated_at).encode())
-    _write_atomic(md_path, render_markdown(metrics, plots).encode())
+    write_file_atomic(json_path, metrics_json(metrics, generated_at).encode())
+    write_file_atomic(md_path, render_markdown(metrics, plots).encode())
     return json_path, md_path

@@ -367,7 +367,9 @@ MODEL_FILE = "model.joblib"
 METADATA_FILE = "metadata.json"
 
 
-def _write_atomic(final: Path, data: bytes) -> None:
+def write_file_atomic(final: Path, data: bytes) -> Path:
+    """Write `data` to `final` through a temporary file in the same folder and a rename, so a
+    reader (or a crash) never sees a half-written model, report or metrics file."""
     tmp = final.with_name(f".tmp-{uuid.uuid4().hex}-{final.name}")
     try:
         tmp.write_bytes(data)
@@ -375,6 +377,7 @@ def _write_atomic(final: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return final
 
 
 def save_model(model: TrainedModel, path: str | os.PathLike[str]) -> Path:
@@ -390,8 +393,8 @@ def save_model(model: TrainedModel, path: str | os.PathLike[str]) -> Path:
     buffer = io.BytesIO()
     joblib.dump(model, buffer)
     meta = {**model.metadata(), "saved_at": datetime.now(UTC).isoformat()}
-    _write_atomic(folder / MODEL_FILE, buffer.getvalue())
-    _write_atomic(folder / METADATA_FILE, json.dumps(meta, indent=2, default=str).encode())
+    write_file_atomic(folder / MODEL_FILE, buffer.getvalue())
+    write_file_atomic(folder / METADATA_FILE, json.dumps(meta, indent=2, default=str).encode())
     return folder
 
 
