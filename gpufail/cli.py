@@ -387,6 +387,7 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         horizon=settings.labels.horizon,
         params=_model_params(settings),
         negative_fraction=settings.model.negative_fraction,
+        monotone_increasing=settings.model.monotone_increasing,
     )
     path = save_model(model, model_out)
     click.echo(
@@ -437,6 +438,7 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
         negative_fraction=cfg.negative_fraction,
         seed=cfg.seed,
         jobs=cfg.jobs,
+        monotone_increasing=tuple(settings.model.monotone_increasing),
     )
     contenders = [Contender(c.name, c.kind, c.mode, dict(c.params), c.train_window) for c in cfg.contenders]
     metrics = evaluate_walk_forward(
@@ -668,6 +670,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         recall_tolerance=cfg.recall_tolerance,
         precision_floor=cfg.precision_floor,
         negative_fraction=cfg.negative_fraction,
+        monotone_increasing=tuple(settings.model.monotone_increasing),
         params={**_model_params(settings), **cfg.params},
         retries=ml.retries,
         backoff_s=ml.backoff.total_seconds(),

@@ -99,6 +99,12 @@ class ModelSettings(_Table):
     2-core machine with other load, 2 OpenMP threads trained 4x slower per tree than 1."""
     negative_fraction: float = Field(default=0.1, gt=0.0, le=1.0)
     """Share of the healthy rows a fit keeps (every failing row is kept); the odds are corrected."""
+    monotone_increasing: list[str] = Field(
+        default_factory=lambda: ["ecc_dbe_*_increase_*", "remapped_rows_*_increase_*"]
+    )
+    """Features (names or globs) whose rise must never lower a GPU's risk: a new double-bit ECC
+    error or remapped row is never good news. Constrains LightGBM, XGBoost, the random forest,
+    logistic regression and ensembles of them; the MLP cannot be constrained (set [] for it)."""
     members: list[SingleKind] = Field(default_factory=lambda: list(_DEFAULT_MEMBERS), min_length=2)
     """kind = "parallel": the member models, each ranking every GPU."""
     combine: Literal["top_k_intersection", "rank_average"] = "top_k_intersection"

@@ -61,6 +61,7 @@ class NightlyOptions:
     recall_tolerance: float
     precision_floor: float
     negative_fraction: float = 0.1
+    monotone_increasing: tuple[str, ...] = ()
     params: dict[str, Any] = field(default_factory=dict)
     retries: int = 3
     backoff_s: float = 2.0
@@ -347,6 +348,7 @@ class _Job:
             as_of=holdout_start,
             params=dict(self.o.params),
             negative_fraction=self.o.negative_fraction,
+            monotone_increasing=self.o.monotone_increasing,
         )
         path = save_model(model, self.folder / "model")
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}

@@ -255,6 +255,24 @@ def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.
     return to_pandas(frame).loc[keep]
 
 
+def matching_features(patterns: Sequence[str], columns: Sequence[str]) -> list[str]:
+    """The feature columns named by `patterns`: exact names or shell-style globs
+    (`ecc_dbe_*_increase_*`), so a setting keeps working when windows are added. A pattern that
+    names no column is an error rather than a constraint silently not applied."""
+    import fnmatch
+
+    chosen: list[str] = []
+    for pattern in patterns:
+        hits = [c for c in columns if fnmatch.fnmatchcase(c, pattern)]
+        if not hits:
+            raise InputError(
+                f"monotone_increasing: {pattern!r} matches no feature column; expected a feature name or a "
+                f"glob such as 'ecc_dbe_*_increase_*' (features: {len(columns)}, e.g. {list(columns)[:5]})"
+            )
+        chosen += [c for c in hits if c not in chosen]
+    return chosen
+
+
 def train_model(
     frame: Any,
     *,
@@ -301,11 +319,7 @@ def train_model(
             f"with {n_pos} positives; widen train_window or check the labels"
         )
     if monotone_increasing:
-        unknown = sorted(set(monotone_increasing) - set(X.columns))
-        if unknown:
-            raise InputError(
-                f"monotone_increasing: {unknown} are not feature columns; expected some of {list(X.columns)}"
-            )
+        monotone_increasing = matching_features(monotone_increasing, list(X.columns))
         unconstrained = sorted(set(kinds) - set(MONOTONE_KINDS))
         if unconstrained:
             raise InputError(

@@ -72,6 +72,10 @@ class WalkForwardPlan:
     negative_fraction: float = 0.05
     seed: int = 0
     jobs: int = 1
+    monotone_increasing: tuple[str, ...] = ()
+    """Features (names or globs) whose rise must never lower the risk, as `train_model` takes
+    them; applied to every contender whose kind can be constrained (all but the MLP and
+    ensembles with an MLP member), so the comparison scores what `gpufail train` trains."""
 
 
 @dataclass
@@ -218,6 +222,7 @@ class _Task:
     validation_start: pd.Timestamp | None
     top_k: str
     seed: int
+    monotone_increasing: tuple[str, ...] = ()
 
 
 @dataclass
@@ -243,6 +248,18 @@ def _takes_negative_fraction() -> bool:
     return "negative_fraction" in inspect.signature(train_model).parameters
 
 
+def _constraints_for(contender: Contender, monotone_increasing: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's monotone features for a contender whose model kinds can all be constrained;
+    none for one with an MLP in it (it has no such constraint)."""
+    from models.estimators import ENSEMBLE_DEFAULTS, MONOTONE_KINDS
+
+    kinds = {contender.kind}
+    if contender.kind in ENSEMBLE_DEFAULTS:
+        params = {**ENSEMBLE_DEFAULTS[contender.kind], **contender.params}
+        kinds = set(params["members"]) if contender.kind == "parallel" else {params["first"], params["second"]}
+    return monotone_increasing if kinds <= set(MONOTONE_KINDS) else ()
+
+
 def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
     # The pool is already subsampled (the same rows for every fit); train_model must not
     # subsample it again where it can.
@@ -254,6 +271,7 @@ def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
         horizon=task.horizon,
         as_of=as_of,
         params=_params(task.contender),
+        monotone_increasing=task.monotone_increasing,
         **extra,
     )
 
@@ -355,6 +373,7 @@ def _tasks(
                 validation_start=validation_start,
                 top_k=plan.top_k,
                 seed=plan.seed,
+                monotone_increasing=_constraints_for(contender, plan.monotone_increasing),
             )
 
 

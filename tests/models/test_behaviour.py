@@ -66,3 +66,28 @@ def test_the_cascade_with_constrained_stages_never_lowers_the_risk_of_a_rising_p
     before, after = risk_after_raising_the_precursor(kind="cascade", params=ONE_THREAD, monotone_increasing=[PRECURSOR])
     assert np.all(after >= before - 1e-12)
     assert after.mean() > 1.5 * before.mean()
+
+
+def test_monotone_features_may_be_named_by_glob_and_a_glob_matching_nothing_is_refused():
+    from ingest.errors import InputError
+    from models.train import matching_features
+
+    columns = ["pcie_replay_rate_1h", "pcie_replay_rate_6h", "temp_gpu_c_mean_1h"]
+    assert matching_features(["pcie_replay_rate_*"], columns) == ["pcie_replay_rate_1h", "pcie_replay_rate_6h"]
+    assert matching_features(["temp_gpu_c_mean_1h", "temp_*"], columns) == ["temp_gpu_c_mean_1h"]
+    with pytest.raises(InputError, match=r"'ecc_dbe_\*' matches no feature column"):
+        matching_features(["ecc_dbe_*"], columns)
+
+
+def test_the_model_the_default_settings_train_never_lowers_the_risk_of_a_rising_error_counter():
+    # The CLI trains `[model] kind` with `[model] monotone_increasing` (globs over the error
+    # counters); here the synthetic frame's precursor is a PCIe replay rate, named by a glob.
+    from gpufail.config import Settings
+
+    settings = Settings()
+    assert settings.model.monotone_increasing  # the default constrains the error counters
+    before, after = risk_after_raising_the_precursor(
+        kind=settings.model.kind, params=ONE_THREAD, monotone_increasing=["pcie_replay_rate_*"]
+    )
+    assert np.all(after >= before - 1e-12)
+    assert after.mean() > 1.5 * before.mean()

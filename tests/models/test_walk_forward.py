@@ -216,3 +216,15 @@ def test_two_processes_give_the_same_scores_as_one():
     for name in one.scores:
         assert np.array_equal(one.scores[name], two.scores[name])
     assert [f.as_dict() for f in one.fits] == [f.as_dict() for f in two.fits]
+
+
+def test_monotone_constraints_reach_every_contender_that_can_take_them() -> None:
+    from models.walk_forward import _constraints_for
+
+    wanted = ("ecc_dbe_*_increase_*",)
+    assert _constraints_for(Contender("l", "lightgbm", "sliding"), wanted) == wanted
+    assert _constraints_for(Contender("p", "parallel", "sliding"), wanted) == wanted  # default members
+    assert _constraints_for(Contender("c", "cascade", "static"), wanted) == wanted
+    # the MLP has no monotone constraint: alone or as a member it trains unconstrained
+    assert _constraints_for(Contender("m", "mlp", "static"), wanted) == ()
+    assert _constraints_for(Contender("p", "parallel", "static", {"members": ["lightgbm", "mlp"]}), wanted) == ()
