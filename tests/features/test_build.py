@@ -234,3 +234,17 @@ def test_bench_compare_reports_both_rates():
     result = bench_compare(8, 10)
     assert result["telemetry_rows"] == 8 * 600
     assert result["gpufail_rows_per_s"] > 0 and result["pandas_rows_per_s"] > 0
+
+
+def test_an_xid_seen_by_both_nvml_and_the_kernel_log_counts_once_in_the_features(fleet):
+    # A node running both collectors writes each XID twice: the kernel log's row and NVML's
+    # event, read at the next collection. The features must equal those of the kernel log alone.
+    tel, events = fleet
+    nvml_copies = events.with_columns(
+        pl.col("ts") + pl.duration(seconds=30), pl.col("last_ts") + pl.duration(seconds=30), source=pl.lit("nvml")
+    )
+    expected = build_features(tel, events, windows=WINDOWS)
+    both = build_features(tel, pl.concat([events, nvml_copies]), windows=WINDOWS)
+    assert_frame_equal(both, expected)
+    xid_columns = [c for c in expected.columns if c.startswith("xid_") and "count" in c]
+    assert xid_columns and expected.select(pl.sum_horizontal(xid_columns).sum()).item() > 0
