@@ -199,7 +199,7 @@ def _parse_file(
         # Nothing could be placed in time (kmsg or uptime stamps without a boot time): leave the
         # file unread, so that a run given the boot time ingests it in full.
         return None
-    table = _events_table(timed, cluster=cluster, source=f"file:{path.name}") if timed else None
+    table = events_table(timed, cluster=cluster, source=f"file:{path.name}") if timed else None
     return _ParsedFile(path, compressed, stat, end, scan.lines + stats.lines, table)
 
 
@@ -374,7 +374,8 @@ def _remember(state: dict[str, Any], path: Path, compressed: bool, stat: os.stat
 # -- rows ----------------------------------------------------------------------------------
 
 
-def _events_table(incidents: list[XidIncident], *, cluster: str, source: str) -> pa.Table:
+def events_table(incidents: list[XidIncident], *, cluster: str, source: str) -> pa.Table:
+    """`xid_events` rows for `incidents`, sorted by time, GPUs not yet mapped (`map_to_gpus`)."""
     n = len(incidents)
     schema = xid_events_schema()
     columns = {

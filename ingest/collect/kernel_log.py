@@ -30,7 +30,7 @@ import pyarrow.dataset as ds
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
 from ingest.collect.log_sources import Cursor, LogSource
 from ingest.kernel_log import ParseStats, XidIncident, XidRecord, deduplicate, parse_lines
-from ingest.kernel_log_ingest import _events_table as events_table
+from ingest.kernel_log_ingest import events_table
 from ingest.store import Store
 
 STATE_PREFIX = "collect_kernel_log"

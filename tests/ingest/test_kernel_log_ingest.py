@@ -148,6 +148,22 @@ def test_gpu_last_seen_days_before_the_event_is_still_found(store: Store, tmp_pa
     assert (row["gpu_index"], row["gpu_uuid"], summary.unmapped) == (1, "GPU-B", 0)
 
 
+def test_files_of_one_run_keep_their_own_rows_and_gpus(store: Store, tmp_path: Path) -> None:
+    # All files are mapped to GPUs in one pass, then split back per file: each file's rows must
+    # come back with its own source and node, and a path given twice is read once.
+    first = write(tmp_path / f"{NODE}.log", xid_line(hours(2), BUS_B, 94) + xid_line(hours(13), BUS_A, 48))
+    second = write(tmp_path / "other-node.log", xid_line(hours(3), BUS_A, 13))
+    summary = ingest(store, first, second, first)
+    rows = [(r["source"], r["node"], r["xid"], r["gpu_uuid"]) for r in events(store)]
+    assert rows == [
+        (f"file:{NODE}.log", NODE, 94, "GPU-B"),
+        ("file:other-node.log", "other-node", 13, "GPU-OTHER"),
+        (f"file:{NODE}.log", NODE, 48, "GPU-A1"),
+    ]
+    assert (summary.files, summary.incidents, summary.unmapped) == (2, 3, 0)
+    assert ingest(store, first, second).incidents == 0
+
+
 def test_same_file_twice_writes_nothing_the_second_time(store: Store, tmp_path: Path) -> None:
     log = write(tmp_path / f"{NODE}.log", node_log())
     ingest(store, log)
