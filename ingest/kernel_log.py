@@ -384,7 +384,7 @@ class KernelLogParser:
         self._uuids: dict[tuple[str | None, str], str] = {}
         self._pending: dict[str | None, _PendingOffBus] = {}
         self._ts_cache: dict[str, datetime | None] = {}
-        self._payloads: dict[str, tuple[str, int, int | None, str | None, str]] = {}
+        self._payloads: dict[str, _Fields] = {}
         # Prefixes already matched, keyed by their text outside the sub-second field; all of
         # one span (`_span`), and all of the spec in front of `_prefixes`, so that a hit gives
         # what trying the prefixes in order would give.
@@ -531,15 +531,14 @@ class KernelLogParser:
             self._counter = counter
         self._shapes[key] = _PrefixShape(spec, ts, host, fmt, stamp, iso_start, iso_end)
 
-    def _payload_fields(self, payload: str) -> tuple[str, int, int | None, str | None, str] | None:
-        fields = self._payloads.get(payload)
+    def _payload_fields(self, payload: str) -> _Fields | None:
+        """Parse a payload not in `_payloads` (callers look there first) and cache it."""
+        fields = _parse_payload(payload)
         if fields is None:
-            fields = _parse_payload(payload)
-            if fields is None:
-                return None
-            if len(self._payloads) >= _CACHE_LIMIT:
-                self._payloads.clear()
-            self._payloads[payload] = fields
+            return None
+        if len(self._payloads) >= _CACHE_LIMIT:
+            self._payloads.clear()
+        self._payloads[payload] = fields
         return fields
 
     def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
@@ -636,7 +635,7 @@ class KernelLogParser:
         return XidRecord(ts, host, pci, OFF_BUS_XID, None, None, OFF_BUS_MESSAGE, uuid, line_no, fmt)
 
 
-def _parse_payload(payload: str) -> tuple[str, int, int | None, str | None, str] | None:
+def _parse_payload(payload: str) -> _Fields | None:
     """(bus id, xid, pid, process, message) of a well-formed `NVRM: Xid ...` text, else None."""
     m = _XID_FAST.match(payload)
     if m is None:
