@@ -22,12 +22,8 @@ name starts with `xid_count` or contains both `ecc` and `increase`; zeros where 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,8 +32,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from ingest.errors import InputError
 from models.frame import labels, require_columns, to_pandas
-from models.split import DurationLike, as_timedelta, time_split
-from models.train import settled_until, train_model
+from models.split import as_timedelta
 
 SEED = 0
 
@@ -220,138 +215,9 @@ def heuristic_columns(frame: pd.DataFrame) -> list[str]:
     ]
 
 
-def evaluate_holdout(
-    frame: Any,
-    *,
-    kind: str,
-    horizon: DurationLike,
-    test_days: float,
-    top_k: int,
-    train_window: DurationLike,
-    params: dict[str, Any] | None = None,
-    threshold: float | None = None,
-    seed: int = SEED,
-) -> dict[str, Any]:
-    """Train on the `train_window` before the last `test_days` of settled grid times (with a
-    `horizon` gap), score the test window, and compare the model with the baselines.
-
-    The test window ends at `models.train.settled_until(frame, horizon)`: after it only
-    failures are labelled, which would flatter every ranking, random included.
-
-    `threshold`, if given, also reports episode recall at risk >= threshold (for the model and
-    the baselines' raw scores alike, so mostly meaningful for the model)."""
-    df = to_pandas(frame)
-    require_columns(df, ["ts", "gpu_uuid", "label"], "evaluate_holdout")
-    if not test_days > 0:
-        raise InputError(f"test_days: expected a positive number of days, got {test_days!r}")
-    gap = as_timedelta(horizon, "horizon")
-    last = settled_until(df, gap)
-    ts = pd.to_datetime(df["ts"])
-    ts = ts.dt.tz_localize("UTC") if ts.dt.tz is None else ts.dt.tz_convert("UTC")
-    times = ts.drop_duplicates().sort_values()
-    step = times.diff().min() if len(times) > 1 else pd.Timedelta(hours=1)
-    test_start = last - pd.Timedelta(days=test_days) + step
-    model = train_model(df, kind=kind, train_window=train_window, horizon=gap, as_of=test_start, params=params)
-    _, test = time_split(df, test_start, gap, test_end=last + step)
-    test = test.loc[labels(test).notna().to_numpy()]
-    y = labels(test).to_numpy(dtype=int)
-    if len(test) == 0:
-        raise InputError(f"evaluate_holdout: no labelled rows from {test_start}; expected a test window")
-    scores = {"model": model.predict_risk(test), **baseline_scores(test, seed)}
-    results = {name: score_metrics(test, s, k=top_k, threshold=threshold, seed=seed) for name, s in scores.items()}
-    results["oracle"] = _precision(_prepared(test, y.astype(float)), top_k, seed)
-    return {
-        "kind": kind,
-        "model_version": model.version,
-        "horizon_h": gap / pd.Timedelta(hours=1),
-        "top_k": top_k,
-        "threshold": threshold,
-        "train": {
-            "start": model.train_start.isoformat(),
-            "end": model.train_end.isoformat(),
-            "n_rows": model.n_rows,
-            "n_positives": model.n_positives,
-            "params": model.params,
-        },
-        "test": {
-            "start": test_start.isoformat(),
-            "end": last.isoformat(),
-            "n_rows": len(test),
-            "n_positives": int(y.sum()),
-            "n_gpus": int(test["gpu_uuid"].nunique()),
-        },
-        "heuristic_columns": heuristic_columns(test),
-        "scores": results,
-        "versions": model.versions,
-    }
-
-
 def _num(value: Any) -> float | None:
     value = float(value)
     return None if math.isnan(value) else value
-
-
-_TABLE_COLUMNS = [
-    ("precision@K mean", "precision_at_k_mean"),
-    ("precision@K pooled", "precision_at_k_pooled"),
-    ("episodes caught", "recall_at_k"),
-    ("median lead h", "lead_time_h_median_at_k"),
-    ("PR-AUC", "pr_auc"),
-    ("ROC-AUC", "roc_auc"),
-]
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
-def render_report(metrics: dict[str, Any]) -> str:
-    """A short Markdown summary of `evaluate_holdout`'s result."""
-    train, test = metrics["train"], metrics["test"]
-    lines = [
-        f"# Hold-out evaluation: {metrics['kind']} ({metrics['model_version']})",
-        "",
-        f"- Train: {train['start']} .. {train['end']}, {train['n_rows']} rows, {train['n_positives']} positives",
-        f"- Test: {test['start']} .. {test['end']}, {test['n_rows']} rows, {test['n_positives']} positives, "
-        f"{test['n_gpus']} GPUs",
-        f"- Horizon {metrics['horizon_h']:g} h (also the gap between train and test), K = {metrics['top_k']}",
-        "",
-        "| scorer | " + " | ".join(name for name, _ in _TABLE_COLUMNS) + " |",
-        "| --- | " + " | ".join("---" for _ in _TABLE_COLUMNS) + " |",
-    ]
-    for scorer, values in metrics["scores"].items():
-        lines.append(f"| {scorer} | " + " | ".join(_cell(values.get(key)) for _, key in _TABLE_COLUMNS) + " |")
-    lines += [
-        "",
-        "precision@K mean: mean over grid times of the share of failing GPUs among the K",
-        "highest-ranked (grid times without failures count as 0); pooled: over all picks.",
-        "Episodes caught: failures whose GPU was in the top K at least once within the horizon",
-        "before failing; lead time from that first catch. `oracle` ranks by the label itself.",
-        f"Heuristic baseline columns: {', '.join(metrics.get('heuristic_columns') or []) or 'none (all zeros)'}.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def write_report(metrics: dict[str, Any], out_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
-    """Write `metrics.json` and `report.md` into `out_dir` (created if needed), each atomically."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in [
-        ("metrics.json", json.dumps(metrics, indent=2, default=str) + "\n"),
-        ("report.md", render_report(metrics)),
-    ]:
-        final = out / name
-        tmp = out / f".tmp-{uuid.uuid4().hex}-{name}"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, final)
-        written.append(final)
-    return written[0], written[1]
 
 
 # -- walk-forward metrics ---------------------------------------------------------------------

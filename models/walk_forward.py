@@ -242,12 +242,6 @@ def _params(contender: Contender) -> dict[str, Any]:
     return params
 
 
-def _takes_negative_fraction() -> bool:
-    import inspect
-
-    return "negative_fraction" in inspect.signature(train_model).parameters
-
-
 def _constraints_for(contender: Contender, monotone_increasing: tuple[str, ...]) -> tuple[str, ...]:
     """The plan's monotone features for a contender whose model kinds can all be constrained;
     none for one with an MLP in it (it has no such constraint)."""
@@ -262,8 +256,7 @@ def _constraints_for(contender: Contender, monotone_increasing: tuple[str, ...])
 
 def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
     # The pool is already subsampled (the same rows for every fit); train_model must not
-    # subsample it again where it can.
-    extra: dict[str, Any] = {"negative_fraction": 1.0} if _takes_negative_fraction() else {}
+    # subsample it again.
     return train_model(
         task.pool,
         kind=task.contender.kind,
@@ -272,7 +265,7 @@ def _fit(task: _Task, window: str, as_of: pd.Timestamp) -> TrainedModel:
         as_of=as_of,
         params=_params(task.contender),
         monotone_increasing=task.monotone_increasing,
-        **extra,
+        negative_fraction=1.0,
     )
 
 
