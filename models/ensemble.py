@@ -31,11 +31,11 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
-from sklearn.base import BaseEstimator, ClassifierMixin, clone
+from sklearn.base import BaseEstimator, clone
 from sklearn.utils import get_tags
 from sklearn.utils.validation import check_consistent_length, check_is_fitted, validate_data
 
-from models.estimators import binary_target
+from models.estimators import BinaryClassifierMixin, binary_target
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def assign_by_rank(values: np.ndarray, key: np.ndarray, groups: np.ndarray) -> n
     return np.asarray(pd.Series(out).groupby([groups, key]).transform("mean"), dtype=np.float64)
 
 
-class ParallelEnsemble(ClassifierMixin, BaseEstimator):
+class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
     """Members of different kinds each rank all GPUs at a scoring time; `combine` turns their
     rankings into one (`combine_rankings`: `top_k_intersection` or `rank_average`).
 
@@ -162,18 +162,13 @@ class ParallelEnsemble(ClassifierMixin, BaseEstimator):
         p = assign_by_rank(probs.mean(axis=0), key, groups)
         return np.column_stack([1.0 - p, p])
 
-    def predict(self, X: Any) -> np.ndarray:
-        positive = self.predict_proba(X)[:, 1] >= 0.5
-        return np.asarray(self.classes_[positive.astype(int)])
-
     def __sklearn_tags__(self) -> Any:
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = all(get_tags(est).input_tags.allow_nan for _, est in self.estimators)
-        tags.classifier_tags.multi_class = False
         return tags
 
 
-class CascadeEnsemble(ClassifierMixin, BaseEstimator):
+class CascadeEnsemble(BinaryClassifierMixin, BaseEstimator):
     """Two stages: `first` scores every GPU and keeps those at or above a threshold; `second`,
     fit only on the rows the first keeps, ranks them.
 
@@ -295,16 +290,11 @@ class CascadeEnsemble(ClassifierMixin, BaseEstimator):
         p = np.where(kept, t + (1.0 - t) * np.nan_to_num(p2), p1)
         return np.column_stack([1.0 - p, p])
 
-    def predict(self, X: Any) -> np.ndarray:
-        positive = self.predict_proba(X)[:, 1] >= 0.5
-        return np.asarray(self.classes_[positive.astype(int)])
-
     def __sklearn_tags__(self) -> Any:
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = (
             get_tags(self.first).input_tags.allow_nan and get_tags(self.second).input_tags.allow_nan
         )
-        tags.classifier_tags.multi_class = False
         return tags
 
 

@@ -176,6 +176,20 @@ def _binary_classes(estimator: Any, y: Any) -> np.ndarray:
     return np.asarray(y == estimator.classes_[-1])
 
 
+class BinaryClassifierMixin(ClassifierMixin):
+    """A binary classifier ("fails" is `classes_[-1]`): `predict` thresholds `predict_proba`
+    at 0.5, and the tags say it is not multi-class."""
+
+    def predict(self, X: Any) -> np.ndarray:
+        positive = self.predict_proba(X)[:, 1] >= 0.5  # type: ignore[attr-defined]
+        return np.asarray(self.classes_[positive.astype(int)])  # type: ignore[attr-defined]
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = False
+        return tags
+
+
 class CategoryCodes(TransformerMixin, BaseEstimator):
     """Replace string columns by the code of their category as learnt in `fit` (float32);
     categories not seen in `fit` become NaN. Other columns pass through unchanged."""
@@ -205,7 +219,7 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
         return np.asarray(self.feature_names_in_, dtype=object)
 
 
-class SignConstrainedLogistic(ClassifierMixin, BaseEstimator):
+class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
     """L2 logistic regression whose coefficients on the inputs named in `increasing` are never
     negative, so a rise in those inputs never lowers the probability.
 
@@ -272,13 +286,8 @@ class SignConstrainedLogistic(ClassifierMixin, BaseEstimator):
         positive = self.decision_function(X) > 0
         return np.asarray(self.classes_[positive.astype(int)])
 
-    def __sklearn_tags__(self) -> Any:
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False
-        return tags
 
-
-class OversampledMLP(ClassifierMixin, BaseEstimator):
+class OversampledMLP(BinaryClassifierMixin, BaseEstimator):
     """scikit-learn's `MLPClassifier` with the positive class weighted by `pos_weight` through
     oversampling (it has no class or sample weights): each positive row is repeated
     floor(w) times, plus once more with probability w - floor(w) (seeded by `random_state`).
@@ -339,15 +348,6 @@ class OversampledMLP(ClassifierMixin, BaseEstimator):
         X = validate_data(self, X, dtype=np.float64, reset=False)
         p = self.mlp_.predict_proba(X)[:, 1]
         return np.column_stack([1.0 - p, p])
-
-    def predict(self, X: Any) -> np.ndarray:
-        positive = self.predict_proba(X)[:, 1] >= 0.5
-        return np.asarray(self.classes_[positive.astype(int)])
-
-    def __sklearn_tags__(self) -> Any:
-        tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = False
-        return tags
 
 
 _CATEGORICAL_PATTERN = "^(?:" + "|".join(CATEGORICAL_COLUMNS) + ")$"

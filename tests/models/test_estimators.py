@@ -2,6 +2,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from sklearn.base import clone
+from sklearn.utils import get_tags
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from models.ensemble import CascadeEnsemble, ParallelEnsemble
@@ -206,3 +207,4 @@ def _expected_failures(estimator: object) -> dict[str, str]:
 )
 def test_the_ensembles_and_custom_estimators_keep_the_scikit_learn_contract(estimator, check):
     check(estimator)
+    assert get_tags(estimator).classifier_tags.multi_class is False  # binary: "fails" or not
