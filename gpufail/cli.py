@@ -526,7 +526,7 @@ def publish(
     """Turn the latest predictions into risk tiers through the action policy (hysteresis,
     cooldown, circuit breaker), apply them to the scheduler unless in dry run, and append every
     decision to the actions audit log."""
-    from gpufail.publishing import publish_latest
+    from gpufail.publishing import latest_predictions, publish_latest, publish_mode
     from ingest.store import Store
     from serving.policy import PolicyState
     from serving.policy import reset_breaker as closed_breaker
@@ -535,7 +535,7 @@ def publish(
     settings = _settings(ctx).publish
     target = target or settings.target
     dry = settings.dry_run if dry_run is None else dry_run
-    mode = "dry-run" if dry else "shadow" if (settings.shadow if shadow is None else shadow) else "live"
+    mode = publish_mode(dry, settings.shadow if shadow is None else shadow)
     root = _root(ctx, data)
     store = Store.open(root)
     name = state_name(target, mode)
@@ -547,11 +547,9 @@ def publish(
         status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
         click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
         return
-    table = store.read_owned("predictions")
-    if table is None:
+    latest = latest_predictions(store)
+    if latest is None:
         raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
-    predictions = table.to_pandas()
-    latest = predictions[predictions["ts"] == predictions["ts"].max()]
     outcome, path = publish_latest(store, latest, settings, target=target, mode=mode, state=state)
     if not quiet:
         for row in outcome.rows:

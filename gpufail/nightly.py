@@ -464,11 +464,11 @@ class _Job:
         return dict(self._served)
 
     def _publish(self) -> dict[str, Any]:
-        table = self.store.read_owned("predictions")
-        if table is None:
+        from gpufail.publishing import latest_predictions
+
+        latest = latest_predictions(self.store)
+        if latest is None:
             raise NightlyError(f"{self.store.root}: no predictions to publish")
-        predictions = table.to_pandas()
-        latest = predictions[predictions["ts"] == predictions["ts"].max()]
         served = self._served or self.state["steps"].get("score", {})
         if served.get("model_version") in set(latest["model_version"]):
             # A grid time scored twice (a champion promoted on a resumed run): publish the newest.
@@ -487,10 +487,10 @@ def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
     def publish(store: Store, latest: Any) -> dict[str, Any]:
         from collections import Counter
 
-        from gpufail.publishing import publish_latest
+        from gpufail.publishing import publish_latest, publish_mode
 
         cfg = publish_settings
-        mode = "dry-run" if dry_run else "shadow" if cfg.shadow else "live"
+        mode = publish_mode(dry_run, cfg.shadow)
         outcome, path = publish_latest(store, latest, cfg, target=cfg.target, mode=mode)
         return {
             "mode": mode,

@@ -41,6 +41,22 @@ def publish_latest(
     return outcome, append_audit(outcome.rows, store.path("actions"), fs=store.fs)
 
 
+def publish_mode(dry_run: bool, shadow: bool) -> str:
+    """The `serving.publish` mode: a dry run wins over shadow."""
+    return "dry-run" if dry_run else "shadow" if shadow else "live"
+
+
+def latest_predictions(store: Store) -> Any | None:
+    """The predictions of the newest grid time (a pandas frame), or None when there are none.
+    Reads only the newest day that has a file, not the whole history."""
+    for day in reversed(store.dates("predictions")):
+        table = store.read_owned("predictions", day, day)
+        if table is not None:
+            predictions = table.to_pandas()
+            return predictions[predictions["ts"] == predictions["ts"].max()]
+    return None
+
+
 def policy_config(settings: Any) -> Any:
     from serving.policy import PolicyConfig, Tier
 

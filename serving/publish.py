@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError
-from serving.policy import NodeRisk, PolicyConfig, PolicyState, decide
+from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, decide
 from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable
 from serving.score import node_risks
 
@@ -164,7 +164,7 @@ def publish(
     pending: list[tuple[str, Change]] = []
     for d in decisions:
         node_state = after.nodes.get(d.key)
-        applied = node_state.applied if node_state else state.nodes[d.key].applied if d.key in state.nodes else "none"
+        applied = (node_state or state.nodes.get(d.key) or NodeState()).applied
         if d.action == "skip":
             results[d.key] = "skipped"
         elif d.tier == applied:
