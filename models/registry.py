@@ -20,6 +20,7 @@ with no champion takes the first model that reaches an absolute precision floor.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -253,11 +254,10 @@ def write_holdout_report(metrics: dict[str, Any], out_dir: Path, *, title: str) 
     ax.set_ylabel("precision@K (mean over grid times)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    png = out_dir / f".tmp-{uuid.uuid4().hex}.png"
-    fig.savefig(png, dpi=80)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=80)
     plt.close(fig)
-    os.replace(png, out_dir / "precision.png")
-    written.append(out_dir / "precision.png")
+    written.append(write_file_atomic(out_dir / "precision.png", png.getvalue()))
     return written
 
 

@@ -195,6 +195,7 @@ def test_the_report_files_are_written(tmp_path):
     written = write_holdout_report(metrics, tmp_path, title="window")
     assert [p.name for p in written] == ["metrics.json", "report.md", "precision.png"]
     assert "| model |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "precision.png").read_bytes().startswith(b"\x89PNG")
     assert not list(tmp_path.glob(".tmp-*"))
 
 
