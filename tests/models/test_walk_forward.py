@@ -228,3 +228,20 @@ def test_monotone_constraints_reach_every_contender_that_can_take_them() -> None
     # the MLP has no monotone constraint: alone or as a member it trains unconstrained
     assert _constraints_for(Contender("m", "mlp", "static"), wanted) == ()
     assert _constraints_for(Contender("p", "parallel", "static", {"members": ["lightgbm", "mlp"]}), wanted) == ()
+
+
+def test_fits_train_on_the_pool_as_drawn_without_subsampling_it_again(monkeypatch) -> None:
+    # The plan draws the negatives once (negative_fraction); train_model must keep them all,
+    # or every fit would see a second, different sample and the recorded factor would be wrong.
+    import models.walk_forward as wf
+
+    seen: list[dict] = []
+    real = wf.train_model
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wf, "train_model", recording)
+    run_walk_forward(small_frame(), [Contender("lgb static", "lightgbm", "static", FAST)], PLAN)
+    assert seen and all(kw["negative_fraction"] == 1.0 for kw in seen)
