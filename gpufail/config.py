@@ -277,6 +277,36 @@ class NightlySettings(_Table):
     champion cache; empty means DATA/_nightly (a local data root is required then)."""
 
 
+_SCHEDULER = re.compile(r"(tcp|tls|ucx|inproc)://\S+")
+
+
+class DaskSettings(_Table):
+    """Run `gpufail features` and `gpufail train` on Dask (docs/fleet-scale.md)."""
+
+    scheduler: str = ""
+    """Empty: one machine, no Dask. "local": a LocalCluster on 127.0.0.1. Else a running
+    scheduler's address, such as "tcp://10.0.0.5:8786"."""
+    n_workers: int = Field(default=2, ge=1)
+    threads_per_worker: int = Field(default=1, ge=1)
+    """scheduler = "local": worker processes, and threads in each."""
+    connect_timeout: Duration = timedelta(seconds=10)
+    partition_nodes: int = Field(default=64, ge=1)
+    """Feature build: nodes per partition (whole nodes, so the node peer features are exact)."""
+    partition_days: int = Field(default=14, ge=1)
+    """Feature build: days per time partition; each also reads the ~8 days of lookback its
+    windows need, so longer partitions read less twice but hold more in a worker."""
+
+    @field_validator("scheduler")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if value not in ("", "local") and not _SCHEDULER.fullmatch(value):
+            raise ValueError(
+                f"expected '' (one machine), 'local' (a LocalCluster) or a scheduler address such as "
+                f"'tcp://10.0.0.5:8786', got {value!r}"
+            )
+        return value
+
+
 class Settings(_Table):
     store: StoreSettings = StoreSettings()
     simulate: SimulateSettings = SimulateSettings()
@@ -289,6 +319,7 @@ class Settings(_Table):
     collect: CollectSettings = CollectSettings()
     mlflow: MlflowSettings = MlflowSettings()
     nightly: NightlySettings = NightlySettings()
+    dask: DaskSettings = DaskSettings()
 
 
 ENV_PREFIX = "GPUFAIL_"
