@@ -307,6 +307,35 @@ class DaskSettings(_Table):
         return value
 
 
+class ServeSettings(_Table):
+    """`gpufail serve`: the prediction REST endpoint (serving/api.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    model: str = ""
+    """Empty: the [mlflow] model_name's `champion` alias in the registry; else a model folder
+    written by `gpufail train` (`--model` overrides)."""
+    admin_token_env: str = "GPUFAIL_SERVE_ADMIN_TOKEN"
+    """Environment variable holding the bearer token of the admin endpoints (never the config
+    file); without one, admin endpoints refuse every request."""
+    read_token_env: str = "GPUFAIL_SERVE_READ_TOKEN"
+    """Environment variable holding the bearer token of the read endpoints (the admin token is
+    accepted too), used when read_requires_token is true."""
+    read_requires_token: bool = False
+    max_body_bytes: int = Field(default=2_000_000, ge=1024)
+    """Larger request bodies are refused (413) before they are parsed."""
+    max_gpus_per_request: int = Field(default=2000, ge=1)
+    max_top_features: int = Field(default=10, ge=0, le=50)
+    """Explanations kept per GPU; a request asks for at most this many (`top_features`)."""
+    reload_poll: Duration = timedelta(seconds=30)
+    """How often the model source and the features dataset are checked for a new version."""
+    features_max_age: Duration = timedelta(hours=30)
+    """/readyz fails when the newest features are older than this (the nightly job builds them
+    once a day); 0 turns the check off (replayed or simulated data)."""
+    metrics_top: int = Field(default=20, ge=0, le=1000)
+    """/metrics exports risk gauges for this many riskiest GPUs and nodes (bounded labels)."""
+
+
 class Settings(_Table):
     store: StoreSettings = StoreSettings()
     simulate: SimulateSettings = SimulateSettings()
@@ -320,9 +349,13 @@ class Settings(_Table):
     mlflow: MlflowSettings = MlflowSettings()
     nightly: NightlySettings = NightlySettings()
     dask: DaskSettings = DaskSettings()
+    serve: ServeSettings = ServeSettings()
 
 
 ENV_PREFIX = "GPUFAIL_"
+SECRET_ENV_SUFFIXES = ("_TOKEN", "_SECRET")
+"""`GPUFAIL_*_TOKEN` / `GPUFAIL_*_SECRET` without `__` hold secrets (webhook secret, API tokens)
+that settings refer to by name; they are not `GPUFAIL_<TABLE>__<KEY>` overrides."""
 
 
 def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -363,6 +396,8 @@ def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:
         if not name.startswith(ENV_PREFIX) or name == "GPUFAIL_CONFIG":
             continue
         table, sep, key = name.removeprefix(ENV_PREFIX).lower().partition("__")
+        if not sep and name.endswith(SECRET_ENV_SUFFIXES):
+            continue  # a secret the settings name (GPUFAIL_WEBHOOK_SECRET), not an override
         if not sep or not key:
             raise ConfigError(
                 f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON"
