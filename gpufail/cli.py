@@ -686,6 +686,86 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
 
 
 @cli.command()
+@_data_option
+@click.option("--host", default=None, help="Address to listen on (default: [serve] host, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port (default: [serve] port, 8080).")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="A model folder written by `gpufail train` (default: [serve] model, else the registry's champion).",
+)
+@click.option("--access-log/--no-access-log", default=True, help="Log one line per request (never the token).")
+@click.pass_context
+def serve(
+    ctx: click.Context, data: str | None, host: str | None, port: int | None, model_path: str | None, access_log: bool
+) -> None:
+    """Serve predictions over HTTP (FastAPI under uvicorn, one worker) until interrupted."""
+    import uvicorn
+
+    settings = _settings(ctx)
+    cfg = settings.serve
+    root = _root(ctx, data)
+    app, source = _serve_app(settings, root, model_path)
+    host, port = host or cfg.host, port or cfg.port
+    click.echo(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
+    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info")
+
+
+def _serve_app(settings: Any, root: str, model_path: str | None) -> tuple[Any, str]:
+    """The REST app for `gpufail serve` from the settings, and a description of its model source."""
+    import os
+
+    from gpufail.publishing import policy_config
+    from serving.api import create_app
+    from serving.api_state import ModelFolder, RegistryChampion, ServeOptions
+
+    cfg, ml = settings.serve, settings.mlflow
+    admin, read = os.environ.get(cfg.admin_token_env) or None, os.environ.get(cfg.read_token_env) or None
+    if cfg.read_requires_token and not (read or admin):
+        raise GpufailError(
+            f"[serve] read_requires_token is true, but neither {cfg.read_token_env} nor {cfg.admin_token_env} holds a token"
+        )
+    options = ServeOptions(
+        data_root=root,
+        tiers=policy_config(settings.publish),
+        model_name=ml.model_name,
+        admin_token=admin,
+        read_token=read,
+        read_requires_token=cfg.read_requires_token,
+        admin_token_env=cfg.admin_token_env,
+        max_body_bytes=cfg.max_body_bytes,
+        max_gpus_per_request=cfg.max_gpus_per_request,
+        max_top_features=cfg.max_top_features,
+        reload_poll_s=cfg.reload_poll.total_seconds(),
+        features_max_age_s=cfg.features_max_age.total_seconds(),
+        metrics_top=cfg.metrics_top,
+        featurise={
+            "grid": settings.features.grid,
+            "windows": list(settings.features.windows),
+            "max_silence": settings.features.max_silence,
+            "horizon": settings.labels.horizon,
+            "failure_xids": list(settings.labels.failure_xids),
+            "merge_window": settings.labels.merge_window,
+            "lost_after": settings.labels.lost_after,
+        },
+    )
+    path = model_path or cfg.model
+    if path:
+        return create_app(options, ModelFolder(path)), f"model folder {path}"
+    local = "://" not in root
+    source = RegistryChampion(
+        ml.tracking_uri,
+        ml.model_name,
+        cache_dir=Path(root) / "_serve" if local else None,
+        retries=ml.retries,
+        backoff_s=ml.backoff.total_seconds(),
+    )
+    return create_app(options, source), f"the champion of {ml.model_name!r} at {ml.tracking_uri}"
+
+
+@cli.command()
 @click.option(
     "--out",
     default="bench-results",
