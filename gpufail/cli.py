@@ -322,22 +322,52 @@ def features(
     first, last = _when(start), _when(end)
     if first is not None and last is not None and last <= first:
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
-    summary = build_features_from_store(
-        Store.open(_root(ctx, data)),
+    common = dict(
         start=first,
         end=last,
         grid=settings.features.grid,
         windows=settings.features.windows,
         max_silence=settings.features.max_silence,
-        max_buckets_in_memory=settings.features.buckets_in_memory,
         horizon=settings.labels.horizon,
         failure_xids=settings.labels.failure_xids,
         merge_window=settings.labels.merge_window,
         lost_after=settings.labels.lost_after,
         overwrite=overwrite,
-        progress=not quiet,
     )
+    if settings.dask.scheduler:
+        # [dask] scheduler set: the same features, built in partitions on the cluster.
+        from features.distributed import build_features_distributed
+
+        d = settings.dask
+        with _dask_client(settings) as client:
+            summary = build_features_distributed(
+                client,
+                Store.open(_root(ctx, data)),
+                partition_nodes=d.partition_nodes,
+                partition_days=d.partition_days,
+                **common,
+            )
+    else:
+        summary = build_features_from_store(
+            Store.open(_root(ctx, data)),
+            max_buckets_in_memory=settings.features.buckets_in_memory,
+            progress=not quiet,
+            **common,
+        )
     click.echo(str(summary))
+
+
+def _dask_client(settings: Any) -> Any:
+    """The Dask client of the `[dask]` settings (docs/fleet-scale.md)."""
+    from gpufail.dask_cluster import dask_client
+
+    d = settings.dask
+    return dask_client(
+        d.scheduler,
+        n_workers=d.n_workers,
+        threads_per_worker=d.threads_per_worker,
+        connect_timeout=d.connect_timeout,
+    )
 
 
 def _load_features(root: str, latest_day_only: bool = False) -> Any:
@@ -379,9 +409,7 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     from models.train import save_model, train_model
 
     settings = _settings(ctx)
-    frame = _load_features(_root(ctx, data))
-    model = train_model(
-        frame,
+    options = dict(
         kind=settings.model.kind,
         train_window=settings.model.train_window,
         horizon=settings.labels.horizon,
@@ -389,6 +417,15 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         negative_fraction=settings.model.negative_fraction,
         monotone_increasing=settings.model.monotone_increasing,
     )
+    if settings.dask.scheduler:
+        # [dask] scheduler set: lightgbm.dask / xgboost.dask; the workers read the features.
+        from ingest.store import Store
+        from models.distributed import train_model_distributed
+
+        with _dask_client(settings) as client:
+            model = train_model_distributed(client, Store.open(_root(ctx, data)), **options)
+    else:
+        model = train_model(_load_features(_root(ctx, data)), **options)
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
