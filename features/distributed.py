@@ -1,0 +1,421 @@
+"""The feature build on a Dask cluster: the `features` dataset of
+`features.build.build_features_from_store`, computed in (node group x time block) partitions.
+
+- **Node groups.** Whole nodes, about `partition_nodes` per group, because a GPU's node peer
+  features compare it with the other GPUs of its node. Nodes that share a GPU uuid (a board
+  moved between nodes) go into one group, so each GPU's whole history is in one partition.
+- **Time blocks.** `partition_days` whole UTC days. A partition reads its nodes' raw telemetry
+  for the block plus a lookback: the longest window (or the silence cap), one grid step, and
+  `max_silence` more for the last sample before each bucket (the baseline of a counter
+  increase). Its buckets after `block start - lookback` are then exactly those of an
+  all-history build, as the single-machine build's carried trailing window is.
+- **Fleet-wide facts** are computed once and shared with every partition: GPU presence (first
+  and last sample of each GPU, one task per day partition over the identity columns), the data
+  end, failure episodes and the resolved XID events.
+
+Each partition runs the same pure functions as the single-machine build
+(`features.windows.hourly_aggregate`, then `features.build.features_from_buckets`, which is
+`build_features` from buckets). One feature needs the whole fleet at once:
+`<m>_model_delta_<g>`, a GPU's bucket mean minus the median of all GPUs of its model at that
+time. A partition computes it over its own GPUs, so per time block the partitions' bucket means
+meet in one median task, and each partition replaces its column before it writes. Rows equal
+the single-machine build's up to floating-point rounding (window sums start at the partition's
+first bucket), which `tests/features/test_distributed.py` checks.
+
+Partitions write their own files (`features.build.write_features`: one per date, atomic
+renames), so nothing wide passes through the client. Workers must reach the data root: a
+shared folder or an object store URL (`s3://...`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import polars as pl
+import pyarrow.compute as pc
+
+from features.build import (
+    FeatureBuildSummary,
+    FeaturesExistError,
+    feature_files,
+    features_from_buckets,
+    write_features,
+)
+from features.labels import (
+    DEFAULT_HORIZON,
+    DEFAULT_LOST_AFTER,
+    DEFAULT_MERGE_WINDOW,
+    GPU,
+    combine_presence,
+    episodes_for,
+    gpu_presence,
+    resolve_xid_gpus,
+)
+from features.peers import PEER_METRICS
+from features.schema import FEATURE_DTYPE, TS_DTYPE
+from features.windows import (
+    DEFAULT_GRID,
+    DEFAULT_MAX_SILENCE,
+    DEFAULT_WINDOWS,
+    DEFAULT_XID_SINCE_CAP,
+    check_grid,
+    grid_floor,
+    grid_suffix,
+    hourly_aggregate,
+)
+from features.xids import drop_cross_source_duplicates
+from ingest.store import Store
+from ingest.xid_catalog import default_failure_xids
+
+_ID_COLS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
+_NODE = ["cluster", "node"]
+
+
+@dataclass(frozen=True)
+class _Params:
+    """What every partition needs besides its own rows (sent once per task, small)."""
+
+    grid: timedelta
+    windows: tuple[timedelta, ...]
+    horizon: timedelta
+    failure_xids: tuple[int, ...]
+    merge_window: timedelta
+    lost_after: timedelta | None
+    max_silence: timedelta
+    xid_since_cap: timedelta
+    data_end: datetime
+    rows_per_chunk: int
+
+    @property
+    def lookback(self) -> timedelta:
+        # Same as the single-machine build: the longest window, and a silent GPU's last bucket.
+        return max(max(self.windows), self.max_silence + self.grid)
+
+
+# -- node groups ------------------------------------------------------------------------------
+
+
+def node_groups(presence: pl.DataFrame, partition_nodes: int) -> list[pl.DataFrame]:
+    """Whole (cluster, node) pairs in groups of about `partition_nodes`, in name order; nodes
+    that reported the same GPU uuid are always in one group (union-find over the GPUs)."""
+    if partition_nodes < 1:
+        raise ValueError(f"partition_nodes: expected at least 1, got {partition_nodes}")
+    pairs = presence.select(*_NODE, GPU).unique()
+    parent: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def find(x: tuple[str, str]) -> tuple[str, str]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for nodes in pairs.group_by(GPU).agg(pl.struct(*_NODE).alias("n"))["n"].to_list():
+        first = find((nodes[0]["cluster"], nodes[0]["node"]))
+        for other in nodes[1:]:
+            parent[find((other["cluster"], other["node"]))] = first
+    members: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for key in sorted(parent):
+        members.setdefault(find(key), []).append(key)
+    groups: list[list[tuple[str, str]]] = []
+    for component in sorted(members.values()):
+        if groups and len(groups[-1]) + len(component) <= partition_nodes:
+            groups[-1].extend(component)
+        else:
+            groups.append(list(component))
+    return [pl.DataFrame(g, schema=_NODE, orient="row") for g in groups]
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def _local(store: Store) -> bool:
+    protocol = store.fs.protocol
+    return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
+
+
+def _read_nodes(store: Store, nodes: pl.DataFrame, start: datetime, end: datetime) -> pl.DataFrame:
+    """Raw telemetry of the (cluster, node) pairs `nodes` with start <= ts < end. Local files are
+    scanned with polars (several times faster here than pyarrow's dataset reader, see
+    `features.build`); other filesystems go through `Store.read` with the node filter pushed
+    down."""
+    names = nodes["node"].unique().to_list()
+    if _local(store):
+        files = store.dataset("telemetry", start.date(), (end - timedelta(microseconds=1)).date()).files
+        if not files:
+            return pl.DataFrame()
+        frame = (
+            pl.scan_parquet(files, hive_partitioning=False)
+            .filter(
+                (pl.col("ts") >= pl.lit(start, dtype=TS_DTYPE))
+                & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
+                & pl.col("node").is_in(names)
+            )
+            .collect()
+        )
+    else:
+        table = store.read("telemetry", start, end, filter=pc.field("node").isin(names))
+        frame = pl.DataFrame(pl.from_arrow(table))
+    return frame.join(nodes, on=_NODE, how="semi")
+
+
+def _day_presence(store: Store, day: date) -> pl.DataFrame:
+    start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+    table = store.read("telemetry", start, start + timedelta(days=1), columns=_ID_COLS)
+    return gpu_presence(pl.DataFrame(pl.from_arrow(table)))
+
+
+# -- one partition ----------------------------------------------------------------------------
+
+
+def _partition(
+    store: Store,
+    nodes: pl.DataFrame,
+    block: tuple[datetime, datetime],
+    params: _Params,
+    xid: pl.DataFrame,
+    presence: pl.DataFrame,
+    episodes: pl.DataFrame,
+    repairs: pl.DataFrame | None,
+) -> tuple[pl.DataFrame | None, pl.DataFrame | None, int]:
+    """The features of `nodes` for grid times in `block` (before the model deltas are made
+    fleet-wide), their bucket means for the fleet medians, and the telemetry rows read."""
+    start, end = block
+    horizon_start = start - params.lookback
+    tel = _read_nodes(store, nodes, horizon_start - params.grid - params.max_silence, end)
+    if tel.height == 0:
+        return None, None, 0
+    hourly = hourly_aggregate(tel, params.grid, max_gap=params.max_silence)
+    hourly = hourly.filter(pl.col("ts") > pl.lit(horizon_start, dtype=TS_DTYPE))
+    gpus = presence.join(nodes, on=_NODE, how="semi")[GPU].unique()
+    frame = features_from_buckets(
+        hourly,
+        xid.filter(pl.col(GPU).is_in(gpus.implode())),
+        data_end=params.data_end,
+        grid=params.grid,
+        windows=params.windows,
+        horizon=params.horizon,
+        failure_xids=params.failure_xids,
+        merge_window=params.merge_window,
+        lost_after=params.lost_after,
+        max_silence=params.max_silence,
+        xid_since_cap=params.xid_since_cap,
+        repairs=repairs,
+        presence=presence,
+        episodes=episodes,
+        emit_start=start,
+        emit_end=end,
+        rows_per_chunk=params.rows_per_chunk,
+    )
+    sfx = grid_suffix(params.grid)
+    metrics = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in hourly.columns]
+    # The rows `features.peers` takes its fleet median over: buckets in the block, on the grid
+    # before the data end (empty buckets have no mean, and medians skip nulls).
+    last = grid_floor(params.data_end, params.grid)
+    means = hourly.filter(
+        (pl.col("ts") >= pl.lit(start, dtype=TS_DTYPE))
+        & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
+        & (pl.col("ts") <= pl.lit(last, dtype=TS_DTYPE))
+    ).select(GPU, "ts", _model_column(hourly), *metrics)
+    return frame, means, tel.height
+
+
+def _model_column(frame: pl.DataFrame) -> pl.Expr:
+    return pl.col("gpu_model") if "gpu_model" in frame.columns else pl.lit(None, dtype=pl.String).alias("gpu_model")
+
+
+def _model_medians(parts: Sequence[pl.DataFrame | None]) -> pl.DataFrame | None:
+    """Per (gpu_model, ts): the median bucket mean of each peer metric over the whole fleet."""
+    frames = [p for p in parts if p is not None and p.height]
+    if not frames:
+        return None
+    means = pl.concat(frames, how="vertical_relaxed")
+    metrics = [c for c in means.columns if c not in (GPU, "ts", "gpu_model")]
+    return means.group_by("gpu_model", "ts").agg(pl.col(c).median().alias(f"_median_{c}") for c in metrics)
+
+
+def _means_of(part: tuple[pl.DataFrame | None, pl.DataFrame | None, int]) -> pl.DataFrame | None:
+    return part[1]
+
+
+def _finish(
+    store: Store,
+    part: tuple[pl.DataFrame | None, pl.DataFrame | None, int],
+    medians: pl.DataFrame | None,
+    grid: timedelta,
+) -> dict[str, Any]:
+    """Make a partition's model deltas fleet-wide, write its files, and say what it wrote."""
+    frame, means, rows_read = part
+    if frame is None or frame.height == 0:
+        return {"rows": 0, "positives": 0, "censored": 0, "gpus": [], "files": [], "rows_read": rows_read}
+    if means is not None and medians is not None:
+        sfx = grid_suffix(grid)
+        deltas = means.join(medians, on=["gpu_model", "ts"], how="left", nulls_equal=True).select(
+            GPU,
+            "ts",
+            *[
+                (pl.col(f"{m}_mean{sfx}") - pl.col(f"_median_{m}_mean{sfx}")).alias(f"{m}_model_delta{sfx}")
+                for m in PEER_METRICS
+                if f"{m}_mean{sfx}" in means.columns
+            ],
+        )
+        names = [c for c in deltas.columns if c not in (GPU, "ts")]
+        order = frame.columns
+        frame = (
+            frame.drop(names)
+            .join(deltas, on=[GPU, "ts"], how="left", maintain_order="left")
+            .with_columns(pl.col(c).cast(FEATURE_DTYPE) for c in names)
+            .select(order)
+        )
+    files = write_features(store, frame)
+    return {
+        "rows": frame.height,
+        "positives": int((frame["label"] == 1).sum()),
+        "censored": frame["label"].null_count(),
+        "gpus": frame[GPU].unique().to_list(),
+        "files": files,
+        "rows_read": rows_read,
+    }
+
+
+# -- the build --------------------------------------------------------------------------------
+
+
+def _day_start(moment: datetime) -> datetime:
+    m = moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
+    return datetime(m.year, m.month, m.day, tzinfo=UTC)
+
+
+def _shared_facts(
+    client: Any, store: Store, *, failure_xids: tuple[int, ...], merge_window: timedelta, lost_after: timedelta | None
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None, pl.DataFrame]:
+    """Presence (one task per telemetry day), resolved XID events, repairs, failure episodes."""
+    days = store.dates("telemetry")
+    presence = combine_presence(client.gather(client.map(_day_presence, [store] * len(days), days, pure=False)))
+    if store.exists("xid_events"):
+        xid = drop_cross_source_duplicates(pl.DataFrame(pl.from_arrow(store.read("xid_events"))))
+    else:
+        xid = pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32(), GPU: pl.String()})
+    xid = resolve_xid_gpus(xid, presence) if presence.height else xid
+    repairs = pl.DataFrame(pl.from_arrow(store.read("repairs"))) if store.exists("repairs") else None
+    if presence.height == 0:
+        return presence, xid, repairs, pl.DataFrame()
+    data_end = presence["last_ts"].max()
+    episodes = episodes_for(
+        xid,
+        presence,
+        failure_xids=failure_xids,
+        merge_window=merge_window,
+        data_end=data_end,  # type: ignore[arg-type]
+        lost_after=lost_after,
+        repairs=repairs,
+    )
+    return presence, xid, repairs, episodes
+
+
+def build_features_distributed(
+    client: Any,
+    store: Store,
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    horizon: timedelta = DEFAULT_HORIZON,
+    failure_xids: Iterable[int] | None = None,
+    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
+    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
+    max_silence: timedelta = DEFAULT_MAX_SILENCE,
+    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    partition_nodes: int = 64,
+    partition_days: int = 14,
+    rows_per_chunk: int = 250_000,
+    overwrite: bool = False,
+) -> FeatureBuildSummary:
+    """`features.build.build_features_from_store` on the Dask cluster of `client` (a
+    `distributed.Client`): the same arguments, the same rows in the `features` dataset, for grid
+    times in [start, end) widened to whole UTC days. Dates that already hold feature files are
+    refused unless `overwrite=True`; then the old files are removed after the new ones are
+    written. See the module notes for the partitions."""
+    began = time.perf_counter()
+    check_grid(grid, windows)
+    if partition_days < 1:
+        raise ValueError(f"partition_days: expected at least 1, got {partition_days}")
+    xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
+    summary = FeatureBuildSummary()
+    presence, xid, repairs, episodes = _shared_facts(
+        client, store, failure_xids=xids, merge_window=merge_window, lost_after=lost_after
+    )
+    if presence.height == 0:
+        summary.seconds = time.perf_counter() - began
+        return summary
+    data_end: datetime = presence["last_ts"].max()  # type: ignore[assignment]
+    first_data: datetime = presence["first_ts"].min()  # type: ignore[assignment]
+    summary.data_end = data_end
+
+    emit_start = _day_start(max(start, first_data) if start is not None else first_data)
+    last = min(end - timedelta(microseconds=1), data_end) if end is not None else data_end
+    emit_end = _day_start(last) + timedelta(days=1)
+    if emit_end <= emit_start:
+        summary.seconds = time.perf_counter() - began
+        return summary
+    summary.start, summary.end = emit_start, emit_end
+    old_files = feature_files(store, emit_start.date(), (emit_end - timedelta(days=1)).date())
+    if old_files and not overwrite:
+        raise FeaturesExistError(
+            f"features: {len(old_files)} files already cover {emit_start.date()}..{(emit_end - timedelta(days=1)).date()} "
+            f"(e.g. {old_files[0]}); pass overwrite=True (gpufail features --overwrite) to rebuild them"
+        )
+
+    params = _Params(
+        grid=grid,
+        windows=tuple(windows),
+        horizon=horizon,
+        failure_xids=xids,
+        merge_window=merge_window,
+        lost_after=lost_after,
+        max_silence=max_silence,
+        xid_since_cap=xid_since_cap,
+        data_end=data_end,
+        rows_per_chunk=rows_per_chunk,
+    )
+    step = timedelta(days=partition_days)
+    blocks = []
+    block_start = emit_start
+    while block_start < emit_end:
+        blocks.append((block_start, min(block_start + step, emit_end)))
+        block_start += step
+    groups = node_groups(presence, partition_nodes)
+    shared = [client.scatter(x, broadcast=True) for x in (xid, presence, episodes)]
+    repairs_f = client.scatter(repairs, broadcast=True) if repairs is not None else None
+
+    # All tasks are submitted at once; priorities make the workers finish (and write, freeing
+    # the wide frames of) one block before they start many of the next.
+    results = []
+    for b, block in enumerate(blocks):
+        parts = [
+            client.submit(_partition, store, nodes, block, params, *shared, repairs_f, pure=False, priority=-2 * b)
+            for nodes in groups
+        ]
+        means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
+        medians = client.submit(_model_medians, means, priority=-2 * b + 1)
+        results += [client.submit(_finish, store, p, medians, grid, pure=False, priority=-2 * b + 1) for p in parts]
+    gpus: set[str] = set()
+    for done in client.gather(results):
+        summary.rows += done["rows"]
+        summary.positives += done["positives"]
+        summary.censored += done["censored"]
+        summary.files_written += done["files"]
+        summary.telemetry_rows_read += done["rows_read"]
+        gpus.update(done["gpus"])
+    summary.blocks = len(blocks) * len(groups)
+    for f in old_files:
+        if store.fs.exists(f):
+            store.fs.rm(f)
+    summary.files_replaced = len(old_files)
+    summary.gpus = len(gpus)
+    summary.seconds = time.perf_counter() - began
+    return summary

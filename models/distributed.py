@@ -1,0 +1,208 @@
+"""Training on a Dask cluster: `lightgbm.dask` / `xgboost.dask` over the `features` dataset,
+producing the same `models.train.TrainedModel` as `models.train.train_model`, so scoring, the
+registry and the reports do not know where a model was trained.
+
+What is the same as `train_model`: the training window (`training_rows`' bounds: the
+`train_window` ending at the last settled grid time, or a horizon before `as_of`), every
+positive and a share `negative_fraction` of the negatives, the positive weight (neg/pos of the
+sample capped at `max_pos_weight`) and the one odds correction `predict_risk` divides out,
+monotone constraints, and every hyperparameter: the estimator `models.estimators.make_model`
+builds is the one whose parameters the Dask estimator gets.
+
+What differs: each date file of the window is read, windowed and subsampled on a worker (seeded
+per file), so the sample is another draw from the same distribution than the single-machine
+one, and the trees are grown by data-parallel LightGBM / XGBoost across the workers (histograms
+summed over workers). Held-out metrics agree within sampling noise;
+`tests/models/test_distributed.py` states the tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import date
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import polars as pl
+
+from features.build import FEATURES_DATASET, read_features
+from ingest.errors import InputError
+from ingest.store import Store
+from models.estimators import DEFAULT_PARAMS, MAX_POS_WEIGHT, CategoryCodes, balanced_pos_weight, make_model
+from models.frame import CATEGORICAL_COLUMNS, feature_columns, split_xy
+from models.split import DurationLike, TimeLike, as_timedelta, as_utc
+from models.train import (
+    DEFAULT_NEGATIVE_FRACTION,
+    TrainedModel,
+    library_versions,
+    matching_features,
+    sample_negatives,
+)
+
+DASK_KINDS = ("lightgbm", "xgboost")
+_LABEL, _TS = "_label", "_ts"
+_US = pd.Timedelta(microseconds=1)
+
+
+def training_bounds(
+    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
+) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the grid times `models.train.training_rows` keeps, found from the last
+    date partition alone (the data's last grid time), without reading the window."""
+    days = store.dates(FEATURES_DATASET)
+    if not days:
+        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
+    last_day = pd.Timestamp(days[-1], tz="UTC")
+    last_ts: Any = read_features(store, start=last_day.to_pydatetime(), columns=[])["ts"].max()
+    last = as_utc(last_ts)
+    window = as_timedelta(train_window, "train_window")
+    settled = last - as_timedelta(horizon, "horizon")
+    if as_of is None:
+        return settled - window + _US, settled + _US
+    end = as_utc(as_of) - as_timedelta(horizon, "horizon")
+    return end - window, min(end, settled + _US)
+
+
+def _part(
+    day: date,
+    seed: int,
+    *,
+    store: Store,
+    bounds: tuple[pd.Timestamp, pd.Timestamp],
+    inputs: Sequence[str],
+    negative_fraction: float,
+) -> pd.DataFrame:
+    """One date partition's training rows: in the window, labelled, every positive and a seeded
+    share of the negatives; the model inputs (`split_xy`), the label and the grid time."""
+    start, end = bounds
+    whole = pd.Timestamp(day, tz="UTC")
+    frame = read_features(store, start=whole.to_pydatetime(), end=(whole + pd.Timedelta(days=1)).to_pydatetime())
+    frame = frame.filter(pl.col("ts").is_between(start.to_pydatetime(), end.to_pydatetime(), closed="left"))
+    X, y, ids = split_xy(sample_negatives(frame, negative_fraction, seed), inputs)
+    X[_LABEL] = y
+    X[_TS] = pd.to_datetime(ids["ts"], utc=True)
+    return X.reset_index(drop=True)
+
+
+def _tracker_host(client: Any) -> str | None:
+    """XGBoost's tracker address: loopback when every worker is on this machine (a LocalCluster,
+    so nothing listens beyond 127.0.0.1), else XGBoost's own choice (the scheduler's address)."""
+    from urllib.parse import urlparse
+
+    hosts = {urlparse(w).hostname for w in client.scheduler_info()["workers"]}
+    return "127.0.0.1" if hosts <= {"127.0.0.1", "localhost", None} else None
+
+
+def _fit(kind: str, client: Any, local: Any, X: Any, y: Any) -> Any:
+    """Fit the Dask twin of the unfitted estimator `local` and return a fitted local estimator
+    of `local`'s class (what `TrainedModel` pickles and scores with, no cluster needed)."""
+    params = local.get_params()
+    if kind == "lightgbm":
+        from lightgbm.dask import DaskLGBMClassifier
+
+        model = DaskLGBMClassifier(client=client, **params).fit(X, y)
+        return model.to_local()
+    from xgboost import XGBClassifier
+    from xgboost.collective import Config
+    from xgboost.dask import DaskXGBClassifier
+
+    dask_model = DaskXGBClassifier(coll_cfg=Config(tracker_host_ip=_tracker_host(client)), **params)
+    dask_model.client = client
+    dask_model.fit(X, y, verbose=False)
+    fitted = XGBClassifier(**params)
+    fitted.load_model(bytearray(dask_model.get_booster().save_raw("ubj")))
+    return fitted
+
+
+def train_model_distributed(
+    client: Any,
+    store: Store,
+    *,
+    kind: str,
+    train_window: DurationLike,
+    horizon: DurationLike,
+    as_of: TimeLike | None = None,
+    params: dict[str, Any] | None = None,
+    max_pos_weight: float = MAX_POS_WEIGHT,
+    monotone_increasing: Sequence[str] = (),
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+    seed: int = 0,
+) -> TrainedModel:
+    """`models.train.train_model` for `kind` lightgbm or xgboost on the Dask cluster of
+    `client`, reading the store's `features` dataset on the workers (see the module notes)."""
+    import dask.dataframe as dd
+
+    if kind not in DASK_KINDS:
+        raise InputError(
+            f"model kind {kind!r}: training on Dask supports {list(DASK_KINDS)}; "
+            "set [dask] scheduler = '' to train it on one machine"
+        )
+    if not 0.0 < negative_fraction <= 1.0:
+        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+    user_params = dict(params or {})
+    bounds = training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+    days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
+    if bounds[1] <= bounds[0] or not days:
+        raise InputError(f"{where}: no feature rows in {bounds[0]} .. {bounds[1]}; widen train_window")
+    # The input columns, from one (empty) read: the same for every date (the features schema).
+    schema_frame = read_features(store, start=pd.Timestamp(days[-1], tz="UTC").to_pydatetime()).head(0)
+    columns = feature_columns(schema_frame)
+    if not [c for c in columns if c not in CATEGORICAL_COLUMNS]:
+        raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
+    seeds = np.random.SeedSequence(seed).generate_state(len(days)).tolist()
+    meta = _part(days[-1], 0, store=store, bounds=(bounds[0], bounds[0]), inputs=columns, negative_fraction=1.0)
+    rows = dd.from_map(
+        _part, days, seeds, meta=meta, store=store, bounds=bounds, inputs=columns, negative_fraction=negative_fraction
+    )
+    # The sample stays in the workers' memory: counted, encoded and trained on without re-reading.
+    rows = client.persist(rows)
+    lengths = client.compute(rows.map_partitions(len)).result().tolist()
+    rows = rows.partitions[[i for i, n in enumerate(lengths) if n]]
+    y_all = rows[_LABEL]
+    n_rows = sum(lengths)
+    n_pos, ts_min, ts_max = client.compute([y_all.sum(), rows[_TS].min(), rows[_TS].max()], sync=True)
+    n_pos = int(n_pos)
+    if n_pos == 0 or n_pos == n_rows:
+        raise InputError(
+            f"{where}: need both failing and healthy labelled rows to train, got {n_rows} rows "
+            f"with {n_pos} positives; widen train_window or check the labels"
+        )
+    chosen = matching_features(monotone_increasing, columns) if monotone_increasing else []
+    pos_weight = balanced_pos_weight(
+        np.repeat(np.array([1, 0], dtype=np.int8), [n_pos, n_rows - n_pos]), max_pos_weight
+    )
+    pipeline = make_model(
+        kind, pos_weight=pos_weight, monotone_increasing=tuple(chosen), columns=list(columns), **user_params
+    )
+    # The string columns' codes are learnt from their values over the whole sample, which is
+    # what `CategoryCodes.fit` on the whole sample would learn.
+    categorical = [c for c in columns if c in CATEGORICAL_COLUMNS]
+    values = client.compute([rows[c].unique() for c in categorical], sync=True)
+    longest = max([len(v) for v in values], default=1)
+    example = pd.DataFrame({c: np.nan for c in columns}, index=range(longest))
+    for c, v in zip(categorical, values, strict=True):
+        example[c] = np.resize(np.asarray(v, dtype=object), longest)
+    encode = CategoryCodes().fit(example[list(columns)])
+    X = rows[list(columns)].map_partitions(encode.transform, meta=encode.transform(meta[list(columns)]))
+    fitted = _fit(kind, client, pipeline.named_steps["model"], X, y_all)
+    pipeline.steps[0] = ("encode", encode)
+    pipeline.steps[-1] = ("model", fitted)
+    recorded: dict[str, Any] = {**DEFAULT_PARAMS[kind], **user_params, "pos_weight": pos_weight}
+    if chosen:
+        recorded["monotone_increasing"] = list(chosen)
+    return TrainedModel(
+        estimator=pipeline,
+        feature_columns=list(columns),
+        kind=kind,
+        params=recorded,
+        train_start=pd.Timestamp(ts_min),
+        train_end=pd.Timestamp(ts_max),
+        n_rows=n_rows,
+        n_positives=n_pos,
+        horizon=as_timedelta(horizon, "horizon"),
+        pos_weight=pos_weight / negative_fraction,
+        versions=library_versions(kind, user_params),
+        negative_fraction=negative_fraction,
+    )
