@@ -18,6 +18,7 @@ summed over workers). Held-out metrics agree within sampling noise;
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from datetime import date
 from typing import Any
@@ -81,7 +82,7 @@ def _part(
     frame = frame.filter(pl.col("ts").is_between(start.to_pydatetime(), end.to_pydatetime(), closed="left"))
     X, y, ids = split_xy(sample_negatives(frame, negative_fraction, seed), inputs)
     X[_LABEL] = y
-    X[_TS] = pd.to_datetime(ids["ts"], utc=True)
+    X[_TS] = pd.to_datetime(ids["ts"], utc=True).dt.tz_convert(None)  # naive UTC: dask reduces it without warnings
     return X.reset_index(drop=True)
 
 
@@ -101,7 +102,10 @@ def _fit(kind: str, client: Any, local: Any, X: Any, y: Any) -> Any:
     if kind == "lightgbm":
         from lightgbm.dask import DaskLGBMClassifier
 
-        model = DaskLGBMClassifier(client=client, **params).fit(X, y)
+        with warnings.catch_warnings():
+            # Each worker's LightGBM uses that worker's threads: n_jobs is ignored, with a warning.
+            warnings.filterwarnings("ignore", message="Parameter n_jobs will be ignored")
+            model = DaskLGBMClassifier(client=client, **params).fit(X, y)
         return model.to_local()
     from xgboost import XGBClassifier
     from xgboost.collective import Config
@@ -179,7 +183,9 @@ def train_model_distributed(
     # The string columns' codes are learnt from their values over the whole sample, which is
     # what `CategoryCodes.fit` on the whole sample would learn.
     categorical = [c for c in columns if c in CATEGORICAL_COLUMNS]
-    values = client.compute([rows[c].unique() for c in categorical], sync=True)
+    # (Per-partition de-duplication: dask's own `unique` would shuffle the sample between workers.)
+    distinct = client.compute(rows[categorical].map_partitions(pd.DataFrame.drop_duplicates), sync=True)
+    values = [distinct[c].unique() for c in categorical]
     longest = max([len(v) for v in values], default=1)
     example = pd.DataFrame({c: np.nan for c in columns}, index=range(longest))
     for c, v in zip(categorical, values, strict=True):
@@ -197,8 +203,8 @@ def train_model_distributed(
         feature_columns=list(columns),
         kind=kind,
         params=recorded,
-        train_start=pd.Timestamp(ts_min),
-        train_end=pd.Timestamp(ts_max),
+        train_start=pd.Timestamp(ts_min).tz_localize("UTC"),
+        train_end=pd.Timestamp(ts_max).tz_localize("UTC"),
         n_rows=n_rows,
         n_positives=n_pos,
         horizon=as_timedelta(horizon, "horizon"),
