@@ -510,11 +510,10 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
 def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     """Score every GPU's latest grid time and append to the predictions dataset."""
     import polars as pl
-    import pyarrow as pa
 
     from ingest.store import Store
     from models.train import load_model
-    from serving.score import score_latest
+    from serving.score import prediction_table, score_latest
 
     root = _root(ctx, data)
     model = load_model(model_path)
@@ -523,9 +522,10 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     # Score the fleet as it is now: GPUs that failed or left earlier have no row at the latest
     # grid time (the feature grid is dense for every GPU still in service).
     frame = frame.filter(pl.col("ts") == pl.col("ts").max())
-    predictions = score_latest(model, frame)
+    # With each GPU's top 5 features, so that the publish audit log says why (models.explain).
+    predictions = score_latest(model, frame, top_features=5)
     day = predictions["ts"].max().date()
-    path = Store.open(root).write_owned("predictions", day, pa.Table.from_pandas(predictions, preserve_index=False))
+    path = Store.open(root).write_owned("predictions", day, prediction_table(predictions))
     top = predictions.nsmallest(3, "rank")
     riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
     click.echo(

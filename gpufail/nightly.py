@@ -423,11 +423,10 @@ class _Job:
 
     def _score(self) -> dict[str, Any]:
         import polars as pl
-        import pyarrow as pa
 
         from features.build import FEATURES_DATASET, read_features
         from models.registry import load_champion
-        from serving.score import score_latest
+        from serving.score import prediction_table, score_latest
 
         loaded = load_champion(
             self.o.tracking_uri,
@@ -440,7 +439,7 @@ class _Job:
         last_day = self.store.dates(FEATURES_DATASET)[-1]
         frame = read_features(self.store, start=datetime.combine(last_day, datetime.min.time(), tzinfo=UTC))
         frame = frame.filter(pl.col("ts") == pl.col("ts").max())
-        predictions = score_latest(loaded.model, frame)
+        predictions = score_latest(loaded.model, frame, top_features=5)
         ts = predictions["ts"].max()
         existing = self.store.read_owned("predictions", ts.date(), ts.date())
         # A resumed job does not score the same grid time with the same model twice.
@@ -450,9 +449,7 @@ class _Job:
         )
         path = None
         if not already:
-            path = self.store.write_owned(
-                "predictions", ts.date(), pa.Table.from_pandas(predictions, preserve_index=False)
-            )
+            path = self.store.write_owned("predictions", ts.date(), prediction_table(predictions))
         self._served = {
             "version": loaded.version,
             "source": loaded.source,

@@ -5,6 +5,12 @@ that the GPU fails within the model's horizon, with class weighting divided out
 (`TrainedModel.predict_risk`); `node_risk` = 1 - prod(1 - risk) over the GPUs of the node, the
 chance that at least one fails if they fail independently (they do not quite: a node's GPUs
 share power, cooling and a baseboard, so read it as a ranking of nodes more than a probability).
+
+With `top_features=k`, the predictions also carry `TOP_FEATURES_FIELD`: each GPU's k features
+of largest absolute contribution to its score (`models.explain`), largest first, so that the
+audit log records why a node was acted on. The column is optional: predictions written before
+it, or without explanations, lack it, and readers take it as absent (see
+`gpufail.publishing.top_features_by_gpu`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import pandas as pd
 import pyarrow as pa
 
 from ingest.errors import InputError
-from models.frame import require_columns, to_pandas
+from models.explain import contributions, top_contributions
+from models.frame import feature_matrix, require_columns, to_pandas
 from models.train import TrainedModel
 
 PREDICTION_SCHEMA = pa.schema(
@@ -34,6 +41,8 @@ PREDICTION_SCHEMA = pa.schema(
     ]
 )
 PREDICTION_COLUMNS = tuple(PREDICTION_SCHEMA.names)
+TOP_FEATURES_FIELD = pa.field("top_features", pa.list_(pa.string()))
+"""Optional column of the predictions, after `PREDICTION_COLUMNS` (see the module docstring)."""
 
 
 def latest_rows(frame: Any) -> pd.DataFrame:
@@ -60,14 +69,18 @@ def _log_survival(risk: Any) -> np.ndarray:
     return np.log1p(-np.clip(np.asarray(risk, dtype=np.float64), 0.0, 1.0 - 1e-15))
 
 
-def score_latest(model: TrainedModel, frame: Any) -> pd.DataFrame:
+def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.DataFrame:
     """Score each GPU's most recent row of `frame` with `model`.
 
     One row per GPU with `PREDICTION_COLUMNS`, sorted by rank (1 = highest risk; ties broken by
-    gpu_uuid so that the order is reproducible)."""
+    gpu_uuid so that the order is reproducible); with `top_features` > 0, also the column
+    `top_features` (lists of that many feature names)."""
+    if top_features < 0:
+        raise InputError(f"top_features: expected 0 (none) or a positive number of features, got {top_features}")
     latest = latest_rows(frame)
     if len(latest) == 0:
-        return PREDICTION_SCHEMA.empty_table().to_pandas()
+        schema = PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD) if top_features else PREDICTION_SCHEMA
+        return schema.empty_table().to_pandas()
     risk = model.predict_risk(latest)
     if not np.all(np.isfinite(risk)):
         raise InputError(f"model {model.version} returned non-finite risks for {int((~np.isfinite(risk)).sum())} GPUs")
@@ -81,12 +94,28 @@ def score_latest(model: TrainedModel, frame: Any) -> pd.DataFrame:
             "risk": risk,
         }
     )
+    if top_features:
+        out["top_features"] = _top_feature_names(model, latest, top_features)
     out = out.sort_values(["risk", "gpu_uuid"], ascending=[False, True], ignore_index=True)
     out["rank"] = np.arange(1, len(out) + 1, dtype=np.int64)
     out["node_risk"] = node_risk(out["risk"], out["cluster"], out["node"])
     out["model_kind"] = model.kind
     out["model_version"] = model.version
-    return out[list(PREDICTION_COLUMNS)]
+    return out[list(PREDICTION_COLUMNS) + (["top_features"] if top_features else [])]
+
+
+def _top_feature_names(model: TrainedModel, rows: pd.DataFrame, top: int) -> list[list[str]]:
+    picked, _ = top_contributions(contributions(model.estimator, feature_matrix(rows, model.feature_columns)), top)
+    names = np.asarray(model.feature_columns, dtype=object)
+    return [list(r) for r in names[picked]]
+
+
+def prediction_table(predictions: pd.DataFrame) -> pa.Table:
+    """`score_latest`'s output as an Arrow table of the predictions schema (with the optional
+    `top_features` column when present), for `Store.write_owned`."""
+    schema = PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD) if "top_features" in predictions else PREDICTION_SCHEMA
+    require_columns(predictions, schema.names, "predictions")
+    return pa.Table.from_pandas(predictions[schema.names], schema=schema, preserve_index=False)
 
 
 def node_risks(predictions: pd.DataFrame) -> pd.DataFrame:

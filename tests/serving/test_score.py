@@ -2,8 +2,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from gpufail.publishing import latest_predictions, top_features_by_gpu
+from ingest.errors import InputError
+from ingest.store import Store
+from models.explain import explain
 from models.train import TrainedModel, train_model
-from serving.score import PREDICTION_COLUMNS, PREDICTION_SCHEMA, node_risks, score_latest
+from serving.score import (
+    PREDICTION_COLUMNS,
+    PREDICTION_SCHEMA,
+    TOP_FEATURES_FIELD,
+    node_risks,
+    prediction_table,
+    score_latest,
+)
 from tests.models import ONE_THREAD, demo_frame
 from tests.pandas_arrow import arrow_from_pandas, polars_from_pandas
 
@@ -105,3 +116,47 @@ def test_lightgbm_model_scores_too():
     predictions = score_latest(model, frame)
     assert len(predictions) == frame["gpu_uuid"].nunique()
     assert np.isfinite(predictions["node_risk"]).all()
+
+
+def test_top_features_name_each_gpus_largest_contributions_and_fit_the_table():
+    frame = demo_frame()
+    model = train_model(frame, kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    predictions = score_latest(model, frame, top_features=3)
+    assert list(predictions.columns) == [*PREDICTION_COLUMNS, "top_features"]
+    assert all(len(names) == 3 and set(names) <= set(model.feature_columns) for names in predictions["top_features"])
+    # The same names, in the same order, as explain gives for the GPU's latest row.
+    gpu = predictions.iloc[0]
+    row = frame[(frame["gpu_uuid"] == gpu["gpu_uuid"]) & (frame["ts"] == gpu["ts"])]
+    assert list(gpu["top_features"]) == explain(model, row, top=3)["feature"].tolist()
+    table = prediction_table(predictions)
+    assert table.schema == PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD)
+    assert table.column("top_features").to_pylist() == [list(n) for n in predictions["top_features"]]
+
+
+def test_without_top_features_the_table_has_the_required_columns_only():
+    table = prediction_table(score_latest(fake_model(), hand_frame()))
+    assert table.schema == PREDICTION_SCHEMA
+    empty = score_latest(fake_model(), hand_frame().iloc[0:0], top_features=5)
+    assert list(empty.columns) == [*PREDICTION_COLUMNS, "top_features"]
+
+
+def test_top_features_need_an_explainable_model_and_a_count():
+    with pytest.raises(InputError, match="top_features"):
+        score_latest(fake_model(), hand_frame(), top_features=-1)
+    with pytest.raises(InputError, match="explain"):
+        score_latest(fake_model(), hand_frame(), top_features=2)  # not a models.estimators model
+
+
+def test_predictions_written_before_top_features_still_publish_their_reasons_as_empty(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    old = score_latest(fake_model(), hand_frame())
+    day = old["ts"].max().date()
+    store.write_owned("predictions", day, prediction_table(old))  # as written before the column existed
+    latest = latest_predictions(store)
+    assert "top_features" not in latest.columns and len(latest) == 3  # a, b, c at the newest hour
+    assert top_features_by_gpu(latest) == {}
+    # The next day's predictions carry the column: their GPUs get their reasons.
+    new = old.assign(ts=old["ts"] + pd.Timedelta("1D"), top_features=[["p"]] * len(old))
+    store.write_owned("predictions", day + pd.Timedelta("1D"), prediction_table(new))
+    latest = latest_predictions(store)
+    assert top_features_by_gpu(latest) == {gpu: ["p"] for gpu in "abc"}
