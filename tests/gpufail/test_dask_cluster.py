@@ -1,0 +1,80 @@
+"""`[dask] scheduler`: a bad address or value is a clear error; a good one runs `gpufail
+features` and `gpufail train` on that cluster."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gpufail.config import load_settings
+from gpufail.dask_cluster import ClusterError, dask_client
+from ingest.errors import ConfigError
+
+
+def run(*args: str, env: dict[str, str]):
+    """The CLI in this process (a subprocess would spend most of the test importing)."""
+    from click.testing import CliRunner
+
+    from gpufail.cli import cli
+
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=True)
+
+
+def test_a_scheduler_that_does_not_answer_is_an_error_naming_it():
+    expected = r"\[dask\] scheduler 'tcp://127.0.0.1:1': no Dask scheduler answered"
+    with (
+        pytest.raises(ClusterError, match=expected),
+        dask_client("tcp://127.0.0.1:1", connect_timeout=timedelta(seconds=1)),
+    ):
+        pass
+
+
+def test_a_scheduler_value_that_is_not_an_address_is_a_config_error():
+    with pytest.raises(
+        ConfigError, match=r"\[dask\] scheduler .*expected '' \(one machine\), 'local'.*'127.0.0.1:8786'"
+    ):
+        load_settings(environ={"GPUFAIL_DASK__SCHEDULER": "127.0.0.1:8786"})
+
+
+def test_the_cli_reports_an_unreachable_scheduler(tmp_path):
+    env = {"GPUFAIL_DASK__SCHEDULER": "tcp://127.0.0.1:1", "GPUFAIL_DASK__CONNECT_TIMEOUT": "1s"}
+    from ingest.store import Store
+
+    Store.create(str(tmp_path / "data"))
+    result = run("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+    # A GpufailError, which `gpufail.cli.main` prints as one line with exit status 2.
+    assert isinstance(result.exception, ClusterError)
+    assert "no Dask scheduler answered" in str(result.exception)
+
+
+@pytest.mark.slow
+def test_features_and_train_run_on_the_configured_cluster(tmp_path):
+    import polars as pl
+
+    from features.bench import synthetic_telemetry, synthetic_xids
+    from features.build import read_features
+    from ingest.store import Store
+    from tests.features import T0
+
+    tel = synthetic_telemetry(16, 72, seed=3, start=T0)
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", synthetic_xids(tel, per_gpu_day=0.5, seed=3).to_arrow())
+    with dask_client("local", processes=False) as client:
+        env = {
+            "GPUFAIL_DASK__SCHEDULER": client.scheduler.address,
+            "GPUFAIL_FEATURES__WINDOWS": '["1h", "6h", "24h"]',
+            "GPUFAIL_MODEL__MONOTONE_INCREASING": "[]",
+            "GPUFAIL_MODEL__TRAIN_WINDOW": "2d",
+        }
+        result = run("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("features: ")
+        assert read_features(store).select(pl.col("gpu_uuid").n_unique()).item() == 16
+        result = run("train", "--data", str(tmp_path / "data"), "--model-out", str(tmp_path / "model"), env=env)
+        assert result.exit_code == 0, result.output
+    meta = json.loads(Path(tmp_path / "model" / "metadata.json").read_text())
+    assert meta["kind"] == "lightgbm" and meta["n_positives"] > 0
