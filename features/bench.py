@@ -202,17 +202,31 @@ def bench_store(
             store.write("xid_events", synthetic_xids(tel, seed=seed + day).to_arrow())
             rows += tel.height
             del tel
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         summary = build_features_from_store(store, max_buckets_in_memory=buckets_in_memory, progress=False)
-        seconds = time.perf_counter() - began
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {
         "telemetry_rows": float(rows),
         "feature_rows": float(summary.rows),
+        "blocks": float(summary.blocks),
         "seconds": seconds,
+        # CPU seconds of all threads: on a shared machine wall time also measures the neighbours.
+        "cpu_seconds": cpu,
         "rows_per_s": rows / seconds,
+        "rows_per_cpu_s": rows / cpu,
+        "peak_rss_mb": _peak_rss_mb(),
     }
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def main() -> None:
@@ -233,7 +247,9 @@ def main() -> None:
         r = bench_store(args.gpus, args.store_days, buckets_in_memory=args.buckets_in_memory)
         print(
             f"store build: {int(r['telemetry_rows']):,} telemetry rows ({args.gpus:,} GPUs x {args.store_days} days, 15-minute samples)"
-            f" -> {int(r['feature_rows']):,} feature rows in {r['seconds']:.1f} s: {r['rows_per_s']:,.0f} telemetry rows/s"
+            f" -> {int(r['feature_rows']):,} feature rows in {int(r['blocks'])} blocks, {r['seconds']:.1f} s:"
+            f" {r['rows_per_s']:,.0f} telemetry rows/s; {r['cpu_seconds']:.1f} CPU s ({r['rows_per_cpu_s']:,.0f} rows per"
+            f" CPU second); peak RSS {r['peak_rss_mb']:,.0f} MB"
         )
         return
     r = bench_build(args.gpus, args.hours, repeat=args.repeat)

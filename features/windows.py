@@ -326,14 +326,20 @@ def dense_grid(
         )
         .filter(pl.col("_first") <= pl.col("_end"))
     )
-    keys = spans.select(GPU, pl.datetime_ranges("_first", "_end", interval=grid, closed="both").alias("ts")).explode(
-        "ts"
+    # Spans sorted by GPU, exploded in order, then a join that keeps the left order: the grid
+    # comes out sorted by (gpu_uuid, ts) without sorting the wide joined frame (which took most
+    # of this function).
+    keys = (
+        spans.sort(GPU)
+        .select(GPU, pl.datetime_ranges("_first", "_end", interval=grid, closed="both").alias("ts"))
+        .explode("ts")
     )
     carried = [c for c in (*BUCKET_ID_COLUMNS, "last_sample_ts") if c in hourly.columns]
     return (
-        keys.join(hourly.lazy(), on=[GPU, "ts"], how="left")
-        .sort([GPU, "ts"])
-        .with_columns(pl.col(c).forward_fill().over(GPU) for c in carried)
+        keys.join(hourly.lazy(), on=[GPU, "ts"], how="left", maintain_order="left")
+        .with_columns(pl.col(GPU).rle_id().alias("_g"))
+        .with_columns(pl.col(c).forward_fill().over("_g") for c in carried)
+        .drop("_g")
         .collect(engine=ENGINE)
     )
 
@@ -365,10 +371,12 @@ class WindowSums:
     def __init__(self, sizes: Sequence[int], labels: Sequence[str]) -> None:
         self.windows = list(zip(sizes, labels, strict=True))
         self.prefixes: list[pl.Expr] = [pl.int_range(pl.len(), dtype=pl.Int64).over(GID).alias("_pos")]
+        self.shifted: list[pl.Expr] = []
         self.sums: list[pl.Expr] = []
 
     def add(self, name: str, e: pl.Expr, *, longer_than_grid_only: bool = False) -> None:
-        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window."""
+        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window. `e` must
+        be a row-wise expression (the one-bucket sum is computed after `keep` drops rows)."""
         e = e.cast(pl.Float64).fill_null(0.0)
         p = pl.col(f"_P_{name}")
         prefixed = False
@@ -378,14 +386,35 @@ class WindowSums:
                     self.sums.append(e.alias(f"_{name}_{wl}"))
                 continue
             prefixed = True
-            before = pl.when(pl.col("_pos") >= k).then(p.shift(k)).otherwise(0.0)
+            # The running sum k rows earlier, taken while every row is there; the guard (that
+            # row belongs to the same GPU) is applied later, on the kept rows only.
+            self.shifted.append(p.shift(k).alias(f"_B_{name}_{wl}"))
+            before = pl.when(pl.col("_pos") >= k).then(pl.col(f"_B_{name}_{wl}")).otherwise(0.0)
             self.sums.append((p - before).alias(f"_{name}_{wl}"))
         if prefixed:
             self.prefixes.append(e.cum_sum().over(GID).alias(f"_P_{name}"))
 
+    def running(self, lf: pl.LazyFrame) -> pl.LazyFrame:
+        """`lf` (with `_gid`) with the running sums, and their values k rows earlier: what needs
+        the rows before a kept row. Then `keep` may drop rows, then `finish`."""
+        return lf.with_columns(self.prefixes).with_columns(self.shifted)
+
+    def finish(self, lf: pl.LazyFrame) -> pl.LazyFrame:
+        """`lf` from `running` (rows possibly dropped since) with the window-sum columns added."""
+        return lf.with_columns(self.sums)
+
     def apply(self, lf: pl.LazyFrame) -> pl.LazyFrame:
         """`lf` (with `_gid`) with the window-sum columns added."""
-        return lf.with_columns(self.prefixes).with_columns(self.sums)
+        return self.finish(self.running(lf))
+
+
+def keep_rows(lf: pl.LazyFrame, keep: pl.Series | None) -> pl.LazyFrame:
+    """`lf` with only the rows where `keep` is true (all when None). Window features compute
+    what needs earlier rows first, then this, then the features themselves on the kept rows
+    only: a store build keeps one day of the eight it holds for the 7-day window."""
+    if keep is None:
+        return lf
+    return lf.with_columns(keep.alias("_keep")).filter("_keep").drop("_keep")
 
 
 def window_extremes(
@@ -487,20 +516,32 @@ def window_features(
         if k_max > 1
         else pl.col(f"sample_interval_s{sfx}")
     )
-    lf = sums.apply(dense.lazy().with_columns(gpu_run_id())).with_columns(interval.alias("_interval_s"))
-    extremes: list[tuple[str, pl.Expr, Literal["max", "min"]]] = []
-    for g in kinds["gauge"]:
-        extremes += [(f"{g}_mx", pl.col(f"{g}_max{sfx}"), "max"), (f"{g}_mn", pl.col(f"{g}_min{sfx}"), "min")]
-    extremes += [(f"{f}_mx", pl.col(f"{f}_max{sfx}"), "max") for f in kinds["flag"]]
-    lf = window_extremes(lf, extremes, sizes, labels)
-
-    # Stage 2: the features.
-    out: list[pl.Expr] = []
     if first_seen is not None:
         # A lookup, not a join: the rolling expressions below depend on the row order.
         first = pl.col(GPU).replace_strict(first_seen[GPU], first_seen["first_ts"], default=None, return_dtype=TS_DTYPE)
     else:
         first = pl.col("first_sample_ts").min().over(GID)
+    # "Last" readings look back at most the longest window, so that every feature depends on a
+    # bounded stretch of history (what lets the store build carry only that much).
+    last_limit = max(k_max - 1, 0)
+    lasts = [
+        pl.col(f"{m}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"_last_{m}")
+        for m in (*kinds["gauge"], *kinds["counter"])
+    ]
+    lf = sums.running(dense.lazy().with_columns(gpu_run_id())).with_columns(
+        interval.alias("_interval_s"), first.alias("_first"), *lasts
+    )
+    extremes: list[tuple[str, pl.Expr, Literal["max", "min"]]] = []
+    for g in kinds["gauge"]:
+        extremes += [(f"{g}_mx", pl.col(f"{g}_max{sfx}"), "max"), (f"{g}_mn", pl.col(f"{g}_min{sfx}"), "min")]
+    extremes += [(f"{f}_mx", pl.col(f"{f}_max{sfx}"), "max") for f in kinds["flag"]]
+    lf = window_extremes(lf, extremes, sizes, labels)
+    # Everything above needs the rows before a kept row; everything below only the row itself.
+    lf = sums.finish(keep_rows(lf, keep))
+
+    # Stage 2: the features.
+    out: list[pl.Expr] = []
+    first = pl.col("_first")
     age_h = (pl.col("ts") - first).dt.total_microseconds() / HOUR_US
     out.append(age_h.alias("gpu_age_h"))
     out.append(
@@ -515,13 +556,8 @@ def window_features(
             .otherwise((1.0 - pl.col(f"_n_{wl}") / expected).clip(0.0, 1.0))
             .alias(f"telemetry_missing_frac_{wl}")
         )
-    # "Last" readings look back at most the longest window, so that every feature depends on a
-    # bounded stretch of history (what lets the store build carry only that much).
-    last_limit = max(k_max - 1, 0)
     for g in kinds["gauge"]:
-        out.append(
-            pl.col(f"{g}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"{g}_last")
-        )
+        out.append(pl.col(f"_last_{g}").alias(f"{g}_last"))
         for k, wl in zip(sizes, labels, strict=True):
             nw, sw, qw = pl.col(f"_{g}_n_{wl}"), pl.col(f"_{g}_s_{wl}"), pl.col(f"_{g}_q_{wl}")
             mean_w = pl.when(nw > 0).then(sw / nw)
@@ -543,9 +579,7 @@ def window_features(
                     .alias(f"{g}_slope_{wl}")
                 )
     for c in kinds["counter"]:
-        out.append(
-            pl.col(f"{c}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"{c}_last")
-        )
+        out.append(pl.col(f"_last_{c}").alias(f"{c}_last"))
         for w, wl in zip(windows, labels, strict=True):
             # No reading of the counter in the window: the increase is unknown, not 0.
             increase = pl.when(pl.col(f"_{c}_readings_{wl}") > 0).then(pl.col(f"_{c}_inc_{wl}"))
@@ -559,7 +593,7 @@ def window_features(
             for wl in labels:
                 nb = pl.col(f"_{b}_n_{wl}")
                 out.append(pl.when(nb > 0).then(pl.col(f"_{b}_{group}_{wl}") / nb).alias(f"{b}_{group}_frac_{wl}"))
-    return select_rows(lf, out, keep, dtype)
+    return select_rows(lf, out, None, dtype)
 
 
 def select_rows(

@@ -34,6 +34,7 @@ from features.windows import (
     check_grid,
     gpu_run_id,
     grid_time,
+    keep_rows,
     select_rows,
 )
 from ingest.xid_catalog import XID_CLASSES, xid_class_map
@@ -125,7 +126,11 @@ def xid_features(
         sums.add(f"xc_{code}", pl.col(f"_xc_{code}"))
     sums.add("x_app_rep", pl.col("_x_app_rep"))
     sums.add("x_burst", pl.col("_x_burst"))
-    lf = sums.apply(lf)
+    # Running sums and the latest incidents need the rows before a kept row; the rest does not.
+    lf = sums.running(lf).with_columns(
+        pl.col(f"_xl_{c}").forward_fill().over("_gid").alias(f"_xl_{c}") for c in XID_CLASSES
+    )
+    lf = sums.finish(keep_rows(lf, keep))
     out: list[pl.Expr] = []
     for c in XID_CLASSES:
         out += [pl.col(f"_x_{c}_{wl}").alias(f"xid_{c}_count_{wl}") for wl in labels]
@@ -135,14 +140,14 @@ def xid_features(
         out.append(pl.col(f"_x_app_rep_{wl}").alias(f"xid_application_repeats_{wl}"))
         out.append(pl.col(f"_x_burst_{wl}").alias(f"xid_application_burst_h_{wl}"))
     for c in XID_CLASSES:
-        last = pl.col(f"_xl_{c}").forward_fill().over("_gid")
+        last = pl.col(f"_xl_{c}")
         out.append(
             ((pl.col("ts") - last).dt.total_microseconds() / HOUR_US)
             .clip(upper_bound=cap_h)
             .fill_null(cap_h)
             .alias(f"xid_{c}_since_last_h")
         )
-    return select_rows(lf, out, keep, dtype)
+    return select_rows(lf, out, None, dtype)
 
 
 NVML_SOURCE = "nvml"

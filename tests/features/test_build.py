@@ -228,6 +228,8 @@ def test_bench_store_builds_a_synthetic_store_end_to_end():
     result = bench_store(8, 2)
     assert result["telemetry_rows"] == 8 * 2 * 96
     assert result["feature_rows"] > 0 and result["rows_per_s"] > 0
+    assert result["cpu_seconds"] > 0 and result["rows_per_cpu_s"] > 0 and result["blocks"] >= 1
+    assert result["peak_rss_mb"] > 10
 
 
 def test_bench_compare_reports_both_rates():
