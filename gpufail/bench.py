@@ -76,16 +76,19 @@ def micro_benchmarks() -> dict[str, float]:
     """The hot loops alone, in this process: parse speed and in-memory feature building."""
     from features.bench import bench_build, bench_compare
     from ingest.kernel_log_bench import bench_parse
+    from models.explain_bench import bench_explain
 
     parse = bench_parse(1_000_000, "rfc3339_syslog", repeat=2)
     build = bench_build(n_gpus=128, hours=130, repeat=2)
     versus = bench_compare(n_gpus=32, hours=130)
+    explained = bench_explain(rows=1000, n_features=411, repeat=3)
     return {
         "kernel_log_parse_lines_per_s": round(parse),
         "feature_build_rows_per_s": round(build["rows_per_s"]),
         "feature_compare_telemetry_rows": round(versus["telemetry_rows"]),
         "feature_compare_gpufail_rows_per_s": round(versus["gpufail_rows_per_s"]),
         "feature_compare_pandas_rows_per_s": round(versus["pandas_rows_per_s"]),
+        "explain_lightgbm_rows_per_s": round(explained["rows_per_s"]),
         **nvml_collector_micro(),
     }
 
@@ -143,6 +146,11 @@ def write_results(out: Path, stages: list[StageResult], micro: dict[str, float],
             f"- same {micro['feature_compare_telemetry_rows']:,} rows (32 GPUs x 130 h), same run: gpufail's build (every feature"
             f" and label) {micro['feature_compare_gpufail_rows_per_s']:,.0f} rows/s; a straightforward pandas groupby-rolling"
             f" over raw samples (window statistics only) {micro['feature_compare_pandas_rows_per_s']:,.0f} rows/s"
+        )
+    if "explain_lightgbm_rows_per_s" in micro:
+        lines.append(
+            f"- explain (TreeSHAP, top 5) of a LightGBM model on 411 synthetic features, 1,000 rows:"
+            f" {micro['explain_lightgbm_rows_per_s']:,.0f} rows/s"
         )
     if "nvml_collect_us_per_gpu_sample" in micro:
         lines.append(
