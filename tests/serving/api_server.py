@@ -49,8 +49,13 @@ def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     return tel, events, features
 
 
-@cache
 def trained_model(seed: int = 0) -> Any:
+    """A LightGBM on the fleet's features; the seed changes its version (its parameters)."""
+    return _trained(seed)
+
+
+@cache
+def _trained(seed: int) -> Any:
     from models.train import train_model
 
     features = fleet()[2]
