@@ -319,30 +319,69 @@ class _PrefixShape:
     """What one prefix regex match established, reusable without the regex.
 
     In a flood, consecutive prefixes differ only in the digits of their sub-second field
-    (`[103304.000100]`, `...T04:41:44,000100+00:00`). Python's regex engine treats every
-    ASCII digit alike (no prefix pattern names a particular digit), so a line equal to an
-    already matched one outside `frac_start:frac_end`, with as many ASCII digits inside, takes
-    the same path through the prefix's regex: same spec, same host, same groups. Only the time
-    is recomputed, the way `stamp` says.
+    (`[103304.000100]`, `...T04:41:44,000100+00:00`) and, for kmsg, of the sequence number.
+    Python's regex engine treats every ASCII digit alike (no prefix pattern names a particular
+    digit), so a line equal to an already matched one outside those digit fields, with as many
+    ASCII digits inside them, takes the same path through the prefix's regex: same spec, same
+    host, same groups. Only the time is recomputed: the time at a zero fraction plus the
+    fraction. Stamps count whole seconds and zone offsets are whole seconds too, so the sum is
+    exact.
+
+    `micros` is that check done with string methods (no regex, no slicing of the literal
+    parts), the first step of the hot path: the line is `head`, counter digits, `mid`,
+    fraction digits, then `tail`, which ends with the "NVRM: Xid (" that starts the payload.
     """
 
     spec: _Prefix
-    ts: datetime | None  # STAMP_FIXED: the time; STAMP_PLUS_FRACTION: the time at a zero fraction
     host: str | None
     log_format: str
-    stamp: int
-    iso_start: int  # STAMP_ISO: where the ISO stamp is
-    iso_end: int
+    ts: datetime | None  # the time at a zero fraction; None when the format cannot place it
+    base_us: int | None  # `ts` in microseconds since the epoch: what `deduplicate` compares
+    head: str
+    counter_start: int  # kmsg's sequence number; -1 for the other formats
+    counter_end: int
+    mid: str
+    frac_start: int  # == frac_end when the prefix has no fraction
+    frac_end: int
+    tail: str
+    payload_start: int
+    # The fraction's microseconds are int(digits) * scale // shrink: 6 digits -> 1 // 1,
+    # 3 digits -> 1000 // 1, 9 digits -> 1 // 1000 (truncated, as `fromisoformat` does),
+    # kmsg's count of microseconds -> 1 // 1, a fraction the time ignores (journal) -> 0 // 1.
+    scale: int
+    shrink: int
 
+    def micros(self, line: str) -> int:
+        """The microseconds of `line`'s fraction if `line` has this shape, else -1."""
+        if not (line.startswith(self.head) and line.startswith(self.tail, self.frac_end)):
+            return -1
+        if self.counter_start >= 0:
+            counter = line[self.counter_start : self.counter_end]
+            if not (counter.isascii() and counter.isdigit() and line.startswith(self.mid, self.counter_end)):
+                return -1
+        if self.frac_start == self.frac_end:
+            return 0
+        frac = line[self.frac_start : self.frac_end]
+        if not (frac.isascii() and frac.isdigit()):
+            return -1
+        return int(frac) * self.scale // self.shrink
 
-# How a known prefix's time is had. Stamps count whole seconds, and zone offsets are whole
-# seconds too, so adding the fraction to the time at a zero fraction is exact.
-STAMP_FIXED = 0  # no sub-second field, or one the time ignores (journal)
-STAMP_ISO = 1  # parse the ISO stamp again: `fromisoformat` costs less than a timedelta sum
-STAMP_PLUS_FRACTION = 2  # dmesg uptime: boot time + seconds, plus the fraction
-STAMP_PLUS_MICROS = 3  # kmsg: boot time plus the microseconds field
 
 _NO_FRACTION = (-1, -1)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
+
+
+def _to_us(moment: datetime) -> int:
+    """Microseconds since the epoch: integers compare and add several times faster than
+    datetimes, which is what `deduplicate` does once per flood line."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return (moment - _EPOCH) // _ONE_US
+
+
+def _from_us(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
 
 
 def _micros(frac: str) -> int:
@@ -375,7 +414,8 @@ class KernelLogParser:
         tz: str | tzinfo | None = None,
     ) -> None:
         self._ctx = _TimeContext(
-            boot_time=_aware(boot_time) if boot_time is not None else None,
+            # In UTC, so that uptime and kmsg records are in UTC like the others.
+            boot_time=_aware(boot_time).astimezone(UTC) if boot_time is not None else None,
             reference_time=_aware(reference_time) if reference_time is not None else None,
             tz=resolve_tz(tz),
         )
@@ -385,12 +425,17 @@ class KernelLogParser:
         self._pending: dict[str | None, _PendingOffBus] = {}
         self._ts_cache: dict[str, datetime | None] = {}
         self._payloads: dict[str, _Fields] = {}
-        # Prefixes already matched, keyed by their text outside the sub-second field; all of
-        # one span (`_span`), and all of the spec in front of `_prefixes`, so that a hit gives
+        # Prefixes already matched, keyed by their text outside the digit fields; all of one
+        # span (`_span`), and all of the spec in front of `_prefixes`, so that a hit gives
         # what trying the prefixes in order would give.
         self._shapes: dict[str, _PrefixShape] = {}
         self._span = _NO_FRACTION
         self._counter = _NO_FRACTION  # kmsg's sequence number: digits outside the key as well
+        # The shape of the last Xid line: in a flood, the next line almost always has it too,
+        # and `_PrefixShape.micros` checks that without building the key. Always one of
+        # `_shapes` (None when that is empty), so what holds for them holds for it.
+        self._hot: _PrefixShape | None = None
+        self.uuid_changes = 0  # banners read: what the hot path knows of UUIDs is stale after one
 
     def feed(self, line: str, line_no: int) -> XidRecord | None:
         # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
@@ -411,48 +456,41 @@ class KernelLogParser:
 
     def _xid_known_prefix(self, line: str, start: int) -> _Known | None:
         """(time, host, log format, payload fields) of an Xid line whose prefix `_shapes` knows,
-        else None (then try the regex).
-
-        The hot path of a flood: kept in one function, since each call costs as much as a
-        dictionary look-up. Counts nothing: the caller either makes a record of it or folds it
-        into an incident (`deduplicate`).
-        """
-        frac_start, frac_end = self._span
-        if frac_start < 0:
-            shape = self._shapes.get(line[:start])
-        elif frac_end <= start:
-            frac = line[frac_start:frac_end]
-            if not (frac.isascii() and frac.isdigit()):
+        else None (then try the regex). Makes that shape the hot one. Counts nothing."""
+        shape = self._hot
+        micros = shape.micros(line) if shape is not None else -1
+        if shape is None or micros < 0:
+            key = self._shape_key(line, start)
+            found = self._shapes.get(key) if key is not None else None
+            if found is None:
                 return None
-            counter_start, counter_end = self._counter
-            if counter_start < 0:
-                shape = self._shapes.get(line[:frac_start] + line[frac_end:start])
-            else:
-                counter = line[counter_start:counter_end]
-                if not (counter.isascii() and counter.isdigit()):
-                    return None
-                shape = self._shapes.get(line[:counter_start] + line[counter_end:frac_start] + line[frac_end:start])
-        else:
-            return None
-        if shape is None:
-            return None
-        payload = line[start:]
+            micros = found.micros(line)  # the key matched: only the digits can be wrong
+            if micros < 0:
+                return None
+            shape = self._hot = found
+        payload = line[shape.payload_start :]
         fields = self._payloads.get(payload)
         if fields is None:
             fields = self._payload_fields(payload)
             if fields is None:
                 return None
-        stamp = shape.stamp
-        if stamp == STAMP_FIXED:
-            ts = shape.ts
-        elif stamp == STAMP_ISO:
-            ts = _iso_to_utc(line[shape.iso_start : shape.iso_end], self._ctx.tz)
-        else:
-            ts = shape.ts
-            if ts is not None:
-                micros = int(frac) if stamp == STAMP_PLUS_MICROS or len(frac) == 6 else _micros(frac)
-                ts += timedelta(0, 0, micros)
+        ts = shape.ts
+        if micros and ts is not None:
+            ts += timedelta(0, 0, micros)  # positional: 2x faster than keywords
         return ts, shape.host, shape.log_format, fields
+
+    def _shape_key(self, line: str, start: int) -> str | None:
+        """The `_shapes` key of a line whose payload starts at `start`: its text outside the
+        digit fields of the shapes now cached (`_span`, `_counter`)."""
+        frac_start, frac_end = self._span
+        if frac_start < 0:
+            return line[:start]
+        if frac_end > start:
+            return None
+        counter_start, counter_end = self._counter
+        if counter_start < 0:
+            return line[:frac_start] + line[frac_end:start]
+        return line[:counter_start] + line[counter_end:frac_start] + line[frac_end:start]
 
     def _record(self, known: _Known, line_no: int) -> XidRecord:
         ts, host, fmt, (pci, xid, pid, process, message) = known
@@ -471,6 +509,7 @@ class KernelLogParser:
                     spec = prefixes.pop(i)
                     prefixes.insert(0, spec)
                     self._shapes.clear()  # they were all of the spec that was in front
+                    self._hot = None
                     break
             else:
                 return None
@@ -497,39 +536,55 @@ class KernelLogParser:
     def _remember_shape(
         self, line: str, start: int, m: re.Match[str], spec: _Prefix, ts: datetime | None, host: str | None, fmt: str
     ) -> None:
-        groups = spec.pattern.groupindex
-        frac_start, frac_end = m.span(spec.frac_group) if spec.frac_group in groups else _NO_FRACTION
+        """Cache the shape of an Xid line just parsed by `spec`'s regex, and make it the hot one."""
+        frac_start, frac_end = m.span(spec.frac_group) if spec.frac_group in spec.pattern.groupindex else _NO_FRACTION
         counter = m.span(spec.counter_group) if spec.counter_group is not None else _NO_FRACTION
-        iso_start, iso_end = m.span("iso") if "iso" in groups else _NO_FRACTION
+        scale, shrink = 0, 1
         if frac_start < 0:
-            key = line[:start]
-            stamp = STAMP_FIXED
             counter = _NO_FRACTION
+            head_end = start
         else:
             frac = line[frac_start:frac_end]
             if not frac.isascii() or counter[0] > frac_start or not line[counter[0] : counter[1]].isascii():
                 return
-            if counter[0] < 0:
-                key = line[:frac_start] + line[frac_end:start]
-            else:
-                key = line[: counter[0]] + line[counter[1] : frac_start] + line[frac_end:start]
-            if not spec.frac_in_ts:
-                stamp = STAMP_FIXED
-            elif iso_start >= 0:
-                stamp = STAMP_ISO
-            elif spec.frac_is_micros:
-                stamp = STAMP_PLUS_MICROS
+            head_end = frac_start if counter[0] < 0 else counter[0]
+            if spec.frac_in_ts:
+                digits = frac_end - frac_start
+                if spec.frac_is_micros:
+                    scale = 1
+                elif digits <= 6:
+                    scale = 10 ** (6 - digits)
+                else:
+                    scale, shrink = 1, 10 ** (digits - 6)
                 if ts is not None:
-                    ts -= timedelta(0, 0, int(frac))
-            else:
-                stamp = STAMP_PLUS_FRACTION
-                if ts is not None:
-                    ts -= timedelta(0, 0, _micros(frac))
+                    ts -= timedelta(0, 0, int(frac) * scale // shrink)  # the time at a zero fraction
         if (frac_start, frac_end) != self._span or counter != self._counter or len(self._shapes) >= _CACHE_LIMIT:
             self._shapes.clear()
             self._span = (frac_start, frac_end)
             self._counter = counter
-        self._shapes[key] = _PrefixShape(spec, ts, host, fmt, stamp, iso_start, iso_end)
+        if frac_start < 0:
+            frac_start = frac_end = start
+        shape = _PrefixShape(
+            spec=spec,
+            host=host,
+            log_format=fmt,
+            ts=ts,
+            base_us=None if ts is None else _to_us(ts),
+            head=line[:head_end],
+            counter_start=counter[0],
+            counter_end=counter[1],
+            mid=line[counter[1] : frac_start] if counter[0] >= 0 else "",
+            frac_start=frac_start,
+            frac_end=frac_end,
+            tail=line[frac_end : start + len("NVRM: Xid (")],
+            payload_start=start,
+            scale=scale,
+            shrink=shrink,
+        )
+        key = self._shape_key(line, start)
+        assert key is not None  # the fraction is in the prefix, before `start`
+        self._shapes[key] = shape
+        self._hot = shape
 
     def _payload_fields(self, payload: str) -> _Fields | None:
         """Parse a payload not in `_payloads` (callers look there first) and cache it."""
@@ -602,6 +657,7 @@ class KernelLogParser:
             # A banner we cannot read costs only the UUID, not the events.
             with contextlib.suppress(ValueError):
                 self._uuids[(host, normalise_pci_bus_id(m["pci"]))] = m["uuid"]
+                self.uuid_changes += 1
 
     def _off_bus(self, body: str, ts: datetime | None, host: str | None, line_no: int, fmt: str) -> XidRecord | None:
         pending = self._pending.get(host)
@@ -742,77 +798,211 @@ class ParsedLines(Iterator[XidRecord]):
     def __next__(self) -> XidRecord:
         return next(iter(self))
 
+    # The two loops below are the hot path of a flood, shaped for CPython's costs: a call, an
+    # allocation or a datetime sum each cost as much as several string tests, so
+    #  - the first test is `"NVRM:" in line`, which stops almost every line of a real log;
+    #  - an Xid line with the hot shape (the previous Xid line's, which in a flood the next
+    #    line nearly always has too) is parsed with string tests and dictionary look-ups, no
+    #    regex: `_parse` checks it with `_PrefixShape.micros`; `_incidents` goes further;
+    #  - anything else goes through `feed`, which handles every line the same way on its own.
+    # `tests/ingest/test_kernel_log_prefix_cache.py` and `test_kernel_log_hot_path.py` check
+    # that both give what `feed` gives.
+
     def _parse(self) -> Iterator[XidRecord]:
         parser = self._parser
         feed = parser.feed
-        known_prefix = parser._xid_known_prefix
-        record_of = parser._record
-        shapes = parser._shapes  # cleared in place, never replaced
+        payloads = parser._payloads  # cleared in place, never replaced
+        uuids = parser._uuids
+        stats = parser.stats
+        hot = parser._hot
         first = self._first_line_no
         line_no = first - 1
         try:
             for line_no, line in enumerate(self._lines, start=first):
-                # `feed`'s steps, the first ones repeated here: most lines of a real log stop at
-                # the first test, most lines of a flood at the known prefix, and a call costs
-                # more than these tests.
                 if "NVRM:" in line:
-                    if shapes:
-                        start = line.find("NVRM: Xid (")
-                        if start >= 0:
-                            known = known_prefix(line, start)
-                            if known is not None:
-                                yield record_of(known, line_no)
+                    if hot is not None:
+                        micros = hot.micros(line)
+                        if micros >= 0:
+                            fields = payloads.get(line[hot.payload_start :])
+                            if fields is not None:
+                                pci, xid, pid, process, message = fields
+                                ts = hot.ts
+                                if micros and ts is not None:
+                                    ts += timedelta(0, 0, micros)
+                                host = hot.host
+                                uuid = uuids.get((host, pci)) if uuids else None
+                                stats.xid_records += 1
+                                yield XidRecord(
+                                    ts, host, pci, xid, pid, process, message, uuid, line_no, hot.log_format
+                                )
                                 continue
                     record = feed(line, line_no)
+                    hot = parser._hot
                     if record is not None:
                         yield record
                 elif "\x00" in line or "\ufffd" in line:
                     feed(line, line_no)  # rejects it, with the reason
         finally:
-            parser.stats.lines += line_no - first + 1
+            stats.lines += line_no - first + 1
 
     def _incidents(self, folder: _Folder) -> Iterator[XidIncident]:
-        """`_parse` and `deduplicate` in one loop: a flood line whose prefix is known and which
-        falls into an open incident only bumps that incident's count."""
+        """`_parse` and `deduplicate` in one loop: a flood line with the hot prefix which
+        falls into an open incident only bumps that incident's count.
+
+        Per flood line this costs one dictionary look-up of the text after the fraction
+        (`_HotTails`: it checks the rest of the prefix and the payload at once, and gives the
+        incident's key ready made), one `startswith` for the text before it, the digit tests,
+        and the fold, all inline: here a call costs more than any of these.
+        """
         parser = self._parser
         feed = parser.feed
-        known_prefix = parser._xid_known_prefix
-        shapes = parser._shapes
-        uuids = parser._uuids
         stats = parser.stats
-        fold_timed = folder.fold_timed
+        open_get = folder.open.get
         add = folder.add
         done = folder.done
         first = self._first_line_no
         line_no = first - 1
+        xid_lines = 0  # Xid lines of the hot path, added to `stats` at the end
+
+        hot = _HotTails(parser, folder.node)
+        tails_get, head, frac_start, frac_end, counter_start, counter_end, mid, base_us, scale, shrink = hot.locals()
+        rescale = scale != 1 or shrink != 1
         try:
             for line_no, line in enumerate(self._lines, start=first):
-                if "NVRM:" in line:
-                    if shapes:
-                        start = line.find("NVRM: Xid (")
-                        if start >= 0:
-                            known = known_prefix(line, start)
-                            if known is not None:
-                                ts, host, fmt, (pci, xid, pid, process, message) = known
-                                stats.xid_records += 1
-                                uuid = uuids.get((host, pci)) if uuids else None
-                                if ts is not None and fold_timed(host, pci, xid, ts, uuid):
-                                    continue
-                                add(XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt))
-                                if done:
-                                    yield from done
-                                    done.clear()
+                if "NVRM:" not in line:
+                    if "\x00" in line or "\ufffd" in line:
+                        feed(line, line_no)  # rejects it, with the reason
+                    continue
+                known = tails_get(line[frac_end:])
+                if known is not None and line.startswith(head):
+                    # The digits: checked here rather than in the look-up, which they would
+                    # make miss on every line. kmsg's sequence number comes first.
+                    micros = 0
+                    if frac_end > frac_start:
+                        frac = line[frac_start:frac_end]
+                        if not (frac.isascii() and frac.isdigit()):
+                            known = None
+                        elif counter_end >= 0:
+                            # `isdecimal` is what the regex's `\d` accepts: the counter's
+                            # digits never enter the time, so non-ASCII ones change nothing.
+                            counter = line[counter_start:counter_end]
+                            if not (counter.isdecimal() and line[counter_end:frac_start] == mid):
+                                known = None
+                        if known is not None:
+                            micros = int(frac)
+                            if rescale:
+                                micros = micros * scale // shrink
+                    if known is not None:
+                        xid_lines += 1
+                        key, uuid, fields = known
+                        if base_us is not None:
+                            # `_Folder.add`'s common case, inlined: most lines of a flood.
+                            ts_us = base_us + micros
+                            entry = open_get(key)
+                            if (
+                                entry is not None
+                                and entry[1] <= ts_us <= entry[2]
+                                and (uuid is None or uuid == entry[0].gpu_uuid)
+                            ):
+                                entry[0].repeat_count += 1
+                                if ts_us > entry[4]:
+                                    entry[4] = ts_us
+                                elif ts_us < entry[3]:
+                                    folder.move_start(entry, ts_us)
                                 continue
-                    record = feed(line, line_no)
-                    if record is not None:
-                        add(record)
+                        elif folder.fold_untimed(*key, uuid):
+                            continue
+                        add(hot.record(fields, micros, uuid, line_no))
                         if done:
                             yield from done
                             done.clear()
-                elif "\x00" in line or "\ufffd" in line:
-                    feed(line, line_no)
+                        continue
+                record = feed(line, line_no)
+                if hot.stale():
+                    hot = _HotTails(parser, folder.node)
+                    tails_get, head, frac_start, frac_end, counter_start, counter_end, mid, base_us, scale, shrink = (
+                        hot.locals()
+                    )
+                    rescale = scale != 1 or shrink != 1
+                if record is not None:
+                    hot.learn(line)
+                    add(record)
+                    if done:
+                        yield from done
+                        done.clear()
         finally:
             stats.lines += line_no - first + 1
+            stats.xid_records += xid_lines
+
+
+# What `_HotTails` knows of one text after the fraction: the incident key, the GPU's UUID
+# from a banner, and the payload fields.
+_TailFacts = tuple[tuple[str | None, str, int], str | None, _Fields]
+
+
+class _HotTails:
+    """The hot shape of `_incidents`, seen from the end of the line.
+
+    The text after the fraction (the rest of the prefix, then the payload) repeats across a
+    flood with a handful of values, one per GPU and message; a dictionary of those gives, with
+    one look-up, that the line has the shape's tail and which incident key, UUID and payload
+    fields it has. Learnt from lines that `feed` has just parsed as Xid lines of the shape.
+    Stale once the parser's hot shape or its banners change.
+    """
+
+    def __init__(self, parser: KernelLogParser, node: str | None) -> None:
+        self.parser = parser
+        self.shape = parser._hot
+        self.uuid_changes = parser.uuid_changes
+        self.node = node
+        self.tails: dict[str, _TailFacts] = {}
+
+    def locals(
+        self,
+    ) -> tuple[Callable[[str], _TailFacts | None], str, int, int, int, int, str, int | None, int, int]:
+        """What the loop keeps in local variables: tails look-up, head, fraction span, counter
+        span (-1: none), text between counter and fraction, base time, scale, shrink."""
+        shape = self.shape
+        if shape is None:  # every look-up misses
+            return self.tails.get, "", 0, 0, -1, -1, "", None, 0, 1
+        return (
+            self.tails.get,
+            shape.head,
+            shape.frac_start,
+            shape.frac_end,
+            shape.counter_start,
+            shape.counter_end,
+            shape.mid,
+            shape.base_us,
+            shape.scale,
+            shape.shrink,
+        )
+
+    def stale(self) -> bool:
+        return self.parser._hot is not self.shape or self.parser.uuid_changes != self.uuid_changes
+
+    def learn(self, line: str) -> None:
+        """Remember the tail of `line`, an Xid line `feed` has just parsed, if it has the shape."""
+        shape = self.shape
+        if shape is None or shape.micros(line) < 0:
+            return
+        fields = self.parser._payloads.get(line[shape.payload_start :])
+        if fields is None:
+            return
+        if len(self.tails) >= _CACHE_LIMIT:
+            self.tails.clear()
+        host = shape.host
+        uuid = self.parser._uuids.get((host, fields[0]))
+        self.tails[line[shape.frac_end :]] = ((host or self.node, fields[0], fields[1]), uuid, fields)
+
+    def record(self, fields: _Fields, micros: int, uuid: str | None, line_no: int) -> XidRecord:
+        shape = self.shape
+        assert shape is not None  # a tail was found: a shape is hot
+        ts = shape.ts
+        if micros and ts is not None:
+            ts += timedelta(0, 0, micros)
+        pci, xid, pid, process, message = fields
+        return XidRecord(ts, shape.host, pci, xid, pid, process, message, uuid, line_no, shape.log_format)
 
 
 def parse_line(
@@ -866,6 +1056,7 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     not strictly, in time order. `node` stands in for records whose line has no host.
     A record with a different GPU UUID (a replaced GPU) starts a new incident.
     Records without a time cannot be windowed: those of one key fold into one incident.
+    Incident times are in UTC.
     """
     if window < timedelta(0):
         raise ValueError(f"dedup window {window}: expected a duration >= 0")
@@ -882,86 +1073,88 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     yield from folder.finish()
 
 
+_Key = tuple[str | None, str, int]
+
+# An open incident as `_Folder` keeps it: [incident, earliest, latest, first, last], times in
+# microseconds since the epoch (earliest/latest: its window). A list, not an object: the hot
+# path reads and bumps these once per flood line, and integers compare several times faster
+# than datetimes. `incident.last_ts` is set from `last` when the incident is closed.
+_Open = list  # type: ignore[type-arg]
+
+
 class _Folder:
     """The state of `deduplicate`: open incidents, and those done but not yet yielded."""
 
     def __init__(self, window: timedelta, node: str | None) -> None:
-        self.window = window
+        self.window_us = window // _ONE_US
         self.node = node
-        # Each open incident with the bounds of its window, so that the check per record
-        # compares times instead of building a timedelta.
-        self.open: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]] = {}
-        self.untimed: dict[tuple[str | None, str, int], XidIncident] = {}
+        self.open: dict[_Key, _Open] = {}
+        self.untimed: dict[_Key, XidIncident] = {}
         self.done: list[XidIncident] = []
-        self.watermark: datetime | None = None
+        self.watermark: int | None = None
         self.countdown = _SWEEP_EVERY
 
-    def fold_timed(self, host: str | None, pci: str, xid: int, ts: datetime, uuid: str | None) -> bool:
-        """Fold a timed record into its open incident if it falls in its window and is of the
-        same GPU (the common case: a flood line); False when `add` has to decide."""
-        key = (host or self.node, pci, xid)
-        entry = self.open.get(key)
-        if entry is None:
-            return False
-        incident, earliest, latest = entry
-        if not (earliest <= ts <= latest and (uuid is None or uuid == incident.gpu_uuid)):
+    def move_start(self, entry: _Open, ts_us: int) -> None:
+        """An incident's line earlier than its first (merged syslog streams arrive slightly
+        out of order): it starts there, and so does its window."""
+        entry[0].ts = _from_us(ts_us)
+        entry[1], entry[2], entry[3] = ts_us - self.window_us, ts_us + self.window_us, ts_us
+
+    def fold_untimed(self, host: str | None, pci: str, xid: int, uuid: str | None) -> bool:
+        """Fold an untimed Xid line into its incident if it is of the same GPU; False when
+        `add` has to decide."""
+        incident = self.untimed.get((host, pci, xid))
+        if incident is None or not (uuid is None or incident.gpu_uuid is None or uuid == incident.gpu_uuid):
             return False
         incident.repeat_count += 1
-        if ts > incident.last_ts:  # type: ignore[operator]
-            incident.last_ts = ts
-        elif ts < incident.ts:  # type: ignore[operator]
-            incident.ts = ts
-            self.open[key] = (incident, *_window_around(ts, self.window))
+        if incident.gpu_uuid is None:
+            incident.gpu_uuid = uuid
         return True
 
     def add(self, rec: XidRecord) -> None:
-        ts = rec.ts
         key = (rec.host or self.node, rec.pci_bus_id, rec.xid)
-        if ts is None:
-            incident = self.untimed.get(key)
-            if incident is not None and _same_gpu(incident, rec):
-                _fold(incident, rec)
+        if rec.ts is None:
+            if self.fold_untimed(*key, rec.gpu_uuid):
                 return
+            incident = self.untimed.get(key)
             if incident is not None:
                 self.done.append(incident)
             self.untimed[key] = _new_incident(rec, key[0])
             return
-        if self.fold_timed(rec.host, rec.pci_bus_id, rec.xid, ts, rec.gpu_uuid):
-            return
+        ts_us = _to_us(rec.ts)
         entry = self.open.get(key)
-        if entry is not None and _same_gpu(entry[0], rec) and entry[1] <= ts <= entry[2]:
+        if entry is not None and _same_gpu(entry[0], rec) and entry[1] <= ts_us <= entry[2]:
             incident = entry[0]
-            _fold(incident, rec)  # a UUID learnt mid-incident
-            self.open[key] = (incident, *_window_around(incident.ts, self.window))  # type: ignore[arg-type]
-        else:
-            if entry is not None:
-                self.done.append(self.open.pop(key)[0])
-            self.open[key] = (_new_incident(rec, key[0]), *_window_around(ts, self.window))
-        if self.watermark is None or ts > self.watermark:
-            self.watermark = ts
+            incident.repeat_count += 1
+            if incident.gpu_uuid is None:
+                incident.gpu_uuid = rec.gpu_uuid  # a UUID learnt mid-incident
+            if ts_us > entry[4]:
+                entry[4] = ts_us
+            elif ts_us < entry[3]:
+                self.move_start(entry, ts_us)
+            return
+        if entry is not None:
+            self.done.append(_close(self.open.pop(key)))
+        self.open[key] = [_new_incident(rec, key[0]), ts_us - self.window_us, ts_us + self.window_us, ts_us, ts_us]
+        if self.watermark is None or ts_us > self.watermark:
+            self.watermark = ts_us
         self.countdown -= 1
         if self.countdown <= 0:
             self.countdown = _SWEEP_EVERY
-            self.done.extend(_sweep(self.open, self.watermark - self.window))
+            self.done.extend(_sweep(self.open, self.watermark - self.window_us))
 
     def finish(self) -> Iterator[XidIncident]:
         yield from self.done
         self.done.clear()
-        yield from sorted((entry[0] for entry in self.open.values()), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
+        yield from (_close(entry) for entry in sorted(self.open.values(), key=lambda entry: entry[3]))
         yield from self.untimed.values()
 
 
-def _window_around(moment: datetime, window: timedelta) -> tuple[datetime, datetime]:
-    """`moment - window` and `moment + window`, clamped to the calendar's ends."""
-    try:
-        earliest = moment - window
-    except OverflowError:
-        earliest = datetime.min.replace(tzinfo=moment.tzinfo)
-    try:
-        latest = moment + window
-    except OverflowError:
-        latest = datetime.max.replace(tzinfo=moment.tzinfo)
-    return earliest, latest
+def _close(entry: _Open) -> XidIncident:
+    incident: XidIncident = entry[0]
+    if entry[4] != entry[3]:
+        incident.last_ts = _from_us(entry[4])
+    return incident
 
 
 def _new_incident(rec: XidRecord, node: str | None) -> XidIncident:
@@ -974,21 +1167,7 @@ def _same_gpu(incident: XidIncident, rec: XidRecord) -> bool:
     return incident.gpu_uuid is None or rec.gpu_uuid is None or incident.gpu_uuid == rec.gpu_uuid
 
 
-def _fold(incident: XidIncident, rec: XidRecord) -> None:
-    incident.repeat_count += 1
-    if incident.gpu_uuid is None:
-        incident.gpu_uuid = rec.gpu_uuid
-    if rec.ts is not None:
-        # Lines of one incident can arrive slightly out of order (merged syslog streams).
-        if rec.ts > incident.last_ts:  # type: ignore[operator]
-            incident.last_ts = rec.ts
-        elif rec.ts < incident.ts:  # type: ignore[operator]
-            incident.ts = rec.ts
-
-
-def _sweep(
-    open_: dict[tuple[str | None, str, int], tuple[XidIncident, datetime, datetime]], before: datetime
-) -> Iterator[XidIncident]:
-    expired = [key for key, (incident, _, _) in open_.items() if incident.ts < before]  # type: ignore[operator]
+def _sweep(open_: dict[_Key, _Open], before: int) -> Iterator[XidIncident]:
+    expired = [key for key, entry in open_.items() if entry[3] < before]
     for key in expired:
-        yield open_.pop(key)[0]
+        yield _close(open_.pop(key))
