@@ -175,15 +175,15 @@ _CACHE: weakref.WeakKeyDictionary[Any, TreeShap] = weakref.WeakKeyDictionary()
 def tree_shap(classifier: Any) -> TreeShap:
     """The `TreeShap` of a fitted `LGBMClassifier` or `XGBClassifier` (built once per object
     and kept while the object lives). Raises `Unsupported` for what it does not cover."""
+    name = type(classifier).__name__
+    if name not in ("LGBMClassifier", "XGBClassifier"):
+        raise Unsupported(f"no TreeSHAP for a {name}")
     cached = _CACHE.get(classifier)
     if cached is None:
-        name = type(classifier).__name__
         if name == "LGBMClassifier":
             roots, n_features, less_equal = _lightgbm_trees(classifier.booster_), classifier.n_features_in_, True
-        elif name == "XGBClassifier":
-            roots, n_features, less_equal = _xgboost_trees(classifier.get_booster()), classifier.n_features_in_, False
         else:
-            raise Unsupported(f"no TreeSHAP for a {name}")
+            roots, n_features, less_equal = _xgboost_trees(classifier.get_booster()), classifier.n_features_in_, False
         cached = _flatten(roots, int(n_features), less_equal)
         _CACHE[classifier] = cached
     return cached
@@ -258,12 +258,12 @@ def _flatten(roots: list[_Node], n_features: int, less_equal: bool) -> TreeShap:
     level: list[tuple[_Node, int, dict[int, int]]] = [(r, -1, {}) for r in roots]
     while level:
         following = []
-        for node, par, last_on in level:
+        for node, above, last_on in level:
             me = len(order)
             order.append(node)
-            parent.append(par)
-            if par >= 0:
-                split = order[par]
+            parent.append(above)
+            if above >= 0:
+                split = order[above]
                 before = last_on.get(split.feature, -1)
                 if split.cover <= 0 or node.cover <= 0:
                     raise Unsupported("a split with zero cover")
@@ -292,22 +292,22 @@ def _flatten(roots: list[_Node], n_features: int, less_equal: bool) -> TreeShap:
     p0, p1 = np.where(has_prev, (1 - t) * zp, 1.0), np.where(has_prev, (1 - t) * zp + t, 1.0)
     t0, t1 = -z / f0, (1 - z) / f1
     q0, q1 = np.where(has_prev, -zp / p0, 0.0), np.where(has_prev, (1 - zp) / p1, 0.0)
-    roots = par < 0
-    step_table = np.where(roots[:, None, None], 1.0, np.stack([f0 / p0, f0 / p1, f1 / p1], axis=1)).reshape(3 * n, -1)
-    term_table = np.where(roots[:, None, None], 0.0, np.stack([t0 - q0, t0 - q1, t1 - q1], axis=1)).reshape(3 * n, -1)
+    is_root = par < 0
+    step_table = np.where(is_root[:, None, None], 1.0, np.stack([f0 / p0, f0 / p1, f1 / p1], axis=1)).reshape(3 * n, -1)
+    term_table = np.where(is_root[:, None, None], 0.0, np.stack([t0 - q0, t0 - q1, t1 - q1], axis=1)).reshape(3 * n, -1)
     idx = np.arange(n)
     left = np.full(n, -1)
     right = np.full(n, -1)
-    child = idx[~roots]
+    child = idx[~is_root]
     is_left = np.zeros(n, dtype=bool)
     # Children were appended left then right, so the first child of each parent is its left.
-    first = np.ones(len(child), dtype=bool)
-    first[1:] = par[child][1:] != par[child][:-1]
-    is_left[child[first]] = True
-    left[par[child[first]]] = child[first]
-    right[par[child[~first]]] = child[~first]
+    is_first = np.ones(len(child), dtype=bool)
+    is_first[1:] = par[child][1:] != par[child][:-1]
+    is_left[child[is_first]] = True
+    left[par[child[is_first]]] = child[is_first]
+    right[par[child[~is_first]]] = child[~is_first]
     feature = np.array([node.feature for node in order])
-    edge_feature = np.where(roots, 0, feature[np.maximum(par, 0)])
+    edge_feature = np.where(is_root, 0, feature[np.maximum(par, 0)])
     edge_order = child[np.argsort(edge_feature[child], kind="stable")]
     credited, feature_starts = np.unique(edge_feature[edge_order], return_index=True)
     internal_by_level = {a: idx[a:b][left[a:b] >= 0] for a, b in itertools.pairwise(depth_starts)}
