@@ -81,14 +81,22 @@ def feature_matrix(frame: Any, columns: Sequence[str]) -> pd.DataFrame:
     NaN), categorical columns as Python strings (null -> `MISSING_CATEGORY`)."""
     df = to_pandas(frame)
     require_columns(df, columns, "feature frame")
-    out: dict[str, Any] = {}
+    numeric = [c for c in columns if c not in CATEGORICAL_COLUMNS]
+    # Columns that already hold numbers convert in one block (one copy into a float32 matrix:
+    # per-column conversion of ~400 columns costs more than the model on a 1,000-row request);
+    # anything else (strings from JSON, objects) goes through to_numeric one by one.
+    dtypes = df.dtypes
+    typed = [c for c in numeric if pd.api.types.is_numeric_dtype(dtypes[c]) or pd.api.types.is_bool_dtype(dtypes[c])]
+    block = df[typed].to_numpy(dtype=np.float32, na_value=np.nan) if typed else np.empty((len(df), 0), np.float32)
+    out = pd.DataFrame(block, index=df.index, columns=typed)
+    for c in numeric:
+        if c not in out.columns:
+            out[c] = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float32, na_value=np.nan)
     for c in columns:
         if c in CATEGORICAL_COLUMNS:
             values = df[c].astype(object)
             out[c] = values.where(values.notna(), MISSING_CATEGORY).astype(str).astype(object).to_numpy()
-        else:
-            out[c] = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float32, na_value=np.nan)
-    return pd.DataFrame(out, index=df.index, columns=list(columns))
+    return out if list(out.columns) == list(columns) else out[list(columns)]
 
 
 def split_xy(frame: Any, columns: Sequence[str] | None = None) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
