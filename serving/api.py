@@ -294,7 +294,7 @@ def create_app(
         body = {
             "ready": ready,
             "reasons": reasons,
-            "model_version": None if snap.served is None else snap.served.model.version,
+            "model_version": None if snap.served is None else snap.served.version,
             "features_ts": None if snap.features is None or snap.features.ts is None else snap.features.ts.isoformat(),
         }
         return _json(body, 200 if ready else 503)
@@ -309,7 +309,7 @@ def create_app(
         return _json(
             {
                 "name": options.model_name,
-                "version": m.version,
+                "version": served.version,
                 "registry_version": served.info.get("registry_version"),
                 "alias": served.info.get("alias"),
                 "source": served.info["source"],
@@ -352,7 +352,7 @@ def create_app(
             what = "GPUs" if field != "telemetry" else "rows"
             raise InputError(f"{field}: expected 1 to {limit} {what} ([serve] max_gpus_per_request), got {n}")
         base = {
-            "model_version": served.model.version,
+            "model_version": served.version,
             "source": "latest_features",
             "horizon_h": served.model.horizon.total_seconds() / 3600,
         }
@@ -360,7 +360,7 @@ def create_app(
             return _json({**base, "gpus": _by_id(_fleet(snap), request.gpu_uuids, top), "not_scored": []})
         if request.features is not None:
             frame = feature_frame(request.features, served.model)
-            gpus = await run_in_threadpool(score_rows, served.model, frame, options.tiers, top)
+            gpus = await run_in_threadpool(score_rows, served.model, frame, options.tiers, top, served.version)
             return _json({**base, "source": "features", "gpus": gpus, "not_scored": []})
         telemetry: list[Any] = request.telemetry or []
         gpus_sent = {r.gpu_uuid for r in telemetry}
@@ -372,7 +372,7 @@ def create_app(
 
         def featurise_and_score() -> tuple[list[dict[str, Any]], set[str]]:
             frame, sent = telemetry_frame(telemetry, request.xid_events or [], options.featurise)
-            return score_rows(served.model, frame, options.tiers, top), sent
+            return score_rows(served.model, frame, options.tiers, top, served.version), sent
 
         gpus, sent = await run_in_threadpool(featurise_and_score)
         scored = {g["gpu_uuid"] for g in gpus}
@@ -427,7 +427,7 @@ def create_app(
         ]
         return _json(
             {
-                "model_version": snap.served.model.version if snap.served else "",
+                "model_version": snap.served.version if snap.served else "",
                 "ts": None if fleet.ts is None else fleet.ts.isoformat(),
                 "n_gpus": len(fleet.records),
                 "gpus": gpus,

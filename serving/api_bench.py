@@ -215,6 +215,8 @@ def run_api_bench(
                     "serving.api_bench",
                     "--generate",
                     url,
+                    "--server-pid",
+                    str(process.pid),
                     "--seconds",
                     str(seconds),
                     "--max-requests",

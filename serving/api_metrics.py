@@ -61,7 +61,7 @@ class _SnapshotCollector(Collector):
         )
         if snap.served is not None:
             m = snap.served.model
-            info.add_metric([m.version, m.kind, str(snap.served.info["source"])], 1.0)
+            info.add_metric([snap.served.version, m.kind, str(snap.served.info["source"])], 1.0)
         yield info
         ready, _ = self.state.readiness()
         yield GaugeMetricFamily("gpufail_ready", "1 when /readyz answers ready", value=float(ready))

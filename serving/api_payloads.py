@@ -81,7 +81,7 @@ def telemetry_frame(
 
 
 def score_rows(
-    model: TrainedModel, frame: pd.DataFrame, tiers: PolicyConfig, top_features: int
+    model: TrainedModel, frame: pd.DataFrame, tiers: PolicyConfig, top_features: int, version: str
 ) -> list[dict[str, Any]]:
     """Predictions for every row of `frame` (one per GPU), riskiest first; rank and node risk
     are within these rows."""
@@ -98,7 +98,7 @@ def score_rows(
         )
     risk = model.predict_risk(frame)
     if not np.all(np.isfinite(risk)):
-        raise InputError(f"model {model.version}: non-finite risk for the given features")
+        raise InputError(f"model {version}: non-finite risk for the given features")
     order = np.lexsort((frame["gpu_uuid"].to_numpy(dtype=str), -risk))
     frame = frame.iloc[order].reset_index(drop=True)
     risk = risk[order]
@@ -122,7 +122,7 @@ def score_rows(
                 "node_risk": float(nrisk[i]),
                 "node_tier": node_tier[i],
                 "top_features": explanations[i],
-                "model_version": model.version,
+                "model_version": version,
             }
         )
     return out

@@ -69,6 +69,11 @@ class ServedModel:
     info: dict[str, Any]
     """source, path, registry_version, alias, run_id, metrics."""
     loaded_at: datetime
+    version: str = field(init=False)
+    """`model.version`, computed once: it hashes the parameters and every feature name (~1 ms)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "version", self.model.version)
 
 
 class ModelSource(Protocol):
@@ -259,6 +264,7 @@ def score_fleet(model: TrainedModel, latest: pd.DataFrame, tiers: PolicyConfig, 
     node_risk = predictions["node_risk"].to_numpy(dtype=np.float64)
     node_tier = tier_of(tiers, node_risk)
     ts_values = [pd.Timestamp(t).isoformat() for t in predictions["ts"]]
+    version = model.version
     records = [
         {
             "gpu_uuid": u,
@@ -271,7 +277,7 @@ def score_fleet(model: TrainedModel, latest: pd.DataFrame, tiers: PolicyConfig, 
             "tier": t,
             "node_risk": float(nr),
             "node_tier": nt,
-            "model_version": model.version,
+            "model_version": version,
         }
         for u, c, n, i, ts, r, k, t, nr, nt in zip(
             predictions["gpu_uuid"],
@@ -297,7 +303,7 @@ def score_fleet(model: TrainedModel, latest: pd.DataFrame, tiers: PolicyConfig, 
                 "ts": rec["ts"],
                 "node_risk": rec["node_risk"],
                 "node_tier": rec["node_tier"],
-                "model_version": model.version,
+                "model_version": version,
                 "gpus": [],
             }
         nodes[key]["gpus"].append({k: rec[k] for k in ("gpu_uuid", "gpu_index", "risk", "fleet_rank", "tier")})
@@ -403,7 +409,7 @@ class ServingState:
             return
         try:
             served = self.model_source.load()
-            if current.served is not None and served.model.version == current.served.model.version and not force:
+            if current.served is not None and served.version == current.served.version and not force:
                 # The same model rewritten (a metadata refresh): keep serving the loaded one.
                 self.snapshot = replace(current, served=replace(current.served, fingerprint=fingerprint))
                 return
@@ -418,7 +424,7 @@ class ServingState:
             return
         self._rejected, self.model_error = None, None
         self.snapshot = replace(current, served=served, fleet=fleet if fleet is not None else current.fleet)
-        log.info("model %s loaded (%s)", served.model.version, served.info["source"])
+        log.info("model %s loaded (%s)", served.version, served.info["source"])
         self._on_reload("loaded")
 
     def _fleet(self, served: ServedModel | None, features: LatestFeatures | None) -> Fleet | None:
@@ -468,7 +474,7 @@ class ServingState:
 
 
 def _version(snapshot: Snapshot) -> str | None:
-    return None if snapshot.served is None else snapshot.served.model.version
+    return None if snapshot.served is None else snapshot.served.version
 
 
 def _describe(exc: BaseException) -> str:
