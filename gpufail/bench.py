@@ -173,6 +173,7 @@ def write_results(out: Path, stages: list[StageResult], micro: dict[str, float],
             f" {micro['collect_daemon_core_percent_at_10s']:.3f}% of one core, peak RSS"
             f" {micro['collect_daemon_peak_rss_mb']:.0f} MB"
         )
+    lines += _api_lines(micro)
     (out / "bench.md").write_text("\n".join(lines) + "\n")
     (out / "bench.json").write_text(
         json.dumps(
@@ -206,4 +207,38 @@ def run_bench(out: Path, work: Path) -> Path:
     rows = {"telemetry": summary["telemetry_rows"], "kernel_log_lines": summary["kernel_log_lines"]}
     print("gpufail bench: hot loops", file=sys.stderr)
     micro = micro_benchmarks()
+    print("gpufail bench: REST endpoint", file=sys.stderr)
+    micro.update(api_benchmark(work))
     return write_results(out, stages, micro, rows)
+
+
+_API_KEY = "api_"
+
+
+def api_benchmark(work: Path) -> dict[str, float]:
+    """The REST endpoint under load (`serving.api_bench`: server and load generator in their own
+    processes) on the demo's features and model, flattened as api_<request>_<figure>."""
+    from serving.api_bench import run_api_bench
+
+    figures = run_api_bench(str(work / "demo-data"), str(work / "out" / "model"), n_gpus=1000, seconds=10.0)
+    flat: dict[str, float] = {}
+    for name, value in figures.items():
+        if isinstance(value, dict):
+            flat.update({f"{_API_KEY}{name}__{k}": v for k, v in value.items() if v is not None})
+        else:
+            flat[f"{_API_KEY}{name}"] = value
+    return flat
+
+
+def _api_lines(micro: dict[str, float]) -> list[str]:
+    from serving.api_bench import markdown_lines
+
+    figures: dict[str, object] = {}
+    for key, value in micro.items():
+        if key.startswith(_API_KEY):
+            name, _, figure = key.removeprefix(_API_KEY).partition("__")
+            if figure:
+                figures.setdefault(name, {})[figure] = value  # type: ignore[index]
+            else:
+                figures[name] = value
+    return ["", *markdown_lines(figures)] if figures else []

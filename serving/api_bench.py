@@ -254,7 +254,7 @@ def markdown_lines(figures: dict[str, Any]) -> list[str]:
             target = TARGETS_MS.get(name)
             lines.append(
                 f"| {name} | {f['req_per_s']:,} | {f['p50_ms']} | {f['p99_ms']} | {'' if target is None else f'< {target:g}'} "
-                f"| {f['server_cpu_ms_per_req']} |"
+                f"| {f.get('server_cpu_ms_per_req', '')} |"
             )
     return lines
 
