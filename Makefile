@@ -12,7 +12,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint bench lock clean mlflow
+.PHONY: help install demo test lint bench lock clean mlflow notebooks serve
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -45,8 +45,22 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 test: $(STAMP) ## Run the test suite (no GPU, no ../shared needed)
 	$(BIN)/pytest -q
 
+NOTEBOOKS_OUT ?= build/notebooks
+notebooks: $(STAMP) ## Run notebooks/*.ipynb on $(DEMO_DATA) (`make demo` first if needed) -> $(NOTEBOOKS_OUT)/*.html
+	@# The notebooks read the data root from [store] root and the report from <root>/out/report.
+	if [ ! -f "$(DEMO_DATA)/out/report/metrics.json" ]; then $(MAKE) demo; fi
+	GPUFAIL_STORE__ROOT="$(abspath $(DEMO_DATA))" MPLBACKEND=module://matplotlib_inline.backend_inline \
+		$(BIN)/jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=1800 \
+		--output-dir $(NOTEBOOKS_OUT) notebooks/*.ipynb
+
 mlflow: $(STAMP) ## Run the embedded MLflow registry on 127.0.0.1:5000 (SQLite, ./mlruns)
 	$(BIN)/gpufail mlflow
+
+SERVE_MODEL ?= $(DEMO_OUT)/model
+serve: $(STAMP) ## Serve predictions on 127.0.0.1:8080 (the demo's model; SERVE_MODEL= for the registry champion)
+	@# The demo's data is simulated in the past: readiness does not check the features' age here.
+	GPUFAIL_SERVE__FEATURES_MAX_AGE=$${GPUFAIL_SERVE__FEATURES_MAX_AGE:-0s} \
+		$(BIN)/gpufail serve --data $(DEMO_DATA) $(if $(SERVE_MODEL),--model $(SERVE_MODEL))
 
 bench: $(STAMP) ## Time each demo stage (and peak memory) and the hot loops -> bench-results/
 	$(BIN)/gpufail bench --out bench-results
