@@ -146,12 +146,16 @@ def _ts_kmsg(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     return ctx.boot_time + timedelta(0, 0, int(m["usec"]))  # positional: 2x faster than keywords
 
 
+def _micros(frac: str) -> int:
+    """Microseconds of a fraction's digits, truncated past six as `fromisoformat` does."""
+    return int(frac) if len(frac) == 6 else int(frac[:6].ljust(6, "0"))
+
+
 def _ts_uptime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     if ctx.boot_time is None:
         return None
     sec, frac = m.group("sec", "frac")
-    micros = int(frac) if len(frac) == 6 else int(frac[:6].ljust(6, "0"))
-    return ctx.boot_time + timedelta(0, int(sec), micros)
+    return ctx.boot_time + timedelta(0, int(sec), _micros(frac))
 
 
 def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -382,11 +386,6 @@ def _to_us(moment: datetime) -> int:
 
 def _from_us(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
-
-
-def _micros(frac: str) -> int:
-    """Microseconds of a fraction's digits, truncated past six as `fromisoformat` does."""
-    return int(frac) if len(frac) == 6 else int(frac[:6].ljust(6, "0"))
 
 
 @dataclass(slots=True)
