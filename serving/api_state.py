@@ -398,7 +398,10 @@ class ServingState:
         except Exception as exc:
             self.model_error = _describe(exc)
             log.warning("model source unreadable: %s", self.model_error)
-            return
+            if current.served is not None:
+                return  # keep serving; look again at the next poll
+            # Nothing serves yet: loading may still succeed (the registry's local cache).
+            fingerprint = "unreachable"
         if fingerprint is None:
             if current.served is None:
                 self.model_error = "no model at the source yet"
