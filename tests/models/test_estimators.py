@@ -208,3 +208,16 @@ def _expected_failures(estimator: object) -> dict[str, str]:
 def test_the_ensembles_and_custom_estimators_keep_the_scikit_learn_contract(estimator, check):
     check(estimator)
     assert get_tags(estimator).classifier_tags.multi_class is False  # binary: "fails" or not
+
+
+def test_cascade_stage_params_reach_one_stage_only():
+    cascade = make_model(
+        "cascade",
+        first="lightgbm",
+        second="lightgbm",
+        member_params={"lightgbm": {"num_leaves": 15}},
+        first_params={"n_estimators": 20, "num_leaves": 7},
+    )
+    first, second = cascade.first.named_steps["model"], cascade.second.named_steps["model"]
+    assert (first.n_estimators, first.num_leaves) == (20, 7)  # a small, cheap first stage
+    assert (second.n_estimators, second.num_leaves) == (100, 15)

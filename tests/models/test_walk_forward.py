@@ -245,3 +245,88 @@ def test_fits_train_on_the_pool_as_drawn_without_subsampling_it_again(monkeypatc
     monkeypatch.setattr(wf, "train_model", recording)
     run_walk_forward(small_frame(), [Contender("lgb static", "lightgbm", "static", FAST)], PLAN)
     assert seen and all(kw["negative_fraction"] == 1.0 for kw in seen)
+
+
+# -- shared fits: a parallel ensemble from its members' walk-forward scores -----------------------
+
+
+@cache
+def tiny_frame() -> pd.DataFrame:
+    return make_synthetic_frame(n_gpus=60, n_hours=24 * 9, horizon_h=12, fail_fraction=0.5, seed=3)
+
+
+TINY = WalkForwardPlan(horizon="12h", test_days=2, train_window="3d", negative_fraction=1.0)
+
+
+@pytest.mark.parametrize("combine", ["top_k_intersection", "rank_average"])
+def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(combine):
+    from models.train import train_model
+
+    members = {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": {"n_estimators": 20}}}
+    ensemble = {**members, "combine": combine, "top_k": 5, "n_jobs": 1}
+    contenders = [
+        Contender("lgb", "lightgbm", "sliding", {"n_estimators": 20, "n_jobs": 1}),
+        Contender("lr", "logistic", "sliding"),
+        Contender("par", "parallel", "sliding", ensemble),
+    ]
+    result = run_walk_forward(tiny_frame(), contenders, TINY)
+    # The ensemble's members are the two single contenders' fits: nothing trained twice.
+    assert result.n_fits == 2 * 2 and result.n_fits_unshared == 4 * 2
+    ts = result.test["ts"]
+    for r in result.retrain_times:
+        fitted = train_model(
+            tiny_frame(), kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble,
+            negative_fraction=1.0,
+        )  # fmt: skip
+        day = ((ts >= r) & (ts < r + pd.Timedelta(days=1))).to_numpy()
+        expected = fitted.predict_risk(result.test.loc[day])
+        np.testing.assert_array_equal(result.scores["par"][day], expected)
+        fit = next(f for f in result.fits if f.contender == "par" and f.retrain_at == r)
+        assert (fit.status, fit.train_end, fit.n_rows) == ("trained", fitted.train_end, fitted.n_rows)
+
+
+def test_a_static_contender_shares_its_fit_with_the_first_sliding_one():
+    contenders = [Contender("s", "lightgbm", "static", FAST), Contender("d", "lightgbm", "sliding", FAST)]
+    result = run_walk_forward(tiny_frame(), contenders, TINY)
+    assert (result.n_fits, result.n_fits_unshared) == (2, 3)
+    first = (result.test["ts"] < result.retrain_times[1]).to_numpy()
+    np.testing.assert_array_equal(result.scores["s"][first], result.scores["d"][first])
+    assert not np.array_equal(result.scores["s"][~first], result.scores["d"][~first])
+
+
+def test_a_parallel_contender_with_members_that_are_not_single_kinds_is_refused():
+    with pytest.raises(InputError, match=r"'p'.*params.members expected a list of at least two kinds"):
+        check_contenders([Contender("p", "parallel", "sliding", {"members": ["lightgbm", "cascade"]})])
+    with pytest.raises(InputError, match=r"params.combine expected one of"):
+        check_contenders([Contender("p", "parallel", "sliding", {"combine": "vote"})])
+    with pytest.raises(InputError, match=r"params.top_k expected a positive number"):
+        check_contenders([Contender("p", "parallel", "sliding", {"top_k": 0})])
+
+
+def test_auto_keeps_its_window_unless_another_beats_it_by_the_margin():
+    from models.walk_forward import _choose
+
+    scored = {"7d": (0.30, 0.2), "14d": (0.32, 0.1), "21d": None}
+    windows = ["7d", "14d", "21d"]
+    assert _choose(None, windows, scored, 0.05) == "14d"  # no window yet: the best
+    assert _choose("7d", windows, scored, 0.05) == "7d"  # 0.02 better is within the margin
+    assert _choose("7d", windows, scored, 0.01) == "14d"
+    assert _choose("21d", windows, scored, 0.05) == "14d"  # the current one has no score today
+    tie = {"7d": (0.3, 0.1), "14d": (0.3, 0.1)}
+    assert _choose(None, ["7d", "14d"], tie, 0.0) == "7d"  # exact ties: the first listed
+    assert _choose("14d", ["7d", "14d"], {"7d": None, "14d": None}, 0.0) == "14d"
+    assert _choose(None, ["7d", "14d"], {"7d": None, "14d": None}, 0.0) == "14d"  # none scored: the longest
+
+
+def test_auto_scores_validation_days_with_each_windows_own_walk_forward_models():
+    plan = WalkForwardPlan(**{**TINY.__dict__, "candidate_windows": ("1d", "3d"), "validation_window": "1d"})
+    contenders = [Contender("a", "lightgbm", "auto", FAST), Contender("d", "lightgbm", "sliding", FAST)]
+    result = run_walk_forward(tiny_frame(), contenders, plan)
+    # Days before the test period (horizon + validation window: 2 days) are fit per window too;
+    # the 3d track inside the test period is the sliding contender's.
+    assert result.n_fits == 2 * (2 + 2) and result.n_fits_unshared == 2 * (2 + 2) + 2
+    auto = [f for f in result.fits if f.contender == "a"]
+    assert [f.retrain_at for f in auto] == result.retrain_times
+    for f in auto:
+        assert set(f.validation) == {"1d", "3d"} and all(v is not None for v in f.validation.values())
+        assert f.validation[f.train_window] == max(f.validation.values())  # margin 0: the best (PR-AUC breaks ties)
