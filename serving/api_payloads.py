@@ -59,24 +59,24 @@ def telemetry_frame(
     telemetry: list[Any], xid_events: list[Any], featurise: dict[str, Any]
 ) -> tuple[pd.DataFrame, set[str]]:
     """Each GPU's newest feature row built from raw samples (and the uuids sent)."""
+    import polars as pl
     import pyarrow as pa
 
     from features.build import build_features
     from ingest.schema import schema_for
 
-    tel_schema = schema_for("telemetry")
-    tel = pa.Table.from_pylist([r.model_dump() for r in telemetry], schema=tel_schema)
-    xid_schema = schema_for("xid_events")
     xid_rows = []
     for e in xid_events:
         row = e.model_dump()
         row["last_ts"] = row["last_ts"] or row["ts"]
         xid_rows.append(row)
-    xids = pa.Table.from_pylist(xid_rows, schema=xid_schema)
     try:
+        tel = pa.Table.from_pylist([r.model_dump() for r in telemetry], schema=schema_for("telemetry"))
+        xids = pa.Table.from_pylist(xid_rows, schema=schema_for("xid_events"))
         built = build_features(tel, xids, **featurise)
-    except (ValueError, TypeError) as exc:
-        raise InputError(f"telemetry: cannot build features ({exc})") from exc
+    except (ValueError, TypeError, ArithmeticError, pa.ArrowException, pl.exceptions.PolarsError) as exc:
+        # The rows passed validation one by one; this is about them together (or their values).
+        raise InputError(f"telemetry: cannot build features from these rows ({type(exc).__name__}: {exc})") from exc
     return latest_rows(built.to_pandas()).reset_index(drop=True), {r.gpu_uuid for r in telemetry}
 
 

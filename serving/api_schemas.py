@@ -8,10 +8,10 @@ feature or metric name is an error instead of a silently missing value.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ingest.schema import metric_catalogue
 
@@ -23,7 +23,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-FiniteOrNull = float | None
+FLOAT32_MAX = 3.4e38
+INT64_MAX = 2**63 - 1
+# Values are stored as float32 / int64 / int32 (the datasets' types): larger ones are refused
+# here rather than overflowing (to inf, or an error) further down.
+
+
+def _float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"expected a number within float32 range (at most 3.4e38 in size), got {value:g}")
+    return value
+
+
+FiniteOrNull = Annotated[float, AfterValidator(_float32)] | None
+CounterOrNull = Annotated[int, Field(ge=0, le=INT64_MAX)] | None
+EARLIEST, LATEST = datetime(1970, 1, 1, tzinfo=UTC), datetime(2200, 1, 1, tzinfo=UTC)
+
+
+def _plausible(moment: datetime) -> datetime:
+    # pandas timestamps end in 2262; a sample from before 1970 or after 2200 is a broken clock.
+    if not EARLIEST <= moment < LATEST:
+        raise ValueError(f"expected a time between 1970 and 2200, got {moment.isoformat()}")
+    return moment
+
+
+Timestamp = Annotated[AwareDatetime, AfterValidator(_plausible)]
 
 
 class FeatureRow(_Strict):
@@ -35,7 +59,7 @@ class FeatureRow(_Strict):
         default="", max_length=MAX_ID_LENGTH, description="Node name; GPUs of one node share its node risk."
     )
     gpu_index: int = Field(default=0, ge=0, le=1023)
-    ts: AwareDatetime | None = Field(default=None, description="Grid time of the features (default: now).")
+    ts: Timestamp | None = Field(default=None, description="Grid time of the features (default: now).")
     gpu_model: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
     driver: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
     values: dict[str, FiniteOrNull] = Field(
@@ -47,28 +71,28 @@ class FeatureRow(_Strict):
 class XidEventRow(_Strict):
     """One XID incident (the `xid_events` dataset's columns)."""
 
-    ts: AwareDatetime
-    last_ts: AwareDatetime | None = None
+    ts: Timestamp
+    last_ts: Timestamp | None = None
     cluster: str = Field(default="api", max_length=MAX_ID_LENGTH)
     node: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     pci_bus_id: str = Field(min_length=1, max_length=64)
     gpu_index: int | None = Field(default=None, ge=0, le=1023)
     gpu_uuid: str | None = Field(default=None, max_length=MAX_ID_LENGTH)
     xid: int = Field(ge=0, le=100_000)
-    repeat_count: int = Field(default=1, ge=1)
+    repeat_count: int = Field(default=1, ge=1, le=2**31 - 1)
     source: str = Field(default="api", max_length=64)
     message: str | None = Field(default=None, max_length=2000)
 
 
 def _metric_field(arrow_type: Any, description: str) -> tuple[Any, Any]:
-    kind = int | None if str(arrow_type) == "int64" else FiniteOrNull
+    kind = CounterOrNull if str(arrow_type) == "int64" else FiniteOrNull
     return kind, Field(default=None, description=description)
 
 
 class TelemetryIds(_Strict):
     """One GPU sample (the `telemetry` dataset's columns; metrics absent or null are missing)."""
 
-    ts: AwareDatetime
+    ts: Timestamp
     cluster: str = Field(default="api", max_length=MAX_ID_LENGTH)
     node: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
     gpu_index: int = Field(ge=0, le=1023)

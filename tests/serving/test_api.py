@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from datetime import timedelta
 
 import httpx
@@ -18,6 +19,8 @@ from tests.serving.api_server import ADMIN_TOKEN, N_GPUS, fleet, start_server, t
 MAX_GPUS = 50
 MAX_BODY = 1_000_000
 METRICS_TOP = 5
+FUZZ_EXAMPLES = int(os.environ.get("API_FUZZ_EXAMPLES", "20"))
+"""Per operation and generation mode; raise it for a deeper run (the suite keeps it under a minute)."""
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +336,22 @@ BAD_BODIES = [
         "telemetry[0].temp_gpu: Extra inputs are not permitted",
     ),
     (b'{"gpu_uuids": ["x"], "xid_events": []}', 422, "xid_events: expected only together with telemetry"),
+    (
+        b'{"telemetry": [{"ts": "2026-03-04T00:00:00Z", "node": "n", "gpu_index": 0, "gpu_uuid": "g", '
+        b'"pcie_replay_total": 99999999999999999999}]}',
+        422,
+        "telemetry[0].pcie_replay_total: Input should be less than or equal to 9223372036854775807",
+    ),
+    (
+        b'{"features": [{"gpu_uuid": "a", "values": {"temp_gpu_c_mean_1h": 1e300}}]}',
+        422,
+        "temp_gpu_c_mean_1h: expected a number within float32 range (at most 3.4e38 in size), got 1e+300",
+    ),
+    (
+        b'{"features": [{"gpu_uuid": "a", "ts": "2500-01-01T00:00:00Z", "values": {}}]}',
+        422,
+        "features[0].ts: expected a time between 1970 and 2200, got 2500-01-01T00:00:00+00:00",
+    ),
 ]
 
 
@@ -404,7 +423,7 @@ def test_fuzzing_the_openapi_document_finds_no_server_error(server):
         for mode in schemathesis.GenerationMode:  # requests that fit the schema, and ones that do not
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
             def run(case):
                 response = case.call(base_url=server.url, timeout=60)
                 calls.append(response.status_code)
