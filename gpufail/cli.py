@@ -472,6 +472,7 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
         train_window=cfg.train_window,
         candidate_windows=tuple(cfg.candidate_windows),
         validation_window=cfg.validation_window,
+        switch_margin=cfg.switch_margin,
         negative_fraction=cfg.negative_fraction,
         seed=cfg.seed,
         jobs=cfg.jobs,

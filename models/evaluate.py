@@ -63,12 +63,25 @@ def _prepared(frame: Any, scores: Any) -> pd.DataFrame:
     return out.loc[out["label"].notna()].reset_index(drop=True)
 
 
+def time_key(df: pd.DataFrame) -> np.ndarray:
+    """The grid time of each row as an integer, for grouping. (Grouping by the timezone-aware
+    column itself converts it to Python objects first: on the demo's 146k test rows that was
+    90% of the comparison's time.)"""
+    return np.asarray(df["ts"].astype("int64").to_numpy(), dtype=np.int64)
+
+
 def _ranks(df: pd.DataFrame, seed: int) -> np.ndarray:
     """1-based rank of each row's score within its grid time (1 = highest)."""
     tiebreak = np.random.default_rng(seed).random(len(df))
-    order = np.lexsort((tiebreak, -df["score"].to_numpy(), df["ts"].astype("int64").to_numpy()))
+    ts = time_key(df)
+    order = np.lexsort((tiebreak, -df["score"].to_numpy(), ts))
+    # In `order`, each grid time is one run; a row's rank is its place in its run.
+    sorted_ts = ts[order]
+    position = np.arange(len(df))
+    starts = np.concatenate([[True], sorted_ts[1:] != sorted_ts[:-1]]) if len(df) else np.zeros(0, dtype=bool)
+    run_start = np.maximum.accumulate(np.where(starts, position, 0)) if len(df) else position
     ranks = np.empty(len(df), dtype=np.int64)
-    ranks[order] = df.iloc[order].groupby("ts", sort=False).cumcount().to_numpy() + 1
+    ranks[order] = position - run_start + 1
     return ranks
 
 
@@ -326,14 +339,9 @@ def episode_table(prepared: pd.DataFrame, caught: np.ndarray) -> pd.DataFrame:
     """One row per failure episode in `prepared`: gpu_uuid, failure_ts, caught (the GPU was
     caught on one of its positive rows) and lead_h (hours from the first catch to the failure)."""
     pos = prepared["failure_ts"].notna().to_numpy()
-    rows = pd.DataFrame(
-        {
-            "gpu_uuid": prepared["gpu_uuid"].to_numpy()[pos],
-            "failure_ts": prepared["failure_ts"].to_numpy()[pos],
-            "ts": prepared["ts"].to_numpy()[pos],
-            "caught": np.asarray(caught)[pos],
-        }
-    )
+    # Positive rows only, before anything is converted (the times stay datetime64).
+    rows = prepared.loc[pos, ["gpu_uuid", "failure_ts", "ts"]].reset_index(drop=True)
+    rows["caught"] = np.asarray(caught)[pos]
     keys = ["gpu_uuid", "failure_ts"]
     episodes = rows.groupby(keys, sort=True)["caught"].any().rename("caught").reset_index()
     first = rows.loc[rows["caught"]].groupby(keys)["ts"].min().rename("first_catch").reset_index()
@@ -451,8 +459,9 @@ def _by_k(
     failures_d = np.bincount(fail_day, minlength=n_days).astype(float)
     with np.errstate(invalid="ignore", divide="ignore"):
         daily_precision = np.where(picks > 0, hits / np.where(picks > 0, picks, 1), np.nan)
-    per_time_hits = pd.Series(hit).groupby(prepared["ts"].to_numpy()).sum()
-    per_time_picks = pd.Series(picked).groupby(prepared["ts"].to_numpy()).sum()
+    ts = time_key(prepared)
+    per_time_hits = pd.Series(hit).groupby(ts).sum()
+    per_time_picks = pd.Series(picked).groupby(ts).sum()
     leads = caught.loc[caught["caught"], "lead_h"].to_numpy(dtype=float)
     by_mode = {}
     for mode in sorted(set(modes)):

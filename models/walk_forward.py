@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from ingest.errors import GpufailError, InputError
-from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_pr_auc
+from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_pr_auc, time_key
 from models.frame import labels, require_columns, to_pandas
 from models.split import DurationLike, as_timedelta, as_utc
 from models.train import TrainedModel, settled_until, train_model
@@ -505,8 +505,9 @@ def _validation_score(rows: pd.DataFrame, risk: np.ndarray, top_k: str, seed: in
     days = max(prepared["ts"].nunique() / 24.0, 1.0)
     expected = prepared["failure_ts"].dropna().nunique() / days if kind == "expected" else None
     picked = ranks(prepared, seed) <= k_per_row(prepared, top_k, expected)
-    hits = pd.Series(picked & (prepared["label"] == 1).to_numpy()).groupby(prepared["ts"].to_numpy()).sum()
-    picks = pd.Series(picked).groupby(prepared["ts"].to_numpy()).sum()
+    ts = time_key(prepared)
+    hits = pd.Series(picked & (prepared["label"] == 1).to_numpy()).groupby(ts).sum()
+    picks = pd.Series(picked).groupby(ts).sum()
     precision = float((hits / picks).mean())
     pr_auc = safe_pr_auc(prepared["label"].to_numpy(dtype=int), prepared["score"].to_numpy())
     return precision, -1.0 if pr_auc is None else pr_auc
