@@ -130,6 +130,16 @@ def _claims_text(metrics: dict[str, Any]) -> list[str]:
             f"{_pct(e['std_static'])}, ratio {_num(e['std_ratio'], 2)} (95% CI {_ratio_ci(e['std_ratio_ci'])}); "
             f"target <= 0.5 {'met' if e['stability_target_met'] else 'not met'}."
         )
+        if not (e["meets_paper_step"] and e["stability_target_met"]):
+            first, second = e["static_of_oracle_halves"]
+            drift = first is not None and second is not None and second < 0.8 * first
+            lines.append(
+                f"  What the data says: {e['static_single']}, trained once, reached {_pct(first)} of the oracle's "
+                f"precision in the first half of the test period and {_pct(second)} in the second: "
+                f"{'it decays, so there is drift for retraining to follow' if drift else 'it does not decay, so there is little drift for retraining to follow'}. "
+                f"And even the oracle's daily precision varies by {_pct(e['oracle_std'])} (std), because how many "
+                "GPUs fail changes from day to day, which no model removes."
+            )
     if "rule_precision" in c:
         lines.append(
             f"- Rule baseline: {_pct(c['rule_precision'])}; the best configuration "

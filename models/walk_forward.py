@@ -935,6 +935,10 @@ def _ensemble_claim(
     return {
         "name": name,
         "precision": mean(name),
+        # Drift, which retraining is there to follow: how close the static model stays to the
+        # ceiling (the oracle) in the first and the second half of the test period.
+        "static_of_oracle_halves": _halves_of_oracle(daily(static)["daily"], daily("oracle")["daily"]),
+        "oracle_std": daily("oracle")["precision_daily_std"],
         "static_single": static,
         "static_precision": mean(static),
         "gain": gain,
@@ -946,6 +950,18 @@ def _ensemble_claim(
         "std_ratio_ci": _std_ratio_ci(daily(name)["daily"], daily(static)["daily"], samples, seed),
         "stability_target_met": ratio is not None and ratio <= 0.5,
     }
+
+
+def _halves_of_oracle(model: list[dict[str, Any]], oracle: list[dict[str, Any]]) -> list[float | None]:
+    """Mean daily precision of `model` over the oracle's, in the first and the second half of
+    the test days (None where the oracle has nothing)."""
+    half = len(model) // 2
+    out: list[float | None] = []
+    for part in (slice(0, half), slice(half, None)):
+        m = [d["precision"] for d in model[part] if d["precision"] is not None]
+        o = [d["precision"] for d in oracle[part] if d["precision"] is not None]
+        out.append(float(np.mean(m) / np.mean(o)) if m and o and np.mean(o) > 0 else None)
+    return out
 
 
 def _std_ratio_ci(a: list[dict[str, Any]], b: list[dict[str, Any]], samples: int, seed: int) -> list[float | None]:

@@ -330,3 +330,27 @@ def test_auto_scores_validation_days_with_each_windows_own_walk_forward_models()
     for f in auto:
         assert set(f.validation) == {"1d", "3d"} and all(v is not None for v in f.validation.values())
         assert f.validation[f.train_window] == max(f.validation.values())  # margin 0: the best (PR-AUC breaks ties)
+
+
+def test_claims_compare_the_retrained_ensemble_with_the_best_static_single_model():
+    from models.walk_forward import claims
+
+    def scored(days):
+        mean, std = float(np.mean(days)), float(np.std(days))
+        daily = [{"precision": d} for d in days]
+        return {"by_k": {"10": {"precision_daily_mean": mean, "precision_daily_std": std, "daily": daily}}}
+
+    scores = {
+        "s": scored([0.1, 0.3, 0.1, 0.3]),
+        "p": scored([0.26, 0.32, 0.26, 0.32]),  # better every day, and steadier
+        "oracle": scored([0.5, 0.5, 0.4, 0.4]),
+    }
+    contenders = [Contender("s", "lightgbm", "static"), Contender("p", "parallel", "sliding")]
+    e = claims(scores, contenders, "10", samples=200)["sliding_ensemble"]
+    assert (e["name"], e["static_single"]) == ("p", "s")
+    assert e["gain"] == pytest.approx(0.09) and e["gain_ci"][0] > 0
+    assert e["std_ratio"] == pytest.approx(0.03 / 0.1) and e["stability_target_met"]
+    assert e["std_ratio_ci"][0] <= e["std_ratio"] <= e["std_ratio_ci"][1]
+    assert e["static_of_oracle_halves"] == pytest.approx([0.4, 0.5])
+    # Without a retrained ensemble there is no such claim.
+    assert "sliding_ensemble" not in claims(scores, contenders[:1], "10", samples=50)
