@@ -151,7 +151,18 @@ class Store:
         files = self.files(dataset, first_day, last_day)
         if not files:
             return None
-        return ds.dataset(files, format="parquet", filesystem=self.fs).to_table()
+        found = ds.dataset(files, format="parquet", filesystem=self.fs)
+        if len(files) == 1:
+            return found.to_table()
+        # A dataset's schema is taken from its first file unless told otherwise, and an owned
+        # schema can grow (a newer gpufail adds a column, e.g. predictions' top_features): take
+        # every file's columns, so that rows written before the upgrade read with nulls there
+        # and the new column is not dropped.
+        try:
+            schema = pa.unify_schemas([f.physical_schema for f in found.get_fragments()])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise StoreError(f"{self.path(dataset)}: the files disagree on a column's type ({exc})") from None
+        return ds.dataset(files, format="parquet", filesystem=self.fs, schema=schema).to_table()
 
     def _write_part(self, dataset: str, day: str, table: pa.Table, **parquet_options: Any) -> str:
         folder = self.path(dataset, f"date={day}")

@@ -141,3 +141,26 @@ def test_datasets_owned_by_later_stages_get_the_same_atomic_dated_layout(store, 
     store.write_owned("predictions", date(2026, 1, 6), pa.table({"gpu_uuid": ["b"], "risk": [0.1]}))
     assert store.read_owned("predictions")["gpu_uuid"].to_pylist() == ["a", "b"]
     assert store.read_owned("predictions", first_day=date(2026, 1, 6))["gpu_uuid"].to_pylist() == ["b"]
+
+
+def test_an_owned_dataset_whose_schema_grew_keeps_the_new_column(store):
+    from datetime import date
+
+    # The day of an upgrade: an older file without `top_features`, then a newer one with it.
+    day = date(2026, 1, 5)
+    store.write_owned("predictions", day, pa.table({"gpu_uuid": ["a"], "risk": [0.9]}))
+    store.write_owned(
+        "predictions", day, pa.table({"gpu_uuid": ["b"], "risk": [0.1], "top_features": [["ecc_dbe_total_last"]]})
+    )
+    table = store.read_owned("predictions")
+    rows = sorted(zip(table["gpu_uuid"].to_pylist(), table["top_features"].to_pylist(), strict=True))
+    assert rows == [("a", None), ("b", ["ecc_dbe_total_last"])]
+
+
+def test_owned_files_that_disagree_on_a_type_are_a_clear_error(store):
+    from datetime import date
+
+    store.write_owned("predictions", date(2026, 1, 5), pa.table({"gpu_uuid": ["a"], "risk": [0.9]}))
+    store.write_owned("predictions", date(2026, 1, 6), pa.table({"gpu_uuid": ["b"], "risk": ["high"]}))
+    with pytest.raises(StoreError, match=r"predictions: the files disagree on a column's type"):
+        store.read_owned("predictions")
