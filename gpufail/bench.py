@@ -25,7 +25,11 @@ _CHILD = (
     "try:\n"
     "    main()\n"
     "finally:\n"
-    "    print(f'\\nGPUFAIL_BENCH_MAXRSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr)\n"
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report the
+    # bench process's own size when that is larger.
+    "    hwm = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
+    "    kb = hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    "    print(f'\\nGPUFAIL_BENCH_MAXRSS_KB={kb}', file=sys.stderr)\n"
 )
 
 
