@@ -393,6 +393,8 @@ def _model_params(settings: Any) -> dict[str, Any]:
             "n_jobs": m.threads,
             "first": m.cascade_first,
             "second": m.cascade_second,
+            "first_params": dict(m.cascade_first_params),
+            "second_params": dict(m.cascade_second_params),
             "target_recall": m.cascade_recall,
         }
     return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}

@@ -111,8 +111,14 @@ class ModelSettings(_Table):
     """kind = "parallel": GPUs in every member's top_k first, or the mean rank alone."""
     cascade_first: SingleKind = "logistic"
     """kind = "cascade": the model that keeps the GPUs worth a second look."""
+    cascade_first_params: dict[str, Any] = Field(default_factory=dict)
+    """kind = "cascade": the first stage's parameters on top of its kind's defaults (the
+    walk-forward's "cascade sliding" contender uses a small LightGBM: cascade_first = "lightgbm"
+    with {n_estimators = 20, num_leaves = 7})."""
     cascade_second: SingleKind = "lightgbm"
     """kind = "cascade": the model that ranks the kept GPUs."""
+    cascade_second_params: dict[str, Any] = Field(default_factory=dict)
+    """kind = "cascade": the second stage's parameters on top of its kind's defaults."""
     cascade_recall: float = Field(default=0.95, gt=0.0, le=1.0)
     """kind = "cascade": share of the failures the first stage must keep (on a validation slice)."""
 
