@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -370,14 +370,16 @@ def _dask_client(settings: Any) -> Any:
     )
 
 
-def _load_features(root: str, latest_day_only: bool = False) -> Any:
+def _load_features(root: str, latest_day_only: bool = False, lookback: timedelta | None = None) -> Any:
+    """The features dataset: all of it, only its newest day (`latest_day_only`), or its newest
+    day and the `lookback` before it."""
     from features.build import FEATURES_DATASET, read_features
     from ingest.store import Store
 
     store = Store.open(root)
     start = None
-    if latest_day_only and (days := store.dates(FEATURES_DATASET)):
-        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
+    if (latest_day_only or lookback is not None) and (days := store.dates(FEATURES_DATASET)):
+        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC) - (lookback or timedelta(0))
     frame = read_features(store, start=start)
     if frame.height == 0:
         raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
@@ -427,7 +429,10 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         with _dask_client(settings) as client:
             model = train_model_distributed(client, Store.open(_root(ctx, data)), **options)
     else:
-        model = train_model(_load_features(_root(ctx, data)), **options)
+        # train_model fits on (last ts - horizon - train_window, last ts - horizon]: reading
+        # the newest day and that span before it gives the same rows as reading all history.
+        lookback = settings.labels.horizon + settings.model.train_window
+        model = train_model(_load_features(_root(ctx, data), lookback=lookback), **options)
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "

@@ -31,6 +31,7 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
     assert "features:" in gpufail("features", "--data", str(data), "--quiet")
     assert "trained lightgbm" in gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
+    assert_train_reads_its_window_and_fits_what_all_history_gives(data, out / "model")
     assert "precision@10" in gpufail(
         "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6"
     )
@@ -69,3 +70,28 @@ def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):
     result = subprocess.run([*GPUFAIL, "publish", "--data", str(data), "--dry-run"], capture_output=True, text=True)
     assert result.returncode == 2
     assert "no predictions; run `gpufail score` first" in result.stderr
+
+
+def assert_train_reads_its_window_and_fits_what_all_history_gives(data, model_dir) -> None:
+    """`gpufail train` reads the newest day and the horizon + train_window before it, not the
+    whole features dataset; the model must be the one all history gives."""
+    from features.build import read_features
+    from gpufail.cli import _load_features, _model_params
+    from gpufail.config import load_settings
+    from models.train import load_model, train_model
+
+    settings = load_settings(environ={})
+    everything = read_features(Store.open(str(data)))
+    model = train_model(
+        everything,
+        kind=settings.model.kind,
+        train_window=settings.model.train_window,
+        horizon=settings.labels.horizon,
+        params=_model_params(settings),
+        negative_fraction=settings.model.negative_fraction,
+        monotone_increasing=settings.model.monotone_increasing,
+    )
+    assert load_model(model_dir).version == model.version
+    lookback = settings.labels.horizon + settings.model.train_window
+    read = _load_features(str(data), lookback=lookback)
+    assert everything["ts"].min() < read["ts"].min() <= model.train_start  # less than all history, enough
