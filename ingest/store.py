@@ -162,7 +162,7 @@ class Store:
             schema = pa.unify_schemas([f.physical_schema for f in found.get_fragments()])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise StoreError(f"{self.path(dataset)}: the files disagree on a column's type ({exc})") from None
-        return ds.dataset(files, format="parquet", filesystem=self.fs, schema=schema).to_table()
+        return found.replace_schema(schema).to_table()
 
     def _write_part(self, dataset: str, day: str, table: pa.Table, **parquet_options: Any) -> str:
         folder = self.path(dataset, f"date={day}")

@@ -19,7 +19,7 @@ import pandas as pd
 from ingest.errors import InputError
 from models.frame import CATEGORICAL_COLUMNS
 from models.train import TrainedModel
-from serving.api_state import explanation_lists, tier_of
+from serving.api_state import explanation_lists
 from serving.policy import PolicyConfig
 from serving.score import latest_rows, node_risk
 
@@ -103,7 +103,7 @@ def score_rows(
     frame = frame.iloc[order].reset_index(drop=True)
     risk = risk[order]
     nrisk = node_risk(risk, frame["cluster"].astype(str), frame["node"].astype(str))
-    tier, node_tier = tier_of(tiers, risk), tier_of(tiers, nrisk)
+    tier, node_tier = tiers.entered_tiers(risk), tiers.entered_tiers(nrisk)
     explanations = explanation_lists(model, frame, top_features)
     out = []
     for i in range(len(frame)):

@@ -216,14 +216,6 @@ class Fleet:
     ts: pd.Timestamp | None
 
 
-def tier_of(tiers: PolicyConfig, risk: np.ndarray) -> np.ndarray:
-    """The tier each risk enters (no hysteresis: that needs the publish state)."""
-    out = np.full(len(risk), "none", dtype=object)
-    for t in tiers.tiers:  # weakest first: a stronger tier overwrites
-        out[risk >= t.enter] = t.name
-    return out
-
-
 def explanation_lists(model: TrainedModel, frame: pd.DataFrame, top: int) -> list[list[dict[str, Any]]]:
     """`models.explain.explain` for each row of `frame`, as lists of JSON-ready dicts."""
     if top <= 0 or len(frame) == 0:
@@ -260,9 +252,9 @@ def score_fleet(model: TrainedModel, latest: pd.DataFrame, tiers: PolicyConfig, 
         raise InputError(f"model {model.version}: risks outside [0, 1] on the latest features")
     ordered = latest.set_index("gpu_uuid", drop=False).loc[predictions["gpu_uuid"].to_numpy()]
     explanations = explanation_lists(model, ordered, explain_top)
-    tier = tier_of(tiers, risk)
+    tier = tiers.entered_tiers(risk)
     node_risk = predictions["node_risk"].to_numpy(dtype=np.float64)
-    node_tier = tier_of(tiers, node_risk)
+    node_tier = tiers.entered_tiers(node_risk)
     ts_values = [pd.Timestamp(t).isoformat() for t in predictions["ts"]]
     version = model.version
     records = [

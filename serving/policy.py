@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+import numpy as np
+
 from ingest.errors import InputError
 
 TIERS = ("none", "watch", "avoid", "drain_after_job", "drain_now")
@@ -102,6 +104,13 @@ class PolicyConfig:
         """The strongest tier whose enter threshold `risk` reaches ('none' if none)."""
         reached = [t.name for t in self.tiers if risk >= t.enter]
         return reached[-1] if reached else "none"
+
+    def entered_tiers(self, risk: np.ndarray) -> np.ndarray:
+        """`entered_tier` of each risk, for a whole array at once (object array of names)."""
+        out = np.full(len(risk), "none", dtype=object)
+        for t in self.tiers:  # weakest first: a stronger tier overwrites
+            out[np.asarray(risk) >= t.enter] = t.name
+        return out
 
     def exit_threshold(self, tier: str) -> float:
         for t in self.tiers:

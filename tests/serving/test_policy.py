@@ -50,6 +50,15 @@ def test_each_tier_is_entered_at_its_enter_threshold():
     )
 
 
+def test_the_array_form_enters_the_same_tier_as_one_risk_at_a_time():
+    import numpy as np
+
+    cfg = config()
+    risks = np.array([0.0, *[t.enter for t in cfg.tiers], *[t.enter - 1e-9 for t in cfg.tiers], 1.0])
+    assert cfg.entered_tiers(risks).tolist() == [cfg.entered_tier(float(r)) for r in risks]
+    assert cfg.entered_tiers(np.array([1.0]))[0] == cfg.strongest
+
+
 def test_hysteresis_keeps_the_tier_between_exit_and_enter_and_recovers_only_after_the_period():
     cfg = config()
     _, state = decide(nodes(a=0.55), PolicyState(), cfg, T0)
