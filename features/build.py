@@ -9,7 +9,7 @@ dataset (hive-partitioned by UTC date, files written once and atomically, like `
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
@@ -29,7 +29,7 @@ from features.labels import (
     label_rows,
     resolve_xid_gpus,
 )
-from features.peers import peer_features
+from features.peers import PEER_METRICS, peer_features
 from features.schema import (
     FEATURE_DTYPE,
     FEATURES_SCHEMA_VERSION,
@@ -42,6 +42,7 @@ from features.schema import (
     window_label,
 )
 from features.windows import (
+    BUCKET_ID_COLUMNS,
     DEFAULT_GRID,
     DEFAULT_MAX_SILENCE,
     DEFAULT_WINDOWS,
@@ -50,6 +51,7 @@ from features.windows import (
     check_grid,
     dense_grid,
     grid_floor,
+    grid_suffix,
     hourly_aggregate,
     window_features,
 )
@@ -241,7 +243,58 @@ def features_from_buckets(
     buckets it carries from day to day. Window and XID features are computed for chunks of
     whole GPUs of about `rows_per_chunk` grid rows at a time (all at once when None), which
     bounds the memory of their intermediate columns; peer features for all GPUs together (the
-    fleet median needs them all)."""
+    fleet median needs them all). One frame: `iter_features_from_buckets`' parts, concatenated."""
+    parts = iter_features_from_buckets(
+        hourly,
+        xid_events,
+        data_end=data_end,
+        grid=grid,
+        windows=windows,
+        horizon=horizon,
+        failure_xids=failure_xids,
+        merge_window=merge_window,
+        lost_after=lost_after,
+        max_silence=max_silence,
+        xid_since_cap=xid_since_cap,
+        repairs=repairs,
+        presence=presence,
+        episodes=episodes,
+        emit_start=emit_start,
+        emit_end=emit_end,
+        rows_per_chunk=rows_per_chunk,
+    )
+    return pl.concat(list(parts), how="vertical")
+
+
+def iter_features_from_buckets(
+    hourly: pl.DataFrame,
+    xid_events: pl.DataFrame | pa.Table,
+    *,
+    data_end: datetime,
+    grid: timedelta = DEFAULT_GRID,
+    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
+    horizon: timedelta = DEFAULT_HORIZON,
+    failure_xids: Iterable[int] | None = None,
+    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
+    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
+    max_silence: timedelta = DEFAULT_MAX_SILENCE,
+    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
+    repairs: pl.DataFrame | pa.Table | None = None,
+    presence: pl.DataFrame | None = None,
+    episodes: pl.DataFrame | None = None,
+    emit_start: datetime | None = None,
+    emit_end: datetime | None = None,
+    rows_per_chunk: int | None = None,
+    rows_per_part: int | None = None,
+) -> Iterator[pl.DataFrame]:
+    """`features_from_buckets` in parts of whole GPUs, each part a finished feature frame
+    (sorted by (gpu_uuid, ts); at least one part, possibly empty).
+
+    With `rows_per_part` set, the wide grid (every bucket statistic on every grid row) exists
+    for one part of about that many grid rows at a time: which rows are emitted, their labels
+    and the peer features (which need every GPU of a node and of the fleet at once) are decided
+    first on a narrow grid of a few columns. A store build over a fleet of tens of thousands of
+    GPUs carries eight days of buckets; its wide grid alone would be ~10 GB."""
     check_grid(grid, windows)
     data_end = _utc(data_end)
     xid = _prepare_xids(_as_frame(xid_events))
@@ -262,20 +315,77 @@ def features_from_buckets(
         )
     first_seen = presence.group_by(GPU).agg(pl.col("first_ts").min())
 
-    dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence)
+    whole = rows_per_part is None
+    if whole:
+        dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence)
+        narrow = dense
+    else:
+        sfx = grid_suffix(grid)
+        wanted = {GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS, *(f"{m}_mean{sfx}" for m in PEER_METRICS)}
+        narrow = dense_grid(
+            hourly.select(c for c in hourly.columns if c in wanted), grid, data_end=data_end, max_silence=max_silence
+        )
     # Which rows are emitted, and their labels, are decided on narrow columns first, so that the
     # wide feature columns are materialised once, for the emitted rows only.
-    ts = dense["ts"]
-    emit = pl.repeat(True, dense.height, eager=True)
+    ts = narrow["ts"]
+    emit = pl.repeat(True, narrow.height, eager=True)
     if emit_start is not None:
         emit &= ts >= _utc(emit_start)
     if emit_end is not None:
         emit &= ts < _utc(emit_end)
-    facts = label_rows(dense.select(GPU, "ts"), episodes, horizon=horizon, data_end=data_end, repairs=fixes)
-    silent = dense.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
+    facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=horizon, data_end=data_end, repairs=fixes)
+    silent = narrow.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
     keep = emit & facts["in_service"] & ~silent.fill_null(True)
-    peers = peer_features(dense.filter(emit), grid).filter(keep.filter(emit))
+    peers = peer_features(narrow.filter(emit), grid).filter(keep.filter(emit))
+    facts = facts.filter(keep).drop("in_service")
+    # Kept rows before each grid row: where a part's rows start in `peers` and `facts`.
+    kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
+    parts = [(0, narrow.height)] if whole else _gpu_slices(narrow[GPU], rows_per_part)
+    produced = False
+    for i, (offset, length) in enumerate(parts):
+        part_keep = keep.slice(offset, length)
+        last_part = i == len(parts) - 1
+        if not part_keep.any() and (produced or not last_part):
+            continue
+        if whole:
+            part_dense = dense
+        else:
+            gpus = narrow[GPU].slice(offset, length).unique()
+            part_hourly = hourly if len(parts) == 1 else hourly.filter(pl.col(GPU).is_in(gpus.implode()))
+            part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence)
+        first = int(kept_before[offset]) if length else 0
+        n_kept = int(part_keep.sum())
+        yield _assemble(
+            part_dense,
+            part_keep,
+            peers.slice(first, n_kept),
+            facts.slice(first, n_kept),
+            xid,
+            first_seen,
+            grid=grid,
+            windows=windows,
+            xid_since_cap=xid_since_cap,
+            rows_per_chunk=rows_per_chunk,
+        )
+        produced = True
+
+
+def _assemble(
+    dense: pl.DataFrame,
+    keep: pl.Series,
+    peers: pl.DataFrame,
+    facts: pl.DataFrame,
+    xid: pl.DataFrame,
+    first_seen: pl.DataFrame,
+    *,
+    grid: timedelta,
+    windows: Sequence[timedelta],
+    xid_since_cap: timedelta,
+    rows_per_chunk: int | None,
+) -> pl.DataFrame:
+    """The feature frame of the kept rows of `dense` (whole GPUs): window and XID features in
+    chunks of whole GPUs, beside the identity columns, the peer features and the labels."""
     pieces: list[pl.DataFrame] = []
     for offset, length in _gpu_slices(dense[GPU], rows_per_chunk):
         part, part_keep = dense.slice(offset, length), keep.slice(offset, length)
@@ -291,8 +401,10 @@ def features_from_buckets(
     for frame in (features, peers):
         if not frame.select(GPU, "ts").equals(ids.select(GPU, "ts")):
             raise AssertionError("feature frames are not aligned with the grid; this is a bug in features")
+    if facts.height != ids.height:
+        raise AssertionError("labels are not aligned with the grid; this is a bug in features")
     frame = pl.concat(
-        [ids, features.drop(GPU, "ts"), peers.drop(GPU, "ts"), facts.filter(keep).drop("in_service")],
+        [ids, features.drop(GPU, "ts"), peers.drop(GPU, "ts"), facts],
         how="horizontal",
     )
     names = [c for c in frame.columns if c not in ID_COLUMNS and c not in LABEL_COLUMNS]
@@ -563,8 +675,9 @@ def build_features_from_store(
     max_silence: timedelta = DEFAULT_MAX_SILENCE,
     xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     rows_per_chunk: int = 250_000,
+    rows_per_part: int | None = 500_000,
     max_buckets_in_memory: int = 4_000_000,
-    flush_rows: int = 1_000_000,
+    flush_rows: int = 300_000,
     overwrite: bool = False,
     progress: bool = True,
 ) -> FeatureBuildSummary:
@@ -582,9 +695,11 @@ def build_features_from_store(
     Pass 2 reads raw telemetry one day partition at a time, from the longest window before
     `start` on, and aggregates it to grid buckets (`_BucketStream`); only the buckets of that
     trailing window are carried from day to day. Features are computed when the carried buckets
-    reach `max_buckets_in_memory` rows (or at the end), for the days not yet emitted, in chunks
-    of whole GPUs of about `rows_per_chunk` grid rows. Every row equals what an all-history
-    in-memory build gives (up to floating-point rounding).
+    reach `max_buckets_in_memory` rows (or at the end), for the days not yet emitted, in parts
+    of whole GPUs of about `rows_per_part` grid rows (`iter_features_from_buckets`; all GPUs at
+    once when None) and within them chunks of about `rows_per_chunk`; finished rows are written
+    every `flush_rows`. Every row equals what an all-history in-memory build gives (up to
+    floating-point rounding).
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written.
@@ -663,7 +778,7 @@ def build_features_from_store(
         nonlocal pending_from, buffered
         assert pending_from is not None
         buckets = pl.concat(carried, how="vertical_relaxed") if len(carried) > 1 else carried[0]
-        frame = features_from_buckets(
+        parts = iter_features_from_buckets(
             buckets.filter(pl.col("ts") > pl.lit(pending_from - lookback, dtype=TS_DTYPE)),
             xid,
             data_end=data_end,
@@ -681,10 +796,13 @@ def build_features_from_store(
             emit_start=pending_from,
             emit_end=until,
             rows_per_chunk=rows_per_chunk,
+            rows_per_part=rows_per_part,
         )
         summary.blocks += 1
         pending_from = until
-        if frame.height:
+        for frame in parts:
+            if frame.height == 0:
+                continue
             summary.rows += frame.height
             summary.positives += int((frame["label"] == 1).sum())
             summary.censored += frame["label"].null_count()

@@ -54,9 +54,12 @@ def _root(ctx: click.Context, data: str | None) -> str:
 )
 @click.option("--preset", default=None, help="demo (a few hundred GPUs, 2 months) or paper (~30k GPUs, 4 months).")
 @click.option("--seed", type=int, default=None, help="Random seed (default: [simulate] seed).")
+@click.option(
+    "--days", type=click.IntRange(min=1), default=None, help="Simulate this many days instead of the preset's."
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None, quiet: bool) -> None:
+def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None, days: int | None, quiet: bool) -> None:
     """Simulate a GPU fleet: telemetry, kernel logs, repairs and ground truth."""
     from ingest.simulator.run import simulate as run_simulation
 
@@ -68,6 +71,7 @@ def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None,
         cfg.seed if seed is None else seed,
         progress=not quiet,
         cluster=settings.ingest.cluster,
+        **({} if days is None else {"days": days}),
     )
     modes = ", ".join(f"{k} {v}" for k, v in summary.failures_by_mode.items())
     click.echo(
@@ -816,16 +820,40 @@ def _serve_app(settings: Any, root: str, model_path: str | None) -> tuple[Any, s
     default="bench-results",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Folder for bench.md and bench.json.",
+    help="Folder for bench.md and bench.json (bench-paper.md and bench-paper.json with --paper).",
 )
-def bench(out: str) -> None:
-    """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops."""
+@click.option(
+    "--paper",
+    is_flag=True,
+    help="Instead: the paper preset (~31k GPUs) end to end, stage by stage (tens of minutes, ~10 GB of disk a 100 days).",
+)
+@click.option(
+    "--days",
+    type=click.IntRange(min=10),
+    default=None,
+    help="With --paper: simulate this many days instead of the preset's 120.",
+)
+@click.option(
+    "--work",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --paper: keep the simulated store here (default: a temporary folder, removed after).",
+)
+def bench(out: str, paper: bool, days: int | None, work: str | None) -> None:
+    """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
+    --paper, the paper-scale pipeline."""
     import tempfile
 
     from gpufail.bench import run_bench
+    from gpufail.bench_paper import run_paper_bench
 
-    with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as work:
-        report = run_bench(Path(out), Path(work))
+    if not paper and (days is not None or work is not None):
+        raise click.UsageError("--days and --work go with --paper")
+    if paper and work is not None:
+        report = run_paper_bench(Path(out), Path(work), days=days)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as tmp:
+            report = run_paper_bench(Path(out), Path(tmp), days=days) if paper else run_bench(Path(out), Path(tmp))
     click.echo(report.read_text())
 
 

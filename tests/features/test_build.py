@@ -21,6 +21,8 @@ from features.build import (
     build_features_from_store,
     empty_features,
     feature_files,
+    features_from_buckets,
+    iter_features_from_buckets,
     read_features,
     write_features,
 )
@@ -32,6 +34,7 @@ from features.schema import (
     validate_features,
     window_label,
 )
+from features.windows import hourly_aggregate
 from ingest.schema import metric_columns
 from ingest.store import Store
 from tests.features import NO_XIDS, T0, H, at, every, samples
@@ -130,9 +133,16 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
     # A tiny bucket budget: features are computed day by day from the carried trailing window,
-    # in chunks of a few GPUs, so that day edges, the carried raw rows and chunk edges are exercised.
+    # in parts and chunks of a few GPUs, so that day edges, the carried raw rows, part and chunk
+    # edges are exercised.
     summary = build_features_from_store(
-        store, windows=WINDOWS, rows_per_chunk=500, max_buckets_in_memory=0, flush_rows=500, progress=False
+        store,
+        windows=WINDOWS,
+        rows_per_chunk=500,
+        rows_per_part=700,
+        max_buckets_in_memory=0,
+        flush_rows=500,
+        progress=False,
     )
     assert summary.blocks == 3  # 72 h: three days, each emitted on its own
     assert summary.telemetry_rows_read == tel.height  # each raw row is read once
@@ -250,3 +260,26 @@ def test_an_xid_seen_by_both_nvml_and_the_kernel_log_counts_once_in_the_features
     assert_frame_equal(both, expected)
     xid_columns = [c for c in expected.columns if c.startswith("xid_") and "count" in c]
     assert xid_columns and expected.select(pl.sum_horizontal(xid_columns).sum()).item() > 0
+
+
+def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
+    """The store build's parts: the narrow grid decides rows, labels and peers for every GPU;
+    each part's wide grid covers a few GPUs. Their concatenation is the one-frame build."""
+    tel, events = fleet
+    hourly = hourly_aggregate(tel, H)
+    end = tel["ts"].max()
+    whole = features_from_buckets(hourly, events, data_end=end, windows=WINDOWS)
+    parts = list(iter_features_from_buckets(hourly, events, data_end=end, windows=WINDOWS, rows_per_part=100))
+    assert len(parts) > 2
+    for part in parts:  # whole GPUs: no GPU is split across parts
+        assert part.height > 0
+    gpus = [set(p["gpu_uuid"].unique()) for p in parts]
+    assert sum(len(g) for g in gpus) == len(set().union(*gpus)) == whole["gpu_uuid"].n_unique()
+    assert_frame_equal(pl.concat(parts), whole)
+    # An emitted range that keeps no row still yields one (empty) frame with every column.
+    none = list(
+        iter_features_from_buckets(
+            hourly, events, data_end=end, windows=WINDOWS, rows_per_part=100, emit_start=end + 48 * H
+        )
+    )
+    assert len(none) == 1 and none[0].height == 0 and none[0].columns == whole.columns

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
-from gpufail.bench import run_stage
+from gpufail.bench import StageResult, run_stage
+from gpufail.bench_paper import write_paper_results
 
 
 def test_a_stage_reports_its_own_peak_memory_not_the_bench_process_size():
@@ -15,3 +18,34 @@ def test_a_stage_reports_its_own_peak_memory_not_the_bench_process_size():
     assert "Usage" in stage.output
     assert 5 < stage.peak_rss_mb < 200
     assert ballast.sum() > 0
+
+
+def test_the_paper_report_gives_each_stage_and_the_feature_rates(tmp_path):
+    def stage(name, seconds, output=""):
+        return StageResult(name, f"gpufail {name}", seconds, 1234.5, output)
+
+    stages = [
+        stage("simulate", 100.0),
+        stage(
+            "features (all days but the newest)",
+            50.0,
+            "features: 1,000,000 rows for 31,000 GPUs (1 positive, 2 censored) from 4,000,000 telemetry rows in 49.0 s",
+        ),
+        stage("nightly (the newest day)", 30.0),
+    ]
+    simulation = {
+        "gpus": 31574,
+        "nodes": 3938,
+        "days": 30,
+        "telemetry_rows": 20_000_000,
+        "kernel_log_lines": 5,
+        "failures": 7,
+    }
+    report = write_paper_results(tmp_path, stages, simulation).read_text()
+    assert "31,574 GPUs on 3,938 nodes over 30 days, 20,000,000 telemetry rows" in report
+    assert "| simulate | 100.0 | 1,234 | 200,000 telemetry rows/s |" in report  # 1234.5 MB rounds to even
+    assert "80,000 telemetry rows/s read; 20,000 feature rows/s written" in report
+    assert "| nightly (the newest day) | 30.0 | 1,234 |  |" in report
+    assert "Total: 180 s." in report
+    data = json.loads((tmp_path / "bench-paper.json").read_text())
+    assert [s["stage"] for s in data["stages"]] == [s.stage for s in stages]

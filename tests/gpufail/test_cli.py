@@ -28,6 +28,9 @@ def test_help_lists_the_commands():
         ),
         (["--config", "{tmp}/missing.toml", "simulate", "--out", "{tmp}/x"], "missing.toml: not found"),
         (["ingest", "kernel-log", "--data", "{tmp}"], "is not a gpufail dataset"),
+        (["simulate", "--out", "{tmp}/x", "--days", "0"], "Invalid value for '--days'"),
+        (["bench", "--out", "{tmp}/x", "--days", "30"], "--days and --work go with --paper"),
+        (["bench", "--out", "{tmp}/x", "--paper", "--days", "3"], "Invalid value for '--days'"),
     ],
 )
 def test_user_errors_are_one_line_with_exit_status_2_and_write_nothing(tmp_path, args, message):
@@ -53,3 +56,14 @@ def test_a_cascade_model_gets_each_stage_its_own_parameters(tmp_path):
     first, second = cascade.first[-1], cascade.second[-1]
     assert (first.n_estimators, first.num_leaves) == (20, 7)
     assert second.n_estimators == 50 and second.num_leaves != 7
+
+
+def test_simulate_days_shortens_the_preset_and_keeps_the_fleet(tmp_path):
+    import json
+
+    result = run("simulate", "--out", str(tmp_path / "x"), "--preset", "demo", "--days", "2", "--quiet")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "x" / "simulation.json").read_text())
+    assert summary["days"] == summary["preset_parameters"]["days"] == 2
+    assert summary["nodes"] >= 48  # the demo fleet, not shrunk
+    assert sorted(p.name for p in (tmp_path / "x" / "telemetry").iterdir()) == ["date=2026-01-05", "date=2026-01-06"]
