@@ -12,7 +12,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint bench lock clean mlflow notebooks serve
+.PHONY: help install demo test lint bench bench-paper lock clean mlflow notebooks serve
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ serve: $(STAMP) ## Serve predictions on 127.0.0.1:8080 (the demo's model; SERVE_
 
 bench: $(STAMP) ## Time each demo stage (and peak memory) and the hot loops -> bench-results/
 	$(BIN)/gpufail bench --out bench-results
+
+bench-paper: $(STAMP) ## The paper preset (~31k GPUs, 120 days) stage by stage -> bench-results/bench-paper.md (PAPER_DAYS=30: shorter)
+	$(BIN)/gpufail bench --paper --out bench-results $(if $(PAPER_DAYS),--days $(PAPER_DAYS))
 
 lint: $(STAMP) ## ruff, mypy and the layer contract
 	$(BIN)/ruff check .

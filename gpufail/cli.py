@@ -355,6 +355,7 @@ def features(
         summary = build_features_from_store(
             Store.open(_root(ctx, data)),
             max_buckets_in_memory=settings.features.buckets_in_memory,
+            rows_per_part=settings.features.rows_per_part,
             progress=not quiet,
             **common,
         )

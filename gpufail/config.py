@@ -73,6 +73,8 @@ class FeatureSettings(_Table):
     """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
     buckets_in_memory: int = Field(default=4_000_000, ge=0)
     """Hourly (grid) buckets the build holds before computing features: bounds its memory."""
+    rows_per_part: int = Field(default=500_000, ge=1)
+    """Grid rows of whole GPUs whose wide bucket statistics the build holds at once: bounds its memory."""
 
 
 class LabelSettings(_Table):
