@@ -2,15 +2,16 @@
 
 Read the lines of each file not ingested before, parse and deduplicate them
 (`ingest.kernel_log`); map every incident's PCI bus id to the GPU that sat there at that time
-(from the `telemetry` dataset of the same store, read once per run); then, file by file, write
-the rows and record how far the file was read.
+(from the `telemetry` dataset of the same store, read once per run); then, in batches of
+files, write the rows and record how far each file was read.
 
 Never replay (DOMAIN.md 5, complaint 3). The state `_state/kernel_log_ingest.json` remembers,
 per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
 whose content is unchanged is skipped; a file that grew is read from where the last run
 stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped) is recognised by its
 content, not its name, so its lines are not read twice either. The state is written only after
-the events are, so a crash in between re-reads a file rather than losing it (at-least-once).
+the events are, so a crash in between re-reads a batch of files rather than losing it
+(at-least-once).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ MAX_STATE_ENTRIES = 20_000
 # tell one log from another and to notice truncation or rewriting, without re-reading gigabytes
 # of a growing syslog on every run.
 FINGERPRINT_SPAN = 64 * 1024
+# Log files whose events are written together, and then recorded as read, in one step.
+COMMIT_FILES = 500
+
 # Telemetry is read this far around the events, first narrowly, then (only for events with no
 # GPU seen before them) widely: see `map_to_gpus`.
 TELEMETRY_LOOKBACKS = (timedelta(days=1), timedelta(days=30))
@@ -117,14 +121,22 @@ def ingest_kernel_logs(
     mapped = iter(
         _split(map_to_gpus(store, pa.concat_tables(tables), cluster), [t.num_rows for t in tables]) if tables else []
     )
-    for result in parsed:
-        if result.table is not None:
-            table = next(mapped)
+    # Files are committed in batches: one write (a file per date) and one state update per batch.
+    # Per log file, a fleet of thousands of node logs made thousands of tiny Parquet files per
+    # day and rewrote the growing state file as often (quadratic). A crash between a batch's
+    # write and its state update re-reads that batch's files next run (at-least-once, as before,
+    # for a batch instead of a file).
+    for first in range(0, len(parsed), COMMIT_FILES):
+        batch = parsed[first : first + COMMIT_FILES]
+        tables = [next(mapped) for result in batch if result.table is not None]
+        if tables:
+            table = pa.concat_tables(tables)
             store.write("xid_events", table)
             summary.incidents += table.num_rows
             _count_unmapped(table, summary)
-        # Only now that the events are safely written does the file count as read this far.
-        _remember(state, result.path, result.compressed, result.stat, result.end, result.lines)
+        # Only now that the events are safely written do the files count as read this far.
+        for result in batch:
+            _remember(state, result.path, result.compressed, result.stat, result.end, result.lines)
         store.write_state(STATE_NAME, state)
     return summary
 

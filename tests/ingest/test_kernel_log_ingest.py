@@ -345,3 +345,32 @@ def test_a_folder_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
 )
 def test_node_from_filename(name: str, node: str) -> None:
     assert node_from_filename(name) == node
+
+
+def test_files_are_committed_in_batches_and_a_failed_batch_is_read_again(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ingest.kernel_log_ingest as module
+
+    # Five node logs, two per batch: three writes (one file each, all events on one date), not five.
+    logs = [write(tmp_path / f"node-{i}.log", xid_line(hours(2 + i), BUS_B, 94)) for i in range(5)]
+    monkeypatch.setattr(module, "COMMIT_FILES", 2)
+    real_write = Store.write
+    calls = []
+
+    def failing_third_write(self: Store, dataset: str, table: pa.Table) -> list[str]:
+        calls.append(table.num_rows)
+        if len(calls) == 3:
+            raise StoreError("disk full")
+        return real_write(self, dataset, table)
+
+    monkeypatch.setattr(Store, "write", failing_third_write)
+    with pytest.raises(StoreError, match="disk full"):
+        ingest(store, *logs)
+    assert calls == [2, 2, 1]
+    assert len(events(store)) == 4  # the first two batches are stored and recorded as read
+    monkeypatch.setattr(Store, "write", real_write)
+    again = ingest(store, *logs)
+    assert (again.files, again.incidents) == (1, 1)  # only the failed batch's file is read again
+    assert sorted(r["node"] for r in events(store)) == [f"node-{i}" for i in range(5)]
+    assert len(list((tmp_path / "store" / "xid_events").rglob("*.parquet"))) == 3
