@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -375,16 +375,15 @@ def _dask_client(settings: Any) -> Any:
     )
 
 
-def _load_features(root: str, latest_day_only: bool = False, lookback: timedelta | None = None) -> Any:
-    """The features dataset: all of it, only its newest day (`latest_day_only`), or its newest
-    day and the `lookback` before it."""
+def _load_features(root: str, latest_day_only: bool = False) -> Any:
+    """The features dataset: all of it, or only its newest day (`latest_day_only`)."""
     from features.build import FEATURES_DATASET, read_features
     from ingest.store import Store
 
     store = Store.open(root)
     start = None
-    if (latest_day_only or lookback is not None) and (days := store.dates(FEATURES_DATASET)):
-        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC) - (lookback or timedelta(0))
+    if latest_day_only and (days := store.dates(FEATURES_DATASET)):
+        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
     frame = read_features(store, start=start)
     if frame.height == 0:
         raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
@@ -415,7 +414,7 @@ def _model_params(settings: Any) -> dict[str, Any]:
 @click.pass_context
 def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     """Train the configured model on the most recent training window."""
-    from models.train import save_model, train_model
+    from models.train import save_model
 
     settings = _settings(ctx)
     options = dict(
@@ -434,10 +433,12 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         with _dask_client(settings) as client:
             model = train_model_distributed(client, Store.open(_root(ctx, data)), **options)
     else:
-        # train_model fits on (last ts - horizon - train_window, last ts - horizon]: reading
-        # the newest day and that span before it gives the same rows as reading all history.
-        lookback = settings.labels.horizon + settings.model.train_window
-        model = train_model(_load_features(_root(ctx, data), lookback=lookback), **options)
+        # The same rows and model as train_model over all history, reading the wide feature
+        # columns of the sampled rows only (a paper-size fleet's window is ~28 GB in full).
+        from ingest.store import Store
+        from models.train_store import train_model_from_store
+
+        model = train_model_from_store(Store.open(_root(ctx, data)), **options)
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "

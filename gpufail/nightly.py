@@ -207,6 +207,7 @@ class _Job:
         self.sleep = sleep
         self.folder = options.work_dir / day
         self._frame: Any = None
+        self._holdout: Any = None
         self._registry: Any = None
         self._served: dict[str, Any] = {}
 
@@ -263,11 +264,14 @@ class _Job:
             )
         return self._registry
 
-    def frame(self) -> Any:
+    def keys(self) -> Any:
+        """ts, gpu_uuid and label of every feature row: where labels settle and where failures
+        are, without the hundreds of feature columns (a paper-size fleet's history is ~1 GB a
+        day of those)."""
         from features.build import read_features
 
         if self._frame is None:
-            self._frame = read_features(self.store)
+            self._frame = read_features(self.store, columns=["label"])
             if self._frame.height == 0:
                 raise NightlyError(f"{self.store.root}: the features dataset is empty after the features step")
         return self._frame
@@ -275,9 +279,14 @@ class _Job:
     def holdout(self) -> Any:
         import polars as pl
 
-        train = self.state["steps"]["train"]
-        start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
-        return self.frame().filter((pl.col("ts") >= start) & (pl.col("ts") <= end) & pl.col("label").is_not_null())
+        from features.build import read_features
+
+        if self._holdout is None:
+            train = self.state["steps"]["train"]
+            start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
+            rows = read_features(self.store, start=start, end=end + timedelta(microseconds=1))
+            self._holdout = rows.filter(pl.col("label").is_not_null())
+        return self._holdout
 
     # -- the steps -----------------------------------------------------------------------------
 
@@ -317,9 +326,10 @@ class _Job:
         import polars as pl
 
         from models.registry import dataset_fingerprint
-        from models.train import save_model, settled_until, train_model
+        from models.train import save_model, settled_until
+        from models.train_store import train_model_from_store
 
-        frame = self.frame()
+        frame = self.keys()
         settled = settled_until(frame, self.o.horizon)
         holdout_start = settled - timedelta(days=self.o.holdout_days) + self.o.grid
         # The fit's labels end a horizon before the held-out window: it never sees it.
@@ -340,8 +350,8 @@ class _Job:
                 "reason": f"the training window {window_start:%Y-%m-%d %H:%M} to {window_end:%Y-%m-%d %H:%M} "
                 "has no failures; no model trained, the champion stays",
             }
-        model = train_model(
-            frame,
+        model = train_model_from_store(
+            self.store,
             kind=self.o.kind,
             train_window=self.o.train_window,
             horizon=self.o.horizon,

@@ -239,20 +239,45 @@ def training_rows(
     return to_pandas(_window(frame, train_window=train_window, horizon=horizon, as_of=as_of))
 
 
+def _negative_sample_mask(label: np.ndarray, negative_fraction: float, seed: int) -> np.ndarray:
+    if not 0.0 < negative_fraction <= 1.0:
+        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+    draw = np.random.default_rng(seed).random(len(label))
+    return (label == 1) | ((label == 0) & (draw < negative_fraction))
+
+
 def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.DataFrame:
     """The labelled rows of `frame` with every positive and a random share `negative_fraction`
     of the negatives (seeded: the same frame and seed give the same sample), as pandas. The
     sample is drawn before any conversion, so only the kept rows are materialised."""
-    if not 0.0 < negative_fraction <= 1.0:
-        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
     label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
-    draw = np.random.default_rng(seed).random(len(label))
-    keep = (label == 1) | ((label == 0) & (draw < negative_fraction))
+    keep = _negative_sample_mask(label, negative_fraction, seed)
     if _is_polars(frame):
         import polars as pl
 
         return to_pandas(frame.filter(pl.Series(keep)))
     return to_pandas(frame).loc[keep]
+
+
+def training_sample(
+    keys: Any,
+    *,
+    train_window: DurationLike,
+    horizon: DurationLike,
+    as_of: TimeLike | None = None,
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+    seed: int = 0,
+) -> Any:
+    """The `ts` and `gpu_uuid` of the rows `train_model` fits on, in its order, from a polars
+    frame of only `ts`, `gpu_uuid` and `label` sorted by (ts, gpu_uuid) as `read_features`
+    returns it. The window and the negative draw need nothing else, so a caller can read the
+    hundreds of feature columns for these rows alone (`train_model_on_sample`): a fleet of 30k
+    GPUs has ~17M rows in a 3-week window, ~28 GB of features, of which ~10% are kept."""
+    import polars as pl
+
+    window = _window(keys, train_window=train_window, horizon=horizon, as_of=as_of)
+    keep = _negative_sample_mask(window["label"].cast(float).to_numpy(), negative_fraction, seed)
+    return window.filter(pl.Series(keep)).select("ts", "gpu_uuid")
 
 
 def matching_features(patterns: Sequence[str], columns: Sequence[str]) -> list[str]:
@@ -271,6 +296,19 @@ def matching_features(patterns: Sequence[str], columns: Sequence[str]) -> list[s
             )
         chosen += [c for c in hits if c not in chosen]
     return chosen
+
+
+def check_model_kind(kind: str, params: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """The user's parameters and the model kinds a `kind` model fits (its members for an
+    ensemble), or an `InputError` naming an unknown one."""
+    if kind not in KINDS:
+        raise InputError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
+    user_params = dict(params or {})
+    kinds = list(member_kinds(kind, user_params))
+    unknown_kinds = sorted(set(kinds) - set(DEFAULT_PARAMS))
+    if unknown_kinds:
+        raise InputError(f"{kind} members: expected kinds among {sorted(DEFAULT_PARAMS)}, got {unknown_kinds}")
+    return user_params, kinds
 
 
 def train_model(
@@ -299,17 +337,38 @@ def train_model(
     (the MLP cannot be constrained: naming features for it is an error). Without them, trees
     fit on a few hundred failures can rank a GPU lower because its error count went up.
     """
-    if kind not in KINDS:
-        raise InputError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
-    user_params = dict(params or {})
-    kinds = member_kinds(kind, user_params)
-    unknown_kinds = sorted(set(kinds) - set(DEFAULT_PARAMS))
-    if unknown_kinds:
-        raise InputError(f"{kind} members: expected kinds among {sorted(DEFAULT_PARAMS)}, got {unknown_kinds}")
+    check_model_kind(kind, params)  # before the window is cut: a bad setting fails fast
     window = _window(frame, train_window=train_window, horizon=horizon, as_of=as_of)
     rows = sample_negatives(window, negative_fraction, seed)
-    X, y, ids = split_xy(rows)
     where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+    return train_model_on_sample(
+        rows,
+        kind=kind,
+        horizon=horizon,
+        where=where,
+        params=params,
+        max_pos_weight=max_pos_weight,
+        monotone_increasing=monotone_increasing,
+        negative_fraction=negative_fraction,
+    )
+
+
+def train_model_on_sample(
+    rows: Any,
+    *,
+    kind: str,
+    horizon: DurationLike,
+    where: str = "training sample",
+    params: dict[str, Any] | None = None,
+    max_pos_weight: float = MAX_POS_WEIGHT,
+    monotone_increasing: Sequence[str] = (),
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+) -> TrainedModel:
+    """`train_model` on rows already windowed and negative-sampled (`training_sample` picks
+    them; `negative_fraction` is the share that was drawn, for the odds correction). `where`
+    names the rows in error messages."""
+    user_params, kinds = check_model_kind(kind, params)
+    X, y, ids = split_xy(to_pandas(rows))
     if X.shape[1] == 0:
         raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
     n_pos = int(y.sum())

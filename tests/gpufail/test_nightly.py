@@ -193,12 +193,12 @@ def test_a_failed_step_keeps_the_champion_serving_and_exits_with_the_reason(
     champion = load_champion(url, name).model.version
 
     grow(fleet, data, start + timedelta(days=FLEET_DAYS - 1))
-    import models.train
+    import models.train_store
 
     def broken(*args, **kwargs):
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(models.train, "train_model", broken)
+    monkeypatch.setattr(models.train_store, "train_model_from_store", broken)
     messages: list[str] = []
     with pytest.raises(NightlyError, match="step train failed: MemoryError: simulated") as failure:
         run_nightly(str(data), opts, publish=log_publish, report=messages.append)
