@@ -92,3 +92,23 @@ def make_synthetic_frame(
 def demo_frame() -> pd.DataFrame:
     """The shared default frame (build once per test session; treat as read-only)."""
     return make_synthetic_frame()
+
+
+def demo_features_store(folder: str):
+    """A store whose `features` dataset is `demo_frame()` in the stored types (10 dates)."""
+    import polars as pl
+
+    from features.build import write_features
+    from features.schema import ID_COLUMNS, ID_DTYPES, LABEL_COLUMNS, LABEL_DTYPES
+    from ingest.store import Store
+
+    frame = pl.from_pandas(demo_frame())
+    features = [c for c in frame.columns if c not in ID_COLUMNS + LABEL_COLUMNS]
+    frame = frame.select(
+        *[pl.col(c).cast(ID_DTYPES[c]) for c in ID_COLUMNS],
+        *[pl.col(c).cast(pl.Float32) for c in features],
+        *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
+    )
+    store = Store.create(folder)
+    write_features(store, frame.sort("gpu_uuid", "ts"))
+    return store

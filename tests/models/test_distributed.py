@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import polars as pl
 import pytest
 
-from features.build import write_features
-from features.schema import ID_COLUMNS, ID_DTYPES, LABEL_COLUMNS, LABEL_DTYPES
 from gpufail.dask_cluster import dask_client
 from ingest.errors import InputError
 from ingest.store import Store
 from models.distributed import train_model_distributed
 from models.evaluate import score_metrics
 from models.train import load_model, save_model, train_model
-from tests.models import ONE_THREAD, demo_frame
+from tests.models import ONE_THREAD, demo_features_store, demo_frame
 
 AS_OF = "2026-01-08T12:00Z"
 WINDOW = dict(train_window="6d", horizon="12h", as_of=AS_OF, params=ONE_THREAD)
@@ -40,17 +37,7 @@ def client():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Store:
-    """The synthetic feature frame of tests/models written as a features dataset (10 dates)."""
-    frame = pl.from_pandas(demo_frame())
-    features = [c for c in frame.columns if c not in ID_COLUMNS + LABEL_COLUMNS]
-    frame = frame.select(
-        *[pl.col(c).cast(ID_DTYPES[c]) for c in ID_COLUMNS],
-        *[pl.col(c).cast(pl.Float32) for c in features],
-        *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
-    )
-    store = Store.create(str(tmp_path_factory.mktemp("dask-train") / "data"))
-    write_features(store, frame.sort("gpu_uuid", "ts"))
-    return store
+    return demo_features_store(str(tmp_path_factory.mktemp("dask-train") / "data"))
 
 
 def _held_out() -> pd.DataFrame:

@@ -4,33 +4,21 @@
 from __future__ import annotations
 
 import numpy as np
-import polars as pl
 import pytest
 
-from features.build import read_features, write_features
-from features.schema import ID_COLUMNS, ID_DTYPES, LABEL_COLUMNS, LABEL_DTYPES
+from features.build import read_features
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import sample_negatives, train_model, training_rows, training_sample
 from models.train_store import sampled_training_rows, train_model_from_store
-from tests.models import ONE_THREAD, demo_frame
+from tests.models import ONE_THREAD, demo_features_store
 
 SETTINGS = dict(train_window="4d", horizon="12h", params=ONE_THREAD)
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Store:
-    """The synthetic feature frame of tests/models written as a features dataset (10 dates)."""
-    frame = pl.from_pandas(demo_frame())
-    features = [c for c in frame.columns if c not in ID_COLUMNS + LABEL_COLUMNS]
-    frame = frame.select(
-        *[pl.col(c).cast(ID_DTYPES[c]) for c in ID_COLUMNS],
-        *[pl.col(c).cast(pl.Float32) for c in features],
-        *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
-    )
-    store = Store.create(str(tmp_path_factory.mktemp("train-store") / "data"))
-    write_features(store, frame.sort("gpu_uuid", "ts"))
-    return store
+    return demo_features_store(str(tmp_path_factory.mktemp("train-store") / "data"))
 
 
 @pytest.mark.parametrize("as_of", [None, "2026-01-08T12:00Z"])
