@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
@@ -218,52 +219,12 @@ def build_features(
     )
 
 
-def features_from_buckets(
-    hourly: pl.DataFrame,
-    xid_events: pl.DataFrame | pa.Table,
-    *,
-    data_end: datetime,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    horizon: timedelta = DEFAULT_HORIZON,
-    failure_xids: Iterable[int] | None = None,
-    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
-    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
-    max_silence: timedelta = DEFAULT_MAX_SILENCE,
-    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
-    repairs: pl.DataFrame | pa.Table | None = None,
-    presence: pl.DataFrame | None = None,
-    episodes: pl.DataFrame | None = None,
-    emit_start: datetime | None = None,
-    emit_end: datetime | None = None,
-    rows_per_chunk: int | None = None,
-) -> pl.DataFrame:
+def features_from_buckets(hourly: pl.DataFrame, xid_events: pl.DataFrame | pa.Table, **options: Any) -> pl.DataFrame:
     """`build_features` from bucket aggregates (`features.windows.hourly_aggregate` output)
-    instead of raw samples: the second half of a build, which the store build runs on the
-    buckets it carries from day to day. Window and XID features are computed for chunks of
-    whole GPUs of about `rows_per_chunk` grid rows at a time (all at once when None), which
-    bounds the memory of their intermediate columns; peer features for all GPUs together (the
-    fleet median needs them all). One frame: `iter_features_from_buckets`' parts, concatenated."""
-    parts = iter_features_from_buckets(
-        hourly,
-        xid_events,
-        data_end=data_end,
-        grid=grid,
-        windows=windows,
-        horizon=horizon,
-        failure_xids=failure_xids,
-        merge_window=merge_window,
-        lost_after=lost_after,
-        max_silence=max_silence,
-        xid_since_cap=xid_since_cap,
-        repairs=repairs,
-        presence=presence,
-        episodes=episodes,
-        emit_start=emit_start,
-        emit_end=emit_end,
-        rows_per_chunk=rows_per_chunk,
-    )
-    return pl.concat(list(parts), how="vertical")
+    instead of raw samples: the second half of a build, as one frame. `options` are
+    `iter_features_from_buckets`' (data_end is required); its parts are concatenated here, so a
+    setting is declared once, there."""
+    return pl.concat(list(iter_features_from_buckets(hourly, xid_events, **options)), how="vertical")
 
 
 def iter_features_from_buckets(
@@ -287,8 +248,12 @@ def iter_features_from_buckets(
     rows_per_chunk: int | None = None,
     rows_per_part: int | None = None,
 ) -> Iterator[pl.DataFrame]:
-    """`features_from_buckets` in parts of whole GPUs, each part a finished feature frame
-    (sorted by (gpu_uuid, ts); at least one part, possibly empty).
+    """The feature frame (`features.schema`) of the buckets' GPUs, in parts of whole GPUs, each
+    a finished feature frame (sorted by (gpu_uuid, ts); at least one part, possibly empty).
+
+    Window and XID features are computed for chunks of whole GPUs of about `rows_per_chunk`
+    grid rows at a time (all at once when None), which bounds the memory of their
+    intermediate columns; peer features for all GPUs together (the fleet median needs them all).
 
     With `rows_per_part` set, the wide grid (every bucket statistic on every grid row) exists
     for one part of about that many grid rows at a time: which rows are emitted, their labels

@@ -9,6 +9,7 @@ trusting a small difference. Results go to `bench.md` (a table) and `bench.json`
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -42,9 +43,11 @@ class StageResult:
     output: str
 
 
-def run_stage(stage: str, args: list[str]) -> StageResult:
+def run_stage(stage: str, args: list[str], env: dict[str, str] | None = None) -> StageResult:
+    """Run `gpufail *args` in a child process (with `env` added to this environment)."""
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
+    child_env = None if env is None else {**os.environ, **env}
+    result = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=child_env)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
         raise RuntimeError(f"bench stage {stage!r} failed: gpufail {' '.join(args)}\n{result.stderr[-2000:]}")

@@ -20,7 +20,6 @@ Results go to `bench-paper.md` and `bench-paper.json`.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import sys
@@ -41,9 +40,9 @@ def paper_pipeline(work: Path, days: int | None) -> tuple[list[StageResult], dic
     data, model = str(work / "paper-data"), str(work / "model")
     results: list[StageResult] = []
 
-    def stage(name: str, args: list[str]) -> StageResult:
+    def stage(name: str, args: list[str], env: dict[str, str] | None = None) -> StageResult:
         print(f"  {name}: gpufail {' '.join(args)}", file=sys.stderr, flush=True)
-        results.append(run_stage(name, args))
+        results.append(run_stage(name, args, env))
         print(f"  {name}: {results[-1].seconds:.1f} s, {results[-1].peak_rss_mb:.0f} MB", file=sys.stderr, flush=True)
         return results[-1]
 
@@ -62,15 +61,9 @@ def paper_pipeline(work: Path, days: int | None) -> tuple[list[StageResult], dic
     home = work / "mlflow"
     home.mkdir(exist_ok=True)
     process, url = start_server(home, timeout=300)
-    previous = os.environ.get("GPUFAIL_MLFLOW__TRACKING_URI")
-    os.environ["GPUFAIL_MLFLOW__TRACKING_URI"] = url
     try:
-        stage("nightly (the newest day)", ["nightly", "--data", data, "--quiet"])
+        stage("nightly (the newest day)", ["nightly", "--data", data, "--quiet"], {"GPUFAIL_MLFLOW__TRACKING_URI": url})
     finally:
-        if previous is None:
-            os.environ.pop("GPUFAIL_MLFLOW__TRACKING_URI", None)
-        else:
-            os.environ["GPUFAIL_MLFLOW__TRACKING_URI"] = previous
         stop_server(process)
     return results, simulation
 

@@ -406,6 +406,18 @@ def _model_params(settings: Any) -> dict[str, Any]:
     return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
 
 
+def _train_options(settings: Any) -> dict[str, Any]:
+    """`gpufail train`'s keyword arguments for `train_model` and its store and Dask forms."""
+    return dict(
+        kind=settings.model.kind,
+        train_window=settings.model.train_window,
+        horizon=settings.labels.horizon,
+        params=_model_params(settings),
+        negative_fraction=settings.model.negative_fraction,
+        monotone_increasing=settings.model.monotone_increasing,
+    )
+
+
 @cli.command()
 @_data_option
 @click.option(
@@ -417,14 +429,7 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     from models.train import save_model
 
     settings = _settings(ctx)
-    options = dict(
-        kind=settings.model.kind,
-        train_window=settings.model.train_window,
-        horizon=settings.labels.horizon,
-        params=_model_params(settings),
-        negative_fraction=settings.model.negative_fraction,
-        monotone_increasing=settings.model.monotone_increasing,
-    )
+    options = _train_options(settings)
     if settings.dask.scheduler:
         # [dask] scheduler set: lightgbm.dask / xgboost.dask; the workers read the features.
         from ingest.store import Store

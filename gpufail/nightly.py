@@ -206,7 +206,7 @@ class _Job:
         self.state = state
         self.sleep = sleep
         self.folder = options.work_dir / day
-        self._frame: Any = None
+        self._keys: Any = None
         self._holdout: Any = None
         self._registry: Any = None
         self._served: dict[str, Any] = {}
@@ -270,11 +270,11 @@ class _Job:
         day of those)."""
         from features.build import read_features
 
-        if self._frame is None:
-            self._frame = read_features(self.store, columns=["label"])
-            if self._frame.height == 0:
+        if self._keys is None:
+            self._keys = read_features(self.store, columns=["label"])
+            if self._keys.height == 0:
                 raise NightlyError(f"{self.store.root}: the features dataset is empty after the features step")
-        return self._frame
+        return self._keys
 
     def holdout(self) -> Any:
         import polars as pl

@@ -39,6 +39,7 @@ from models.train import (
     library_versions,
     matching_features,
     sample_negatives,
+    window_name,
 )
 
 DASK_KINDS = ("lightgbm", "xgboost")
@@ -146,7 +147,7 @@ def train_model_distributed(
         raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
     user_params = dict(params or {})
     bounds = training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+    where = window_name(train_window, horizon, as_of)
     days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
     if bounds[1] <= bounds[0] or not days:
         raise InputError(f"{where}: no feature rows in {bounds[0]} .. {bounds[1]}; widen train_window")

@@ -298,6 +298,11 @@ def matching_features(patterns: Sequence[str], columns: Sequence[str]) -> list[s
     return chosen
 
 
+def window_name(train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None) -> str:
+    """How error messages name the training window `train_model` cuts."""
+    return f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+
+
 def check_model_kind(kind: str, params: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The user's parameters and the model kinds a `kind` model fits (its members for an
     ensemble), or an `InputError` naming an unknown one."""
@@ -340,7 +345,7 @@ def train_model(
     check_model_kind(kind, params)  # before the window is cut: a bad setting fails fast
     window = _window(frame, train_window=train_window, horizon=horizon, as_of=as_of)
     rows = sample_negatives(window, negative_fraction, seed)
-    where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+    where = window_name(train_window, horizon, as_of)
     return train_model_on_sample(
         rows,
         kind=kind,

@@ -27,6 +27,7 @@ from models.train import (
     check_model_kind,
     train_model_on_sample,
     training_sample,
+    window_name,
 )
 
 _KEYS = ["ts", "gpu_uuid"]
@@ -104,7 +105,7 @@ def train_model_from_store(
         negative_fraction=negative_fraction,
         seed=seed,
     )
-    where = f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
+    where = window_name(train_window, horizon, as_of)
     return train_model_on_sample(
         rows,
         kind=kind,

@@ -79,21 +79,12 @@ def assert_train_reads_its_window_and_fits_what_all_history_gives(data, model_di
     import numpy as np
 
     from features.build import read_features
-    from gpufail.cli import _model_params
+    from gpufail.cli import _train_options
     from gpufail.config import load_settings
     from models.train import load_model, train_model
 
-    settings = load_settings(environ={})
     everything = read_features(Store.open(str(data)))
-    model = train_model(
-        everything,
-        kind=settings.model.kind,
-        train_window=settings.model.train_window,
-        horizon=settings.labels.horizon,
-        params=_model_params(settings),
-        negative_fraction=settings.model.negative_fraction,
-        monotone_increasing=settings.model.monotone_increasing,
-    )
+    model = train_model(everything, **_train_options(load_settings(environ={})))
     trained = load_model(model_dir)
     assert trained.version == model.version
     probe = everything.tail(300)

@@ -49,3 +49,16 @@ def test_the_paper_report_gives_each_stage_and_the_feature_rates(tmp_path):
     assert "Total: 180 s." in report
     data = json.loads((tmp_path / "bench-paper.json").read_text())
     assert [s["stage"] for s in data["stages"]] == [s.stage for s in stages]
+
+
+def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_path):
+    import os
+
+    import pytest
+
+    # The setting reaches the child: its configuration refuses the preset it names.
+    with pytest.raises(
+        RuntimeError, match=r"GPUFAIL_SIMULATE__PRESET\): Input should be 'demo' or 'paper', got 'huge'"
+    ):
+        run_stage("simulate", ["simulate", "--out", str(tmp_path / "x")], {"GPUFAIL_SIMULATE__PRESET": "huge"})
+    assert "GPUFAIL_SIMULATE__PRESET" not in os.environ

@@ -63,3 +63,22 @@ def test_an_unknown_kind_fails_before_anything_is_read(tmp_path):
     empty = Store.create(str(tmp_path / "data"))
     with pytest.raises(InputError, match="model kind"):
         train_model_from_store(empty, kind="nope", **SETTINGS)
+
+
+def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(store, monkeypatch):
+    import models.train_store as module
+
+    calls = []
+    real = module.read_features
+
+    def spy(store, start=None, end=None, columns=None):
+        calls.append((start, end, columns))
+        return real(store, start=start, end=end, columns=columns)
+
+    monkeypatch.setattr(module, "read_features", spy)
+    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.2)
+    narrow, wide = calls[0], calls[1:]
+    assert narrow[2] == ["label"] and narrow[1] is None  # keys only, up to the newest day
+    assert all(columns is None and (end - start).days == 1 for start, end, columns in wide)
+    assert [start.date() for start, _, _ in wide] == rows["ts"].dt.date().unique().sort().to_list()
+    assert len(wide) < len(store.dates("features"))  # days outside the window are not read wide

@@ -169,3 +169,13 @@ def wait_for(predicate: Any, timeout: float = 60.0, what: str = "condition") -> 
             return result
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def serve_test_fleet(tmp: Path, **options: Any) -> Server:
+    """`gpufail serve` over the test fleet's store and `trained_model()`, both written under
+    `tmp`; `options` go to `start_server` (serve settings, env, ...)."""
+    from models.train import save_model
+
+    data = write_store(tmp / "data")
+    model = save_model(trained_model(), tmp / "model")
+    return start_server(tmp, data, model=model, **options)

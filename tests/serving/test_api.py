@@ -13,8 +13,13 @@ import httpx
 import pandas as pd
 import pytest
 
-from models.train import save_model
-from tests.serving.api_server import ADMIN_TOKEN, N_GPUS, fleet, start_server, trained_model, write_store
+from tests.serving.api_server import (
+    ADMIN_TOKEN,
+    N_GPUS,
+    fleet,
+    serve_test_fleet,
+    trained_model,
+)
 
 MAX_GPUS = 50
 MAX_BODY = 1_000_000
@@ -25,13 +30,8 @@ FUZZ_EXAMPLES = int(os.environ.get("API_FUZZ_EXAMPLES", "20"))
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    data = write_store(tmp / "data")
-    model = save_model(trained_model(), tmp / "model")
-    srv = start_server(
-        tmp,
-        data,
-        model=model,
+    srv = serve_test_fleet(
+        tmp_path_factory.mktemp("serve"),
         serve={"max_gpus_per_request": MAX_GPUS, "max_body_bytes": MAX_BODY, "metrics_top": METRICS_TOP},
         env={"GPUFAIL_SERVE_ADMIN_TOKEN": ADMIN_TOKEN},
     )

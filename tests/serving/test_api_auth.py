@@ -10,20 +10,14 @@ import pytest
 
 from gpufail.config import Settings, load_settings
 from ingest.errors import ConfigError
-from models.train import save_model
-from tests.serving.api_server import _CHILD, READ_TOKEN, start_server, trained_model, write_store
+from tests.serving.api_server import _CHILD, READ_TOKEN, serve_test_fleet, trained_model
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("auth")
-    data = write_store(tmp / "data")
-    model = save_model(trained_model(), tmp / "model")
     # The fleet's features are from March 2026: older than an hour.
-    srv = start_server(
-        tmp,
-        data,
-        model=model,
+    srv = serve_test_fleet(
+        tmp_path_factory.mktemp("auth"),
         serve={"read_requires_token": True, "features_max_age": "1h", "read_token_env": "MY_READ_TOKEN"},
         env={"MY_READ_TOKEN": READ_TOKEN},
     )
