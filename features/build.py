@@ -30,7 +30,7 @@ from features.labels import (
     label_rows,
     resolve_xid_gpus,
 )
-from features.peers import PEER_METRICS, peer_features
+from features.peers import PEER_METRICS, model_medians, peer_features
 from features.schema import (
     FEATURE_DTYPE,
     FEATURES_SCHEMA_VERSION,
@@ -42,6 +42,7 @@ from features.schema import (
     validate_features,
     window_label,
 )
+from features.shards import ShardedBuckets, shard_map
 from features.windows import (
     BUCKET_ID_COLUMNS,
     DEFAULT_GRID,
@@ -247,6 +248,7 @@ def iter_features_from_buckets(
     emit_end: datetime | None = None,
     rows_per_chunk: int | None = None,
     rows_per_part: int | None = None,
+    model_medians: pl.DataFrame | None = None,
 ) -> Iterator[pl.DataFrame]:
     """The feature frame (`features.schema`) of the buckets' GPUs, in parts of whole GPUs, each
     a finished feature frame (sorted by (gpu_uuid, ts); at least one part, possibly empty).
@@ -259,7 +261,10 @@ def iter_features_from_buckets(
     for one part of about that many grid rows at a time: which rows are emitted, their labels
     and the peer features (which need every GPU of a node and of the fleet at once) are decided
     first on a narrow grid of a few columns. A store build over a fleet of tens of thousands of
-    GPUs carries eight days of buckets; its wide grid alone would be ~10 GB."""
+    GPUs carries eight days of buckets; its wide grid alone would be ~10 GB.
+
+    `model_medians` (`features.peers.model_medians` of the whole fleet) is given when the
+    buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own."""
     check_grid(grid, windows)
     data_end = _utc(data_end)
     xid = _prepare_xids(_as_frame(xid_events))
@@ -301,12 +306,17 @@ def iter_features_from_buckets(
     facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=horizon, data_end=data_end, repairs=fixes)
     silent = narrow.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
     keep = emit & facts["in_service"] & ~silent.fill_null(True)
-    peers = peer_features(narrow.filter(emit), grid).filter(keep.filter(emit))
+    peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
     facts = facts.filter(keep).drop("in_service")
     # Kept rows before each grid row: where a part's rows start in `peers` and `facts`.
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
     parts = [(0, narrow.height)] if whole else _gpu_slices(narrow[GPU], rows_per_part)
+    by_part: dict[int, pl.DataFrame] = {}
+    if len(parts) > 1:
+        # Split once rather than filter once per part (that cost a pass over every bucket per part).
+        by_part = _buckets_by_part(hourly, narrow[GPU], parts)
+        del hourly
     produced = False
     for i, (offset, length) in enumerate(parts):
         part_keep = keep.slice(offset, length)
@@ -316,8 +326,7 @@ def iter_features_from_buckets(
         if whole:
             part_dense = dense
         else:
-            gpus = narrow[GPU].slice(offset, length).unique()
-            part_hourly = hourly if len(parts) == 1 else hourly.filter(pl.col(GPU).is_in(gpus.implode()))
+            part_hourly = hourly if len(parts) == 1 else by_part.pop(i)
             part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence)
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
@@ -334,6 +343,19 @@ def iter_features_from_buckets(
             rows_per_chunk=rows_per_chunk,
         )
         produced = True
+
+
+def _buckets_by_part(
+    hourly: pl.DataFrame, grid_gpus: pl.Series, parts: Sequence[tuple[int, int]]
+) -> dict[int, pl.DataFrame]:
+    """`hourly` split by the part of the grid its GPU is in (`grid_gpus` is the grid's GPU
+    column, `parts` its slices), in one pass."""
+    part_id = pl.concat(
+        [pl.repeat(i, length, dtype=pl.Int32, eager=True) for i, (_, length) in enumerate(parts)], how="vertical"
+    )
+    part_of = pl.DataFrame({GPU: grid_gpus, "_part": part_id}).unique(GPU, keep="first")
+    tagged = hourly.join(part_of, on=GPU, how="inner", maintain_order="left")
+    return {int(k[0]): v for k, v in tagged.partition_by("_part", as_dict=True, include_key=False).items()}
 
 
 def _assemble(
@@ -503,7 +525,8 @@ class FeatureBuildSummary:
     positives: int = 0
     censored: int = 0
     telemetry_rows_read: int = 0
-    blocks: int = 0  # feature computations (steps of days)
+    blocks: int = 0  # time blocks of days, each built shard by shard
+    shards: int = 0  # shards of whole nodes the fleet was built in
     files_written: list[str] = field(default_factory=list)
     files_replaced: int = 0
     start: datetime | None = None
@@ -642,9 +665,11 @@ def build_features_from_store(
     rows_per_chunk: int = 250_000,
     rows_per_part: int | None = 500_000,
     max_buckets_in_memory: int = 4_000_000,
+    block_days: int = 14,
     flush_rows: int = 300_000,
     overwrite: bool = False,
     progress: bool = True,
+    scratch: str | None = None,
 ) -> FeatureBuildSummary:
     """Build and write the `features` dataset for grid times in [start, end), widened to whole
     UTC days (so every date partition is complete). Default: all telemetry in the store.
@@ -658,21 +683,27 @@ def build_features_from_store(
     sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution, and the data end); XID
     events and repair records are read whole (they are small) and give the failure episodes.
     Pass 2 reads raw telemetry one day partition at a time, from the longest window before
-    `start` on, and aggregates it to grid buckets (`_BucketStream`); only the buckets of that
-    trailing window are carried from day to day. Features are computed when the carried buckets
-    reach `max_buckets_in_memory` rows (or at the end), for the days not yet emitted, in parts
-    of whole GPUs of about `rows_per_part` grid rows (`iter_features_from_buckets`; all GPUs at
-    once when None) and within them chunks of about `rows_per_chunk`; finished rows are written
-    every `flush_rows`. Every row equals what an all-history in-memory build gives (up to
-    floating-point rounding).
+    `start` on, aggregates it to grid buckets once (`_BucketStream`), and computes the fleet
+    median per GPU model of each grid time (the one feature that needs the whole fleet). The
+    days are emitted in time blocks of `block_days`: a block's features need its buckets and
+    the trailing window before it. When the whole fleet's buckets for a block and its window
+    would exceed `max_buckets_in_memory` rows, the fleet is split into shards of whole nodes
+    (`features.shards`), whose buckets wait in temporary files and are built one shard at a
+    time. Within a shard, the wide columns exist for parts of whole GPUs of about
+    `rows_per_part` grid rows (`iter_features_from_buckets`; all at once when None), computed in
+    chunks of about `rows_per_chunk`; finished rows are written every `flush_rows`. Every row
+    equals what an all-history in-memory build gives (up to floating-point rounding).
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
-    files are removed after the new ones are written.
+    files are removed after the new ones are written. `scratch` is the folder for the shards'
+    temporary files (the system's temporary folder by default).
     """
     from tqdm.auto import tqdm
 
     began = time.perf_counter()
     check_grid(grid, windows)
+    if block_days < 1:
+        raise ValueError(f"block_days: expected at least 1, got {block_days}")
     failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
     summary = FeatureBuildSummary()
 
@@ -724,14 +755,23 @@ def build_features_from_store(
     first_read = max(_day_start(emit_start - lookback), _day_start(first_data))
     days = [first_read + i * one_day for i in range((emit_end - first_read) // one_day)]
     days = [d for d in days if d.date() in day_rows or d >= emit_start]
+    # Blocks of at most `block_days`, as even as possible: a short last block would pay for a
+    # whole lookback to emit a day or two.
+    emit_days = (emit_end - emit_start) // one_day
+    n_blocks = -(-emit_days // block_days)
+    block_ends = {emit_start + (emit_days * (i + 1) // n_blocks) * one_day for i in range(n_blocks)}
 
+    # A shard carries a block and its trailing window (plus the day a window's start falls in).
+    carried_days = block_days + -(-lookback // one_day) + 1
+    shards = shard_map(presence, gpu_buckets=carried_days * (one_day // grid), max_buckets=max_buckets_in_memory)
+    buckets = ShardedBuckets(shards, scratch=scratch)
+    summary.shards = buckets.count
     stream = _BucketStream(grid, max_silence)
-    carried: list[pl.DataFrame] = []
-    carried_rows = 0
-    pending_from: datetime | None = None  # first day whose rows are not yet emitted
+    medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
     written: list[pl.DataFrame] = []
     buffered = 0
     gpus: set[str] = set()
+    bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
 
     def flush() -> None:
         nonlocal written, buffered
@@ -739,65 +779,74 @@ def build_features_from_store(
             summary.files_written += write_features(store, pl.concat(written, how="vertical"))
             written, buffered = [], 0
 
-    def emit(until: datetime) -> None:
-        nonlocal pending_from, buffered
-        assert pending_from is not None
-        buckets = pl.concat(carried, how="vertical_relaxed") if len(carried) > 1 else carried[0]
-        parts = iter_features_from_buckets(
-            buckets.filter(pl.col("ts") > pl.lit(pending_from - lookback, dtype=TS_DTYPE)),
-            xid,
-            data_end=data_end,
-            grid=grid,
-            windows=windows,
-            horizon=horizon,
-            failure_xids=failure_xids,
-            merge_window=merge_window,
-            lost_after=lost_after,
-            max_silence=max_silence,
-            xid_since_cap=xid_since_cap,
-            repairs=repairs,
-            presence=presence,
-            episodes=episodes,
-            emit_start=pending_from,
-            emit_end=until,
-            rows_per_chunk=rows_per_chunk,
-            rows_per_part=rows_per_part,
+    def emit(block_start: datetime, block_end: datetime) -> None:
+        nonlocal buffered
+        fleet = pl.concat(medians, how="vertical_relaxed").filter(
+            pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
         )
         summary.blocks += 1
-        pending_from = until
-        for frame in parts:
-            if frame.height == 0:
+        for shard in range(buckets.count):
+            bar.set_postfix_str(
+                f"block {block_start.date()}..{(block_end - one_day).date()}, shard {shard + 1}/{buckets.count}"
+            )
+            hourly = buckets.take(shard, block_start - lookback)
+            if hourly is None:
                 continue
-            summary.rows += frame.height
-            summary.positives += int((frame["label"] == 1).sum())
-            summary.censored += frame["label"].null_count()
-            gpus.update(frame[GPU].unique().to_list())
-            written.append(frame)
-            buffered += frame.height
-            if buffered >= flush_rows:
-                flush()
+            parts = iter_features_from_buckets(
+                hourly,
+                xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
+                data_end=data_end,
+                grid=grid,
+                windows=windows,
+                horizon=horizon,
+                failure_xids=failure_xids,
+                merge_window=merge_window,
+                lost_after=lost_after,
+                max_silence=max_silence,
+                xid_since_cap=xid_since_cap,
+                repairs=repairs,
+                presence=presence,
+                episodes=episodes,
+                emit_start=block_start,
+                emit_end=block_end,
+                rows_per_chunk=rows_per_chunk,
+                rows_per_part=rows_per_part,
+                model_medians=fleet,
+            )
+            del hourly  # the generator holds the shard's buckets only while it runs
+            for frame in parts:
+                if frame.height == 0:
+                    continue
+                summary.rows += frame.height
+                summary.positives += int((frame["label"] == 1).sum())
+                summary.censored += frame["label"].null_count()
+                gpus.update(frame[GPU].unique().to_list())
+                written.append(frame)
+                buffered += frame.height
+                if buffered >= flush_rows:
+                    flush()
 
-    bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
-    for day in days:
-        raw = _read_telemetry(store, day, day + one_day) if day.date() in day_rows else None
-        if raw is not None:
-            summary.telemetry_rows_read += raw.height
-            buckets = stream.day(raw, day + one_day)
-            if buckets.height:
-                carried.append(buckets)
-                carried_rows += buckets.height
-        if day >= emit_start and pending_from is None:
-            pending_from = day
-        last_day = day == days[-1]
-        if pending_from is not None and carried and (carried_rows >= max_buckets_in_memory or last_day):
-            emit(day + one_day)
-            # Keep only the trailing window for the next days.
-            keep_from = pl.lit(day + one_day - lookback, dtype=TS_DTYPE)
-            carried = [f.filter(pl.col("ts") > keep_from) for f in carried]
-            carried = [f for f in carried if f.height]
-            carried_rows = sum(f.height for f in carried)
-        bar.update(1)
-    bar.close()
+    try:
+        block_start = emit_start
+        for day in days:
+            raw = _read_telemetry(store, day, day + one_day) if day.date() in day_rows else None
+            if raw is not None:
+                summary.telemetry_rows_read += raw.height
+                day_buckets = stream.day(raw, day + one_day)
+                del raw
+                if day_buckets.height:
+                    medians.append(model_medians(day_buckets, grid))
+                    buckets.add(day.date(), day_buckets)
+            if day + one_day in block_ends:
+                emit(block_start, day + one_day)
+                block_start = day + one_day
+                # Keep only the trailing window the next block needs.
+                buckets.forget(block_start - lookback)
+                medians = []
+            bar.update(1)
+    finally:
+        bar.close()
+        buckets.close()
     flush()
     for f in old_files:
         if store.fs.exists(f):

@@ -57,6 +57,7 @@ from features.labels import (
 )
 from features.peers import PEER_METRICS
 from features.schema import FEATURE_DTYPE, TS_DTYPE
+from features.shards import node_groups
 from features.windows import (
     DEFAULT_GRID,
     DEFAULT_MAX_SILENCE,
@@ -94,39 +95,6 @@ class _Params:
     def lookback(self) -> timedelta:
         # Same as the single-machine build: the longest window, and a silent GPU's last bucket.
         return max(max(self.windows), self.max_silence + self.grid)
-
-
-# -- node groups ------------------------------------------------------------------------------
-
-
-def node_groups(presence: pl.DataFrame, partition_nodes: int) -> list[pl.DataFrame]:
-    """Whole (cluster, node) pairs in groups of about `partition_nodes`, in name order; nodes
-    that reported the same GPU uuid are always in one group (union-find over the GPUs)."""
-    if partition_nodes < 1:
-        raise ValueError(f"partition_nodes: expected at least 1, got {partition_nodes}")
-    pairs = presence.select(*_NODE, GPU).unique()
-    parent: dict[tuple[str, str], tuple[str, str]] = {}
-
-    def find(x: tuple[str, str]) -> tuple[str, str]:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for nodes in pairs.group_by(GPU).agg(pl.struct(*_NODE).alias("n"))["n"].to_list():
-        first = find((nodes[0]["cluster"], nodes[0]["node"]))
-        for other in nodes[1:]:
-            parent[find((other["cluster"], other["node"]))] = first
-    members: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    for key in sorted(parent):
-        members.setdefault(find(key), []).append(key)
-    groups: list[list[tuple[str, str]]] = []
-    for component in sorted(members.values()):
-        if groups and len(groups[-1]) + len(component) <= partition_nodes:
-            groups[-1].extend(component)
-        else:
-            groups.append(list(component))
-    return [pl.DataFrame(g, schema=_NODE, orient="row") for g in groups]
 
 
 # -- reading ----------------------------------------------------------------------------------

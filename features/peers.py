@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import numpy as np
 import polars as pl
 
 from features.windows import DEFAULT_GRID, ENGINE, GPU, grid_suffix
@@ -22,9 +23,30 @@ from features.windows import DEFAULT_GRID, ENGINE, GPU, grid_suffix
 PEER_METRICS = ("temp_gpu_c", "power_w")
 
 
-def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
+def model_medians(frame: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
+    """Per (gpu_model, ts): the median bucket mean of each peer metric over the GPUs of `frame`
+    (bucket aggregates or a dense grid; a missing bucket's null mean does not count). Columns
+    gpu_model, ts, `_model_<m>`. A store build computes it from every GPU's buckets of a day and
+    hands it to `peer_features`, so GPUs built in separate shards share one fleet median."""
+    sfx = grid_suffix(grid)
+    metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in frame.columns]
+    model = pl.col("gpu_model") if "gpu_model" in frame.columns else pl.lit(None, dtype=pl.String).alias("gpu_model")
+    return (
+        frame.lazy()
+        .select(model, "ts", *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
+        .group_by("gpu_model", "ts")
+        .agg(pl.col(f"_p_{m}").median().alias(f"_model_{m}") for m in metrics)
+        .collect(engine=ENGINE)
+    )
+
+
+def peer_features(
+    dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID, *, medians: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """The peer features (module notes) for the rows of `dense` (bucket aggregates on the grid,
-    from `features.windows.dense_grid`), in its row order: gpu_uuid, ts, then the features."""
+    from `features.windows.dense_grid`), in its row order: gpu_uuid, ts, then the features.
+    `medians` (from `model_medians`) gives the fleet medians when `dense` holds only part of the
+    fleet; by default they are taken over `dense`."""
     sfx = grid_suffix(grid)
     metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in dense.columns]
     keys = ["cluster", "node", "ts"]
@@ -33,20 +55,23 @@ def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.Dat
     base = dense.lazy().select(*keys, GPU, model, *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
     if not metrics:
         return base.select(GPU, "ts").collect(engine=ENGINE)
-    peers = base.select(*keys, pl.col(GPU).alias("_peer"), *[pl.col(f"_p_{m}").alias(f"_q_{m}") for m in metrics])
-    node_medians = (
-        base.select(*keys, GPU)
-        .join(peers, on=keys, how="inner")
-        .filter(pl.col(GPU) != pl.col("_peer"))
-        .group_by(GPU, "ts")
-        .agg(pl.col(f"_q_{m}").median().alias(f"_node_{m}") for m in metrics)
+    # The median of the *other* GPUs of the node at the same time, computed from each node-time's
+    # sorted readings (a self-join with every peer was a quarter of a store build's time).
+    frame = base.collect(engine=ENGINE)
+    group = frame.select(
+        pl.when(pl.col("cluster").is_not_null() & pl.col("node").is_not_null())
+        .then(pl.struct(*keys).rank("dense"))
+        .fill_null(0)
+        .cast(pl.Int64)
+    ).to_series()
+    node_medians = frame.select(GPU, "ts").with_columns(
+        pl.Series(f"_node_{m}", median_of_others(group.to_numpy(), frame[f"_p_{m}"].to_numpy()), nan_to_null=True)
+        for m in metrics
     )
-    model_medians = base.group_by("gpu_model", "ts").agg(
-        pl.col(f"_p_{m}").median().alias(f"_model_{m}") for m in metrics
-    )
+    fleet = (medians if medians is not None else model_medians(dense, grid)).lazy()
     return (
-        base.join(node_medians, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(model_medians, on=["gpu_model", "ts"], how="left", maintain_order="left", nulls_equal=True)
+        pl.concat([frame.lazy(), node_medians.lazy().drop(GPU, "ts")], how="horizontal")
+        .join(fleet, on=["gpu_model", "ts"], how="left", maintain_order="left", nulls_equal=True)
         .select(
             GPU,
             "ts",
@@ -55,3 +80,34 @@ def peer_features(dense: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.Dat
         )
         .collect(engine=ENGINE)
     )
+
+
+def median_of_others(group: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """For each row, the median of `values` over the *other* rows of its group (`group` 0 = in
+    no group). NaN is no reading: it is not a peer, and its own row gets NaN, as does a row
+    whose group has no other reading.
+
+    With a group's readings sorted, v[0] <= ... <= v[n-1], the others of the reading at rank r
+    are v without v[r]: their k-th smallest is v[k] below r and v[k + 1] from r on, and their
+    median is the mean of the ((m - 1) // 2)-th and (m // 2)-th of the m = n - 1 others."""
+    n = len(values)
+    out = np.full(n, np.nan)
+    if n == 0:
+        return out
+    order = np.lexsort((values, group))  # by group, then value, NaN last within a group
+    g, v = group[order], values[order]
+    first = np.r_[True, g[1:] != g[:-1]]
+    starts = np.flatnonzero(first)
+    which = np.cumsum(first) - 1
+    start = starts[which]
+    readings = np.add.reduceat((~np.isnan(v)).astype(np.int64), starts)[which]
+    rank = np.arange(n) - start
+    m = readings - 1
+    has = (g != 0) & ~np.isnan(v) & (m >= 1)
+
+    def other(k: np.ndarray) -> np.ndarray:
+        return v[np.clip(start + k + (k >= rank), 0, n - 1)]
+
+    median = (other((m - 1) // 2) + other(m // 2)) / 2
+    out[order] = np.where(has, median, np.nan)
+    return out

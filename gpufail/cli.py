@@ -356,6 +356,7 @@ def features(
             Store.open(_root(ctx, data)),
             max_buckets_in_memory=settings.features.buckets_in_memory,
             rows_per_part=settings.features.rows_per_part,
+            block_days=settings.features.block_days,
             progress=not quiet,
             **common,
         )
@@ -734,6 +735,11 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         windows=tuple(settings.features.windows),
         failure_xids=tuple(settings.labels.failure_xids),
         merge_window=settings.labels.merge_window,
+        max_silence=settings.features.max_silence,
+        lost_after=settings.labels.lost_after,
+        buckets_in_memory=settings.features.buckets_in_memory,
+        rows_per_part=settings.features.rows_per_part,
+        block_days=settings.features.block_days,
         progress=not quiet,
     )
     dry = settings.publish.dry_run if dry_run is None else dry_run

@@ -72,7 +72,9 @@ class FeatureSettings(_Table):
     max_silence: Duration = timedelta(hours=24)
     """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
     buckets_in_memory: int = Field(default=4_000_000, ge=0)
-    """Hourly (grid) buckets the build holds before computing features: bounds its memory."""
+    """Hourly (grid) buckets the build holds for one shard of whole nodes: bounds its memory."""
+    block_days: int = Field(default=14, ge=1)
+    """Days whose features are built together: the 7-day lookback before them is computed once per block."""
     rows_per_part: int = Field(default=500_000, ge=1)
     """Grid rows of whole GPUs whose wide bucket statistics the build holds at once: bounds its memory."""
 

@@ -71,6 +71,11 @@ class NightlyOptions:
     windows: tuple[timedelta, ...] = (timedelta(hours=1), timedelta(hours=6), timedelta(hours=24), timedelta(days=7))
     failure_xids: tuple[int, ...] | None = None
     merge_window: timedelta = timedelta(hours=6)
+    max_silence: timedelta = timedelta(hours=24)
+    lost_after: timedelta = timedelta(hours=6)
+    buckets_in_memory: int = 4_000_000
+    rows_per_part: int = 500_000
+    block_days: int = 14
     progress: bool = True
 
 
@@ -317,6 +322,11 @@ class _Job:
             horizon=self.o.horizon,
             failure_xids=self.o.failure_xids,
             merge_window=self.o.merge_window,
+            max_silence=self.o.max_silence,
+            lost_after=self.o.lost_after,
+            max_buckets_in_memory=self.o.buckets_in_memory,
+            rows_per_part=self.o.rows_per_part,
+            block_days=self.o.block_days,
             overwrite=bool(built),
             progress=self.o.progress,
         )

@@ -132,19 +132,21 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
-    # A tiny bucket budget: features are computed day by day from the carried trailing window,
-    # in parts and chunks of a few GPUs, so that day edges, the carried raw rows, part and chunk
-    # edges are exercised.
+    # No bucket budget: every node is a shard of its own whose buckets wait on disk, and one-day
+    # blocks are built from the carried trailing window, in parts and chunks of a few GPUs, so
+    # that day, block, shard, part and chunk edges and the carried raw rows are exercised.
     summary = build_features_from_store(
         store,
         windows=WINDOWS,
         rows_per_chunk=500,
         rows_per_part=700,
         max_buckets_in_memory=0,
+        block_days=1,
         flush_rows=500,
         progress=False,
     )
     assert summary.blocks == 3  # 72 h: three days, each emitted on its own
+    assert summary.shards == tel.select("cluster", "node").n_unique() > 1
     assert summary.telemetry_rows_read == tel.height  # each raw row is read once
     stored = read_features(store)
     expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
@@ -154,12 +156,12 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     assert "features:" in str(summary)
 
     # A second build over the same days is refused, then replaces the files when asked to;
-    # this time everything fits the budget: one step.
+    # this time everything fits the budget: one shard, one block.
     with pytest.raises(FileExistsError, match="overwrite"):
         build_features_from_store(store, windows=WINDOWS, progress=False)
     before = set(feature_files(store))
     summary = build_features_from_store(store, windows=WINDOWS, overwrite=True, progress=False)
-    assert summary.blocks == 1 and summary.telemetry_rows_read == tel.height
+    assert summary.blocks == 1 and summary.shards == 1 and summary.telemetry_rows_read == tel.height
     assert summary.files_replaced == len(before)
     assert not before & set(feature_files(store))
     assert_frame_equal(read_features(store), stored, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)

@@ -9,7 +9,8 @@ from polars.testing import assert_frame_equal
 
 from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import FeaturesExistError, build_features, feature_files, read_features
-from features.distributed import build_features_distributed, node_groups
+from features.distributed import build_features_distributed
+from features.shards import node_groups
 from gpufail.dask_cluster import dask_client
 from ingest.store import Store
 from tests.features import T0, H

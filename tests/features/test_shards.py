@@ -1,0 +1,150 @@
+"""Shards of whole nodes for the store build: how many, which nodes, and the carried buckets
+that wait on disk between days."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from features.bench import synthetic_telemetry, synthetic_xids
+from features.build import build_features, build_features_from_store, read_features
+from features.labels import gpu_presence
+from features.peers import model_medians, peer_features
+from features.shards import SHARD, ShardedBuckets, shard_map
+from features.windows import dense_grid, hourly_aggregate
+from ingest.store import Store
+from tests.features import T0, H
+
+WINDOWS = [H, 6 * H, 24 * H]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> tuple[pl.DataFrame, pl.DataFrame]:
+    # 4 nodes of 4 GPUs over 3 days, one sample every 15 minutes.
+    tel = synthetic_telemetry(16, 72, interval=timedelta(minutes=15), gpus_per_node=4, start=T0, seed=11)
+    return tel, synthetic_xids(tel, per_gpu_day=0.5, seed=11)
+
+
+def test_the_fleet_is_split_into_the_fewest_shards_that_fit_the_budget(fleet):
+    presence = gpu_presence(fleet[0])
+    # 16 GPUs x 10 buckets = 160 carried buckets.
+    assert shard_map(presence, gpu_buckets=10, max_buckets=1_000)[SHARD].n_unique() == 1
+    halves = shard_map(presence, gpu_buckets=10, max_buckets=80)
+    assert halves[SHARD].n_unique() == 2
+    assert halves.group_by(SHARD).len()["len"].to_list() == [2, 2]  # whole nodes, two each
+    assert shard_map(presence, gpu_buckets=10, max_buckets=0)[SHARD].n_unique() == 4  # one node each
+    assert shard_map(presence, gpu_buckets=10, max_buckets=1)[SHARD].n_unique() == 4  # never below a node
+    every = shard_map(presence, gpu_buckets=10, max_buckets=0)
+    assert sorted(every["node"].to_list()) == sorted(presence["node"].unique().to_list())
+
+
+def test_nodes_that_share_a_gpu_are_in_one_shard(fleet):
+    tel = fleet[0]
+    # A board moved from node00001 to node00003 on the second day.
+    moved = tel.with_columns(
+        pl.when((pl.col("gpu_uuid") == "GPU-00000005") & (pl.col("ts") > T0 + 24 * H))
+        .then(pl.lit("node00003"))
+        .otherwise(pl.col("node"))
+        .alias("node")
+    )
+    shards = shard_map(gpu_presence(moved), gpu_buckets=10, max_buckets=0)
+    of = dict(zip(shards["node"].to_list(), shards[SHARD].to_list(), strict=True))
+    assert of["node00001"] == of["node00003"]
+    assert len(set(of.values())) == 3
+
+
+def test_sharded_buckets_wait_on_disk_and_come_back_per_shard(tmp_path, fleet):
+    tel = fleet[0]
+    shards = shard_map(gpu_presence(tel), gpu_buckets=10, max_buckets=0)
+    buckets = ShardedBuckets(shards, scratch=str(tmp_path))
+    days = [hourly_aggregate(tel.filter(pl.col("ts").dt.date() == d)) for d in tel["ts"].dt.date().unique().sort()]
+    for frame in days:
+        buckets.add(frame["ts"].min().date(), frame)
+    folder = next(tmp_path.iterdir())
+    assert len(list(folder.iterdir())) == 4 * len(days)  # one file per shard and day
+    assert buckets.rows() == 0  # nothing held in memory
+    whole = pl.concat(days).sort("gpu_uuid", "ts")
+    after = T0 + 30 * H
+    for shard, nodes in shards.group_by(SHARD):
+        expected = whole.join(nodes.drop(SHARD), on=["cluster", "node"], how="semi").filter(pl.col("ts") > after)
+        got = buckets.take(int(shard[0]), after)
+        assert got is not None
+        assert_frame_equal(got.sort("gpu_uuid", "ts"), expected)
+    # Forgetting the first day removes its files; a shard with nothing left answers None.
+    buckets.forget(T0 + 25 * H)
+    assert len(list(folder.iterdir())) == 4 * (len(days) - 1)
+    buckets.forget(T0 + 100 * H)
+    assert buckets.take(0, T0) is None
+    buckets.close()
+    assert not folder.exists()
+
+
+def test_one_shard_keeps_its_buckets_in_memory(tmp_path, fleet):
+    tel = fleet[0]
+    buckets = ShardedBuckets(shard_map(gpu_presence(tel), gpu_buckets=10, max_buckets=10**9), scratch=str(tmp_path))
+    frame = hourly_aggregate(tel)
+    buckets.add(T0.date(), frame)
+    assert buckets.count == 1 and buckets.rows() == frame.height
+    assert not list(tmp_path.iterdir())
+    assert_frame_equal(buckets.take(0, T0 + 10 * H), frame.filter(pl.col("ts") > T0 + 10 * H))
+
+
+def test_peer_features_of_a_shard_use_the_fleet_median_they_are_given(fleet):
+    hourly = hourly_aggregate(fleet[0])
+    dense = dense_grid(hourly, H, data_end=T0 + 72 * H)
+    whole = peer_features(dense)
+    shard = dense.filter(pl.col("node").is_in(["node00000", "node00001"]))
+    with_fleet = peer_features(shard, medians=model_medians(hourly))
+    assert_frame_equal(with_fleet, whole.join(shard.select("gpu_uuid", "ts"), on=["gpu_uuid", "ts"], how="semi"))
+    # Without the fleet's medians the shard's own would differ: the test above can fail.
+    alone = peer_features(shard)
+    assert not alone["temp_gpu_c_model_delta_1h"].equals(with_fleet["temp_gpu_c_model_delta_1h"])
+
+
+def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet):
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    summary = build_features_from_store(
+        store, windows=WINDOWS, max_buckets_in_memory=400, block_days=2, progress=False, scratch=str(tmp_path)
+    )
+    # 16 GPUs x 24 buckets x 5 carried days (a block of 2, the 25 h lookback's 2, 1 more) = 1,920
+    # buckets: more than 4 shards of 400, so one node each; 3 days in blocks of 2: 2 blocks.
+    assert (summary.shards, summary.blocks) == (4, 2)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]  # scratch removed
+    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_a_failed_build_leaves_no_scratch_files_behind(tmp_path, fleet, monkeypatch):
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    import features.build as build
+
+    calls = {"n": 0}
+    real = build._read_telemetry
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("disk went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_read_telemetry", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        build_features_from_store(
+            store, windows=WINDOWS, max_buckets_in_memory=0, progress=False, scratch=str(tmp_path)
+        )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+
+
+def test_a_block_of_no_days_is_refused(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    with pytest.raises(ValueError, match="block_days: expected at least 1"):
+        build_features_from_store(store, block_days=0, progress=False)
