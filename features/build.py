@@ -54,6 +54,7 @@ from features.windows import (
     dense_grid,
     grid_floor,
     grid_suffix,
+    grid_time,
     hourly_aggregate,
     window_features,
 )
@@ -284,16 +285,31 @@ def iter_features_from_buckets(
             repairs=fixes,
         )
     first_seen = presence.group_by(GPU).agg(pl.col("first_ts").min())
+    # A GPU seen before the frame's first bucket gets grid rows from there on, as in a build
+    # over all history (`dense_grid`'s `starts`).
+    frame_start = hourly["ts"].min() if hourly.height else None
+    starts = (
+        None
+        if frame_start is None
+        else first_seen.select(
+            GPU,
+            pl.max_horizontal(grid_time(pl.col("first_ts"), grid), pl.lit(frame_start, dtype=TS_DTYPE)).alias("_start"),
+        )
+    )
 
     whole = rows_per_part is None
     if whole:
-        dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence)
+        dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
         narrow = dense
     else:
         sfx = grid_suffix(grid)
         wanted = {GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS, *(f"{m}_mean{sfx}" for m in PEER_METRICS)}
         narrow = dense_grid(
-            hourly.select(c for c in hourly.columns if c in wanted), grid, data_end=data_end, max_silence=max_silence
+            hourly.select(c for c in hourly.columns if c in wanted),
+            grid,
+            data_end=data_end,
+            max_silence=max_silence,
+            starts=starts,
         )
     # Which rows are emitted, and their labels, are decided on narrow columns first, so that the
     # wide feature columns are materialised once, for the emitted rows only.
@@ -327,7 +343,7 @@ def iter_features_from_buckets(
             part_dense = dense
         else:
             part_hourly = hourly if len(parts) == 1 else by_part.pop(i)
-            part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence)
+            part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
         yield _assemble(

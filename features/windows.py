@@ -307,25 +307,30 @@ def dense_grid(
     *,
     data_end: datetime,
     max_silence: timedelta = DEFAULT_MAX_SILENCE,
+    starts: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """Every grid time from each GPU's first bucket to `min(last bucket + max_silence,
     data_end)`, left-joined with the bucket aggregates. Identity columns and `last_sample_ts`
     are carried forward into empty buckets (they describe the GPU as last seen). Sorted by
-    (gpu_uuid, ts)."""
+    (gpu_uuid, ts).
+
+    `starts` (gpu_uuid, `_start`) moves a GPU's first grid time back to `_start` when that is
+    earlier: a frame that holds only the recent part of the history starts each GPU's grid
+    where the frame starts, as an all-history grid has rows there even while the GPU was
+    silent (an XID logged in that silence must still count in later windows)."""
     end_cap = grid_floor(data_end, grid)
     silence_steps = _us(max_silence) // _us(grid)
-    spans = (
-        hourly.lazy()
-        .group_by(GPU)
-        .agg(pl.col("ts").min().alias("_first"), pl.col("ts").max().alias("_last"))
-        .with_columns(
-            pl.min_horizontal(
-                pl.col("_last") + pl.duration(microseconds=silence_steps * _us(grid)),
-                pl.lit(end_cap, dtype=TS_DTYPE),
-            ).alias("_end")
+    spans = hourly.lazy().group_by(GPU).agg(pl.col("ts").min().alias("_first"), pl.col("ts").max().alias("_last"))
+    if starts is not None:
+        spans = spans.join(starts.lazy().select(GPU, "_start"), on=GPU, how="left").with_columns(
+            pl.min_horizontal("_first", "_start").alias("_first")
         )
-        .filter(pl.col("_first") <= pl.col("_end"))
-    )
+    spans = spans.with_columns(
+        pl.min_horizontal(
+            pl.col("_last") + pl.duration(microseconds=silence_steps * _us(grid)),
+            pl.lit(end_cap, dtype=TS_DTYPE),
+        ).alias("_end")
+    ).filter(pl.col("_first") <= pl.col("_end"))
     # Spans sorted by GPU, exploded in order, then a join that keeps the left order: the grid
     # comes out sorted by (gpu_uuid, ts) without sorting the wide joined frame (which took most
     # of this function).
@@ -488,19 +493,25 @@ def window_features(
     # the frame's first grid time (the slope does not depend on where x starts; a small origin
     # keeps x*x exact).
     x = (pl.col("ts") - pl.col("ts").min()).dt.total_microseconds() / HOUR_US
+    # Sums of squares run over the whole frame, so they are taken about a centre per GPU and
+    # gauge (its first bucket mean in the frame): uncentred, a memory gauge near 80,000 MiB that
+    # barely moves lost its standard deviation to rounding over a few weeks of running sums.
+    # The mean, standard deviation and slope do not depend on the centre.
+    centres = [pl.col(f"{g}_mean{sfx}").drop_nulls().first().over(GID).alias(f"_c_{g}") for g in kinds["gauge"]]
     for g in kinds["gauge"]:
         cnt = pl.col(f"{g}_count{sfx}").fill_null(0).cast(pl.Float64)
         mean = pl.col(f"{g}_mean{sfx}")
+        dev = mean - pl.col(f"_c_{g}")
         m2 = (pl.col(f"{g}_var{sfx}") * (cnt - 1)).fill_null(0.0)
         xs = pl.when(mean.is_not_null()).then(x).otherwise(0.0)
         sums.add(f"{g}_n", cnt)
-        sums.add(f"{g}_s", mean * cnt)
-        sums.add(f"{g}_q", m2 + (cnt * mean * mean).fill_null(0.0))
+        sums.add(f"{g}_s", dev * cnt)
+        sums.add(f"{g}_q", m2 + (cnt * dev * dev).fill_null(0.0))
         sums.add(f"{g}_bn", mean.is_not_null(), longer_than_grid_only=True)
         sums.add(f"{g}_bx", xs, longer_than_grid_only=True)
         sums.add(f"{g}_bxx", xs * xs, longer_than_grid_only=True)
-        sums.add(f"{g}_by", mean, longer_than_grid_only=True)
-        sums.add(f"{g}_bxy", xs * mean, longer_than_grid_only=True)
+        sums.add(f"{g}_by", dev, longer_than_grid_only=True)
+        sums.add(f"{g}_bxy", xs * dev, longer_than_grid_only=True)
     for c in kinds["counter"]:
         increase = pl.col(f"{c}_increase{sfx}")
         sums.add(f"{c}_inc", increase)
@@ -528,7 +539,7 @@ def window_features(
         pl.col(f"{m}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"_last_{m}")
         for m in (*kinds["gauge"], *kinds["counter"])
     ]
-    lf = sums.running(dense.lazy().with_columns(gpu_run_id())).with_columns(
+    lf = sums.running(dense.lazy().with_columns(gpu_run_id()).with_columns(centres)).with_columns(
         interval.alias("_interval_s"), first.alias("_first"), *lasts
     )
     extremes: list[tuple[str, pl.Expr, Literal["max", "min"]]] = []
@@ -560,7 +571,7 @@ def window_features(
         out.append(pl.col(f"_last_{g}").alias(f"{g}_last"))
         for k, wl in zip(sizes, labels, strict=True):
             nw, sw, qw = pl.col(f"_{g}_n_{wl}"), pl.col(f"_{g}_s_{wl}"), pl.col(f"_{g}_q_{wl}")
-            mean_w = pl.when(nw > 0).then(sw / nw)
+            mean_w = pl.when(nw > 0).then(sw / nw + pl.col(f"_c_{g}"))
             out += [
                 mean_w.alias(f"{g}_mean_{wl}"),
                 pl.col(f"_{g}_mx_{wl}").alias(f"{g}_max_{wl}"),

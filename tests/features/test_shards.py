@@ -148,3 +148,38 @@ def test_a_block_of_no_days_is_refused(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     with pytest.raises(ValueError, match="block_days: expected at least 1"):
         build_features_from_store(store, block_days=0, progress=False)
+
+
+def test_an_xid_in_a_silence_where_a_block_starts_counts_as_in_an_all_history_build(tmp_path, fleet):
+    """A block's frame starts at its lookback; a GPU silent there still gets grid rows from that
+    point, so an XID logged during the silence counts in the windows that reach it."""
+    tel, _ = fleet
+    quiet = "GPU-00000003"
+    tel = tel.filter(~((pl.col("gpu_uuid") == quiet) & pl.col("ts").is_between(T0 + 22 * H, T0 + 30 * H)))
+    event = (
+        tel.filter(pl.col("gpu_uuid") == quiet)
+        .head(1)
+        .select("cluster", "node", "pci_bus_id", "gpu_index", "gpu_uuid")
+        .with_columns(
+            ts=pl.lit(T0 + 25.5 * H),
+            last_ts=pl.lit(T0 + 25.5 * H),
+            xid=pl.lit(13, dtype=pl.Int32),  # an application XID, not a failure
+            pid=pl.lit(None, dtype=pl.Int64),
+            process=pl.lit(None, dtype=pl.String),
+            message=pl.lit("test"),
+            source=pl.lit("test"),
+            repeat_count=pl.lit(1, dtype=pl.Int32),
+        )
+    )
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", event.to_arrow())
+    # The third day's block reads buckets after 48 h - 25 h of lookback = 23 h; the GPU's first
+    # bucket there is 30:15, after the XID (bucket 26 h).
+    build_features_from_store(store, windows=WINDOWS, block_days=1, progress=False)
+    stored = read_features(store).filter(pl.col("gpu_uuid") == quiet)
+    expected = build_features(tel, event, windows=WINDOWS).filter(pl.col("gpu_uuid") == quiet).sort("ts")
+    at_48 = pl.col("ts").is_in([T0 + 48 * H, T0 + 49 * H])
+    assert expected.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]  # the window reaches 26 h
+    assert stored.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]
+    assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)

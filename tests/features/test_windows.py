@@ -339,3 +339,18 @@ def test_window_sums_and_extremes_match_a_plain_rolling_computation():
         mean = expected.select(pl.when(pl.col("n") > 0).then(pl.col("s") / pl.col("n"))).to_series()
         assert ((out[f"temp_gpu_c_mean_{wl}"].cast(pl.Float64) - mean).abs() < 1e-3).all()
         assert out[f"temp_gpu_c_mean_{wl}"].null_count() == mean.null_count()
+
+
+def test_the_spread_of_a_large_steady_gauge_survives_weeks_of_running_sums():
+    """Window sums are running sums over the whole frame; a memory gauge near 80,000 MiB that
+    moves by 0.125 MiB must keep its standard deviation after three weeks of them."""
+    times = every(at(0, 7.5), at(21 * 24), 15 * MIN)
+    values = [80_000.0 + 0.125 * (i % 2) for i in range(len(times))]
+    tel = samples(times, fb_used_mib=values)
+    out = build_features(tel, NO_XIDS, windows=[H, 6 * H, 24 * H]).sort("ts")
+    last = out.row(-1, named=True)
+    exact = statistics.stdev(values[-4:])  # the four samples of the last hour
+    assert exact == pytest.approx(0.0722, abs=1e-4)
+    assert last["fb_used_mib_std_1h"] == pytest.approx(exact, rel=1e-3)
+    assert last["fb_used_mib_std_24h"] == pytest.approx(statistics.stdev(values[-96:]), rel=1e-3)
+    assert last["fb_used_mib_mean_24h"] == pytest.approx(80_000.0625, abs=1e-3)
