@@ -100,18 +100,13 @@ class _Params:
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _local(store: Store) -> bool:
-    protocol = store.fs.protocol
-    return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
-
-
 def _read_nodes(store: Store, nodes: pl.DataFrame, start: datetime, end: datetime) -> pl.DataFrame:
     """Raw telemetry of the (cluster, node) pairs `nodes` with start <= ts < end. Local files are
     scanned with polars (several times faster here than pyarrow's dataset reader, see
     `features.build`); other filesystems go through `Store.read` with the node filter pushed
     down."""
     names = nodes["node"].unique().to_list()
-    if _local(store):
+    if store.is_local:
         files = store.dataset("telemetry", start.date(), (end - timedelta(microseconds=1)).date()).files
         if not files:
             return pl.DataFrame()

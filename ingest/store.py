@@ -47,6 +47,13 @@ class Store:
         self.fs = fs
         self._path = path.rstrip("/")
 
+    @property
+    def is_local(self) -> bool:
+        """Whether the root is on the local filesystem (readers then use polars on the files,
+        several times faster here than pyarrow's dataset reader)."""
+        protocol = self.fs.protocol
+        return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
+
     # -- opening ---------------------------------------------------------------------------
 
     @classmethod

