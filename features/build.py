@@ -261,8 +261,9 @@ def iter_features_from_buckets(
     With `rows_per_part` set, the wide grid (every bucket statistic on every grid row) exists
     for one part of about that many grid rows at a time: which rows are emitted, their labels
     and the peer features (which need every GPU of a node and of the fleet at once) are decided
-    first on a narrow grid of a few columns. A store build over a fleet of tens of thousands of
-    GPUs carries eight days of buckets; its wide grid alone would be ~10 GB.
+    first on a narrow grid of a few columns. A shard of a store build over a fleet of tens of
+    thousands of GPUs carries a block of days and the eight before it; its wide grid alone would
+    be several GB.
 
     `model_medians` (`features.peers.model_medians` of the whole fleet) is given when the
     buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own."""

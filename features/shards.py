@@ -80,7 +80,7 @@ class ShardedBuckets:
 
     def __init__(self, shards: pl.DataFrame, *, scratch: str | None = None) -> None:
         self.shards = shards
-        self.count = max(1, int(shards[SHARD].max() or 0) + 1) if shards.height else 1
+        self.count = max(1, shards[SHARD].n_unique()) if shards.height else 1  # ids 0 .. count - 1
         self._memory: list[pl.DataFrame] = []
         self._files: dict[int, list[tuple[datetime, Path]]] = {}
         self._folder = Path(tempfile.mkdtemp(prefix="gpufail-buckets-", dir=scratch)) if self.count > 1 else None
