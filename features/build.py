@@ -329,11 +329,9 @@ def iter_features_from_buckets(
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
     parts = [(0, narrow.height)] if whole else _gpu_slices(narrow[GPU], rows_per_part)
-    by_part: dict[int, pl.DataFrame] = {}
     if len(parts) > 1:
-        # Split once rather than filter once per part (that cost a pass over every bucket per part).
-        by_part = _buckets_by_part(hourly, narrow[GPU], parts)
-        del hourly
+        # Tagged once: filtering each part on its GPUs' names cost a string look-up per bucket per part.
+        hourly = _tag_parts(hourly, narrow[GPU], parts)
     produced = False
     for i, (offset, length) in enumerate(parts):
         part_keep = keep.slice(offset, length)
@@ -343,7 +341,7 @@ def iter_features_from_buckets(
         if whole:
             part_dense = dense
         else:
-            part_hourly = hourly if len(parts) == 1 else by_part.pop(i)
+            part_hourly = hourly if len(parts) == 1 else hourly.filter(pl.col("_part") == i).drop("_part")
             part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
@@ -362,17 +360,17 @@ def iter_features_from_buckets(
         produced = True
 
 
-def _buckets_by_part(
-    hourly: pl.DataFrame, grid_gpus: pl.Series, parts: Sequence[tuple[int, int]]
-) -> dict[int, pl.DataFrame]:
-    """`hourly` split by the part of the grid its GPU is in (`grid_gpus` is the grid's GPU
-    column, `parts` its slices), in one pass."""
+def _tag_parts(hourly: pl.DataFrame, grid_gpus: pl.Series, parts: Sequence[tuple[int, int]]) -> pl.DataFrame:
+    """`hourly` with `_part`, the part of the grid its GPU is in (`grid_gpus` is the grid's GPU
+    column, `parts` its slices). Adding a column shares the others' memory, so a part's buckets
+    are then one integer filter away, and only one part is ever copied at a time."""
     part_id = pl.concat(
         [pl.repeat(i, length, dtype=pl.Int32, eager=True) for i, (_, length) in enumerate(parts)], how="vertical"
     )
     part_of = pl.DataFrame({GPU: grid_gpus, "_part": part_id}).unique(GPU, keep="first")
-    tagged = hourly.join(part_of, on=GPU, how="inner", maintain_order="left")
-    return {int(k[0]): v for k, v in tagged.partition_by("_part", as_dict=True, include_key=False).items()}
+    return hourly.with_columns(
+        pl.col(GPU).replace_strict(part_of[GPU], part_of["_part"], default=None, return_dtype=pl.Int32).alias("_part")
+    )
 
 
 def _assemble(
