@@ -791,8 +791,14 @@ def build_features_from_store(
 
     def emit(block_start: datetime, block_end: datetime) -> None:
         nonlocal buffered
-        fleet = pl.concat(medians, how="vertical_relaxed").filter(
-            pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
+        # No buckets since the last block (a telemetry outage): no means to compare, so the
+        # shards' own (empty) medians are the fleet's.
+        fleet = (
+            pl.concat(medians, how="vertical_relaxed").filter(
+                pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
+            )
+            if medians
+            else None
         )
         summary.blocks += 1
         for shard in range(buckets.count):
@@ -839,7 +845,12 @@ def build_features_from_store(
     try:
         block_start = emit_start
         for day in days:
-            raw = _read_telemetry(store, day, day + one_day) if day.date() in day_rows else None
+            if day.date() in day_rows:
+                raw = _read_telemetry(store, day, day + one_day)
+            else:
+                # No telemetry that day: the last bucket held back from the day before is still
+                # complete now, and the block ending today needs it.
+                raw = None if stream.held is None else stream.held.clear()
             if raw is not None:
                 summary.telemetry_rows_read += raw.height
                 day_buckets = stream.day(raw, day + one_day)

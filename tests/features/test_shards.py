@@ -183,3 +183,19 @@ def test_an_xid_in_a_silence_where_a_block_starts_counts_as_in_an_all_history_bu
     assert expected.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]  # the window reaches 26 h
     assert stored.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]
     assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_a_block_without_telemetry_builds_the_rows_of_an_all_history_build(tmp_path, fleet):
+    """A whole day without telemetry (an outage longer than a block) leaves a block with no new
+    buckets; its GPUs are silent, not an error."""
+    tel, events = fleet
+    tel = tel.filter(~pl.col("ts").is_between(T0 + 24 * H, T0 + 48 * H, closed="right"))
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    summary = build_features_from_store(
+        store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+    )
+    assert summary.blocks == 3
+    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
