@@ -845,6 +845,7 @@ def build_features_from_store(
     try:
         block_start = emit_start
         for day in days:
+            raw: pl.DataFrame | None
             if day.date() in day_rows:
                 raw = _read_telemetry(store, day, day + one_day)
             else:
