@@ -55,7 +55,7 @@ from features.labels import (
     gpu_presence,
     resolve_xid_gpus,
 )
-from features.peers import PEER_METRICS
+from features.peers import PEER_METRICS, model_medians
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
 from features.windows import (
@@ -190,14 +190,13 @@ def _model_column(frame: pl.DataFrame) -> pl.Expr:
     return pl.col("gpu_model") if "gpu_model" in frame.columns else pl.lit(None, dtype=pl.String).alias("gpu_model")
 
 
-def _model_medians(parts: Sequence[pl.DataFrame | None]) -> pl.DataFrame | None:
-    """Per (gpu_model, ts): the median bucket mean of each peer metric over the whole fleet."""
+def _model_medians(parts: Sequence[pl.DataFrame | None], grid: timedelta) -> pl.DataFrame | None:
+    """Per (gpu_model, ts): the median bucket mean of each peer metric over the whole fleet
+    (`features.peers.model_medians` of every partition's means)."""
     frames = [p for p in parts if p is not None and p.height]
     if not frames:
         return None
-    means = pl.concat(frames, how="vertical_relaxed")
-    metrics = [c for c in means.columns if c not in (GPU, "ts", "gpu_model")]
-    return means.group_by("gpu_model", "ts").agg(pl.col(c).median().alias(f"_median_{c}") for c in metrics)
+    return model_medians(pl.concat(frames, how="vertical_relaxed"), grid)
 
 
 def _means_of(part: tuple[pl.DataFrame | None, pl.DataFrame | None, int]) -> pl.DataFrame | None:
@@ -220,7 +219,7 @@ def _finish(
             GPU,
             "ts",
             *[
-                (pl.col(f"{m}_mean{sfx}") - pl.col(f"_median_{m}_mean{sfx}")).alias(f"{m}_model_delta{sfx}")
+                (pl.col(f"{m}_mean{sfx}") - pl.col(f"_model_{m}")).alias(f"{m}_model_delta{sfx}")
                 for m in PEER_METRICS
                 if f"{m}_mean{sfx}" in means.columns
             ],
@@ -364,7 +363,7 @@ def build_features_distributed(
             for nodes in groups
         ]
         means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
-        medians = client.submit(_model_medians, means, priority=-2 * b + 1)
+        medians = client.submit(_model_medians, means, grid, priority=-2 * b + 1)
         results += [client.submit(_finish, store, p, medians, grid, pure=False, priority=-2 * b + 1) for p in parts]
     gpus: set[str] = set()
     for done in client.gather(results):
