@@ -31,6 +31,7 @@ from features.labels import (
     resolve_xid_gpus,
 )
 from features.peers import PEER_METRICS, model_medians, peer_features
+from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, sample_keys
 from features.schema import (
     FEATURE_DTYPE,
     FEATURES_SCHEMA_VERSION,
@@ -477,15 +478,30 @@ def write_features(store: Store, table: pl.DataFrame) -> list[str]:
         offset += n
         if not part.select(GPU, "ts").equals(part.select(GPU, "ts").sort(GPU, "ts")):
             part = part.sort(GPU, "ts")
-        arrow = part.to_arrow(compat_level=pl.CompatLevel.oldest())
-        arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), **_metadata()})
+        keys = sample_keys(part[GPU], part["ts"])
+        part = part.with_columns(pl.Series(SAMPLE_KEY, keys))
+        # The rows a retrain draws at up to PRESAMPLED_FRACTION of the negatives (and every
+        # positive) come first, in a row group of their own, each group still in (gpu_uuid, ts)
+        # order: a retrain's filter on label and key then skips the rest by its statistics.
+        # Censored rows go by their key as if negative, so that no key in the rest is low.
+        label = part["label"].fill_null(0).to_numpy()
+        first = pl.Series(drawn(label, keys, PRESAMPLED_FRACTION))
+        metadata = {**_metadata(), b"gpufail.presampled_fraction": str(PRESAMPLED_FRACTION).encode()}
+        pieces = []
+        for piece in (part.filter(first), part.filter(~first)):
+            arrow = piece.to_arrow(compat_level=pl.CompatLevel.oldest())
+            pieces.append(arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), **metadata}))
         # Dictionary-encoding only the string columns: trying it on 280 float columns made
         # writing 2.5x slower for no gain.
         dictionary = [c for c in ID_COLUMNS if part.schema[c] == pl.String]
-        # Statistics only where a reader filters (time, GPU, place): min/max of 400 float
-        # columns cost ~15% of writing and no reader uses them.
+        # Statistics only where a reader filters (time, GPU, place, the training draw): min/max
+        # of 400 float columns cost ~15% of writing and no reader uses them.
         final = store.write_owned(
-            FEATURES_DATASET, d, arrow, use_dictionary=dictionary, write_statistics=list(ID_COLUMNS)
+            FEATURES_DATASET,
+            d,
+            pieces,
+            use_dictionary=dictionary,
+            write_statistics=[*ID_COLUMNS, "label", SAMPLE_KEY],
         )
         written.append(final)
     return written
@@ -512,12 +528,16 @@ def read_features(
     cols = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
     if store.is_local:
         # polars read these files 2.5x faster than pyarrow's dataset reader (see _read_telemetry).
-        lf = pl.scan_parquet(files, hive_partitioning=False)
+        # Files written before the stored training key (SAMPLE_KEY) lack it: a later file's
+        # column the first file lacks is left out rather than an error.
+        lf = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
         if start is not None:
             lf = lf.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=TS_DTYPE))
         if end is not None:
             lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
-        return (lf if cols is None else lf.select(cols)).collect().sort("ts", GPU)
+        if cols is None:
+            cols = [c for c in lf.collect_schema().names() if c != SAMPLE_KEY]
+        return lf.select(cols).collect().sort("ts", GPU)
     dataset = ds.dataset(files, format="parquet", filesystem=store.fs)
     expr = None
     if start is not None:
@@ -525,6 +545,8 @@ def read_features(
     if end is not None:
         term = ds.field("ts") < pa.scalar(_utc(end), pa.timestamp("us", tz="UTC"))
         expr = term if expr is None else expr & term
+    if cols is None:
+        cols = [c for c in dataset.schema.names if c != SAMPLE_KEY]
     frame = pl.from_arrow(dataset.to_table(columns=cols, filter=expr))
     assert isinstance(frame, pl.DataFrame)
     return frame.sort("ts", GPU)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -146,11 +147,13 @@ class Store:
         table = conform(table, dataset)
         return self._write_part(dataset, day.isoformat(), table)
 
-    def write_owned(self, dataset: str, day: date, table: pa.Table, **parquet_options: Any) -> str:
+    def write_owned(self, dataset: str, day: date, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
         """Write one file of a dataset whose schema a later stage owns (features, predictions,
         actions). The owner validates the table; the store gives the same write-once, atomic,
         date-partitioned layout as the raw datasets. `parquet_options` go to
-        `pyarrow.parquet.write_table` (e.g. `use_dictionary`)."""
+        `pyarrow.parquet.ParquetWriter` (e.g. `use_dictionary`). A sequence of tables (one
+        schema) is one file in which each table starts a new row group, so that a reader
+        filtering on what sets them apart skips the others by their statistics."""
         return self._write_part(dataset, day.isoformat(), table, **parquet_options)
 
     def read_owned(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> pa.Table | None:
@@ -171,15 +174,17 @@ class Store:
             raise StoreError(f"{self.path(dataset)}: the files disagree on a column's type ({exc})") from None
         return found.replace_schema(schema).to_table()
 
-    def _write_part(self, dataset: str, day: str, table: pa.Table, **parquet_options: Any) -> str:
+    def _write_part(self, dataset: str, day: str, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
         folder = self.path(dataset, f"date={day}")
         self.fs.makedirs(folder, exist_ok=True)
         final = f"{folder}/part-{uuid.uuid4().hex}.parquet"
         tmp = f"{folder}/.tmp-{uuid.uuid4().hex}.parquet"
         try:
-            with self.fs.open(tmp, "wb") as fh:
-                options = {"compression": COMPRESSION, "row_group_size": ROW_GROUP_SIZE, **parquet_options}
-                pq.write_table(table, fh, **options)
+            pieces = [table] if isinstance(table, pa.Table) else list(table)
+            options = {"compression": COMPRESSION, **parquet_options}
+            with self.fs.open(tmp, "wb") as fh, pq.ParquetWriter(fh, pieces[0].schema, **options) as writer:
+                for piece in pieces:
+                    writer.write_table(piece, row_group_size=ROW_GROUP_SIZE)
             self.fs.mv(tmp, final)
         except BaseException:
             # Leave nothing behind on any interruption, KeyboardInterrupt included.

@@ -196,22 +196,36 @@ class BinaryClassifierMixin(ClassifierMixin):
 
 class CategoryCodes(TransformerMixin, BaseEstimator):
     """Replace string columns by the code of their category as learnt in `fit` (float32);
-    categories not seen in `fit` become NaN. Other columns pass through unchanged."""
+    categories not seen in `fit` become missing (NaN, or null in polars). Other columns pass
+    through unchanged. Takes pandas or polars frames (polars stays polars: LightGBM reads it
+    through Arrow, `models.frame.split_xy_polars`)."""
 
     def __init__(self, columns: Sequence[str] = CATEGORICAL_COLUMNS) -> None:
         self.columns = columns
 
-    def fit(self, X: pd.DataFrame, y: Any = None) -> CategoryCodes:
-        if not isinstance(X, pd.DataFrame):
-            raise TypeError(f"CategoryCodes expects a pandas DataFrame, got {type(X).__name__}")
-        self.categories_ = {c: sorted(X[c].astype(str).unique().tolist()) for c in self.columns if c in X.columns}
+    def fit(self, X: Any, y: Any = None) -> CategoryCodes:
+        if _is_polars_frame(X):
+            self.categories_ = {c: sorted(X[c].cast(str).unique().to_list()) for c in self.columns if c in X.columns}
+        elif isinstance(X, pd.DataFrame):
+            self.categories_ = {c: sorted(X[c].astype(str).unique().tolist()) for c in self.columns if c in X.columns}
+        else:
+            raise TypeError(f"CategoryCodes expects a pandas or polars DataFrame, got {type(X).__name__}")
         self.feature_names_in_ = np.asarray(X.columns, dtype=object)
         return self
 
-    def transform(self, X: pd.DataFrame) -> pd.DataFrame:
+    def transform(self, X: Any) -> Any:
         check_is_fitted(self, "categories_")
         if list(X.columns) != list(self.feature_names_in_):
             raise ValueError(f"CategoryCodes: expected columns {list(self.feature_names_in_)}, got {list(X.columns)}")
+        if _is_polars_frame(X):
+            import polars as pl
+
+            return X.with_columns(
+                pl.col(c)
+                .cast(pl.String)
+                .replace_strict(cats, list(range(len(cats))), default=None, return_dtype=pl.Float32)
+                for c, cats in self.categories_.items()
+            )
         codes = {}
         for c, cats in self.categories_.items():
             code = pd.Index(cats).get_indexer(X[c].astype(str)).astype(np.float32)
@@ -221,6 +235,10 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
         return np.asarray(self.feature_names_in_, dtype=object)
+
+
+def _is_polars_frame(X: Any) -> bool:
+    return type(X).__module__.startswith("polars") and hasattr(X, "columns")
 
 
 class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from features.sample_key import drawn, sample_keys
 from ingest.errors import InputError
 from models.estimators import (
     DEFAULT_PARAMS,
@@ -47,7 +48,7 @@ from models.estimators import (
     member_kinds,
     prior_correction,
 )
-from models.frame import feature_matrix, labels, require_columns, split_xy, to_pandas
+from models.frame import feature_matrix, labels, require_columns, split_xy, split_xy_polars, to_pandas
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -212,19 +213,25 @@ def settled_until(frame: Any, horizon: DurationLike) -> pd.Timestamp:
 def _window(frame: Any, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None) -> Any:
     """`training_rows` in the type of `frame` (polars stays polars: nothing is converted yet)."""
     _require(frame, ["ts", "gpu_uuid", "label"], "training frame")
-    window = as_timedelta(train_window, "train_window")
-    settled = settled_until(frame, horizon)
-    if as_of is not None:
-        start, end = as_utc(as_of) - as_timedelta(horizon, "horizon") - window, as_utc(as_of) - as_timedelta(horizon)
-        end = min(end, settled + pd.Timedelta(microseconds=1))
-    else:
-        start, end = settled - window + pd.Timedelta(microseconds=1), settled + pd.Timedelta(microseconds=1)
+    start, end = training_bounds(settled_until(frame, horizon), train_window=train_window, horizon=horizon, as_of=as_of)
     if end <= start:
         return frame.head(0)
-    # [start, end) on a grid of whole seconds: as_of - horizon - window <= ts < as_of - horizon
-    # (time_split's training side), or settled - window < ts <= settled, never past settled.
     train, _ = time_split(frame, end + as_timedelta(horizon, "horizon"), horizon, end - start)
     return train
+
+
+def training_bounds(
+    settled: pd.Timestamp, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None
+) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the grid times `train_model` fits on, given `settled_until` of the
+    data: as_of - horizon - window <= ts < as_of - horizon (time_split's training side), or
+    settled - window < ts <= settled; never past settled. Empty when end <= start."""
+    window = as_timedelta(train_window, "train_window")
+    after_settled = settled + pd.Timedelta(microseconds=1)
+    if as_of is not None:
+        end = as_utc(as_of) - as_timedelta(horizon, "horizon")
+        return end - window, min(end, after_settled)
+    return after_settled - window, after_settled
 
 
 def training_rows(
@@ -239,19 +246,24 @@ def training_rows(
     return to_pandas(_window(frame, train_window=train_window, horizon=horizon, as_of=as_of))
 
 
-def _negative_sample_mask(label: np.ndarray, negative_fraction: float, seed: int) -> np.ndarray:
+def _negative_sample_mask(frame: Any, negative_fraction: float, seed: int) -> np.ndarray:
+    """Every positive and the negatives drawn at `negative_fraction` by their row's key
+    (`features.sample_key`: a hash of gpu_uuid and ts, so a row is drawn or not whatever frame
+    it is in, and a store can hold the drawn rows apart)."""
     if not 0.0 < negative_fraction <= 1.0:
         raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
-    draw = np.random.default_rng(seed).random(len(label))
-    return (label == 1) | ((label == 0) & (draw < negative_fraction))
+    _require(frame, ["ts", "gpu_uuid", "label"], "training frame")
+    label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
+    keys = sample_keys(frame["gpu_uuid"], frame["ts"], seed)
+    return drawn(label, keys, negative_fraction)
 
 
 def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.DataFrame:
-    """The labelled rows of `frame` with every positive and a random share `negative_fraction`
-    of the negatives (seeded: the same frame and seed give the same sample), as pandas. The
-    sample is drawn before any conversion, so only the kept rows are materialised."""
-    label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
-    keep = _negative_sample_mask(label, negative_fraction, seed)
+    """The labelled rows of `frame` with every positive and a share `negative_fraction` of the
+    negatives (drawn by a hash of each row's gpu_uuid and ts under `seed`: the same row is
+    always drawn at the same share), as pandas. The sample is drawn before any conversion, so
+    only the kept rows are materialised."""
+    keep = _negative_sample_mask(frame, negative_fraction, seed)
     if _is_polars(frame):
         import polars as pl
 
@@ -276,7 +288,7 @@ def training_sample(
     import polars as pl
 
     window = _window(keys, train_window=train_window, horizon=horizon, as_of=as_of)
-    keep = _negative_sample_mask(window["label"].cast(float).to_numpy(), negative_fraction, seed)
+    keep = _negative_sample_mask(window, negative_fraction, seed)
     return window.filter(pl.Series(keep)).select("ts", "gpu_uuid")
 
 
@@ -373,7 +385,8 @@ def train_model_on_sample(
     them; `negative_fraction` is the share that was drawn, for the odds correction). `where`
     names the rows in error messages."""
     user_params, kinds = check_model_kind(kind, params)
-    X, y, ids = split_xy(to_pandas(rows))
+    # LightGBM reads polars through Arrow, ~3x faster than through pandas, to the same trees.
+    X, y, ids = split_xy_polars(rows) if kind == "lightgbm" and _is_polars(rows) else split_xy(to_pandas(rows))
     if X.shape[1] == 0:
         raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
     n_pos = int(y.sum())

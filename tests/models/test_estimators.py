@@ -155,6 +155,57 @@ def test_category_codes_are_those_learnt_at_fit_whatever_the_score_order():
     assert np.isnan(out["gpu_model"].tolist()[1])
 
 
+def test_category_codes_of_a_polars_frame_are_those_of_pandas():
+    import polars as pl
+
+    train = pl.DataFrame({"gpu_model": ["H100", "A100", "V100"], "v": [1.0, 2.0, 3.0]})
+    score = pl.DataFrame({"gpu_model": ["V100", "X", "A100"], "v": [0.0, None, 0.0]})
+    polars_enc = CategoryCodes().fit(train)
+    assert polars_enc.categories_ == CategoryCodes().fit(train.to_pandas()).categories_
+    out = polars_enc.transform(score)
+    assert isinstance(out, pl.DataFrame) and out["gpu_model"].dtype == pl.Float32
+    assert out["gpu_model"].to_list() == [2.0, None, 0.0]  # unseen: missing
+    assert out["v"].to_list() == [0.0, None, 0.0]  # other columns untouched
+    with pytest.raises(ValueError, match="expected columns"):
+        polars_enc.transform(score.select("v"))
+
+
+def test_lightgbm_fitted_from_polars_is_lightgbm_fitted_from_pandas():
+    """The retrain's Arrow route (`split_xy_polars`) must give the trees the pandas route
+    gives, nulls and unseen categories included."""
+    import polars as pl
+
+    from models.frame import split_xy, split_xy_polars
+
+    rng = np.random.default_rng(0)
+    n = 4000
+    frame = pl.DataFrame(
+        {
+            "ts": pl.datetime_range(
+                pl.datetime(2026, 1, 1),
+                pl.datetime(2026, 1, 1) + pl.duration(hours=n - 1),
+                "1h",
+                eager=True,
+                time_zone="UTC",
+            ),
+            "gpu_uuid": [f"GPU-{i % 50}" for i in range(n)],
+            "gpu_model": rng.choice(["H100", "A100", None], n).tolist(),
+            "a": rng.normal(size=n).astype(np.float32),
+            "b": np.where(rng.random(n) < 0.2, np.nan, rng.normal(size=n)).astype(np.float32),
+            "label": (rng.random(n) < 0.05).astype(np.int8),
+        }
+    ).with_columns(
+        pl.col("b").fill_nan(None),
+        pl.when(pl.int_range(n) % 97 == 0).then(None).otherwise(pl.col("label")).alias("label"),
+    )
+    Xp, yp, _ = split_xy_polars(frame)
+    Xd, yd, _ = split_xy(frame.to_pandas())
+    assert list(Xp.columns) == list(Xd.columns) and np.array_equal(yp, yd)
+    fitted = [make_model("lightgbm", n_estimators=20, n_jobs=1).fit(X, y) for X, y in ((Xp, yp), (Xd, yd))]
+    probe = Xd.assign(gpu_model=np.where(np.arange(len(Xd)) % 3 == 0, "B200", Xd["gpu_model"]))
+    np.testing.assert_array_equal(fitted[0].predict_proba(probe), fitted[1].predict_proba(probe))
+
+
 def test_balanced_pos_weight_is_capped():
     assert balanced_pos_weight(np.array([0] * 30 + [1] * 10)) == 3.0
     assert balanced_pos_weight(np.array([0] * 100_000 + [1] * 10)) == MAX_POS_WEIGHT

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
-from features.build import read_features, write_features
+from features.build import feature_files, read_features, write_features
+from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import sample_negatives, train_model, training_rows, training_sample
@@ -21,15 +26,16 @@ def store(tmp_path_factory) -> Store:
     return demo_features_store(str(tmp_path_factory.mktemp("train-store") / "data"))
 
 
+@pytest.mark.parametrize("seed", [0, 3], ids=["stored-key", "other-seed"])
 @pytest.mark.parametrize("as_of", [None, "2026-01-08T12:00Z"])
-def test_the_sample_is_the_rows_train_model_keeps(store, as_of):
+def test_the_sample_is_the_rows_train_model_keeps(store, as_of, seed):
     everything = read_features(store)
     window = dict(train_window="4d", horizon="12h", as_of=as_of)
-    expected = sample_negatives(training_rows(everything, **window), 0.2, seed=3)
-    keys = training_sample(everything.select("ts", "gpu_uuid", "label"), **window, negative_fraction=0.2, seed=3)
+    expected = sample_negatives(training_rows(everything, **window), 0.2, seed=seed)
+    keys = training_sample(everything.select("ts", "gpu_uuid", "label"), **window, negative_fraction=0.2, seed=seed)
     assert 0 < keys.height == len(expected)
     assert keys["gpu_uuid"].to_list() == expected["gpu_uuid"].tolist()
-    rows = sampled_training_rows(store, **window, negative_fraction=0.2, seed=3)
+    rows = sampled_training_rows(store, **window, negative_fraction=0.2, seed=seed)
     assert rows.columns == everything.columns
     assert rows.select("ts", "gpu_uuid").equals(keys)
     # A healthy share of the negatives only: the sample is much smaller than the window.
@@ -65,7 +71,53 @@ def test_an_unknown_kind_fails_before_anything_is_read(tmp_path):
         train_model_from_store(empty, kind="nope", **SETTINGS)
 
 
+def test_each_features_file_holds_the_presampled_rows_in_its_first_row_group(store):
+    """What lets a retrain skip ~90% of the bytes: group 0 is exactly the rows drawn at
+    PRESAMPLED_FRACTION (every positive, and censored rows by their key), group 1 none of
+    them, and its statistics say so."""
+    files = feature_files(store)
+    assert files
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        assert parquet.metadata.num_row_groups == 2, path
+        for group, expect_drawn in ((0, True), (1, False)):
+            table = pl.from_arrow(parquet.read_row_group(group, columns=["label", SAMPLE_KEY]))
+            label = table["label"].fill_null(0).to_numpy()
+            assert (drawn(label, table[SAMPLE_KEY].to_numpy(), PRESAMPLED_FRACTION) == expect_drawn).all(), path
+        stats = parquet.metadata.row_group(1).column(parquet.schema_arrow.get_field_index(SAMPLE_KEY)).statistics
+        assert stats.has_min_max and stats.min >= key_threshold(PRESAMPLED_FRACTION)
+        stats = parquet.metadata.row_group(1).column(parquet.schema_arrow.get_field_index("label")).statistics
+        assert stats.max == 0
+
+
+def test_the_stored_key_path_never_reads_a_day_whole(store, monkeypatch):
+    import models.train_store as module
+
+    def no_day_reads(*args, **kwargs):
+        raise AssertionError("the day-at-a-time path was taken")
+
+    monkeypatch.setattr(module, "_read_rows", no_day_reads)
+    monkeypatch.setattr(module, "training_sample", no_day_reads)
+    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.05)
+    assert rows["label"].sum() > 0
+    assert SAMPLE_KEY not in rows.columns
+
+
+def test_files_written_before_the_stored_key_give_the_same_sample(store, tmp_path):
+    """A store upgraded in place: some days were written without the key column."""
+    old = Store.create(str(tmp_path / "old"))
+    write_features(old, read_features(store))
+    for path in feature_files(old)[::2]:
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns([SAMPLE_KEY]), path)
+    assert read_features(old).equals(read_features(store))
+    window = dict(train_window="4d", horizon="12h", negative_fraction=0.2)
+    assert sampled_training_rows(old, **window).equals(sampled_training_rows(store, **window))
+
+
 def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(store, monkeypatch):
+    """Without the stored key (another seed here), the draw is made on narrow columns and only
+    the days with drawn rows are read wide."""
     import models.train_store as module
 
     narrow_calls, wide_calls = [], []
@@ -81,8 +133,9 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
 
     monkeypatch.setattr(module, "read_features", narrow_spy)
     monkeypatch.setattr(module, "_read_rows", wide_spy)
-    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.2)
-    assert narrow_calls == [(narrow_calls[0][0], None, ["label"])]  # keys only, up to the newest day
+    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.2, seed=3)
+    # The newest day's times (where labels settle), then the keys only, up to the newest day.
+    assert narrow_calls[1:] == [(narrow_calls[1][0], None, ["label"])]
     per_day = rows.group_by(rows["ts"].dt.date().alias("day")).len().sort("day")
     assert [(start.date(), n) for start, n in wide_calls] == list(per_day.iter_rows())
     assert len(wide_calls) < len(store.dates("features"))  # days outside the window are not read wide
@@ -97,3 +150,15 @@ def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
         assert sampled_training_rows(remote, **window).equals(sampled_training_rows(store, **window))
     finally:
         remote.fs.rm(remote.path(), recursive=True)
+
+
+def test_a_newest_day_without_rows_is_an_input_error(store, tmp_path):
+    copy = Store.create(str(tmp_path / "data"))
+    write_features(copy, read_features(store))
+    newest = copy.dates("features")[-1]
+    empty = pq.read_table(feature_files(copy, newest, newest)[0]).slice(0, 0)
+    folder = tmp_path / "data" / "features" / f"date={newest + timedelta(days=1)}"
+    folder.mkdir()
+    pq.write_table(empty, folder / "part-empty.parquet")
+    with pytest.raises(InputError, match="newest features day .* has no rows"):
+        sampled_training_rows(copy, train_window="4d", horizon="12h")
