@@ -415,6 +415,7 @@ def _train_options(settings: Any) -> dict[str, Any]:
         horizon=settings.labels.horizon,
         params=_model_params(settings),
         negative_fraction=settings.model.negative_fraction,
+        max_negatives_per_positive=settings.model.max_negatives_per_positive,
         monotone_increasing=settings.model.monotone_increasing,
     )
 
@@ -725,6 +726,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         recall_tolerance=cfg.recall_tolerance,
         precision_floor=cfg.precision_floor,
         negative_fraction=cfg.negative_fraction,
+        max_negatives_per_positive=settings.model.max_negatives_per_positive,
         monotone_increasing=tuple(settings.model.monotone_increasing),
         params={**_model_params(settings), **cfg.params},
         retries=ml.retries,

@@ -61,6 +61,7 @@ class NightlyOptions:
     recall_tolerance: float
     precision_floor: float
     negative_fraction: float = 0.1
+    max_negatives_per_positive: float | None = 20.0
     monotone_increasing: tuple[str, ...] = ()
     params: dict[str, Any] = field(default_factory=dict)
     retries: int = 3
@@ -368,6 +369,7 @@ class _Job:
             as_of=holdout_start,
             params=dict(self.o.params),
             negative_fraction=self.o.negative_fraction,
+            max_negatives_per_positive=self.o.max_negatives_per_positive,
             monotone_increasing=self.o.monotone_increasing,
         )
         path = save_model(model, self.folder / "model")

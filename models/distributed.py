@@ -32,38 +32,21 @@ from ingest.errors import InputError
 from ingest.store import Store
 from models.estimators import DEFAULT_PARAMS, MAX_POS_WEIGHT, CategoryCodes, balanced_pos_weight, make_model
 from models.frame import CATEGORICAL_COLUMNS, feature_columns, split_xy
-from models.split import DurationLike, TimeLike, as_timedelta, as_utc
+from models.split import DurationLike, TimeLike, as_timedelta
 from models.train import (
     DEFAULT_NEGATIVE_FRACTION,
     TrainedModel,
+    capped_negative_fraction,
     library_versions,
     matching_features,
     sample_negatives,
     window_name,
 )
+from models.train_store import store_training_bounds, window_label_counts
 
 DASK_KINDS = ("lightgbm", "xgboost")
 _LABEL, _TS = "_label", "_ts"
 _US = pd.Timedelta(microseconds=1)
-
-
-def training_bounds(
-    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
-) -> tuple[pd.Timestamp, pd.Timestamp]:
-    """[start, end) of the grid times `models.train.training_rows` keeps, found from the last
-    date partition alone (the data's last grid time), without reading the window."""
-    days = store.dates(FEATURES_DATASET)
-    if not days:
-        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
-    last_day = pd.Timestamp(days[-1], tz="UTC")
-    last_ts: Any = read_features(store, start=last_day.to_pydatetime(), columns=[])["ts"].max()
-    last = as_utc(last_ts)
-    window = as_timedelta(train_window, "train_window")
-    settled = last - as_timedelta(horizon, "horizon")
-    if as_of is None:
-        return settled - window + _US, settled + _US
-    end = as_utc(as_of) - as_timedelta(horizon, "horizon")
-    return end - window, min(end, settled + _US)
 
 
 def _part(
@@ -132,6 +115,7 @@ def train_model_distributed(
     max_pos_weight: float = MAX_POS_WEIGHT,
     monotone_increasing: Sequence[str] = (),
     negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+    max_negatives_per_positive: float | None = None,
     seed: int = 0,
 ) -> TrainedModel:
     """`models.train.train_model` for `kind` lightgbm or xgboost on the Dask cluster of
@@ -146,7 +130,9 @@ def train_model_distributed(
     if not 0.0 < negative_fraction <= 1.0:
         raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
     user_params = dict(params or {})
-    bounds = training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    counts = window_label_counts(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
     where = window_name(train_window, horizon, as_of)
     days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
     if bounds[1] <= bounds[0] or not days:

@@ -31,6 +31,7 @@ from models.split import DurationLike, TimeLike, as_timedelta, as_utc
 from models.train import (
     DEFAULT_NEGATIVE_FRACTION,
     TrainedModel,
+    capped_negative_fraction,
     check_model_kind,
     train_model_on_sample,
     training_bounds,
@@ -55,19 +56,7 @@ def sampled_training_rows(
     filtered on it as they are read; older ones are read one date file at a time."""
     if not 0.0 < negative_fraction <= 1.0:
         raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
-    days = store.dates(FEATURES_DATASET)
-    if not days:
-        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
-    newest = datetime.combine(days[-1], time.min, tzinfo=UTC)
-    last_ts = read_features(store, start=newest, columns=[])["ts"].max()
-    if not isinstance(last_ts, datetime):
-        raise InputError(f"{store.root}: the newest features day ({days[-1]}) has no rows")
-    start, end = training_bounds(
-        as_utc(last_ts) - as_timedelta(horizon, "horizon"),  # settled_until of the features
-        train_window=train_window,
-        horizon=horizon,
-        as_of=as_of,
-    )
+    start, end = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
     files = [] if end <= start else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
     if files and seed == 0 and store.is_local and all(SAMPLE_KEY in pq.read_schema(f).names for f in files):
         rows = _read_drawn_rows(files, start, end, negative_fraction)
@@ -86,6 +75,33 @@ def sampled_training_rows(
             "widen train_window or check the labels"
         )
     return rows
+
+
+def store_training_bounds(
+    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
+) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the grid times `models.train.training_rows` keeps, found from the last
+    date partition alone (the data's last grid time), without reading the window."""
+    days = store.dates(FEATURES_DATASET)
+    if not days:
+        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
+    newest = datetime.combine(days[-1], time.min, tzinfo=UTC)
+    last_ts = read_features(store, start=newest, columns=[])["ts"].max()
+    if not isinstance(last_ts, datetime):
+        raise InputError(f"{store.root}: the newest features day ({days[-1]}) has no rows")
+    settled = as_utc(last_ts) - as_timedelta(horizon, "horizon")  # settled_until of the features
+    return training_bounds(settled, train_window=train_window, horizon=horizon, as_of=as_of)
+
+
+def window_label_counts(
+    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
+) -> tuple[int, int]:
+    """(negatives, positives) in the training window, from the `label` and `ts` columns alone."""
+    start, end = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    if end <= start:
+        return 0, 0
+    labels = read_features(store, start=start.to_pydatetime(), end=end.to_pydatetime(), columns=["label"])["label"]
+    return int((labels == 0).sum()), int((labels == 1).sum())
 
 
 def _read_drawn_rows(
@@ -177,11 +193,14 @@ def train_model_from_store(
     max_pos_weight: float = MAX_POS_WEIGHT,
     monotone_increasing: Sequence[str] = (),
     negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
+    max_negatives_per_positive: float | None = None,
     seed: int = 0,
 ) -> TrainedModel:
     """`models.train.train_model` on the store's features, with the same arguments and the
-    same model, holding one day of features and the sample in memory instead of the window."""
+    same model, holding the sample in memory instead of the window."""
     check_model_kind(kind, params)  # before anything is read: a bad setting fails fast
+    counts = window_label_counts(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
     rows = sampled_training_rows(
         store,
         train_window=train_window,

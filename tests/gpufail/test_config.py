@@ -46,6 +46,7 @@ def test_config_path_can_come_from_the_environment(tmp_path):
             r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\): expected a duration.*'soon'",
         ),
         ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
+        ("[model]\nmax_negatives_per_positive = 0\n", r"\[model\] max_negatives_per_positive.*greater than 0, got 0"),
         ('[model]\nkind = "magic"\n', r"\[model\] kind.*'lightgbm', 'xgboost', .*'parallel' or 'cascade'"),
         ("[labels\n", "not valid TOML"),
     ],

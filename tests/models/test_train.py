@@ -12,6 +12,7 @@ from models.train import (
     MODEL_FILE,
     ModelVersionWarning,
     TrainedModel,
+    capped_negative_fraction,
     load_model,
     save_model,
     settled_until,
@@ -167,6 +168,33 @@ def test_negative_subsampling_is_seeded_and_works_on_polars_frames():
     assert not np.allclose(a.predict_risk(probe), c.predict_risk(probe))
     with pytest.raises(InputError, match="negative_fraction"):
         train_model(frame, **{**kwargs, "negative_fraction": 0.0})
+
+
+def test_the_negative_cap_lowers_the_share_to_the_ratio_and_records_it():
+    frame = demo_frame()
+    kwargs = dict(kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=0.5)
+    window = training_rows(frame, train_window="5d", horizon=HORIZON)
+    negatives, positives = int((window["label"] == 0).sum()), int((window["label"] == 1).sum())
+    assert negatives > 10 * positives  # the cap below binds
+    capped = train_model(frame, **kwargs, max_negatives_per_positive=5)
+    assert capped.n_positives == positives
+    assert 4 * positives < capped.n_rows - positives < 6 * positives
+    assert capped.negative_fraction == pytest.approx(5 * positives / negatives)
+    assert capped.pos_weight == pytest.approx(capped.params["pos_weight"] / capped.negative_fraction)
+    loose = train_model(frame, **kwargs, max_negatives_per_positive=negatives)
+    uncapped = train_model(frame, **kwargs)
+    assert loose.negative_fraction == uncapped.negative_fraction == 0.5
+    assert loose.n_rows == uncapped.n_rows
+
+
+def test_capped_negative_fraction():
+    assert capped_negative_fraction(1000, 10, 0.1, None) == 0.1
+    assert capped_negative_fraction(1000, 10, 0.1, 20) == 0.1  # 100 negatives: 10 per positive
+    assert capped_negative_fraction(10_000, 10, 0.1, 20) == pytest.approx(0.02)
+    assert capped_negative_fraction(10_000, 0, 0.1, 20) == 0.1  # nothing to measure against
+    assert capped_negative_fraction(0, 10, 0.1, 20) == 0.1
+    with pytest.raises(InputError, match="max_negatives_per_positive: expected a positive number"):
+        capped_negative_fraction(1000, 10, 0.1, 0)
 
 
 # -- every kind ------------------------------------------------------------------------------

@@ -54,6 +54,17 @@ def test_the_model_from_the_store_is_the_model_from_all_rows(store, as_of):
     np.testing.assert_array_equal(ours.predict_risk(probe), theirs.predict_risk(probe))
 
 
+def test_the_negative_cap_gives_the_model_from_all_rows(store):
+    everything = read_features(store)
+    capped = dict(negative_fraction=0.5, max_negatives_per_positive=4, **SETTINGS)
+    ours = train_model_from_store(store, kind="lightgbm", **capped)
+    theirs = train_model(everything, kind="lightgbm", **capped)
+    assert ours.negative_fraction == theirs.negative_fraction < 0.5
+    assert (ours.n_rows, ours.n_positives) == (theirs.n_rows, theirs.n_positives)
+    probe = everything.tail(500)
+    np.testing.assert_array_equal(ours.predict_risk(probe), theirs.predict_risk(probe))
+
+
 def test_a_window_with_no_labelled_rows_is_an_input_error(store):
     with pytest.raises(InputError, match="no labelled rows"):
         train_model_from_store(store, kind="lightgbm", as_of="2025-01-01T00:00Z", **SETTINGS)
