@@ -105,9 +105,12 @@ class ModelSettings(_Table):
     """Share of the healthy rows a fit keeps (every failing row is kept); the odds are corrected."""
     max_negatives_per_positive: float = Field(default=20.0, gt=0.0)
     """...but at most this many healthy rows per failing row (`train` and `nightly`; a large
-    number: no cap). A large fleet's window holds many more healthy rows per failure than it
-    needs: on the paper fleet 20 per failure kept the top of the ranking (hourly precision of
-    the top 30 0.552 against 0.526 with 10% of the healthy rows) and retrained 2.6x faster."""
+    number: no cap; `models.train.capped_negative_fraction`). On the paper fleet's 21-day
+    window 10% of the healthy rows is ~70 per failing row; scored on the 3 days after it
+    (`python -m models.sample_bench`), 20 kept the hourly precision of the top 30 (0.552 against
+    0.526 at 10%), lost ~0.02 of average precision (0.218 against 0.237, about one draw's
+    noise) and retrained 2.6x faster. The demo's walk-forward evaluation draws ~15 per failing
+    row (`[evaluate] negative_fraction` 0.05)."""
     monotone_increasing: list[str] = Field(
         default_factory=lambda: ["ecc_dbe_*_increase_*", "remapped_rows_*_increase_*"]
     )

@@ -37,6 +37,7 @@ from models.train import (
     DEFAULT_NEGATIVE_FRACTION,
     TrainedModel,
     capped_negative_fraction,
+    check_negative_fraction,
     library_versions,
     matching_features,
     sample_negatives,
@@ -127,11 +128,10 @@ def train_model_distributed(
             f"model kind {kind!r}: training on Dask supports {list(DASK_KINDS)}; "
             "set [dask] scheduler = '' to train it on one machine"
         )
-    if not 0.0 < negative_fraction <= 1.0:
-        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+    check_negative_fraction(negative_fraction)
     user_params = dict(params or {})
     bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    counts = window_label_counts(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    counts = window_label_counts(store, *bounds)
     negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
     where = window_name(train_window, horizon, as_of)
     days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]

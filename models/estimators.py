@@ -48,7 +48,7 @@ from sklearn.preprocessing import OneHotEncoder, StandardScaler
 from sklearn.utils.multiclass import check_classification_targets, type_of_target
 from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_data
 
-from models.frame import CATEGORICAL_COLUMNS
+from models.frame import CATEGORICAL_COLUMNS, is_polars
 
 Kind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp", "parallel", "cascade"]
 SINGLE_KINDS: tuple[str, ...] = ("lightgbm", "xgboost", "logistic", "random_forest", "mlp")
@@ -204,7 +204,7 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
         self.columns = columns
 
     def fit(self, X: Any, y: Any = None) -> CategoryCodes:
-        if _is_polars_frame(X):
+        if is_polars(X):
             self.categories_ = {c: sorted(X[c].cast(str).unique().to_list()) for c in self.columns if c in X.columns}
         elif isinstance(X, pd.DataFrame):
             self.categories_ = {c: sorted(X[c].astype(str).unique().tolist()) for c in self.columns if c in X.columns}
@@ -217,7 +217,7 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
         check_is_fitted(self, "categories_")
         if list(X.columns) != list(self.feature_names_in_):
             raise ValueError(f"CategoryCodes: expected columns {list(self.feature_names_in_)}, got {list(X.columns)}")
-        if _is_polars_frame(X):
+        if is_polars(X):
             import polars as pl
 
             return X.with_columns(
@@ -235,10 +235,6 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
 
     def get_feature_names_out(self, input_features: Any = None) -> np.ndarray:
         return np.asarray(self.feature_names_in_, dtype=object)
-
-
-def _is_polars_frame(X: Any) -> bool:
-    return type(X).__module__.startswith("polars") and hasattr(X, "columns")
 
 
 class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):

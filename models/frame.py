@@ -34,11 +34,19 @@ MISSING_CATEGORY = "unknown"
 """What a null `gpu_model` or `driver` becomes, so that it is one more category."""
 
 
+NOT_FEATURES = frozenset(ID_COLUMNS) | frozenset(LABEL_COLUMNS) | {SAMPLE_KEY}
+"""Numeric columns of a feature frame that are never model inputs."""
+
+
+def is_polars(frame: Any) -> bool:
+    return type(frame).__module__.startswith("polars")
+
+
 def to_pandas(frame: Any) -> pd.DataFrame:
     """A polars or pandas DataFrame as pandas (polars is converted; pandas is returned as is)."""
     if isinstance(frame, pd.DataFrame):
         return frame
-    if hasattr(frame, "to_pandas") and type(frame).__module__.startswith("polars"):
+    if hasattr(frame, "to_pandas") and is_polars(frame):
         return frame.to_pandas()
     raise InputError(f"expected a polars or pandas DataFrame, got {type(frame).__name__}")
 
@@ -56,11 +64,10 @@ def feature_columns(frame: Any) -> list[str]:
     """The model inputs of a feature frame, in a stable order: the numeric feature columns in
     the frame's order, then the categorical id columns that are present."""
     df = to_pandas(frame)
-    excluded = set(ID_COLUMNS) | set(LABEL_COLUMNS) | {SAMPLE_KEY}
     numeric = [
         c
         for c in df.columns
-        if c not in excluded and (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]))
+        if c not in NOT_FEATURES and (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c]))
     ]
     return numeric + [c for c in CATEGORICAL_COLUMNS if c in df.columns]
 
@@ -111,11 +118,8 @@ def split_xy_polars(frame: Any) -> tuple[Any, np.ndarray, pd.DataFrame]:
     against ~85 s through pandas, with identical trees)."""
     import polars as pl
 
-    for column in ("ts", "gpu_uuid", "label"):
-        if column not in frame.columns:
-            raise InputError(f"split_xy: missing column {column!r}; expected a feature frame with ts, gpu_uuid, label")
-    excluded = set(ID_COLUMNS) | set(LABEL_COLUMNS) | {SAMPLE_KEY}
-    numeric = [c for c, t in frame.schema.items() if c not in excluded and (t.is_numeric() or t == pl.Boolean)]
+    require_columns(frame, ["ts", "gpu_uuid", "label"], "split_xy")
+    numeric = [c for c, t in frame.schema.items() if c not in NOT_FEATURES and (t.is_numeric() or t == pl.Boolean)]
     categorical = [c for c in CATEGORICAL_COLUMNS if c in frame.columns]
     labelled = frame.filter(pl.col("label").is_not_null())
     bad = labelled.filter(~pl.col("label").is_in([0, 1]))

@@ -48,7 +48,7 @@ from models.estimators import (
     member_kinds,
     prior_correction,
 )
-from models.frame import feature_matrix, labels, require_columns, split_xy, split_xy_polars, to_pandas
+from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -72,15 +72,6 @@ def one_blas_thread() -> Any:
 DEFAULT_NEGATIVE_FRACTION = 0.1
 """Share of negative rows `train_model` keeps by default (see the module docstring)."""
 
-DEFAULT_MAX_NEGATIVES_PER_POSITIVE = 20.0
-"""The product's cap on drawn negatives per positive row (`[model] max_negatives_per_positive`,
-for `gpufail train` and the nightly job; the functions here take None, no cap, unless told).
-On the paper fleet's 21-day window 10% of the negatives is ~70 per positive; scored on the 3
-days after it (`models.sample_bench`), 20 per positive kept the hourly precision of the top 30
-(0.552 against 0.526 at 10%) and lost ~0.02 of average precision (0.218 against 0.237, about
-one draw's noise), and retrained 2.6x faster. The demo's walk-forward evaluation draws ~15
-per positive (`[evaluate] negative_fraction` 0.05)."""
-
 
 def capped_negative_fraction(
     n_negative: int, n_positive: int, negative_fraction: float, max_negatives_per_positive: float | None
@@ -98,9 +89,19 @@ def capped_negative_fraction(
     return min(negative_fraction, max_negatives_per_positive * n_positive / n_negative)
 
 
+def check_negative_fraction(negative_fraction: float) -> None:
+    if not 0.0 < negative_fraction <= 1.0:
+        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+
+
+def _label_array(frame: Any) -> np.ndarray:
+    """`label` as floats: 1.0, 0.0, NaN for censored."""
+    return frame["label"].cast(float).to_numpy() if is_polars(frame) else labels(frame).to_numpy()
+
+
 def label_counts(frame: Any) -> tuple[int, int]:
     """(negatives, positives) among the labelled rows of a feature frame."""
-    label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
+    label = _label_array(frame)
     return int((label == 0).sum()), int((label == 1).sum())
 
 
@@ -212,12 +213,8 @@ def _utc_ts(df: pd.DataFrame) -> pd.Series:
     return ts.dt.tz_localize("UTC") if ts.dt.tz is None else ts.dt.tz_convert("UTC")
 
 
-def _is_polars(frame: Any) -> bool:
-    return type(frame).__module__.startswith("polars")
-
-
 def _require(frame: Any, columns: Sequence[str], what: str) -> None:
-    if _is_polars(frame):
+    if is_polars(frame):
         missing = [c for c in columns if c not in frame.columns]
         if missing:
             raise InputError(
@@ -237,7 +234,7 @@ def settled_until(frame: Any, horizon: DurationLike) -> pd.Timestamp:
     _require(frame, ["ts"], "feature frame")
     if len(frame) == 0:
         raise InputError("feature frame: no rows; expected at least one grid time")
-    last = as_utc(frame["ts"].max()) if _is_polars(frame) else _utc_ts(to_pandas(frame)).max()
+    last = as_utc(frame["ts"].max()) if is_polars(frame) else _utc_ts(to_pandas(frame)).max()
     return last - as_timedelta(horizon, "horizon")
 
 
@@ -281,12 +278,9 @@ def _negative_sample_mask(frame: Any, negative_fraction: float, seed: int) -> np
     """Every positive and the negatives drawn at `negative_fraction` by their row's key
     (`features.sample_key`: a hash of gpu_uuid and ts, so a row is drawn or not whatever frame
     it is in, and a store can hold the drawn rows apart)."""
-    if not 0.0 < negative_fraction <= 1.0:
-        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
+    check_negative_fraction(negative_fraction)
     _require(frame, ["ts", "gpu_uuid", "label"], "training frame")
-    label = frame["label"].cast(float).to_numpy() if _is_polars(frame) else labels(frame).to_numpy()
-    keys = sample_keys(frame["gpu_uuid"], frame["ts"], seed)
-    return drawn(label, keys, negative_fraction)
+    return drawn(_label_array(frame), sample_keys(frame["gpu_uuid"], frame["ts"], seed), negative_fraction)
 
 
 def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.DataFrame:
@@ -295,7 +289,7 @@ def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.
     always drawn at the same share), as pandas. The sample is drawn before any conversion, so
     only the kept rows are materialised."""
     keep = _negative_sample_mask(frame, negative_fraction, seed)
-    if _is_polars(frame):
+    if is_polars(frame):
         import polars as pl
 
         return to_pandas(frame.filter(pl.Series(keep)))
@@ -420,7 +414,7 @@ def train_model_on_sample(
     names the rows in error messages."""
     user_params, kinds = check_model_kind(kind, params)
     # LightGBM reads polars through Arrow, ~3x faster than through pandas, to the same trees.
-    X, y, ids = split_xy_polars(rows) if kind == "lightgbm" and _is_polars(rows) else split_xy(to_pandas(rows))
+    X, y, ids = split_xy_polars(rows) if kind == "lightgbm" and is_polars(rows) else split_xy(to_pandas(rows))
     if X.shape[1] == 0:
         raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
     n_pos = int(y.sum())

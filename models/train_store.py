@@ -33,6 +33,7 @@ from models.train import (
     TrainedModel,
     capped_negative_fraction,
     check_model_kind,
+    check_negative_fraction,
     train_model_on_sample,
     training_bounds,
     training_sample,
@@ -54,10 +55,32 @@ def sampled_training_rows(
     """The rows `train_model(read_features(store), ...)` would fit on (all feature columns),
     sorted by (ts, gpu_uuid). Files written with the draw's key (`features.sample_key`) are
     filtered on it as they are read; older ones are read one date file at a time."""
-    if not 0.0 < negative_fraction <= 1.0:
-        raise InputError(f"negative_fraction: expected a share in (0, 1], got {negative_fraction!r}")
-    start, end = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    files = [] if end <= start else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
+    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    return _sampled_rows(
+        store,
+        bounds,
+        train_window=train_window,
+        horizon=horizon,
+        as_of=as_of,
+        negative_fraction=negative_fraction,
+        seed=seed,
+    )
+
+
+def _sampled_rows(
+    store: Store,
+    bounds: tuple[pd.Timestamp, pd.Timestamp],
+    *,
+    train_window: DurationLike,
+    horizon: DurationLike,
+    as_of: TimeLike | None,
+    negative_fraction: float,
+    seed: int,
+) -> pl.DataFrame:
+    """`sampled_training_rows` for the window [start, end) = `bounds` already found."""
+    check_negative_fraction(negative_fraction)
+    start, end = bounds
+    files = _window_files(store, start, end)
     if files and seed == 0 and store.is_local and all(SAMPLE_KEY in pq.read_schema(f).names for f in files):
         rows = _read_drawn_rows(files, start, end, negative_fraction)
     else:
@@ -93,11 +116,13 @@ def store_training_bounds(
     return training_bounds(settled, train_window=train_window, horizon=horizon, as_of=as_of)
 
 
-def window_label_counts(
-    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
-) -> tuple[int, int]:
-    """(negatives, positives) in the training window, from the `label` and `ts` columns alone."""
-    start, end = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+def _window_files(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> list[str]:
+    return [] if end <= start else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
+
+
+def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> tuple[int, int]:
+    """(negatives, positives) with start <= ts < end (`store_training_bounds`), from the
+    `label` and `ts` columns alone."""
     if end <= start:
         return 0, 0
     if not store.is_local:
@@ -105,7 +130,7 @@ def window_label_counts(
         return int((labels == 0).sum()), int((labels == 1).sum())
     # Two narrow columns, counted as they are decoded: no gpu_uuid, no sort (12 s -> ~1 s for
     # the paper fleet's 15.5M-row window).
-    files = feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
+    files = _window_files(store, start, end)
     if not files:
         return 0, 0
     counts = (
@@ -216,10 +241,12 @@ def train_model_from_store(
     """`models.train.train_model` on the store's features, with the same arguments and the
     same model, holding the sample in memory instead of the window."""
     check_model_kind(kind, params)  # before anything is read: a bad setting fails fast
-    counts = window_label_counts(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
+    counts = window_label_counts(store, *bounds)
     negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
-    rows = sampled_training_rows(
+    rows = _sampled_rows(
         store,
+        bounds,
         train_window=train_window,
         horizon=horizon,
         as_of=as_of,

@@ -15,7 +15,12 @@ from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_thre
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import sample_negatives, train_model, training_rows, training_sample
-from models.train_store import sampled_training_rows, train_model_from_store, window_label_counts
+from models.train_store import (
+    sampled_training_rows,
+    store_training_bounds,
+    train_model_from_store,
+    window_label_counts,
+)
 from tests.models import ONE_THREAD, demo_features_store
 
 SETTINGS = dict(train_window="4d", horizon="12h", params=ONE_THREAD)
@@ -160,8 +165,8 @@ def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
         window = dict(train_window="4d", horizon="12h", negative_fraction=0.2, seed=3)
         assert sampled_training_rows(remote, **window).equals(sampled_training_rows(store, **window))
         span = dict(train_window="4d", horizon="12h")
-        negatives, positives = window_label_counts(store, **span)
-        assert window_label_counts(remote, **span) == (negatives, positives)
+        negatives, positives = window_label_counts(store, *store_training_bounds(store, **span))
+        assert window_label_counts(remote, *store_training_bounds(remote, **span)) == (negatives, positives)
         labels = training_rows(read_features(store), **span)["label"]
         assert (negatives, positives) == (int((labels == 0).sum()), int((labels == 1).sum()))
     finally:
