@@ -8,8 +8,10 @@ dataset (hive-partitioned by UTC date, files written once and atomically, like `
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -66,6 +68,8 @@ from ingest.store import Store
 from ingest.xid_catalog import default_failure_xids
 
 FEATURES_DATASET = "features"
+# Feature files of different dates written at once (`write_features`).
+WRITE_THREADS = min(4, os.cpu_count() or 1)
 
 
 class FeaturesExistError(StoreError, FileExistsError):
@@ -458,53 +462,59 @@ def _metadata() -> dict[bytes, bytes]:
     }
 
 
-def write_features(store: Store, table: pl.DataFrame) -> list[str]:
+def write_features(store: Store, table: pl.DataFrame, *, threads: int = WRITE_THREADS) -> list[str]:
     """Append a feature frame to the store's `features` dataset: one new file per UTC date of
     `ts`, through `Store.write_owned` (hidden temporary name, then rename), so readers never
-    see a partial file. The frame is validated first. Returns the paths written."""
+    see a partial file. The frame is validated first. Returns the paths written.
+
+    Each file is two row groups: the rows a retrain draws at up to `PRESAMPLED_FRACTION` of
+    the negatives (and every positive) first, then the rest, each group in (gpu_uuid, ts) order
+    with statistics on label and `_sample_key`, so that a retrain's filter skips the rest by
+    its statistics. Censored rows go by their key as if negative, so that no key in the rest is
+    low. The files of different dates are written by `threads` threads at once: pyarrow's
+    Parquet writer encodes one file on one core, and encoding is most of writing."""
     validate_features(table)
     if table.height == 0:
         return []
-    written = []
-    # One stable gather by date, then zero-copy slices: partitioning a wide frame (hundreds of
-    # feature columns) with `partition_by` took longer than writing it. A frame sorted by
-    # (gpu_uuid, ts), as builds return it, stays sorted that way within each date.
-    day = table["ts"].dt.date()
-    order = pl.DataFrame({"_day": day}).with_row_index("_i").sort("_day", "_i")["_i"]
-    table, day = table[order], day[order]
-    counts = day.value_counts(sort=False).sort(day.name)
+    keys = sample_keys(table[GPU], table["ts"])
+    rest = ~drawn(table["label"].fill_null(0).to_numpy(), keys, PRESAMPLED_FRACTION)
+    # One gather puts every row where its file wants it (sorting the four narrow columns costs
+    # a fraction of gathering the wide frame, which filtering it into pieces did twice).
+    order = (
+        pl.DataFrame({"_day": table["ts"].dt.date(), "_rest": rest, GPU: table[GPU], "ts": table["ts"]})
+        .with_row_index("_i")
+        .sort("_day", "_rest", GPU, "ts")
+    )
+    table = table.with_columns(pl.Series(SAMPLE_KEY, keys))[order["_i"]]
+    counts = order.group_by("_day", "_rest", maintain_order=True).len()
+    # Dictionary-encoding only the string columns: trying it on 280 float columns made
+    # writing 2.5x slower for no gain.
+    dictionary = [c for c in ID_COLUMNS if table.schema[c] == pl.String]
+    files: dict[date, list[pa.Table]] = {}
     offset = 0
-    for d, n in counts.iter_rows():
-        part = table.slice(offset, n)
+    for day, is_rest, n in counts.iter_rows():
+        # Two groups in every file, the first for the drawn rows, even when one is empty.
+        arrow = table.slice(offset, n).to_arrow(compat_level=pl.CompatLevel.oldest())
         offset += n
-        if not part.select(GPU, "ts").equals(part.select(GPU, "ts").sort(GPU, "ts")):
-            part = part.sort(GPU, "ts")
-        keys = sample_keys(part[GPU], part["ts"])
-        part = part.with_columns(pl.Series(SAMPLE_KEY, keys))
-        # The rows a retrain draws at up to PRESAMPLED_FRACTION of the negatives (and every
-        # positive) come first, in a row group of their own, each group still in (gpu_uuid, ts)
-        # order: a retrain's filter on label and key then skips the rest by its statistics.
-        # Censored rows go by their key as if negative, so that no key in the rest is low.
-        label = part["label"].fill_null(0).to_numpy()
-        first = pl.Series(drawn(label, keys, PRESAMPLED_FRACTION))
-        pieces = []
-        for piece in (part.filter(first), part.filter(~first)):
-            arrow = piece.to_arrow(compat_level=pl.CompatLevel.oldest())
-            pieces.append(arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), **_metadata()}))
-        # Dictionary-encoding only the string columns: trying it on 280 float columns made
-        # writing 2.5x slower for no gain.
-        dictionary = [c for c in ID_COLUMNS if part.schema[c] == pl.String]
-        # Statistics only where a reader filters (time, GPU, place, the training draw): min/max
-        # of 400 float columns cost ~15% of writing and no reader uses them.
-        final = store.write_owned(
-            FEATURES_DATASET,
-            d,
-            pieces,
-            use_dictionary=dictionary,
-            write_statistics=[*ID_COLUMNS, "label", SAMPLE_KEY],
-        )
-        written.append(final)
-    return written
+        pieces = files.setdefault(day, [arrow.slice(0, 0), arrow.slice(0, 0)])
+        pieces[int(is_rest)] = arrow
+    metadata = _metadata()
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        futures = [
+            pool.submit(
+                store.write_owned,
+                FEATURES_DATASET,
+                day,
+                [p.replace_schema_metadata({**(p.schema.metadata or {}), **metadata}) for p in pieces],
+                use_dictionary=dictionary,
+                # Statistics only where a reader filters (time, GPU, place, the training draw):
+                # min/max of 400 float columns cost ~15% of writing and no reader uses them.
+                write_statistics=[*ID_COLUMNS, "label", SAMPLE_KEY],
+            )
+            for day, pieces in files.items()
+        ]
+        # Every write finishes (each file is whole or absent) before the first error is raised.
+        return [f.result() for f in futures]
 
 
 def feature_files(store: Store, first_day: date | None = None, last_day: date | None = None) -> list[str]:
@@ -663,15 +673,27 @@ class _BucketStream:
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         frames = [f for f in (self.held, raw) if f is not None and f.height]
         pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
-        cut_lit = pl.lit(cut, dtype=TS_DTYPE)
-        now = pending.filter(pl.col("ts") <= cut_lit)
-        self.held = pending.filter(pl.col("ts") > cut_lit)
-        if now.height == 0:
-            return hourly_aggregate(now, self.grid, max_gap=self.max_gap)
-        # The held rows and the context put the frame out of (gpu, ts) order, so
-        # `hourly_aggregate` sorts it: ~10% of a build, the price of exact buckets across days.
-        parts = [now] if self.context is None else [self.context.select(now.columns), now]
-        merged = pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else now
+        is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
+        self.held = pending.filter(~is_now)
+        if not is_now.any():
+            return hourly_aggregate(pending.clear(), self.grid, max_gap=self.max_gap)
+        if self.context is None and len(frames) == 1:
+            merged = pending.filter(is_now)  # one file's rows: usually in (gpu, ts) order already
+        else:
+            # The context, the held rows and the day's rows each in (gpu, ts) order, together
+            # not: their rows up to the cut are put in order by sorting two narrow keys and one
+            # gather (filtering, concatenating, then sorting the 36-column frame took 40% of
+            # aggregating a day). `hourly_aggregate` checks the order (a hash collision).
+            if self.context is not None:
+                pending = pl.concat([self.context.select(pending.columns), pending], how="vertical_relaxed")
+                is_now = pl.concat([pl.repeat(True, self.context.height, eager=True), is_now])
+            order = (
+                pl.DataFrame({"_h": pending[GPU].hash(), "ts": pending["ts"], "_now": is_now})
+                .with_row_index("_i")
+                .filter("_now")
+                .sort("_h", "ts", maintain_order=True)["_i"]
+            )
+            merged = pending[order]
         buckets = hourly_aggregate(merged, self.grid, max_gap=self.max_gap)
         if self.cut is not None:
             buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets

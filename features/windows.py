@@ -53,6 +53,7 @@ from typing import Literal
 
 import polars as pl
 
+from features import runs
 from features.schema import TS_DTYPE, window_label
 from ingest.schema import metric_catalogue
 
@@ -240,62 +241,39 @@ def hourly_aggregate(
         for group, mask in BITMASK_GROUPS.get(b, {}).items():
             sample_cols.append(((pl.col(b) & mask) != 0).cast(pl.Int32).alias(f"_bm_{b}_{group}"))
 
-    ids = [c for c in BUCKET_ID_COLUMNS if c in names]
-    aggs: list[pl.Expr] = [pl.col(GPU).first(), pl.col("_t").first().alias("ts")]
-    aggs += [pl.col(c).last().alias(c) for c in ids]
-    aggs += [
-        pl.len().cast(pl.Int32).alias(f"n_samples{sfx}"),
-        pl.col("ts").first().alias("first_sample_ts"),
-        pl.col("ts").last().alias("last_sample_ts"),
+    df = df.lazy().with_columns(prev_ok.alias("_prev_ok")).with_columns(sample_cols).collect(engine=ENGINE)
+    # Rows are sorted by (gpu, ts), so each bucket is a contiguous run of rows (`features.runs`).
+    buckets = runs.Runs.where_changed(df["_run"], df["_t"])
+    out: list[pl.Series] = [runs.first(df[GPU], buckets), runs.first(df["_t"], buckets).alias("ts")]
+    out += [runs.last(df[c], buckets) for c in BUCKET_ID_COLUMNS if c in names]
+    out += [
+        pl.Series(f"n_samples{sfx}", buckets.lengths, dtype=pl.Int32),
+        runs.first(df["ts"], buckets).alias("first_sample_ts"),
+        runs.last(df["ts"], buckets).alias("last_sample_ts"),
         # Mean spacing (cheap: a sum and a count); gaps inside one bucket inflate it, and the
         # rolling median over buckets in `window_features` discards those buckets.
-        (pl.col("_dt_s").sum() / pl.col("_dt_s").count()).alias(f"sample_interval_s{sfx}"),
+        runs.gauge(df["_dt_s"], buckets)["mean"].alias(f"sample_interval_s{sfx}"),
     ]
     for g in kinds["gauge"]:
-        x = pl.col(g).cast(pl.Float64)
-        aggs += [
-            x.count().cast(pl.Int32).alias(f"{g}_count{sfx}"),
-            x.mean().alias(f"{g}_mean{sfx}"),
-            x.max().alias(f"{g}_max{sfx}"),
-            x.min().alias(f"{g}_min{sfx}"),
-            x.last(ignore_nulls=True).alias(f"{g}_last{sfx}"),
-            x.var().alias(f"{g}_var{sfx}"),
-        ]
+        stats = runs.gauge(df[g], buckets)
+        out += [stats[s].alias(f"{g}_{s}{sfx}") for s in ("count", "mean", "max", "min", "last", "var")]
     for c in kinds["counter"]:
-        aggs += [
-            pl.col(c).last(ignore_nulls=True).alias(f"{c}_last{sfx}"),
-            pl.col(f"_inc_{c}").sum().alias(f"{c}_increase{sfx}"),
-        ]
+        latest = runs.integers(df[c], buckets)["last"].alias(f"{c}_last{sfx}")
+        increase = runs.integers(df[f"_inc_{c}"], buckets)["total"].alias(f"{c}_increase{sfx}")
+        # An all-null bucket has no increase (a sum would say 0); null keeps "no reading" apart
+        # from "no errors".
+        out += [latest, increase if latest.null_count() == 0 else increase.set(latest.is_null(), None)]
     for f in kinds["flag"]:
-        aggs.append(pl.col(f).max().alias(f"{f}_max{sfx}"))
+        out.append(runs.integers(df[f], buckets)["max"].alias(f"{f}_max{sfx}"))
     for b in kinds["bitmask"]:
         groups = BITMASK_GROUPS.get(b, {})
         if groups:
-            aggs.append(pl.col(b).count().cast(pl.Int32).alias(f"{b}_count{sfx}"))
+            out.append(runs.integers(df[b], buckets)["count"].alias(f"{b}_count{sfx}"))
         for group in groups:
-            aggs.append(pl.col(f"_bm_{b}_{group}").sum().cast(pl.Int32).alias(f"{b}_{group}_n{sfx}"))
-
-    return (
-        df.lazy()
-        .with_columns(prev_ok.alias("_prev_ok"))
-        .with_columns(sample_cols)
-        # Rows are sorted by (gpu, ts), so each bucket is a contiguous run: grouping on the run
-        # id, declared sorted, lets polars aggregate slices instead of gathering row indices
-        # (~3x faster than grouping on (gpu_uuid, bucket)).
-        .with_columns(pl.struct("_run", "_t").rle_id().set_sorted().alias("_bucket"))
-        .group_by("_bucket", maintain_order=True)
-        .agg(aggs)
-        .drop("_bucket")
-        # An all-null bucket has no increase (sum() would say 0); null keeps "no reading" apart
-        # from "no errors".
-        .with_columns(
-            pl.when(pl.col(f"{c}_last{sfx}").is_not_null())
-            .then(pl.col(f"{c}_increase{sfx}"))
-            .alias(f"{c}_increase{sfx}")
-            for c in kinds["counter"]
-        )
-        .collect(engine=ENGINE)
-    )
+            out.append(
+                runs.integers(df[f"_bm_{b}_{group}"], buckets)["total"].cast(pl.Int32).alias(f"{b}_{group}_n{sfx}")
+            )
+    return pl.DataFrame(out)
 
 
 # -- 2. dense grid --------------------------------------------------------------------------------
