@@ -285,3 +285,30 @@ def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
         )
     )
     assert len(none) == 1 and none[0].height == 0 and none[0].columns == whole.columns
+
+
+def test_a_failed_write_of_one_date_raises_and_leaves_the_other_dates_whole(tmp_path, fleet, monkeypatch):
+    tel, events = fleet
+    out = build_features(tel, events, windows=WINDOWS)
+    days = sorted(out["ts"].dt.date().unique().to_list())
+    assert len(days) >= 3
+    store = Store.create(str(tmp_path / "data"))
+    real_write = Store.write_owned
+
+    def disk_full_on_the_second_day(self, dataset, day, table, **options):
+        if day == days[1]:
+            raise OSError(28, "No space left on device")
+        return real_write(self, dataset, day, table, **options)
+
+    monkeypatch.setattr(Store, "write_owned", disk_full_on_the_second_day)
+    with pytest.raises(OSError, match="No space left"):
+        write_features(store, out, threads=2)
+    monkeypatch.undo()
+    assert not [p for p in (tmp_path / "data").rglob(".tmp-*")]
+    written = {p.parent.name for p in (tmp_path / "data" / "features").rglob("*.parquet")}
+    assert f"date={days[1]}" not in written
+    # Every file that was written reads back whole: the same rows as the frame for its date.
+    back = read_features(store)
+    assert back.height > 0
+    kept = back["ts"].dt.date().unique().implode()
+    assert_frame_equal(back, out.filter(pl.col("ts").dt.date().is_in(kept)).sort("ts", "gpu_uuid"))
