@@ -197,7 +197,8 @@ def hourly_aggregate(
 
     Columns (`<g>` is the grid label, e.g. `1h`): `gpu_uuid`, `ts`, the identity columns
     (latest in the bucket), `n_samples_<g>`, `first_sample_ts`, `last_sample_ts`, `sample_interval_s_<g>` (mean
-    spacing to the previous sample of the GPU, spacings longer than `max_gap` ignored); per gauge
+    spacing to the previous sample of the GPU, spacings longer than `max_gap` ignored; null
+    when the bucket has none); per gauge
     `<m>_count_<g>` (non-null samples), `_mean_`, `_max_`, `_min_`, `_last_`, `_var_` (sample
     variance, ddof=1); per counter `<m>_last_<g>` and `<m>_increase_<g>` (reset-robust, see the
     module notes; null when the bucket has no reading); per flag `<m>_max_<g>`; per bitmask group
@@ -250,8 +251,9 @@ def hourly_aggregate(
         pl.Series(f"n_samples{sfx}", buckets.lengths, dtype=pl.Int32),
         runs.first(df["ts"], buckets).alias("first_sample_ts"),
         runs.last(df["ts"], buckets).alias("last_sample_ts"),
-        # Mean spacing (cheap: a sum and a count); gaps inside one bucket inflate it, and the
-        # rolling median over buckets in `window_features` discards those buckets.
+        # Mean spacing; gaps inside one bucket inflate it, and the rolling median over buckets
+        # in `window_features` discards those buckets. Null (not NaN) where no spacing is known,
+        # so that the median skips it: a NaN there made a young GPU's missing fraction NaN.
         runs.gauge(df["_dt_s"], buckets)["mean"].alias(f"sample_interval_s{sfx}"),
     ]
     for g in kinds["gauge"]:

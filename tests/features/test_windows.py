@@ -39,6 +39,21 @@ def test_hourly_aggregate_bucket_boundaries():
     assert agg["temp_gpu_c_min_1h"].to_list() == [10.0, 20.0]
 
 
+def test_a_bucket_without_a_known_spacing_has_a_null_interval_that_the_missing_fraction_skips():
+    # 00:40 is the GPU's first sample and alone in its bucket: no spacing is known there.
+    times = [at(0, 40), at(1, 10), at(1, 25), at(1, 40), at(1, 55), at(2, 10), at(2, 25), at(2, 40), at(2, 55)]
+    tel = samples(times, temp_gpu_c=[40.0] * len(times))
+    agg = hourly_aggregate(tel, H)
+    assert agg["sample_interval_s_1h"][0] is None  # null, not NaN (0/0)
+    assert agg["sample_interval_s_1h"][1] == pytest.approx((30 + 15 + 15 + 15) * 60 / 4)
+    out = build_features(tel, NO_XIDS, data_end=at(3))
+    # The rolling median of the spacing at 02:00 covers the null bucket and a known one: a NaN
+    # there made the young GPU's missing fraction NaN.
+    second_hour = row(out, at(2))
+    assert second_hour["telemetry_missing_frac_1h"] == 0.0
+    assert second_hour["telemetry_missing_frac_7d"] == 0.0
+
+
 def test_counter_reset_counts_the_value_after_the_drop():
     # 5 -> 7 is +2; the drop to 0 is a reset (driver reload), 0 accrued; 0 -> 2 is +2: 4 in all.
     tel = samples([at(0, 10), at(0, 20), at(0, 30), at(0, 40)], ecc_dbe_volatile_total=[5, 7, 0, 2])
