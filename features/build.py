@@ -680,9 +680,9 @@ class _BucketStream:
         if self.context is None and len(frames) == 1:
             merged = pending.filter(is_now)  # one file's rows: usually in (gpu, ts) order already
         else:
-            # The context, the held rows and the day's rows each in (gpu, ts) order, together
-            # not: their rows up to the cut are put in order by sorting two narrow keys and one
-            # gather (filtering, concatenating, then sorting the 36-column frame took 40% of
+            # The context, the held rows and the day's rows together are out of order: their
+            # rows up to the cut are put in order by sorting two narrow keys and one gather
+            # (filtering, concatenating, then sorting the 36-column frame took 40% of
             # aggregating a day). `hourly_aggregate` checks the order (a hash collision).
             if self.context is not None:
                 pending = pl.concat([self.context.select(pending.columns), pending], how="vertical_relaxed")

@@ -17,8 +17,25 @@ def _runs_of(lengths: list[int]) -> tuple[runs.Runs, pl.Series]:
     return runs.Runs.where_changed(group), group
 
 
-def _grouped(frame: pl.DataFrame, *aggs: pl.Expr) -> pl.DataFrame:
-    return frame.group_by("g", maintain_order=True).agg(*aggs)
+def _assert_as_polars_aggregates(stats: dict[str, pl.Series], s: pl.Series, group: pl.Series, **tolerance) -> None:
+    """Each statistic equals polars' grouped aggregation of the same name over the runs."""
+    x = pl.col(s.name)
+    polars_of = {
+        "count": x.count().cast(pl.Int32),
+        "total": x.sum(),
+        "mean": x.mean(),
+        "max": x.max(),
+        "min": x.min(),
+        "last": x.last(ignore_nulls=True),
+        "var": x.var(),
+    }
+    expected = (
+        pl.DataFrame({"g": group, s.name: s})
+        .group_by("g", maintain_order=True)
+        .agg(polars_of[name].alias(name) for name in stats)
+    )
+    for name, got in stats.items():
+        assert_series_equal(got, expected[name], check_names=False, **tolerance)
 
 
 def test_runs_start_where_any_key_changes():
@@ -55,17 +72,8 @@ def test_gauge_statistics_equal_polars_with_nulls_nan_and_large_steady_readings(
     found, group = _runs_of(lengths)
     x = pl.Series("x", as_list, dtype=pl.Float64)
     stats = runs.gauge(x, found)
-    expected = _grouped(
-        pl.DataFrame({"g": group, "x": x}),
-        pl.col("x").count().cast(pl.Int32).alias("count"),
-        pl.col("x").mean().alias("mean"),
-        pl.col("x").max().alias("max"),
-        pl.col("x").min().alias("min"),
-        pl.col("x").last(ignore_nulls=True).alias("last"),
-        pl.col("x").var().alias("var"),
-    )
-    for name in ("count", "mean", "max", "min", "last", "var"):
-        assert_series_equal(stats[name], expected[name], check_names=False, rel_tol=1e-9, abs_tol=1e-12)
+    assert set(stats) == {"count", "mean", "max", "min", "last", "var"}
+    _assert_as_polars_aggregates(stats, x, group, rel_tol=1e-9, abs_tol=1e-12)
     assert stats["mean"][5] is None and np.isnan(stats["max"][9])
     assert 0.0 < stats["var"][0] < 1e-3  # the steady 80,000 MiB run
 
@@ -89,15 +97,8 @@ def test_integer_statistics_equal_polars_with_nulls():
     found, group = _runs_of(lengths)
     s = pl.Series("c", values, dtype=pl.Int64)
     stats = runs.integers(s, found)
-    expected = _grouped(
-        pl.DataFrame({"g": group, "c": s}),
-        pl.col("c").count().cast(pl.Int32).alias("count"),
-        pl.col("c").sum().alias("total"),
-        pl.col("c").max().alias("max"),
-        pl.col("c").last(ignore_nulls=True).alias("last"),
-    )
-    for name in ("count", "total", "max", "last"):
-        assert_series_equal(stats[name], expected[name], check_names=False)
+    assert set(stats) == {"count", "total", "max", "last"}
+    _assert_as_polars_aggregates(stats, s, group)
     assert stats["total"][0] == 0 and stats["max"][0] is None
 
 
