@@ -100,7 +100,7 @@ def _gauge_runs(values, valid, starts, ends, count, mean, high, low, latest, var
 
 
 @cache
-def _compiled(kernel: Callable[..., None]) -> Any:
+def compiled(kernel: Callable[..., None]) -> Any:
     """`kernel` compiled by numba (cached on disk across processes)."""
     import numba
 
@@ -114,7 +114,7 @@ def gauge(s: pl.Series, runs: Runs) -> dict[str, pl.Series]:
     count = np.empty(k, np.int64)
     mean, high, low, latest, var = (np.empty(k, np.float64) for _ in range(5))
     values = s.cast(pl.Float64).fill_null(0.0).to_numpy()
-    _compiled(_gauge_runs)(values, _valid(s), runs.starts, runs.ends, count, mean, high, low, latest, var)
+    compiled(_gauge_runs)(values, _valid(s), runs.starts, runs.ends, count, mean, high, low, latest, var)
     some = count > 0
     return {
         "count": pl.Series(s.name, count, dtype=pl.Int32),
@@ -148,7 +148,7 @@ def integers(s: pl.Series, runs: Runs) -> dict[str, pl.Series]:
     k = len(runs)
     count, total, high, latest = (np.empty(k, np.int64) for _ in range(4))
     values = s.cast(pl.Int64).fill_null(0).to_numpy()
-    _compiled(_integer_runs)(values, _valid(s), runs.starts, runs.ends, count, total, high, latest)
+    compiled(_integer_runs)(values, _valid(s), runs.starts, runs.ends, count, total, high, latest)
     some = count > 0
     return {
         "count": pl.Series(s.name, count, dtype=pl.Int32),

@@ -53,7 +53,7 @@ from typing import Literal
 
 import polars as pl
 
-from features import runs
+from features import rolling, runs
 from features.schema import TS_DTYPE, window_label
 from ingest.schema import metric_catalogue
 
@@ -342,100 +342,67 @@ def gpu_run_id() -> pl.Expr:
 
 
 class WindowSums:
-    """Sums of per-row quantities over the last k rows of each GPU, for several k at once.
+    """Sums of per-row quantities over the last k rows of each GPU, for several k at once, at
+    the kept rows of a dense grid (sorted by (gpu_uuid, ts), every grid time present, so "the
+    last k rows" is the window of k grid steps).
 
-    A dense grid (sorted by (gpu_uuid, ts), every grid time present, `_gid` set) makes "the
-    last k rows" the window of k grid steps. One running sum P per quantity and GPU, then the
-    sum over the last k rows at row i is P[i] - P[i - k], or P[i] where the GPU has fewer rows
-    before i. That is one grouped pass per quantity however many windows, instead of one
-    grouped rolling pass per quantity and window (~3x less work for four windows), and the
-    window subtraction is a flat shift. Float rounding depends only on the GPU's own rows from
-    its first one in the frame, so appending later data never changes a value.
+    `add` names a quantity, `columns` are the expressions that put each one on every row of the
+    frame (as `_q_<name>`), `at` reduces them to the window sums `_<name>_<w>` at the kept
+    rows (`features.rolling.trailing_sums`: a running sum minus the running sum k rows
+    earlier, in one compiled pass per quantity for all windows). Float rounding depends only on
+    the GPU's own rows from its first one in the frame, so appending later data never changes a
+    value.
     """
 
     def __init__(self, sizes: Sequence[int], labels: Sequence[str]) -> None:
         self.windows = list(zip(sizes, labels, strict=True))
-        self.prefixes: list[pl.Expr] = [pl.int_range(pl.len(), dtype=pl.Int64).over(GID).alias("_pos")]
-        self.shifted: list[pl.Expr] = []
-        self.sums: list[pl.Expr] = []
+        self.quantities: list[tuple[str, pl.Expr, list[tuple[int, str]]]] = []
 
     def add(self, name: str, e: pl.Expr, *, longer_than_grid_only: bool = False) -> None:
-        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window. `e` must
-        be a row-wise expression (the one-bucket sum is computed after `keep` drops rows)."""
-        e = e.cast(pl.Float64).fill_null(0.0)
-        p = pl.col(f"_P_{name}")
-        prefixed = False
-        for k, wl in self.windows:
-            if k == 1:
-                if not longer_than_grid_only:
-                    self.sums.append(e.alias(f"_{name}_{wl}"))
-                continue
-            prefixed = True
-            # The running sum k rows earlier, taken while every row is there; the guard (that
-            # row belongs to the same GPU) is applied later, on the kept rows only.
-            self.shifted.append(p.shift(k).alias(f"_B_{name}_{wl}"))
-            before = pl.when(pl.col("_pos") >= k).then(pl.col(f"_B_{name}_{wl}")).otherwise(0.0)
-            self.sums.append((p - before).alias(f"_{name}_{wl}"))
-        if prefixed:
-            self.prefixes.append(e.cum_sum().over(GID).alias(f"_P_{name}"))
+        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window (only the
+        windows longer than one grid step with `longer_than_grid_only`). `e` must be a row-wise
+        expression of the frame."""
+        windows = [(k, wl) for k, wl in self.windows if k > 1 or not longer_than_grid_only]
+        if windows:
+            self.quantities.append((name, e.cast(pl.Float64).fill_null(0.0).alias(f"_q_{name}"), windows))
 
-    def running(self, lf: pl.LazyFrame) -> pl.LazyFrame:
-        """`lf` (with `_gid`) with the running sums, and their values k rows earlier: what needs
-        the rows before a kept row. Then `keep` may drop rows, then `finish`."""
-        return lf.with_columns(self.prefixes).with_columns(self.shifted)
+    def columns(self) -> list[pl.Expr]:
+        """The quantities, to be computed on every row of the frame."""
+        return [e for _, e, _ in self.quantities]
 
-    def finish(self, lf: pl.LazyFrame) -> pl.LazyFrame:
-        """`lf` from `running` (rows possibly dropped since) with the window-sum columns added."""
-        return lf.with_columns(self.sums)
+    def column_names(self) -> list[str]:
+        return [f"_q_{name}" for name, _, _ in self.quantities]
 
-    def apply(self, lf: pl.LazyFrame) -> pl.LazyFrame:
-        """`lf` (with `_gid`) with the window-sum columns added."""
-        return self.finish(self.running(lf))
+    def at(self, frame: pl.DataFrame, kept: rolling.KeptRows) -> list[pl.Series]:
+        """The window sums at the kept rows of `frame` (which holds `columns()`)."""
+        out: list[pl.Series] = []
+        for name, _, windows in self.quantities:
+            sums = rolling.trailing_sums(frame[f"_q_{name}"], kept, [k for k, _ in windows])
+            out += [pl.Series(f"_{name}_{wl}", s) for (_, wl), s in zip(windows, sums, strict=True)]
+        return out
 
 
-def keep_rows(lf: pl.LazyFrame, keep: pl.Series | None) -> pl.LazyFrame:
-    """`lf` with only the rows where `keep` is true (all when None). Window features compute
-    what needs earlier rows first, then this, then the features themselves on the kept rows
-    only: a store build keeps one day of the eight it holds for the 7-day window."""
-    if keep is None:
-        return lf
-    return lf.with_columns(keep.alias("_keep")).filter("_keep").drop("_keep")
+def kept_frame(frame: pl.DataFrame, columns: Sequence[str], keep: pl.Series | None) -> pl.DataFrame:
+    """`columns` of `frame` at the kept rows (all when `keep` is None)."""
+    narrow = frame.select(columns)
+    return narrow if keep is None else narrow.filter(keep)
 
 
 def window_extremes(
-    lf: pl.LazyFrame,
-    items: Sequence[tuple[str, pl.Expr, Literal["max", "min"]]],
+    frame: pl.DataFrame,
+    items: Sequence[tuple[str, str, Literal["max", "min"]]],
     sizes: Sequence[int],
     labels: Sequence[str],
-) -> pl.LazyFrame:
-    """Columns `_<name>_<w>`: the max (or min) of each item's expression over the last k rows of
-    each GPU, on a dense grid with `_gid` and `_pos` (see `WindowSums`).
-
-    A window that is a whole multiple of a shorter one is the extreme of that window's values
-    at its last row and at m - 1 earlier multiples (24 h = 4 x 6 h, 7 d = 7 x 24 h): flat shifts
-    instead of a grouped rolling pass, which took half of `window_features`. Exact (no
-    rounding), and only the GPU's own rows count (`_pos` guards the shifts)."""
-    done: list[tuple[int, str]] = []
-    for k, wl in sorted(zip(sizes, labels, strict=True)):
-        columns = []
-        base = next(((k0, l0) for k0, l0 in reversed(done) if k0 > 1 and k % k0 == 0), None)
-        for name, e, how in items:
-            e = e.cast(pl.Float64)
-            if k == 1:
-                columns.append(e.alias(f"_{name}_{wl}"))
-                continue
-            if base is None:
-                rolled = e.rolling_max(k, min_samples=1) if how == "max" else e.rolling_min(k, min_samples=1)
-                columns.append(rolled.over(GID).alias(f"_{name}_{wl}"))
-                continue
-            k0, l0 = base
-            prior = pl.col(f"_{name}_{l0}")
-            parts = [prior] + [pl.when(pl.col("_pos") >= j * k0).then(prior.shift(j * k0)) for j in range(1, k // k0)]
-            combined = pl.max_horizontal(parts) if how == "max" else pl.min_horizontal(parts)
-            columns.append(combined.alias(f"_{name}_{wl}"))
-        lf = lf.with_columns(columns)
-        done.append((k, wl))
-    return lf
+    kept: rolling.KeptRows,
+) -> list[pl.Series]:
+    """Columns `_<name>_<w>` at the kept rows: the max (or min) of each item's column over the
+    last k rows of each GPU (`features.rolling.trailing_extremes`; exact, null without a reading
+    in the window)."""
+    out: list[pl.Series] = []
+    for name, column, how in items:
+        extremes = rolling.trailing_extremes(frame[column], kept, sizes, how)
+        out += [s.alias(f"_{name}_{wl}") for s, wl in zip(extremes, labels, strict=True)]
+    return out
 
 
 def window_features(
@@ -519,16 +486,27 @@ def window_features(
         pl.col(f"{m}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"_last_{m}")
         for m in (*kinds["gauge"], *kinds["counter"])
     ]
-    lf = sums.running(dense.lazy().with_columns(gpu_run_id()).with_columns(centres)).with_columns(
-        interval.alias("_interval_s"), first.alias("_first"), *lasts
+    # Everything here needs the rows before a kept row; stage 2 only the row itself.
+    frame = (
+        dense.lazy()
+        .with_columns(gpu_run_id())
+        .with_columns(centres)
+        .with_columns(interval.alias("_interval_s"), first.alias("_first"), *lasts, *sums.columns())
+        .collect(engine=ENGINE)
     )
-    extremes: list[tuple[str, pl.Expr, Literal["max", "min"]]] = []
+    kept = rolling.KeptRows(frame[GPU], keep)
+    extremes: list[tuple[str, str, Literal["max", "min"]]] = []
     for g in kinds["gauge"]:
-        extremes += [(f"{g}_mx", pl.col(f"{g}_max{sfx}"), "max"), (f"{g}_mn", pl.col(f"{g}_min{sfx}"), "min")]
-    extremes += [(f"{f}_mx", pl.col(f"{f}_max{sfx}"), "max") for f in kinds["flag"]]
-    lf = window_extremes(lf, extremes, sizes, labels)
-    # Everything above needs the rows before a kept row; everything below only the row itself.
-    lf = sums.finish(keep_rows(lf, keep))
+        extremes += [(f"{g}_mx", f"{g}_max{sfx}", "max"), (f"{g}_mn", f"{g}_min{sfx}", "min")]
+    extremes += [(f"{f}_mx", f"{f}_max{sfx}", "max") for f in kinds["flag"]]
+    carried = [GPU, "ts", "last_sample_ts", "_interval_s", "_first"]
+    carried += [f"_c_{g}" for g in kinds["gauge"]] + [f"_last_{m}" for m in (*kinds["gauge"], *kinds["counter"])]
+    lf = (
+        kept_frame(frame, carried, keep)
+        .with_columns(*sums.at(frame, kept), *window_extremes(frame, extremes, sizes, labels, kept))
+        .lazy()
+    )
+    del frame
 
     # Stage 2: the features.
     out: list[pl.Expr] = []

@@ -23,18 +23,20 @@ from datetime import timedelta
 
 import polars as pl
 
+from features.rolling import KeptRows
 from features.schema import window_label
 from features.windows import (
     DEFAULT_GRID,
     DEFAULT_WINDOWS,
     DEFAULT_XID_SINCE_CAP,
+    ENGINE,
     GPU,
     HOUR_US,
     WindowSums,
     check_grid,
     gpu_run_id,
     grid_time,
-    keep_rows,
+    kept_frame,
     select_rows,
 )
 from ingest.xid_catalog import XID_CLASSES, xid_class_map
@@ -127,10 +129,12 @@ def xid_features(
     sums.add("x_app_rep", pl.col("_x_app_rep"))
     sums.add("x_burst", pl.col("_x_burst"))
     # Running sums and the latest incidents need the rows before a kept row; the rest does not.
-    lf = sums.running(lf).with_columns(
-        pl.col(f"_xl_{c}").forward_fill().over("_gid").alias(f"_xl_{c}") for c in XID_CLASSES
+    latest = [f"_xl_{c}" for c in XID_CLASSES]
+    frame = lf.with_columns(*sums.columns(), *(pl.col(c).forward_fill().over("_gid").alias(c) for c in latest)).collect(
+        engine=ENGINE
     )
-    lf = sums.finish(keep_rows(lf, keep))
+    kept = KeptRows(frame[GPU], keep)
+    lf = kept_frame(frame, [GPU, "ts", *latest], keep).with_columns(sums.at(frame, kept)).lazy()
     out: list[pl.Expr] = []
     for c in XID_CLASSES:
         out += [pl.col(f"_x_{c}_{wl}").alias(f"xid_{c}_count_{wl}") for wl in labels]

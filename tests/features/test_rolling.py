@@ -1,0 +1,100 @@
+"""Trailing-window sums and extremes at kept rows (`features.rolling`) against a plain loop."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from features.rolling import KeptRows, gpu_segments, trailing_extremes, trailing_sums
+
+SIZES = [1, 3, 6, 24]
+
+
+def _frame(seed: int) -> tuple[pl.Series, pl.Series, pl.Series]:
+    """GPUs of 1 to 60 rows; values with nulls and NaNs; a random keep mask."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 60, 12)
+    gpus = pl.Series("gpu", np.repeat([f"GPU-{i:02d}" for i in range(len(lengths))], lengths))
+    values = rng.normal(50, 20, len(gpus)).round(1)
+    values[rng.random(len(gpus)) < 0.05] = np.nan
+    series = pl.Series("v", values).scatter(np.flatnonzero(rng.random(len(gpus)) < 0.2), None)
+    keep = pl.Series(rng.random(len(gpus)) < 0.4)
+    return gpus, series, keep
+
+
+def _windows(gpus: pl.Series, k: int) -> list[range]:
+    """The rows of the window of k rows ending at each row, within its GPU."""
+    names = gpus.to_list()
+    out = []
+    for i, name in enumerate(names):
+        start = i
+        while start > 0 and names[start - 1] == name and i - start + 1 < k:
+            start -= 1
+        out.append(range(start, i + 1))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_trailing_sums_equal_a_sum_over_each_window_at_the_kept_rows_only(seed):
+    gpus, values, keep = _frame(seed)
+    kept = KeptRows(gpus, keep)
+    values = values.fill_nan(1.5)  # a running sum would carry a NaN on: the quantities summed have none
+    got = trailing_sums(values, kept, SIZES)
+    plain = values.fill_null(0.0).to_list()
+    rows = np.flatnonzero(keep.to_numpy())
+    for k, sums in zip(SIZES, got, strict=True):
+        assert len(sums) == len(rows)
+        windows = _windows(gpus, k)
+        for i, got_sum in zip(rows, sums, strict=True):
+            assert got_sum == pytest.approx(sum(plain[j] for j in windows[i]), abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("how", ["max", "min"])
+def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(seed, how):
+    gpus, values, keep = _frame(seed)
+    kept = KeptRows(gpus, keep)
+    got = trailing_extremes(values, kept, SIZES, how)
+    readings = values.to_list()
+    pick = max if how == "max" else min
+    for k, extremes in zip(SIZES, got, strict=True):
+        windows = _windows(gpus, k)
+        expected = []
+        for i in np.flatnonzero(keep.to_numpy()):
+            present = [readings[j] for j in windows[i] if readings[j] is not None]
+            numbers = [v for v in present if not math.isnan(v)]
+            expected.append(pick(numbers) if numbers else (math.nan if present else None))
+        assert extremes.dtype == pl.Float64
+        assert len(extremes) == len(expected)
+        for g, e in zip(extremes.to_list(), expected, strict=True):
+            assert (g is None and e is None) or (e is not None and math.isnan(e) and math.isnan(g)) or g == e
+
+
+def test_without_a_keep_mask_every_row_is_kept():
+    gpus = pl.Series(["a", "a", "a", "b", "b"])
+    kept = KeptRows(gpus, None)
+    assert kept.rows.tolist() == [0, 1, 2, 3, 4]
+    assert kept.first.tolist() == [0, 0, 0, 3, 3]
+    (sums,) = trailing_sums(pl.Series([1.0, 2.0, 4.0, 8.0, 16.0]), kept, [2])
+    assert sums.tolist() == [1.0, 3.0, 6.0, 8.0, 24.0]  # b's window does not reach back into a
+
+
+def test_a_window_longer_than_the_gpus_rows_covers_them_all():
+    gpus = pl.Series(["a"] * 3)
+    kept = KeptRows(gpus, pl.Series([False, False, True]))
+    (mx,) = trailing_extremes(pl.Series([5.0, None, 2.0]), kept, [168], "max")
+    (total,) = trailing_sums(pl.Series([5.0, None, 2.0]), kept, [168])
+    assert mx.to_list() == [5.0]
+    assert total.tolist() == [7.0]
+
+
+def test_gpu_segments_of_an_empty_column():
+    segments = gpu_segments(pl.Series([], dtype=pl.String))
+    assert len(segments) == 0
+    assert trailing_sums(pl.Series([], dtype=pl.Float64), KeptRows(pl.Series([], dtype=pl.String), None), [1, 6]) == [
+        pytest.approx([]),
+        pytest.approx([]),
+    ]
