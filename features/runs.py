@@ -156,3 +156,43 @@ def integers(s: pl.Series, runs: Runs) -> dict[str, pl.Series]:
         "max": _series(s.name, high, pl.Int64, some).cast(s.dtype),
         "last": _series(s.name, latest, pl.Int64, some).cast(s.dtype),
     }
+
+
+def _counter_runs(values, valid, ts, gpu, starts, ends, max_gap, count, last, increase):  # type: ignore[no-untyped-def]
+    have_previous, previous, previous_gpu, previous_ts = False, 0, -1, 0
+    for r in range(starts.shape[0]):
+        n, total, newest = 0, 0, 0
+        for i in range(starts[r], ends[r]):
+            if not valid[i]:
+                continue
+            v = values[i]
+            # The baseline: the GPU's previous reading, if recent enough; otherwise the reading
+            # itself (nothing is known to have accrued before it).
+            recent = have_previous and previous_gpu == gpu[i] and ts[i] - previous_ts <= max_gap
+            base = previous if recent else v
+            total += v - base if v >= base else v  # a drop is a reset: the new value accrued since
+            n += 1
+            newest = v
+            have_previous, previous, previous_gpu, previous_ts = True, v, gpu[i], ts[i]
+        count[r], last[r], increase[r] = n, newest, total
+
+
+def counter(s: pl.Series, ts_us: np.ndarray, gpu: np.ndarray, runs: Runs, max_gap_us: int) -> dict[str, pl.Series]:
+    """A counter's last reading and reset-robust increase per run (module notes of
+    `features.windows`): each reading adds its difference from the GPU's previous non-null
+    reading (`gpu`: an integer per row, `ts_us`: microseconds) when that came at most
+    `max_gap_us` before it and the counter did not drop, the reading itself after a drop, and
+    nothing when there is no recent previous reading. Rows must be sorted by (gpu, time), the
+    runs within one GPU each; a run's first reading takes its baseline from the run before.
+    Both are null for a run without a reading, in the column's dtype."""
+    if not s.dtype.is_integer():
+        raise TypeError(f"{s.name}: expected an integer column, got {s.dtype}")
+    k = len(runs)
+    count, last, increase = (np.empty(k, np.int64) for _ in range(3))
+    values = s.cast(pl.Int64).fill_null(0).to_numpy()
+    compiled(_counter_runs)(values, _valid(s), ts_us, gpu, runs.starts, runs.ends, max_gap_us, count, last, increase)
+    some = count > 0
+    return {
+        "last": _series(s.name, last, pl.Int64, some).cast(s.dtype),
+        "increase": _series(s.name, increase, pl.Int64, some),
+    }

@@ -177,16 +177,6 @@ def _sorted_by_gpu_and_time(df: pl.DataFrame) -> pl.DataFrame:
     return df.drop("_run").sort([GPU, "ts"]).with_columns(pl.col(GPU).rle_id().alias("_run"))
 
 
-def _interior_nulls(df: pl.DataFrame, column: str) -> bool:
-    """Whether some GPU has both null and non-null readings of `column` (df sorted by GPU with a
-    `_run` id per GPU)."""
-    if df[column].null_count() in (0, df.height):
-        return False
-    has = pl.col(column).is_not_null()
-    changes = df.select(((has != has.shift(1)) & (pl.col("_run") == pl.col("_run").shift(1))).any())
-    return bool(changes.item())
-
-
 def hourly_aggregate(
     telemetry: pl.DataFrame | pl.LazyFrame,
     grid: timedelta = DEFAULT_GRID,
@@ -219,30 +209,11 @@ def hourly_aggregate(
         grid_time(pl.col("ts"), grid).alias("_t"),
         pl.when(prev_ok).then((ts_us - ts_us.shift(1)) / 1e6).alias("_dt_s"),
     ]
-    for c in kinds["counter"]:
-        has = pl.col(c).is_not_null()
-        if not _interior_nulls(df, c):
-            # Common case, and ~3x cheaper: on every GPU the counter is either always or never
-            # null, so the previous reading is the previous sample's.
-            prev_v, valid = pl.col(c).shift(1), pl.col("_prev_ok")
-        else:
-            # The previous *non-null* reading of this counter on the same GPU, if recent enough.
-            prev_v = pl.col(c).shift(1).forward_fill()
-            prev_run = pl.when(has).then(run).shift(1).forward_fill()
-            prev_ts = pl.when(has).then(ts_us).shift(1).forward_fill()
-            valid = (prev_run == run) & ((ts_us - prev_ts) <= gap_us)
-        # Without a usable previous reading the sample is a baseline (increase 0): the previous
-        # reading is taken to be the value itself. After a drop (a reset: a volatile counter
-        # restarts from 0 on a driver reload) what accrued since the restart is the new value.
-        # A null reading stays null (the comparison is null, so the value itself is taken).
-        prev = pl.when(valid).then(prev_v).otherwise(pl.col(c))
-        inc = pl.when(pl.col(c) >= prev).then(pl.col(c) - prev).otherwise(pl.col(c))
-        sample_cols.append(inc.alias(f"_inc_{c}"))
     for b in kinds["bitmask"]:
         for group, mask in BITMASK_GROUPS.get(b, {}).items():
             sample_cols.append(((pl.col(b) & mask) != 0).cast(pl.Int32).alias(f"_bm_{b}_{group}"))
 
-    df = df.lazy().with_columns(prev_ok.alias("_prev_ok")).with_columns(sample_cols).collect(engine=ENGINE)
+    df = df.lazy().with_columns(sample_cols).collect(engine=ENGINE)
     # Rows are sorted by (gpu, ts), so each bucket is a contiguous run of rows (`features.runs`).
     buckets = runs.Runs.where_changed(df["_run"], df["_t"])
     out: list[pl.Series] = [runs.first(df[GPU], buckets), runs.first(df["_t"], buckets).alias("ts")]
@@ -259,12 +230,11 @@ def hourly_aggregate(
     for g in kinds["gauge"]:
         stats = runs.gauge(df[g], buckets)
         out += [stats[s].alias(f"{g}_{s}{sfx}") for s in ("count", "mean", "max", "min", "last", "var")]
+    ts_all, gpu_all = df["ts"].dt.epoch("us").to_numpy(), df["_run"].to_numpy()
     for c in kinds["counter"]:
-        latest = runs.integers(df[c], buckets)["last"].alias(f"{c}_last{sfx}")
-        increase = runs.integers(df[f"_inc_{c}"], buckets)["total"].alias(f"{c}_increase{sfx}")
-        # An all-null bucket has no increase (a sum would say 0); null keeps "no reading" apart
-        # from "no errors".
-        out += [latest, increase if latest.null_count() == 0 else increase.set(latest.is_null(), None)]
+        # Null for a bucket without a reading: "no reading" stays apart from "no errors".
+        stats = runs.counter(df[c], ts_all, gpu_all, buckets, gap_us)
+        out += [stats["last"].alias(f"{c}_last{sfx}"), stats["increase"].alias(f"{c}_increase{sfx}")]
     for f in kinds["flag"]:
         out.append(runs.integers(df[f], buckets)["max"].alias(f"{f}_max{sfx}"))
     for b in kinds["bitmask"]:

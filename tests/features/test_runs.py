@@ -122,3 +122,20 @@ def test_no_runs_give_empty_columns_of_the_right_type():
     assert runs.gauge(pl.Series("x", [], dtype=pl.Float32), found)["mean"].dtype == pl.Float64
     assert runs.integers(pl.Series("c", [], dtype=pl.Int64), found)["total"].len() == 0
     assert runs.last(pl.Series("s", [], dtype=pl.String), found).len() == 0
+
+
+def test_a_counter_increase_takes_its_baseline_from_the_gpus_previous_recent_reading():
+    # GPU 0: buckets [10, 12] [null, 15] [3] (a reset after 15: 3 accrued) [20 after a long gap];
+    # GPU 1 starts at 100: its first reading is a baseline, not an increase of 100 - 20.
+    values = pl.Series("c", [10, 12, None, 15, 3, 20, 100, 101], dtype=pl.Int64)
+    minute = 60_000_000
+    ts = np.array([0, 1, 2, 3, 4, 300, 0, 1], dtype=np.int64) * minute
+    gpu = np.array([0, 0, 0, 0, 0, 0, 1, 1], dtype=np.uint32)
+    buckets = runs.Runs(np.array([0, 2, 4, 5, 6]), 8)
+    stats = runs.counter(values, ts, gpu, buckets, max_gap_us=60 * minute)
+    assert stats["increase"].to_list() == [2, 3, 3, 0, 1]
+    assert stats["last"].to_list() == [12, 15, 3, 20, 101]
+    empty = runs.counter(pl.Series("c", [None, None], dtype=pl.Int32), ts[:2], gpu[:2], runs.Runs([0], 2), minute)
+    assert empty["increase"].to_list() == [None] and empty["last"].dtype == pl.Int32
+    with pytest.raises(TypeError, match="c: expected an integer column"):
+        runs.counter(pl.Series("c", [1.0]), ts[:1], gpu[:1], runs.Runs([0], 1), minute)
