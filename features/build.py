@@ -620,7 +620,10 @@ def _read_telemetry(
     )
     if nodes is not None:
         lf = lf.filter(pl.col("node").is_between(pl.lit(nodes[0]), pl.lit(nodes[1])))
-    return lf.collect()
+    # In one piece: the scan returns a column in as many chunks as it read row groups (142 for a
+    # paper fleet-day), and gathering rows from a chunked column was ~8x slower (2.2 s against
+    # 0.25 s for the day's frame, plus 0.25 s to rechunk it).
+    return lf.collect().rechunk()
 
 
 def _scan_presence(store: Store, *, progress: bool) -> tuple[pl.DataFrame, dict[date, int]]:
@@ -672,7 +675,11 @@ class _BucketStream:
         """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         frames = [f for f in (self.held, raw) if f is not None and f.height]
-        pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
+        pending = (
+            pl.concat(frames, how="vertical_relaxed", rechunk=True)
+            if len(frames) > 1
+            else (frames[0] if frames else raw)
+        )
         is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
         self.held = pending.filter(~is_now)
         if not is_now.any():
@@ -685,7 +692,9 @@ class _BucketStream:
             # (filtering, concatenating, then sorting the 36-column frame took 40% of
             # aggregating a day). `hourly_aggregate` checks the order (a hash collision).
             if self.context is not None:
-                pending = pl.concat([self.context.select(pending.columns), pending], how="vertical_relaxed")
+                pending = pl.concat(
+                    [self.context.select(pending.columns), pending], how="vertical_relaxed", rechunk=True
+                )
                 is_now = pl.concat([pl.repeat(True, self.context.height, eager=True), is_now])
             order = (
                 pl.DataFrame({"_h": pending[GPU].hash(), "ts": pending["ts"], "_now": is_now})

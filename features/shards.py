@@ -116,7 +116,8 @@ class ShardedBuckets:
         frames = [f for f in frames if f.height]
         if not frames:
             return None
-        return pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
+        # One chunk, not one per day: joins and gathers on a chunked frame were 2-3x slower.
+        return pl.concat(frames, how="vertical_relaxed", rechunk=True) if len(frames) > 1 else frames[0]
 
     def forget(self, until: datetime) -> None:
         """Drop the buckets with ts <= `until` (no later block needs them)."""

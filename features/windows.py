@@ -18,10 +18,11 @@ buckets; that is ~60x fewer rows at one sample a minute):
 
 Choices, so that a reader need not reverse-engineer them:
 
-- Gauges: per window mean, max, min and standard deviation over the *samples* in the window
-  (exact, combined from per-bucket count, mean and variance), and `slope`: the least-squares
-  slope of the bucket means on time, in the metric's unit per hour (windows longer than the
-  grid; null with fewer than two buckets). `<m>_last`: the latest reading at or before t.
+- Gauges: NaN readings are missing readings, like nulls. Per window mean, max, min and
+  standard deviation over the *samples* in the window (exact, combined from per-bucket count,
+  mean and variance), and `slope`: the least-squares slope of the bucket means on time, in the
+  metric's unit per hour (windows longer than the grid; null with fewer than two buckets).
+  `<m>_last`: the latest reading at or before t.
 - Counters: increase over the window, robust to resets: each sample adds `value - previous` when
   the value did not drop, and `value` when it did (a volatile counter restarts from 0 after a
   driver reload, so the new value is what accrued since). The increase across a telemetry gap
@@ -206,6 +207,9 @@ def hourly_aggregate(
     ts_us = pl.col("ts").dt.epoch("us")
     prev_ok = (run == run.shift(1)) & ((ts_us - ts_us.shift(1)) <= gap_us)
     sample_cols: list[pl.Expr] = [
+        # A NaN reading (telemetry imported from elsewhere may have them) is a missing reading:
+        # counted as a value it would spoil the bucket and every later window sum of the GPU.
+        *(pl.col(g).fill_nan(None) for g in kinds["gauge"]),
         grid_time(pl.col("ts"), grid).alias("_t"),
         pl.when(prev_ok).then((ts_us - ts_us.shift(1)) / 1e6).alias("_dt_s"),
     ]

@@ -132,6 +132,21 @@ def test_gauge_windows_ignore_null_readings_and_empty_buckets():
     assert row(out, at(5))["temp_gpu_c_mean_6h"] == 30.0
 
 
+def test_a_nan_reading_is_a_missing_reading_and_does_not_spoil_later_windows():
+    # Telemetry imported from another system may carry NaN. Window sums are running sums, so a
+    # NaN counted as a value would stay in every later window of the GPU.
+    times = every(at(0, 30), at(30), 30 * MIN)
+    temps = [60.0] * len(times)
+    temps[2] = float("nan")  # in the bucket at 02:00
+    out = build_features(samples(times, temp_gpu_c=temps), NO_XIDS, data_end=at(30))
+    two = row(out, at(2))
+    assert two["temp_gpu_c_mean_1h"] == 60.0 and two["temp_gpu_c_max_1h"] == 60.0
+    later = row(out, at(30))
+    assert later["temp_gpu_c_mean_24h"] == 60.0
+    assert later["temp_gpu_c_std_24h"] == 0.0
+    assert later["temp_gpu_c_slope_24h"] == 0.0
+
+
 # -- telemetry health -----------------------------------------------------------------------------
 
 
