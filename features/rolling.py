@@ -67,10 +67,9 @@ def _sums_kernel(values, starts, ends, rows, first, sizes, running, out):  # typ
                 out[w, r] = running[i]
 
 
-def _max_kernel(values, kind, starts, ends, rows, first, sizes, ahead, behind, numbers, nans, out, state):  # type: ignore[no-untyped-def]
+def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind, numbers, nans, out, state):  # type: ignore[no-untyped-def]
     # kind per row: 0 no reading, 1 NaN, 2 a number. state per output: the same for the window.
-    n = values.shape[0]
-    x = np.empty(n)
+    # x, ahead, behind, numbers, nans: scratch, one value per row.
     for s in range(starts.shape[0]):
         count_numbers, count_nans = 0, 0
         for i in range(starts[s], ends[s]):
@@ -122,6 +121,10 @@ class KeptRows:
         self.rows = np.arange(self.n, dtype=np.int64) if keep is None else np.flatnonzero(keep.to_numpy())
         self.first = np.empty(len(self.rows), np.int64)
         compiled(_segment_starts_of)(self.rows, self.segments.starts, self.segments.ends, self.first)
+        # Scratch columns over every row, reused by each reduction of the frame (~150 of them):
+        # allocating them per column made the kernel's first touch of each page a page fault.
+        self.floats = [np.empty(self.n, np.float64) for _ in range(3)]
+        self.counts = [np.empty(self.n, np.int64) for _ in range(2)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -132,7 +135,6 @@ def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> li
     the GPU at each kept row."""
     flat = values.cast(pl.Float64).fill_null(0.0).to_numpy()
     out = np.empty((len(sizes), len(kept)), np.float64)
-    running = np.empty(kept.n, np.float64)
     compiled(_sums_kernel)(
         flat,
         kept.segments.starts,
@@ -140,7 +142,7 @@ def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> li
         kept.rows,
         kept.first,
         np.asarray(sizes, np.int64),
-        running,
+        kept.floats[0],
         out,
     )
     return list(out)
@@ -157,7 +159,6 @@ def trailing_extremes(
     kind = np.where(floats.is_null().to_numpy(), 0, np.where(np.isnan(flat), 1, 2)).astype(np.int8)
     out = np.empty((len(sizes), len(kept)), np.float64)
     state = np.empty((len(sizes), len(kept)), np.int8)
-    scratch = [np.empty(kept.n, np.float64) for _ in range(2)] + [np.empty(kept.n, np.int64) for _ in range(2)]
     compiled(_max_kernel)(
         flat,
         kind,
@@ -166,7 +167,8 @@ def trailing_extremes(
         kept.rows,
         kept.first,
         np.asarray(sizes, np.int64),
-        *scratch,
+        *kept.floats,
+        *kept.counts,
         out,
         state,
     )
