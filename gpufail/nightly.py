@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,17 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def retrain_reach(newest_day: date, options: NightlyOptions) -> datetime:
+    """The earliest grid time a retrain reads when the newest feature day is `newest_day`.
+
+    Its held-out window ends where labels settle, a horizon before the newest row (which is on
+    that day), and is `holdout_days` long; the fit's labels end a horizon before that window,
+    and its rows go back `train_window` more. A day of margin on top."""
+    newest_start = datetime(newest_day.year, newest_day.month, newest_day.day, tzinfo=UTC)
+    reach = timedelta(days=options.holdout_days) + 2 * options.horizon + options.train_window
+    return newest_start - reach - timedelta(days=1)
+
+
 class _Job:
     """The steps of one day's run. Each returns a JSON-ready record of what it did."""
 
@@ -271,13 +282,15 @@ class _Job:
         return self._registry
 
     def keys(self) -> Any:
-        """ts, gpu_uuid and label of every feature row: where labels settle and where failures
-        are, without the hundreds of feature columns (a paper-size fleet's history is ~1 GB a
-        day of those)."""
-        from features.build import read_features
+        """ts, gpu_uuid and label of the feature rows a retrain can reach (`retrain_reach`):
+        where labels settle and where failures are, without the hundreds of feature columns.
+        Reading every day's keys grew with the history (87M rows for the 120-day paper fleet)."""
+        from features.build import FEATURES_DATASET, read_features
 
         if self._keys is None:
-            self._keys = read_features(self.store, columns=["label"])
+            days = self.store.dates(FEATURES_DATASET)
+            start = retrain_reach(days[-1], self.o) if days else None
+            self._keys = read_features(self.store, start=start, columns=["label"])
             if self._keys.height == 0:
                 raise NightlyError(f"{self.store.root}: the features dataset is empty after the features step")
         return self._keys

@@ -10,14 +10,14 @@ import itertools
 import shutil
 import subprocess
 import sys
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from functools import cache
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, run_nightly
+from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, retrain_reach, run_nightly
 from ingest.kernel_log_ingest import ingest_kernel_logs
 from ingest.simulator.run import simulate
 from ingest.store import Store
@@ -148,6 +148,13 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
         champion.model.version
     ]
     assert len(store.read_state("test-published")["calls"]) == 3
+
+    # The retrain read the label keys from `retrain_reach` on, not the whole history, and its
+    # window lies within them.
+    feature_days = store.dates("features")
+    reach = retrain_reach(feature_days[-1], opts)
+    assert reach > datetime.combine(feature_days[0], datetime.min.time(), tzinfo=UTC)
+    assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
 
 
 def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_server, fleet, tmp_path, monkeypatch):
