@@ -344,9 +344,6 @@ class WindowSums:
         """The quantities, to be computed on every row of the frame."""
         return [e for _, e, _ in self.quantities]
 
-    def column_names(self) -> list[str]:
-        return [f"_q_{name}" for name, _, _ in self.quantities]
-
     def at(self, frame: pl.DataFrame, kept: rolling.KeptRows) -> list[pl.Series]:
         """The window sums at the kept rows of `frame` (which holds `columns()`)."""
         out: list[pl.Series] = []
