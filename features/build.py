@@ -680,11 +680,9 @@ class _BucketStream:
         """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         frames = [f for f in (self.held, raw) if f is not None and f.height]
-        pending = (
-            pl.concat(frames, how="vertical_relaxed", rechunk=True)
-            if len(frames) > 1
-            else (frames[0] if frames else raw)
-        )
+        # Not rechunked here: the day's rows come in one piece (`_read_telemetry`), and the
+        # concatenation with the context below makes one piece of everything once.
+        pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
         is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
         self.held = pending.filter(~is_now)
         if not is_now.any():
