@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -476,33 +476,26 @@ def write_features(store: Store, table: pl.DataFrame, *, threads: int = WRITE_TH
     validate_features(table)
     if table.height == 0:
         return []
+    if not _sorted_by_gpu_then_time(table):
+        table = table.sort(GPU, "ts")
     keys = sample_keys(table[GPU], table["ts"])
-    rest = ~drawn(table["label"].fill_null(0).to_numpy(), keys, PRESAMPLED_FRACTION)
-    # One gather puts every row where its file wants it (sorting the four narrow columns costs
-    # a fraction of gathering the wide frame, which filtering it into pieces did twice).
-    order = (
-        pl.DataFrame({"_day": table["ts"].dt.date(), "_rest": rest, GPU: table[GPU], "ts": table["ts"]})
-        .with_row_index("_i")
-        .sort("_day", "_rest", GPU, "ts")
-    )
-    # Column by column, each in one piece first: a flush is several parts, and gathering from a
-    # frame in chunks was 2-3x slower (rechunking the whole frame first would copy all of it).
-    index = order["_i"]
-    table = pl.DataFrame(
-        [s.rechunk().gather(index) for s in table.with_columns(pl.Series(SAMPLE_KEY, keys)).iter_columns()]
-    )
-    counts = order.group_by("_day", "_rest", maintain_order=True).len()
+    rest = pl.Series("_rest", ~drawn(table["label"].fill_null(0).to_numpy(), keys, PRESAMPLED_FRACTION))
+    table = table.with_columns(pl.Series(SAMPLE_KEY, keys))
+    day = table["ts"].dt.date()
+    # Each file's two groups are filtered out of the frame, which keeps its (gpu_uuid, ts) order:
+    # a masked copy per group costs about one copy of the frame, where sorting the rows into file
+    # order and gathering every column (rechunked first) cost two, the gather a random one.
     # Dictionary-encoding only the string columns: trying it on 280 float columns made
     # writing 2.5x slower for no gain.
     dictionary = [c for c in ID_COLUMNS if table.schema[c] == pl.String]
     files: dict[date, list[pa.Table]] = {}
-    offset = 0
-    for day, is_rest, n in counts.iter_rows():
+    for one_day in day.unique().sort():
+        on_day = day == one_day
         # Two groups in every file, the first for the drawn rows, even when one is empty.
-        arrow = table.slice(offset, n).to_arrow(compat_level=pl.CompatLevel.oldest())
-        offset += n
-        pieces = files.setdefault(day, [arrow.slice(0, 0), arrow.slice(0, 0)])
-        pieces[int(is_rest)] = arrow
+        files[one_day] = [
+            table.filter(on_day & ~rest).to_arrow(compat_level=pl.CompatLevel.oldest()),
+            table.filter(on_day & rest).to_arrow(compat_level=pl.CompatLevel.oldest()),
+        ]
     metadata = _metadata()
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         futures = [
@@ -520,6 +513,16 @@ def write_features(store: Store, table: pl.DataFrame, *, threads: int = WRITE_TH
         ]
         # Every write finishes (each file is whole or absent) before the first error is raised.
         return [f.result() for f in futures]
+
+
+def _sorted_by_gpu_then_time(frame: pl.DataFrame) -> bool:
+    """Whether the rows are in (gpu_uuid, ts) order (a store build's flush always is)."""
+    if frame.height < 2:
+        return True
+    gpu, ts = frame[GPU], frame["ts"]
+    earlier_gpu, earlier_ts = gpu.slice(0, frame.height - 1), ts.slice(0, frame.height - 1)
+    later_gpu, later_ts = gpu.slice(1), ts.slice(1)
+    return bool(((earlier_gpu < later_gpu) | ((earlier_gpu == later_gpu) & (earlier_ts < later_ts))).all())
 
 
 def feature_files(store: Store, first_day: date | None = None, last_day: date | None = None) -> list[str]:
@@ -568,6 +571,30 @@ def read_features(
 
 
 # -- building over a store ----------------------------------------------------------------------
+
+
+@dataclass
+class _ShardResult:
+    """What one shard of a block wrote."""
+
+    rows: int = 0
+    positives: int = 0
+    censored: int = 0
+    gpus: set[str] = field(default_factory=set)
+    files: list[str] = field(default_factory=list)
+
+    def add(self, frame: pl.DataFrame) -> None:
+        self.rows += frame.height
+        self.positives += int((frame["label"] == 1).sum())
+        self.censored += frame["label"].null_count()
+        self.gpus.update(frame[GPU].unique().to_list())
+
+    def add_to(self, summary: FeatureBuildSummary, gpus: set[str]) -> None:
+        summary.rows += self.rows
+        summary.positives += self.positives
+        summary.censored += self.censored
+        summary.files_written += self.files
+        gpus.update(self.gpus)
 
 
 @dataclass
@@ -736,6 +763,7 @@ def build_features_from_store(
     overwrite: bool = False,
     progress: bool = True,
     scratch: str | None = None,
+    workers: int = 1,
 ) -> FeatureBuildSummary:
     """Build and write the `features` dataset for grid times in [start, end), widened to whole
     UTC days (so every date partition is complete). Default: all telemetry in the store.
@@ -760,6 +788,10 @@ def build_features_from_store(
     chunks of about `rows_per_chunk`; finished rows are written every `flush_rows`. Every row
     equals what an all-history in-memory build gives (up to floating-point rounding).
 
+    `workers` shards of a block are built at once, on threads (polars, pyarrow and the compiled
+    kernels release the GIL); they share the memory budget, so each holds a shard of
+    `max_buckets_in_memory / workers` buckets and parts of `rows_per_part / workers` rows.
+
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written. `scratch` is the folder for the shards'
     temporary files (the system's temporary folder by default).
@@ -770,6 +802,8 @@ def build_features_from_store(
     check_grid(grid, windows)
     if block_days < 1:
         raise ValueError(f"block_days: expected at least 1, got {block_days}")
+    if workers < 1:
+        raise ValueError(f"workers: expected at least 1, got {workers}")
     failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
     summary = FeatureBuildSummary()
 
@@ -829,24 +863,61 @@ def build_features_from_store(
 
     # A shard carries a block and its trailing window (plus the day a window's start falls in).
     carried_days = block_days + -(-lookback // one_day) + 1
-    shards = shard_map(presence, gpu_buckets=carried_days * (one_day // grid), max_buckets=max_buckets_in_memory)
+    # The workers share the memory budget: each builds a shard and a part of a share of it.
+    shards = shard_map(
+        presence, gpu_buckets=carried_days * (one_day // grid), max_buckets=max_buckets_in_memory // workers
+    )
+    if rows_per_part is not None:
+        rows_per_part = max(1, rows_per_part // workers)
     buckets = ShardedBuckets(shards, scratch=scratch)
     summary.shards = buckets.count
     stream = _BucketStream(grid, max_silence)
     medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
-    written: list[pl.DataFrame] = []
-    buffered = 0
     gpus: set[str] = set()
     bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
 
-    def flush() -> None:
-        nonlocal written, buffered
-        if written:
-            summary.files_written += write_features(store, pl.concat(written, how="vertical"))
-            written, buffered = [], 0
+    def build_shard(shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> _ShardResult:
+        """One shard's rows of a block, written in flushes of about `flush_rows`."""
+        result = _ShardResult()
+        hourly = buckets.take(shard, block_start - lookback)
+        if hourly is None:
+            return result
+        parts = iter_features_from_buckets(
+            hourly,
+            xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
+            data_end=data_end,
+            grid=grid,
+            windows=windows,
+            horizon=horizon,
+            failure_xids=failure_xids,
+            merge_window=merge_window,
+            lost_after=lost_after,
+            max_silence=max_silence,
+            xid_since_cap=xid_since_cap,
+            repairs=repairs,
+            presence=presence,
+            episodes=episodes,
+            emit_start=block_start,
+            emit_end=block_end,
+            rows_per_chunk=rows_per_chunk,
+            rows_per_part=rows_per_part,
+            model_medians=fleet,
+        )
+        del hourly  # the generator holds the shard's buckets only while it runs
+        pending: list[pl.DataFrame] = []
+        for frame in parts:
+            if frame.height == 0:
+                continue
+            result.add(frame)
+            pending.append(frame)
+            if sum(f.height for f in pending) >= flush_rows:
+                result.files += write_features(store, pl.concat(pending, how="vertical"))
+                pending = []
+        if pending:
+            result.files += write_features(store, pl.concat(pending, how="vertical"))
+        return result
 
     def emit(block_start: datetime, block_end: datetime) -> None:
-        nonlocal buffered
         # No buckets since the last block (a telemetry outage): no means to compare, so the
         # shards' own (empty) medians are the fleet's.
         fleet = (
@@ -857,46 +928,20 @@ def build_features_from_store(
             else None
         )
         summary.blocks += 1
-        for shard in range(buckets.count):
-            bar.set_postfix_str(
-                f"block {block_start.date()}..{(block_end - one_day).date()}, shard {shard + 1}/{buckets.count}"
-            )
-            hourly = buckets.take(shard, block_start - lookback)
-            if hourly is None:
-                continue
-            parts = iter_features_from_buckets(
-                hourly,
-                xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
-                data_end=data_end,
-                grid=grid,
-                windows=windows,
-                horizon=horizon,
-                failure_xids=failure_xids,
-                merge_window=merge_window,
-                lost_after=lost_after,
-                max_silence=max_silence,
-                xid_since_cap=xid_since_cap,
-                repairs=repairs,
-                presence=presence,
-                episodes=episodes,
-                emit_start=block_start,
-                emit_end=block_end,
-                rows_per_chunk=rows_per_chunk,
-                rows_per_part=rows_per_part,
-                model_medians=fleet,
-            )
-            del hourly  # the generator holds the shard's buckets only while it runs
-            for frame in parts:
-                if frame.height == 0:
-                    continue
-                summary.rows += frame.height
-                summary.positives += int((frame["label"] == 1).sum())
-                summary.censored += frame["label"].null_count()
-                gpus.update(frame[GPU].unique().to_list())
-                written.append(frame)
-                buffered += frame.height
-                if buffered >= flush_rows:
-                    flush()
+        label = f"block {block_start.date()}..{(block_end - one_day).date()}"
+        done = 0
+        bar.set_postfix_str(f"{label}, shards 0/{buckets.count}")
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, buckets.count))) as pool:
+            futures = [pool.submit(build_shard, shard, block_start, block_end, fleet) for shard in range(buckets.count)]
+            try:
+                for future in as_completed(futures):
+                    future.result().add_to(summary, gpus)
+                    done += 1
+                    bar.set_postfix_str(f"{label}, shards {done}/{buckets.count}")
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
 
     try:
         block_start = emit_start
@@ -925,7 +970,6 @@ def build_features_from_store(
     finally:
         bar.close()
         buckets.close()
-    flush()
     for f in old_files:
         if store.fs.exists(f):
             store.fs.rm(f)

@@ -357,6 +357,7 @@ def features(
             max_buckets_in_memory=settings.features.buckets_in_memory,
             rows_per_part=settings.features.rows_per_part,
             block_days=settings.features.block_days,
+            workers=settings.features.workers,
             progress=not quiet,
             **common,
         )
@@ -742,6 +743,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         buckets_in_memory=settings.features.buckets_in_memory,
         rows_per_part=settings.features.rows_per_part,
         block_days=settings.features.block_days,
+        workers=settings.features.workers,
         progress=not quiet,
     )
     dry = settings.publish.dry_run if dry_run is None else dry_run

@@ -77,6 +77,8 @@ class FeatureSettings(_Table):
     """Days whose features are built together: the 7-day lookback before them is computed once per block."""
     rows_per_part: int = Field(default=500_000, ge=1)
     """Grid rows of whole GPUs whose wide bucket statistics the build holds at once: bounds its memory."""
+    workers: int = Field(default=1, ge=1)
+    """Shards of a block built at once (each holds up to buckets_in_memory / workers buckets)."""
 
 
 class LabelSettings(_Table):

@@ -77,6 +77,7 @@ class NightlyOptions:
     buckets_in_memory: int = 4_000_000
     rows_per_part: int = 500_000
     block_days: int = 14
+    workers: int = 1
     progress: bool = True
 
 
@@ -341,6 +342,7 @@ class _Job:
             max_buckets_in_memory=self.o.buckets_in_memory,
             rows_per_part=self.o.rows_per_part,
             block_days=self.o.block_days,
+            workers=self.o.workers,
             overwrite=bool(built),
             progress=self.o.progress,
         )

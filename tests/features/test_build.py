@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
@@ -312,3 +313,18 @@ def test_a_failed_write_of_one_date_raises_and_leaves_the_other_dates_whole(tmp_
     assert back.height > 0
     kept = back["ts"].dt.date().unique().implode()
     assert_frame_equal(back, out.filter(pl.col("ts").dt.date().is_in(kept)).sort("ts", "gpu_uuid"))
+
+
+def test_each_file_group_is_in_gpu_then_time_order_whatever_the_frame_order(tmp_path, fleet):
+    """Readers and compression rely on the (gpu_uuid, ts) order within each row group; a caller
+    may pass rows in any order (the store build's flushes come sorted, the Dask path's need not)."""
+    tel, events = fleet
+    frame = build_features(tel, events, windows=WINDOWS)
+    store = Store.create(str(tmp_path / "data"))
+    write_features(store, frame.sample(fraction=1.0, shuffle=True, seed=5))
+    for path in feature_files(store):
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.metadata.num_row_groups):
+            keys = pl.from_arrow(parquet.read_row_group(group, columns=["gpu_uuid", "ts"]))
+            assert keys.equals(keys.sort("gpu_uuid", "ts")), (path, group)
+    assert_frame_equal(read_features(store), frame.sort("ts", "gpu_uuid"))

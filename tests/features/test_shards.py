@@ -6,11 +6,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
 from features.bench import synthetic_telemetry, synthetic_xids
-from features.build import build_features, build_features_from_store, read_features
+from features.build import build_features, build_features_from_store, feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
 from features.shards import SHARD, ShardedBuckets, shard_map
@@ -104,13 +105,20 @@ def test_peer_features_of_a_shard_use_the_fleet_median_they_are_given(fleet):
     assert not alone["temp_gpu_c_model_delta_1h"].equals(with_fleet["temp_gpu_c_model_delta_1h"])
 
 
-def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, workers):
     tel, events = fleet
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
     summary = build_features_from_store(
-        store, windows=WINDOWS, max_buckets_in_memory=400, block_days=2, progress=False, scratch=str(tmp_path)
+        store,
+        windows=WINDOWS,
+        max_buckets_in_memory=400,
+        block_days=2,
+        progress=False,
+        scratch=str(tmp_path),
+        workers=workers,
     )
     # 16 GPUs x 24 buckets x 5 carried days (a block of 2, the 25 h lookback's 2, 1 more) = 1,920
     # buckets: more than 4 shards of 400, so one node each; 3 days in blocks of 2: 2 blocks.
@@ -144,10 +152,43 @@ def test_a_failed_build_leaves_no_scratch_files_behind(tmp_path, fleet, monkeypa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
 
 
+def test_a_shard_that_fails_on_a_worker_fails_the_build_and_removes_the_scratch_files(tmp_path, fleet, monkeypatch):
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    import features.build as build
+
+    real = build.write_features
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build, "write_features", failing)
+    with pytest.raises(OSError, match="No space left"):
+        build_features_from_store(
+            store, windows=WINDOWS, max_buckets_in_memory=400, progress=False, scratch=str(tmp_path), workers=2
+        )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+    # What was written is whole: every visible file reads.
+    for path in feature_files(store):
+        pq.read_metadata(path)
+
+
 def test_a_block_of_no_days_is_refused(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     with pytest.raises(ValueError, match="block_days: expected at least 1"):
         build_features_from_store(store, block_days=0, progress=False)
+
+
+def test_no_workers_is_refused(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    with pytest.raises(ValueError, match="workers: expected at least 1, got 0"):
+        build_features_from_store(store, workers=0, progress=False)
 
 
 def test_an_xid_in_a_silence_where_a_block_starts_counts_as_in_an_all_history_build(tmp_path, fleet):
