@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import errno
 import json
 import uuid
 from collections.abc import Sequence
@@ -186,10 +187,12 @@ class Store:
                 for piece in pieces:
                     writer.write_table(piece, row_group_size=ROW_GROUP_SIZE)
             self.fs.mv(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             # Leave nothing behind on any interruption, KeyboardInterrupt included.
             if self.fs.exists(tmp):
                 self.fs.rm(tmp)
+            if isinstance(exc, OSError):
+                raise StoreError(_write_failure(folder, exc)) from exc
             raise
         return final
 
@@ -324,3 +327,13 @@ def _utc(moment: datetime) -> datetime:
     if moment.tzinfo is None:
         return moment.replace(tzinfo=UTC)
     return moment.astimezone(UTC)
+
+
+def _write_failure(folder: str, exc: OSError) -> str:
+    """The one-line error for a part file that could not be written (disk full, no permission)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    out_of_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return (
+        f"{folder}: could not write a part file ({reason}); nothing of it was kept and the files "
+        f"already there are untouched{'; free space there and run again' if out_of_space else ''}"
+    )

@@ -213,11 +213,19 @@ def baseline_scores(frame: Any, seed: int = SEED) -> dict[str, np.ndarray]:
     """Scores a model has to beat: `random` (uniform, fixed seed) and `heuristic` (sum of the
     `xid_count*` and `*ecc*increase*` columns, nulls as 0; zeros if there are no such columns)."""
     df = to_pandas(frame)
-    columns = heuristic_columns(df)
-    heuristic = np.zeros(len(df))
-    for c in columns:
-        heuristic += pd.to_numeric(df[c], errors="coerce").fillna(0).to_numpy(dtype=np.float64)
-    return {"random": np.random.default_rng(seed).random(len(df)), "heuristic": heuristic}
+    return {"random": random_scores(len(df), seed), "heuristic": heuristic_scores(df)}
+
+
+def random_scores(rows: int, seed: int = SEED) -> np.ndarray:
+    return np.random.default_rng(seed).random(rows)
+
+
+def heuristic_scores(frame: pd.DataFrame) -> np.ndarray:
+    """Per row, the sum of the `heuristic_columns` (nulls as 0)."""
+    heuristic = np.zeros(len(frame))
+    for c in heuristic_columns(frame):
+        heuristic += pd.to_numeric(frame[c], errors="coerce").fillna(0).to_numpy(dtype=np.float64)
+    return heuristic
 
 
 def heuristic_columns(frame: pd.DataFrame) -> list[str]:

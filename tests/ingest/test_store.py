@@ -80,6 +80,27 @@ def test_interrupted_write_leaves_no_visible_or_temporary_file(store, hours, tmp
     assert store.read("xid_events")["xid"].to_pylist() == [79]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_is_one_clear_error_and_keeps_what_was_stored(store, hours, tmp_path, monkeypatch):
+    store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    before = {p: (tmp_path / "root" / p).read_bytes() for p in visible_files(tmp_path / "root")}
+    real_open = store.fs.open
+
+    def temporary_files_on_a_full_disk(path, mode="rb", **kwargs):
+        # /dev/full answers every write with ENOSPC, as a full disk does.
+        return open("/dev/full", "wb") if ".tmp-" in path else real_open(path, mode, **kwargs)
+
+    monkeypatch.setattr(store.fs, "open", temporary_files_on_a_full_disk)
+    with pytest.raises(
+        StoreError,
+        match=r"xid_events/date=2026-01-05: could not write a part file \(No space left on device\).*free space",
+    ):
+        store.write("xid_events", make_rows("xid_events", hours(2), xid=48))
+    monkeypatch.undo()
+    assert {p: (tmp_path / "root" / p).read_bytes() for p in visible_files(tmp_path / "root")} == before
+    assert store.read("xid_events")["xid"].to_pylist() == [79]
+
+
 def test_a_partition_with_a_foreign_schema_is_named_in_the_error(store, hours, tmp_path):
     store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
     foreign = tmp_path / "root" / "xid_events" / "date=2026-01-05" / "part-foreign.parquet"

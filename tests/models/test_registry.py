@@ -237,3 +237,43 @@ def test_logging_the_same_day_and_data_again_returns_the_first_run(mlflow_server
     assert log_training_run(registry, model, **kwargs) == first
     other = log_training_run(registry, model, **{**kwargs, "fingerprint": {"features": "beef"}})
     assert other.run_id != first.run_id
+
+
+class _RanksWithinGridTime:
+    """A model whose scores depend on every GPU of a grid time, as the ensembles' do: the rank
+    of the logistic model's risk among its grid time's rows. Records each frame it scores."""
+
+    def __init__(self, base: TrainedModel):
+        self.base, self.frames = base, []
+
+    def predict_risk(self, frame: pd.DataFrame):
+        from models.ensemble import group_ranks
+
+        self.frames.append(frame[["ts"]].copy())
+        return 1.0 / group_ranks(self.base.predict_risk(frame), frame["ts"].to_numpy())
+
+
+def test_a_polars_holdout_is_scored_in_whole_grid_times_and_gives_the_metrics_of_scoring_it_whole(monkeypatch):
+    import polars as pl
+
+    import models.registry
+
+    base, holdout = model_and_holdout()
+    holdout = holdout.sample(frac=1.0, random_state=3).reset_index(drop=True)  # not in time order
+    whole = holdout_metrics(_RanksWithinGridTime(base), holdout, top_k=5)  # pandas: scored at once
+    chunk = len(holdout) // 7
+    monkeypatch.setattr(models.registry, "HOLDOUT_ROWS_PER_CHUNK", chunk)
+    model = _RanksWithinGridTime(base)
+
+    chunked = holdout_metrics(model, pl.from_pandas(holdout), top_k=5)
+
+    scored = holdout.loc[holdout["label"].notna()]  # the censored rows are not scored
+    rows_per_time = scored["ts"].value_counts()
+    assert len(model.frames) >= 7
+    for frame in model.frames:
+        assert len(frame) <= chunk + rows_per_time.max()
+        seen = frame["ts"].value_counts()
+        assert seen.equals(rows_per_time.loc[seen.index])  # every row of each grid time it holds
+    assert sum(len(f) for f in model.frames) == len(scored)
+    # The same rows in the same order: the same figures, the random baseline's included.
+    assert chunked == whole
