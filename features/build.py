@@ -538,36 +538,46 @@ def read_features(
 ) -> pl.DataFrame:
     """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
     the date partitions overlapping the range are opened."""
+    frame = scan_features(store, start, end, columns).collect()
+    return _sorted_column_by_column(frame, ["ts", GPU])
+
+
+def scan_features(
+    store: Store,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    columns: Sequence[str] | None = None,
+) -> pl.LazyFrame:
+    """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
+    grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
     first_day = _utc(start).date() if start is not None else None
     last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
     files = feature_files(store, first_day, last_day)
     if not files:
-        return pl.DataFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
-    cols = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
+        return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
     if store.is_local:
         # polars read these files 2.5x faster than pyarrow's dataset reader (see _read_telemetry).
         # Files written before the stored training key (SAMPLE_KEY) lack it: a later file's
         # column the first file lacks is left out rather than an error.
         lf = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
-        if start is not None:
-            lf = lf.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=TS_DTYPE))
-        if end is not None:
-            lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
-        if cols is None:
-            cols = [c for c in lf.collect_schema().names() if c != SAMPLE_KEY]
-        return lf.select(cols).collect().sort("ts", GPU)
-    dataset = ds.dataset(files, format="parquet", filesystem=store.fs)
-    expr = None
+    else:
+        lf = pl.scan_pyarrow_dataset(ds.dataset(files, format="parquet", filesystem=store.fs))
     if start is not None:
-        expr = ds.field("ts") >= pa.scalar(_utc(start), pa.timestamp("us", tz="UTC"))
+        lf = lf.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=TS_DTYPE))
     if end is not None:
-        term = ds.field("ts") < pa.scalar(_utc(end), pa.timestamp("us", tz="UTC"))
-        expr = term if expr is None else expr & term
-    if cols is None:
-        cols = [c for c in dataset.schema.names if c != SAMPLE_KEY]
-    frame = pl.from_arrow(dataset.to_table(columns=cols, filter=expr))
-    assert isinstance(frame, pl.DataFrame)
-    return frame.sort("ts", GPU)
+        lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
+    if columns is None:
+        return lf.select([c for c in lf.collect_schema().names() if c != SAMPLE_KEY])
+    return lf.select(list(dict.fromkeys(["ts", GPU, *columns])))
+
+
+def _sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """`frame.sort(by)`, gathering one column at a time and letting go of each source column as
+    it goes: sorting the 3-day held-out window of the paper fleet (4 GB) whole peaked at 12 GB
+    and took 12.7 s; this way 4.9 GB and 8.8 s. Each column is put in one piece first (a frame
+    read from many files is in many, and gathering from those was several times slower)."""
+    order = frame.select(pl.arg_sort_by(by)).to_series()
+    return pl.DataFrame([frame.drop_in_place(name).rechunk().gather(order) for name in list(frame.columns)])
 
 
 # -- building over a store ----------------------------------------------------------------------

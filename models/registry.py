@@ -226,14 +226,16 @@ def holdout_metrics(model: TrainedModel, holdout: Any, top_k: int) -> dict[str, 
     """`model`'s precision@K, episode recall and row metrics on the labelled rows of `holdout`,
     with the random and heuristic baselines on the same rows.
 
-    A polars `holdout` is scored a few grid times at a time (`_grid_time_chunks`), keeping only
-    the keys and scores of each chunk; the metrics see the rows in `holdout`'s order, so they
-    equal scoring the whole frame at once."""
+    A polars `holdout` (a DataFrame, or a LazyFrame read a piece at a time) is scored a few grid
+    times at a time (`_grid_time_chunks`), keeping only the keys and scores of each chunk; the
+    metrics see the rows in `holdout`'s order, so they equal scoring the whole frame at once."""
     keys, model_scores, heuristic, order = [], [], [], []
     for chunk in _grid_time_chunks(holdout, HOLDOUT_ROWS_PER_CHUNK):
         df = to_pandas(chunk)
         df = df.loc[labels(df).notna().to_numpy()]
-        order.append(df.pop(_ROW).to_numpy() if _ROW in df.columns else np.arange(len(df)))
+        # Where each row goes: its place in a DataFrame, else the order the pieces come in.
+        placed = sum(len(o) for o in order)
+        order.append(df.pop(_ROW).to_numpy() if _ROW in df.columns else np.arange(placed, placed + len(df)))
         model_scores.append(np.asarray(model.predict_risk(df), dtype=np.float64))
         heuristic.append(heuristic_scores(df))
         keys.append(df[[c for c in _METRIC_KEYS if c in df.columns]].reset_index(drop=True))
@@ -253,19 +255,32 @@ _METRIC_KEYS = ("ts", "gpu_uuid", "label", "time_to_failure_h")
 
 def _grid_time_chunks(frame: Any, rows: int) -> Iterable[Any]:
     """`frame` in pieces of about `rows` rows, each holding whole grid times (the ensembles rank
-    the GPUs of a grid time against each other), each row numbered by its place in `frame`
-    (column `_ROW`). A pandas frame is already in memory: it comes whole."""
+    the GPUs of a grid time against each other).
+
+    A DataFrame's rows are numbered by their place in it (column `_ROW`). A LazyFrame
+    (`features.build.scan_features`) is read a piece at a time, each piece in (ts, gpu_uuid)
+    order: the order `read_features` gives the same rows. A pandas frame is already in memory
+    and comes whole."""
     import polars as pl
 
-    if not isinstance(frame, pl.DataFrame) or frame.height <= rows or "ts" not in frame.columns:
+    lazy = isinstance(frame, pl.LazyFrame)
+    if not (lazy or isinstance(frame, pl.DataFrame)) or "ts" not in frame.collect_schema().names():
         yield frame
         return
-    frame = frame.with_row_index(_ROW)
+    if not lazy and frame.height <= rows:
+        yield frame
+        return
+    if not lazy:
+        frame = frame.with_row_index(_ROW)
     per_time = frame.group_by("ts").len().sort("ts")
+    per_time = per_time.collect() if isinstance(per_time, pl.LazyFrame) else per_time
+    if per_time.height == 0:
+        yield frame.collect() if lazy else frame
+        return
     piece = (per_time["len"].cum_sum() - per_time["len"]) // rows
     for times in per_time.with_columns(piece=piece).partition_by("piece", maintain_order=True):
-        first, last = times["ts"][0], times["ts"][-1]
-        yield frame.filter(pl.col("ts").is_between(first, last))
+        chunk = frame.filter(pl.col("ts").is_between(times["ts"][0], times["ts"][-1]))
+        yield chunk.sort("ts", "gpu_uuid").collect() if lazy else chunk
 
 
 def write_holdout_report(metrics: dict[str, Any], out_dir: Path, *, title: str) -> list[Path]:

@@ -277,3 +277,21 @@ def test_a_polars_holdout_is_scored_in_whole_grid_times_and_gives_the_metrics_of
     assert sum(len(f) for f in model.frames) == len(scored)
     # The same rows in the same order: the same figures, the random baseline's included.
     assert chunked == whole
+
+
+def test_a_lazy_holdout_is_read_in_pieces_and_scores_as_the_frame_read_whole_in_time_order(monkeypatch):
+    import polars as pl
+
+    import models.registry
+
+    base, holdout = model_and_holdout()
+    in_time_order = holdout.sort_values(["ts", "gpu_uuid"], kind="stable").reset_index(drop=True)
+    whole = holdout_metrics(_RanksWithinGridTime(base), in_time_order, top_k=5)
+    shuffled = pl.from_pandas(holdout.sample(frac=1.0, random_state=5).reset_index(drop=True))
+    monkeypatch.setattr(models.registry, "HOLDOUT_ROWS_PER_CHUNK", len(holdout) // 5)
+    model = _RanksWithinGridTime(base)
+
+    lazy = holdout_metrics(model, shuffled.lazy(), top_k=5)
+
+    assert len(model.frames) >= 5
+    assert lazy == whole
