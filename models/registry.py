@@ -229,7 +229,10 @@ def holdout_metrics(model: TrainedModel, holdout: Any, top_k: int) -> dict[str, 
     A polars `holdout` (a DataFrame, or a LazyFrame read a piece at a time) is scored a few grid
     times at a time (`_grid_time_chunks`), keeping only the keys and scores of each chunk; the
     metrics see the rows in `holdout`'s order, so they equal scoring the whole frame at once."""
-    keys, model_scores, heuristic, order = [], [], [], []
+    keys: list[pd.DataFrame] = []
+    model_scores: list[np.ndarray] = []
+    heuristic: list[np.ndarray] = []
+    order: list[np.ndarray] = []
     for chunk in _grid_time_chunks(holdout, HOLDOUT_ROWS_PER_CHUNK):
         df = to_pandas(chunk)
         df = df.loc[labels(df).notna().to_numpy()]
