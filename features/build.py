@@ -575,8 +575,12 @@ def _sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame
     """`frame.sort(by)`, gathering one column at a time and letting go of each source column as
     it goes: sorting the 3-day held-out window of the paper fleet (4 GB) whole peaked at 12 GB
     and took 12.7 s; this way 4.9 GB and 8.8 s. Each column is put in one piece first (a frame
-    read from many files is in many, and gathering from those was several times slower)."""
-    order = frame.select(pl.arg_sort_by(by)).to_series()
+    read from many files is in many, and gathering from those was several times slower). A
+    narrow frame (the label keys of 20M rows) sorts faster whole: 5.0 s against 5.6 s."""
+    if frame.width <= 8:
+        return frame.sort(by)
+    # (pl.arg_sort_by on two columns took 100 s for 20M keys where sorting them took 4 s.)
+    order = frame.select(by).with_row_index("_row").sort(by)["_row"]
     return pl.DataFrame([frame.drop_in_place(name).rechunk().gather(order) for name in list(frame.columns)])
 
 
