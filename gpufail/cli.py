@@ -377,16 +377,13 @@ def _dask_client(settings: Any) -> Any:
     )
 
 
-def _load_features(root: str, latest_day_only: bool = False) -> Any:
-    """The features dataset: all of it, or only its newest day (`latest_day_only`)."""
-    from features.build import FEATURES_DATASET, read_features
+def _load_features(root: str, newest_grid_time: bool = False) -> Any:
+    """The features dataset: all of it, or only its newest grid time (`newest_grid_time`)."""
+    from features.build import read_features, read_newest_grid_time
     from ingest.store import Store
 
     store = Store.open(root)
-    start = None
-    if latest_day_only and (days := store.dates(FEATURES_DATASET)):
-        start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
-    frame = read_features(store, start=start)
+    frame = read_newest_grid_time(store) if newest_grid_time else read_features(store)
     if frame.height == 0:
         raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
     return frame
@@ -531,7 +528,6 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
 @click.pass_context
 def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     """Score every GPU's latest grid time and append to the predictions dataset."""
-    import polars as pl
 
     from ingest.store import Store
     from models.train import load_model
@@ -539,11 +535,9 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
 
     root = _root(ctx, data)
     model = load_model(model_path)
-    # Scoring needs only the latest grid time: read the last day, not the whole history.
-    frame = _load_features(root, latest_day_only=True)
-    # Score the fleet as it is now: GPUs that failed or left earlier have no row at the latest
-    # grid time (the feature grid is dense for every GPU still in service).
-    frame = frame.filter(pl.col("ts") == pl.col("ts").max())
+    # Score the fleet as it is now, the latest grid time only: GPUs that failed or left earlier
+    # have no row there (the feature grid is dense for every GPU still in service).
+    frame = _load_features(root, newest_grid_time=True)
     # With each GPU's top 5 features, so that the publish audit log says why (models.explain).
     predictions = score_latest(model, frame, top_features=5)
     day = predictions["ts"].max().date()

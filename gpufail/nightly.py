@@ -462,9 +462,7 @@ class _Job:
         }
 
     def _score(self) -> dict[str, Any]:
-        import polars as pl
-
-        from features.build import FEATURES_DATASET, read_features
+        from features.build import read_newest_grid_time
         from models.registry import load_champion
         from serving.score import prediction_table, score_latest
 
@@ -476,9 +474,7 @@ class _Job:
             backoff_s=self.o.backoff_s,
             sleep=self.sleep,
         )
-        last_day = self.store.dates(FEATURES_DATASET)[-1]
-        frame = read_features(self.store, start=datetime.combine(last_day, datetime.min.time(), tzinfo=UTC))
-        frame = frame.filter(pl.col("ts") == pl.col("ts").max())
+        frame = read_newest_grid_time(self.store)
         predictions = score_latest(loaded.model, frame, top_features=5)
         ts = predictions["ts"].max()
         existing = self.store.read_owned("predictions", ts.date(), ts.date())

@@ -183,17 +183,13 @@ class FeatureStore:
         return f"{days[-1]}:" + ",".join(sorted(files))
 
     def load(self) -> LatestFeatures:
-        import polars as pl
-
-        from features.build import FEATURES_DATASET, read_features
+        from features.build import read_newest_grid_time
 
         store = self._store()
         fingerprint = self.fingerprint()
         if fingerprint is None:
             raise InputError(f"{self.root}: no features dataset; run `gpufail features --data {self.root}`")
-        day = store.dates(FEATURES_DATASET)[-1]
-        frame = read_features(store, start=datetime.combine(day, datetime.min.time(), tzinfo=UTC))
-        frame = frame.filter(pl.col("ts") == pl.col("ts").max())
+        frame = read_newest_grid_time(store)
         latest = latest_rows(frame.to_pandas()).reset_index(drop=True)
         ts = pd.Timestamp(latest["ts"].max()) if len(latest) else None
         return LatestFeatures(latest, fingerprint, ts)

@@ -25,6 +25,7 @@ from features.build import (
     features_from_buckets,
     iter_features_from_buckets,
     read_features,
+    read_newest_grid_time,
     write_features,
 )
 from features.schema import (
@@ -328,3 +329,21 @@ def test_each_file_group_is_in_gpu_then_time_order_whatever_the_frame_order(tmp_
             keys = pl.from_arrow(parquet.read_row_group(group, columns=["gpu_uuid", "ts"]))
             assert keys.equals(keys.sort("gpu_uuid", "ts")), (path, group)
     assert_frame_equal(read_features(store), frame.sort("ts", "gpu_uuid"))
+
+
+def test_the_newest_grid_time_is_read_alone_and_equals_filtering_a_whole_read(tmp_path, fleet):
+    tel, events = fleet
+    out = build_features(tel, events, windows=WINDOWS)
+    newest = out["ts"].max()
+    # A GPU that stopped reporting before the newest hour has no row there.
+    stopped = out.filter(pl.col("ts") == newest)["gpu_uuid"][0]
+    out = out.filter((pl.col("gpu_uuid") != stopped) | (pl.col("ts") < newest))
+    store = Store.create(str(tmp_path / "data"))
+    assert read_newest_grid_time(store).height == 0  # no features yet: empty, not an error
+    write_features(store, out.sample(fraction=1.0, shuffle=True, seed=1))
+
+    got = read_newest_grid_time(store)
+
+    expected = read_features(store).filter(pl.col("ts") == newest)
+    assert got.height > 0 and stopped not in got["gpu_uuid"].to_list()
+    assert_frame_equal(got, expected)
