@@ -233,12 +233,13 @@ def holdout_metrics(model: TrainedModel, holdout: Any, top_k: int) -> dict[str, 
     model_scores: list[np.ndarray] = []
     heuristic: list[np.ndarray] = []
     order: list[np.ndarray] = []
+    placed = 0
     for chunk in _grid_time_chunks(holdout, HOLDOUT_ROWS_PER_CHUNK):
         df = to_pandas(chunk)
         df = df.loc[labels(df).notna().to_numpy()]
         # Where each row goes: its place in a DataFrame, else the order the pieces come in.
-        placed = sum(len(o) for o in order)
         order.append(df.pop(_ROW).to_numpy() if _ROW in df.columns else np.arange(placed, placed + len(df)))
+        placed += len(df)
         model_scores.append(np.asarray(model.predict_risk(df), dtype=np.float64))
         heuristic.append(heuristic_scores(df))
         keys.append(df[[c for c in _METRIC_KEYS if c in df.columns]].reset_index(drop=True))

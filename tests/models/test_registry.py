@@ -294,4 +294,8 @@ def test_a_lazy_holdout_is_read_in_pieces_and_scores_as_the_frame_read_whole_in_
     lazy = holdout_metrics(model, shuffled.lazy(), top_k=5)
 
     assert len(model.frames) >= 5
+    rows_per_time = holdout.loc[holdout["label"].notna(), "ts"].value_counts()
+    for frame in model.frames:
+        seen = frame["ts"].value_counts()
+        assert seen.equals(rows_per_time.loc[seen.index])  # every row of each grid time it holds
     assert lazy == whole
