@@ -527,6 +527,17 @@ def feature_files(store: Store, first_day: date | None = None, last_day: date | 
     return store.files(FEATURES_DATASET, first_day, last_day)
 
 
+def features_shape(store: Store) -> tuple[int, int]:
+    """(rows, columns) of the whole features dataset, from the files' Parquet footers: nothing
+    but the footers is read, so a caller can tell what reading it all would take."""
+    files = feature_files(store)
+    if not files:
+        return 0, 0
+    dataset = ds.dataset(files, format="parquet", filesystem=store.fs)
+    rows = sum(fragment.metadata.num_rows for fragment in dataset.get_fragments())
+    return rows, len(dataset.schema)
+
+
 def read_features(
     store: Store,
     start: datetime | None = None,

@@ -389,6 +389,16 @@ def _load_features(root: str, newest_grid_time: bool = False) -> Any:
     return frame
 
 
+def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
+    """Refuse before reading when the whole features dataset would not fit (`gpufail.memory`)."""
+    from features.build import FEATURES_DATASET, features_shape
+    from gpufail.memory import available_bytes, check_evaluate_fits
+
+    rows, columns = features_shape(store)
+    budget = available_bytes() if max_memory_gb is None else int(max_memory_gb * 1e9)
+    check_evaluate_fits(store.path(FEATURES_DATASET), rows, columns, budget)
+
+
 def _model_params(settings: Any) -> dict[str, Any]:
     m = settings.model
     if m.kind == "parallel":
@@ -478,8 +488,9 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     settings = _settings(ctx)
     cfg = settings.evaluate
     root = _root(ctx, data)
-    frame = _load_features(root)
     store = Store.open(root)
+    _check_evaluate_fits(store, cfg.max_memory_gb)
+    frame = _load_features(root)
     failures = (
         store.read("failures", columns=["ts", "gpu_uuid", "mode"]).to_pandas() if store.exists("failures") else None
     )

@@ -282,6 +282,9 @@ class EvaluateSettings(_Table):
     seed: int = 0
     jobs: int = Field(default=2, ge=1)
     """Processes that run the fits (each fit uses one thread)."""
+    max_memory_gb: float | None = Field(default=None, gt=0)
+    """The most memory evaluate may plan to use (it holds the whole features dataset); unset:
+    what this machine, or its cgroup limit, has available when it starts."""
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
 
 
