@@ -339,7 +339,13 @@ def _query_row(
     index = _index(cells.get("index"))
     row = _identity_row(ts, ctx, index, uuid, cells.get("pci.bus_id"), cells.get("name"), cells.get("driver_version"))
     readings: list[tuple[FieldMapping, str, str | None]] = []
+    seen: set[str] = set()
     for column in columns:
+        # nvidia-smi prints a field asked for twice, or under two of its names (clocks.sm and
+        # clocks.current.sm), as two columns of one name: one reading, not two to add up.
+        if column.name in seen:
+            continue
+        seen.add(column.name)
         if column.mapping is None:
             if column.name not in _IDENTITY_FIELDS:
                 summary.unmapped_fields[column.name] += 1

@@ -26,6 +26,7 @@ NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
 NVML_EVENT_TYPE_XID_CRITICAL_ERROR = 0x8
@@ -90,7 +91,8 @@ class NvmlClient(Protocol):
 
     def clock(self, handle: DeviceHandle, clock_type: int) -> int: ...
     def memory_used(self, handle: DeviceHandle) -> int:
-        """Framebuffer memory in use, bytes."""
+        """Framebuffer memory in use by allocations, bytes: without what the driver reserves for
+        itself, as nvidia-smi's memory.used and DCGM's FB_USED count it."""
         ...
 
     def clock_event_reasons(self, handle: DeviceHandle) -> int: ...
@@ -133,6 +135,7 @@ class PynvmlClient:
     def __init__(self) -> None:
         self._pynvml: Any = None
         self._unpack_fields = False
+        self._memory_v1_only = False
 
     def _module(self) -> Any:
         if self._pynvml is None:
@@ -211,7 +214,19 @@ class PynvmlClient:
         return int(self._call("nvmlDeviceGetClockInfo", self._pynvml.nvmlDeviceGetClockInfo, handle, clock_type))
 
     def memory_used(self, handle: DeviceHandle) -> int:
-        return int(self._call("nvmlDeviceGetMemoryInfo", self._pynvml.nvmlDeviceGetMemoryInfo, handle).used)
+        # nvmlDeviceGetMemoryInfo (v1) counts the driver's reserved memory as used: an idle H100
+        # on driver 580 reads 480 MiB where nvidia-smi and DCGM say 0. Version 2 reports the
+        # reservation apart. A driver without it (before R510) keeps v1's figure.
+        get = self._pynvml.nvmlDeviceGetMemoryInfo
+        version = getattr(self._pynvml, "nvmlMemory_v2", None)  # older nvidia-ml-py lacks it
+        if version is not None and not self._memory_v1_only:
+            try:
+                return int(self._call("nvmlDeviceGetMemoryInfo_v2", get, handle, version).used)
+            except NvmlCallError as exc:
+                if exc.code not in (NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_ARGUMENT_VERSION_MISMATCH):
+                    raise
+                self._memory_v1_only = True
+        return int(self._call("nvmlDeviceGetMemoryInfo", get, handle).used)
 
     def clock_event_reasons(self, handle: DeviceHandle) -> int:
         fn = self._pynvml.nvmlDeviceGetCurrentClocksEventReasons

@@ -12,11 +12,16 @@
  *
  *   driver <version text>
  *   init_error <nvmlReturn>                 nvmlInit fails with this code (e.g. 9: driver not loaded)
+ *   no_memory_v2                            a driver before R510: nvmlDeviceGetMemoryInfo_v2 answers
+ *                                           FUNCTION_NOT_FOUND, as pynvml does when the symbol is missing
  *   gpu <i> name|uuid|pci <text>            static attributes
  *   gpu <i> temp <degC>                     nvmlDeviceGetTemperature(GPU)
  *   gpu <i> util <gpu %> <memory %>         nvmlDeviceGetUtilizationRates
  *   gpu <i> clock_sm|clock_mem <MHz>        nvmlDeviceGetClockInfo
- *   gpu <i> memory <total bytes> <used bytes>
+ *   gpu <i> memory <total bytes> <used bytes> [<reserved bytes>]
+ *                                           used as nvidia-smi shows it (without the driver's
+ *                                           reservation); v1 of nvmlDeviceGetMemoryInfo adds the
+ *                                           reservation to used, as the real library does, v2 not
  *   gpu <i> clock_event_reasons <bitmask>
  *   gpu <i> power_limit <mW>                nvmlDeviceGetEnforcedPowerLimit
  *   gpu <i> field <id> <value> [type <nvmlValueType>] [step <increase per sample>]
@@ -53,7 +58,9 @@ enum {
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
     NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
 };
 
@@ -94,6 +101,17 @@ typedef struct {
 } nvmlMemory_t;
 
 typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+/* nvmlMemory_v2 in nvml.h: the structure's size and version 2 */
+#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+
+typedef struct {
     unsigned int gpu;
     unsigned int memory;
 } nvmlUtilization_t;
@@ -132,7 +150,7 @@ struct fake_gpu {
     char name[TEXT], uuid[TEXT], pci[32];
     int has_temp, has_util, has_clock_sm, has_clock_mem, has_memory, has_reasons, has_power_limit;
     unsigned int temp, util_gpu, util_mem, clock_sm, clock_mem, power_limit_mw;
-    unsigned long long mem_total, mem_used, reasons;
+    unsigned long long mem_total, mem_used, mem_reserved, reasons;
     fake_field fields[MAX_FIELDS];
     int n_fields;
     unsigned long long samples;
@@ -160,6 +178,7 @@ static int n_events;
 static struct fake_event_set sets[MAX_SETS];
 static char driver[TEXT];
 static nvmlReturn_t init_error;
+static int no_memory_v2;
 static int init_refcount;
 static char loaded_from[4096];
 static int last_wait_timeout_ms = -1;
@@ -172,7 +191,7 @@ static const char *counted_names[] = {
     "nvmlInitWithFlags", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount_v2",
     "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo_v3",
     "nvmlDeviceGetTemperature", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetClockInfo",
-    "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetEnforcedPowerLimit",
+    "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetEnforcedPowerLimit",
     "nvmlDeviceGetFieldValues", "nvmlEventSetCreate", "nvmlDeviceRegisterEvents",
     "nvmlDeviceGetSupportedEventTypes", "nvmlEventSetWait_v2", "nvmlEventSetFree",
 };
@@ -224,6 +243,7 @@ static void reset_state(void) {
     n_events = 0;
     driver[0] = '\0';
     init_error = NVML_SUCCESS;
+    no_memory_v2 = 0;
     last_wait_timeout_ms = -1;
 }
 
@@ -298,7 +318,7 @@ static int parse_gpu_line(const char *body, const char *path, int line_no) {
     else if (strcmp(key, "clock_mem") == 0)
         ok = (g->has_clock_mem = sscanf(rest, "%u", &g->clock_mem) == 1);
     else if (strcmp(key, "memory") == 0)
-        ok = (g->has_memory = sscanf(rest, "%llu %llu", &g->mem_total, &g->mem_used) == 2);
+        ok = (g->has_memory = sscanf(rest, "%llu %llu %llu", &g->mem_total, &g->mem_used, &g->mem_reserved) >= 2);
     else if (strcmp(key, "clock_event_reasons") == 0)
         ok = (g->has_reasons = sscanf(rest, "%llu", &g->reasons) == 1);
     else if (strcmp(key, "power_limit") == 0)
@@ -335,6 +355,10 @@ static int parse_line(char *line, const char *path, int line_no) {
     }
     if (strncmp(p, "init_error ", 11) == 0) {
         if (sscanf(p + 11, "%d", &init_error) != 1) return scenario_error(path, line_no, "expected 'init_error <code>'");
+        return 0;
+    }
+    if (strncmp(p, "no_memory_v2", 12) == 0) {
+        no_memory_v2 = 1;
         return 0;
     }
     if (strncmp(p, "gpu ", 4) == 0) return parse_gpu_line(p + 4, path, line_no);
@@ -528,8 +552,23 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
     if (memory == NULL) return NVML_ERROR_INVALID_ARGUMENT;
     if (!device->has_memory) return NVML_ERROR_NOT_SUPPORTED;
     memory->total = device->mem_total;
+    memory->used = device->mem_used + device->mem_reserved;
+    memory->free = device->mem_total - memory->used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    count("nvmlDeviceGetMemoryInfo_v2");
+    if (no_memory_v2) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    nvmlReturn_t state = device_state(device);
+    if (state != NVML_SUCCESS) return state;
+    if (memory == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != NVML_MEMORY_V2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (!device->has_memory) return NVML_ERROR_NOT_SUPPORTED;
+    memory->total = device->mem_total;
+    memory->reserved = device->mem_reserved;
     memory->used = device->mem_used;
-    memory->free = device->mem_total - device->mem_used;
+    memory->free = device->mem_total - device->mem_used - device->mem_reserved;
     return NVML_SUCCESS;
 }
 

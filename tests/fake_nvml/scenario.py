@@ -54,7 +54,7 @@ class FakeGpu:
     util: tuple[int, int] | None = None
     clock_sm: int | None = None
     clock_mem: int | None = None
-    memory: tuple[int, int] | None = None  # total, used (bytes)
+    memory: tuple[int, int, int] | None = None  # total, used, reserved by the driver (bytes)
     clock_event_reasons: int | None = None
     power_limit_mw: int | None = None
     fields: dict[int, FakeField] = field(default_factory=dict)
@@ -82,7 +82,7 @@ class FakeGpu:
         if self.util is not None:
             out.append(f"gpu {index} util {self.util[0]} {self.util[1]}")
         if self.memory is not None:
-            out.append(f"gpu {index} memory {self.memory[0]} {self.memory[1]}")
+            out.append(f"gpu {index} memory {' '.join(map(str, self.memory))}")
         for fid, f in sorted(self.fields.items()):
             out.append(f"gpu {index} field {fid} {f.value} type {f.value_type} step {f.step}")
         out += [f"gpu {index} field_error {fid} {code}" for fid, code in sorted(self.field_errors.items())]
@@ -97,6 +97,7 @@ class Scenario:
     gpus: list[FakeGpu]
     driver: str | None = None
     init_error: int | None = None
+    memory_v2: bool = True  # False: a driver before R510, without nvmlDeviceGetMemoryInfo_v2
     events: list[tuple[int, int, int]] = field(default_factory=list)  # (gpu, xid, after samples)
 
     def write(self, path: Path) -> Path:
@@ -105,6 +106,8 @@ class Scenario:
             lines.append(f"driver {self.driver}")
         if self.init_error is not None:
             lines.append(f"init_error {self.init_error}")
+        if not self.memory_v2:
+            lines.append("no_memory_v2")
         for index, gpu in enumerate(self.gpus):
             lines += gpu.lines(index)
         lines += [f"event {gpu} {xid} {after}" for gpu, xid, after in self.events]
@@ -157,7 +160,8 @@ def _gpu_from_xml(node: ET.Element, nvlink_counters: bool) -> FakeGpu:
         setattr(gpu, attr, int(value) if value is not None else None)
     total, used = num("fb_memory_usage/total"), num("fb_memory_usage/used")
     if total is not None and used is not None:
-        gpu.memory = (int(total) << 20, int(used) << 20)
+        reserved = num("fb_memory_usage/reserved") or 0  # drivers before R510 print no reservation
+        gpu.memory = (int(total) << 20, int(used) << 20, int(reserved) << 20)
     reasons = node.find("clocks_event_reasons")
     if reasons is not None:
         gpu.clock_event_reasons = sum(bit for tag, bit in _REASON_BITS.items() if reasons.findtext(tag) == "Active")

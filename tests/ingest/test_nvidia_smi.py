@@ -62,6 +62,23 @@ def test_an_idle_l40s_has_no_memory_temperature_and_its_idle_bit_set() -> None:
     assert row["power_violation_us_total"] == 200740215  # "200740215 us"
 
 
+def test_a_field_the_header_names_twice_is_one_reading_not_a_sum() -> None:
+    # nvidia-smi prints clocks.sm and clocks.current.sm (and the throttle/event reason aliases)
+    # as two columns named clocks.current.sm: adding them up doubled the clock.
+    idle, load = parse(fixture("query_h100_580.159.04_repeated_fields.csv"), now=datetime(2026, 11, 25, tzinfo=UTC))
+    assert (idle["sm_clock_mhz"], idle["mem_clock_mhz"], idle["clock_event_reasons"]) == (345.0, 2619.0, 1)
+    assert (load["sm_clock_mhz"], load["mem_clock_mhz"], load["clock_event_reasons"]) == (1395.0, 2619.0, 4)
+    assert load["fb_used_mib"] == 1139.0 and load["power_w"] == pytest.approx(696.61)
+    assert load["power_violation_us_total"] == 41248716  # held at the power cap all through the load
+    assert load["retired_pages_sbe_total"] is None  # "[N/A]" twice: still one missing reading
+
+
+def test_xml_violation_counters_are_read_as_the_query_fields_are() -> None:
+    first = parse(fixture("qx-h100.xml"))[0]
+    assert first["power_violation_us_total"] == 7015662857  # "7015662857 us"
+    assert first["thermal_violation_us_total"] == 0  # hardware 0 us + software 0 us
+
+
 @pytest.mark.parametrize(
     ("name", "gpus", "driver"),
     [("qx-a100.xml", 1, "570.148.08"), ("qx-t4.xml", 1, "595.91.07"), ("qx-h100.xml", 8, "580.105.08")],

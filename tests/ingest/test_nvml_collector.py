@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -165,6 +166,37 @@ def test_a_memory_temperature_of_zero_is_a_missing_reading(use_scenario, make_co
     scenario.gpus[0].set_field("NVML_FI_DEV_MEMORY_TEMP", 0, value_type=1)
     use_scenario(scenario)
     assert rows(make_collector().collect()["telemetry"])[0]["temp_mem_c"] is None
+
+
+# An H100 on driver 580.159.04 under a matrix-multiply load (gpufail's device run, 2026-11-24):
+# nvidia-smi's memory.used 1139 MiB, its reservation 480 MiB; NVML's v1 memory call said 1618.8.
+USED_MIB, RESERVED_MIB = 1139, 480
+
+
+def test_memory_used_leaves_out_the_drivers_reservation_as_nvidia_smi_does(use_scenario, make_collector) -> None:
+    scenario = scenario_from_capture(H100)
+    scenario.gpus = scenario.gpus[:1]
+    scenario.gpus[0].memory = (81559 << 20, USED_MIB << 20, RESERVED_MIB << 20)
+    fake = use_scenario(scenario)
+    collector = make_collector()
+    assert [rows(collector.collect()["telemetry"])[0]["fb_used_mib"] for _ in range(2)] == [USED_MIB] * 2
+    assert fake.call_count("nvmlDeviceGetMemoryInfo_v2") == 2
+    assert fake.call_count("nvmlDeviceGetMemoryInfo") == 0
+
+
+def test_a_driver_without_memory_info_v2_reports_v1s_figure_and_is_asked_v2_once(use_scenario, make_collector) -> None:
+    scenario = scenario_from_capture(H100)
+    scenario.gpus = scenario.gpus[:2]
+    for gpu in scenario.gpus:
+        gpu.memory = (81559 << 20, USED_MIB << 20, RESERVED_MIB << 20)
+    scenario.memory_v2 = False
+    fake = use_scenario(scenario)
+    collector = make_collector()
+    for _ in range(3):
+        used = [r["fb_used_mib"] for r in rows(collector.collect()["telemetry"])]
+        assert used == [USED_MIB + RESERVED_MIB] * 2  # v1 counts the reservation; nothing better to read
+    assert fake.call_count("nvmlDeviceGetMemoryInfo_v2") == 1
+    assert fake.call_count("nvmlDeviceGetMemoryInfo") == 3 * 2
 
 
 class _AttributeDecoding(PynvmlClient):
@@ -511,6 +543,11 @@ def test_collects_every_gpu_of_this_machine() -> None:
     assert 0 < first["temp_gpu_c"] < 120
     assert first["power_w"] is not None and first["power_w"] > 0
     assert first["fb_used_mib"] is not None and first["sm_clock_mhz"] is not None
+    if shutil.which("nvidia-smi"):
+        # the same memory figure as nvidia-smi: without the driver's reservation (480 MiB on an H100)
+        query = ["nvidia-smi", f"--id={first['gpu_uuid']}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        smi_used = float(subprocess.run(query, capture_output=True, text=True, check=True).stdout)
+        assert abs(first["fb_used_mib"] - smi_used) < 256, (first["fb_used_mib"], smi_used)
 
 
 # ---- the benchmark's own path ----
