@@ -78,7 +78,7 @@ def parse(line: str, **kwargs: object) -> XidRecord:
 
 
 def test_fixture_covers_the_formats_we_claim() -> None:
-    assert len(XID_ROWS) == 29
+    assert len(XID_ROWS) == 30
     assert {r.log_format for r in XID_ROWS} == set(FORMAT_NAMES) - {"journal"}
 
 
@@ -178,6 +178,16 @@ def row(number: int) -> str:
             15822502,
             "nvc:[driver]",
             "Timeout after 6s of waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) (0x20802a02 0x8).",
+        ),
+        # gpufail's own H100 (driver 580.159.04): an MMU fault provoked by an out-of-bounds write
+        (
+            43,
+            BOOT + timedelta(seconds=63, microseconds=382722),
+            "0000:00:06",
+            782,
+            "python3",
+            "channel 0x0000000a, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC1 GPCCLIENT_T1_8 faulted @ "
+            "0x8062_3be00000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE",
         ),
         (
             28,
