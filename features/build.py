@@ -111,6 +111,14 @@ def _normalise_ts(frame: pl.DataFrame, columns: Sequence[str], what: str) -> pl.
     return frame.with_columns(fixes) if fixes else frame
 
 
+def read_xid_events(store: Store) -> pl.DataFrame:
+    """The store's XID events as the labels and features take them; none (a fleet without kernel
+    logs or NVML events yet) is an empty frame of the same columns."""
+    if store.exists("xid_events"):
+        return _prepare_xids(_as_frame(store.read("xid_events")))
+    return _prepare_xids(pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32()}))
+
+
 def _prepare_xids(xid_events: pl.DataFrame) -> pl.DataFrame:
     missing = [c for c in ("ts", "xid") if c not in xid_events.columns]
     if missing:
@@ -853,11 +861,7 @@ def build_features_from_store(
     data_end = _utc(presence["last_ts"].max())  # type: ignore[arg-type]
     summary.data_end = data_end
 
-    if store.exists("xid_events"):
-        xid = _prepare_xids(_as_frame(store.read("xid_events")))
-    else:
-        xid = _prepare_xids(pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32()}))
-    xid = resolve_xid_gpus(xid, presence)
+    xid = resolve_xid_gpus(read_xid_events(store), presence)
     repairs = _prepare_repairs(store.read("repairs")) if store.exists("repairs") else None
     episodes = episodes_for(
         xid,

@@ -43,6 +43,7 @@ from features.build import (
     FeaturesExistError,
     feature_files,
     features_from_buckets,
+    read_xid_events,
     write_features,
 )
 from features.labels import (
@@ -68,7 +69,6 @@ from features.windows import (
     grid_suffix,
     hourly_aggregate,
 )
-from features.xids import drop_cross_source_duplicates
 from ingest.store import Store
 from ingest.xid_catalog import default_failure_xids
 
@@ -257,10 +257,7 @@ def _shared_facts(
     """Presence (one task per telemetry day), resolved XID events, repairs, failure episodes."""
     days = store.dates("telemetry")
     presence = combine_presence(client.gather(client.map(_day_presence, [store] * len(days), days, pure=False)))
-    if store.exists("xid_events"):
-        xid = drop_cross_source_duplicates(pl.DataFrame(pl.from_arrow(store.read("xid_events"))))
-    else:
-        xid = pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32(), GPU: pl.String()})
+    xid = read_xid_events(store)  # as the single-machine build reads them
     xid = resolve_xid_gpus(xid, presence) if presence.height else xid
     repairs = pl.DataFrame(pl.from_arrow(store.read("repairs"))) if store.exists("repairs") else None
     if presence.height == 0:

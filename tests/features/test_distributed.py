@@ -87,3 +87,19 @@ def test_an_empty_store_builds_nothing(tmp_path, client):
     store = Store.create(str(tmp_path / "data"))
     assert build_features_distributed(client, store).rows == 0
     assert read_features(store).height == 0
+
+
+def test_a_store_without_xid_events_builds_as_on_one_machine(tmp_path, client, fleet):
+    # A fleet collecting NVML telemetry before any kernel log or XID arrived: the Dask path
+    # failed on the missing dataset (no last_ts column) where the single-machine build did not.
+    tel, _ = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    summary = build_features_distributed(client, store, windows=WINDOWS, partition_nodes=2, partition_days=2)
+    expected = build_features(
+        tel, pl.DataFrame(schema={"ts": pl.Datetime("us", "UTC"), "xid": pl.Int32()}), windows=WINDOWS
+    )
+    stored = read_features(store)
+    assert summary.rows == stored.height == expected.height > 0
+    assert summary.positives == int((expected["label"] == 1).sum()) > 0  # the lost GPU still fails
+    assert_frame_equal(stored, expected.sort("ts", "gpu_uuid"), check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
