@@ -7,6 +7,7 @@ stays fast. Errors a user can cause (`GpufailError`) print as one line and exit 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from datetime import UTC, datetime
@@ -129,6 +130,7 @@ def ingest_kernel_log(
         node=node,
         boot_time=_when(boot_time),
         tz=tz,
+        workers=settings.ingest.workers or os.cpu_count() or 1,
     )
     click.echo(f"kernel-log: {summary}")
 

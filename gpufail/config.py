@@ -64,6 +64,8 @@ class IngestSettings(_Table):
     """Cluster name written into every row, so several clusters can share a data root."""
     xid_dedup_window: Duration = timedelta(minutes=5)
     """Identical XIDs on one GPU within this window are one incident with a repeat count."""
+    workers: int = Field(default=0, ge=0)
+    """Processes parsing kernel-log files at once (`gpufail ingest kernel-log`); 0: one per core."""
 
 
 class FeatureSettings(_Table):

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
+import multiprocessing
 import os
 import re
+import zlib
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time, timedelta, tzinfo
 from pathlib import Path
@@ -50,6 +54,9 @@ COMMIT_FILES = 500
 # GPU seen before them) widely: see `map_to_gpus`.
 TELEMETRY_LOOKBACKS = (timedelta(days=1), timedelta(days=30))
 MAX_REJECTED_REPORTED = 20
+# Files are parsed in worker processes only when there is this much to read: starting a
+# process (a fresh interpreter importing pyarrow and polars) costs about a second.
+PARALLEL_MIN_BYTES = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
 
@@ -82,6 +89,16 @@ class IngestSummary:
             text += f" (first rejected: {self.rejected_examples[0]})"
         return text
 
+    def merge(self, part: IngestSummary) -> None:
+        """Add the counts of one file's parse (done in another process) to this run's."""
+        self.files += part.files
+        self.lines += part.lines
+        self.xid_lines += part.xid_lines
+        self.rejected += part.rejected
+        self.untimed += part.untimed
+        room = MAX_REJECTED_REPORTED - len(self.rejected_examples)
+        self.rejected_examples += part.rejected_examples[: max(0, room)]
+
 
 def ingest_kernel_logs(
     store: Store,
@@ -93,6 +110,7 @@ def ingest_kernel_logs(
     boot_time: datetime | None = None,
     tz: str | tzinfo | None = None,
     reference_time: datetime | None = None,
+    workers: int = 1,
 ) -> IngestSummary:
     """Ingest kernel-log files (plain or gzip) into `xid_events`; see the module docstring.
 
@@ -100,6 +118,8 @@ def ingest_kernel_logs(
     - boot_time: places `/dev/kmsg` and `[uptime]` stamps; without it their XIDs are untimed.
     - tz: time zone of naive stamps (`dmesg -T`, journal short); UTC by default.
     - reference_time: for year-less journal stamps; default: each file's modification time.
+    - workers: processes parsing files at once (a fleet's node logs are independent); the rows
+      and the summary are the same as with one.
     """
     try:
         zone = resolve_tz(tz)
@@ -110,13 +130,22 @@ def ingest_kernel_logs(
         _check_readable(path)
     state = _load_state(store)
     summary = IngestSummary()
+    todo = []
+    for path in paths:
+        try:
+            stat = path.stat()
+            compressed = _is_gzip(path)
+            scan = _resume_point(state, path, compressed)
+        except _READ_ERRORS as exc:
+            raise _unreadable(path, exc) from None
+        if scan.unchanged:
+            summary.skipped_files.append(str(path))
+        else:
+            todo.append(_FileToParse(path, compressed, stat, scan))
     # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
     # read once per run rather than once per file; then write and commit file by file.
-    parsed = []
-    for path in paths:
-        result = _parse_file(state, path, summary, cluster, dedup_window, node, boot_time, zone, reference_time)
-        if result is not None:
-            parsed.append(result)
+    options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time)
+    parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
     tables = [p.table for p in parsed if p.table is not None]
     mapped = iter(
         _split(map_to_gpus(store, pa.concat_tables(tables), cluster), [t.num_rows for t in tables]) if tables else []
@@ -163,40 +192,71 @@ class _ParsedFile:
     table: pa.Table | None  # xid_events rows, GPUs not yet mapped; None when there are none
 
 
-def _parse_file(
-    state: dict[str, Any],
-    path: Path,
-    summary: IngestSummary,
-    cluster: str,
-    dedup_window: timedelta,
-    node: str | None,
-    boot_time: datetime | None,
-    tz: tzinfo,
-    reference_time: datetime | None,
-) -> _ParsedFile | None:
-    """The new incidents of one file, or None when the file is to be left as it is."""
-    stat = path.stat()
-    compressed = _is_gzip(path)
-    scan = _resume_point(state, path, compressed)
-    if scan.unchanged:
-        summary.skipped_files.append(str(path))
-        return None
+@dataclass(frozen=True)
+class _ParseOptions:
+    """What every file of a run is parsed with (see `ingest_kernel_logs`)."""
+
+    cluster: str
+    dedup_window: timedelta
+    node: str | None
+    boot_time: datetime | None
+    tz: tzinfo
+    reference_time: datetime | None
+
+
+@dataclass(frozen=True)
+class _FileToParse:
+    path: Path
+    compressed: bool
+    stat: os.stat_result
+    scan: _FileScan
+
+
+def _parse_files(
+    todo: list[_FileToParse], options: _ParseOptions, summary: IngestSummary, workers: int
+) -> list[_ParsedFile | None]:
+    """`_parse_file` of each file, in order, on `workers` processes when there is enough to read.
+    Each file's counts are added to `summary` in file order, so the report does not depend on
+    which process finished first."""
+    big_enough = sum(f.stat.st_size for f in todo) >= PARALLEL_MIN_BYTES
+    if workers > 1 and len(todo) > 1 and big_enough:
+        # Spawned, not forked: the parent's polars and pyarrow thread pools do not survive a fork.
+        context = multiprocessing.get_context("spawn")
+        workers = min(workers, len(todo))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            chunk = max(1, len(todo) // (4 * workers))
+            results = list(pool.map(_parse_file, todo, itertools.repeat(options), chunksize=chunk))
+    else:
+        results = [_parse_file(f, options) for f in todo]
+    for _, part in results:
+        summary.merge(part)
+    return [parsed for parsed, _ in results]
+
+
+def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile | None, IngestSummary]:
+    """The new incidents of one file (None when the file is to be left as it is), with the
+    file's own counts."""
+    path, compressed, stat, scan = todo.path, todo.compressed, todo.stat, todo.scan
+    summary = IngestSummary()
     stats = ParseStats()
-    default_node = node or node_from_filename(path.name)
+    default_node = options.node or node_from_filename(path.name)
     mtime = datetime.fromtimestamp(stat.st_mtime, UTC)
-    with _open(path, compressed) as fh:
-        fh.seek(scan.offset)
-        reader = _LineReader(fh, scan.offset)
-        records = parse_lines(
-            reader,
-            boot_time=boot_time,
-            reference_time=reference_time or mtime,
-            tz=tz,
-            stats=stats,
-            first_line_no=scan.lines + 1,
-        )
-        incidents = list(deduplicate(records, dedup_window, node=default_node))
-        end = reader.offset
+    try:
+        with _open(path, compressed) as fh:
+            fh.seek(scan.offset)
+            reader = _LineReader(fh, scan.offset)
+            records = parse_lines(
+                reader,
+                boot_time=options.boot_time,
+                reference_time=options.reference_time or mtime,
+                tz=options.tz,
+                stats=stats,
+                first_line_no=scan.lines + 1,
+            )
+            incidents = list(deduplicate(records, options.dedup_window, node=default_node))
+            end = reader.offset
+    except _READ_ERRORS as exc:
+        raise _unreadable(path, exc) from None
     summary.files += 1
     summary.lines += stats.lines
     summary.xid_lines += stats.xid_records
@@ -210,9 +270,21 @@ def _parse_file(
     if untimed and not timed:
         # Nothing could be placed in time (kmsg or uptime stamps without a boot time): leave the
         # file unread, so that a run given the boot time ingests it in full.
-        return None
-    table = events_table(timed, cluster=cluster, source=f"file:{path.name}") if timed else None
-    return _ParsedFile(path, compressed, stat, end, scan.lines + stats.lines, table)
+        return None, summary
+    table = events_table(timed, cluster=options.cluster, source=f"file:{path.name}") if timed else None
+    return _ParsedFile(path, compressed, stat, end, scan.lines + stats.lines, table), summary
+
+
+# A corrupt gzip stream, a disk error, a file removed since it was listed.
+_READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def _unreadable(path: Path, exc: BaseException) -> InputError:
+    # Raised while parsing, before anything of the run is written.
+    return InputError(
+        f"kernel log {path}: could not be read ({exc}); expected a plain or gzip text file. "
+        "Nothing of this run was written"
+    )
 
 
 def _split(table: pa.Table, sizes: list[int]) -> Iterator[pa.Table]:
@@ -473,26 +545,38 @@ def telemetry_spans(store: Store, cluster: str, nodes: list[str], start: datetim
     gpu_uuid, first_ts, last_ts (telemetry rows of `cluster` and `nodes` in [start, end)).
 
     Read one daily partition at a time and folded into the running spans, so memory holds one
-    day of telemetry plus one row per GPU and slot, however long the range.
+    day of telemetry plus one row per GPU and slot, however long the range. On a local store a
+    day is scanned and grouped by polars in one query: 0.09 s for a paper fleet-day (2.8M rows)
+    against 0.62 s through pyarrow's dataset reader and a polars frame.
     """
     spans = _EMPTY_SPANS
-    node_filter = (ds.field("cluster") == cluster) & ds.field("node").isin(nodes)
+    wanted = sorted(set(nodes))
     for day in store.dates("telemetry"):
         day_start = datetime.combine(day, time(), UTC)
-        if day_start + timedelta(days=1) <= start or day_start >= end:
+        lo, hi = max(start, day_start), min(end, day_start + timedelta(days=1))
+        if hi <= lo:
             continue
-        table = store.read(
-            "telemetry",
-            start=max(start, day_start),
-            end=min(end, day_start + timedelta(days=1)),
-            columns=["ts", "node", "pci_bus_id", "gpu_index", "gpu_uuid"],
-            filter=node_filter,
-        )
-        spans = _fold_spans(pl.concat([spans, _day_spans(pl.DataFrame(table))]))
+        if store.is_local:
+            files = store.dataset("telemetry", day, day).files  # schema-checked
+            if not files:
+                continue
+            rows = pl.scan_parquet(files, hive_partitioning=False).filter(
+                (pl.col("cluster") == cluster)
+                & pl.col("node").is_in(wanted)
+                & (pl.col("ts") >= pl.lit(lo, dtype=_TS))
+                & (pl.col("ts") < pl.lit(hi, dtype=_TS))
+            )
+        else:
+            node_filter = (ds.field("cluster") == cluster) & ds.field("node").isin(wanted)
+            table = store.read("telemetry", start=lo, end=hi, columns=_SPAN_READ, filter=node_filter)
+            rows = pl.DataFrame(table).lazy()
+        spans = _fold_spans(pl.concat([spans, _day_spans(rows)]))
     return spans
 
 
 _SPAN_KEYS = ["node", "pci_bus_id", "gpu_index", "gpu_uuid"]
+_SPAN_READ = ["ts", *_SPAN_KEYS]
+_TS = pl.Datetime("us", "UTC")
 _EMPTY_SPANS = pl.DataFrame(
     schema={
         "node": pl.String,
@@ -505,18 +589,22 @@ _EMPTY_SPANS = pl.DataFrame(
 )
 
 
-def _day_spans(frame: pl.DataFrame) -> pl.DataFrame:
-    frame = frame.filter(pl.col("pci_bus_id").is_not_null())
-    # Telemetry should already hold the canonical form; normalising the few distinct values
-    # costs nothing and makes a join on a differently written id impossible to miss.
-    canonical = {raw: _normalise_or_none(raw) for raw in frame["pci_bus_id"].unique().to_list()}
+def _day_spans(rows: pl.LazyFrame) -> pl.DataFrame:
     spans = (
-        frame.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String))
+        rows.select(_SPAN_READ)
         .filter(pl.col("pci_bus_id").is_not_null())
         .group_by(_SPAN_KEYS)
         .agg(pl.col("ts").min().alias("first_ts"), pl.col("ts").max().alias("last_ts"))
+        .collect()
     )
-    return spans.cast(_EMPTY_SPANS.schema)  # type: ignore[arg-type]
+    # Telemetry should already hold the canonical form; normalising the few distinct values
+    # costs nothing and makes a join on a differently written id impossible to miss. Two
+    # spellings of one slot become one span when folded.
+    canonical = {raw: _normalise_or_none(raw) for raw in spans["pci_bus_id"].unique().to_list()}
+    spans = spans.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String)).filter(
+        pl.col("pci_bus_id").is_not_null()
+    )
+    return _fold_spans(spans.cast(_EMPTY_SPANS.schema))  # type: ignore[arg-type]
 
 
 def _fold_spans(spans: pl.DataFrame) -> pl.DataFrame:
