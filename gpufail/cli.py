@@ -741,6 +741,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         backoff_s=ml.backoff.total_seconds(),
         cluster=settings.ingest.cluster,
         dedup_window=settings.ingest.xid_dedup_window,
+        ingest_workers=settings.ingest.workers or os.cpu_count() or 1,
         grid=settings.features.grid,
         windows=tuple(settings.features.windows),
         failure_xids=tuple(settings.labels.failure_xids),

@@ -68,6 +68,7 @@ class NightlyOptions:
     backoff_s: float = 2.0
     cluster: str = "default"
     dedup_window: timedelta = timedelta(minutes=5)
+    ingest_workers: int = 1
     grid: timedelta = timedelta(hours=1)
     windows: tuple[timedelta, ...] = (timedelta(hours=1), timedelta(hours=6), timedelta(hours=24), timedelta(days=7))
     failure_xids: tuple[int, ...] | None = None
@@ -320,7 +321,9 @@ class _Job:
         paths = sorted(p for p in folder.glob("*") if p.is_file()) if self.store.fs.exists(str(folder)) else []
         if not paths:
             return {"kernel_log": "no kernel-log files under raw/kernel-log"}
-        summary = ingest_kernel_logs(self.store, paths, cluster=self.o.cluster, dedup_window=self.o.dedup_window)
+        summary = ingest_kernel_logs(
+            self.store, paths, cluster=self.o.cluster, dedup_window=self.o.dedup_window, workers=self.o.ingest_workers
+        )
         return {"kernel_log": str(summary)}
 
     def _features(self) -> dict[str, Any]:
