@@ -130,9 +130,14 @@ def ingest_kernel_log(
         node=node,
         boot_time=_when(boot_time),
         tz=tz,
-        workers=settings.ingest.workers or os.cpu_count() or 1,
+        workers=_ingest_workers(settings),
     )
     click.echo(f"kernel-log: {summary}")
+
+
+def _ingest_workers(settings: Any) -> int:
+    """`[ingest] workers`, 0 meaning one per core."""
+    return settings.ingest.workers or os.cpu_count() or 1
 
 
 @ingest.command("dcgm-exporter")
@@ -741,7 +746,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         backoff_s=ml.backoff.total_seconds(),
         cluster=settings.ingest.cluster,
         dedup_window=settings.ingest.xid_dedup_window,
-        ingest_workers=settings.ingest.workers or os.cpu_count() or 1,
+        ingest_workers=_ingest_workers(settings),
         grid=settings.features.grid,
         windows=tuple(settings.features.windows),
         failure_xids=tuple(settings.labels.failure_xids),
