@@ -599,12 +599,12 @@ def _day_spans(rows: pl.LazyFrame) -> pl.DataFrame:
     )
     # Telemetry should already hold the canonical form; normalising the few distinct values
     # costs nothing and makes a join on a differently written id impossible to miss. Two
-    # spellings of one slot become one span when folded.
+    # spellings of one slot become one span when the caller folds the day in.
     canonical = {raw: _normalise_or_none(raw) for raw in spans["pci_bus_id"].unique().to_list()}
     spans = spans.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String)).filter(
         pl.col("pci_bus_id").is_not_null()
     )
-    return _fold_spans(spans.cast(_EMPTY_SPANS.schema))  # type: ignore[arg-type]
+    return spans.cast(_EMPTY_SPANS.schema)  # type: ignore[arg-type]
 
 
 def _fold_spans(spans: pl.DataFrame) -> pl.DataFrame:

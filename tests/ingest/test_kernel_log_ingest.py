@@ -394,11 +394,20 @@ def test_parsing_on_worker_processes_gives_the_rows_and_summary_of_one_process(
     import ingest.kernel_log_ingest as module
 
     monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)  # these few kilobytes go to the workers too
+    pools: list[int] = []
+
+    class CountedPool(module.ProcessPoolExecutor):  # type: ignore[name-defined, misc]
+        def __init__(self, max_workers: int, **kwargs: object) -> None:
+            pools.append(max_workers)
+            super().__init__(max_workers, **kwargs)  # type: ignore[arg-type, call-overload]
+
+    monkeypatch.setattr(module, "ProcessPoolExecutor", CountedPool)
     logs = _many_logs(tmp_path / "logs")
     other = Store.create(str(tmp_path / "other"))
     other.write("telemetry", store.read("telemetry"))
     one = ingest(store, *logs, workers=1)
     two = ingest(other, *logs, workers=2)
+    assert pools == [2]  # the second run parsed on two processes, the first on none
     assert str(two) == str(one) and one.files == 7 and one.incidents > 7
     assert events(other) == events(store)
     # ... and the second run of either skips every file
