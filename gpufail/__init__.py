@@ -2,10 +2,33 @@
 
 import os
 
-# Polars allocates with jemalloc, whose default sends every allocation over 8 MiB (a column of a
-# million float64s) to an arena that hands the memory back to the kernel at once, so every new
-# large column faults its pages in again. On a 2-day paper-fleet feature build, keeping them in
-# the ordinary arenas (which return memory after a few seconds) took the wall time from 160-172 s
-# to 137 s. It must be set before polars is first imported, so it lives here, where every
-# `gpufail` command starts; a setting already in the environment wins.
-os.environ.setdefault("_RJEM_MALLOC_CONF", "background_thread:true,oversize_threshold:0")
+
+def polars_allocator_settings(cores: int) -> str:
+    """The jemalloc settings (`_RJEM_MALLOC_CONF`) gpufail runs polars with, on `cores` cores.
+
+    Polars' own defaults hand freed memory back to the kernel within ~1.5 s (dirty 500 ms, muzzy
+    1000 ms) and every allocation over 8 MiB at once, so the feature build, which allocates and
+    frees columns of millions of values all the time, spent up to half its CPU time faulting
+    fresh pages in and zeroing them. On the 30-day paper store (`gpufail features`, 2 cores,
+    2026-11-25, README "Features and labels"): polars' defaults but oversize_threshold:0 399 s at
+    8.05 GB; freed pages kept 20 s as well 314 s at 9.67 GB (72M -> 23M page faults); the same with
+    one arena per core 311 s at 8.61 GB (the arenas reuse each other's pages less than threads
+    do their own arena's). One arena per core rather than jemalloc's four keeps that reuse on
+    bigger machines too."""
+    return (
+        "background_thread:true,oversize_threshold:0,dirty_decay_ms:20000,muzzy_decay_ms:0,"
+        f"narenas:{max(1, cores)}"
+    )
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# It must be set before polars is first imported (jemalloc reads it once, at its first
+# allocation), so it lives here, where every `gpufail` command starts; a setting already in the
+# environment wins.
+os.environ.setdefault("_RJEM_MALLOC_CONF", polars_allocator_settings(_cores()))

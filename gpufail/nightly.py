@@ -175,11 +175,14 @@ def run_nightly(
                 summary.results[step] = state["steps"][step]
                 continue
             report(f"nightly {day}: {step} ...")
+            step_began = time.perf_counter()
             try:
                 result = job.run(step)
             except Exception as exc:
                 summary.seconds = time.perf_counter() - began
                 raise job.fail(step, exc, report) from exc
+            # Kept in the state file, so an operator sees which step a slow night spent its time in.
+            result["seconds"] = round(time.perf_counter() - step_began, 1)
             state["steps"][step] = result
             state.pop("failed", None)
             store.write_state(STATE, state)

@@ -119,6 +119,10 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
         grow(fleet, data, day)
         summaries.append(run_nightly(str(data), opts, publish=log_publish, report=lambda _: None))
         assert summaries[-1].day == day.isoformat() and summaries[-1].done == list(STEPS)
+        # Each step's duration is recorded, and together they fit in the night's wall time.
+        seconds = [summaries[-1].results[step]["seconds"] for step in STEPS]
+        assert all(s >= 0 for s in seconds) and sum(seconds) <= summaries[-1].seconds + 0.1
+        assert summaries[-1].results["features"]["seconds"] > 0
 
     # The same day again changes nothing: no step, no run, no prediction file.
     predictions_before = Store.open(str(data)).files("predictions")
