@@ -15,10 +15,7 @@ def polars_allocator_settings(cores: int) -> str:
     one arena per core 311 s at 8.61 GB (the arenas reuse each other's pages less than threads
     do their own arena's). One arena per core rather than jemalloc's four keeps that reuse on
     bigger machines too."""
-    return (
-        "background_thread:true,oversize_threshold:0,dirty_decay_ms:20000,muzzy_decay_ms:0,"
-        f"narenas:{max(1, cores)}"
-    )
+    return f"background_thread:true,oversize_threshold:0,dirty_decay_ms:20000,muzzy_decay_ms:0,narenas:{max(1, cores)}"
 
 
 def _cores() -> int:
