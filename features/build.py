@@ -9,9 +9,10 @@ dataset (hive-partitioned by UTC date, files written once and atomically, like `
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -45,7 +46,7 @@ from features.schema import (
     validate_features,
     window_label,
 )
-from features.shards import ShardedBuckets, shard_map
+from features.shards import SHARD, ShardedBuckets, shard_map
 from features.windows import (
     BUCKET_ID_COLUMNS,
     DEFAULT_GRID,
@@ -70,6 +71,10 @@ from ingest.xid_catalog import default_failure_xids
 FEATURES_DATASET = "features"
 # Feature files of different dates written at once (`write_features`).
 WRITE_THREADS = min(4, os.cpu_count() or 1)
+
+
+class _Stopped(Exception):
+    """A block's build was told to stop because the build failed elsewhere."""
 
 
 class FeaturesExistError(StoreError, FileExistsError):
@@ -809,6 +814,7 @@ def build_features_from_store(
     progress: bool = True,
     scratch: str | None = None,
     workers: int = 1,
+    read_ahead: bool = True,
 ) -> FeatureBuildSummary:
     """Build and write the `features` dataset for grid times in [start, end), widened to whole
     UTC days (so every date partition is complete). Default: all telemetry in the store.
@@ -833,7 +839,9 @@ def build_features_from_store(
     chunks of about `rows_per_chunk`; finished rows are written every `flush_rows`. Every row
     equals what an all-history in-memory build gives (up to floating-point rounding).
 
-    `workers` shards of a block are built at once, on threads (polars, pyarrow and the compiled
+    With `read_ahead`, the next block's days are read and aggregated while a block is built
+    (on a thread of its own); with one shard in memory those buckets count against
+    `max_buckets_in_memory` too. `workers` shards of a block are built at once, on threads (polars, pyarrow and the compiled
     kernels release the GIL); they share the memory budget, so each holds a shard of
     `max_buckets_in_memory / workers` buckets and parts of `rows_per_part / workers` rows.
 
@@ -904,10 +912,15 @@ def build_features_from_store(
 
     # A shard carries a block and its trailing window (plus the day a window's start falls in).
     carried_days = block_days + -(-lookback // one_day) + 1
+    per_day = one_day // grid
     # The workers share the memory budget: each builds a shard and a part of a share of it.
-    shards = shard_map(
-        presence, gpu_buckets=carried_days * (one_day // grid), max_buckets=max_buckets_in_memory // workers
-    )
+    budget = max_buckets_in_memory // workers
+    shards = shard_map(presence, gpu_buckets=carried_days * per_day, max_buckets=budget)
+    ahead_days = carried_days + (block_days if read_ahead else 0)
+    if shards[SHARD].n_unique() <= 1 and presence[GPU].n_unique() * ahead_days * per_day > budget:
+        # One shard keeps its buckets in memory, and the next block's days, read while a block
+        # is built, come on top: when both do not fit, the buckets wait on disk in shards.
+        shards = shard_map(presence, gpu_buckets=ahead_days * per_day, max_buckets=budget)
     if rows_per_part is not None:
         rows_per_part = max(1, rows_per_part // workers)
     buckets = ShardedBuckets(shards, scratch=scratch)
@@ -917,10 +930,12 @@ def build_features_from_store(
     gpus: set[str] = set()
     bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
 
+    stop = threading.Event()  # set when the build fails: the block being built stops too
+
     def build_shard(shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> _ShardResult:
         """One shard's rows of a block, written in flushes of about `flush_rows`."""
         result = _ShardResult()
-        hourly = buckets.take(shard, block_start - lookback)
+        hourly = buckets.take(shard, block_start - lookback, block_end)
         if hourly is None:
             return result
         parts = iter_features_from_buckets(
@@ -947,6 +962,8 @@ def build_features_from_store(
         del hourly  # the generator holds the shard's buckets only while it runs
         pending: list[pl.DataFrame] = []
         for frame in parts:
+            if stop.is_set():
+                raise _Stopped
             if frame.height == 0:
                 continue
             result.add(frame)
@@ -958,16 +975,7 @@ def build_features_from_store(
             result.files += write_features(store, pl.concat(pending, how="vertical"))
         return result
 
-    def emit(block_start: datetime, block_end: datetime) -> None:
-        # No buckets since the last block (a telemetry outage): no means to compare, so the
-        # shards' own (empty) medians are the fleet's.
-        fleet = (
-            pl.concat(medians, how="vertical_relaxed").filter(
-                pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
-            )
-            if medians
-            else None
-        )
+    def emit(block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> None:
         summary.blocks += 1
         label = f"block {block_start.date()}..{(block_end - one_day).date()}"
         done = 0
@@ -984,9 +992,18 @@ def build_features_from_store(
                     future.cancel()
                 raise
 
+    # A block is built on a thread of its own while this one reads and aggregates the next
+    # block's days (`read_ahead`): reading was a quarter of the build, with the other core
+    # mostly idle (30-day paper store: 311 s at 8.6 GB without, 276 s at 11.5 GB with). One
+    # block is built at a time (its shards hold the memory budget), so the reading waits for
+    # the block before to finish before it hands over the next.
+    building: Future[None] | None = None
+    emitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-block")
     try:
         block_start = emit_start
         for day in days:
+            if building is not None and building.done():
+                building.result()  # a failed block stops the reading at once
             raw: pl.DataFrame | None
             if day.date() in day_rows:
                 raw = _read_telemetry(store, day, day + one_day)
@@ -1002,13 +1019,33 @@ def build_features_from_store(
                     medians.append(model_medians(day_buckets, grid))
                     buckets.add(day.date(), day_buckets)
             if day + one_day in block_ends:
-                emit(block_start, day + one_day)
-                block_start = day + one_day
-                # Keep only the trailing window the next block needs.
-                buckets.forget(block_start - lookback)
+                block_end = day + one_day
+                # No buckets since the last block (a telemetry outage): no means to compare, so
+                # the shards' own (empty) medians are the fleet's.
+                fleet = (
+                    pl.concat(medians, how="vertical_relaxed").filter(
+                        pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
+                    )
+                    if medians
+                    else None
+                )
                 medians = []
+                if building is not None:
+                    building.result()
+                # Keep only the trailing window this block needs.
+                buckets.forget(block_start - lookback)
+                building = emitter.submit(emit, block_start, block_end, fleet)
+                if not read_ahead:
+                    building.result()
+                block_start = block_end
             bar.update(1)
+        if building is not None:
+            building.result()
+    except BaseException:
+        stop.set()  # the block being built stops at its next part; its files so far stay
+        raise
     finally:
+        emitter.shutdown(wait=True)
         bar.close()
         buckets.close()
     for f in old_files:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import threading
 from datetime import date, datetime
 from pathlib import Path
 
@@ -76,13 +77,19 @@ class ShardedBuckets:
     (`shard_map`). With one shard they stay in memory; with more, each day's buckets of each
     shard go to an Arrow IPC file in a private temporary folder (removed by `close`), and a
     shard's are read back when its block is built. The files are uncompressed: they are read
-    once or twice, soon after they are written."""
+    once or twice, soon after they are written.
+
+    One thread may `add` the next days while others `take` a block's (the store build reads
+    ahead while it builds): `take` reads only up to its `before`, and the lists of what is held
+    change under a lock. `forget` and `close` are for when no `take` is running."""
 
     def __init__(self, shards: pl.DataFrame, *, scratch: str | None = None) -> None:
         self.shards = shards
         self.count = max(1, shards[SHARD].n_unique()) if shards.height else 1  # ids 0 .. count - 1
         self._memory: list[pl.DataFrame] = []
-        self._files: dict[int, list[tuple[datetime, Path]]] = {}
+        # Per shard: (first ts, last ts, file) of each day's buckets.
+        self._files: dict[int, list[tuple[datetime, datetime, Path]]] = {}
+        self._lock = threading.Lock()
         self._folder = Path(tempfile.mkdtemp(prefix="gpufail-buckets-", dir=scratch)) if self.count > 1 else None
 
     def add(self, day: date, buckets: pl.DataFrame) -> None:
@@ -90,7 +97,8 @@ class ShardedBuckets:
         if buckets.height == 0:
             return
         if self._folder is None:
-            self._memory.append(buckets)
+            with self._lock:
+                self._memory.append(buckets)
             return
         # A bucket whose node is not in the map (not possible when the map comes from the same
         # store's presence) goes to shard 0 rather than being lost.
@@ -99,20 +107,26 @@ class ShardedBuckets:
         for (shard,), part in tagged.partition_by(SHARD, as_dict=True, include_key=False).items():
             path = self._folder / f"shard={shard}-day={day.isoformat()}.arrow"
             part.write_ipc(path)
-            self._files.setdefault(int(shard), []).append((part["ts"].max(), path))  # type: ignore[arg-type]
+            with self._lock:
+                self._files.setdefault(int(shard), []).append((part["ts"].min(), part["ts"].max(), path))  # type: ignore[arg-type]
 
     def rows(self) -> int:
         """Buckets held in memory (0 when they are on disk)."""
-        return sum(f.height for f in self._memory)
+        with self._lock:
+            return sum(f.height for f in self._memory)
 
-    def take(self, shard: int, after: datetime) -> pl.DataFrame | None:
-        """The shard's buckets with ts > `after` (None when it has none)."""
-        since = pl.lit(after, dtype=TS_DTYPE)
+    def take(self, shard: int, after: datetime, before: datetime | None = None) -> pl.DataFrame | None:
+        """The shard's buckets with `after` < ts (< `before` when given); None when it has none."""
+        within = pl.col("ts") > pl.lit(after, dtype=TS_DTYPE)
+        if before is not None:
+            within &= pl.col("ts") < pl.lit(before, dtype=TS_DTYPE)
+        with self._lock:
+            memory, files = list(self._memory), list(self._files.get(shard, []))
         if self._folder is None:
-            frames = [f.filter(pl.col("ts") > since) for f in self._memory]
+            frames = [f.filter(within) for f in memory]
         else:
-            frames = [pl.read_ipc(p) for last, p in self._files.get(shard, []) if last > after]
-            frames = [f.filter(pl.col("ts") > since) for f in frames]
+            wanted = [p for first, last, p in files if last > after and (before is None or first < before)]
+            frames = [pl.read_ipc(p).filter(within) for p in wanted]
         frames = [f for f in frames if f.height]
         if not frames:
             return None
@@ -122,12 +136,13 @@ class ShardedBuckets:
     def forget(self, until: datetime) -> None:
         """Drop the buckets with ts <= `until` (no later block needs them)."""
         keep_from = pl.lit(until, dtype=TS_DTYPE)
-        self._memory = [f for f in (f.filter(pl.col("ts") > keep_from) for f in self._memory) if f.height]
-        for shard, files in self._files.items():
-            for last, path in files:
-                if last <= until:
-                    path.unlink(missing_ok=True)
-            self._files[shard] = [(last, p) for last, p in files if last > until]
+        with self._lock:
+            self._memory = [f for f in (f.filter(pl.col("ts") > keep_from) for f in self._memory) if f.height]
+            for shard, files in self._files.items():
+                for _, last, path in files:
+                    if last <= until:
+                        path.unlink(missing_ok=True)
+                self._files[shard] = [entry for entry in files if entry[1] > until]
 
     def close(self) -> None:
         if self._folder is not None:

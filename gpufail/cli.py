@@ -365,6 +365,7 @@ def features(
             rows_per_part=settings.features.rows_per_part,
             block_days=settings.features.block_days,
             workers=settings.features.workers,
+            read_ahead=settings.features.read_ahead,
             progress=not quiet,
             **common,
         )
@@ -757,6 +758,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         rows_per_part=settings.features.rows_per_part,
         block_days=settings.features.block_days,
         workers=settings.features.workers,
+        read_ahead=settings.features.read_ahead,
         progress=not quiet,
     )
     dry = settings.publish.dry_run if dry_run is None else dry_run

@@ -79,6 +79,7 @@ class NightlyOptions:
     rows_per_part: int = 500_000
     block_days: int = 14
     workers: int = 1
+    read_ahead: bool = True
     progress: bool = True
 
 
@@ -352,6 +353,7 @@ class _Job:
             rows_per_part=self.o.rows_per_part,
             block_days=self.o.block_days,
             workers=self.o.workers,
+            read_ahead=self.o.read_ahead,
             overwrite=bool(built),
             progress=self.o.progress,
         )

@@ -240,3 +240,120 @@ def test_a_block_without_telemetry_builds_the_rows_of_an_all_history_build(tmp_p
     assert summary.blocks == 3
     expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def _store_of(tmp_path, fleet) -> Store:
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    return store
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_the_same(
+    tmp_path, fleet, monkeypatch, read_ahead
+):
+    import threading
+
+    import features.build as build
+
+    store = _store_of(tmp_path, fleet)
+    second_day_read = threading.Event()
+    seen: dict[str, bool] = {}
+    real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
+
+    def reading(store, start, end, **kwargs):
+        frame = real_read(store, start, end, **kwargs)
+        if start == T0 + 24 * H:
+            second_day_read.set()
+        return frame
+
+    def parts(*args, **kwargs):
+        if kwargs["emit_start"] == T0 and "first block" not in seen:
+            # The first block (day one) waits a little for the second day to be read beside it.
+            seen["first block"] = second_day_read.wait(timeout=5 if read_ahead else 0.5)
+        return real_parts(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_read_telemetry", reading)
+    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
+    summary = build_features_from_store(
+        store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, read_ahead=read_ahead, progress=False
+    )
+    assert summary.blocks == 3
+    assert seen["first block"] is read_ahead
+    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_one_shard_in_memory_only_when_the_read_ahead_fits_beside_it(tmp_path, fleet, read_ahead):
+    store = _store_of(tmp_path, fleet)
+    # 16 GPUs x 24 buckets: a block of 2 days carries 5 days (1,920 buckets); reading the next
+    # block's 2 days beside it makes 7 (2,688): over a budget of 2,000, so two shards on disk.
+    summary = build_features_from_store(
+        store,
+        windows=WINDOWS,
+        max_buckets_in_memory=2_000,
+        block_days=2,
+        read_ahead=read_ahead,
+        progress=False,
+        scratch=str(tmp_path),
+    )
+    assert summary.shards == (2 if read_ahead else 1)
+    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def _block_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("features-block")]
+
+
+def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, monkeypatch):
+    import threading
+
+    import features.build as build
+
+    store = _store_of(tmp_path, fleet)
+    read_failed = threading.Event()
+    real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
+
+    def reading(store, start, end, **kwargs):
+        if start == T0 + 24 * H:
+            read_failed.set()
+            raise OSError("disk went away")
+        return real_read(store, start, end, **kwargs)
+
+    def parts(*args, **kwargs):
+        read_failed.wait(timeout=5)  # the first block is still being built when the read fails
+        return real_parts(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_read_telemetry", reading)
+    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
+    with pytest.raises(OSError, match="disk went away"):
+        build_features_from_store(
+            store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+        )
+    # The block stopped at its first part instead of finishing: nothing of it was written.
+    assert feature_files(store) == []
+    assert not _block_threads()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+
+
+def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_path, fleet, monkeypatch):
+    import features.build as build
+
+    store = _store_of(tmp_path, fleet)
+
+    def failing(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(build, "write_features", failing)
+    with pytest.raises(OSError, match="No space left"):
+        build_features_from_store(
+            store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+        )
+    assert not _block_threads()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
