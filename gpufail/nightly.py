@@ -448,10 +448,14 @@ class _Job:
         return {"run_id": logged.run_id, "version": version}
 
     def _gate(self) -> dict[str, Any]:
+        import json
+
         from models.registry import promote_if_better
         from models.train import load_model
 
         version = self.state["steps"]["register"]["version"]
+        # The evaluation step scored this model on the same held-out window and K.
+        evaluated = json.loads((Path(self.state["steps"]["evaluate"]["report"]) / "metrics.json").read_text())
         decision = promote_if_better(
             self.registry(),
             version,
@@ -461,6 +465,7 @@ class _Job:
             recall_tolerance=self.o.recall_tolerance,
             floor=self.o.precision_floor,
             challenger_model=load_model(self.state["steps"]["train"]["model_dir"]),
+            challenger_metrics=evaluated["model"],
         )
         return {
             "version": version,

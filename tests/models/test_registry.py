@@ -137,6 +137,39 @@ def test_a_challenger_that_does_not_beat_the_champion_by_the_margin_stays_challe
     assert str(registry.alias_version(CHALLENGER).version) == second
 
 
+def test_metrics_the_caller_already_has_judge_the_challenger_without_scoring_it_again(mlflow_server, tmp_path):
+    url, _ = mlflow_server
+    registry = fresh_registry(url)
+    model, holdout = model_and_holdout()
+    first, _ = logged_version(registry, tmp_path / "1")
+    promote_if_better(registry, first, holdout, top_k=5, margin=0.0, recall_tolerance=0.0, floor=0.0)
+    mine = holdout_metrics(model, holdout, top_k=5)["model"]
+    second, _ = logged_version(registry, tmp_path / "2")
+
+    class Unscorable:  # the challenger: scoring it would fail
+        version = "unused"
+
+        def predict_proba(self, frame):
+            raise AssertionError("the challenger was scored again")
+
+    # The given metrics say the challenger is far better; only they can promote it (the same
+    # model as the champion cannot beat it by the margin when scored).
+    better = {**mine, "precision_at_k_mean": mine["precision_at_k_mean"] + 0.5}
+    decision = promote_if_better(
+        registry,
+        second,
+        holdout,
+        top_k=5,
+        margin=0.1,
+        recall_tolerance=1.0,
+        floor=0.0,
+        challenger_model=Unscorable(),
+        challenger_metrics=better,
+    )
+    assert decision.promote and decision.champion_version == first
+    assert decision.challenger["precision_at_k_mean"] == pytest.approx(better["precision_at_k_mean"])
+
+
 def test_scoring_falls_back_to_the_cached_champion_when_the_server_is_down(mlflow_server, tmp_path):
     url, _ = mlflow_server
     registry = fresh_registry(url)
