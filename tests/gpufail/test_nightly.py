@@ -133,7 +133,9 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
         assert summaries[-1].day == day.isoformat() and summaries[-1].done == list(STEPS)
         # Each step's duration is recorded, and together they fit in the night's wall time.
         seconds = [summaries[-1].results[step]["seconds"] for step in STEPS]
-        assert all(s >= 0 for s in seconds) and sum(seconds) <= summaries[-1].seconds + 0.05 * len(STEPS)  # each rounded to 0.1 s
+        assert all(s >= 0 for s in seconds) and sum(seconds) <= summaries[-1].seconds + 0.05 * len(
+            STEPS
+        )  # each rounded to 0.1 s
         assert summaries[-1].results["features"]["seconds"] > 0
     # The gate judged each night's model by its evaluation's metrics; only a champion is scored
     # again (none on the first night).
