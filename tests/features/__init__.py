@@ -96,3 +96,14 @@ def xids(rows: Sequence[dict[str, Any]]) -> pl.DataFrame:
 
 
 NO_XIDS = xids([])
+
+
+def store_of(folder: Any, fleet: tuple[pl.DataFrame, pl.DataFrame]) -> Any:
+    """A new data root under `folder`/data holding a (telemetry, xid_events) fleet."""
+    from ingest.store import Store
+
+    tel, events = fleet
+    store = Store.create(str(folder / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    return store

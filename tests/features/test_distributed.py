@@ -13,7 +13,7 @@ from features.distributed import build_features_distributed
 from features.shards import node_groups
 from gpufail.dask_cluster import dask_client
 from ingest.store import Store
-from tests.features import T0, H
+from tests.features import T0, H, store_of
 
 WINDOWS = [H, 6 * H, 24 * H]
 MOVED = "GPU-00000009"
@@ -36,14 +36,6 @@ def fleet() -> tuple[pl.DataFrame, pl.DataFrame]:
     return tel, synthetic_xids(tel, per_gpu_day=0.3, seed=3)
 
 
-def _store(tmp_path, fleet) -> Store:
-    tel, events = fleet
-    store = Store.create(str(tmp_path / "data"))
-    store.write("telemetry", tel.to_arrow())
-    store.write("xid_events", events.to_arrow())
-    return store
-
-
 def test_nodes_that_share_a_gpu_are_one_partition(fleet):
     from features.labels import gpu_presence
 
@@ -54,7 +46,7 @@ def test_nodes_that_share_a_gpu_are_one_partition(fleet):
 
 def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fleet):
     tel, events = fleet
-    store = _store(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
     # One node group per partition and one-day blocks: every partition edge is exercised.
     summary = build_features_distributed(client, store, windows=WINDOWS, partition_nodes=1, partition_days=1)
     expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
@@ -72,7 +64,7 @@ def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fl
 
 
 def test_an_existing_range_is_refused_then_replaced(tmp_path, client, fleet):
-    store = _store(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
     start, end = T0 + 30 * H, T0 + 50 * H
     build_features_distributed(client, store, windows=WINDOWS, start=start, end=end)
     first = set(feature_files(store))

@@ -17,7 +17,7 @@ from features.peers import model_medians, peer_features
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.windows import dense_grid, hourly_aggregate
 from ingest.store import Store
-from tests.features import T0, H
+from tests.features import T0, H, store_of
 
 WINDOWS = [H, 6 * H, 24 * H]
 
@@ -242,14 +242,6 @@ def test_a_block_without_telemetry_builds_the_rows_of_an_all_history_build(tmp_p
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
-def _store_of(tmp_path, fleet) -> Store:
-    tel, events = fleet
-    store = Store.create(str(tmp_path / "data"))
-    store.write("telemetry", tel.to_arrow())
-    store.write("xid_events", events.to_arrow())
-    return store
-
-
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_the_same(
     tmp_path, fleet, monkeypatch, read_ahead
@@ -258,7 +250,7 @@ def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_t
 
     import features.build as build
 
-    store = _store_of(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
     second_day_read = threading.Event()
     seen: dict[str, bool] = {}
     real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
@@ -288,7 +280,7 @@ def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_t
 
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_one_shard_in_memory_only_when_the_read_ahead_fits_beside_it(tmp_path, fleet, read_ahead):
-    store = _store_of(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
     # 16 GPUs x 24 buckets: a block of 2 days carries 5 days (1,920 buckets); reading the next
     # block's 2 days beside it makes 7 (2,688): over a budget of 2,000, so two shards on disk.
     summary = build_features_from_store(
@@ -316,7 +308,7 @@ def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, mo
 
     import features.build as build
 
-    store = _store_of(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
     read_failed = threading.Event()
     real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
 
@@ -345,7 +337,7 @@ def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, mo
 def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_path, fleet, monkeypatch):
     import features.build as build
 
-    store = _store_of(tmp_path, fleet)
+    store = store_of(tmp_path, fleet)
 
     def failing(*args, **kwargs):
         raise OSError("No space left on device")
