@@ -451,7 +451,6 @@ class _Job:
         import json
 
         from models.registry import promote_if_better
-        from models.train import load_model
 
         version = self.state["steps"]["register"]["version"]
         # The evaluation step scored this model on the same held-out window and K.
@@ -464,7 +463,6 @@ class _Job:
             margin=self.o.promotion_margin,
             recall_tolerance=self.o.recall_tolerance,
             floor=self.o.precision_floor,
-            challenger_model=load_model(self.state["steps"]["train"]["model_dir"]),
             challenger_metrics=evaluated["model"],
         )
         return {
