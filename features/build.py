@@ -815,6 +815,7 @@ def build_features_from_store(
     scratch: str | None = None,
     workers: int = 1,
     read_ahead: bool = True,
+    write_ahead: bool = True,
 ) -> FeatureBuildSummary:
     """Build and write the `features` dataset for grid times in [start, end), widened to whole
     UTC days (so every date partition is complete). Default: all telemetry in the store.
@@ -961,18 +962,36 @@ def build_features_from_store(
         )
         del hourly  # the generator holds the shard's buckets only while it runs
         pending: list[pl.DataFrame] = []
-        for frame in parts:
-            if stop.is_set():
-                raise _Stopped
-            if frame.height == 0:
-                continue
-            result.add(frame)
-            pending.append(frame)
-            if sum(f.height for f in pending) >= flush_rows:
-                result.files += write_features(store, pl.concat(pending, how="vertical"))
+        # A flush is written on a thread of its own while the next part is computed: the shard
+        # waited on its writes for a third of its time, with a core often idle (`write_ahead`).
+        # One flush at a time is written, so at most two flushes are held.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-write") as writer:
+            writing: Future[list[str]] | None = None
+
+            def flush() -> None:
+                nonlocal writing, pending
+                frame = pl.concat(pending, how="vertical")
                 pending = []
-        if pending:
-            result.files += write_features(store, pl.concat(pending, how="vertical"))
+                if writing is not None:
+                    result.files += writing.result()  # a failed write stops the shard here
+                writing = writer.submit(write_features, store, frame)
+                if not write_ahead:
+                    result.files += writing.result()
+                    writing = None
+
+            for frame in parts:
+                if stop.is_set():
+                    raise _Stopped
+                if frame.height == 0:
+                    continue
+                result.add(frame)
+                pending.append(frame)
+                if sum(f.height for f in pending) >= flush_rows:
+                    flush()
+            if pending:
+                flush()
+            if writing is not None:
+                result.files += writing.result()
         return result
 
     def emit(block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> None:

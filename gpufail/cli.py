@@ -366,6 +366,7 @@ def features(
             block_days=settings.features.block_days,
             workers=settings.features.workers,
             read_ahead=settings.features.read_ahead,
+            write_ahead=settings.features.write_ahead,
             progress=not quiet,
             **common,
         )
@@ -759,6 +760,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         block_days=settings.features.block_days,
         workers=settings.features.workers,
         read_ahead=settings.features.read_ahead,
+        write_ahead=settings.features.write_ahead,
         progress=not quiet,
     )
     dry = settings.publish.dry_run if dry_run is None else dry_run

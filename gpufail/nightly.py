@@ -80,6 +80,7 @@ class NightlyOptions:
     block_days: int = 14
     workers: int = 1
     read_ahead: bool = True
+    write_ahead: bool = True
     progress: bool = True
 
 
@@ -354,6 +355,7 @@ class _Job:
             block_days=self.o.block_days,
             workers=self.o.workers,
             read_ahead=self.o.read_ahead,
+            write_ahead=self.o.write_ahead,
             overwrite=bool(built),
             progress=self.o.progress,
         )
