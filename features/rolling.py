@@ -130,10 +130,21 @@ class KeptRows:
         return len(self.rows)
 
 
+def _zero_filled(values: pl.Series) -> np.ndarray:
+    """The column as a Float64 numpy array, nulls as 0. Cast and filled only when needed: the
+    window quantities are Float64 without nulls already, and a cast and a fill each copied the
+    column (~150 columns a part: a quarter of the window features' time on the paper fleet)."""
+    if values.dtype != pl.Float64:
+        values = values.cast(pl.Float64)
+    if values.null_count():
+        values = values.fill_null(0.0)
+    return values.to_numpy()
+
+
 def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> list[np.ndarray]:
     """Per window size k, the sum of `values` (nulls as 0, as Float64) over the last k rows of
     the GPU at each kept row."""
-    flat = values.cast(pl.Float64).fill_null(0.0).to_numpy()
+    flat = _zero_filled(values)
     out = np.empty((len(sizes), len(kept)), np.float64)
     compiled(_sums_kernel)(
         flat,
@@ -153,10 +164,15 @@ def trailing_extremes(
 ) -> list[pl.Series]:
     """Per window size k, the max (or min) reading over the last k rows of the GPU at each kept
     row: Float64, null when the window has no reading, NaN when it has only NaN."""
-    floats = values.cast(pl.Float64)
     sign = 1.0 if how == "max" else -1.0
-    flat = sign * floats.fill_null(0.0).to_numpy()
-    kind = np.where(floats.is_null().to_numpy(), 0, np.where(np.isnan(flat), 1, 2)).astype(np.int8)
+    floats = values.cast(pl.Float64)
+    flat = floats.to_numpy()  # nulls as NaN; the kernel reads only the rows whose kind is 2
+    if how == "min":
+        flat = -flat
+    kind = np.full(len(flat), 2, np.int8)
+    kind[np.isnan(flat)] = 1
+    if floats.null_count():
+        kind[floats.is_null().to_numpy()] = 0
     out = np.empty((len(sizes), len(kept)), np.float64)
     state = np.empty((len(sizes), len(kept)), np.int8)
     compiled(_max_kernel)(
