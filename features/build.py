@@ -842,9 +842,11 @@ def build_features_from_store(
 
     With `read_ahead`, the next block's days are read and aggregated while a block is built
     (on a thread of its own); with one shard in memory those buckets count against
-    `max_buckets_in_memory` too. `workers` shards of a block are built at once, on threads (polars, pyarrow and the compiled
-    kernels release the GIL); they share the memory budget, so each holds a shard of
-    `max_buckets_in_memory / workers` buckets and parts of `rows_per_part / workers` rows.
+    `max_buckets_in_memory` too. With `write_ahead`, a shard's finished rows are written on a
+    thread of their own while it computes the next (one flush in flight). `workers` shards of
+    a block are built at once, on threads (polars, pyarrow and the compiled kernels release the
+    GIL); they share the memory budget, so each holds a shard of `max_buckets_in_memory /
+    workers` buckets and parts of `rows_per_part / workers` rows.
 
     Dates that already hold feature files are refused unless `overwrite=True`; then the old
     files are removed after the new ones are written. `scratch` is the folder for the shards'

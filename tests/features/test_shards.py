@@ -349,3 +349,65 @@ def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_pat
         )
     assert not _block_threads()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+
+
+@pytest.mark.parametrize("write_ahead", [True, False])
+def test_a_flush_is_written_while_the_next_part_is_computed_and_the_rows_are_the_same(
+    tmp_path, fleet, monkeypatch, write_ahead
+):
+    import threading
+
+    import features.build as build
+
+    store = store_of(tmp_path, fleet)
+    second_part = threading.Event()
+    seen: dict[str, bool] = {}
+    real_parts, real_write = build.iter_features_from_buckets, build.write_features
+
+    def parts(*args, **kwargs):
+        for i, frame in enumerate(real_parts(*args, **kwargs)):
+            if i == 1:
+                second_part.set()
+            yield frame
+
+    def writing(*args, **kwargs):
+        if "first write" not in seen:
+            # The first flush's write waits a little for the next part to be computed beside it.
+            seen["first write"] = second_part.wait(timeout=5 if write_ahead else 0.5)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
+    monkeypatch.setattr(build, "write_features", writing)
+    # Parts of about two GPUs, each flushed on its own: eight flushes a block.
+    build_features_from_store(
+        store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, write_ahead=write_ahead, progress=False
+    )
+    assert seen["first write"] is write_ahead
+    assert not [t for t in threading.enumerate() if t.name.startswith("features-write")]
+    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_a_failed_write_stops_the_shard_at_its_next_flush(tmp_path, fleet, monkeypatch):
+    import threading
+
+    import features.build as build
+
+    store = store_of(tmp_path, fleet)
+    real_write = build.write_features
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(build, "write_features", failing)
+    with pytest.raises(OSError, match="No space left"):
+        build_features_from_store(store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, progress=False)
+    # Eight flushes were due; the shard learnt of the failed second at the third and wrote no more.
+    assert calls["n"] == 2
+    assert not [t for t in threading.enumerate() if t.name.startswith(("features-write", "features-block"))]
+    for path in feature_files(store):  # what was written is whole
+        pq.read_metadata(path)
