@@ -970,16 +970,20 @@ def build_features_from_store(
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-write") as writer:
             writing: Future[list[str]] | None = None
 
+            def wait_for_write() -> None:
+                nonlocal writing
+                if writing is not None:
+                    result.files += writing.result()  # a failed write stops the shard here
+                    writing = None
+
             def flush() -> None:
                 nonlocal writing, pending
                 frame = pl.concat(pending, how="vertical")
                 pending = []
-                if writing is not None:
-                    result.files += writing.result()  # a failed write stops the shard here
+                wait_for_write()
                 writing = writer.submit(write_features, store, frame)
                 if not write_ahead:
-                    result.files += writing.result()
-                    writing = None
+                    wait_for_write()
 
             for frame in parts:
                 if stop.is_set():
@@ -992,8 +996,7 @@ def build_features_from_store(
                     flush()
             if pending:
                 flush()
-            if writing is not None:
-                result.files += writing.result()
+            wait_for_write()
         return result
 
     def emit(block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> None:

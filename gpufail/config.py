@@ -84,7 +84,7 @@ class FeatureSettings(_Table):
     read_ahead: bool = True
     """Read and aggregate the next block's days while a block is built: faster, ~3 GB more at the paper's scale."""
     write_ahead: bool = True
-    """Write a block's finished rows on a thread of their own while the next rows are computed: faster, ~1 GB more."""
+    """Write a block's finished rows on a thread of their own while the next rows are computed: faster, ~0.5 GB more."""
 
 
 class LabelSettings(_Table):

@@ -297,10 +297,11 @@ def test_one_shard_in_memory_only_when_the_read_ahead_fits_beside_it(tmp_path, f
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
-def _block_threads() -> list[str]:
+def _build_threads() -> list[str]:
+    """The store build's own threads still alive: the block builder's and the shards' writers'."""
     import threading
 
-    return [t.name for t in threading.enumerate() if t.name.startswith("features-block")]
+    return [t.name for t in threading.enumerate() if t.name.startswith(("features-block", "features-write"))]
 
 
 def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, monkeypatch):
@@ -330,7 +331,7 @@ def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, mo
         )
     # The block stopped at its first part instead of finishing: nothing of it was written.
     assert feature_files(store) == []
-    assert not _block_threads()
+    assert not _build_threads()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
 
 
@@ -347,7 +348,7 @@ def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_pat
         build_features_from_store(
             store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
         )
-    assert not _block_threads()
+    assert not _build_threads()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
 
 
@@ -383,14 +384,12 @@ def test_a_flush_is_written_while_the_next_part_is_computed_and_the_rows_are_the
         store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, write_ahead=write_ahead, progress=False
     )
     assert seen["first write"] is write_ahead
-    assert not [t for t in threading.enumerate() if t.name.startswith("features-write")]
+    assert not _build_threads()
     expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
 def test_a_failed_write_stops_the_shard_at_its_next_flush(tmp_path, fleet, monkeypatch):
-    import threading
-
     import features.build as build
 
     store = store_of(tmp_path, fleet)
@@ -408,6 +407,6 @@ def test_a_failed_write_stops_the_shard_at_its_next_flush(tmp_path, fleet, monke
         build_features_from_store(store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, progress=False)
     # Eight flushes were due; the shard learnt of the failed second at the third and wrote no more.
     assert calls["n"] == 2
-    assert not [t for t in threading.enumerate() if t.name.startswith(("features-write", "features-block"))]
+    assert not _build_threads()
     for path in feature_files(store):  # what was written is whole
         pq.read_metadata(path)
