@@ -69,12 +69,13 @@ def test_a_stop_signal_ends_the_server_and_every_process_it_started(tmp_path, st
         started = descendants(cli.pid)
         assert started, "the server runs as a child of `gpufail mlflow`"
         cli.send_signal(stop)
-        assert cli.wait(timeout=60) == 0
+        status = cli.wait(timeout=60)
         deadline = time.monotonic() + 10  # workers may take a moment after their parent exits
         while [p for p, t in started.items() if alive(p, t)] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [p for p, t in started.items() if alive(p, t)] == []
         assert not is_healthy(tracking_url("127.0.0.1", port))
+        assert status == 0, "a requested stop is a clean exit"
     finally:
         started |= descendants(cli.pid)
         if cli.poll() is None:
