@@ -77,3 +77,15 @@ def metric_names(expr: str) -> set[str]:
     without_ranges = re.sub(r"\[[^\]]*\]", "", without_groupings)
     words = set(re.findall(r"\b[a-zA-Z_:][a-zA-Z0-9_:]*\b", without_ranges))
     return {w for w in words - PROMQL_WORDS if not w.startswith("__") and not re.fullmatch(r"\d+[smhdwy]", w)}
+
+
+def server_app_routes() -> set[str]:
+    """The paths `gpufail serve`'s app answers."""
+    from gpufail.config import load_settings
+    from gpufail.publishing import policy_config
+    from serving.api import create_app
+    from serving.api_state import ModelFolder, ServeOptions
+
+    options = ServeOptions(data_root="unused", tiers=policy_config(load_settings(environ={}).publish))
+    app = create_app(options, ModelFolder("unused"))
+    return {getattr(route, "path", "") for route in app.routes}

@@ -19,7 +19,8 @@ What it adds to kmock, which merges every patch as plain nested dicts and replac
 - `interleave`: a write to apply right after a read of a node has been answered, to
   stand for another controller writing between a client's read and its patch;
 - `writes`: every accepted or refused patch, with its content type and body, for assertions on
-  the exact requests a client sends.
+  the exact requests a client sends; `calls`: the RBAC verb and resource of every node request
+  (what a ClusterRole must allow).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ from kubernetes import client
 
 MERGE_KEYS = {("status", "conditions"): "type", ("status", "addresses"): "type"}
 """Node's list fields with `patchStrategy: merge` and their `patchMergeKey` (core/v1 types)."""
+RBAC_VERBS = {
+    enums.action.FETCH: "get",
+    enums.action.LIST: "list",
+    enums.action.WATCH: "watch",
+    enums.action.CREATE: "create",
+    enums.action.UPDATE: "patch",
+    enums.action.DELETE: "delete",
+}
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 
@@ -116,6 +125,7 @@ class NodeEmulator(k8s.KubernetesEmulator):  # type: ignore[misc]
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.writes: list[Write] = []
+        self.calls: list[tuple[str, str]] = []
         self.versions = 0
         self.pending: dict[str, list[Callable[[dict[str, Any]], dict[str, Any]]]] = {}
 
@@ -135,8 +145,13 @@ class NodeEmulator(k8s.KubernetesEmulator):  # type: ignore[misc]
     async def _handle(self, request: rendering.Request) -> Any:
         if request.resource is None or request.resource.plural != "nodes":
             return await super()._handle(request)
+        verb = RBAC_VERBS.get(request.action, str(request.action))
+        self.calls.append((verb, "nodes" + (f"/{request.subresource}" if request.subresource else "")))
         if request.action == enums.action.CREATE:
             request.data.setdefault("metadata", {})["resourceVersion"] = self._next_version()
+            # Go's JSON encoder never omits a struct: a node always has a spec and a status.
+            request.data.setdefault("spec", {})
+            request.data.setdefault("status", {})
             return await super()._handle(request)
         if request.action == enums.action.UPDATE and request.name is not None:
             try:
