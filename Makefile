@@ -74,8 +74,8 @@ lint: $(STAMP) ## ruff, mypy and the layer contract
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-lock: ## Re-resolve requirements.lock from pyproject.toml
-	$(BIN)/uv pip compile --quiet pyproject.toml --extra dev -o requirements.lock --python-version 3.11
+lock: ## Re-resolve requirements.lock from pyproject.toml (every extra: the full development install)
+	$(BIN)/uv pip compile --quiet pyproject.toml --all-extras -o requirements.lock --python-version 3.11
 
 clean: ## Remove the venv, caches and demo data
 	rm -rf $(VENV) $(DEMO_DATA) .pytest_cache .mypy_cache .ruff_cache

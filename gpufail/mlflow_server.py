@@ -12,6 +12,7 @@ reach no network, and a user's machine should not report usage by surprise.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -155,8 +156,6 @@ def stop_server(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None
     """Stop a server started by `start_server` and the workers it forked."""
     if process.poll() is not None:
         return
-    import signal
-
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=timeout)
@@ -165,13 +164,39 @@ def stop_server(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None
         process.wait()
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops `serve_forever`: Ctrl-C, a service manager's stop (systemd, a pod's termination)
+and a closed terminal."""
+
+
+class _Stopped(Exception):
+    """One of STOP_SIGNALS arrived."""
+
+
 def serve_forever(home: Path, *, host: str, port: int) -> int:
-    """Run the server in the foreground until it exits or is interrupted; returns its status."""
+    """Run the server in the foreground until it exits or one of STOP_SIGNALS arrives; returns
+    its exit status, or 0 after a requested stop.
+
+    The server and the workers it forks run in a process group of their own, which a stop ends
+    as a whole (`stop_server`); the signal's default action would end only this process and
+    leave them running."""
     check_host(host)
     home.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(server_command(home, host, port), env=quiet_environment())
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    process: subprocess.Popen[bytes] | None = None
     try:
+        process = subprocess.Popen(server_command(home, host, port), env=quiet_environment(), start_new_session=True)
         return process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        return process.wait()
+    except _Stopped:
+        for s in STOP_SIGNALS:  # a second signal must not cut the stop short
+            signal.signal(s, signal.SIG_IGN)
+        if process is not None:
+            stop_server(process)
+        return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

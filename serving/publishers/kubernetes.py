@@ -10,12 +10,23 @@ Marks, all namespaced under `gpufail.io` so that only ours are ever removed:
   that uncordoning undoes only our cordon. Evicting running pods is left to people.
 
 A node that is not Ready, or that someone else cordoned, is reported unavailable and left alone.
+
+How the requests are shaped for a real API server (strategic merge patches, as `kubectl` sends):
+- labels and annotations are maps: the patch names only our keys (null removes one);
+- `spec.taints` has no merge key, so a patch replaces the whole list: it is sent only when our
+  taint or the cordon changes, with the node's `metadata.resourceVersion` as read, so a taint
+  another controller wrote in between makes the API server refuse it (409 Conflict); the node
+  is then read again and the change recomputed, up to `conflict_attempts` times;
+- `status.conditions` merges by `type`: the status patch carries only our condition (with
+  `lastTransitionTime`, kept while its status stays True), and removes it with the
+  `$patch: delete` directive, so kubelet's conditions and heartbeats are never sent back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from serving.policy import tier_rank
@@ -27,6 +38,11 @@ TAINT_KEY = f"{DOMAIN}/risk"
 CORDON_ANNOTATION = f"{DOMAIN}/cordoned"
 CONDITION_TYPE = "GpufailRisk"
 TAINT_EFFECTS = {"avoid": "PreferNoSchedule", "drain_after_job": "NoSchedule", "drain_now": "NoSchedule"}
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+
+class _Conflict(Exception):
+    """HTTP 409: the node changed since it was read (its resourceVersion moved on)."""
 
 
 def _camel(tier: str) -> str:
@@ -39,6 +55,9 @@ class KubernetesPublisher:
     """A `kubernetes.client.CoreV1Api`."""
     attempts: int = 3
     backoff: float = 2.0
+    conflict_attempts: int = 5
+    """Read-modify-write rounds of one node's patch when the node keeps changing under us."""
+    now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
     name = "kubernetes"
 
     def _call(self, what: str, call: Any) -> Any:
@@ -49,6 +68,8 @@ class KubernetesPublisher:
             try:
                 return call()
             except ApiException as exc:
+                if exc.status == 409:
+                    raise _Conflict(f"kubernetes {what}: HTTP 409 {exc.reason}") from None
                 if exc.status is not None and 400 <= exc.status < 500 and exc.status != 429:
                     raise SchedulerUnavailable(f"kubernetes {what}: HTTP {exc.status} {exc.reason}") from None
                 raise
@@ -81,48 +102,97 @@ class KubernetesPublisher:
         return results
 
     def _apply_one(self, change: Change) -> Applied:
-        node = self._call(f"read node {change.node}", lambda: self.api.read_node(change.node))
-        view = _view(node)
-        if view.unavailable:
-            return Applied(False, f"skipped: {view.unavailable}")
-        new, done = change.new, []
-        taints = [t for t in (node.spec.taints or []) if t.key != TAINT_KEY]
-        if new in TAINT_EFFECTS:
-            taints.append({"key": TAINT_KEY, "value": new, "effect": TAINT_EFFECTS[new]})
-            done.append(f"taint {TAINT_EFFECTS[new]}")
-        annotations = node.metadata.annotations or {}
-        ours_cordoned = annotations.get(CORDON_ANNOTATION) == "true"
-        spec: dict[str, Any] = {"taints": [_plain(t) for t in taints]}
-        metadata: dict[str, Any] = {"labels": {TIER_LABEL: new if new != "none" else None}}
-        if new == "drain_now" and not node.spec.unschedulable:
-            spec["unschedulable"] = True
-            metadata["annotations"] = {CORDON_ANNOTATION: "true"}
-            done.append("cordoned")
-        elif new != "drain_now" and ours_cordoned:
-            spec["unschedulable"] = False
-            metadata["annotations"] = {CORDON_ANNOTATION: None}
-            done.append("uncordoned")
-        body = {"metadata": metadata, "spec": spec}
-        self._call(f"patch node {change.node}", lambda: self.api.patch_node(change.node, body))
-        done.append(f"label {new}" if new != "none" else "label removed")
-
-        conditions = [_plain(c) for c in (node.status.conditions or []) if c.type != CONDITION_TYPE]
-        if tier_rank(new) > tier_rank("watch"):
-            conditions.append(
-                {
-                    "type": CONDITION_TYPE,
-                    "status": "True",
-                    "reason": _camel(new),
-                    "message": f"{REASON_PREFIX} {tier_phrase(new)} risk={change.risk:.2f}"
-                    + (f" model={change.model_version}" if change.model_version else ""),
-                }
+        for _ in range(max(self.conflict_attempts, 1)):
+            node = self._call(f"read node {change.node}", lambda: self.api.read_node(change.node))
+            view = _view(node)
+            if view.unavailable:
+                return Applied(False, f"skipped: {view.unavailable}")
+            body, done = node_patch(node, change.new)
+            try:
+                self._call(
+                    f"patch node {change.node}",
+                    lambda body=body: self.api.patch_node(change.node, body, _content_type=STRATEGIC_MERGE_PATCH),
+                )
+                break
+            except _Conflict:
+                continue
+        else:
+            return Applied(
+                False,
+                f"failed: kubernetes patch node {change.node}: the node changed between read and write "
+                f"{max(self.conflict_attempts, 1)} times in a row (HTTP 409 Conflict)",
             )
-        had = any(c.type == CONDITION_TYPE for c in (node.status.conditions or []))
-        if had or tier_rank(new) > tier_rank("watch"):
-            status = {"status": {"conditions": conditions}}
-            self._call(f"patch node {change.node} status", lambda: self.api.patch_node_status(change.node, status))
-            done.append(f"condition {CONDITION_TYPE}" if tier_rank(new) > tier_rank("watch") else "condition removed")
+        status = condition_patch(node, change, self.now())
+        if status is not None:
+            self._call(
+                f"patch node {change.node} status",
+                lambda: self.api.patch_node_status(change.node, status, _content_type=STRATEGIC_MERGE_PATCH),
+            )
+            done.append(
+                f"condition {CONDITION_TYPE}" if tier_rank(change.new) > tier_rank("watch") else "condition removed"
+            )
         return Applied(True, ", ".join(done))
+
+
+def node_patch(node: Any, new: str) -> tuple[dict[str, Any], list[str]]:
+    """The strategic merge patch that moves `node` (as read) to tier `new`, and what it does.
+
+    Labels and annotations are maps, merged key by key. `spec` is sent only when our taint or
+    our cordon changes; it then carries the whole taint list (a list without a merge key is
+    replaced) and the resourceVersion that list was read at, so a concurrent change is refused
+    rather than overwritten."""
+    current = list(node.spec.taints or [])
+    others = [_plain(t) for t in current if t.key != TAINT_KEY]
+    ours = sorted((t.key, t.value, t.effect) for t in current if t.key == TAINT_KEY)
+    wanted = [{"key": TAINT_KEY, "value": new, "effect": TAINT_EFFECTS[new]}] if new in TAINT_EFFECTS else []
+    done = [f"taint {TAINT_EFFECTS[new]}"] if new in TAINT_EFFECTS else []
+    spec: dict[str, Any] = {}
+    if ours != [(t["key"], t["value"], t["effect"]) for t in wanted]:
+        spec["taints"] = others + wanted
+    metadata: dict[str, Any] = {"labels": {TIER_LABEL: new if new != "none" else None}}
+    ours_cordoned = (node.metadata.annotations or {}).get(CORDON_ANNOTATION) == "true"
+    if new == "drain_now" and not node.spec.unschedulable:
+        spec["unschedulable"] = True
+        metadata["annotations"] = {CORDON_ANNOTATION: "true"}
+        done.append("cordoned")
+    elif new != "drain_now" and ours_cordoned:
+        spec["unschedulable"] = False
+        metadata["annotations"] = {CORDON_ANNOTATION: None}
+        done.append("uncordoned")
+    if spec:
+        metadata["resourceVersion"] = node.metadata.resource_version
+    done.append(f"label {new}" if new != "none" else "label removed")
+    body: dict[str, Any] = {"metadata": metadata}
+    if spec:
+        body["spec"] = spec
+    return body, done
+
+
+def condition_patch(node: Any, change: Change, now: datetime) -> dict[str, Any] | None:
+    """The status patch for our condition on `node` (as read): set while the tier is above
+    watch, deleted when it falls back, None when there is nothing to change."""
+    existing = next((c for c in (node.status.conditions or []) if c.type == CONDITION_TYPE), None)
+    if tier_rank(change.new) > tier_rank("watch"):
+        stamp = _rfc3339(now)
+        since = existing.last_transition_time if existing is not None and existing.status == "True" else None
+        condition = {
+            "type": CONDITION_TYPE,
+            "status": "True",
+            "reason": _camel(change.new),
+            "message": f"{REASON_PREFIX} {tier_phrase(change.new)} risk={change.risk:.2f}"
+            + (f" model={change.model_version}" if change.model_version else ""),
+            "lastHeartbeatTime": stamp,
+            "lastTransitionTime": _rfc3339(since) if since is not None else stamp,
+        }
+        return {"status": {"conditions": [condition]}}
+    if existing is not None:
+        return {"status": {"conditions": [{"type": CONDITION_TYPE, "$patch": "delete"}]}}
+    return None
+
+
+def _rfc3339(moment: datetime) -> str:
+    """A Kubernetes `Time`: RFC 3339 in UTC, whole seconds."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _plain(obj: Any) -> dict[str, Any]:
