@@ -360,7 +360,8 @@ def _parse_xid(body: str) -> tuple[_Fields, bool] | str:
     code = rest[: len(rest) - len(after)]
     if not code or not (after == "" or after[0] == "," or after[0].isspace()):
         words = rest.split(",", 1)[0].split(None, 1)
-        return f"Xid code {words[0] if words else '':!r} is not a number"
+        token = words[0] if words else ""
+        return f"Xid code {token!r} is not a number"
     if len(code) > len(str(_MAX_XID)) or int(code) > _MAX_XID:
         return f"Xid code {code[:20]} out of range: expected at most {_MAX_XID}"
     xid = int(code)
@@ -531,9 +532,11 @@ class KernelLogParser:
         stats = self.stats
         reject = stats.reject
         read = self._read
-        add = fold = fold_untimed = done = None
+        add: Callable[[XidRecord], None] | None = None
+        fold: Callable[[_Key, int, str | None], bool] | None = None
+        done: list[XidIncident] = []
         if folder is not None:
-            add, fold, fold_untimed, done = folder.add, folder.fold, folder.fold_untimed, folder.done
+            add, fold, done = folder.add, folder.fold, folder.done
             if folder.node != self._node:
                 self._node = folder.node
                 self._shape = _no_shape()  # its keys were made with another node
@@ -584,7 +587,7 @@ class KernelLogParser:
                         if base_us is not None:
                             if fold(key, base_us + micros, uuid):
                                 continue
-                        elif fold_untimed(key, uuid):  # type: ignore[misc]
+                        elif folder is not None and folder.fold_untimed(key, uuid):
                             continue
                     ts, host, (pci, xid, pid, process, message), log_format = facts
                     if micros and ts is not None:
