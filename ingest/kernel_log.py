@@ -7,7 +7,8 @@ The driver prints one line per XID (DOMAIN.md 3):
 but that line arrives wrapped in whatever prefix the collecting tool adds: `/dev/kmsg` records,
 `dmesg` with uptime, ctime or ISO stamps, journald's short format (possibly with a localized
 month), RFC 3339 syslog, or nothing at all. This module recognises the prefix, turns its stamp
-into a UTC time where that is possible, and parses the NVRM payload.
+into a UTC time where that is possible, and parses the NVRM payload: the code is the leading
+integer, whatever follows it (a comma, a space, key=value fields; see `_XID_HEAD`).
 
 Everything here is a pure function of text and of the times the caller passes in (boot time,
 reference time, time zone): no files, no clock. `ingest.kernel_log_ingest` does the I/O.
@@ -50,7 +51,8 @@ OFF_BUS_LOOKAHEAD = 6
 MAX_REJECTED_KEPT = 1000
 
 # Longest message kept whole; a longer one keeps this many characters and then
-# `TRUNCATED_NOTE` with its full length. Real driver messages are under 300 characters.
+# `TRUNCATED_NOTE` with its full length. The real messages among the test fixtures are at most
+# 158 characters long.
 MAX_MESSAGE_CHARS = 4096
 TRUNCATED_NOTE = " [truncated: {:,} characters]"
 
