@@ -122,7 +122,8 @@ class RejectedLine:
 @dataclass(slots=True)
 class ParseStats:
     """Counts for one parsed stream; `rejected_lines` keeps the first `MAX_REJECTED_KEPT`.
-    `truncated_messages`: Xid lines whose message was cut to `MAX_MESSAGE_CHARS`."""
+    `truncated_messages`: Xid lines whose message (or process name) was cut to
+    `MAX_MESSAGE_CHARS`."""
 
     lines: int = 0
     xid_records: int = 0
@@ -346,9 +347,10 @@ _MAX_PID = 2**63 - 1
 # What an Xid line's payload says: (bus id, xid, pid, process, message).
 _Fields = tuple[str, int, int | None, str | None, str]
 
-# Bound on the per-parser caches (timestamps, payloads, lines), so a long log cannot grow them
-# forever.
+# Bounds on the per-parser caches (timestamps, payloads, lines): entries, and the length of a
+# text kept as a key, so that neither a long log nor a few huge lines can fill the memory.
 _CACHE_LIMIT = 4096
+_CACHED_TEXT_MAX = 2 * MAX_MESSAGE_CHARS
 
 
 def _parse_xid(body: str) -> tuple[_Fields, bool] | str:
@@ -372,10 +374,17 @@ def _parse_xid(body: str) -> tuple[_Fields, bool] | str:
     except ValueError as exc:
         return str(exc)
     pid, process, message = _split_fields(after[1:] if after.startswith(",") else after)
-    truncated = len(message) > MAX_MESSAGE_CHARS
+    truncated = len(message) > MAX_MESSAGE_CHARS or (process is not None and len(process) > MAX_MESSAGE_CHARS)
     if truncated:
-        message = message[:MAX_MESSAGE_CHARS] + TRUNCATED_NOTE.format(len(message))
+        message = _bounded(message)
+        process = None if process is None else _bounded(process)
     return (pci, xid, pid, process, message), truncated
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + TRUNCATED_NOTE.format(len(text))
 
 
 def _split_fields(text: str) -> tuple[int | None, str | None, str]:
@@ -622,7 +631,7 @@ class KernelLogParser:
             parsed = self._payloads.get(body)
             if parsed is None:
                 parsed = _parse_xid(body)
-                if isinstance(parsed, str) or not parsed[1]:  # a cut message is not kept
+                if len(body) <= _CACHED_TEXT_MAX:
                     if len(self._payloads) >= _CACHE_LIMIT:
                         self._payloads.clear()
                     self._payloads[body] = parsed
@@ -635,7 +644,8 @@ class KernelLogParser:
                 self.stats.truncated_messages += 1
             pci, xid, pid, process, message = fields
             record = XidRecord(ts, host, pci, xid, pid, process, message, self._uuids.get((host, pci)), line_no, fmt)
-            if m is not None and spec is not None and not truncated:
+            # A line of the shape is counted as a record, not as a cut one: those are not learnt.
+            if m is not None and spec is not None and not truncated and len(line) <= _CACHED_TEXT_MAX:
                 self._learn(line, cut, spec, m, record, fields)
             return record
         if "GPU at " in body:
@@ -655,6 +665,8 @@ class KernelLogParser:
 
     def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
         key = m.group()
+        if len(key) > _CACHED_TEXT_MAX:
+            return spec.timestamp(m, self._ctx)
         try:
             return self._ts_cache[key]
         except KeyError:

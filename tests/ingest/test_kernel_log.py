@@ -567,6 +567,22 @@ def test_a_message_at_the_limit_is_kept_whole() -> None:
     assert record.message == message and stats.truncated_messages == 0
 
 
+@pytest.mark.parametrize("length", [MAX_MESSAGE_CHARS + 1, 3 * MAX_MESSAGE_CHARS])
+def test_every_line_of_a_flood_of_long_messages_is_counted_as_cut(length: int) -> None:
+    lines = [f"[ 5.{i:06d}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, {'m' * length}" for i in range(300)]
+    stats = ParseStats()
+    records = list(parse_lines(lines, stats=stats))
+    assert {len(r.message) for r in records} == {MAX_MESSAGE_CHARS + len(f" [truncated: {length:,} characters]")}
+    assert (stats.truncated_messages, stats.xid_records) == (300, 300)
+
+
+def test_a_huge_process_name_is_cut_too() -> None:
+    stats = ParseStats()
+    (record,) = parse_lines([f"NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name={'p' * 1_000_000}, short"], stats=stats)
+    assert record.process == "p" * MAX_MESSAGE_CHARS + " [truncated: 1,000,000 characters]"
+    assert (record.message, stats.truncated_messages) == ("short", 1)
+
+
 def test_a_flood_of_huge_messages_folds_into_one_incident_with_the_cut_message() -> None:
     lines = [f"[ 5.{i:06d}] NVRM: Xid (PCI:0000:3b:00): 13, {'z' * 100_000}" for i in range(50)]
     stats = ParseStats()
