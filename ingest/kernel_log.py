@@ -644,7 +644,7 @@ class KernelLogParser:
                 self.stats.truncated_messages += 1
             pci, xid, pid, process, message = fields
             record = XidRecord(ts, host, pci, xid, pid, process, message, self._uuids.get((host, pci)), line_no, fmt)
-            # A line of the shape is counted as a record, not as a cut one: those are not learnt.
+            # Not learnt when cut: a line read through the shape would not be counted as cut.
             if m is not None and spec is not None and not truncated and len(line) <= _CACHED_TEXT_MAX:
                 self._learn(line, cut, spec, m, record, fields)
             return record
