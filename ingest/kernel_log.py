@@ -7,7 +7,8 @@ The driver prints one line per XID (DOMAIN.md 3):
 but that line arrives wrapped in whatever prefix the collecting tool adds: `/dev/kmsg` records,
 `dmesg` with uptime, ctime or ISO stamps, journald's short format (possibly with a localized
 month), RFC 3339 syslog, or nothing at all. This module recognises the prefix, turns its stamp
-into a UTC time where that is possible, and parses the NVRM payload.
+into a UTC time where that is possible, and parses the NVRM payload: the code is the leading
+integer, whatever follows it (a comma, a space, key=value fields; see `_XID_HEAD`).
 
 Everything here is a pure function of text and of the times the caller passes in (boot time,
 reference time, time zone): no files, no clock. `ingest.kernel_log_ingest` does the I/O.
@@ -21,6 +22,10 @@ Two things are not one-line-one-event:
 
 Floods (hundreds of thousands of identical lines) are folded by `deduplicate`, which streams
 and keeps only the incidents still open.
+
+A message longer than `MAX_MESSAGE_CHARS` is stored cut to that length, ending in a note of
+its full length (`ParseStats.truncated_messages` counts them): one garbled or hostile line
+must not put megabytes into every incident row and cache that repeats it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ingest.schema import normalise_pci_bus_id
@@ -43,6 +49,12 @@ OFF_BUS_LOOKAHEAD = 6
 
 # A huge garbage file must not make the parser hold one entry per bad line.
 MAX_REJECTED_KEPT = 1000
+
+# Longest message kept whole; a longer one keeps this many characters and then
+# `TRUNCATED_NOTE` with its full length. The real messages among the test fixtures are at most
+# 158 characters long.
+MAX_MESSAGE_CHARS = 4096
+TRUNCATED_NOTE = " [truncated: {:,} characters]"
 
 # Slack allowed when inferring the year of a year-less stamp: clocks of the writer and of the
 # reader differ, and a log copied just after midnight on Dec 31 must not go back a year.
@@ -109,12 +121,15 @@ class RejectedLine:
 
 @dataclass(slots=True)
 class ParseStats:
-    """Counts for one parsed stream; `rejected_lines` keeps the first `MAX_REJECTED_KEPT`."""
+    """Counts for one parsed stream; `rejected_lines` keeps the first `MAX_REJECTED_KEPT`.
+    `truncated_messages`: Xid lines whose message (or process name) was cut to
+    `MAX_MESSAGE_CHARS`."""
 
     lines: int = 0
     xid_records: int = 0
     rejected: int = 0
     rejected_lines: list[RejectedLine] = field(default_factory=list)
+    truncated_messages: int = 0
 
     def reject(self, line_no: int, reason: str) -> None:
         self.rejected += 1
@@ -143,7 +158,10 @@ def _ts_kmsg(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     # /dev/kmsg stamps are microseconds of CLOCK_MONOTONIC since boot.
     if ctx.boot_time is None:
         return None
-    return ctx.boot_time + timedelta(0, 0, int(m["usec"]))  # positional: 2x faster than keywords
+    usec = m["usec"]
+    if len(usec) > _MAX_STAMP_DIGITS:
+        return None
+    return _after_boot(ctx.boot_time, 0, int(usec))
 
 
 def _micros(frac: str) -> int:
@@ -155,7 +173,21 @@ def _ts_uptime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     if ctx.boot_time is None:
         return None
     sec, frac = m.group("sec", "frac")
-    return ctx.boot_time + timedelta(0, int(sec), _micros(frac))
+    if len(sec) > _MAX_STAMP_DIGITS:
+        return None
+    return _after_boot(ctx.boot_time, int(sec), _micros(frac))
+
+
+# More digits than a stamp since boot can have (a century of microseconds has 16): a garbled
+# line, which gets no time rather than an overflow.
+_MAX_STAMP_DIGITS = 18
+
+
+def _after_boot(boot_time: datetime, seconds: int, micros: int) -> datetime | None:
+    try:
+        return boot_time + timedelta(0, seconds, micros)  # positional: 2x faster than keywords
+    except OverflowError:
+        return None
 
 
 def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -164,10 +196,9 @@ def _ts_ctime(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
         return None
     hour, minute, second = (int(x) for x in m["hms"].split(":"))
     try:
-        local = datetime(int(m["year"]), month, int(m["day"]), hour, minute, second, tzinfo=ctx.tz)
-    except ValueError:
+        return datetime(int(m["year"]), month, int(m["day"]), hour, minute, second, tzinfo=ctx.tz).astimezone(UTC)
+    except (ValueError, OverflowError):  # no such day; a zone taking it past year 1 or 9999
         return None
-    return local.astimezone(UTC)
 
 
 def _ts_iso(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -177,11 +208,11 @@ def _ts_iso(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
 def _iso_to_utc(stamp: str, tz: tzinfo) -> datetime | None:
     try:
         moment = datetime.fromisoformat(stamp)
-    except ValueError:
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=tz)
+        return moment.astimezone(UTC)
+    except (ValueError, OverflowError):  # no such day; a zone taking it past year 1 or 9999
         return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=tz)
-    return moment.astimezone(UTC)
 
 
 def _ts_journal(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -206,7 +237,7 @@ def infer_year(
     for year in range(limit.year + 1, limit.year - 8, -1):
         try:
             moment = datetime(year, month, day, hour, minute, second, tzinfo=tz).astimezone(UTC)
-        except ValueError:
+        except (ValueError, OverflowError):
             continue
         if moment <= limit:
             return moment
@@ -217,27 +248,18 @@ def infer_year(
 class _Prefix:
     name: str
     pattern: re.Pattern[str]  # the prefix alone, matched against the text before "NVRM:"
-    xid_prefix: re.Pattern[str]  # the prefix when an Xid line follows it: the fast path
     timestamp: Callable[[re.Match[str], _TimeContext], datetime | None]
     has_host: bool
     # Stamps with one-second resolution repeat thousands of times in a flood: cache them.
     cache_ts: bool
-    # For the prefix cache (see `_PrefixShape`): the group whose digits change from line to
-    # line and move the time (a fraction of a second; kmsg: a count of microseconds), whether
-    # they do move it (journal's fraction does not), and a group whose digits change on every
-    # line without entering the time (kmsg's sequence number), which must come before it.
+    # For the line cache (`_Shape`): the group whose digits change from line to line and move
+    # the time (a fraction of a second; kmsg: a count of microseconds), whether they do move it
+    # (journal's fraction does not), and a group whose digits change on every line without
+    # entering the time (kmsg's sequence number), which must come before it.
     frac_group: str
     frac_in_ts: bool
     frac_is_micros: bool
     counter_group: str | None
-
-
-# A well-formed Xid payload. Anything that contains "NVRM: Xid" but does not match this goes
-# the slow way, which explains what is wrong with it.
-_XID_FAST = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): (?P<code>[0-9]+)"
-    r"(?:, *(?:pid=(?P<pid>[^,]*), *)?(?:name=(?P<name>[^,]*)(?:, *|$))?(?P<msg>.*))?\s*\Z"
-)
 
 
 def _prefix(
@@ -255,7 +277,6 @@ def _prefix(
     return _Prefix(
         name=name,
         pattern=re.compile(source),
-        xid_prefix=re.compile(rf"(?:{source})(?=NVRM: Xid \()"),
         timestamp=timestamp,
         has_host=has_host,
         cache_ts=cache_ts,
@@ -267,7 +288,8 @@ def _prefix(
 
 
 # Tried in this order at first, then the last successful one first: one file almost always
-# holds one format, so the first try usually matches.
+# holds one format, so the first try usually matches. No two of them match the same text, so
+# the order changes speed only.
 PREFIXES: tuple[_Prefix, ...] = (
     _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_none),
     _prefix(
@@ -302,76 +324,154 @@ PREFIXES: tuple[_Prefix, ...] = (
 
 # -- NVRM payloads -------------------------------------------------------------------------
 
-_XID = re.compile(r"NVRM: Xid *\((?:PCI:)?(?P<pci>[^)]*)\): *(?P<code>[^,]*?) *(?:,(?P<rest>.*))?")
+# Everything of an Xid line up to its code. What follows the code varies with the driver:
+#   `79, pid=1234, name=python3, GPU has fallen off the bus.`   (the classic shape)
+#   `149, NETIR_LINK_EVT/NETIR_LINK_DOWN Fatal XC0 i0 Link 08 (...)` (no pid, no name)
+#   `79 Recommended Action=CONTACT_SUPPORT`                     (a space, then key=value fields)
+#   `119, pid=1582259 Recommended Action=COMPONENT_RESET`       (the same after the pid)
+#   `46`                                                        (the code alone)
+# so the code is the leading integer, and the rest, less pid and name, is the message.
+_XID_HEAD = re.compile(r"NVRM: Xid *\((?:PCI:)?(?P<pci>[^)]*)\): *")
+_XID_FORM = "Xid line not of the form 'NVRM: Xid (PCI:dddd:bb:dd): <code>[, pid=..., name=...] <message>'"
 _BANNER = re.compile(r"NVRM: GPU at (?:PCI:)?(?P<pci>[0-9a-fA-F]+:[0-9a-fA-F]+:[0-9a-fA-F.]+): (?P<uuid>GPU-[^\s,;]+)")
 _PCI = r"(?P<pci>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}(?:\.[0-7])?)"
 _OFF_BUS_START = re.compile(rf"NVRM: The NVIDIA GPU {_PCI}")
 _OFF_BUS_ONE_LINE = re.compile(rf"NVRM: GPU {_PCI}:? .*fallen off the bus")
 _UNKNOWN = ("<unknown>", "'<unknown>'", "")
+_NOT_TEXT = "not text (NUL or undecodable bytes)"
+_ASCII_DIGITS = "0123456789"
+# The `xid_events` columns these go to: xid is int32, pid int64.
+_MAX_XID = 2**31 - 1
+_MAX_PID = 2**63 - 1
 
-# What an Xid line says: time, host, log format and the payload's (bus id, xid, pid, process,
-# message).
+# What an Xid line's payload says: (bus id, xid, pid, process, message).
 _Fields = tuple[str, int, int | None, str | None, str]
-_Known = tuple[datetime | None, str | None, str, _Fields]
 
-# Bound on the per-parser caches (timestamps, bus ids), so a long log cannot grow them forever.
+# Bounds on the per-parser caches (timestamps, payloads, lines): entries, and the length of a
+# text kept as a key, so that neither a long log nor a few huge lines can fill the memory.
 _CACHE_LIMIT = 4096
+_CACHED_TEXT_MAX = 2 * MAX_MESSAGE_CHARS
 
 
-@dataclass(frozen=True, slots=True)
-class _PrefixShape:
-    """What one prefix regex match established, reusable without the regex.
+def _parse_xid(body: str) -> tuple[_Fields, bool] | str:
+    """(fields, whether the message was cut to `MAX_MESSAGE_CHARS`) of an `NVRM: Xid ...` text,
+    or why it is not a well-formed one."""
+    m = _XID_HEAD.match(body)
+    if m is None:
+        return _XID_FORM
+    rest = body[m.end() :]
+    after = rest.lstrip(_ASCII_DIGITS)
+    code = rest[: len(rest) - len(after)]
+    if not code or not (after == "" or after[0] == "," or after[0].isspace()):
+        words = rest.split(",", 1)[0].split(None, 1)
+        token = words[0] if words else ""
+        return f"Xid code {token!r} is not a number"
+    if len(code) > len(str(_MAX_XID)) or int(code) > _MAX_XID:
+        return f"Xid code {code[:20]} out of range: expected at most {_MAX_XID}"
+    xid = int(code)
+    try:
+        pci = normalise_pci_bus_id(m["pci"])
+    except ValueError as exc:
+        return str(exc)
+    pid, process, message = _split_fields(after[1:] if after.startswith(",") else after)
+    truncated = len(message) > MAX_MESSAGE_CHARS or (process is not None and len(process) > MAX_MESSAGE_CHARS)
+    if truncated:
+        message = _bounded(message)
+        process = None if process is None else _bounded(process)
+    return (pci, xid, pid, process, message), truncated
 
-    In a flood, consecutive prefixes differ only in the digits of their sub-second field
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[:MAX_MESSAGE_CHARS] + TRUNCATED_NOTE.format(len(text))
+
+
+def _split_fields(text: str) -> tuple[int | None, str | None, str]:
+    """`pid=12, name=python3, Ch 00000008` -> (12, "python3", "Ch 00000008").
+
+    Process names may hold ':' '[' '.' and spaces (`nvc:[driver]`, `ray::WorkerDict`) but not
+    ','. A pid is digits: one followed by a space and more (`pid=1582259 Recommended
+    Action=...`) keeps the more in the message.
+    """
+    text = text.strip()
+    pid: int | None = None
+    process: str | None = None
+    if text.startswith("pid="):
+        value, comma, after = text[4:].partition(",")
+        value = value.strip()
+        number, space, more = value.partition(" ")
+        # A garbled pid loses the pid only: the XID itself is still worth keeping.
+        if number.isascii() and number.isdigit() and len(number) <= len(str(_MAX_PID)) and int(number) <= _MAX_PID:
+            pid = int(number)
+        text = (more.strip() + comma + after if space else after).lstrip()
+    if text.startswith("name="):
+        value, _, text = text[5:].partition(",")
+        value = value.strip()
+        process = None if value in _UNKNOWN else value
+    return pid, process, text.strip()
+
+
+# -- the parser ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Shape:
+    """The layout of a line the parser has read in full, for reading the next ones without it.
+
+    In a flood, consecutive lines differ only in the digits of their prefix's sub-second field
     (`[103304.000100]`, `...T04:41:44,000100+00:00`) and, for kmsg, of the sequence number.
     Python's regex engine treats every ASCII digit alike (no prefix pattern names a particular
-    digit), so a line equal to an already matched one outside those digit fields, with as many
-    ASCII digits inside them, takes the same path through the prefix's regex: same spec, same
-    host, same groups. Only the time is recomputed: the time at a zero fraction plus the
-    fraction. Stamps count whole seconds and zone offsets are whole seconds too, so the sum is
-    exact.
+    digit), so a line equal to an already read one outside those digit fields, with as many
+    ASCII digits inside them, takes the same path through the prefix's regex: same format,
+    host, bus id, code and message. Only the time changes, by the fraction's change: stamps
+    count whole seconds and zone offsets are whole seconds too, so the time at a zero fraction
+    plus the fraction is exact.
 
-    `micros` is that check done with string methods (no regex, no slicing of the literal
-    parts), the first step of the hot path: the line is `head`, counter digits, `mid`,
-    fraction digits, then `tail`, which ends with the "NVRM: Xid (" that starts the payload.
+    Such a line is `head`, counter digits, `mid`, fraction digits, then one of the texts in
+    `tails`, which gives what the line says. Without a fraction, `frac_start == frac_end` is
+    where the payload starts and `head` is the whole prefix.
     """
 
-    spec: _Prefix
-    host: str | None
-    log_format: str
-    ts: datetime | None  # the time at a zero fraction; None when the format cannot place it
-    base_us: int | None  # `ts` in microseconds since the epoch: what `deduplicate` compares
     head: str
     counter_start: int  # kmsg's sequence number; -1 for the other formats
     counter_end: int
     mid: str
-    frac_start: int  # == frac_end when the prefix has no fraction
+    frac_start: int
     frac_end: int
-    tail: str
-    payload_start: int
     # The fraction's microseconds are int(digits) * scale // shrink: 6 digits -> 1 // 1,
     # 3 digits -> 1000 // 1, 9 digits -> 1 // 1000 (truncated, as `fromisoformat` does),
     # kmsg's count of microseconds -> 1 // 1, a fraction the time ignores (journal) -> 0 // 1.
     scale: int
     shrink: int
+    tails: dict[str, _Tail] = field(default_factory=dict)
 
-    def micros(self, line: str) -> int:
-        """The microseconds of `line`'s fraction if `line` has this shape, else -1."""
-        if not (line.startswith(self.head) and line.startswith(self.tail, self.frac_end)):
-            return -1
-        if self.counter_start >= 0:
-            counter = line[self.counter_start : self.counter_end]
-            if not (counter.isascii() and counter.isdigit() and line.startswith(self.mid, self.counter_end)):
-                return -1
-        if self.frac_start == self.frac_end:
-            return 0
-        frac = line[self.frac_start : self.frac_end]
-        if not (frac.isascii() and frac.isdigit()):
-            return -1
-        return int(frac) * self.scale // self.shrink
+    def layout(self) -> tuple[str, int, int, str, int, int, int, int]:
+        return (
+            self.head,
+            self.counter_start,
+            self.counter_end,
+            self.mid,
+            self.frac_start,
+            self.frac_end,
+            self.scale,
+            self.shrink,
+        )
 
 
-_NO_FRACTION = (-1, -1)
+_Key = tuple[str | None, str, int]  # (node, bus id, xid): what `deduplicate` folds by
+
+# What a line's text after the fraction says: its incident key, the GPU's UUID (from a
+# banner), the time at a zero fraction (UTC, and in microseconds since the epoch; None when the
+# format cannot place it), then host, fields and log format for its record.
+_Tail = tuple[_Key, str | None, int | None, tuple[datetime | None, str | None, _Fields, str]]
+
+
+def _no_shape() -> _Shape:
+    """A layout no line has (`shrink` is never 0): every look-up misses until `_learn`."""
+    return _Shape("", -1, -1, "", 0, 0, 0, 0)
+
+
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)
 
@@ -388,6 +488,9 @@ def _from_us(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
 
 
+_MAX_US = _to_us(datetime.max.replace(tzinfo=UTC))
+
+
 @dataclass(slots=True)
 class _PendingOffBus:
     pci_bus_id: str
@@ -398,11 +501,12 @@ class _PendingOffBus:
 
 
 class KernelLogParser:
-    """Stateful line-by-line parser: remembers banner UUIDs and half-seen off-bus messages.
+    """The state of one parse: banner UUIDs, half-seen off-bus messages, and caches.
 
-    Feed it lines in log order with `feed`; it returns an `XidRecord` for each XID and counts
-    rejected lines in `stats` (`stats.lines` is kept by `parse_lines`). `parse_lines` is the
-    usual way to drive it.
+    `parse_lines` drives it; one parser reads one stream, in log order. Every line goes the
+    same way: `scan` looks it up in the shape of the last Xid line read in full (`_Shape`),
+    which in a flood the next line nearly always has, and reads it in full (`_read`) when it
+    is not there, which teaches the shape that line's layout.
     """
 
     def __init__(
@@ -423,180 +527,146 @@ class KernelLogParser:
         self._uuids: dict[tuple[str | None, str], str] = {}
         self._pending: dict[str | None, _PendingOffBus] = {}
         self._ts_cache: dict[str, datetime | None] = {}
-        self._payloads: dict[str, _Fields] = {}
-        # Prefixes already matched, keyed by their text outside the digit fields; all of one
-        # span (`_span`), and all of the spec in front of `_prefixes`, so that a hit gives
-        # what trying the prefixes in order would give.
-        self._shapes: dict[str, _PrefixShape] = {}
-        self._span = _NO_FRACTION
-        self._counter = _NO_FRACTION  # kmsg's sequence number: digits outside the key as well
-        # The shape of the last Xid line: in a flood, the next line almost always has it too,
-        # and `_PrefixShape.micros` checks that without building the key. Always one of
-        # `_shapes` (None when that is empty), so what holds for them holds for it.
-        self._hot: _PrefixShape | None = None
-        self.uuid_changes = 0  # banners read: what the hot path knows of UUIDs is stale after one
+        self._payloads: dict[str, tuple[_Fields, bool] | str] = {}
+        self._shape = _no_shape()
+        self._node: str | None = None  # stands in for a missing host in incident keys
 
-    def feed(self, line: str, line_no: int) -> XidRecord | None:
-        # Cheap substring tests first: almost no line of a real log mentions NVRM, and in a
-        # flood almost every one is a well-formed Xid line that one regex match fully parses.
-        if "NVRM:" not in line:
-            if "\x00" in line or "\ufffd" in line:
-                self.stats.reject(line_no, "not text (NUL or undecodable bytes)")
-            return None
-        start = line.find("NVRM: Xid (")
-        if start >= 0:
-            known = self._xid_known_prefix(line, start) if self._shapes else None
-            record = None if known is None else self._record(known, line_no)
-            if record is None:
-                record = self._xid_fast(line, start, line_no)
-            if record is not None:
-                return record
-        return self._slow(line, line_no)
+    def scan(self, lines: Iterable[str], first_line_no: int, folder: _Folder | None) -> Iterator[Any]:
+        """The XID records of `lines`; with a `folder`, the incidents it closes instead.
 
-    def _xid_known_prefix(self, line: str, start: int) -> _Known | None:
-        """(time, host, log format, payload fields) of an Xid line whose prefix `_shapes` knows,
-        else None (then try the regex). Makes that shape the hot one. Counts nothing."""
-        shape = self._hot
-        micros = shape.micros(line) if shape is not None else -1
-        if shape is None or micros < 0:
-            key = self._shape_key(line, start)
-            found = self._shapes.get(key) if key is not None else None
-            if found is None:
-                return None
-            micros = found.micros(line)  # the key matched: only the digits can be wrong
-            if micros < 0:
-                return None
-            shape = self._hot = found
-        payload = line[shape.payload_start :]
-        fields = self._payloads.get(payload)
-        if fields is None:
-            fields = self._payload_fields(payload)
-            if fields is None:
-                return None
-        ts = shape.ts
-        if micros and ts is not None:
-            ts += timedelta(0, 0, micros)  # positional: 2x faster than keywords
-        return ts, shape.host, shape.log_format, fields
-
-    def _shape_key(self, line: str, start: int) -> str | None:
-        """The `_shapes` key of a line whose payload starts at `start`: its text outside the
-        digit fields of the shapes now cached (`_span`, `_counter`)."""
-        frac_start, frac_end = self._span
-        if frac_start < 0:
-            return line[:start]
-        if frac_end > start:
-            return None
-        counter_start, counter_end = self._counter
-        if counter_start < 0:
-            return line[:frac_start] + line[frac_end:start]
-        return line[:counter_start] + line[counter_end:frac_start] + line[frac_end:start]
-
-    def _record(self, known: _Known, line_no: int) -> XidRecord:
-        ts, host, fmt, (pci, xid, pid, process, message) = known
-        self.stats.xid_records += 1
-        uuid = self._uuids.get((host, pci)) if self._uuids else None
-        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt)
-
-    def _xid_fast(self, line: str, start: int, line_no: int) -> XidRecord | None:
-        prefixes = self._prefixes
-        spec = prefixes[0]
-        m = spec.xid_prefix.match(line)
-        if m is None:
-            for i in range(1, len(prefixes)):
-                m = prefixes[i].xid_prefix.match(line)
-                if m is not None:
-                    spec = prefixes.pop(i)
-                    prefixes.insert(0, spec)
-                    self._shapes.clear()  # they were all of the spec that was in front
-                    self._hot = None
-                    break
-            else:
-                return None
-        # Flood lines differ only in their stamp: the payload after it is parsed once.
-        payload = line[m.end() :]
-        fields = self._payloads.get(payload)
-        if fields is None:
-            fields = self._payload_fields(payload)
-            if fields is None:
-                return None  # the slow path rejects it with the reason
-        ts = self._timestamp(spec, m) if spec.cache_ts else spec.timestamp(m, self._ctx)
-        if spec.has_host:
-            host = m["host"]
-            fmt = spec.name if host is not None else "journal_nohost"
-        else:
-            host, fmt = None, spec.name
-        if m.end() == start:
-            self._remember_shape(line, start, m, spec, ts, host, fmt)
-        pci, xid, pid, process, message = fields
-        self.stats.xid_records += 1
-        uuid = self._uuids.get((host, pci)) if self._uuids else None
-        return XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, fmt)
-
-    def _remember_shape(
-        self, line: str, start: int, m: re.Match[str], spec: _Prefix, ts: datetime | None, host: str | None, fmt: str
-    ) -> None:
-        """Cache the shape of an Xid line just parsed by `spec`'s regex, and make it the hot one."""
-        frac_start, frac_end = m.span(spec.frac_group) if spec.frac_group in spec.pattern.groupindex else _NO_FRACTION
-        counter = m.span(spec.counter_group) if spec.counter_group is not None else _NO_FRACTION
-        scale, shrink = 0, 1
-        if frac_start < 0:
-            counter = _NO_FRACTION
-            head_end = start
-        else:
-            frac = line[frac_start:frac_end]
-            if not frac.isascii() or counter[0] > frac_start or not line[counter[0] : counter[1]].isascii():
-                return
-            head_end = frac_start if counter[0] < 0 else counter[0]
-            if spec.frac_in_ts:
-                digits = frac_end - frac_start
-                if spec.frac_is_micros:
-                    scale = 1
-                elif digits <= 6:
-                    scale = 10 ** (6 - digits)
+        The loop is shaped for CPython's costs (a call, an allocation or a datetime sum each
+        cost as much as several string tests): a line without "NVRM:" (almost every line of a
+        real log) costs one substring test; a line of the shape costs a slice, a dictionary
+        look-up, a `startswith` and the digit tests, and, when folding, one `_Folder.fold`
+        call that only bumps its incident's count. Everything else goes through `_read`.
+        """
+        stats = self.stats
+        reject = stats.reject
+        read = self._read
+        add: Callable[[XidRecord], None] | None = None
+        fold: Callable[[_Key, int, str | None], bool] | None = None
+        done: list[XidIncident] = []
+        if folder is not None:
+            add, fold, done = folder.add, folder.fold, folder.done
+            if folder.node != self._node:
+                self._node = folder.node
+                self._shape = _no_shape()  # its keys were made with another node
+        shape = self._shape
+        head, counter_start, counter_end, mid, frac_start, frac_end, scale, shrink = shape.layout()
+        tails_get = shape.tails.get
+        rescale = scale != 1 or shrink != 1
+        line_no = first_line_no - 1
+        hits = 0  # Xid lines of the shape, added to `stats` at the end
+        try:
+            for line_no, line in enumerate(lines, start=first_line_no):
+                if "NVRM:" not in line:
+                    if "\x00" in line or "\ufffd" in line:
+                        reject(line_no, _NOT_TEXT)
+                    continue
+                tail = tails_get(line[frac_end:])
+                micros = 0
+                if tail is not None:
+                    if not line.startswith(head):
+                        tail = None
+                    elif frac_end != frac_start:
+                        frac = line[frac_start:frac_end]
+                        # `isdecimal` is what the regex's `\d` accepts: the counter's digits
+                        # never enter the time, so non-ASCII ones change nothing; the fraction's
+                        # would, so they go to `_read`.
+                        if not (frac.isascii() and frac.isdigit()) or (
+                            counter_end >= 0
+                            and not (line[counter_start:counter_end].isdecimal() and line.startswith(mid, counter_end))
+                        ):
+                            tail = None
+                        else:
+                            micros = int(frac)
+                            if rescale:
+                                micros = micros * scale // shrink
+                if tail is None:
+                    record = read(line, line_no)
+                    if self._shape is not shape:
+                        shape = self._shape
+                        head, counter_start, counter_end, mid, frac_start, frac_end, scale, shrink = shape.layout()
+                        tails_get = shape.tails.get
+                        rescale = scale != 1 or shrink != 1
+                    if record is None:
+                        continue
                 else:
-                    scale, shrink = 1, 10 ** (digits - 6)
-                if ts is not None:
-                    ts -= timedelta(0, 0, int(frac) * scale // shrink)  # the time at a zero fraction
-        if (frac_start, frac_end) != self._span or counter != self._counter or len(self._shapes) >= _CACHE_LIMIT:
-            self._shapes.clear()
-            self._span = (frac_start, frac_end)
-            self._counter = counter
-        if frac_start < 0:
-            frac_start = frac_end = start
-        shape = _PrefixShape(
-            spec=spec,
-            host=host,
-            log_format=fmt,
-            ts=ts,
-            base_us=None if ts is None else _to_us(ts),
-            head=line[:head_end],
-            counter_start=counter[0],
-            counter_end=counter[1],
-            mid=line[counter[1] : frac_start] if counter[0] >= 0 else "",
-            frac_start=frac_start,
-            frac_end=frac_end,
-            tail=line[frac_end : start + len("NVRM: Xid (")],
-            payload_start=start,
-            scale=scale,
-            shrink=shrink,
-        )
-        key = self._shape_key(line, start)
-        assert key is not None  # the fraction is in the prefix, before `start`
-        self._shapes[key] = shape
-        self._hot = shape
+                    hits += 1
+                    key, uuid, base_us, facts = tail
+                    if fold is not None:
+                        if base_us is not None:
+                            if fold(key, base_us + micros, uuid):
+                                continue
+                        elif folder is not None and folder.fold_untimed(key, uuid):
+                            continue
+                    ts, host, (pci, xid, pid, process, message), log_format = facts
+                    if micros and ts is not None:
+                        ts += timedelta(0, 0, micros)  # positional: 2x faster than keywords
+                    record = XidRecord(ts, host, pci, xid, pid, process, message, uuid, line_no, log_format)
+                if add is None:
+                    yield record
+                else:
+                    add(record)
+                    if done:
+                        yield from done
+                        done.clear()
+        finally:
+            stats.lines += line_no - first_line_no + 1
+            stats.xid_records += hits
 
-    def _payload_fields(self, payload: str) -> _Fields | None:
-        """Parse a payload not in `_payloads` (callers look there first) and cache it."""
-        fields = _parse_payload(payload)
-        if fields is None:
+    def _read(self, line: str, line_no: int) -> XidRecord | None:
+        """Parse one line that mentions NVRM in full: its prefix by regex, then its payload."""
+        cut = line.find("NVRM:")
+        found = self._match_prefix(line[:cut])
+        if found is None:
+            spec, m, fmt, ts, host = None, None, "unknown", None, None
+        else:
+            spec, m = found
+            ts = self._timestamp(spec, m) if spec.cache_ts else spec.timestamp(m, self._ctx)
+            host = m["host"] if spec.has_host else None
+            fmt = "journal_nohost" if spec.has_host and host is None else spec.name
+        body = line[cut:].rstrip("\r\n")
+        if body.startswith("NVRM: Xid"):
+            parsed = self._payloads.get(body)
+            if parsed is None:
+                parsed = _parse_xid(body)
+                if len(body) <= _CACHED_TEXT_MAX:
+                    if len(self._payloads) >= _CACHE_LIMIT:
+                        self._payloads.clear()
+                    self._payloads[body] = parsed
+            if isinstance(parsed, str):
+                self.stats.reject(line_no, parsed)
+                return None
+            fields, truncated = parsed
+            self.stats.xid_records += 1
+            if truncated:
+                self.stats.truncated_messages += 1
+            pci, xid, pid, process, message = fields
+            record = XidRecord(ts, host, pci, xid, pid, process, message, self._uuids.get((host, pci)), line_no, fmt)
+            # Not learnt when cut: a line read through the shape would not be counted as cut.
+            if m is not None and spec is not None and not truncated and len(line) <= _CACHED_TEXT_MAX:
+                self._learn(line, cut, spec, m, record, fields)
+            return record
+        if "GPU at " in body:
+            self._banner(body, host)
             return None
-        if len(self._payloads) >= _CACHE_LIMIT:
-            self._payloads.clear()
-        self._payloads[payload] = fields
-        return fields
+        return self._off_bus(body, ts, host, line_no, fmt)
+
+    def _match_prefix(self, text: str) -> tuple[_Prefix, re.Match[str]] | None:
+        prefixes = self._prefixes
+        for i, spec in enumerate(prefixes):
+            m = spec.pattern.fullmatch(text)
+            if m is not None:
+                if i:
+                    prefixes.insert(0, prefixes.pop(i))
+                return spec, m
+        return None
 
     def _timestamp(self, spec: _Prefix, m: re.Match[str]) -> datetime | None:
         key = m.group()
+        if len(key) > _CACHED_TEXT_MAX:
+            return spec.timestamp(m, self._ctx)
         try:
             return self._ts_cache[key]
         except KeyError:
@@ -606,49 +676,54 @@ class KernelLogParser:
         ts = self._ts_cache[key] = spec.timestamp(m, self._ctx)
         return ts
 
-    def _slow(self, line: str, line_no: int) -> XidRecord | None:
-        cut = line.find("NVRM:")
-        prefix = self._match_prefix(line[:cut])
-        if prefix is None:
-            fmt, ts, host = "unknown", None, None
+    def _learn(self, line: str, cut: int, spec: _Prefix, m: re.Match[str], record: XidRecord, fields: _Fields) -> None:
+        """Remember what `line`, an Xid line just read in full, says, under its layout."""
+        frac_start, frac_end = m.span(spec.frac_group) if spec.frac_group in spec.pattern.groupindex else (-1, -1)
+        counter_start, counter_end = m.span(spec.counter_group) if spec.counter_group is not None else (-1, -1)
+        scale, shrink, micros = 0, 1, 0
+        if frac_start < 0:
+            frac_start = frac_end = head_end = cut
+            counter_start = counter_end = -1
         else:
-            spec, m = prefix
-            fmt, ts = spec.name, spec.timestamp(m, self._ctx)
-            host = m["host"] if spec.has_host else None
-            if host is None and fmt == "journal":
-                fmt = "journal_nohost"
-        body = line[cut:].rstrip("\r\n")
-        if body.startswith("NVRM: Xid"):
-            return self._xid(body, ts, host, line_no, fmt)
-        if "GPU at " in body:
-            self._banner(body, host)
-            return None
-        return self._off_bus(body, ts, host, line_no, fmt)
-
-    def _match_prefix(self, text: str) -> tuple[_Prefix, re.Match[str]] | None:
-        for spec in self._prefixes:
-            m = spec.pattern.fullmatch(text)
-            if m is not None:
-                return spec, m
-        return None
-
-    def _xid(self, body: str, ts: datetime | None, host: str | None, line_no: int, fmt: str) -> XidRecord | None:
-        m = _XID.fullmatch(body)
-        if m is None:
-            self.stats.reject(line_no, "Xid line not of the form 'NVRM: Xid (PCI:dddd:bb:dd): <code>, ...'")
-            return None
-        code = m["code"]
-        if not (code.isascii() and code.isdigit()):
-            self.stats.reject(line_no, f"Xid code {code!r} is not a number")
-            return None
-        try:
-            pci = normalise_pci_bus_id(m["pci"])
-        except ValueError as exc:
-            self.stats.reject(line_no, str(exc))
-            return None
-        pid, process, message = _split_rest(m["rest"] or "")
-        self.stats.xid_records += 1
-        return XidRecord(ts, host, pci, int(code), pid, process, message, self._uuids.get((host, pci)), line_no, fmt)
+            frac = line[frac_start:frac_end]
+            digits = frac_end - frac_start
+            if (
+                not frac.isascii()
+                or digits > _MAX_STAMP_DIGITS
+                or counter_start > frac_start
+                or not line[counter_start:counter_end].isascii()
+            ):
+                return
+            head_end = frac_start if counter_start < 0 else counter_start
+            if spec.frac_in_ts:
+                if spec.frac_is_micros:
+                    scale = 1
+                elif digits <= 6:
+                    scale = 10 ** (6 - digits)
+                else:
+                    scale, shrink = 1, 10 ** (digits - 6)
+                micros = int(frac) * scale // shrink
+        layout = (
+            line[:head_end],
+            counter_start,
+            counter_end,
+            line[counter_end:frac_start] if counter_start >= 0 else "",
+            frac_start,
+            frac_end,
+            scale,
+            shrink,
+        )
+        shape = self._shape
+        if shape.layout() != layout or len(shape.tails) >= _CACHE_LIMIT:
+            shape = self._shape = _Shape(*layout)
+        ts = record.ts
+        if ts is not None:
+            ts -= timedelta(0, 0, micros)
+            if _to_us(ts) + 10 ** (frac_end - frac_start) * scale // shrink > _MAX_US:
+                return  # a line of the layout could be past year 9999
+        key = (record.host or self._node, record.pci_bus_id, record.xid)
+        facts = (ts, record.host, fields, record.log_format)
+        shape.tails[line[frac_end:]] = (key, record.gpu_uuid, None if ts is None else _to_us(ts), facts)
 
     def _banner(self, body: str, host: str | None) -> None:
         m = _BANNER.match(body)
@@ -656,7 +731,7 @@ class KernelLogParser:
             # A banner we cannot read costs only the UUID, not the events.
             with contextlib.suppress(ValueError):
                 self._uuids[(host, normalise_pci_bus_id(m["pci"]))] = m["uuid"]
-                self.uuid_changes += 1
+                self._shape.tails.clear()  # they hold the UUIDs known before
 
     def _off_bus(self, body: str, ts: datetime | None, host: str | None, line_no: int, fmt: str) -> XidRecord | None:
         pending = self._pending.get(host)
@@ -688,51 +763,6 @@ class KernelLogParser:
         self.stats.xid_records += 1
         uuid = self._uuids.get((host, pci))
         return XidRecord(ts, host, pci, OFF_BUS_XID, None, None, OFF_BUS_MESSAGE, uuid, line_no, fmt)
-
-
-def _parse_payload(payload: str) -> _Fields | None:
-    """(bus id, xid, pid, process, message) of a well-formed `NVRM: Xid ...` text, else None."""
-    m = _XID_FAST.match(payload)
-    if m is None:
-        return None
-    raw_pci, code, raw_pid, name, msg = m.group("pci", "code", "pid", "name", "msg")
-    try:
-        pci = normalise_pci_bus_id(raw_pci)
-    except ValueError:
-        return None
-    pid = None
-    if raw_pid is not None:
-        raw_pid = raw_pid.strip()
-        if raw_pid.isdigit():
-            pid = int(raw_pid)
-    if name is not None:
-        name = name.strip()
-        if name in _UNKNOWN:
-            name = None
-    return pci, int(code), pid, name, msg.strip() if msg else ""
-
-
-def _split_rest(rest: str) -> tuple[int | None, str | None, str]:
-    """`pid=12, name=python3, Ch 00000008` -> (12, "python3", "Ch 00000008").
-
-    Split by hand rather than by regex: this runs once per line of a flood. Process names may
-    hold ':' '[' '.' (`nvc:[driver]`, `ray::WorkerDict`) but not ','.
-    """
-    text = rest.strip()
-    pid: int | None = None
-    process: str | None = None
-    if text.startswith("pid="):
-        raw_pid, _, text = text[4:].partition(",")
-        raw_pid = raw_pid.strip()
-        # A garbled pid loses the pid only: the XID itself is still worth keeping.
-        pid = int(raw_pid) if raw_pid.isascii() and raw_pid.isdigit() else None
-        text = text.lstrip()
-    if text.startswith("name="):
-        raw_name, _, text = text[5:].partition(",")
-        raw_name = raw_name.strip()
-        process = None if raw_name in _UNKNOWN else raw_name
-        text = text.strip()
-    return pid, process, text
 
 
 def _aware(moment: datetime) -> datetime:
@@ -770,7 +800,8 @@ def parse_lines(
     - `reference_time`: a time at or after the log's last line (e.g. the file's mtime), to give
       year-less journal stamps a year; without it those records have `ts=None`.
     - `tz`: time zone of naive stamps (ctime, journal); UTC by default.
-    - `stats`: filled in as the stream is consumed (lines, records, rejected lines).
+    - `stats`: filled in as the stream is consumed (lines, records, rejected lines, messages
+      cut to `MAX_MESSAGE_CHARS`).
     """
     parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
     if stats is not None:
@@ -791,217 +822,18 @@ class ParsedLines(Iterator[XidRecord]):
     def __iter__(self) -> Iterator[XidRecord]:
         # The generator itself, so that a `for` loop runs at generator speed.
         if self._records is None:
-            self._records = self._parse()
+            self._records = self._parser.scan(self._lines, self._first_line_no, None)
         return self._records
 
     def __next__(self) -> XidRecord:
         return next(iter(self))
 
-    # The two loops below are the hot path of a flood, shaped for CPython's costs: a call, an
-    # allocation or a datetime sum each cost as much as several string tests, so
-    #  - the first test is `"NVRM:" in line`, which stops almost every line of a real log;
-    #  - an Xid line with the hot shape (the previous Xid line's, which in a flood the next
-    #    line nearly always has too) is parsed with string tests and dictionary look-ups, no
-    #    regex: `_parse` checks it with `_PrefixShape.micros`; `_incidents` goes further;
-    #  - anything else goes through `feed`, which handles every line the same way on its own.
-    # `tests/ingest/test_kernel_log_prefix_cache.py` and `test_kernel_log_hot_path.py` check
-    # that both give what `feed` gives.
-
-    def _parse(self) -> Iterator[XidRecord]:
-        parser = self._parser
-        feed = parser.feed
-        payloads = parser._payloads  # cleared in place, never replaced
-        uuids = parser._uuids
-        stats = parser.stats
-        hot = parser._hot
-        first = self._first_line_no
-        line_no = first - 1
-        try:
-            for line_no, line in enumerate(self._lines, start=first):
-                if "NVRM:" in line:
-                    if hot is not None:
-                        micros = hot.micros(line)
-                        if micros >= 0:
-                            fields = payloads.get(line[hot.payload_start :])
-                            if fields is not None:
-                                pci, xid, pid, process, message = fields
-                                ts = hot.ts
-                                if micros and ts is not None:
-                                    ts += timedelta(0, 0, micros)
-                                host = hot.host
-                                uuid = uuids.get((host, pci)) if uuids else None
-                                stats.xid_records += 1
-                                yield XidRecord(
-                                    ts, host, pci, xid, pid, process, message, uuid, line_no, hot.log_format
-                                )
-                                continue
-                    record = feed(line, line_no)
-                    hot = parser._hot
-                    if record is not None:
-                        yield record
-                elif "\x00" in line or "\ufffd" in line:
-                    feed(line, line_no)  # rejects it, with the reason
-        finally:
-            stats.lines += line_no - first + 1
-
-    def _incidents(self, folder: _Folder) -> Iterator[XidIncident]:
-        """`_parse` and `deduplicate` in one loop: a flood line with the hot prefix which
-        falls into an open incident only bumps that incident's count.
-
-        Per flood line this costs one dictionary look-up of the text after the fraction
-        (`_HotTails`: it checks the rest of the prefix and the payload at once, and gives the
-        incident's key ready made), one `startswith` for the text before it, the digit tests,
-        and the fold, all inline: here a call costs more than any of these.
-        """
-        parser = self._parser
-        feed = parser.feed
-        stats = parser.stats
-        open_get = folder.open.get
-        add = folder.add
-        done = folder.done
-        first = self._first_line_no
-        line_no = first - 1
-        xid_lines = 0  # Xid lines of the hot path, added to `stats` at the end
-
-        hot = _HotTails(parser, folder.node)
-        tails_get, head, frac_start, frac_end, counter_start, counter_end, mid, base_us, scale, shrink = hot.locals()
-        rescale = scale != 1 or shrink != 1
-        try:
-            for line_no, line in enumerate(self._lines, start=first):
-                if "NVRM:" not in line:
-                    if "\x00" in line or "\ufffd" in line:
-                        feed(line, line_no)  # rejects it, with the reason
-                    continue
-                known = tails_get(line[frac_end:])
-                if known is not None and line.startswith(head):
-                    # The digits: checked here rather than in the look-up, which they would
-                    # make miss on every line. kmsg's sequence number comes first.
-                    micros = 0
-                    if frac_end > frac_start:
-                        frac = line[frac_start:frac_end]
-                        if not (frac.isascii() and frac.isdigit()):
-                            known = None
-                        elif counter_end >= 0:
-                            # `isdecimal` is what the regex's `\d` accepts: the counter's
-                            # digits never enter the time, so non-ASCII ones change nothing.
-                            counter = line[counter_start:counter_end]
-                            if not (counter.isdecimal() and line[counter_end:frac_start] == mid):
-                                known = None
-                        if known is not None:
-                            micros = int(frac)
-                            if rescale:
-                                micros = micros * scale // shrink
-                    if known is not None:
-                        xid_lines += 1
-                        key, uuid, fields = known
-                        if base_us is not None:
-                            # `_Folder.add`'s common case, inlined: most lines of a flood.
-                            ts_us = base_us + micros
-                            entry = open_get(key)
-                            if (
-                                entry is not None
-                                and entry[1] <= ts_us <= entry[2]
-                                and (uuid is None or uuid == entry[0].gpu_uuid)
-                            ):
-                                entry[0].repeat_count += 1
-                                if ts_us > entry[4]:
-                                    entry[4] = ts_us
-                                elif ts_us < entry[3]:
-                                    folder.move_start(entry, ts_us)
-                                continue
-                        elif folder.fold_untimed(*key, uuid):
-                            continue
-                        add(hot.record(fields, micros, uuid, line_no))
-                        if done:
-                            yield from done
-                            done.clear()
-                        continue
-                record = feed(line, line_no)
-                if hot.stale():
-                    hot = _HotTails(parser, folder.node)
-                    tails_get, head, frac_start, frac_end, counter_start, counter_end, mid, base_us, scale, shrink = (
-                        hot.locals()
-                    )
-                    rescale = scale != 1 or shrink != 1
-                if record is not None:
-                    hot.learn(line)
-                    add(record)
-                    if done:
-                        yield from done
-                        done.clear()
-        finally:
-            stats.lines += line_no - first + 1
-            stats.xid_records += xid_lines
-
-
-# What `_HotTails` knows of one text after the fraction: the incident key, the GPU's UUID
-# from a banner, and the payload fields.
-_TailFacts = tuple[tuple[str | None, str, int], str | None, _Fields]
-
-
-class _HotTails:
-    """The hot shape of `_incidents`, seen from the end of the line.
-
-    The text after the fraction (the rest of the prefix, then the payload) repeats across a
-    flood with a handful of values, one per GPU and message; a dictionary of those gives, with
-    one look-up, that the line has the shape's tail and which incident key, UUID and payload
-    fields it has. Learnt from lines that `feed` has just parsed as Xid lines of the shape.
-    Stale once the parser's hot shape or its banners change.
-    """
-
-    def __init__(self, parser: KernelLogParser, node: str | None) -> None:
-        self.parser = parser
-        self.shape = parser._hot
-        self.uuid_changes = parser.uuid_changes
-        self.node = node
-        self.tails: dict[str, _TailFacts] = {}
-
-    def locals(
-        self,
-    ) -> tuple[Callable[[str], _TailFacts | None], str, int, int, int, int, str, int | None, int, int]:
-        """What the loop keeps in local variables: tails look-up, head, fraction span, counter
-        span (-1: none), text between counter and fraction, base time, scale, shrink."""
-        shape = self.shape
-        if shape is None:  # every look-up misses
-            return self.tails.get, "", 0, 0, -1, -1, "", None, 0, 1
-        return (
-            self.tails.get,
-            shape.head,
-            shape.frac_start,
-            shape.frac_end,
-            shape.counter_start,
-            shape.counter_end,
-            shape.mid,
-            shape.base_us,
-            shape.scale,
-            shape.shrink,
-        )
-
-    def stale(self) -> bool:
-        return self.parser._hot is not self.shape or self.parser.uuid_changes != self.uuid_changes
-
-    def learn(self, line: str) -> None:
-        """Remember the tail of `line`, an Xid line `feed` has just parsed, if it has the shape."""
-        shape = self.shape
-        if shape is None or shape.micros(line) < 0:
-            return
-        fields = self.parser._payloads.get(line[shape.payload_start :])
-        if fields is None:
-            return
-        if len(self.tails) >= _CACHE_LIMIT:
-            self.tails.clear()
-        host = shape.host
-        uuid = self.parser._uuids.get((host, fields[0]))
-        self.tails[line[shape.frac_end :]] = ((host or self.node, fields[0], fields[1]), uuid, fields)
-
-    def record(self, fields: _Fields, micros: int, uuid: str | None, line_no: int) -> XidRecord:
-        shape = self.shape
-        assert shape is not None  # a tail was found: a shape is hot
-        ts = shape.ts
-        if micros and ts is not None:
-            ts += timedelta(0, 0, micros)
-        pci, xid, pid, process, message = fields
-        return XidRecord(ts, shape.host, pci, xid, pid, process, message, uuid, line_no, shape.log_format)
+    def fold(self, folder: _Folder) -> Iterator[XidIncident] | None:
+        """The incidents of the whole stream folded by `folder`; None once iteration began."""
+        if self._records is not None:
+            return None
+        self._records = iter(())
+        return self._parser.scan(self._lines, self._first_line_no, folder)
 
 
 def parse_line(
@@ -1015,11 +847,11 @@ def parse_line(
 
     Raises ValueError, with the reason, for a line that looks like an Xid line but is malformed.
     """
-    parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
-    record = parser.feed(line, 1)
-    if parser.stats.rejected_lines:
-        raise ValueError(f"{line.strip()!r}: {parser.stats.rejected_lines[0].reason}")
-    return record
+    stats = ParseStats()
+    records = list(parse_lines((line,), boot_time=boot_time, reference_time=reference_time, tz=tz, stats=stats))
+    if stats.rejected_lines:
+        raise ValueError(f"{line.strip()!r}: {stats.rejected_lines[0].reason}")
+    return records[0] if records else None
 
 
 # -- deduplication -------------------------------------------------------------------------
@@ -1060,8 +892,9 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     if window < timedelta(0):
         raise ValueError(f"dedup window {window}: expected a duration >= 0")
     folder = _Folder(window, node)
-    if isinstance(records, ParsedLines) and records._records is None:
-        yield from records._incidents(folder)
+    folded = records.fold(folder) if isinstance(records, ParsedLines) else None
+    if folded is not None:
+        yield from folded
     else:
         add, done = folder.add, folder.done
         for rec in records:
@@ -1072,12 +905,10 @@ def deduplicate(records: Iterable[XidRecord], window: timedelta, *, node: str | 
     yield from folder.finish()
 
 
-_Key = tuple[str | None, str, int]
-
 # An open incident as `_Folder` keeps it: [incident, earliest, latest, first, last], times in
-# microseconds since the epoch (earliest/latest: its window). A list, not an object: the hot
-# path reads and bumps these once per flood line, and integers compare several times faster
-# than datetimes. `incident.last_ts` is set from `last` when the incident is closed.
+# microseconds since the epoch (earliest/latest: its window). A list, not an object: a flood
+# reads and bumps these once per line, and integers compare several times faster than
+# datetimes. `incident.last_ts` is set from `last` when the incident is closed.
 _Open = list  # type: ignore[type-arg]
 
 
@@ -1093,47 +924,21 @@ class _Folder:
         self.watermark: int | None = None
         self.countdown = _SWEEP_EVERY
 
-    def move_start(self, entry: _Open, ts_us: int) -> None:
-        """An incident's line earlier than its first (merged syslog streams arrive slightly
-        out of order): it starts there, and so does its window."""
-        entry[0].ts = _from_us(ts_us)
-        entry[1], entry[2], entry[3] = ts_us - self.window_us, ts_us + self.window_us, ts_us
-
-    def fold_untimed(self, host: str | None, pci: str, xid: int, uuid: str | None) -> bool:
-        """Fold an untimed Xid line into its incident if it is of the same GPU; False when
-        `add` has to decide."""
-        incident = self.untimed.get((host, pci, xid))
-        if incident is None or not (uuid is None or incident.gpu_uuid is None or uuid == incident.gpu_uuid):
-            return False
-        incident.repeat_count += 1
-        if incident.gpu_uuid is None:
-            incident.gpu_uuid = uuid
-        return True
-
     def add(self, rec: XidRecord) -> None:
         key = (rec.host or self.node, rec.pci_bus_id, rec.xid)
         if rec.ts is None:
-            if self.fold_untimed(*key, rec.gpu_uuid):
-                return
-            incident = self.untimed.get(key)
-            if incident is not None:
-                self.done.append(incident)
-            self.untimed[key] = _new_incident(rec, key[0])
+            if not self.fold_untimed(key, rec.gpu_uuid):
+                incident = self.untimed.get(key)
+                if incident is not None:
+                    self.done.append(incident)
+                self.untimed[key] = _new_incident(rec, key[0])
             return
         ts_us = _to_us(rec.ts)
-        entry = self.open.get(key)
-        if entry is not None and _same_gpu(entry[0], rec) and entry[1] <= ts_us <= entry[2]:
-            incident = entry[0]
-            incident.repeat_count += 1
-            if incident.gpu_uuid is None:
-                incident.gpu_uuid = rec.gpu_uuid  # a UUID learnt mid-incident
-            if ts_us > entry[4]:
-                entry[4] = ts_us
-            elif ts_us < entry[3]:
-                self.move_start(entry, ts_us)
+        if self.fold(key, ts_us, rec.gpu_uuid):
             return
+        entry = self.open.pop(key, None)
         if entry is not None:
-            self.done.append(_close(self.open.pop(key)))
+            self.done.append(_close(entry))
         self.open[key] = [_new_incident(rec, key[0]), ts_us - self.window_us, ts_us + self.window_us, ts_us, ts_us]
         if self.watermark is None or ts_us > self.watermark:
             self.watermark = ts_us
@@ -1141,6 +946,37 @@ class _Folder:
         if self.countdown <= 0:
             self.countdown = _SWEEP_EVERY
             self.done.extend(_sweep(self.open, self.watermark - self.window_us))
+
+    def fold(self, key: _Key, ts_us: int, uuid: str | None) -> bool:
+        """Fold a line at `ts_us` into its key's open incident if it is of the same GPU and
+        within the window; False when it starts a new incident (`add` does that)."""
+        entry = self.open.get(key)
+        if entry is None or not entry[1] <= ts_us <= entry[2]:
+            return False
+        incident = entry[0]
+        if uuid is not None and uuid != incident.gpu_uuid:
+            if incident.gpu_uuid is not None:
+                return False  # another GPU at this bus id
+            incident.gpu_uuid = uuid  # a UUID learnt mid-incident
+        incident.repeat_count += 1
+        if ts_us > entry[4]:
+            entry[4] = ts_us
+        elif ts_us < entry[3]:
+            # A line earlier than the incident's first (merged syslog streams arrive slightly
+            # out of order): it starts there, and so does its window.
+            incident.ts = _from_us(ts_us)
+            entry[1], entry[2], entry[3] = ts_us - self.window_us, ts_us + self.window_us, ts_us
+        return True
+
+    def fold_untimed(self, key: _Key, uuid: str | None) -> bool:
+        """Fold an untimed line into its key's incident if it is of the same GPU."""
+        incident = self.untimed.get(key)
+        if incident is None or not (uuid is None or incident.gpu_uuid is None or uuid == incident.gpu_uuid):
+            return False
+        incident.repeat_count += 1
+        if incident.gpu_uuid is None:
+            incident.gpu_uuid = uuid
+        return True
 
     def finish(self) -> Iterator[XidIncident]:
         yield from self.done
@@ -1160,10 +996,6 @@ def _new_incident(rec: XidRecord, node: str | None) -> XidIncident:
     return XidIncident(
         rec.ts, rec.ts, node, rec.pci_bus_id, rec.xid, rec.pid, rec.process, rec.message, rec.gpu_uuid, 1, rec.line_no
     )
-
-
-def _same_gpu(incident: XidIncident, rec: XidRecord) -> bool:
-    return incident.gpu_uuid is None or rec.gpu_uuid is None or incident.gpu_uuid == rec.gpu_uuid
 
 
 def _sweep(open_: dict[_Key, _Open], before: int) -> Iterator[XidIncident]:

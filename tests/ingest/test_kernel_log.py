@@ -1,5 +1,7 @@
-"""Unit tests of `ingest.kernel_log`: parsing every real log format, context lines, the
-off-the-bus message, rejected lines, year inference, time zones and deduplication.
+"""Unit tests of `ingest.kernel_log`: parsing every real log format and Xid line shape,
+context lines, the off-the-bus message, rejected lines, bounded messages, year inference, time
+zones and deduplication. Floods (the parser's line cache, folding) are in
+`test_kernel_log_floods.py`.
 
 Real lines come from `tests/fixtures/kernel_log/` (see SOURCE.txt there). Lines written inline
 below are made up for this test: real NVRM payloads wrapped in the prefixes of formats for which
@@ -19,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ingest.kernel_log import (
+    MAX_MESSAGE_CHARS,
     MONTH_ABBREVIATIONS,
     OFF_BUS_MESSAGE,
     ParseStats,
@@ -78,7 +81,7 @@ def parse(line: str, **kwargs: object) -> XidRecord:
 
 
 def test_fixture_covers_the_formats_we_claim() -> None:
-    assert len(XID_ROWS) == 30
+    assert len(XID_ROWS) == 39
     assert {r.log_format for r in XID_ROWS} == set(FORMAT_NAMES) - {"journal"}
 
 
@@ -87,7 +90,7 @@ def test_every_real_xid_line_gives_its_code_bus_id_and_format(row: Row) -> None:
     record = parse(row.line)
     assert record.xid == int(row.kind)
     # The bus id as printed, read independently of the parser: domain:bus:device in hex.
-    printed = re.search(r"Xid \(PCI:([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\)", row.line)
+    printed = re.search(r"Xid \((?:PCI:)?([0-9a-fA-F]{4}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})(?:\.[0-7])?\)", row.line)
     assert printed is not None
     assert record.pci_bus_id == ":".join(printed.groups()).lower()
     assert record.log_format == FORMAT_NAMES[row.log_format]
@@ -196,6 +199,49 @@ def row(number: int) -> str:
             876767,
             "ray::WorkerDict",
             "RLW_RXPIPE Nonfatal XC0 i0 Link 13 (0x0409a0c2 0x00000008 0x00000001 0x00000000 0x00100000 0x00000004)",
+        ),
+        # Xid line shapes of current drivers: the code, then a space and key=value fields
+        (44, None, "0001:00:00", None, None, "Recommended Action=CONTACT_SUPPORT"),
+        # ... or a pid followed by a space and more
+        (45, None, "0002:00:00", 1582259, None, "Recommended Action=COMPONENT_RESET"),
+        # the code alone; a bus id with its PCI function
+        (46, None, "0000:3f:00", None, None, ""),
+        (47, None, "0000:b3:00", None, None, ""),
+        # NVLink subcodes: runs of spaces kept, R575+ names with '/'
+        (
+            48,
+            None,
+            "0018:01:00",
+            None,
+            None,
+            "NETIR_LINK_EVT  Fatal   XC0 i0 Link 09 (0x025525c6 0x00000000 0x00000000 0x00000000 0x00000000 0x00000000)",
+        ),
+        (
+            49,
+            None,
+            "0000:04:00",
+            None,
+            None,
+            "NETIR_LINK_EVT/NETIR_LINK_DOWN Fatal XC0 i0 Link 00 (0x00000011 0x00000000 0x00000000 0x00000000)",
+        ),
+        (
+            50,
+            None,
+            "0003:00:00",
+            None,
+            None,
+            "NVLink: fatal error detected on link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)",
+        ),
+        # the form without "PCI:" of older drivers
+        (51, None, "0000:03:00", None, None, "Channel 00000001"),
+        # Xid 154 as NVIDIA's catalog words it: no comma after the code
+        (
+            52,
+            None,
+            "0008:01:00",
+            None,
+            None,
+            "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
         ),
     ],
 )
@@ -435,6 +481,114 @@ def test_windows_line_endings_are_not_part_of_the_message() -> None:
 def test_garbled_pid_keeps_the_xid() -> None:
     record = parse("NVRM: Xid (PCI:0000:3b:00): 48, pid=??, name=python3, DBE")
     assert (record.xid, record.pid, record.process, record.message) == (48, None, "python3", "DBE")
+
+
+@pytest.mark.parametrize(
+    ("payload", "xid", "pid", "process", "message"),
+    [
+        ("79 Recommended Action=CONTACT_SUPPORT", 79, None, None, "Recommended Action=CONTACT_SUPPORT"),
+        ("13\tpid=5, name=a, m", 13, 5, "a", "m"),  # any blank after the code
+        (
+            "119, pid=1582259 Recommended Action=COMPONENT_RESET",
+            119,
+            1582259,
+            None,
+            "Recommended Action=COMPONENT_RESET",
+        ),
+        ("31, pid=782, name=python3", 31, 782, "python3", ""),
+        ("31, pid=782", 31, 782, None, ""),  # a pid and nothing after it
+        ("46", 46, None, None, ""),
+        ("46   ", 46, None, None, ""),
+        ("13,pid=5,name=b,c", 13, 5, "b", "c"),
+        ("154 GPU recovery action changed", 154, None, None, "GPU recovery action changed"),
+    ],
+)
+def test_the_code_is_the_leading_integer_and_the_rest_the_message(
+    payload: str, xid: int, pid: int | None, process: str | None, message: str
+) -> None:
+    record = parse(f"[ 5.0] NVRM: Xid (PCI:0000:3b:00): {payload}")
+    assert (record.xid, record.pid, record.process, record.message) == (xid, pid, process, message)
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        ("13abc, pid=1, name=x, y", "'13abc' is not a number"),  # letters glued to the code
+        ("abc def, pid=1", "'abc' is not a number"),
+        ("", "'' is not a number"),
+        (", pid=1", "'' is not a number"),
+        ("99999999999, pid=1", "out of range"),  # beyond the int32 column it is stored in
+        ("1" * 5000 + ", x", "out of range"),  # longer than int() reads
+    ],
+)
+def test_an_xid_line_without_a_usable_code_is_rejected_with_the_reason(payload: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        parse_line(f"NVRM: Xid (PCI:0000:3b:00): {payload}")
+
+
+def test_a_pid_beyond_the_int64_column_is_dropped_not_stored_wrong() -> None:
+    record = parse("NVRM: Xid (PCI:0000:3b:00): 13, pid=99999999999999999999, name=a, m")
+    assert (record.xid, record.pid, record.process, record.message) == (13, None, "a", "m")
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "4,1,99999999999999999999999,-;NVRM: Xid (PCI:0000:3b:00): 13, x",  # kmsg microseconds
+        "[99999999999999999.5] NVRM: Xid (PCI:0000:3b:00): 13, x",  # uptime seconds
+        "[" + "9" * 5000 + ".5] NVRM: Xid (PCI:0000:3b:00): 13, x",
+        "9999-12-31T23:59:59-05:00 host kernel: NVRM: Xid (PCI:0000:3b:00): 13, x",  # past year 9999 in UTC
+    ],
+)
+def test_a_stamp_out_of_range_gives_no_time_rather_than_an_error(line: str) -> None:
+    record = parse(line)
+    assert (record.ts, record.xid) == (None, 13)
+
+
+# -- bounded messages ----------------------------------------------------------------------
+
+
+def test_a_huge_message_is_cut_to_the_limit_and_counted() -> None:
+    huge = "x" * 20_000_000
+    line = f"[ 5.000001] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, {huge}\n"
+    stats = ParseStats()
+    records = list(parse_lines([line, line.replace("5.000001", "5.000002"), row(2)], stats=stats))
+    assert [r.xid for r in records] == [13, 13, 109]
+    cut = records[0].message
+    assert cut == "x" * MAX_MESSAGE_CHARS + " [truncated: 20,000,000 characters]"
+    assert records[1].message == cut and records[2].message.startswith("Ch 00000020")
+    assert (stats.truncated_messages, stats.xid_records, stats.rejected) == (2, 3, 0)
+
+
+def test_a_message_at_the_limit_is_kept_whole() -> None:
+    message = "y" * MAX_MESSAGE_CHARS
+    stats = ParseStats()
+    (record,) = parse_lines([f"NVRM: Xid (PCI:0000:3b:00): 13, {message}"], stats=stats)
+    assert record.message == message and stats.truncated_messages == 0
+
+
+@pytest.mark.parametrize("length", [MAX_MESSAGE_CHARS + 1, 3 * MAX_MESSAGE_CHARS])
+def test_every_line_of_a_flood_of_long_messages_is_counted_as_cut(length: int) -> None:
+    lines = [f"[ 5.{i:06d}] NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, {'m' * length}" for i in range(300)]
+    stats = ParseStats()
+    records = list(parse_lines(lines, stats=stats))
+    assert {len(r.message) for r in records} == {MAX_MESSAGE_CHARS + len(f" [truncated: {length:,} characters]")}
+    assert (stats.truncated_messages, stats.xid_records) == (300, 300)
+
+
+def test_a_huge_process_name_is_cut_too() -> None:
+    stats = ParseStats()
+    (record,) = parse_lines([f"NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name={'p' * 1_000_000}, short"], stats=stats)
+    assert record.process == "p" * MAX_MESSAGE_CHARS + " [truncated: 1,000,000 characters]"
+    assert (record.message, stats.truncated_messages) == ("short", 1)
+
+
+def test_a_flood_of_huge_messages_folds_into_one_incident_with_the_cut_message() -> None:
+    lines = [f"[ 5.{i:06d}] NVRM: Xid (PCI:0000:3b:00): 13, {'z' * 100_000}" for i in range(50)]
+    stats = ParseStats()
+    (incident,) = deduplicate(parse_lines(lines, stats=stats), timedelta(minutes=5))
+    assert incident.repeat_count == 50 and len(incident.message) < MAX_MESSAGE_CHARS + 40
+    assert stats.truncated_messages == 50
 
 
 @settings(max_examples=300, deadline=None)
