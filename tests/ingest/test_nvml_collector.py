@@ -21,8 +21,8 @@ from ingest.collect.nvml import NvmlCollector
 from ingest.collect.nvml_client import NVML_ERROR_GPU_IS_LOST, NvmlCallError, PynvmlClient
 from ingest.collect.nvml_metrics import nvml_sources, parse_nvml_sources
 from ingest.schema import metric_columns, schema_for
-from tests.fake_nvml.build import FakeNvml, NoCompiler, build_fake_nvml
-from tests.fake_nvml.scenario import Scenario, field_id, scenario_from_capture
+from tests.fake_nvml.build import NoCompiler
+from tests.fake_nvml.scenario import field_id, scenario_from_capture
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "nvml"
 H100, A100, T4 = FIXTURES / "qx-h100.xml", FIXTURES / "qx-a100.xml", FIXTURES / "qx-t4.xml"
@@ -45,26 +45,6 @@ class StepClock:
 
     def sleep(self, seconds: float) -> None:
         self.ts += timedelta(seconds=seconds)
-
-
-@pytest.fixture(scope="session")
-def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
-    try:
-        library = build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
-    except NoCompiler as exc:
-        pytest.skip(f"fake libnvidia-ml.so.1 not built: {exc}")
-    return FakeNvml(library)
-
-
-@pytest.fixture
-def use_scenario(
-    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[[Scenario], FakeNvml]:
-    def use(scenario: Scenario) -> FakeNvml:
-        monkeypatch.setenv("FAKE_NVML_CONFIG", str(scenario.write(tmp_path / "scenario.txt")))
-        return fake_nvml
-
-    return use
 
 
 @pytest.fixture
