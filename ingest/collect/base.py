@@ -49,7 +49,7 @@ class Collector(Protocol):
 
 
 @runtime_checkable
-class Resumable(Protocol):
+class Resumable(Collector, Protocol):
     """A collector that reads a source it can read again from a position (the kernel log): the
     daemon commits `state()` together with the rows it covers and hands the last committed state
     back through `restore()` when it starts, so a restart neither loses nor repeats a line."""

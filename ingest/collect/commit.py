@@ -87,6 +87,17 @@ class CommitLog:
         """Write everything `buffer` holds and commit `states` with it (which must cover exactly
         those rows). A dataset leaves the buffer only once it is written and committed, so an
         error keeps the rest for the next flush; the states commit only with all of it."""
+        try:
+            return self._flush(buffer, states, prepare)
+        except OSError as exc:  # a folder the store could not create, a state it could not write
+            raise StoreError(f"{exc.filename or self.store.root}: cannot write ({exc.strerror or exc})") from None
+
+    def _flush(
+        self,
+        buffer: WriteBuffer,
+        states: dict[str, dict[str, Any]],
+        prepare: Callable[[str, pa.Table], pa.Table],
+    ) -> FlushResult:
         self._move_staged()
         result = FlushResult()
         for dataset in buffer.datasets():

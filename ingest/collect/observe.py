@@ -262,8 +262,8 @@ class ObservabilityServer:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{f'[{host}]' if ':' in str(host) else host}:{port}"
+        host, port = str(self._server.server_address[0]), self._server.server_address[1]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def close(self) -> None:
         self._server.shutdown()

@@ -8,7 +8,10 @@ import http.server
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +36,8 @@ from ingest.collect.daemon import (
 from ingest.errors import InputError, StoreError
 from ingest.store import Store
 from tests.conftest import make_rows
+from tests.fake_nvml.build import NoCompiler, build_fake_nvml
+from tests.fake_nvml.scenario import scenario_from_capture
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
@@ -370,6 +375,7 @@ def collect_env(log: Path, **extra: str) -> dict[str, str]:
         GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
         GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),
         GPUFAIL_COLLECT__NODE="gpu-node-017",
+        GPUFAIL_COLLECT__LISTEN="",  # tests run side by side: no fixed port
         **extra,
     )
     return env
@@ -388,7 +394,7 @@ def test_sigkill_at_any_moment_loses_nothing_flushed_and_a_restart_does_not_repl
     env = collect_env(log, GPUFAIL_COLLECT__MAX_LINES_PER_RUN="100", GPUFAIL_COLLECT__FLUSH_ROWS="50")
     cmd = [*GPUFAIL, "collect", "--out", str(root), "--source", "kernel-log", "--interval", "0.01s"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = root / "_state" / "collect_kernel_log-gpu-node-017.json"
+    state = root / "_state" / "collect-gpu-node-017.json"
     deadline = time.monotonic() + 60
     while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -405,6 +411,91 @@ def test_sigkill_at_any_moment_loses_nothing_flushed_and_a_restart_does_not_repl
     events = store.read("xid_events")
     assert every_file_reads(root) == events.num_rows == lines  # nothing lost, nothing twice
     assert len(set(events["pid"].to_pylist())) == lines
+
+
+def test_a_read_far_larger_than_flush_rows_keeps_every_line(tmp_path):
+    # 30,000 lines at flush_rows = 1000: once dropped whole as "store unwritable", with exit 0.
+    lines = 30_000
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(lines)))
+    root = tmp_path / "data"
+    env = collect_env(log, GPUFAIL_COLLECT__FLUSH_ROWS="1000")
+    cmd = [*GPUFAIL, "collect", "--once", "--source", "kernel-log", "--out", str(root)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "dropped" not in result.stdout and "kernel-log 1 ok, 30000 rows" in result.stdout
+    assert result.stdout.count("collect: flushed") >= 25  # in pieces of about flush_rows, as it read
+    events = Store.open(str(root)).read("xid_events")
+    assert events.num_rows == lines and sorted(events["pid"].to_pylist()) == list(range(lines))
+
+
+def test_collect_once_fails_naming_each_source_when_every_source_failed(tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    env = collect_env(tmp_path, GPUFAIL_COLLECT__DCGM_EXPORTER_URL=f"http://127.0.0.1:{port}/metrics")  # a folder
+    sources = "kernel-log,dcgm-exporter"
+    try:
+        library_dir, extra = fake_nvml_without_driver(tmp_path / "nvml")
+        env.update(extra, LD_LIBRARY_PATH=str(library_dir))
+        sources += ",nvml"
+    except NoCompiler:
+        pass
+    cmd = [*GPUFAIL, "collect", "--once", "--source", sources, "--out", str(tmp_path / "data")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = result.stderr.strip().splitlines()
+    names = sources.split(",")
+    assert [line.split(" failed: ")[0] for line in errors[:-1]] == [f"collect: {n}" for n in names]
+    assert f"cannot read {tmp_path}" in errors[0]
+    assert f"127.0.0.1:{port}" in errors[1]
+    if "nvml" in names:
+        assert "driver is not loaded" in errors[2]
+    assert errors[-1] == f"gpufail: error: collect: every source failed ({', '.join(names)}); nothing was collected"
+
+    # One source that works is enough for exit 0.
+    log = tmp_path / "kern.log"
+    log.write_text(syslog_line(0))
+    env["GPUFAIL_COLLECT__KERNEL_LOG_PATHS"] = json.dumps([str(log)])
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+
+def fake_nvml_without_driver(work: Path) -> tuple[Path, dict[str, str]]:
+    scenario = scenario_from_capture(Path(__file__).parents[1] / "fixtures" / "nvml" / "qx-a100.xml")
+    scenario.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
+    library = build_fake_nvml(work)
+    return library.parent, {"FAKE_NVML_CONFIG": str(scenario.write(work / "scenario.txt"))}
+
+
+def test_a_read_only_store_keeps_the_cursor_and_exits_non_zero_then_a_rerun_writes_every_row(tmp_path):
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs root and unshare(1) to mount the store read-only in a private mount namespace")
+    lines = 500
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(lines)))
+    root = tmp_path / "data"
+    Store.create(str(root))
+    env = collect_env(log, GPUFAIL_COLLECT__FLUSH_ROWS="100")
+    collect = shlex.join([*GPUFAIL, "collect", "--once", "--source", "kernel-log", "--out", str(root)])
+    script = f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(root))} && mount -o remount,bind,ro {shlex.quote(str(root))} && {collect}"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("gpufail: error: collect: the last flush to")
+    assert f"failed ({root}/_staging: cannot write (Read-only file system)" in error[0]
+    assert "; xid_events 200, collector_runs 1 (201 rows) were not written" in error[0]
+    assert result.stdout.count("flush failed") == 2  # the first refusal ended the reading; then the last
+    assert not (root / "_state").exists() and not list(root.glob("*/date=*/*.parquet"))  # nothing moved on
+
+    done = subprocess.run(shlex.split(collect), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = Store.open(str(root)).read("xid_events")
+    assert sorted(events["pid"].to_pylist()) == list(range(lines))
 
 
 @pytest.fixture
