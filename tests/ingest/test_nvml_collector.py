@@ -304,6 +304,25 @@ def test_a_field_that_reports_the_gpu_lost_marks_the_gpu_lost(use_scenario, make
     assert [r["xid"] for r in rows(out["xid_events"])] == [79]
 
 
+@pytest.mark.parametrize("client", [PynvmlClient, _AttributeDecoding])
+def test_failed_calls_are_counted_by_function_and_unsupported_readings_are_not(
+    use_scenario, make_collector, client
+) -> None:
+    scenario = scenario_from_capture(H100)
+    scenario.gpus[0].field_errors[field_id("NVML_FI_DEV_RETIRED_SBE")] = 3  # not supported: asked once
+    scenario.gpus[1].field_errors[field_id("NVML_FI_DEV_PCIE_REPLAY_COUNTER")] = 999  # unknown error
+    scenario.gpus[2].fail_after = (1, NVML_ERROR_GPU_IS_LOST)
+    use_scenario(scenario)
+    collector = make_collector(client=client())
+    assert collector.counts() == {"nvml_errors": {}}
+    for _ in range(3):
+        collector.collect()
+    errors = collector.counts()["nvml_errors"]
+    # GPU 1's field fails in each of the 3 batched reads; GPU 2 answers once, then is lost twice.
+    assert errors["nvmlDeviceGetFieldValues"] == 3 + 2
+    assert set(errors) == {"nvmlDeviceGetFieldValues"}
+
+
 class _LostOnCalls(PynvmlClient):
     """The real client, except GPU 1's temperature read says GPU_IS_LOST on chosen calls."""
 
