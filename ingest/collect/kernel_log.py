@@ -6,9 +6,11 @@ Each `collect()` reads one piece of the lines written since the last call (at mo
 back and calls again, up to `max_lines` lines per interval; so a large backlog never sits in
 memory whole. An incident stays open in memory until no later line can join it: until its
 dedup window has passed on the clock, or, while a backlog is being read, until the log itself
-has moved past its window. A flood that spans many intervals or pieces is therefore one row
-per (GPU, XID) and window, as in `gpufail ingest kernel-log`, and floods cost memory per open
-incident, not per line.
+has moved past its window. A flood that spans many intervals or pieces is therefore about one
+row per (GPU, XID) and window, as in `gpufail ingest kernel-log` (an incident cut by a piece
+or interval boundary may take in lines up to two windows after its first, where the batch
+ingest would start a second row; every line is counted once either way), and floods cost
+memory per open incident, not per line.
 
 Never replay, never lose (DOMAIN.md 5): the collector stores nothing itself. Its `state()`
 (the source's cursor and the incidents still open) is committed by the daemon together with
