@@ -80,15 +80,27 @@ class DaemonMetrics:
         self.flush_failures = PromCounter(
             "gpufail_collector_flush_failures", "Flushes the store refused", registry=self.registry
         )
-        for collector in collectors:  # every series exists from the start, at 0
-            for outcome in ("ok", "error"):
-                self.collections.labels(collector.name, outcome)
+        # Every series exists from the start, at 0; children looked up once, not per collection.
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
+        for collector in collectors:
+            self._series(collector.name)
         self.registry.register(_CollectorCounts(collectors))
 
+    def _series(self, source: str) -> tuple[Any, Any, Any]:
+        if source not in self._children:
+            self._children[source] = (
+                self.collections.labels(source, "ok"),
+                self.collections.labels(source, "error"),
+                self.duration.labels(source),
+            )
+        return self._children[source]
+
     def collected(self, source: str, ok: bool, seconds: float, at: datetime) -> None:
-        self.collections.labels(source, "ok" if ok else "error").inc()
-        self.duration.labels(source).observe(seconds)
+        ok_count, error_count, duration = self._series(source)
+        (ok_count if ok else error_count).inc()
+        duration.observe(seconds)
         if ok:
+            # Created at the first success: a source that never succeeded has no timestamp.
             self.last_success.labels(source).set(at.timestamp())
 
     def exposition(self) -> bytes:
@@ -128,14 +140,14 @@ class Health:
         }
         self._ticks = 0
         self._rows_buffered = 0
-        self._last_flush: str | None = None
+        self._last_flush: datetime | None = None
         self._flush_error: str | None = None
 
     def collected(self, source: str, error: str | None) -> None:
         with self._lock:
             entry = self._sources.setdefault(source, {"last_success": None, "last_error": None, "_mono": None})
             if error is None:
-                entry.update(last_success=self.clock.now().isoformat(), _mono=self.clock.monotonic())
+                entry["last_success"], entry["_mono"] = self.clock.now(), self.clock.monotonic()
             else:
                 entry["last_error"] = error
 
@@ -149,7 +161,7 @@ class Health:
             self._rows_buffered = rows_buffered
             self._flush_error = error
             if error is None:
-                self._last_flush = self.clock.now().isoformat()
+                self._last_flush = self.clock.now()
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
         """200 when a source succeeded within `HEALTHY_INTERVALS` intervals and the last flush
@@ -173,10 +185,14 @@ class Health:
             body: dict[str, Any] = {
                 "status": "unhealthy" if reasons else "ok",
                 "sources": {
-                    name: {k: v for k, v in s.items() if not k.startswith("_")} for name, s in self._sources.items()
+                    name: {
+                        "last_success": s["last_success"].isoformat() if s["last_success"] else None,
+                        "last_error": s["last_error"],
+                    }
+                    for name, s in self._sources.items()
                 },
                 "rows_buffered": self._rows_buffered,
-                "last_flush": self._last_flush,
+                "last_flush": self._last_flush.isoformat() if self._last_flush else None,
             }
             if reasons:
                 body["reasons"] = reasons
