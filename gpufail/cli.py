@@ -236,6 +236,11 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: 
 @click.option("--once", is_flag=True, help="Collect once, flush and exit.")
 @click.option("--max-runs", type=click.IntRange(min=1), default=None, help="Stop after this many collections.")
 @click.option("--node", default=None, help="Node name (default: [collect] node, else the hostname).")
+@click.option(
+    "--listen",
+    default=None,
+    help='Serve /metrics, /healthz, /readyz on host:port; "" for none (default: [collect] listen).',
+)
 @click.pass_context
 def collect(
     ctx: click.Context,
@@ -245,9 +250,11 @@ def collect(
     once: bool,
     max_runs: int | None,
     node: str | None,
+    listen: str | None,
 ) -> None:
     """Run the live collectors (NVML, kernel log, dcgm-exporter) into the store until SIGTERM
-    or SIGINT, flushing on a size/time policy; prints a line per flush and a summary."""
+    or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
+    non-zero when the last flush failed or when every source failed, naming each and why."""
     import socket
 
     from gpufail.config import parse_duration
@@ -272,11 +279,17 @@ def collect(
         kernel_log_paths=tuple(cfg.kernel_log_paths),
         dedup_window=settings.ingest.xid_dedup_window,
         max_lines=cfg.max_lines_per_run,
+        listen=cfg.listen if listen is None else listen,
     )
     store = Store.create(_root(ctx, data))
     with stop_on_signals(StopFlag()) as stop:
         summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=click.echo)
     click.echo(f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}")
+    failed = summary.every_source_failed()
+    if failed:
+        for name, error in failed:
+            click.echo(f"collect: {name} failed: {error}", err=True)
+        raise GpufailError(f"collect: every source failed ({', '.join(n for n, _ in failed)}); nothing was collected")
 
 
 def _when(text: str | None) -> datetime | None:

@@ -219,6 +219,8 @@ class CollectSettings(_Table):
     """Kernel-log lines read per interval at most; a larger backlog is read over later ones."""
     node: str = ""
     """Node name written into every row; empty means this machine's hostname."""
+    listen: str = "127.0.0.1:9410"
+    """host:port of the daemon's /metrics, /healthz and /readyz; "" serves none."""
 
 
 class ContenderSettings(_Table):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
@@ -45,6 +45,44 @@ class Collector(Protocol):
 
     def close(self) -> None:
         """Release handles (nvmlShutdown, file handles). Called once when the daemon stops."""
+        ...
+
+
+@runtime_checkable
+class Resumable(Collector, Protocol):
+    """A collector that reads a source it can read again from a position (the kernel log): the
+    daemon commits `state()` together with the rows it covers and hands the last committed state
+    back through `restore()` when it starts, so a restart neither loses nor repeats a line."""
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able position (cursor, incidents still open) just after everything `collect` and
+        `drain` have returned so far."""
+        ...
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Resume from a committed `state()`; None when the daemon has committed none."""
+        ...
+
+    @property
+    def backlog(self) -> bool:
+        """True when the last `collect()` stopped before the end of what the source holds and
+        the daemon may call it again in this interval (after flushing what it returned)."""
+        ...
+
+
+@runtime_checkable
+class Draining(Protocol):
+    def drain(self) -> Collected:
+        """Hand over what is held back (open incidents) because the daemon is stopping."""
+        ...
+
+
+@runtime_checkable
+class Counting(Protocol):
+    def counts(self) -> Mapping[str, Mapping[str, int]]:
+        """Cumulative counts since the collector was made, for the daemon's metrics, by kind
+        and label value: `{"log_lines": {"parsed": n, "rejected": m}}`,
+        `{"nvml_errors": {"nvmlDeviceGetTemperature": n}}`."""
         ...
 
 

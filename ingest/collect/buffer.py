@@ -1,45 +1,27 @@
 """The collector daemon's write buffer: rows held in memory between flushes to the store.
 
-Rows are appended per dataset and flushed together when the buffer holds `flush_rows` rows or
-`flush_interval` has passed (and when the daemon stops). A flush writes new part files through
-`Store.write` (temporary name, then rename), one per dataset and UTC day, so it never touches
-the files of earlier flushes and a kill leaves no partial file. What a kill loses is the
-unflushed buffer: at most `flush_rows` rows, or `flush_interval` of collection.
-
-If the store cannot be written (disk full, bucket unreachable), the rows stay in the buffer and
-the next flush retries; beyond `max_rows` the oldest batches are dropped and counted, so memory
-stays bounded however long the store is down.
+Rows are appended per dataset and written by `ingest.collect.commit.CommitLog.flush` when the
+buffer holds `flush_rows` rows or `flush_interval` has passed (and when the daemon stops). The
+buffer never drops a row: while the store cannot be written the rows stay, and the daemon
+stops reading its sources once it holds too many, so memory stays bounded however long the
+store is down.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import pyarrow as pa
-
-from ingest.store import Store
 
 # Datasets are flushed in this order: telemetry first, so that XID events flushed at the same
 # time can be mapped to GPUs from it; collector_runs last, as the record of the rest.
 FLUSH_ORDER = ("telemetry", "xid_events", "collector_runs")
 
 
-@dataclass
-class FlushResult:
-    rows: dict[str, int]
-    files: int
-
-
 class WriteBuffer:
     """Per-dataset batches of rows waiting to be written."""
 
-    def __init__(self, max_rows: int) -> None:
-        if max_rows < 1:
-            raise ValueError(f"max_rows={max_rows}: expected at least 1")
-        self.max_rows = max_rows
-        self.dropped_rows = 0
+    def __init__(self) -> None:
         self._batches: dict[str, deque[pa.Table]] = {}
         self._rows = 0
 
@@ -52,34 +34,25 @@ class WriteBuffer:
             return
         self._batches.setdefault(dataset, deque()).append(table)
         self._rows += table.num_rows
-        while self._rows > self.max_rows:
-            self._drop_oldest()
 
-    def _drop_oldest(self) -> None:
-        # The oldest batch of the largest dataset: telemetry is the bulk and the least precious
-        # (the next sample replaces it); XID events are kept as long as possible.
-        dataset = max(self._batches, key=lambda d: (d != "xid_events", sum(t.num_rows for t in self._batches[d])))
-        table = self._batches[dataset].popleft()
-        if not self._batches[dataset]:
-            del self._batches[dataset]
-        self._rows -= table.num_rows
-        self.dropped_rows += table.num_rows
+    def datasets(self) -> list[str]:
+        """The datasets with rows, in `FLUSH_ORDER`."""
+        return sorted(self._batches, key=_flush_rank)
 
-    def flush(self, store: Store, prepare: Callable[[str, pa.Table], pa.Table] | None = None) -> FlushResult:
-        """Write every dataset's rows as new part files; a dataset leaves the buffer only once
-        its files are written, so an error keeps the unwritten datasets for the next flush."""
-        written: dict[str, int] = {}
-        files = 0
-        for dataset in sorted(self._batches, key=_flush_rank):
-            batches = self._batches[dataset]
-            table = pa.concat_tables(batches)
-            if prepare is not None:
-                table = prepare(dataset, table)
-            files += len(store.write(dataset, table))
-            del self._batches[dataset]
-            self._rows -= table.num_rows
-            written[dataset] = table.num_rows
-        return FlushResult(written, files)
+    def table(self, dataset: str) -> pa.Table:
+        batches = self._batches[dataset]
+        if len(batches) > 1:  # concatenated once, not again at every retry
+            combined = pa.concat_tables(batches)
+            batches.clear()
+            batches.append(combined)
+        return batches[0]
+
+    def remove(self, dataset: str) -> None:
+        self._rows -= sum(t.num_rows for t in self._batches.pop(dataset))
+
+    def describe(self) -> str:
+        """`telemetry 1,200, xid_events 3`: what is held, for the daemon's reports."""
+        return ", ".join(f"{d} {sum(t.num_rows for t in self._batches[d]):,}" for d in self.datasets()) or "nothing"
 
 
 def _flush_rank(dataset: str) -> tuple[int, str]:

@@ -6,13 +6,22 @@ imported only when asked for.
 
 One tick calls every collector once. A collector that raises is recorded as a failed run
 (CONVENTIONS.md 2) and the others go on; every call, good or bad, becomes a `collector_runs`
-row with its duration. Rows go to a `WriteBuffer`, flushed on its size/time policy; after a
-flush reaches the store, collectors that keep a cursor (the kernel log) checkpoint it, so a
-cursor never runs ahead of the data it covers.
+row with its duration. A collector with a backlog (the kernel log after a flood or downtime)
+is read in pieces within the tick, the buffer flushed between them. Rows go to a
+`WriteBuffer`, flushed on its size/time policy through the `CommitLog`, which commits the
+cursors of resumable collectors together with the rows they cover: a restart after a kill at
+any point neither loses nor repeats a row.
+
+Nothing read is ever dropped. While the store cannot be written the rows stay buffered and
+every tick retries the flush; once the buffer holds `HOLD_FACTOR` x `flush_rows` rows the
+daemon stops reading its sources until a flush succeeds (a source not read loses nothing: the
+kernel log waits behind its cursor, and a sample not taken is a gap, not a lost row). If the
+store still refuses when the daemon stops, it says what it holds and exits non-zero.
 
 Stopping: SIGTERM or SIGINT set a flag that the loop checks between collectors and while it
-waits (in slices of at most `STOP_CHECK_S`); the daemon then drains open incidents, flushes,
-checkpoints and returns, and the CLI exits 0. All time comes from a `Clock`.
+waits (in slices of at most `STOP_CHECK_S`); the daemon then drains open incidents, flushes
+and returns, and the CLI exits 0. All time comes from a `Clock`. Metrics and the health
+probes: `ingest.collect.observe`.
 """
 
 from __future__ import annotations
@@ -24,12 +33,22 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, cast
 
 import pyarrow as pa
 
-from ingest.collect.base import Clock, Collected, Collector, CollectorError, CollectorRun, SystemClock
+from ingest.collect.base import (
+    Clock,
+    Collector,
+    CollectorError,
+    CollectorRun,
+    Draining,
+    Resumable,
+    SystemClock,
+)
 from ingest.collect.buffer import WriteBuffer
+from ingest.collect.commit import CommitLog
+from ingest.collect.observe import DaemonMetrics, Health, ObservabilityServer, parse_listen
 from ingest.errors import GpufailError, InputError, StoreError
 from ingest.kernel_log_ingest import map_to_gpus
 from ingest.schema import schema_for
@@ -37,8 +56,9 @@ from ingest.store import Store
 
 # The longest the daemon waits before noticing a stop request.
 STOP_CHECK_S = 1.0
-# The buffer may grow to this many times `flush_rows` while the store cannot be written.
-BUFFER_CAP_FACTOR = 10
+# While the store cannot be written, reading stops once the buffer holds this many times
+# `flush_rows` (it may pass that by one collection).
+HOLD_FACTOR = 10
 
 
 @dataclass(frozen=True)
@@ -60,20 +80,8 @@ class CollectOptions:
     max_lines: int = 200_000
     tz: str | None = None
     dcgm_timeout_s: float = 5.0
-
-
-@runtime_checkable
-class Checkpointing(Protocol):
-    def checkpoint(self) -> None:
-        """Persist how far the collector has read; everything it returned is in the store."""
-        ...
-
-
-@runtime_checkable
-class Draining(Protocol):
-    def drain(self) -> Collected:
-        """Hand over what is held back (open incidents) because the daemon is stopping."""
-        ...
+    listen: str = ""
+    """Address of /metrics, /healthz and /readyz, host:port; "" serves nothing."""
 
 
 # -- the registry --------------------------------------------------------------------------
@@ -101,6 +109,9 @@ def _kernel_log(store: Store, options: CollectOptions, clock: Clock) -> Collecto
         clock=clock,
         tz=options.tz,
         max_lines=options.max_lines,
+        # A read returns at most one row per line: pieces of `flush_rows` lines keep a backlog's
+        # rows flushed as they come instead of piling up in the buffer.
+        read_lines=min(options.max_lines, options.flush_rows),
     )
 
 
@@ -224,7 +235,6 @@ class CollectSummary:
     files: int = 0
     rows_written: Counter[str] = field(default_factory=Counter)
     by_collector: dict[str, _Tally] = field(default_factory=dict)
-    dropped_rows: int = 0
     flush_errors: int = 0
     stop_reason: str = ""
 
@@ -237,11 +247,17 @@ class CollectSummary:
         )
         written = ", ".join(f"{d} {n:,}" for d, n in sorted(self.rows_written.items())) or "nothing"
         text = f"{self.ticks} ticks, {self.flushes} flushes ({written} rows in {self.files} files); {runs}"
-        if self.dropped_rows:
-            text += f"; {self.dropped_rows:,} rows dropped (store unwritable)"
         if self.flush_errors:
             text += f"; {self.flush_errors} failed flushes"
         return text
+
+    def every_source_failed(self) -> list[tuple[str, str]]:
+        """(source, its last error) for each source, when none ever succeeded and each failed
+        at least once; empty otherwise."""
+        tallies = self.by_collector.items()
+        if not tallies or any(t.ok or not t.failed for _, t in tallies):
+            return []
+        return [(name, t.last_error or "unknown error") for name, t in tallies]
 
 
 class Daemon:
@@ -260,28 +276,46 @@ class Daemon:
         clock: Clock | None = None,
         stop: StopFlag | None = None,
         report: Callable[[str], None] = lambda line: None,
+        listen: str = "",
     ) -> None:
         if interval <= timedelta(0):
             raise InputError(f"collect interval {interval}: expected a positive duration")
         if flush_rows < 1:
             raise InputError(f"[collect] flush_rows = {flush_rows}: expected at least 1")
+        parse_listen(listen)  # a bad address is refused before anything runs
         self.store = store
         self.collectors = list(collectors)
         self.cluster = cluster
         self.node = node
         self.interval = interval.total_seconds()
         self.flush_rows = flush_rows
+        self.hold_rows = flush_rows * HOLD_FACTOR
         self.flush_interval = flush_interval.total_seconds()
         self.clock = clock or SystemClock()
         self.stop = stop or StopFlag()
         self.report = report
-        self.buffer = WriteBuffer(max_rows=flush_rows * BUFFER_CAP_FACTOR)
+        self.listen = listen
+        # Protocol checks are slow (they walk the class's attributes): made once, not per call.
+        self.resumable: list[Resumable] = [c for c in self.collectors if isinstance(c, Resumable)]
+        self.buffer = WriteBuffer()
+        self.commits = CommitLog(store, node)
+        self.metrics = DaemonMetrics(self.collectors)
+        self.health = Health(self.clock, self.interval, [c.name for c in self.collectors])
         self.summary = CollectSummary(by_collector={c.name: _Tally() for c in self.collectors})
+        self.server: ObservabilityServer | None = None
         self._last_flush = self.clock.monotonic()
+        self._last_flush_error: str | None = None
+        self._paused = False
 
     def run(self, *, max_ticks: int | None = None) -> CollectSummary:
-        """Tick until stopped or `max_ticks` ticks have run (1 for `--once`); then drain,
-        flush, close. Returns the summary."""
+        """Resume from the last commit, then tick until stopped or `max_ticks` ticks have run
+        (1 for `--once`); then drain, flush, close. Returns the summary."""
+        states = self.commits.recover()
+        for resumable in self.resumable:
+            resumable.restore(states.get(resumable.name))
+        if self.listen:
+            self.server = ObservabilityServer(self.listen, self.metrics, self.health)
+            self.report(f"collect: serving /metrics, /healthz and /readyz on {self.server.url}")
         next_tick = self.clock.monotonic()
         try:
             while not self.stop.is_set():
@@ -299,27 +333,48 @@ class Daemon:
         return self.summary
 
     def tick(self) -> None:
-        for collector in self.collectors:
-            if self.stop.is_set():
-                break
-            self._run_one(collector, collector.collect)
+        if self.buffer.rows >= self.hold_rows:
+            if not self._paused:
+                self._paused = True
+                self.report(
+                    f"collect: the store cannot be written; holding {self.buffer.describe()} "
+                    f"({self.buffer.rows:,} rows, {HOLD_FACTOR} x flush_rows): reading paused until a flush succeeds"
+                )
+        else:
+            for collector in self.collectors:
+                if self.stop.is_set():
+                    break
+                self._run_one(collector)
         self.summary.ticks += 1
+        self.metrics.rows_buffered.set(self.buffer.rows)
+        self.health.ticked(self.buffer.rows)
 
-    def _run_one(self, collector: Collector, call: Callable[[], Collected]) -> None:
+    def _run_one(self, collector: Collector) -> None:
         started = self.clock.monotonic()
         ts = self.clock.now()
         tally = self.summary.by_collector.setdefault(collector.name, _Tally())
-        try:
-            collected = call()
-            error = None
-        except CollectorError as exc:
-            collected, error = {}, str(exc)
-        except Exception as exc:  # a bug in one collector must not stop the others
-            collected, error = {}, f"{collector.name}: unexpected {type(exc).__name__}: {exc}"
         rows = 0
-        for dataset, table in collected.items():
-            self.buffer.add(dataset, table)
-            rows += table.num_rows
+        error = None
+        while True:
+            try:
+                collected = collector.collect()
+            except CollectorError as exc:
+                error = str(exc)
+                break
+            except Exception as exc:  # a bug in one collector must not stop the others
+                error = f"{collector.name}: unexpected {type(exc).__name__}: {exc}"
+                break
+            for dataset, table in collected.items():
+                self.buffer.add(dataset, table)
+                rows += table.num_rows
+            if not (collector in self.resumable and cast(Resumable, collector).backlog) or self.stop.is_set():
+                break
+            # More is waiting: flush what this piece added first. If the store refuses, or the
+            # buffer is full, the rest stays behind the cursor for a later tick.
+            if self._flush_due() and not self.flush():
+                break
+            if self.buffer.rows >= self.hold_rows:
+                break
         duration = max(0.0, self.clock.monotonic() - started)
         run = CollectorRun(ts, self.cluster, self.node, collector.name, error is None, duration, rows, error)
         self.buffer.add("collector_runs", _runs_table([run]))
@@ -329,28 +384,41 @@ class Daemon:
             tally.failed += 1
             tally.last_error = error
         tally.rows += rows
+        self.metrics.collected(collector.name, error is None, duration, self.clock.now())
+        self.health.collected(collector.name, error)
 
     def _flush_due(self) -> bool:
         return self.buffer.rows >= self.flush_rows or self.clock.monotonic() - self._last_flush >= self.flush_interval
 
     def flush(self) -> bool:
-        """Write the buffer, then let collectors checkpoint. False (and reported) when the store
-        refused: the rows stay buffered and the cursors stay where they were."""
+        """Write the buffer and commit the collectors' states with it. False (and reported)
+        when the store refused: the rows stay buffered and the committed cursors stay where
+        they were."""
         self._last_flush = self.clock.monotonic()
+        states = {c.name: c.state() for c in self.resumable}
         try:
-            result = self.buffer.flush(self.store, self._prepare)
+            result = self.commits.flush(self.buffer, states, self._prepare)
         except (GpufailError, OSError) as exc:
+            self._last_flush_error = str(exc)
             self.summary.flush_errors += 1
-            self.summary.dropped_rows = self.buffer.dropped_rows
-            self.report(f"collect: flush failed, {self.buffer.rows:,} rows kept for the next flush: {exc}")
+            self.metrics.flush_failures.inc()
+            self.metrics.rows_buffered.set(self.buffer.rows)
+            self.health.flushed(self.buffer.rows, self._last_flush_error)
+            self.report(
+                f"collect: flush failed, holding {self.buffer.describe()} ({self.buffer.rows:,} rows) "
+                f"for the next flush; the cursors stay at the last commit: {exc}"
+            )
             return False
-        for collector in self.collectors:
-            if isinstance(collector, Checkpointing):
-                collector.checkpoint()
+        self._last_flush_error = None
         self.summary.flushes += 1
         self.summary.files += result.files
         self.summary.rows_written.update(result.rows)
-        self.summary.dropped_rows = self.buffer.dropped_rows
+        self.metrics.rows_buffered.set(self.buffer.rows)
+        self.metrics.last_flush.set(self.clock.now().timestamp())
+        self.health.flushed(self.buffer.rows, None)
+        if self._paused:
+            self._paused = False
+            self.report("collect: the store takes writes again; reading resumed")
         written = ", ".join(f"{d} {n:,}" for d, n in result.rows.items()) or "nothing new"
         self.report(f"collect: flushed {written} ({result.files} files) | {self.summary.line()}")
         return True
@@ -370,21 +438,27 @@ class Daemon:
             self.clock.sleep(min(remaining, STOP_CHECK_S))
 
     def _stop(self) -> None:
-        for collector in self.collectors:
-            if isinstance(collector, Draining):
-                self._run_drain(collector)
-        # Always flush, even with nothing buffered: collectors that read lines without finding
-        # anything still checkpoint how far they read.
-        flushed = self.flush()
-        for collector in self.collectors:
-            try:
-                collector.close()
-            except Exception as exc:  # closing must not hide the flush result
-                self.report(f"collect: closing {collector.name} failed: {exc}")
-        self.summary.stop_reason = self.stop.reason or "done"
+        try:
+            for collector in self.collectors:
+                if isinstance(collector, Draining):
+                    self._run_drain(collector)
+            # Always flush, even with nothing buffered: collectors that read lines without
+            # finding anything still commit how far they read.
+            flushed = self.flush()
+            for collector in self.collectors:
+                try:
+                    collector.close()
+                except Exception as exc:  # closing must not hide the flush result
+                    self.report(f"collect: closing {collector.name} failed: {exc}")
+            self.summary.stop_reason = self.stop.reason or "done"
+        finally:
+            if self.server is not None:
+                self.server.close()
         if not flushed:
             raise StoreError(
-                f"collect: the last flush to {self.store.root} failed; {self.buffer.rows:,} rows were not written"
+                f"collect: the last flush to {self.store.root} failed ({self._last_flush_error}); "
+                f"{self.buffer.describe()} ({self.buffer.rows:,} rows) were not written; the committed "
+                "cursors stay where they were, so the kernel-log lines among them are read again at the next start"
             )
 
     def _run_drain(self, collector: Draining) -> None:
@@ -438,5 +512,6 @@ def run_collect(
         clock=clock,
         stop=stop,
         report=report,
+        listen=options.listen,
     )
     return daemon.run(max_ticks=1 if once else max_runs)

@@ -1,21 +1,22 @@
 """The live kernel-log collector: new XID lines from a `LogSource` -> `xid_events` rows.
 
-Each `collect()` reads the lines written since the last call (at most `max_lines`), parses them
-with the batch parser (`ingest.kernel_log`) and folds floods with its `deduplicate`. An
-incident stays open in memory until its dedup window has passed on the clock, so a flood that
-spans many collection intervals still becomes one row per (GPU, XID) and window, as in
-`gpufail ingest kernel-log`; floods therefore cost memory per open incident, not per line.
+Each `collect()` reads one piece of the lines written since the last call (at most
+`read_lines`), parses it with the batch parser (`ingest.kernel_log`) and folds floods with its
+`deduplicate`. While the source holds more, `backlog` is true and the daemon flushes what came
+back and calls again, up to `max_lines` lines per interval; so a large backlog never sits in
+memory whole. An incident stays open in memory until no later line can join it: until its
+dedup window has passed on the clock, or, while a backlog is being read, until the log itself
+has moved past its window. A flood that spans many intervals or pieces is therefore about one
+row per (GPU, XID) and window, as in `gpufail ingest kernel-log` (an incident cut by a piece
+or interval boundary may take in lines up to two windows after its first, where the batch
+ingest would start a second row; every line is counted once either way), and floods cost
+memory per open incident, not per line.
 
-Never replay, never lose (DOMAIN.md 5). The daemon calls `checkpoint()` after each flush has
-reached the store; it writes `_state/collect_kernel_log-<node>.json` with the source's cursor
-and the incidents still open. So:
-- a restart resumes after the last checkpointed line, with the open incidents restored;
-- a kill loses at most the lines read since the last checkpoint, and those are read again
-  (the cursor is older than them), so nothing is lost;
-- lines read again whose incident already reached the store (a kill between a flush's Parquet
-  rename and its checkpoint write) are recognised on restart: a line of the same node, bus id
-  and XID whose time lies within a stored incident's [ts, last_ts] is dropped. No XID line is
-  counted twice; at worst one incident is split into two rows.
+Never replay, never lose (DOMAIN.md 5): the collector stores nothing itself. Its `state()`
+(the source's cursor and the incidents still open) is committed by the daemon together with
+the rows it covers (`ingest.collect.commit`), and handed back through `restore()` at the next
+start. Lines after the committed cursor are read again after a kill and give the same rows,
+since they are read in the same pieces from the same open incidents.
 """
 
 from __future__ import annotations
@@ -25,18 +26,19 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
 from ingest.collect.log_sources import Cursor, LogSource
-from ingest.kernel_log import ParseStats, XidIncident, XidRecord, deduplicate, parse_lines
+from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines
 from ingest.kernel_log_ingest import events_table
 from ingest.store import Store
 
-STATE_PREFIX = "collect_kernel_log"
+# Where gpufail before the daemon's commit record kept this collector's state; read once when
+# the daemon has committed none, so an upgrade resumes where the previous version stopped.
+LEGACY_STATE_PREFIX = "collect_kernel_log"
 STATE_VERSION = 1
-# Lines read per collect(): bounds the memory of one read when a flood or a first run finds a
-# large backlog; the rest is read by the next calls.
+# Lines read per interval: bounds the work of one interval when a flood or a first run finds a
+# large backlog; the rest is read in the next intervals.
 DEFAULT_MAX_LINES = 200_000
 
 _Key = tuple[str | None, str, int]
@@ -58,9 +60,12 @@ class KernelLogCollector:
         clock: Clock | None = None,
         tz: str | None = None,
         max_lines: int = DEFAULT_MAX_LINES,
+        read_lines: int | None = None,
     ) -> None:
         if max_lines < 1:
             raise ValueError(f"max_lines={max_lines}: expected at least 1")
+        if read_lines is not None and read_lines < 1:
+            raise ValueError(f"read_lines={read_lines}: expected at least 1")
         self.store = store
         self.source = source
         self.cluster = cluster
@@ -69,35 +74,52 @@ class KernelLogCollector:
         self.clock = clock or SystemClock()
         self.tz = tz
         self.max_lines = max_lines
+        # Every read asks for the same number of lines, whatever is left of an interval's
+        # `max_lines`: a restart then reads a backlog in the same pieces as an uninterrupted run.
+        self.read_lines = min(read_lines or max_lines, max_lines)
         self.source_label = f"collect:{source.name}"
-        self.state_name = f"{STATE_PREFIX}-{node}"
         self.lines_read = 0
+        self.lines_rejected = 0
         self.lost_records = 0
         self.untimed_records = 0
         self._cursor: Cursor | None = None
         self._open: dict[_Key, XidIncident] = {}
         self._restored = False
-        # Stored incidents of this node and source that lines read again after a restart may
-        # belong to: key -> [(ts, last_ts)]. Emptied once the backlog is read.
-        self._stored: dict[_Key, list[tuple[datetime, datetime]]] = {}
+        self._committed: dict[str, Any] | None = None
+        self._more = False
+        self._run_lines = 0
 
     # -- the Collector interface -------------------------------------------------------------
 
     def collect(self) -> Collected:
         if not self._restored:
-            self._restore()
-        chunk = self.source.read(self._cursor, self.max_lines)
+            self._resume()
+        if not self.backlog:
+            self._run_lines = 0  # a new interval's share of `max_lines`
+        chunk = self.source.read(self._cursor, self.read_lines)
         self.lines_read += len(chunk.lines)
+        self._run_lines += len(chunk.lines)
         self.lost_records += chunk.lost
         now = self.clock.now()
         stats = ParseStats()
         records = parse_lines(chunk.lines, boot_time=chunk.boot_time, reference_time=now, tz=self.tz, stats=stats)
-        emitted = list(self._fold(deduplicate(self._not_stored(records), self.window, node=self.node)))
-        emitted += self._expire(now)
-        self._cursor = chunk.cursor
+        incidents = list(deduplicate(records, self.window, node=self.node))
+        self.lines_rejected += stats.rejected
+        emitted = list(self._fold(incidents))
+        # With more lines waiting, an incident may still grow from them: close only what the
+        # log has moved past (lines come in time order), not what the clock has.
+        newest = max((i.last_ts for i in incidents if i.last_ts is not None), default=None)
         if chunk.exhausted:
-            self._stored.clear()  # the backlog is read: later lines are new
+            emitted += self._expire(now)
+        elif newest is not None:
+            emitted += self._expire(min(now, newest))
+        self._cursor = chunk.cursor
+        self._more = not chunk.exhausted
         return {"xid_events": self._table(emitted)}
+
+    @property
+    def backlog(self) -> bool:
+        return self._more and self._run_lines < self.max_lines
 
     def drain(self) -> Collected:
         """Emit the incidents still open (the daemon calls this when it stops)."""
@@ -105,20 +127,27 @@ class KernelLogCollector:
         self._open.clear()
         return {"xid_events": self._table(emitted)}
 
-    def checkpoint(self) -> None:
-        """Record the cursor and the open incidents; call only once everything `collect` and
-        `drain` returned so far is in the store."""
+    def state(self) -> dict[str, Any]:
+        """The cursor and the open incidents; valid once everything `collect` and `drain`
+        returned so far is in the store (the daemon commits the two together)."""
         if not self._restored:
-            return
-        self.store.write_state(
-            self.state_name,
-            {
-                "version": STATE_VERSION,
-                "source": self.source.name,
-                "cursor": self._cursor,
-                "open": [_incident_json(i) for i in self._open.values()],
-            },
-        )
+            # Nothing read yet: what was committed before stays as it was.
+            return self._committed if self._committed is not None else self._legacy_state() or {}
+        return {
+            "version": STATE_VERSION,
+            "source": self.source.name,
+            "cursor": self._cursor,
+            "open": [_incident_json(i) for i in self._open.values()],
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """Resume from a committed `state()` at the first `collect()`; None: from the state an
+        earlier gpufail kept in `_state/collect_kernel_log-<node>.json`, if any."""
+        self._committed = state
+        self._restored = False
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {"log_lines": {"parsed": self.lines_read - self.lines_rejected, "rejected": self.lines_rejected}}
 
     def close(self) -> None:
         self.source.close()
@@ -143,9 +172,9 @@ class KernelLogCollector:
                 yield current
             self._open[key] = incident
 
-    def _expire(self, now: datetime) -> list[XidIncident]:
-        """Open incidents whose window has passed: no later line can join them."""
-        closed = [key for key, i in self._open.items() if i.ts + self.window < now]  # type: ignore[operator]
+    def _expire(self, horizon: datetime) -> list[XidIncident]:
+        """Open incidents whose window ends before `horizon`: no later line can join them."""
+        closed = [key for key, i in self._open.items() if i.ts + self.window < horizon]  # type: ignore[operator]
         return sorted((self._open.pop(key) for key in closed), key=lambda i: i.ts)  # type: ignore[arg-type, return-value]
 
     def _table(self, incidents: list[XidIncident]) -> pa.Table:
@@ -153,8 +182,11 @@ class KernelLogCollector:
 
     # -- restart --------------------------------------------------------------------------
 
-    def _restore(self) -> None:
-        state = self.store.read_state(self.state_name)
+    def _legacy_state(self) -> dict[str, Any] | None:
+        return self.store.read_state(f"{LEGACY_STATE_PREFIX}-{self.node}")
+
+    def _resume(self) -> None:
+        state = self._committed if self._committed is not None else self._legacy_state()
         self._restored = True
         if not state or state.get("version") != STATE_VERSION or state.get("source") != self.source.name:
             return
@@ -163,46 +195,11 @@ class KernelLogCollector:
             restored = [_incident_from_json(item) for item in state.get("open", [])]
         except (KeyError, TypeError, ValueError) as exc:
             raise CollectorError(
-                f"kernel-log collector: {self.store.path('_state', self.state_name + '.json')}: "
-                f"unreadable open incident ({exc}); expected the collector's own state"
+                f"kernel-log collector: the committed state of {self.node} has an unreadable open incident "
+                f"({exc}); expected the collector's own state"
             ) from None
-        if not restored:
-            self._load_stored(None)
-            return
-        self._load_stored(min(i.ts for i in restored if i.ts is not None))
         for incident in restored:
-            if not self._already_stored(incident):
-                self._open[(incident.node, incident.pci_bus_id, incident.xid)] = incident
-
-    def _load_stored(self, since: datetime | None) -> None:
-        """Remember the recent incidents this node and source already stored."""
-        if not self.store.exists("xid_events"):
-            return
-        dates = self.store.dates("xid_events")
-        # Lines read again come after the cursor: they are at most a flush interval older than
-        # the last stored day, or belong to an open incident restored from `since`.
-        start_day = dates[-1] - timedelta(days=1) if since is None else min(since.date(), dates[-1]) - timedelta(days=1)
-        table = self.store.dataset("xid_events", start_day).to_table(
-            columns=["ts", "last_ts", "node", "pci_bus_id", "xid"],
-            filter=(ds.field("node") == self.node)
-            & (ds.field("source") == self.source_label)
-            & (ds.field("cluster") == self.cluster),
-        )
-        for row in table.to_pylist():
-            key = (row["node"], row["pci_bus_id"], row["xid"])
-            self._stored.setdefault(key, []).append((row["ts"], row["last_ts"]))
-
-    def _already_stored(self, incident: XidIncident) -> bool:
-        spans = self._stored.get((incident.node, incident.pci_bus_id, incident.xid), [])
-        return any(first == incident.ts for first, _ in spans)
-
-    def _not_stored(self, records: Iterable[XidRecord]) -> Iterator[XidRecord]:
-        for record in records:
-            if self._stored and record.ts is not None:
-                spans = self._stored.get((record.host or self.node, record.pci_bus_id, record.xid))
-                if spans and any(first <= record.ts <= last for first, last in spans):
-                    continue
-            yield record
+            self._open[(incident.node, incident.pci_bus_id, incident.xid)] = incident
 
 
 def _joins(current: XidIncident, incident: XidIncident, window: timedelta) -> bool:

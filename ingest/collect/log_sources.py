@@ -249,7 +249,11 @@ class JournalSource:
             raise CollectorError(
                 f"kernel-log collector: {' '.join(args[1:])} exited with status {status}: "
                 f"{stderr.strip()[:300] or 'no message'}"
-                + ("; if the cursor is the problem, remove _state/collect_kernel_log.json" if after else "")
+                + (
+                    "; if the cursor is the problem, delete the kernel-log entry of _state/collect-<node>.json"
+                    if after
+                    else ""
+                )
             )
         new_cursor = {"cursor": last_cursor} if last_cursor else {}
         return LogChunk(lines, new_cursor, exhausted=exhausted)

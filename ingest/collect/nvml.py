@@ -153,6 +153,10 @@ class NvmlCollector:
             "xid_events": pa.Table.from_pylist(events, schema=self._xid_schema) if events else self._no_xid_events,
         }
 
+    def counts(self) -> dict[str, dict[str, int]]:
+        """NVML calls that failed, by function (counted by the client; see `NOT_AN_ERROR`)."""
+        return {"nvml_errors": dict(getattr(self._client, "errors", {}))}
+
     def close(self) -> None:
         if not self._open:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -30,6 +31,12 @@ NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
 NVML_EVENT_TYPE_XID_CRITICAL_ERROR = 0x8
+
+# Answers that say "this board, driver or binding has no such reading or function version":
+# the collector asks no more (or falls back), so they are not counted as call errors.
+NOT_AN_ERROR = frozenset(
+    {NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_ARGUMENT_VERSION_MISMATCH}
+)
 
 DeviceHandle = Any
 """Opaque per-GPU handle; only the client that made it looks inside."""
@@ -136,12 +143,15 @@ class PynvmlClient:
         self._pynvml: Any = None
         self._unpack_fields = False
         self._memory_v1_only = False
+        self.errors: Counter[str] = Counter()
+        """Failed calls by NVML function (the daemon's gpufail_collector_nvml_errors_total)."""
 
     def _module(self) -> Any:
         if self._pynvml is None:
             try:
                 import pynvml
             except ImportError as exc:  # the dependency is declared; this is a broken install
+                self.errors["import pynvml"] += 1
                 raise NvmlCallError("import pynvml", NVML_ERROR_LIBRARY_NOT_FOUND, str(exc)) from None
             self._pynvml = pynvml
             self._unpack_fields = _packed_layout_matches(pynvml.c_nvmlFieldValue_t)
@@ -151,6 +161,8 @@ class PynvmlClient:
         try:
             return fn(*args)
         except self._pynvml.NVMLError as exc:
+            if exc.value not in NOT_AN_ERROR:
+                self.errors[call] += 1
             raise NvmlCallError(call, exc.value, str(exc)) from None
 
     def init(self) -> None:
@@ -191,8 +203,13 @@ class PynvmlClient:
 
     def field_values(self, handle: DeviceHandle, field_ids: Sequence[int]) -> list[FieldReading]:
         raw = self._call("nvmlDeviceGetFieldValues", self._pynvml.nvmlDeviceGetFieldValues, handle, list(field_ids))
-        if self._unpack_fields:
-            return _unpack_field_values(raw)
+        readings = _unpack_field_values(raw) if self._unpack_fields else self._field_readings(raw)
+        failed = sum(1 for r in readings if r.code != NVML_SUCCESS and r.code not in NOT_AN_ERROR)
+        if failed:
+            self.errors["nvmlDeviceGetFieldValues"] += failed
+        return readings
+
+    def _field_readings(self, raw: Any) -> list[FieldReading]:
         readings = []
         for entry in raw:
             if entry.nvmlReturn != NVML_SUCCESS:
@@ -248,6 +265,7 @@ class PynvmlClient:
         except self._pynvml.NVMLError as exc:
             if exc.value == NVML_ERROR_TIMEOUT:
                 return None
+            self.errors["nvmlEventSetWait"] += 1
             raise NvmlCallError("nvmlEventSetWait", exc.value, str(exc)) from None
         return NvmlEvent(self.device_key(data.device), int(data.eventType), int(data.eventData))
 

@@ -1,5 +1,6 @@
-"""The collector daemon: independent failures, collector_runs, the flush policy, stopping, the
-registry, a SIGKILL at any moment, and `gpufail collect` end to end."""
+"""The collector daemon: independent failures, collector_runs, the flush policy, commits of
+resumable collectors' states, a store that refuses writes, stopping, the registry, a SIGKILL at
+any moment, and `gpufail collect` end to end. Metrics and probes: test_collect_observe.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import http.server
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +24,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.collect.base import CollectorError
-from ingest.collect.buffer import WriteBuffer
 from ingest.collect.daemon import (
     REGISTRY,
     CollectOptions,
@@ -33,6 +36,8 @@ from ingest.collect.daemon import (
 from ingest.errors import InputError, StoreError
 from ingest.store import Store
 from tests.conftest import make_rows
+from tests.fake_nvml.build import NoCompiler, build_fake_nvml
+from tests.fake_nvml.scenario import scenario_from_capture
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
@@ -89,22 +94,38 @@ class Broken:
         self.closed = True
 
 
-class Checkpointed(EightGpus):
-    name = "checkpointed"
+class Numbered:
+    """A resumable source of `total` XID rows numbered by pid, `per_call` per collect(); its
+    state is the next number, as a kernel-log cursor is a position."""
 
-    def __init__(self, clock: FakeClock, store: Store) -> None:
-        super().__init__(clock)
-        self.store = store
-        self.checkpoints: list[int] = []
-        self.drained = False
+    name = "numbered"
 
-    def checkpoint(self) -> None:
-        # Everything returned so far must already be in the store.
-        self.checkpoints.append(self.store.read("telemetry").num_rows if self.store.exists("telemetry") else 0)
+    def __init__(self, total: int, per_call: int) -> None:
+        self.total, self.per_call = total, per_call
+        self.next = 0
+        self.calls = 0
+        self.restored: list[dict | None] = []
 
-    def drain(self):
-        self.drained = True
-        return {"xid_events": make_rows("xid_events", [T0], node="n1", pci_bus_id="0000:9b:00", xid=79)}
+    def collect(self):
+        self.calls += 1
+        end = min(self.next + self.per_call, self.total)
+        pids = list(range(self.next, end))
+        self.next = end
+        return {"xid_events": make_rows("xid_events", [T0] * len(pids), node="n1", pci_bus_id="0000:9b:00", pid=pids)}
+
+    @property
+    def backlog(self) -> bool:
+        return self.next < self.total
+
+    def state(self) -> dict:
+        return {"next": self.next}
+
+    def restore(self, state) -> None:
+        self.restored.append(state)
+        self.next = state["next"] if state else 0
+
+    def close(self) -> None:
+        pass
 
 
 def daemon(store: Store, collectors, clock: FakeClock, **kw) -> Daemon:
@@ -150,14 +171,34 @@ def test_ticks_keep_the_interval_and_flushes_follow_the_time_policy_in_separate_
     assert all(line.startswith("collect: flushed") for line in lines)
 
 
-def test_the_row_policy_flushes_early_and_checkpoints_come_after_the_data(tmp_path):
+def test_a_resumable_collectors_state_commits_with_the_rows_it_covers(tmp_path):
     store, clock = Store.create(str(tmp_path / "d")), FakeClock()
-    c = Checkpointed(clock, store)
-    summary = daemon(store, [c], clock, flush_rows=20).run(max_ticks=5)
-    # 9 rows per tick (8 telemetry + 1 collector run): flushes after ticks 3 and 5 (stop)
-    assert summary.flushes == 2
-    assert c.checkpoints == [24, 40]
-    assert c.drained and store.read("xid_events").num_rows == 1
+    source = Numbered(total=2_000, per_call=30)
+    seen: list[tuple[int, int]] = []
+
+    def check(line: str) -> None:
+        if line.startswith("collect: flushed"):
+            committed = store.read_state("collect-n1")["collectors"]["numbered"]["next"]
+            seen.append((committed, store.read("xid_events").num_rows))
+
+    summary = daemon(store, [source], clock, flush_rows=100, report=check).run(max_ticks=1)
+    assert source.restored == [None]  # nothing committed before
+    # The backlog is read in one tick, flushed between pieces: never more than a flush behind.
+    assert source.calls == 67 and summary.flushes == len(seen) > 15
+    assert all(committed == visible for committed, visible in seen)  # state == rows, at every commit
+    assert sorted(store.read("xid_events")["pid"].to_pylist()) == list(range(2_000))
+
+    again = Numbered(total=2_500, per_call=30)
+    daemon(store, [again], clock, flush_rows=100).run(max_ticks=1)
+    assert again.restored == [{"next": 2_000}]
+    assert sorted(store.read("xid_events")["pid"].to_pylist()) == list(range(2_500))
+
+
+def test_a_source_not_run_keeps_its_committed_position(tmp_path):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    daemon(store, [Numbered(total=10, per_call=10)], clock).run(max_ticks=1)
+    daemon(store, [EightGpus(clock)], clock).run(max_ticks=1)
+    assert store.read_state("collect-n1")["collectors"] == {"numbered": {"next": 10}}
 
 
 def test_a_stop_request_drains_flushes_and_returns(tmp_path):
@@ -200,20 +241,71 @@ def test_a_final_flush_that_fails_is_an_error(tmp_path):
         raise StoreError("bucket unreachable")
 
     store.write = refuse  # type: ignore[method-assign]
-    with pytest.raises(StoreError, match="last flush .* failed; 9 rows were not written"):
+    with pytest.raises(
+        StoreError, match=r"last flush .* failed \(bucket unreachable\); telemetry 8, collector_runs 1 \(9 rows\)"
+    ):
         daemon(store, [EightGpus(clock)], clock).run(max_ticks=1)
 
 
-def test_the_buffer_is_capped_and_drops_telemetry_before_xid_events():
-    buffer = WriteBuffer(max_rows=10)
-    buffer.add("xid_events", make_rows("xid_events", [T0] * 4))
-    for _ in range(2):
-        buffer.add("telemetry", make_rows("telemetry", [T0] * 3))
-    assert buffer.rows == 10 and buffer.dropped_rows == 0
-    buffer.add("telemetry", make_rows("telemetry", [T0] * 3))
-    assert buffer.rows == 10 and buffer.dropped_rows == 3
-    buffer.add("telemetry", make_rows("telemetry", [T0] * 9))  # 19 rows: telemetry goes, oldest first
-    assert buffer.rows == 4 and buffer.dropped_rows == 18
+class Refusing:
+    """Every part file the store writes, staged or not, fails like a full disk until `fixed`."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.fixed = False
+        self.refused = 0
+        real = Store._write_part
+
+        def write_part(store, dataset, day, table, **options):
+            if not self.fixed:
+                self.refused += 1
+                raise StoreError(f"{store.path(dataset)}: could not write a part file (No space left on device)")
+            return real(store, dataset, day, table, **options)
+
+        monkeypatch.setattr(Store, "_write_part", write_part)
+
+
+def test_while_the_store_refuses_rows_are_held_reading_pauses_and_nothing_is_lost(tmp_path, monkeypatch):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    source = Numbered(total=5_000, per_call=40)
+    lines: list[str] = []
+    refusing = Refusing(monkeypatch)
+    d = daemon(store, [source], clock, flush_rows=100, report=lines.append)
+    with pytest.raises(
+        StoreError, match=r"last flush .* failed .*No space left.*; xid_events 1,000, collector_runs 23 "
+    ):
+        d.run(max_ticks=40)
+    # A refused flush ends the tick's reading; once 10 x flush_rows are held, ticks read nothing.
+    assert source.calls == 3 + 22 and source.next == 1_000
+    assert sum("reading paused until a flush succeeds" in line for line in lines) == 1
+    assert "holding xid_events 1,000, collector_runs 23 (1,023 rows" in next(line for line in lines if "paused" in line)
+    assert d.summary.flush_errors > 40 and refusing.refused > 40
+    assert store.read_state("collect-n1") is None  # the position was never committed
+    assert not store.exists("xid_events")
+
+    refusing.fixed = True  # space freed: the next start reads again from the committed position
+    again = Numbered(total=5_000, per_call=40)
+    daemon(store, [again], clock, flush_rows=100).run(max_ticks=1)
+    assert again.restored == [None]
+    assert sorted(store.read("xid_events")["pid"].to_pylist()) == list(range(5_000))
+
+
+def test_reading_resumes_when_the_store_takes_writes_again(tmp_path, monkeypatch):
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    lines: list[str] = []
+    refusing = Refusing(monkeypatch)
+
+    def report(line: str) -> None:
+        lines.append(line)
+        if "reading paused" in line:
+            refusing.fixed = True  # space is freed while the daemon holds its rows
+
+    source = Numbered(total=3_000, per_call=40)
+    summary = daemon(store, [source], clock, flush_rows=100, report=report).run(max_ticks=60)
+    paused = next(i for i, line in enumerate(lines) if "reading paused" in line)
+    assert "reading resumed" in lines[paused + 1]
+    assert summary.flush_errors > 20 and source.next == 3_000
+    assert sorted(store.read("xid_events")["pid"].to_pylist()) == list(range(3_000))
+    assert store.read_state("collect-n1")["collectors"]["numbered"] == {"next": 3_000}
 
 
 def test_sources_are_checked_against_the_registry():
@@ -283,6 +375,7 @@ def collect_env(log: Path, **extra: str) -> dict[str, str]:
         GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
         GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),
         GPUFAIL_COLLECT__NODE="gpu-node-017",
+        GPUFAIL_COLLECT__LISTEN="",  # tests run side by side: no fixed port
         **extra,
     )
     return env
@@ -301,7 +394,7 @@ def test_sigkill_at_any_moment_loses_nothing_flushed_and_a_restart_does_not_repl
     env = collect_env(log, GPUFAIL_COLLECT__MAX_LINES_PER_RUN="100", GPUFAIL_COLLECT__FLUSH_ROWS="50")
     cmd = [*GPUFAIL, "collect", "--out", str(root), "--source", "kernel-log", "--interval", "0.01s"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    state = root / "_state" / "collect_kernel_log-gpu-node-017.json"
+    state = root / "_state" / "collect-gpu-node-017.json"
     deadline = time.monotonic() + 60
     while not state.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -318,6 +411,91 @@ def test_sigkill_at_any_moment_loses_nothing_flushed_and_a_restart_does_not_repl
     events = store.read("xid_events")
     assert every_file_reads(root) == events.num_rows == lines  # nothing lost, nothing twice
     assert len(set(events["pid"].to_pylist())) == lines
+
+
+def test_a_read_far_larger_than_flush_rows_keeps_every_line(tmp_path):
+    # 30,000 lines at flush_rows = 1000: once dropped whole as "store unwritable", with exit 0.
+    lines = 30_000
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(lines)))
+    root = tmp_path / "data"
+    env = collect_env(log, GPUFAIL_COLLECT__FLUSH_ROWS="1000")
+    cmd = [*GPUFAIL, "collect", "--once", "--source", "kernel-log", "--out", str(root)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "dropped" not in result.stdout and "kernel-log 1 ok, 30000 rows" in result.stdout
+    assert result.stdout.count("collect: flushed") >= 25  # in pieces of about flush_rows, as it read
+    events = Store.open(str(root)).read("xid_events")
+    assert events.num_rows == lines and sorted(events["pid"].to_pylist()) == list(range(lines))
+
+
+def test_collect_once_fails_naming_each_source_when_every_source_failed(tmp_path):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    env = collect_env(tmp_path, GPUFAIL_COLLECT__DCGM_EXPORTER_URL=f"http://127.0.0.1:{port}/metrics")  # a folder
+    sources = "kernel-log,dcgm-exporter"
+    try:
+        library_dir, extra = fake_nvml_without_driver(tmp_path / "nvml")
+        env.update(extra, LD_LIBRARY_PATH=str(library_dir))
+        sources += ",nvml"
+    except NoCompiler:
+        pass
+    cmd = [*GPUFAIL, "collect", "--once", "--source", sources, "--out", str(tmp_path / "data")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = result.stderr.strip().splitlines()
+    names = sources.split(",")
+    assert [line.split(" failed: ")[0] for line in errors[:-1]] == [f"collect: {n}" for n in names]
+    assert f"cannot read {tmp_path}" in errors[0]
+    assert f"127.0.0.1:{port}" in errors[1]
+    if "nvml" in names:
+        assert "driver is not loaded" in errors[2]
+    assert errors[-1] == f"gpufail: error: collect: every source failed ({', '.join(names)}); nothing was collected"
+
+    # One source that works is enough for exit 0.
+    log = tmp_path / "kern.log"
+    log.write_text(syslog_line(0))
+    env["GPUFAIL_COLLECT__KERNEL_LOG_PATHS"] = json.dumps([str(log)])
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+
+def fake_nvml_without_driver(work: Path) -> tuple[Path, dict[str, str]]:
+    scenario = scenario_from_capture(Path(__file__).parents[1] / "fixtures" / "nvml" / "qx-a100.xml")
+    scenario.init_error = 9  # NVML_ERROR_DRIVER_NOT_LOADED
+    library = build_fake_nvml(work)
+    return library.parent, {"FAKE_NVML_CONFIG": str(scenario.write(work / "scenario.txt"))}
+
+
+def test_a_read_only_store_keeps_the_cursor_and_exits_non_zero_then_a_rerun_writes_every_row(tmp_path):
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs root and unshare(1) to mount the store read-only in a private mount namespace")
+    lines = 500
+    log = tmp_path / "kern.log"
+    log.write_text("".join(syslog_line(i) for i in range(lines)))
+    root = tmp_path / "data"
+    Store.create(str(root))
+    env = collect_env(log, GPUFAIL_COLLECT__FLUSH_ROWS="100")
+    collect = shlex.join([*GPUFAIL, "collect", "--once", "--source", "kernel-log", "--out", str(root)])
+    script = f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(root))} && mount -o remount,bind,ro {shlex.quote(str(root))} && {collect}"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("gpufail: error: collect: the last flush to")
+    assert f"failed ({root}/_staging: cannot write (Read-only file system)" in error[0]
+    assert "; xid_events 200, collector_runs 1 (201 rows) were not written" in error[0]
+    assert result.stdout.count("flush failed") == 2  # the first refusal ended the reading; then the last
+    assert not (root / "_state").exists() and not list(root.glob("*/date=*/*.parquet"))  # nothing moved on
+
+    done = subprocess.run(shlex.split(collect), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = Store.open(str(root)).read("xid_events")
+    assert sorted(events["pid"].to_pylist()) == list(range(lines))
 
 
 @pytest.fixture

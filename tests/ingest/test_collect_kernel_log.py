@@ -1,13 +1,13 @@
-"""The live kernel-log collector: floods folded across intervals, cursor and open incidents kept
-across restarts, lines read again after a crash not counted twice."""
+"""The live kernel-log collector: floods folded across intervals and pieces, cursor and open
+incidents handed over through state()/restore(), a backlog read in pieces of read_lines."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-import pyarrow as pa
+import pytest
 
-from ingest.collect.base import Collector
+from ingest.collect.base import Collector, CollectorError
 from ingest.collect.kernel_log import KernelLogCollector
 from ingest.collect.log_sources import Cursor, LogChunk
 from ingest.store import Store
@@ -59,20 +59,23 @@ def xid(at: datetime, code: int = 94, bus: str = "0000:9b:00", node: str = "gpu-
     return f"{at.isoformat()} {node} kernel: NVRM: Xid (PCI:{bus}): {code}, pid=1234, name=python3, Contained ECC error"
 
 
-def collector(store: Store, log: FakeLog, clock: FakeClock, max_lines: int = 1000) -> KernelLogCollector:
+def collector(
+    store: Store, log: FakeLog, clock: FakeClock, max_lines: int = 1000, read_lines: int | None = None
+) -> KernelLogCollector:
     return KernelLogCollector(
-        store, log, cluster="c1", node="gpu-node-017", dedup_window=WINDOW, clock=clock, max_lines=max_lines
+        store,
+        log,
+        cluster="c1",
+        node="gpu-node-017",
+        dedup_window=WINDOW,
+        clock=clock,
+        max_lines=max_lines,
+        read_lines=read_lines,
     )
 
 
 def rows(collected) -> list[dict]:
     return collected["xid_events"].to_pylist()
-
-
-def write_and_checkpoint(store: Store, c: KernelLogCollector, tables: list[pa.Table]) -> None:
-    for table in tables:
-        store.write("xid_events", table)
-    c.checkpoint()
 
 
 def test_it_is_a_collector():
@@ -129,52 +132,43 @@ def test_old_lines_are_emitted_at_once_and_untimed_ones_are_counted_not_written(
     assert c.untimed_records == 1  # a kmsg record without a boot time
 
 
-def test_a_restart_resumes_after_the_checkpointed_cursor_with_the_open_incident(tmp_path):
+def test_a_restart_resumes_from_the_committed_state_with_the_open_incident(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     clock = FakeClock()
     log = FakeLog([xid(T0 + timedelta(seconds=i)) for i in range(50)] + [xid(T0 - timedelta(days=1), code=48)])
     first = collector(store, log, clock)
     written = first.collect()
     assert [r["xid"] for r in rows(written)] == [48]
-    write_and_checkpoint(store, first, [written["xid_events"]])
+    state = first.state()
     first.close()
-    state = store.read_state("collect_kernel_log-gpu-node-017")
     assert state["cursor"] == {"next": 51} and len(state["open"]) == 1
 
     log.lines += [xid(T0 + timedelta(seconds=100 + i)) for i in range(25)]
     second = collector(store, log, clock)
+    second.restore(state)
+    assert second.state() == state  # nothing read yet: the committed state stands
     assert rows(second.collect()) == []
     assert log.reads[-1] == {"next": 51}  # never re-read the first 51 lines
     clock.advance(600)
     out = rows(second.collect())
     assert [(r["xid"], r["repeat_count"]) for r in out] == [(94, 75)]  # one incident across the restart
-    store.write("xid_events", second.collect()["xid_events"])
-    assert store.read("xid_events").num_rows == 1
 
 
-def test_lines_read_again_after_a_kill_between_flush_and_checkpoint_are_not_counted_twice(tmp_path):
+def test_without_a_committed_state_it_resumes_from_an_earlier_gpufails_state_file(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    clock = FakeClock()
-    start = T0 - timedelta(minutes=1)
-    log = FakeLog([xid(start + timedelta(seconds=i)) for i in range(40)])
-    first = collector(store, log, clock)
-    assert rows(first.collect()) == []
-    first.checkpoint()  # state: cursor 40, one open incident of 40 lines
+    log = FakeLog([xid(T0 - timedelta(days=1) + timedelta(minutes=10 * i)) for i in range(4)])
+    store.write_state("collect_kernel_log-gpu-node-017", {"version": 1, "source": "fake", "cursor": {"next": 3}})
+    c = collector(store, log, FakeClock())
+    c.restore(None)
+    assert len(rows(c.collect())) == 1 and log.reads == [{"next": 3}]
 
-    clock.advance(600)
-    log.lines += [xid(start + timedelta(seconds=60 + i)) for i in range(10)]
-    flushed = first.collect()
-    assert [(r["xid"], r["repeat_count"]) for r in rows(flushed)] == [(94, 50)]
-    store.write("xid_events", flushed["xid_events"])
-    # killed here: the row is in the store, the checkpoint still says cursor 40 + open incident
 
-    log.lines += [xid(clock.now(), code=79)]
-    restarted = collector(store, log, clock)
-    assert rows(restarted.collect()) == []
-    assert log.reads[-1] == {"next": 40}  # the 10 lines after the checkpoint are read again...
-    assert [(r["xid"], r["repeat_count"]) for r in rows(restarted.drain())] == [(79, 1)]  # ...but not counted
-    stored = store.read("xid_events").to_pylist()
-    assert [(r["xid"], r["repeat_count"]) for r in stored] == [(94, 50)]
+def test_a_corrupt_committed_open_incident_is_one_collector_error(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    c = collector(store, FakeLog([]), FakeClock())
+    c.restore({"version": 1, "source": "fake", "cursor": {"next": 0}, "open": [{"ts": "yesterday"}]})
+    with pytest.raises(CollectorError, match="unreadable open incident"):
+        c.collect()
 
 
 def test_a_backlog_larger_than_max_lines_is_read_over_several_calls(tmp_path):
@@ -185,3 +179,81 @@ def test_a_backlog_larger_than_max_lines_is_read_over_several_calls(tmp_path):
     counts = [len(rows(c.collect())) for _ in range(3)]
     counts.append(len(rows(c.drain())))
     assert sum(counts) == 25 and counts[0] <= 10
+
+
+def flood_log() -> list[str]:
+    """Floods on 3 GPUs, lines every 40 s for an hour (several dedup windows each), some
+    distinct XIDs between them and lines the parser rejects."""
+    start = T0 - timedelta(days=1)
+    lines = []
+    for i in range(90):
+        at = start + timedelta(seconds=40 * i)
+        lines += [xid(at, bus=f"0000:{0x18 + g:02x}:00") for g in range(3)]
+        if i % 7 == 0:
+            lines.append(xid(at, code=48 + i % 3))
+        if i % 11 == 0:
+            lines.append(f"{at.isoformat()} gpu-node-017 kernel: NVRM: Xid (PCI:0000:18:00): not-a-number")
+    return lines
+
+
+def read_backlog(store: Store, read_lines: int, state: dict | None = None, stop_after: int | None = None):
+    """Rows of reading flood_log() in pieces (then draining), optionally from a committed state
+    and stopping after `stop_after` pieces; returns (rows, the collector)."""
+    c = collector(store, FakeLog(flood_log()), FakeClock(), max_lines=10_000, read_lines=read_lines)
+    c.restore(state)
+    out = rows(c.collect())
+    pieces = 1
+    while c.backlog and (stop_after is None or pieces < stop_after):
+        out += rows(c.collect())
+        pieces += 1
+    if stop_after is None:
+        out += rows(c.drain())
+    return out, c
+
+
+def summary(out: list[dict]) -> list[tuple]:
+    return sorted((r["ts"], r["last_ts"], r["pci_bus_id"], r["xid"], r["repeat_count"]) for r in out)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64])
+def test_a_backlog_read_in_pieces_counts_every_line_once_and_keeps_floods_folded(tmp_path, piece):
+    store = Store.create(str(tmp_path / "data"))
+    whole, one = read_backlog(store, 10_000)
+    pieces, many = read_backlog(store, piece)
+
+    def lines_per_key(out):
+        counts: dict[tuple, int] = {}
+        for r in out:
+            counts[(r["pci_bus_id"], r["xid"])] = counts.get((r["pci_bus_id"], r["xid"]), 0) + r["repeat_count"]
+        return counts
+
+    assert lines_per_key(pieces) == lines_per_key(whole)
+    assert sum(r["repeat_count"] for r in whole) == 90 * 3 + 13  # every timed XID line counted once
+    # An hour of flood per GPU: one incident per window or two, never one per line or piece.
+    floods = [r for r in pieces if r["xid"] == 94]
+    assert 3 * 6 <= len(floods) <= 3 * 12
+    assert all(r["last_ts"] - r["ts"] <= 2 * WINDOW for r in floods)
+    assert many.counts() == one.counts() == {"log_lines": {"parsed": len(flood_log()) - 9, "rejected": 9}}
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, 17, 40])
+def test_resuming_from_a_state_taken_between_pieces_gives_the_rows_of_an_uninterrupted_read(tmp_path, stop_after):
+    store = Store.create(str(tmp_path / "data"))
+    uninterrupted, _ = read_backlog(store, 7)
+    before, first = read_backlog(store, 7, stop_after=stop_after)
+    after, _ = read_backlog(store, 7, state=first.state())
+    assert summary(before + after) == summary(uninterrupted)
+
+
+def test_max_lines_bounds_one_interval_in_whole_pieces(tmp_path):
+    store = Store.create(str(tmp_path / "data"))
+    log = FakeLog(flood_log())
+    c = collector(store, log, FakeClock(), max_lines=100, read_lines=30)
+    c.collect()
+    calls = 1
+    while c.backlog:
+        c.collect()
+        calls += 1
+    assert calls == 4 and [r["next"] for r in log.reads[1:]] == [30, 60, 90]  # 120 lines: pieces stay whole
+    c.collect()  # the next interval goes on from there
+    assert log.reads[-1] == {"next": 120} and c.backlog

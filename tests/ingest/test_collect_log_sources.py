@@ -174,7 +174,7 @@ def test_journal_entries_become_timed_lines_and_the_cursor_resumes_after_the_las
 def test_journal_failures_are_collector_errors(journalctl, tmp_path):
     with pytest.raises(CollectorError, match="not found"):
         JournalSource(executable=str(tmp_path / "no-such-journalctl")).read(None, 10)
-    with pytest.raises(CollectorError, match="Failed to seek to cursor.*remove _state"):
+    with pytest.raises(CollectorError, match="Failed to seek to cursor.*delete the kernel-log entry of _state"):
         JournalSource(executable=journalctl).read({"cursor": "bogus"}, 10)
     Path(journalctl + ".data").write_text("-- No entries --\n")
     with pytest.raises(CollectorError, match="line 1: not a JSON object"):

@@ -21,8 +21,8 @@ from ingest.collect.nvml import NvmlCollector
 from ingest.collect.nvml_client import NVML_ERROR_GPU_IS_LOST, NvmlCallError, PynvmlClient
 from ingest.collect.nvml_metrics import nvml_sources, parse_nvml_sources
 from ingest.schema import metric_columns, schema_for
-from tests.fake_nvml.build import FakeNvml, NoCompiler, build_fake_nvml
-from tests.fake_nvml.scenario import Scenario, field_id, scenario_from_capture
+from tests.fake_nvml.build import NoCompiler
+from tests.fake_nvml.scenario import field_id, scenario_from_capture
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "nvml"
 H100, A100, T4 = FIXTURES / "qx-h100.xml", FIXTURES / "qx-a100.xml", FIXTURES / "qx-t4.xml"
@@ -45,26 +45,6 @@ class StepClock:
 
     def sleep(self, seconds: float) -> None:
         self.ts += timedelta(seconds=seconds)
-
-
-@pytest.fixture(scope="session")
-def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> FakeNvml:
-    try:
-        library = build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
-    except NoCompiler as exc:
-        pytest.skip(f"fake libnvidia-ml.so.1 not built: {exc}")
-    return FakeNvml(library)
-
-
-@pytest.fixture
-def use_scenario(
-    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[[Scenario], FakeNvml]:
-    def use(scenario: Scenario) -> FakeNvml:
-        monkeypatch.setenv("FAKE_NVML_CONFIG", str(scenario.write(tmp_path / "scenario.txt")))
-        return fake_nvml
-
-    return use
 
 
 @pytest.fixture
@@ -322,6 +302,25 @@ def test_a_field_that_reports_the_gpu_lost_marks_the_gpu_lost(use_scenario, make
     out = make_collector().collect()
     assert out["telemetry"].num_rows == 0
     assert [r["xid"] for r in rows(out["xid_events"])] == [79]
+
+
+@pytest.mark.parametrize("client", [PynvmlClient, _AttributeDecoding])
+def test_failed_calls_are_counted_by_function_and_unsupported_readings_are_not(
+    use_scenario, make_collector, client
+) -> None:
+    scenario = scenario_from_capture(H100)
+    scenario.gpus[0].field_errors[field_id("NVML_FI_DEV_RETIRED_SBE")] = 3  # not supported: asked once
+    scenario.gpus[1].field_errors[field_id("NVML_FI_DEV_PCIE_REPLAY_COUNTER")] = 999  # unknown error
+    scenario.gpus[2].fail_after = (1, NVML_ERROR_GPU_IS_LOST)
+    use_scenario(scenario)
+    collector = make_collector(client=client())
+    assert collector.counts() == {"nvml_errors": {}}
+    for _ in range(3):
+        collector.collect()
+    errors = collector.counts()["nvml_errors"]
+    # GPU 1's field fails in each of the 3 batched reads; GPU 2 answers once, then is lost twice.
+    assert errors["nvmlDeviceGetFieldValues"] == 3 + 2
+    assert set(errors) == {"nvmlDeviceGetFieldValues"}
 
 
 class _LostOnCalls(PynvmlClient):
