@@ -6,15 +6,16 @@ there is no pyslurm for it, so the command-line tools are the interface (INFRA.m
 Tiers on a node:
 - `watch`: nothing (audit only);
 - `avoid`: the node's scheduling weight raised to `avoid_weight` (Slurm fills lower weights
-  first, so large jobs land elsewhere while there is room); the previous weight is saved and
-  restored when the node leaves the tier, unless someone changed the weight meanwhile;
+  first, so large jobs land elsewhere while there is room); the previous weight is recorded in
+  the ledger (below) before ours is set, and restored when the node leaves the tier, unless
+  someone changed the weight meanwhile;
 - `drain_after_job` and `drain_now`: `State=DRAIN` with a reason starting with `gpufail:`.
   A Slurm drain lets running jobs finish in both; the reason says which tier asked, so an
   operator can cancel or requeue the job on a `drain-now` node. Ending jobs is left to people.
 
 Ownership of drains is recorded, not inferred from the reason: before each drain the publisher
-writes the node, the exact reason string and the time into its ledger (`DrainLedger`; the CLI
-keeps it in the data root, `_state/publish-slurm-drains.json`), and after a resume it removes
+writes the node, the exact reason string and the time into its ledger (`SlurmLedger`; the CLI
+keeps it in the data root, `_state/publish-slurm-ledger.json`), and after a resume it removes
 the entry. A drained node is ours only while its current reason is the one recorded; a reason
 changed by an operator, even one that keeps the `gpufail:` prefix, makes the node theirs: never
 resumed by us, reported. A drain with our prefix that the ledger does not know (the state was
@@ -48,8 +49,8 @@ BLOCKING_FLAGS = frozenset(
 )
 
 
-DRAIN_LEDGER = "publish-slurm-drains"
-"""The store state file (`_state/<name>.json`) of the drains gpufail set."""
+LEDGER = "publish-slurm-ledger"
+"""The store state file (`_state/<name>.json`) of what gpufail set in Slurm."""
 DRAIN_FLAGS = frozenset({"DRAIN", "DRAINED", "DRAINING"})
 
 
@@ -71,14 +72,23 @@ class OwnedDrain:
         return reason == self.reason or (bool(self.replaces) and reason == self.replaces)
 
 
-class DrainLedger(Protocol):
-    """Where the publisher records the drains it set (node name -> `OwnedDrain`)."""
+@dataclass
+class Marks:
+    """What gpufail set in Slurm, per node name."""
+
+    drains: dict[str, OwnedDrain] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
+    """The node's weight before we set `avoid_weight` (to restore it)."""
+
+
+class SlurmLedger(Protocol):
+    """Where the publisher records what it set (`Marks`), before it sets it."""
 
     where: str
 
-    def load(self) -> dict[str, OwnedDrain]: ...
+    def load(self) -> Marks: ...
 
-    def save(self, drains: Mapping[str, OwnedDrain]) -> None: ...
+    def save(self, marks: Marks) -> None: ...
 
 
 class MemoryLedger:
@@ -87,45 +97,47 @@ class MemoryLedger:
     where = "this process's memory"
 
     def __init__(self) -> None:
-        self._drains: dict[str, OwnedDrain] = {}
+        self._marks = Marks()
 
-    def load(self) -> dict[str, OwnedDrain]:
-        return dict(self._drains)
+    def load(self) -> Marks:
+        return Marks(dict(self._marks.drains), dict(self._marks.weights))
 
-    def save(self, drains: Mapping[str, OwnedDrain]) -> None:
-        self._drains = dict(drains)
+    def save(self, marks: Marks) -> None:
+        self._marks = Marks(dict(marks.drains), dict(marks.weights))
 
 
 class StoreLedger:
     """The ledger as a state file of a data root (written atomically by the store)."""
 
-    def __init__(self, store: Store, name: str = DRAIN_LEDGER) -> None:
+    def __init__(self, store: Store, name: str = LEDGER) -> None:
         self.store, self.name = store, name
         self.where = f"{store.root}: _state/{name}.json"
 
-    def load(self) -> dict[str, OwnedDrain]:
-        data = self.store.read_state(self.name) or {"drains": {}}
+    def load(self) -> Marks:
+        data = self.store.read_state(self.name) or {}
         try:
-            return {
+            drains = {
                 str(node): OwnedDrain(
-                    reason=str(d["reason"]),
-                    at=datetime.fromisoformat(d["at"]),
-                    replaces=str(d.get("replaces") or ""),
+                    reason=str(d["reason"]), at=datetime.fromisoformat(d["at"]), replaces=str(d.get("replaces") or "")
                 )
-                for node, d in data["drains"].items()
+                for node, d in (data.get("drains") or {}).items()
             }
+            weights = {str(node): int(w) for node, w in (data.get("weights") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(
-                f"{self.where}: not a gpufail drain ledger ({type(exc).__name__}: {exc}); expected "
-                '{"drains": {NODE: {"reason": ..., "at": ISO time}}}'
+                f"{self.where}: not a gpufail Slurm ledger ({type(exc).__name__}: {exc}); expected "
+                '{"drains": {NODE: {"reason": ..., "at": ISO time}}, "weights": {NODE: weight}}'
             ) from None
+        return Marks(drains, weights)
 
-    def save(self, drains: Mapping[str, OwnedDrain]) -> None:
-        entries = {
+    def save(self, marks: Marks) -> None:
+        drains = {
             node: {"reason": d.reason, "at": d.at.isoformat(), **({"replaces": d.replaces} if d.replaces else {})}
-            for node, d in sorted(drains.items())
+            for node, d in sorted(marks.drains.items())
         }
-        self.store.write_state(self.name, {"version": 1, "drains": entries})
+        self.store.write_state(
+            self.name, {"version": 1, "drains": drains, "weights": dict(sorted(marks.weights.items()))}
+        )
 
 
 @dataclass
@@ -139,13 +151,13 @@ class SlurmPublisher:
     timeout: float = 30.0
     attempts: int = 3
     backoff: float = 2.0
-    ledger: DrainLedger = field(default_factory=MemoryLedger)
-    """Where the drains we set are recorded; give a `StoreLedger` to keep them across runs."""
+    ledger: SlurmLedger = field(default_factory=MemoryLedger)
+    """Where what we set is recorded; give a `StoreLedger` to keep it across runs."""
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
     def __post_init__(self) -> None:
         self._nodes: dict[str, dict[str, Any]] = {}
-        self._drains: dict[str, OwnedDrain] = {}
+        self._marks = Marks()
 
     def _run(self, *argv: str) -> str:
         tool = os.path.join(self.bin_dir, argv[0]) if self.bin_dir else argv[0]
@@ -191,9 +203,9 @@ class SlurmPublisher:
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
         known = self.read_nodes()
-        self._drains = self.ledger.load()
+        self._marks = self.ledger.load()
         return {
-            n: _view(known[n], self._drains.get(n))
+            n: _view(known[n], self._marks.drains.get(n))
             if n in known
             else NodeView(exists=False, unavailable="not a node of this Slurm cluster")
             for n in nodes
@@ -204,7 +216,7 @@ class SlurmPublisher:
         ones, and ours whose reason someone changed."""
         out = []
         for node, record in sorted(self._nodes.items()):
-            entry = self._drains.get(node)
+            entry = self._marks.drains.get(node)
             owner = _ownership(record, entry)
             reason = _reason(record)
             if owner == "orphaned":
@@ -227,12 +239,16 @@ class SlurmPublisher:
             known = self.read_nodes()
         except SchedulerUnavailable as exc:
             return [Applied(False, f"failed: {exc}") for _ in changes]
-        drains = self.ledger.load()
+        marks = self.ledger.load()
         # A drain that ended (resumed by someone, or a run killed before its scontrol) is
-        # nobody's any more: forget it, so that a later drain with that reason is not ours.
-        self._drains = {n: d for n, d in drains.items() if n in known and _is_drained(known[n])}
-        if self._drains != drains:
-            self.ledger.save(self._drains)
+        # nobody's any more, nor a weight no longer ours: forget them, so that a later drain
+        # with that reason is not taken for ours.
+        self._marks = Marks(
+            drains={n: d for n, d in marks.drains.items() if n in known and _is_drained(known[n])},
+            weights={n: w for n, w in marks.weights.items() if n in known and _weight(known[n]) == self.avoid_weight},
+        )
+        if self._marks != marks:
+            self.ledger.save(self._marks)
         return [self._apply_one(c, known.get(c.node)) for c in changes]
 
     def adopt(self, node: str) -> tuple[str, OwnedDrain]:
@@ -254,23 +270,28 @@ class SlurmPublisher:
         if tier not in TIERS or not _drains(tier):
             raise InputError(f"--adopt {node}: the reason {reason!r} names no drain tier of gpufail")
         entry = OwnedDrain(reason, self.clock())
-        drains = self.ledger.load()
-        drains[node] = entry
-        self.ledger.save(drains)
-        self._drains = drains
+        self._marks = self.ledger.load()
+        self._record(node, entry)
         return tier, entry
 
     def _record(self, node: str, entry: OwnedDrain | None) -> None:
         if entry is None:
-            self._drains.pop(node, None)
+            self._marks.drains.pop(node, None)
         else:
-            self._drains[node] = entry
-        self.ledger.save(self._drains)
+            self._marks.drains[node] = entry
+        self.ledger.save(self._marks)
+
+    def _record_weight(self, node: str, previous: int | None) -> None:
+        if previous is None:
+            self._marks.weights.pop(node, None)
+        else:
+            self._marks.weights[node] = previous
+        self.ledger.save(self._marks)
 
     def _apply_one(self, change: Change, record: Mapping[str, Any] | None) -> Applied:
         if record is None:
             return Applied(False, "skipped: not a node of this Slurm cluster")
-        entry = self._drains.get(change.node)
+        entry = self._marks.drains.get(change.node)
         view = _view(record, entry)
         if view.unavailable:
             return Applied(False, f"skipped: {view.unavailable}")
@@ -297,17 +318,25 @@ class SlurmPublisher:
                 self._record(change.node, None)
                 done.append("resumed")
             if _weighs(change.new) and not _weighs(change.old):
-                saved["weight"] = int(record.get("weight", 1))
-                self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={self.avoid_weight}")
+                recorded = self._marks.weights.get(change.node)
+                # The ledger's weight is the one before ours, should a killed run have set ours.
+                saved["weight"] = recorded if recorded is not None else _weight(record)
+                self._record_weight(change.node, saved["weight"])
+                try:
+                    self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={self.avoid_weight}")
+                except SchedulerUnavailable:
+                    self._record_weight(change.node, recorded)
+                    raise
                 done.append(f"weight {saved['weight']} -> {self.avoid_weight}")
             elif _weighs(change.old) and not _weighs(change.new):
-                if int(record.get("weight", -1)) == self.avoid_weight:
-                    previous = int(saved.pop("weight", 1))
+                recorded = self._marks.weights.get(change.node)
+                previous = int(saved.pop("weight", recorded if recorded is not None else 1))
+                if _weight(record) == self.avoid_weight:
                     self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={previous}")
                     done.append(f"weight restored to {previous}")
                 else:
-                    saved.pop("weight", None)
                     done.append(f"weight left at {record.get('weight')} (changed by someone else)")
+                self._record_weight(change.node, None)
         except SchedulerUnavailable as exc:
             return Applied(False, f"failed: {exc}" + (f" (after: {', '.join(done)})" if done else ""), saved)
         return Applied(True, ", ".join(done) or "nothing to change in Slurm", saved)
@@ -338,6 +367,10 @@ def _state(record: Mapping[str, Any]) -> tuple[str, set[str]]:
     else:
         base = str(raw).lower().rstrip("*~#!%$@^-")
     return base, flags
+
+
+def _weight(record: Mapping[str, Any]) -> int:
+    return int(record.get("weight", 1))
 
 
 def _reason(record: Mapping[str, Any]) -> str:

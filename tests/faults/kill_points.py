@@ -1,11 +1,14 @@
 """kill -9 of a gpufail command at chosen points of its work, for the fault-injection tests.
 
 A point is the n-th call, counted from the start of the command, to an operation that changes
-something outside the process: a rename, a removal, an fsync, a write to a file opened through
-fsspec (every store write goes through it), a subprocess (`scontrol`, ...). At point n the
+something outside the process: a rename, a removal, an fsync, the first write to a file opened
+through fsspec (every store write goes through it; a kill after more of its writes leaves the
+same partial temporary file), a subprocess (`scontrol`, ...). At point n the
 process sends itself SIGKILL just before the operation, as kill -9 from outside would find it:
 no `finally`, no `atexit`, no flush. A run without a point counts the operations
-(`count_points`), so a test can draw its points among them with a seeded generator.
+(`count_points`). `plan` takes every point (there are few: each is a boundary between writes)
+and tops them up with kills from outside (SIGKILL from the parent) after delays drawn by a
+seeded generator within a clean run's duration, which land in the computing between writes.
 
 The command runs in a child of a forkserver that has already imported gpufail and its heavy
 libraries, so that a dozen killed runs cost less than a second each instead of the seconds of
@@ -17,11 +20,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +58,43 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+@dataclass(frozen=True)
+class Kill:
+    """Where to kill a run: at a point (from inside), or after a delay (from outside)."""
+
+    point: int | None = None
+    after_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"point {self.point}" if self.point is not None else f"kill -9 after {self.after_s:.3f}s"
+
+
+def plan(args: Sequence[str], kills: int, seed: int, env: Mapping[str, str] | None = None) -> list[Kill]:
+    """`kills` kills of `gpufail ARGS`: every kill point and then kills after random delays, or
+    a random choice of the points when there are more (runs the command once, cleanly, to
+    count and time it)."""
+    began = time.monotonic()
+    status, points = run(args, env=env)
+    took = time.monotonic() - began
+    assert status == 0, f"gpufail {' '.join(args)} exited {status} in a clean run"
+    rng = random.Random(seed)
+    if points >= kills:
+        return [Kill(point=p) for p in sorted(rng.sample(range(1, points + 1), kills))]
+    delays = sorted(rng.uniform(0.0, took) for _ in range(kills - points))
+    return [Kill(point=p) for p in range(1, points + 1)] + [Kill(after_s=d) for d in delays]
+
+
 def run(
-    args: Sequence[str], *, kill_at: int | None = None, env: Mapping[str, str] | None = None, timeout: float = 120
+    args: Sequence[str],
+    *,
+    kill: Kill | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
 ) -> tuple[int, int]:
-    """Run `gpufail ARGS` in a fresh child; with `kill_at`, SIGKILL it at that point. Returns
-    (exit status, points counted before the kill or the end)."""
+    """Run `gpufail ARGS` in a fresh child, killed as `kill` says. Returns (exit status, kill
+    points passed); the status is -9 when killed (a run that ended before a delayed kill
+    exits as it would)."""
+    kill_at = kill.point if kill is not None else None
     ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
     # Files by name: the child is forked from the forkserver, which does not have our descriptors.
@@ -67,6 +105,10 @@ def run(
         )
         child.start()
         writer.close()
+        if kill is not None and kill.after_s is not None:
+            child.join(kill.after_s)
+            if child.is_alive():
+                os.kill(child.pid, signal.SIGKILL)
         child.join(timeout)
         if child.is_alive():
             child.kill()
@@ -122,7 +164,16 @@ def _child(
     subprocess.run = counted(subprocess.run)
     from fsspec.implementations.local import LocalFileOpener
 
-    LocalFileOpener.write = counted(LocalFileOpener.write)
+    written: set[int] = set()
+    plain_write = LocalFileOpener.write
+
+    def first_write_counted(self: Any, *a: Any, **kw: Any) -> Any:
+        if id(self) not in written:
+            written.add(id(self))
+            point()
+        return plain_write(self, *a, **kw)
+
+    LocalFileOpener.write = first_write_counted
 
     from gpufail.cli import main
 

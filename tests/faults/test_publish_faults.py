@@ -4,7 +4,6 @@ runs, bad predictions. Each run is the real `gpufail` command in its own process
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
@@ -50,15 +49,19 @@ def copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def gpufail(folder: Path, command: str, *args: str, kill_at: int | None = None) -> int:
-    extra = ["--model", str(folder / "model")] if command == "score" else []
-    status, _ = kill_points.run([command, "--data", str(folder / "data"), *extra, *args], kill_at=kill_at)
+def command(folder: Path, name: str, *args: str) -> list[str]:
+    extra = ["--model", str(folder / "model")] if name == "score" else []
+    return [name, "--data", str(folder / "data"), *extra, *args]
+
+
+def gpufail(folder: Path, name: str, *args: str, kill: kill_points.Kill | None = None) -> int:
+    status, _ = kill_points.run(command(folder, name, *args), kill=kill)
     return status
 
 
-def points(folder: Path, command: str, *args: str) -> int:
-    extra = ["--model", str(folder / "model")] if command == "score" else []
-    return kill_points.count_points([command, "--data", str(folder / "data"), *extra, *args])
+def killed(status: int, kill: kill_points.Kill) -> bool:
+    """Whether the run died as planned (a delayed kill may come after a short run ended)."""
+    return status == -9 or (kill.after_s is not None and status == 0)
 
 
 def snapshot_rows(folder: Path) -> pd.DataFrame:
@@ -82,39 +85,34 @@ def tiers(folder: Path) -> dict[str, tuple[str, str]]:
     return {key: (s["tier"], s["applied"]) for key, s in state["nodes"].items()}
 
 
-def draw(count: int, rng: random.Random) -> list[int]:
-    return sorted(rng.sample(range(1, count + 1), min(KILLS // 2, count)))
-
-
 def test_scoring_twice_gives_the_snapshot_and_the_decisions_of_scoring_once(base, tmp_path):
     once, twice = copy(base, tmp_path / "once"), copy(base, tmp_path / "twice")
     assert gpufail(once, "score") == 0
     assert gpufail(twice, "score") == 0 and gpufail(twice, "score") == 0
-    assert len(kill_points.visible_files(twice / "data", "predictions")) == 1
-    pd.testing.assert_frame_equal(snapshot_rows(twice), snapshot_rows(once))
     assert gpufail(once, "publish", *LIVE_LOG) == 0 and gpufail(twice, "publish", *LIVE_LOG) == 0
     decided = [
         audit(f)[["node", "risk", "tier", "action"]].sort_values("node", ignore_index=True) for f in (once, twice)
     ]
-    pd.testing.assert_frame_equal(decided[0], decided[1])
     assert (decided[0]["tier"] != "none").any()  # the test fleet has a node the policy acts on
+    pd.testing.assert_frame_equal(decided[1], decided[0])
+    assert len(kill_points.visible_files(twice / "data", "predictions")) == 1
+    pd.testing.assert_frame_equal(snapshot_rows(twice), snapshot_rows(once))
 
 
 def test_kill_9_of_score_at_random_points_then_a_rerun_gives_one_clean_snapshot(base, scored, tmp_path):
     clean = snapshot_rows(scored)
-    rng = random.Random(SEED)
-    # Half the points in a first scoring, half in a scoring that replaces a snapshot.
-    cases = [(base, p) for p in draw(points(copy(base, tmp_path / "count-first"), "score"), rng)]
-    cases += [(scored, p) for p in draw(points(copy(scored, tmp_path / "count-again"), "score"), rng)]
-    for i, (start, point) in enumerate(cases):
+    # Half the kills in a first scoring, half in a scoring that replaces a snapshot.
+    first = kill_points.plan(command(copy(base, tmp_path / "plan-first"), "score"), KILLS // 2, SEED)
+    again = kill_points.plan(command(copy(scored, tmp_path / "plan-again"), "score"), KILLS // 2, SEED)
+    for i, (start, kill) in enumerate([(base, k) for k in first] + [(scored, k) for k in again]):
         folder = copy(start, tmp_path / f"kill-{i}")
-        assert gpufail(folder, "score", kill_at=point) == -9, f"point {point} was not reached"
+        assert killed(gpufail(folder, "score", kill=kill), kill), kill
         # Right after the kill, a reader sees no snapshot or a whole one, never a mix.
         after_kill = newest_snapshot(Store.open(str(folder / "data")))
         if after_kill is not None:
             pd.testing.assert_frame_equal(after_kill.frame.sort_values("gpu_uuid", ignore_index=True), clean)
         assert gpufail(folder, "score") == 0
-        assert len(kill_points.visible_files(folder / "data", "predictions")) == 1, f"point {point}"
+        assert len(kill_points.visible_files(folder / "data", "predictions")) == 1, kill
         pd.testing.assert_frame_equal(snapshot_rows(folder), clean)
 
 
@@ -124,18 +122,19 @@ def test_kill_9_of_live_publish_at_random_points_then_a_rerun_records_each_decis
     clean_actions, clean_tiers = acted(audit(reference)), tiers(reference)
     assert clean_actions, "the clean run must change something for this test to mean anything"
     nodes = audit(reference)["node"].nunique()
-    count = points(copy(scored, tmp_path / "count"), "publish", *LIVE_LOG)
-    for point in sorted(random.Random(SEED).sample(range(1, count + 1), min(KILLS, count))):
-        folder = copy(scored, tmp_path / f"kill-{point}")
-        assert gpufail(folder, "publish", *LIVE_LOG, kill_at=point) == -9, f"point {point} was not reached"
+    for i, kill in enumerate(
+        kill_points.plan(command(copy(scored, tmp_path / "plan"), "publish", *LIVE_LOG), KILLS, SEED)
+    ):
+        folder = copy(scored, tmp_path / f"kill-{i}")
+        assert killed(gpufail(folder, "publish", *LIVE_LOG, kill=kill), kill), kill
         audit(folder)  # every visible audit file is whole
         assert gpufail(folder, "publish", *LIVE_LOG) == 0
         rows = audit(folder)
-        assert acted(rows) == clean_actions, f"point {point}"
-        assert tiers(folder) == clean_tiers, f"point {point}"
+        assert acted(rows) == clean_actions, kill
+        assert tiers(folder) == clean_tiers, kill
         files = kill_points.visible_files(folder / "data", "actions")
-        assert len(files) in (1, 2) and len(rows) == nodes * len(files), f"point {point}: {len(rows)} rows"
-        assert not list((folder / "data" / "actions").rglob(".pending-*")), f"point {point}"
+        assert len(files) in (1, 2) and len(rows) == nodes * len(files), f"{kill}: {len(rows)} rows"
+        assert not list((folder / "data" / "actions").rglob(".pending-*")), kill
 
 
 def test_concurrent_live_publish_runs_raise_each_node_once(scored, tmp_path):
