@@ -56,9 +56,9 @@ def test_a_run_that_finds_the_lock_held_waits_for_it_and_then_runs(tmp_path):
 def test_a_run_refused_by_the_lock_names_the_file_and_its_holder(tmp_path):
     path = tmp_path / "x.lock"
     clock = iter([0.0, 0.5, 1.0, 1.5])
-    with exclusive_lock(path, "`x`"), pytest.raises(LockBusy) as refused:
-        with exclusive_lock(path, "`x`", wait_s=1.0, sleep=lambda _: None, clock=lambda: next(clock)):
-            pass
+    second = exclusive_lock(path, "`x`", wait_s=1.0, sleep=lambda _: None, clock=lambda: next(clock))
+    with exclusive_lock(path, "`x`"), pytest.raises(LockBusy) as refused, second:
+        pass
     assert str(refused.value).startswith(f"another `x` holds the lock {path} (pid ")
     assert "; waited 1s; runs must not overlap" in str(refused.value)
 
