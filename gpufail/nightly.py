@@ -523,6 +523,7 @@ def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
             "target": cfg.target,
             "actions": dict(Counter(r.action for r in outcome.rows)),
             "scheduler_error": outcome.scheduler_error,
+            "notices": outcome.notices,
             "path": path,
         }
 

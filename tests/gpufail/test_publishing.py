@@ -125,3 +125,25 @@ def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch
 
 def _raise(*args, **kwargs):
     raise KeyboardInterrupt
+
+
+def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_record_of_the_last_run(store):
+    from click.testing import CliRunner
+
+    from gpufail.cli import cli
+    from gpufail.publishing import publish_lock
+
+    _publish(store)
+    state = store.read_state("publish-log")
+    state["breaker"]["tripped_at"], state["breaker"]["reason"] = "2026-01-06T00:00:00+00:00", "too many"
+    store.write_state("publish-log", state)
+    args = ["publish", "--data", store.root, "--to", "log", "--no-dry-run", "--reset-breaker", "--lock-wait", "0"]
+    with publish_lock(store):
+        busy = CliRunner().invoke(cli, args)
+    assert busy.exit_code != 0 and "holds the lock" in str(busy.exception)
+    done = CliRunner().invoke(cli, args)
+    assert (
+        done.exit_code == 0 and "circuit breaker reset; it was open since 2026-01-06 00:00Z (too many)" in done.output
+    )
+    after = store.read_state("publish-log")
+    assert after["breaker"]["tripped_at"] is None and after["audit"] == state["audit"] is not None
