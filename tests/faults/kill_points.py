@@ -11,9 +11,10 @@ and tops them up with kills from outside (SIGKILL from the parent) after delays 
 seeded generator within a clean run's duration, which land in the computing between writes.
 
 The command runs in a child of a forkserver that has already imported gpufail and its heavy
-libraries, so that a dozen killed runs cost less than a second each instead of the seconds of
-a fresh interpreter's imports. The child gets the environment and working folder given, runs
-`gpufail.cli.main` with the arguments, and exits with its status (-9 when killed).
+libraries, so that a killed run costs about what the command's own work costs instead of the
+seconds of a fresh interpreter's imports. The child gets this process's environment (with `env`
+on top) and working folder, runs `gpufail.cli.main` with the arguments, and exits with its
+status (-9 when killed).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def run(
     with tempfile.TemporaryDirectory(prefix="gpufail-kill-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         child = ctx.Process(
-            target=_child, args=(list(args), kill_at, dict(env or {}), os.getcwd(), writer, str(out), str(err))
+            target=_child,
+            args=(list(args), kill_at, {**os.environ, **(env or {})}, os.getcwd(), writer, str(out), str(err)),
         )
         child.start()
         writer.close()
@@ -138,6 +140,8 @@ def count_points(args: Sequence[str], env: Mapping[str, str] | None = None) -> i
 def _child(
     args: list[str], kill_at: int | None, env: dict[str, str], cwd: str, writer: Any, out: str, err: str
 ) -> None:
+    # This process's environment, as a subprocess would get it (not the forkserver's, from its start).
+    os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     for path, fd in ((out, 1), (err, 2)):
