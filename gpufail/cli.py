@@ -560,11 +560,13 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
 )
 @click.pass_context
 def score(ctx: click.Context, data: str | None, model_path: str) -> None:
-    """Score every GPU's latest grid time and append to the predictions dataset."""
+    """Score every GPU's latest grid time: the predictions snapshot of that grid time and model
+    version (scoring them again replaces it)."""
 
     from ingest.store import Store
     from models.train import load_model
-    from serving.score import prediction_table, score_latest
+    from serving.predictions import write_snapshot
+    from serving.score import score_latest
 
     root = _root(ctx, data)
     model = load_model(model_path)
@@ -573,12 +575,13 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     frame = _load_features(root, newest_grid_time=True)
     # With each GPU's top 5 features, so that the publish audit log says why (models.explain).
     predictions = score_latest(model, frame, top_features=5)
-    day = predictions["ts"].max().date()
-    path = Store.open(root).write_owned("predictions", day, prediction_table(predictions))
+    path, replaced = write_snapshot(Store.open(root), predictions)
     top = predictions.nsmallest(3, "rank")
     riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
+    again = "; replaced the earlier snapshot of this grid time and model" if replaced else ""
     click.echo(
-        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest} -> {path}"
+        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest}"
+        f"{again} -> {path}"
     )
 
 
@@ -598,6 +601,19 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
 )
 @click.option("--shadow", is_flag=True, default=None, help="Run the policy on its own state; touch nothing.")
 @click.option("--reset-breaker", is_flag=True, help="Close a tripped circuit breaker (with a fresh budget) and exit.")
+@click.option(
+    "--adopt",
+    "adopt",
+    multiple=True,
+    metavar="NODE",
+    help="With --to slurm: hand an orphaned gpufail drain of NODE to gpufail (repeatable) and exit.",
+)
+@click.option(
+    "--lock-wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds to wait for another publish run on this data root to finish (default 60), then refuse.",
+)
 @click.option("--quiet", is_flag=True, help="Print only the summary line.")
 @click.pass_context
 def publish(
@@ -607,36 +623,56 @@ def publish(
     dry_run: bool | None,
     shadow: bool | None,
     reset_breaker: bool,
+    adopt: tuple[str, ...],
+    lock_wait: float | None,
     quiet: bool,
 ) -> None:
-    """Turn the latest predictions into risk tiers through the action policy (hysteresis,
-    cooldown, circuit breaker), apply them to the scheduler unless in dry run, and append every
-    decision to the actions audit log."""
-    from gpufail.publishing import latest_predictions, publish_latest, publish_mode
+    """Turn the newest predictions snapshot into risk tiers through the action policy
+    (hysteresis, cooldown, circuit breaker), apply them to the scheduler unless in dry run, and
+    append every decision to the actions audit log. One run at a time per data root."""
+    from gpufail.publishing import (
+        LOCK_WAIT_S,
+        adopt_drains,
+        publish_latest,
+        publish_lock,
+        publish_mode,
+        read_policy_state,
+        write_policy_state,
+    )
     from ingest.store import Store
-    from serving.policy import PolicyState
     from serving.policy import reset_breaker as closed_breaker
+    from serving.predictions import newest_snapshot
     from serving.publish import state_name
 
     settings = _settings(ctx).publish
     target = target or settings.target
     dry = settings.dry_run if dry_run is None else dry_run
     mode = publish_mode(dry, settings.shadow if shadow is None else shadow)
+    wait = LOCK_WAIT_S if lock_wait is None else lock_wait
     root = _root(ctx, data)
     store = Store.open(root)
     name = state_name(target, mode)
     where = f"{root}: _state/{name}.json"
-    state = PolicyState.from_json(store.read_state(name), where)
+    if adopt:
+        if target != "slurm":
+            raise click.UsageError("--adopt goes with --to slurm (only Slurm drains can be orphaned)")
+        for line in adopt_drains(store, settings, list(adopt), lock_wait_s=wait):
+            click.echo(f"publish (slurm): {line}")
+        return
     if reset_breaker:
-        was = state.breaker
-        store.write_state(name, closed_breaker(state).to_json())
+        with publish_lock(store, wait):
+            state = read_policy_state(store, name)
+            was = state.breaker
+            write_policy_state(store, name, closed_breaker(state))
         status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
         click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
         return
-    latest = latest_predictions(store)
-    if latest is None:
+    snapshot = newest_snapshot(store)
+    if snapshot is None:
         raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
-    outcome, path = publish_latest(store, latest, settings, target=target, mode=mode, state=state)
+    outcome, path = publish_latest(store, snapshot.frame, settings, target=target, mode=mode, lock_wait_s=wait)
+    for notice in outcome.notices:
+        click.echo(f"publish ({target}): note: {notice}", err=True)
     if not quiet:
         for row in outcome.rows:
             if row.action != "keep" or row.result != "unchanged":
@@ -653,7 +689,8 @@ def publish(
     )
     unreachable = f"; scheduler unreachable: {outcome.scheduler_error}" if outcome.scheduler_error else ""
     click.echo(
-        f"publish ({label}, {target}): {len(outcome.rows)} nodes; "
+        f"publish ({label}, {target}): {len(outcome.rows)} nodes of the snapshot at "
+        f"{snapshot.key.ts:%Y-%m-%d %H:%M}Z (model {snapshot.key.model_version}); "
         + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
         + "; tiers: "
         + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")

@@ -21,7 +21,6 @@ is down), without marking those steps done, and then exits non-zero naming the f
 
 from __future__ import annotations
 
-import fcntl
 import math
 import time
 import traceback
@@ -32,6 +31,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from gpufail.locking import exclusive_lock
 from ingest.errors import ConfigError, GpufailError
 from ingest.store import Store
 
@@ -126,19 +126,8 @@ def default_work_dir(root: str, configured: str) -> Path:
 @contextmanager
 def job_lock(work_dir: Path) -> Iterator[None]:
     """Hold an exclusive lock on work_dir/nightly.lock, or fail at once if another run holds it."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    path = work_dir / "nightly.lock"
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise NightlyError(
-                f"another `gpufail nightly` holds the lock {path}; runs must not overlap (wait for it to finish)"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with exclusive_lock(work_dir / "nightly.lock", "`gpufail nightly`", error=NightlyError):
+        yield
 
 
 def job_day(store: Store) -> str:
@@ -477,7 +466,8 @@ class _Job:
     def _score(self) -> dict[str, Any]:
         from features.build import read_newest_grid_time
         from models.registry import load_champion
-        from serving.score import prediction_table, score_latest
+        from serving.predictions import write_snapshot
+        from serving.score import score_latest
 
         loaded = load_champion(
             self.o.tracking_uri,
@@ -490,15 +480,8 @@ class _Job:
         frame = read_newest_grid_time(self.store)
         predictions = score_latest(loaded.model, frame, top_features=5)
         ts = predictions["ts"].max()
-        existing = self.store.read_owned("predictions", ts.date(), ts.date())
-        # A resumed job does not score the same grid time with the same model twice.
-        already = existing is not None and any(
-            row["ts"] == ts and row["model_version"] == loaded.model.version
-            for row in existing.select(["ts", "model_version"]).to_pylist()
-        )
-        path = None
-        if not already:
-            path = self.store.write_owned("predictions", ts.date(), prediction_table(predictions))
+        # A resumed job that scores the same grid time with the same model replaces the snapshot.
+        path, _ = write_snapshot(self.store, predictions)
         self._served = {
             "version": loaded.version,
             "source": loaded.source,
@@ -510,16 +493,13 @@ class _Job:
         return dict(self._served)
 
     def _publish(self) -> dict[str, Any]:
-        from gpufail.publishing import latest_predictions
+        from serving.predictions import newest_snapshot
 
-        latest = latest_predictions(self.store)
+        # The snapshot the score step just wrote is the newest (the latest grid time, written last).
+        latest = newest_snapshot(self.store)
         if latest is None:
             raise NightlyError(f"{self.store.root}: no predictions to publish")
-        served = self._served or self.state["steps"].get("score", {})
-        if served.get("model_version") in set(latest["model_version"]):
-            # A grid time scored twice (a champion promoted on a resumed run): publish the newest.
-            latest = latest[latest["model_version"] == served["model_version"]]
-        return self.publish(self.store, latest)
+        return self.publish(self.store, latest.frame)
 
 
 Publish = Callable[[Store, Any], dict[str, Any]]
@@ -543,6 +523,7 @@ def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
             "target": cfg.target,
             "actions": dict(Counter(r.action for r in outcome.rows)),
             "scheduler_error": outcome.scheduler_error,
+            "notices": outcome.notices,
             "path": path,
         }
 

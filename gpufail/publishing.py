@@ -1,60 +1,174 @@
 """The `gpufail publish` flow, shared by the command and the nightly job: build the policy and
-the publisher from the [publish] settings, run the policy on the latest predictions, keep its
-state and append every decision to the audit log."""
+the publisher from the [publish] settings, run the policy on the newest predictions snapshot
+(`serving.predictions`), keep its state and append every decision to the audit log.
+
+One run at a time per data root: every run holds `publish_lock` (the nightly's `flock`
+mechanism, `gpufail.locking`) from reading the state to committing it, so that runs started
+together act one after the other, and the later ones see what the first did.
+
+A live or shadow run commits in this order, so that a kill at any point leaves its decisions
+recorded once or not at all: the audit file is staged complete under a hidden name, the state
+is written with the names of the staged file (`audit`), and the file is then renamed into
+place. The next run first finishes a rename that a kill interrupted (`_finish_committed`) and
+removes staged files that were never committed. A run killed before its state was written has
+changed nothing but the scheduler, where applying the same change again is harmless (a Slurm
+drain with the same reason; a webhook delivery with the same idempotency key).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from ingest.errors import GpufailError
+from gpufail.locking import exclusive_lock
+from ingest.errors import GpufailError, InputError
 from ingest.store import Store
+
+LOCK_WAIT_S = 60.0
+"""How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
+
+
+def publish_lock_path(store: Store) -> Path:
+    """The lock file of a data root: in its `_state/` when the root is a local folder; else in
+    this machine's temporary folder, named after the root (it then keeps apart only the runs
+    on one machine)."""
+    if store.is_local:
+        return Path(store.path("_state", "publish.lock"))
+    digest = hashlib.sha256(store.root.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"gpufail-publish-{digest}.lock"
+
+
+@contextmanager
+def publish_lock(store: Store, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Hold the data root's publish lock, waiting up to `wait_s` for a run that holds it."""
+    with exclusive_lock(publish_lock_path(store), "`gpufail publish`", wait_s=wait_s):
+        yield
 
 
 def publish_latest(
-    store: Store, latest: Any, settings: Any, *, target: str, mode: str, state: Any | None = None
+    store: Store, latest: Any, settings: Any, *, target: str, mode: str, lock_wait_s: float = LOCK_WAIT_S
 ) -> tuple[Any, str | None]:
-    """Publish `latest` (the predictions of one grid time, a pandas frame) to `target` in `mode`
-    ("dry-run" | "shadow" | "live"), with `settings` the [publish] table. The policy state is
-    read from the store unless given, and saved unless in dry run (which must not advance it).
-    Returns the outcome of `serving.publish.publish` and the audit file written (None when
-    there was nothing to record)."""
-    from serving.policy import PolicyState
-    from serving.publish import append_audit, state_name
+    """Publish `latest` (a checked predictions snapshot, `serving.predictions.Snapshot.frame`)
+    to `target` in `mode` ("dry-run" | "shadow" | "live"), with `settings` the [publish] table,
+    holding the publish lock. The policy state is read from the store, and committed unless in
+    dry run (which must not advance it). Returns the outcome of `serving.publish.publish` and
+    the audit file written (None when there was nothing to record)."""
+    from serving.publish import finish_audit, stage_audit, state_name
     from serving.publish import publish as run_publish
 
     name = state_name(target, mode)
-    if state is None:
-        state = PolicyState.from_json(store.read_state(name), f"{store.root}: _state/{name}.json")
-    outcome = run_publish(
-        latest,
-        make_publisher(settings, target),
-        policy_config(settings),
-        state,
-        mode=mode,
-        now=datetime.now(UTC),
-        repairs=latest_repairs(store),
-        top_features=top_features_by_gpu(latest),
-    )
-    if mode != "dry-run":
-        store.write_state(name, outcome.state.to_json())
-    return outcome, append_audit(outcome.rows, store.path("actions"), fs=store.fs)
+    with publish_lock(store, lock_wait_s):
+        state = read_policy_state(store, name)
+        outcome = run_publish(
+            latest,
+            make_publisher(settings, target, store),
+            policy_config(settings),
+            state,
+            mode=mode,
+            now=datetime.now(UTC),
+            repairs=latest_repairs(store),
+            top_features=top_features_by_gpu(latest),
+        )
+        staged = stage_audit(outcome.rows, store.path("actions"), fs=store.fs, run_id=_run_id(name))
+        if mode == "dry-run":
+            return outcome, None if staged is None else finish_audit(staged, store.fs)
+        # Relative to the data root, so that a root moved or copied in between still finishes.
+        committed = (
+            {"pending": _relative(store, staged.pending), "final": _relative(store, staged.final)} if staged else None
+        )
+        store.write_state(name, {**outcome.state.to_json(), "audit": committed})
+        return outcome, _finish_committed(store, name)
+
+
+def _relative(store: Store, path: str) -> str:
+    return path.removeprefix(store.path(""))
+
+
+def _run_id(name: str) -> str:
+    # The state's name ends the audit file's name, so that a run sweeps only its own state's
+    # staged files (a shadow run never removes what a live run committed).
+    return f"{uuid.uuid4().hex}.{name}"
+
+
+def read_policy_state(store: Store, name: str) -> Any:
+    """The policy state `name` of the store, after finishing what a killed run committed."""
+    from serving.policy import PolicyState
+
+    _finish_committed(store, name)
+    return PolicyState.from_json(store.read_state(name), f"{store.root}: _state/{name}.json")
+
+
+def write_policy_state(store: Store, name: str, state: Any) -> None:
+    """Save a policy state changed outside a run (--reset-breaker, --adopt), keeping the record
+    of the last run's audit file."""
+    previous = store.read_state(name) or {}
+    store.write_state(name, {**state.to_json(), "audit": previous.get("audit")})
+
+
+def _finish_committed(store: Store, name: str) -> str | None:
+    """Rename the audit file the state `name` committed into place if a kill left it staged,
+    and remove staged files of runs killed before their commit; returns the committed file."""
+    from serving.publish import PENDING_PREFIX, StagedAudit, finish_audit
+
+    audit = (store.read_state(name) or {}).get("audit")
+    if audit is not None and not (isinstance(audit, dict) and {"pending", "final"} <= set(audit)):
+        raise InputError(
+            f"{store.root}: _state/{name}.json: 'audit' is {audit!r}; expected null or the names of an audit file"
+        )
+    committed = StagedAudit(store.path(str(audit["pending"])), store.path(str(audit["final"]))) if audit else None
+    if committed is not None:
+        finish_audit(committed, store.fs)
+    for stale in store.fs.glob(store.path("actions", "date=*", f"{PENDING_PREFIX}*.{name}.parquet")):
+        if committed is None or stale.rstrip("/") != committed.pending.rstrip("/"):
+            store.fs.rm(stale)
+    return committed.final if committed else None
+
+
+def adopt_drains(store: Store, settings: Any, nodes: list[str], lock_wait_s: float = LOCK_WAIT_S) -> list[str]:
+    """Hand orphaned Slurm drains of gpufail (drained with a `gpufail:` reason that the state
+    does not record) to gpufail: record each in the drain ledger and put the node in the tier
+    its reason names in the live policy state, so that the policy resumes it once its risk
+    allows. Returns one line per node."""
+    from serving.policy import NodeState
+    from serving.predictions import newest_snapshot
+    from serving.publish import state_name
+
+    name = state_name("slurm", "live")
+    lines = []
+    with publish_lock(store, lock_wait_s):
+        snapshot = newest_snapshot(store)
+        clusters = {} if snapshot is None else dict(zip(snapshot.frame["node"], snapshot.frame["cluster"], strict=True))
+        missing = [n for n in nodes if n not in clusters]
+        if missing:
+            raise InputError(
+                f"--adopt {', '.join(missing)}: not in the newest predictions of {store.root}; expected nodes "
+                "that gpufail scores (their cluster names them in the policy state)"
+            )
+        publisher = make_publisher(settings, "slurm", store)
+        state = read_policy_state(store, name)
+        adopted = dict(state.nodes)
+        for node in nodes:
+            tier, entry = publisher.adopt(node)
+            key = f"{clusters[node]}/{node}"
+            before = adopted.get(key, NodeState())
+            adopted[key] = replace(
+                before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
+            )
+            lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {publisher.ledger.where}")
+        write_policy_state(store, name, replace(state, nodes=adopted))
+    return lines
 
 
 def publish_mode(dry_run: bool, shadow: bool) -> str:
     """The `serving.publish` mode: a dry run wins over shadow."""
     return "dry-run" if dry_run else "shadow" if shadow else "live"
-
-
-def latest_predictions(store: Store) -> Any | None:
-    """The predictions of the newest grid time (a pandas frame), or None when there are none.
-    Reads only the newest day that has a file, not the whole history."""
-    for day in reversed(store.dates("predictions")):
-        table = store.read_owned("predictions", day, day)
-        if table is not None:
-            predictions = table.to_pandas()
-            return predictions[predictions["ts"] == predictions["ts"].max()]
-    return None
 
 
 def policy_config(settings: Any) -> Any:
@@ -72,18 +186,19 @@ def policy_config(settings: Any) -> Any:
     )
 
 
-def make_publisher(settings: Any, target: str) -> Any:
+def make_publisher(settings: Any, target: str, store: Store) -> Any:
     import os
 
     retry = {"attempts": settings.attempts, "backoff": settings.backoff.total_seconds()}
     if target == "slurm":
-        from serving.publishers.slurm import SlurmPublisher
+        from serving.publishers.slurm import SlurmPublisher, StoreLedger
 
         return SlurmPublisher(
             bin_dir=settings.slurm_bin_dir,
             slurm_conf=settings.slurm_conf,
             avoid_weight=settings.slurm_avoid_weight,
             timeout=settings.timeout.total_seconds(),
+            ledger=StoreLedger(store),
             **retry,
         )
     if target == "kubernetes":

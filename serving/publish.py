@@ -11,16 +11,20 @@ Modes:
   node's `applied` tier as it was, so the next run tries again; re-running with the same
   predictions changes nothing (idempotent).
 
-The audit log is a Parquet dataset, one new file per call of `append_audit` under
-`date=YYYY-MM-DD/` (the UTC date of the decisions): files are written to a temporary name and
-renamed, and old files are never rewritten.
+The audit log is a Parquet dataset, one new file per run under `date=YYYY-MM-DD/` (the UTC
+date of the decisions), never rewritten. A file is first written complete under a hidden
+`.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name
+(`finish_audit`); `append_audit` does both. A caller that keeps state commits the staged file's
+names with its state between the two steps, so that a run killed at any point leaves its rows
+either recorded once or not at all (`gpufail.publishing`).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -30,10 +34,12 @@ import pyarrow.parquet as pq
 
 from ingest.errors import InputError
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, decide
-from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable
+from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable, publisher_notices
 from serving.score import node_risks
 
 MODES = ("dry-run", "shadow", "live")
+PENDING_PREFIX = ".pending-"
+"""Staged audit files (`stage_audit`) start with this; readers skip every hidden file."""
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -84,6 +90,8 @@ class PublishOutcome:
     """The state to persist (for a dry run: the state it started from, unchanged)."""
     scheduler_error: str
     """Why the scheduler could not be read ('' when it could)."""
+    notices: list[str] = field(default_factory=list)
+    """What the publisher has to tell the operator beyond the decisions (`publisher_notices`)."""
 
 
 def state_name(target: str, mode: str) -> str:
@@ -146,8 +154,10 @@ def publish(
     nodes = sorted(set(predictions["node"].astype(str)))
     scheduler_error = ""
     views: dict[str, NodeView] | None
+    notices: list[str] = []
     try:
         views = publisher.observe(nodes)
+        notices = publisher_notices(publisher)
     except SchedulerUnavailable as exc:
         views, scheduler_error = None, str(exc)
     inputs = node_inputs(
@@ -177,7 +187,10 @@ def publish(
             results[d.key] = f"failed: {scheduler_error}; retried next run"
         else:
             saved = node_state.saved if node_state else {}
-            change = Change(d.node, applied, d.tier, d.risk, d.reason, d.gpus, d.top_features, version, saved)
+            decided_at = node_state.since if node_state and node_state.since else d.time
+            change = Change(
+                d.node, applied, d.tier, d.risk, d.reason, d.gpus, d.top_features, version, saved, decided_at
+            )
             pending.append((d.key, change))
 
     nodes_after = dict(after.nodes)
@@ -214,7 +227,7 @@ def publish(
         )
         for d in decisions
     ]
-    return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error)
+    return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error, notices=notices)
 
 
 def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
@@ -235,10 +248,20 @@ def _filesystem(path: str, fs: Any) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(str(path))
 
 
-def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
-    """Add the decisions to the audit log rooted at `path` as one new Parquet file; returns its
-    path (None, and nothing written, for no decisions). `path` is a local folder or fsspec URL,
-    or a path within `fs` (an fsspec filesystem, e.g. `Store.fs` with `Store.path("actions")`)."""
+@dataclass(frozen=True)
+class StagedAudit:
+    """An audit file written complete under its hidden `pending` name, to be renamed to `final`."""
+
+    pending: str
+    final: str
+
+
+def stage_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None, run_id: str = "") -> StagedAudit | None:
+    """Write the decisions as one complete Parquet file under a hidden name in the audit log
+    rooted at `path` (None, and nothing written, for no decisions); `finish_audit` makes it
+    visible. `path` is a local folder or fsspec URL, or a path within `fs` (an fsspec
+    filesystem, e.g. `Store.fs` with `Store.path("actions")`); `run_id` names the file (default:
+    a random one)."""
     if not decisions:
         return None
     table = decisions_table(decisions)
@@ -246,17 +269,51 @@ def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> st
     first = min(d.time for d in decisions)
     folder = f"{root.rstrip('/')}/date={first:%Y-%m-%d}"
     fs.makedirs(folder, exist_ok=True)
-    name = f"part-{first:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex}.parquet"
-    final, tmp = f"{folder}/{name}", f"{folder}/.tmp-{name}"
+    name = f"part-{first:%Y%m%dT%H%M%SZ}-{run_id or uuid.uuid4().hex}.parquet"
+    final, pending = f"{folder}/{name}", f"{folder}/{PENDING_PREFIX}{name}"
+    tmp = f"{folder}/.tmp-{uuid.uuid4().hex}-{name}"
     try:
         with fs.open(tmp, "wb") as fh:
             pq.write_table(table, fh)
-        fs.mv(tmp, final)
+        _sync(fs, tmp)
+        fs.mv(tmp, pending)
     except BaseException:
         if fs.exists(tmp):
             fs.rm(tmp)
         raise
-    return final
+    return StagedAudit(pending, final)
+
+
+def finish_audit(staged: StagedAudit, fs: Any) -> str:
+    """Make a staged audit file visible under its final name (`fs`: the filesystem it was
+    staged on); done already is fine, so a run that resumes after a kill can call it again.
+    Returns the final path."""
+    if fs.exists(staged.pending):
+        if fs.exists(staged.final):
+            # A rename that copies (object stores) was cut between copy and delete.
+            fs.rm(staged.pending)
+        else:
+            fs.mv(staged.pending, staged.final)
+    return staged.final
+
+
+def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
+    """Add the decisions to the audit log rooted at `path` as one new Parquet file; returns its
+    path (None, and nothing written, for no decisions). See `stage_audit` for `path` and `fs`."""
+    staged = stage_audit(decisions, path, fs)
+    return None if staged is None else finish_audit(staged, _filesystem(path, fs)[0])
+
+
+def _sync(fs: Any, path: str) -> None:
+    # A local file reaches the disk before it is renamed into place (a crash of the machine,
+    # not only of the process, then leaves the old or the new file, never an empty one).
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocol:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_audit(path: str, fs: Any = None) -> pd.DataFrame:

@@ -12,9 +12,11 @@ the caller records it and tries again at the next run.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from ingest.errors import GpufailError
@@ -52,6 +54,16 @@ class Change:
     model_version: str = ""
     saved: Mapping[str, Any] = field(default_factory=dict)
     """What this publisher saved when it first marked the node (to restore it)."""
+    decided_at: datetime | None = None
+    """When the policy moved the node to `new`: with node, old and new, it names the decision,
+    the same on every retry of it (a change that did not reach the scheduler is sent again by
+    the next run) and different for a later decision between the same tiers."""
+
+    @property
+    def change_id(self) -> str:
+        """A stable id of this decision (see `decided_at`), for receivers to deduplicate on."""
+        decided = self.decided_at.isoformat() if self.decided_at else ""
+        return hashlib.sha256(f"{self.node}\x00{self.old}\x00{self.new}\x00{decided}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,13 @@ class Publisher(Protocol):
         """Make each change; one result per change, in order. Never raises for one node's
         failure: that node's result says what went wrong."""
         ...
+
+
+def publisher_notices(publisher: Any) -> list[str]:
+    """What a publisher has to tell the operator beyond the per-node decisions (e.g. Slurm
+    drains of ours it has no record of), from its optional `notices()` method."""
+    notices = getattr(publisher, "notices", None)
+    return list(notices()) if callable(notices) else []
 
 
 def with_retries(

@@ -6,14 +6,26 @@ there is no pyslurm for it, so the command-line tools are the interface (INFRA.m
 Tiers on a node:
 - `watch`: nothing (audit only);
 - `avoid`: the node's scheduling weight raised to `avoid_weight` (Slurm fills lower weights
-  first, so large jobs land elsewhere while there is room); the previous weight is saved and
-  restored when the node leaves the tier, unless someone changed the weight meanwhile;
+  first, so large jobs land elsewhere while there is room); the previous weight is recorded in
+  the ledger (below) before ours is set, and restored when the node leaves the tier, unless
+  someone changed the weight meanwhile;
 - `drain_after_job` and `drain_now`: `State=DRAIN` with a reason starting with `gpufail:`.
   A Slurm drain lets running jobs finish in both; the reason says which tier asked, so an
   operator can cancel or requeue the job on a `drain-now` node. Ending jobs is left to people.
 
+Ownership of drains is recorded, not inferred from the reason: before each drain the publisher
+writes the node, the exact reason string and the time into its ledger (`SlurmLedger`; the CLI
+keeps it in the data root, `_state/publish-slurm-ledger.json`), and after a resume it removes
+the entry. A drained node is ours only while its current reason is the one recorded; a reason
+changed by an operator, even one that keeps the `gpufail:` prefix, makes the node theirs: never
+resumed by us, reported. A drain with our prefix that the ledger does not know (the state was
+lost, or written by another data root) is orphaned: never touched, reported on every run
+(`notices`) until an operator adopts it (`adopt`, `gpufail publish --to slurm --adopt NODE`)
+or clears it (`scontrol update NodeName=NODE State=RESUME`). Recording before acting means a
+run killed between the two leaves an entry that covers what Slurm may show, never an orphan.
+
 Safety: a node that is down, failed, or drained with a reason that is not ours is reported
-unavailable and never touched; a node is resumed only while its drain reason is ours.
+unavailable and never touched.
 """
 
 from __future__ import annotations
@@ -21,11 +33,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
 
-from serving.policy import tier_rank
+from ingest.errors import InputError
+from ingest.store import Store
+from serving.policy import TIERS, tier_rank
 from serving.publishers import REASON_PREFIX, Applied, Change, NodeView, SchedulerUnavailable, tier_phrase, with_retries
 
 UNAVAILABLE_STATES = frozenset({"down", "future", "unknown", "error"})
@@ -34,8 +49,95 @@ BLOCKING_FLAGS = frozenset(
 )
 
 
+LEDGER = "publish-slurm-ledger"
+"""The store state file (`_state/<name>.json`) of what gpufail set in Slurm."""
+DRAIN_FLAGS = frozenset({"DRAIN", "DRAINED", "DRAINING"})
+
+
 class _CommandFailed(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class OwnedDrain:
+    """A drain gpufail set: the exact reason string and when."""
+
+    reason: str
+    at: datetime
+    replaces: str = ""
+    """While our reason on the node is being changed: the reason of ours it replaces (a run
+    killed between recording and `scontrol` leaves the node with that one)."""
+
+    def covers(self, reason: str) -> bool:
+        return reason == self.reason or (bool(self.replaces) and reason == self.replaces)
+
+
+@dataclass
+class Marks:
+    """What gpufail set in Slurm, per node name."""
+
+    drains: dict[str, OwnedDrain] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
+    """The node's weight before we set `avoid_weight` (to restore it)."""
+
+
+class SlurmLedger(Protocol):
+    """Where the publisher records what it set (`Marks`), before it sets it."""
+
+    where: str
+
+    def load(self) -> Marks: ...
+
+    def save(self, marks: Marks) -> None: ...
+
+
+class MemoryLedger:
+    """A ledger that lasts as long as the object (for one process, and tests)."""
+
+    where = "this process's memory"
+
+    def __init__(self) -> None:
+        self._marks = Marks()
+
+    def load(self) -> Marks:
+        return Marks(dict(self._marks.drains), dict(self._marks.weights))
+
+    def save(self, marks: Marks) -> None:
+        self._marks = Marks(dict(marks.drains), dict(marks.weights))
+
+
+class StoreLedger:
+    """The ledger as a state file of a data root (written atomically by the store)."""
+
+    def __init__(self, store: Store, name: str = LEDGER) -> None:
+        self.store, self.name = store, name
+        self.where = f"{store.root}: _state/{name}.json"
+
+    def load(self) -> Marks:
+        data = self.store.read_state(self.name) or {}
+        try:
+            drains = {
+                str(node): OwnedDrain(
+                    reason=str(d["reason"]), at=datetime.fromisoformat(d["at"]), replaces=str(d.get("replaces") or "")
+                )
+                for node, d in (data.get("drains") or {}).items()
+            }
+            weights = {str(node): int(w) for node, w in (data.get("weights") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InputError(
+                f"{self.where}: not a gpufail Slurm ledger ({type(exc).__name__}: {exc}); expected "
+                '{"drains": {NODE: {"reason": ..., "at": ISO time}}, "weights": {NODE: weight}}'
+            ) from None
+        return Marks(drains, weights)
+
+    def save(self, marks: Marks) -> None:
+        drains = {
+            node: {"reason": d.reason, "at": d.at.isoformat(), **({"replaces": d.replaces} if d.replaces else {})}
+            for node, d in sorted(marks.drains.items())
+        }
+        self.store.write_state(
+            self.name, {"version": 1, "drains": drains, "weights": dict(sorted(marks.weights.items()))}
+        )
 
 
 @dataclass
@@ -49,9 +151,13 @@ class SlurmPublisher:
     timeout: float = 30.0
     attempts: int = 3
     backoff: float = 2.0
+    ledger: SlurmLedger = field(default_factory=MemoryLedger)
+    """Where what we set is recorded; give a `StoreLedger` to keep it across runs."""
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
     def __post_init__(self) -> None:
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._marks = Marks()
 
     def _run(self, *argv: str) -> str:
         tool = os.path.join(self.bin_dir, argv[0]) if self.bin_dir else argv[0]
@@ -97,10 +203,34 @@ class SlurmPublisher:
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
         known = self.read_nodes()
+        self._marks = self.ledger.load()
         return {
-            n: _view(known[n]) if n in known else NodeView(exists=False, unavailable="not a node of this Slurm cluster")
+            n: _view(known[n], self._marks.drains.get(n))
+            if n in known
+            else NodeView(exists=False, unavailable="not a node of this Slurm cluster")
             for n in nodes
         }
+
+    def notices(self) -> list[str]:
+        """The drains of the cluster (as last read) that look like ours but are not: orphaned
+        ones, and ours whose reason someone changed."""
+        out = []
+        for node, record in sorted(self._nodes.items()):
+            entry = self._marks.drains.get(node)
+            owner = _ownership(record, entry)
+            reason = _reason(record)
+            if owner == "orphaned":
+                out.append(
+                    f"{node}: drained with {reason!r}, a gpufail reason that {self.ledger.where} does not record "
+                    f"(an orphaned drain, left as it is); `gpufail publish --to slurm --adopt {node}` hands it to "
+                    f"gpufail, `scontrol update NodeName={node} State=RESUME` clears it"
+                )
+            elif owner == "edited" and entry is not None:
+                out.append(
+                    f"{node}: drain reason is now {reason!r}, not the {entry.reason!r} gpufail set at "
+                    f"{entry.at:%Y-%m-%d %H:%M}Z: the operator's now; gpufail will not resume it"
+                )
+        return out
 
     def apply(self, changes: Sequence[Change]) -> list[Applied]:
         if not changes:
@@ -109,41 +239,113 @@ class SlurmPublisher:
             known = self.read_nodes()
         except SchedulerUnavailable as exc:
             return [Applied(False, f"failed: {exc}") for _ in changes]
+        marks = self.ledger.load()
+        # A drain that ended (resumed by someone, or a run killed before its scontrol) is
+        # nobody's any more, nor a weight no longer ours: forget them, so that a later drain
+        # with that reason is not taken for ours.
+        self._marks = Marks(
+            drains={n: d for n, d in marks.drains.items() if n in known and _is_drained(known[n])},
+            weights={n: w for n, w in marks.weights.items() if n in known and _weight(known[n]) == self.avoid_weight},
+        )
+        if self._marks != marks:
+            self.ledger.save(self._marks)
         return [self._apply_one(c, known.get(c.node)) for c in changes]
+
+    def adopt(self, node: str) -> tuple[str, OwnedDrain]:
+        """Record the node's current gpufail drain as ours (an orphaned one, after its state
+        was lost); returns the tier its reason names and the entry recorded."""
+        known = self.read_nodes()
+        record = known.get(node)
+        if record is None:
+            raise InputError(f"--adopt {node}: not a node of this Slurm cluster")
+        reason = _reason(record)
+        if not _is_drained(record) or not reason.startswith(REASON_PREFIX):
+            state = "drained" if _is_drained(record) else "not drained"
+            raise InputError(
+                f"--adopt {node}: expected a node drained with a {REASON_PREFIX!r} reason, got {state} with "
+                f"reason {reason!r}; nothing to adopt"
+            )
+        words = reason.removeprefix(REASON_PREFIX).split()
+        tier = words[0].replace("-", "_") if words else ""
+        if tier not in TIERS or not _drains(tier):
+            raise InputError(f"--adopt {node}: the reason {reason!r} names no drain tier of gpufail")
+        entry = OwnedDrain(reason, self.clock())
+        self._marks = self.ledger.load()
+        self._record(node, entry)
+        return tier, entry
+
+    def _record(self, node: str, entry: OwnedDrain | None) -> None:
+        if entry is None:
+            self._marks.drains.pop(node, None)
+        else:
+            self._marks.drains[node] = entry
+        self.ledger.save(self._marks)
+
+    def _record_weight(self, node: str, previous: int | None) -> None:
+        if previous is None:
+            self._marks.weights.pop(node, None)
+        else:
+            self._marks.weights[node] = previous
+        self.ledger.save(self._marks)
 
     def _apply_one(self, change: Change, record: Mapping[str, Any] | None) -> Applied:
         if record is None:
             return Applied(False, "skipped: not a node of this Slurm cluster")
-        view = _view(record)
+        entry = self._marks.drains.get(change.node)
+        view = _view(record, entry)
         if view.unavailable:
             return Applied(False, f"skipped: {view.unavailable}")
+        owner = _ownership(record, entry)
         saved = dict(change.saved)
         done = []
         try:
             if _drains(change.new):
-                reason = f"{REASON_PREFIX} {tier_phrase(change.new)} risk={change.risk:.2f}"
-                if change.model_version:
-                    reason += f" model={change.model_version}"
-                self._call("scontrol", "update", f"NodeName={change.node}", "State=DRAIN", f"Reason={reason}")
+                reason = drain_reason(change)
+                ours_now = _reason(record) if owner == "ours" else ""
+                # Recorded before scontrol runs: a kill in between leaves a covering entry.
+                self._record(
+                    change.node, OwnedDrain(reason, self.clock(), replaces=ours_now if ours_now != reason else "")
+                )
+                try:
+                    self._call("scontrol", "update", f"NodeName={change.node}", "State=DRAIN", f"Reason={reason}")
+                except SchedulerUnavailable:
+                    self._record(change.node, entry)
+                    raise
+                self._record(change.node, OwnedDrain(reason, self.clock()))
                 done.append("drained")
-            elif _drains(change.old) and _drained_by_us(record):
+            elif _drains(change.old) and owner == "ours":
                 self._call("scontrol", "update", f"NodeName={change.node}", "State=RESUME")
+                self._record(change.node, None)
                 done.append("resumed")
             if _weighs(change.new) and not _weighs(change.old):
-                saved["weight"] = int(record.get("weight", 1))
-                self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={self.avoid_weight}")
+                recorded = self._marks.weights.get(change.node)
+                # The ledger's weight is the one before ours, should a killed run have set ours.
+                saved["weight"] = recorded if recorded is not None else _weight(record)
+                self._record_weight(change.node, saved["weight"])
+                try:
+                    self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={self.avoid_weight}")
+                except SchedulerUnavailable:
+                    self._record_weight(change.node, recorded)
+                    raise
                 done.append(f"weight {saved['weight']} -> {self.avoid_weight}")
             elif _weighs(change.old) and not _weighs(change.new):
-                if int(record.get("weight", -1)) == self.avoid_weight:
-                    previous = int(saved.pop("weight", 1))
+                recorded = self._marks.weights.get(change.node)
+                previous = int(saved.pop("weight", recorded if recorded is not None else 1))
+                if _weight(record) == self.avoid_weight:
                     self._call("scontrol", "update", f"NodeName={change.node}", f"Weight={previous}")
                     done.append(f"weight restored to {previous}")
                 else:
-                    saved.pop("weight", None)
                     done.append(f"weight left at {record.get('weight')} (changed by someone else)")
+                self._record_weight(change.node, None)
         except SchedulerUnavailable as exc:
             return Applied(False, f"failed: {exc}" + (f" (after: {', '.join(done)})" if done else ""), saved)
         return Applied(True, ", ".join(done) or "nothing to change in Slurm", saved)
+
+
+def drain_reason(change: Change) -> str:
+    """The Slurm drain reason of a change to a drain tier (it names the tier, risk and model)."""
+    reason = f"{REASON_PREFIX} {tier_phrase(change.new)} risk={change.risk:.2f}"
+    return reason + (f" model={change.model_version}" if change.model_version else "")
 
 
 def _drains(tier: str) -> bool:
@@ -167,18 +369,46 @@ def _state(record: Mapping[str, Any]) -> tuple[str, set[str]]:
     return base, flags
 
 
-def _drained_by_us(record: Mapping[str, Any]) -> bool:
-    _, flags = _state(record)
-    return bool(flags & {"DRAIN", "DRAINED", "DRAINING"}) and str(record.get("reason", "")).startswith(REASON_PREFIX)
+def _weight(record: Mapping[str, Any]) -> int:
+    return int(record.get("weight", 1))
 
 
-def _view(record: Mapping[str, Any]) -> NodeView:
+def _reason(record: Mapping[str, Any]) -> str:
+    return str(record.get("reason", "") or "")
+
+
+def _is_drained(record: Mapping[str, Any]) -> bool:
+    return bool(_state(record)[1] & DRAIN_FLAGS)
+
+
+def _ownership(record: Mapping[str, Any], entry: OwnedDrain | None) -> str:
+    """Whose drain the node has: 'free' (not drained), 'ours' (the reason we recorded),
+    'edited' (we recorded one, it now has another), 'orphaned' (our prefix, no record) or
+    'operator'."""
+    if not _is_drained(record):
+        return "free"
+    reason = _reason(record)
+    if entry is not None:
+        return "ours" if entry.covers(reason) else "edited"
+    return "orphaned" if reason.startswith(REASON_PREFIX) else "operator"
+
+
+def _view(record: Mapping[str, Any], entry: OwnedDrain | None) -> NodeView:
     base, flags = _state(record)
-    reason = str(record.get("reason", "") or "")
+    reason = _reason(record)
     if base in UNAVAILABLE_STATES:
         return NodeView(unavailable=f"Slurm state {base}" + (f" ({reason})" if reason else ""))
-    if _drained_by_us(record):
+    owner = _ownership(record, entry)
+    if owner == "ours":
         return NodeView()
+    if owner == "orphaned":
+        return NodeView(
+            unavailable=f"drained with {reason!r}, a gpufail reason gpufail has no record of (orphaned): not touched"
+        )
+    if owner == "edited" and entry is not None:
+        return NodeView(
+            unavailable=f"drain reason {reason!r} is not the {entry.reason!r} gpufail set: the operator's, not ours"
+        )
     blocking = sorted(flags & BLOCKING_FLAGS)
     if blocking:
         return NodeView(unavailable=f"Slurm state {base}+{'+'.join(blocking)}, reason {reason or '(none)'!r}: not ours")

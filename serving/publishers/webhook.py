@@ -1,11 +1,21 @@
 """The webhook publisher, for custom schedulers: each run's tier changes as one JSON POST.
 
-Body: `{"source": "gpufail", "sent_at": ISO time, "changes": [{node, from, to, risk, reason,
-gpus, top_features, model_version}, ...]}`. Header `X-Gpufail-Signature: sha256=<hex>` is the
-HMAC-SHA256 of the exact body bytes with the shared secret, so a receiver can check that the
-message is ours and unchanged (compare with `hmac.compare_digest`). Connection errors, time-outs,
-HTTP 429 and 5xx are retried with exponential back-off; another 4xx is not (it will not get
-better by itself). A run with no change sends nothing.
+Body: `{"source": "gpufail", "delivery_id": ..., "sent_at": ISO time, "changes": [{id, node,
+from, to, risk, reason, gpus, top_features, model_version}, ...]}`. Headers:
+- `X-Gpufail-Signature: sha256=<hex>`: the HMAC-SHA256 of the exact body bytes with the shared
+  secret, so a receiver can check that the message is ours and unchanged (compare with
+  `hmac.compare_digest`);
+- `Idempotency-Key`: the delivery id, a digest of the ids of its changes. A change's id names
+  the decision (node, from, to, and when the policy decided it: `Change.change_id`), so every
+  retry of a delivery carries the same key: the retries after a time-out within a run (the
+  same bytes), and the next runs' deliveries of a change that was never acknowledged (state
+  not advanced). A receiver that keeps the keys it has acted on can ignore the copies; one
+  that acts per change can keep the change ids instead (a later delivery may group them
+  differently);
+- `X-Gpufail-Timestamp`: the body's `sent_at` in Unix seconds, for a receiver that refuses
+  old messages (the body, and so the time, is signed).
+Connection errors, time-outs, HTTP 429 and 5xx are retried with exponential back-off; another
+4xx is not (it will not get better by itself). A run with no change sends nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +33,18 @@ from datetime import UTC, datetime
 from serving.publishers import Applied, Change, NodeView, SchedulerUnavailable, with_retries
 
 SIGNATURE_HEADER = "X-Gpufail-Signature"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+TIMESTAMP_HEADER = "X-Gpufail-Timestamp"
 
 
 def signature(secret: bytes, body: bytes) -> str:
     """The value of `SIGNATURE_HEADER` for `body`."""
     return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def delivery_id(changes: Sequence[Change]) -> str:
+    """The idempotency key of a delivery of `changes` (independent of their order)."""
+    return hashlib.sha256("\n".join(sorted(c.change_id for c in changes)).encode()).hexdigest()[:32]
 
 
 class _Retryable(RuntimeError):
@@ -49,12 +66,14 @@ class WebhookPublisher:
         # A webhook receiver has no node list to read: every node may be published.
         return {node: NodeView() for node in nodes}
 
-    def body(self, changes: Sequence[Change]) -> bytes:
+    def body(self, changes: Sequence[Change], sent_at: datetime | None = None) -> bytes:
         payload = {
             "source": "gpufail",
-            "sent_at": self.clock().isoformat(),
+            "delivery_id": delivery_id(changes),
+            "sent_at": (sent_at or self.clock()).isoformat(),
             "changes": [
                 {
+                    "id": c.change_id,
                     "node": c.node,
                     "from": c.old,
                     "to": c.new,
@@ -72,12 +91,19 @@ class WebhookPublisher:
     def apply(self, changes: Sequence[Change]) -> list[Applied]:
         if not changes:
             return []
-        body = self.body(changes)
+        sent_at = self.clock()
+        body = self.body(changes, sent_at)
+        # One request object for every try: each retry sends the same bytes and headers.
         request = urllib.request.Request(
             self.url,
             data=body,
             method="POST",
-            headers={"Content-Type": "application/json", SIGNATURE_HEADER: signature(self.secret, body)},
+            headers={
+                "Content-Type": "application/json",
+                SIGNATURE_HEADER: signature(self.secret, body),
+                IDEMPOTENCY_HEADER: delivery_id(changes),
+                TIMESTAMP_HEADER: str(int(sent_at.timestamp())),
+            },
         )
 
         def post() -> int:

@@ -11,7 +11,7 @@ from gpufail.cli import cli
 from ingest.store import Store
 from serving.policy import PolicyConfig, PolicyState, Tier
 from serving.publish import publish
-from serving.publishers.slurm import SlurmPublisher
+from serving.publishers.slurm import MemoryLedger, SlurmPublisher
 from serving.score import PREDICTION_SCHEMA
 
 T0 = datetime(2026, 1, 5, 12, tzinfo=UTC)
@@ -92,9 +92,10 @@ def test_a_down_node_is_never_touched(slurm):
 
 
 def test_recovery_resumes_only_our_drains_and_restores_the_weight(slurm):
+    ledger = MemoryLedger()  # what gpufail set, kept across the runs as the CLI keeps it in the store
     state = publish(
         predictions({"gpu007": 0.6, "gpu008": 0.4}, slurm.nodes),
-        publisher(slurm),
+        publisher(slurm, ledger=ledger),
         CONFIG,
         PolicyState(),
         mode="live",
@@ -103,9 +104,9 @@ def test_recovery_resumes_only_our_drains_and_restores_the_weight(slurm):
     # An operator takes gpu008 over after we raised its weight: they set their own weight.
     slurm.scontrol("update", "NodeName=gpu008", "Weight=5")
     calm = predictions({}, slurm.nodes)
-    state = publish(calm, publisher(slurm), CONFIG, state, mode="live", now=T0 + H).state
+    state = publish(calm, publisher(slurm, ledger=ledger), CONFIG, state, mode="live", now=T0 + H).state
     assert flags(slurm, "gpu007") == ["DRAIN"]  # below exit, but not for the recovery period yet
-    out = publish(calm, publisher(slurm), CONFIG, state, mode="live", now=T0 + 8 * H)
+    out = publish(calm, publisher(slurm, ledger=ledger), CONFIG, state, mode="live", now=T0 + 8 * H)
     rows = {r.node: r for r in out.rows}
     assert rows["gpu007"].action == "lower" and rows["gpu007"].result == "resumed, weight restored to 1"
     assert "changed by someone else" in rows["gpu008"].result

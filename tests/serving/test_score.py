@@ -2,11 +2,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpufail.publishing import latest_predictions, top_features_by_gpu
+from gpufail.publishing import top_features_by_gpu
 from ingest.errors import InputError
 from ingest.store import Store
 from models.explain import explain
 from models.train import TrainedModel, train_model
+from serving.predictions import newest_snapshot
 from serving.score import (
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
@@ -152,11 +153,11 @@ def test_predictions_written_before_top_features_still_publish_their_reasons_as_
     old = score_latest(fake_model(), hand_frame())
     day = old["ts"].max().date()
     store.write_owned("predictions", day, prediction_table(old))  # as written before the column existed
-    latest = latest_predictions(store)
+    latest = newest_snapshot(store).frame
     assert "top_features" not in latest.columns and len(latest) == 3  # a, b, c at the newest hour
     assert top_features_by_gpu(latest) == {}
     # The next day's predictions carry the column: their GPUs get their reasons.
     new = old.assign(ts=old["ts"] + pd.Timedelta("1D"), top_features=[["p"]] * len(old))
     store.write_owned("predictions", day + pd.Timedelta("1D"), prediction_table(new))
-    latest = latest_predictions(store)
+    latest = newest_snapshot(store).frame
     assert top_features_by_gpu(latest) == {gpu: ["p"] for gpu in "abc"}

@@ -4,28 +4,46 @@ import hashlib
 import hmac
 import json
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.publish import publish
 from serving.publishers import Change
-from serving.publishers.webhook import SIGNATURE_HEADER, WebhookPublisher, signature
+from serving.publishers.webhook import (
+    IDEMPOTENCY_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    WebhookPublisher,
+    delivery_id,
+    signature,
+)
 
 SECRET = b"s3cret"
+SLOW_S = 5.0
+"""How long a "slow" receiver holds its answer: far beyond the clients' time-out in these tests."""
 CHANGE = Change("gpu003", "none", "drain_now", 0.91, "node risk 0.910", ("g-1",), ("ecc_sbe_rate_24h",), "lgbm-1")
 
 
 @pytest.fixture
 def receiver():
-    """A receiver answering with the given statuses in turn (then 200), recording each request."""
+    """A receiver answering with the given statuses in turn (then 200), recording each request;
+    a status "slow" answers 200 only after the client has given up waiting (it acted, the
+    sender does not know)."""
     received, statuses = [], []
+    answered = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
             received.append((dict(self.headers), body))
-            self.send_response(statuses.pop(0) if statuses else 200)
+            status = statuses.pop(0) if statuses else 200
+            if status == "slow":
+                answered.wait(SLOW_S)
+                status = 200
+            self.send_response(status)
             self.end_headers()
 
         def log_message(self, *args):
@@ -35,6 +53,7 @@ def receiver():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_port}/hook", received, statuses
+    answered.set()
     server.shutdown()
     server.server_close()
 
@@ -52,8 +71,11 @@ def test_changes_are_posted_as_signed_json(receiver):
     assert headers[SIGNATURE_HEADER] == expected == signature(SECRET, body)
     payload = json.loads(body)
     assert payload["source"] == "gpufail" and payload["sent_at"] == "2026-01-05T00:00:00+00:00"
+    assert headers[TIMESTAMP_HEADER] == str(int(datetime(2026, 1, 5, tzinfo=UTC).timestamp()))
+    assert headers[IDEMPOTENCY_HEADER] == payload["delivery_id"] == delivery_id([CHANGE])
     assert payload["changes"] == [
         {
+            "id": CHANGE.change_id,
             "node": "gpu003",
             "from": "none",
             "to": "drain_now",
@@ -96,3 +118,62 @@ def test_an_unreachable_receiver_is_reported_after_the_tries():
 def test_nothing_is_sent_without_changes(receiver):
     url, received, _ = receiver
     assert publisher(url).apply([]) == [] and received == []
+
+
+def test_a_receiver_that_timed_out_gets_every_copy_with_the_same_idempotency_key(receiver):
+    url, received, statuses = receiver
+    statuses.extend(["slow", "slow"])
+    results = publisher(url, attempts=3, timeout=0.3).apply([CHANGE])
+    assert results[0].ok and len(received) == 3  # the receiver got 3 copies of one delivery
+    keys = {headers[IDEMPOTENCY_HEADER] for headers, _ in received}
+    stamps = {headers[TIMESTAMP_HEADER] for headers, _ in received}
+    assert len(keys) == 1 and len(stamps) == 1 and len({body for _, body in received}) == 1
+    assert keys == {json.loads(received[0][1])["delivery_id"]}
+
+
+CONFIG = PolicyConfig(
+    tiers=(Tier("avoid", 0.35, 0.25), Tier("drain_now", 0.8, 0.6)),
+    recovery_period=timedelta(0),
+    cooldown=timedelta(0),
+    breaker_max_nodes=10,
+)
+NOW = datetime(2026, 1, 5, 12, tzinfo=UTC)
+
+
+def fleet(risks):
+    import pandas as pd
+
+    return pd.DataFrame(
+        {
+            "cluster": "c1",
+            "node": list(risks),
+            "gpu_index": 0,
+            "gpu_uuid": [f"{n}-g0" for n in risks],
+            "risk": list(risks.values()),
+            "model_version": "lgbm-1",
+        }
+    )
+
+
+def test_a_decision_never_acknowledged_is_sent_by_the_next_run_with_the_same_key(receiver):
+    url, received, statuses = receiver
+    statuses.extend([503, 503])
+    first = publish(
+        fleet({"n1": 0.9, "n2": 0.1}), publisher(url, attempts=2), CONFIG, PolicyState(), mode="live", now=NOW
+    )
+    assert first.state.nodes["c1/n1"].applied == "none" and len(received) == 2
+    later = NOW + timedelta(hours=1)
+    second = publish(fleet({"n1": 0.92, "n2": 0.1}), publisher(url), CONFIG, first.state, mode="live", now=later)
+    assert second.state.nodes["c1/n1"].applied == "drain_now" and len(received) == 3
+    assert len({headers[IDEMPOTENCY_HEADER] for headers, _ in received}) == 1
+    assert len({json.loads(body)["changes"][0]["id"] for _, body in received}) == 1
+    # Another decision is another delivery: n1 back to none, then raised again later.
+    calm = publish(
+        fleet({"n1": 0.1, "n2": 0.1}), publisher(url), CONFIG, second.state, mode="live", now=later + timedelta(days=2)
+    )
+    again = publish(
+        fleet({"n1": 0.9, "n2": 0.1}), publisher(url), CONFIG, calm.state, mode="live", now=later + timedelta(days=3)
+    )
+    assert again.state.nodes["c1/n1"].applied == "drain_now"
+    keys = [headers[IDEMPOTENCY_HEADER] for headers, _ in received]
+    assert len(keys) == 5 and len(set(keys)) == 3

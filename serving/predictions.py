@@ -1,0 +1,245 @@
+"""The predictions dataset: one snapshot per (grid time, model version), and the one rule by
+which every reader picks the snapshot to use.
+
+A snapshot is one Parquet file under `predictions/date=YYYY-MM-DD/` (the UTC date of its grid
+time) holding every scored GPU at one grid time from one model version (`serving.score`'s
+`PREDICTION_SCHEMA`), with `SNAPSHOT_METADATA` in its schema metadata: grid time, model
+version and the time it was written. Scoring the same grid time with the same model version
+again replaces the snapshot, it never adds to it: the new file is written by the store
+(temporary name, then rename), then the files of the same key written before it are removed.
+A reader that looks in between sees two files of one key and takes the later one, so it never
+combines rows; a kill in between leaves the earlier file, which the next scoring of that key
+removes.
+
+**The newest snapshot** (`newest_snapshot`) is the one with the latest grid time; among
+snapshots of that grid time (several model versions), the one written last (`written_at`),
+then the greater file name. Files written before snapshots existed carry no metadata: their
+key is read from their rows (the latest `ts`, the model version) and they count as written
+before any snapshot that has it. Of the file, the rows at its grid time are read (a scoring of
+a frame in which a GPU stopped reporting kept that GPU's older row).
+
+A snapshot is checked before it is returned (`check_predictions`): the schema, at least one
+row, one grid time and one model version, ids present (cluster, node, GPU uuid and index),
+each GPU once, `risk` and `node_risk` finite and within [0, 1]. What fails is refused with one
+line naming the file and what was wrong, before anything acts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ingest.errors import InputError
+from ingest.store import Store
+from serving.score import PREDICTION_SCHEMA, TOP_FEATURES_FIELD, prediction_table
+
+DATASET = "predictions"
+SNAPSHOT_METADATA = b"gpufail.snapshot"
+"""Schema metadata key of a snapshot file: JSON with `ts`, `model_version` and `written_at`."""
+
+_IDS = ("cluster", "node", "gpu_uuid")
+_PROBABILITIES = ("risk", "node_risk")
+
+
+@dataclass(frozen=True)
+class SnapshotKey:
+    """What identifies a predictions file: its grid time and model version, and for picking the
+    newest, when and where it was written."""
+
+    path: str
+    ts: datetime
+    model_version: str
+    written_at: str
+    """ISO time the snapshot was written ('' for a file written before snapshots)."""
+
+    @property
+    def order(self) -> tuple[datetime, str, str]:
+        return (self.ts, self.written_at, self.path)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    key: SnapshotKey
+    frame: pd.DataFrame
+    """The checked predictions: `PREDICTION_SCHEMA`'s columns (and `top_features` when the file
+    has them), in the file's row order."""
+
+    @property
+    def path(self) -> str:
+        return self.key.path
+
+
+def write_snapshot(store: Store, predictions: pd.DataFrame, *, now: datetime | None = None) -> tuple[str, int]:
+    """Write `predictions` (`serving.score.score_latest`'s output: one grid time, one model
+    version) as the snapshot of its key, replacing an earlier one. Returns the file written and
+    how many earlier files of the same key it replaced."""
+    table = prediction_table(predictions)
+    check_predictions(table, "predictions to write")
+    ts = _utc(predictions["ts"].iloc[0])
+    version = str(predictions["model_version"].iloc[0])
+    written_at = (now or datetime.now(UTC)).isoformat()
+    meta = {"ts": ts.isoformat(), "model_version": version, "written_at": written_at}
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), SNAPSHOT_METADATA: json.dumps(meta)})
+    path = store.write_owned(DATASET, ts.date(), table)
+    mine = SnapshotKey(path, ts, version, written_at)
+    replaced = 0
+    for key in _keys_of_day(store, ts.date(), skip_unreadable=True):
+        # Only files written before this one: a concurrent scoring of the same key that wrote
+        # after us removes ours, never the other way round, so one snapshot always remains.
+        if (key.ts, key.model_version) == (ts, version) and key.order < mine.order:
+            store.fs.rm(key.path)
+            replaced += 1
+    return path, replaced
+
+
+def newest_snapshot(store: Store) -> Snapshot | None:
+    """The newest snapshot (see the module docstring), checked; None when there is none.
+    Reads only the newest date that has a file."""
+    for day in reversed(store.dates(DATASET)):
+        keys = _keys_of_day(store, day, skip_unreadable=False)
+        if keys:
+            key = max(keys, key=lambda k: k.order)
+            table = _read_table(store, key.path)
+            ts = table.schema.field("ts") if "ts" in table.column_names else None
+            if ts is not None and pa.types.is_timestamp(ts.type) and table["ts"].null_count == 0:
+                # As before snapshots: a GPU that stopped reporting kept its last, older row in a
+                # scoring; only the rows of the grid time are the fleet at that time.
+                table = table.filter(pc.equal(pc.max(table["ts"]), table["ts"]))
+            return Snapshot(key, check_predictions(table, key.path))
+    return None
+
+
+def check_predictions(table: pa.Table, where: str) -> pd.DataFrame:
+    """The predictions of `table` as a pandas frame in the prediction schema, or `InputError`
+    naming `where` and every problem found (see the module docstring)."""
+    table = _conform(table, where)
+    problems = []
+    if table.num_rows == 0:
+        problems.append("no rows (expected one per scored GPU)")
+    for name in ("ts", *_IDS, "gpu_index", "risk", "node_risk", "model_version"):
+        nulls = table[name].null_count
+        if nulls:
+            problems.append(f"{nulls} null {name!r} value{'s' if nulls > 1 else ''}")
+    for name in _IDS:
+        empty = int(pc.sum(pc.equal(pc.utf8_length(table[name].fill_null("x")), 0)).as_py() or 0)
+        if empty:
+            problems.append(f"{empty} empty {name!r} value{'s' if empty > 1 else ''}")
+    negative = int(pc.sum(pc.less(table["gpu_index"].fill_null(0), 0)).as_py() or 0)
+    if negative:
+        problems.append(f"{negative} negative 'gpu_index' value{'s' if negative > 1 else ''}")
+    for name in _PROBABILITIES:
+        values = table[name].to_numpy(zero_copy_only=False).astype(np.float64)
+        # NaN fails both comparisons; nulls (NaN here too) are reported above as nulls.
+        bad = ~((values >= 0.0) & (values <= 1.0)) & ~_null_mask(table[name])
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            gpu = table["gpu_uuid"][first].as_py()
+            problems.append(
+                f"{int(bad.sum())} {name!r} value{'s' if bad.sum() > 1 else ''} not a probability in [0, 1] "
+                f"(e.g. {_number(values[first])} for GPU {gpu})"
+            )
+    for name in ("ts", "model_version"):
+        distinct = pc.count_distinct(table[name]).as_py()
+        if distinct > 1:
+            problems.append(f"{distinct} distinct {name!r} values (a snapshot holds one grid time of one model)")
+    duplicated = table.num_rows - table["gpu_uuid"].null_count - pc.count_distinct(table["gpu_uuid"]).as_py()
+    if duplicated > 0:
+        problems.append(f"{duplicated} GPU{'s' if duplicated > 1 else ''} listed more than once")
+    if problems:
+        raise InputError(f"{where}: not usable predictions: {'; '.join(problems)}")
+    return table.to_pandas()
+
+
+def _conform(table: pa.Table, where: str) -> pa.Table:
+    expected = list(PREDICTION_SCHEMA)
+    if TOP_FEATURES_FIELD.name in table.column_names:
+        expected.append(TOP_FEATURES_FIELD)
+    missing = [f.name for f in expected if f.name not in table.column_names]
+    if missing:
+        raise InputError(
+            f"{where}: not usable predictions: missing column{'s' if len(missing) > 1 else ''} {missing} "
+            f"(expected {PREDICTION_SCHEMA.names})"
+        )
+    columns = []
+    for field in expected:
+        column = table[field.name]
+        if not column.type.equals(field.type):
+            try:
+                column = column.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                raise InputError(
+                    f"{where}: not usable predictions: column {field.name!r} is {column.type}, expected {field.type}"
+                ) from None
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=pa.schema(expected))
+
+
+def _null_mask(column: pa.ChunkedArray) -> np.ndarray:
+    return np.asarray(column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _number(value: float) -> str:
+    return str(value) if not math.isfinite(value) else f"{value:g}"
+
+
+def _keys_of_day(store: Store, day: date, *, skip_unreadable: bool) -> list[SnapshotKey]:
+    keys = []
+    for path in store.files(DATASET, day, day):
+        try:
+            keys.append(_key(store, path))
+        except InputError:
+            if not skip_unreadable:
+                raise
+    return keys
+
+
+def _key(store: Store, path: str) -> SnapshotKey:
+    try:
+        with store.fs.open(path, "rb") as fh:
+            parquet = pq.ParquetFile(fh)
+            meta = (parquet.schema_arrow.metadata or {}).get(SNAPSHOT_METADATA)
+            if meta is not None:
+                found = json.loads(meta)
+                return SnapshotKey(path, _utc(found["ts"]), str(found["model_version"]), str(found["written_at"]))
+            names = parquet.schema_arrow.names
+            if "ts" not in names or "model_version" not in names:
+                raise InputError(
+                    f"{path}: not usable predictions: no 'ts' or 'model_version' column (expected {PREDICTION_SCHEMA.names})"
+                )
+            # Written before snapshots: a whole scoring of one grid time, its key in its rows.
+            rows = parquet.read(columns=["ts", "model_version"])
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(
+            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
+            "`gpufail score` again"
+        ) from None
+    if rows.num_rows == 0 or rows["ts"].null_count == rows.num_rows:
+        raise InputError(f"{path}: not usable predictions: no rows (expected one per scored GPU)")
+    versions = sorted({str(v) for v in rows["model_version"].to_pylist()})
+    return SnapshotKey(path, _utc(pc.max(rows["ts"]).as_py()), ",".join(versions), "")
+
+
+def _read_table(store: Store, path: str) -> pa.Table:
+    try:
+        with store.fs.open(path, "rb") as fh:
+            return pq.read_table(fh)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(
+            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
+            "`gpufail score` again"
+        ) from None
+
+
+def _utc(value: Any) -> datetime:
+    moment = pd.Timestamp(value)
+    moment = moment.tz_localize(UTC) if moment.tzinfo is None else moment.tz_convert(UTC)
+    return moment.to_pydatetime()

@@ -1,0 +1,195 @@
+"""kill -9 of a gpufail command at chosen points of its work, for the fault-injection tests.
+
+A point is the n-th call, counted from the start of the command, to an operation that changes
+something outside the process: a rename, a removal, an fsync, the first write to a file opened
+through fsspec (every store write goes through it; a kill after more of its writes leaves the
+same partial temporary file), a subprocess (`scontrol`, ...). At point n the
+process sends itself SIGKILL just before the operation, as kill -9 from outside would find it:
+no `finally`, no `atexit`, no flush. A run without a point counts the operations
+(`count_points`). `plan` takes every point (there are few: each is a boundary between writes)
+and tops them up with kills from outside (SIGKILL from the parent) after delays drawn by a
+seeded generator within a clean run's duration, which land in the computing between writes.
+
+The command runs in a child of a forkserver that has already imported gpufail and its heavy
+libraries, so that a killed run costs about what the command's own work costs instead of the
+seconds of a fresh interpreter's imports. The child gets this process's environment (with `env`
+on top) and working folder, runs `gpufail.cli.main` with the arguments, and exits with its
+status (-9 when killed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PRELOAD = [
+    "gpufail.cli",
+    "gpufail.config",
+    "gpufail.publishing",
+    "features.build",
+    "models.explain",
+    "models.train",
+    "models.treeshap",
+    "joblib",
+    "pdb",
+    "serving.predictions",
+    "serving.publish",
+    "serving.publishers.log",
+    "serving.publishers.slurm",
+    "lightgbm",
+    "polars",
+    "pyarrow.parquet",
+    "pandas",
+]
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Where to kill a run: at a point (from inside), or after a delay (from outside)."""
+
+    point: int | None = None
+    after_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"point {self.point}" if self.point is not None else f"kill -9 after {self.after_s:.3f}s"
+
+
+def plan(args: Sequence[str], kills: int, seed: int, env: Mapping[str, str] | None = None) -> list[Kill]:
+    """`kills` kills of `gpufail ARGS`: every kill point and then kills after random delays, or
+    a random choice of the points when there are more (runs the command once, cleanly, to
+    count and time it)."""
+    began = time.monotonic()
+    status, points = run(args, env=env)
+    took = time.monotonic() - began
+    assert status == 0, f"gpufail {' '.join(args)} exited {status} in a clean run"
+    rng = random.Random(seed)
+    if points >= kills:
+        return [Kill(point=p) for p in sorted(rng.sample(range(1, points + 1), kills))]
+    delays = sorted(rng.uniform(0.0, took) for _ in range(kills - points))
+    return [Kill(point=p) for p in range(1, points + 1)] + [Kill(after_s=d) for d in delays]
+
+
+def run(
+    args: Sequence[str],
+    *,
+    kill: Kill | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+) -> tuple[int, int]:
+    """Run `gpufail ARGS` in a fresh child, killed as `kill` says. Returns (exit status, kill
+    points passed); the status is -9 when killed (a run that ended before a delayed kill
+    exits as it would)."""
+    kill_at = kill.point if kill is not None else None
+    ctx = _context()
+    reader, writer = ctx.Pipe(duplex=False)
+    # Files by name: the child is forked from the forkserver, which does not have our descriptors.
+    with tempfile.TemporaryDirectory(prefix="gpufail-kill-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        child = ctx.Process(
+            target=_child,
+            args=(list(args), kill_at, {**os.environ, **(env or {})}, os.getcwd(), writer, str(out), str(err)),
+        )
+        child.start()
+        writer.close()
+        if kill is not None and kill.after_s is not None:
+            child.join(kill.after_s)
+            if child.is_alive():
+                os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise TimeoutError(f"gpufail {' '.join(args)} did not finish within {timeout}s")
+        # The child's output, through this process's streams (where pytest captures it).
+        for path, target in ((out, sys.stdout), (err, sys.stderr)):
+            target.write(path.read_text(errors="replace") if path.exists() else "")
+            target.flush()
+    points = 0
+    while reader.poll():
+        try:
+            points = reader.recv()
+        except EOFError:
+            break
+    reader.close()
+    return int(child.exitcode or 0), points
+
+
+def count_points(args: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+    """How many kill points a clean run of `gpufail ARGS` passes (it runs the command)."""
+    status, points = run(args, env=env)
+    assert status == 0, f"gpufail {' '.join(args)} exited {status} in a clean run"
+    return points
+
+
+def _child(
+    args: list[str], kill_at: int | None, env: dict[str, str], cwd: str, writer: Any, out: str, err: str
+) -> None:
+    # This process's environment, as a subprocess would get it (not the forkserver's, from its start).
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for path, fd in ((out, 1), (err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    counter = {"n": 0}
+
+    def point() -> None:
+        counter["n"] += 1
+        if kill_at is not None and counter["n"] >= kill_at:
+            writer.send(counter["n"])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def counted(fn):
+        def wrapper(*a, **kw):
+            point()
+            return fn(*a, **kw)
+
+        return wrapper
+
+    for name in ("rename", "replace", "remove", "unlink", "fsync"):
+        setattr(os, name, counted(getattr(os, name)))
+    subprocess.run = counted(subprocess.run)
+    from fsspec.implementations.local import LocalFileOpener
+
+    written: set[int] = set()
+    plain_write = LocalFileOpener.write
+
+    def first_write_counted(self: Any, *a: Any, **kw: Any) -> Any:
+        if id(self) not in written:
+            written.add(id(self))
+            point()
+        return plain_write(self, *a, **kw)
+
+    LocalFileOpener.write = first_write_counted
+
+    from gpufail.cli import main
+
+    sys.argv = ["gpufail", *args]
+    try:
+        main()
+    except SystemExit as exc:
+        writer.send(counter["n"])
+        raise SystemExit(exc.code if isinstance(exc.code, int) else 1) from None
+    writer.send(counter["n"])
+
+
+def visible_files(root: Path, dataset: str) -> list[Path]:
+    """The part files readers see (hidden temporary and staged files excluded)."""
+    return sorted(p for p in (root / dataset).rglob("*.parquet") if not p.name.startswith((".", "_")))
