@@ -15,12 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from features.labels import (
     DEFAULT_HORIZON,
@@ -559,9 +560,57 @@ def read_features(
     columns: Sequence[str] | None = None,
 ) -> pl.DataFrame:
     """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
-    the date partitions overlapping the range are opened."""
-    frame = scan_features(store, start, end, columns).collect()
+    the date partitions overlapping the range are opened. A file that does not read is named."""
+    frame = _collect(scan_features(store, start, end, columns), store, *_day_range(start, end))
     return _sorted_column_by_column(frame, ["ts", GPU])
+
+
+def _day_range(start: datetime | None, end: datetime | None) -> tuple[date | None, date | None]:
+    first_day = _utc(start).date() if start is not None else None
+    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
+    return first_day, last_day
+
+
+def _collect(frame: pl.LazyFrame, store: Store, first_day: date | None, last_day: date | None) -> pl.DataFrame:
+    """`frame.collect()`; when reading fails, the error names the feature file at fault (the
+    reader's own message does not: "parquet: File out of specification")."""
+    try:
+        return frame.collect()
+    except READ_ERRORS as exc:
+        _raise_named(exc, store, first_day, last_day)
+
+
+READ_ERRORS = (pl.exceptions.PolarsError, pa.ArrowException, OSError)
+"""What polars and pyarrow raise for a file they cannot read."""
+
+
+def _raise_named(exc: BaseException, store: Store, first_day: date | None, last_day: date | None) -> NoReturn:
+    bad = unreadable_feature_file(store, first_day, last_day)
+    if bad is None:
+        raise exc
+    raise StoreError(unreadable_message(*bad)) from exc
+
+
+def unreadable_feature_file(
+    store: Store, first_day: date | None = None, last_day: date | None = None
+) -> tuple[str, str] | None:
+    """The first feature file dated within the days that does not read whole (footer and every
+    page), and why; None when all of them read. Reads every file: for error messages only."""
+    for path in feature_files(store, first_day, last_day):
+        try:
+            with store.fs.open(path, "rb") as fh:
+                pq.ParquetFile(fh).read()
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            return path, f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unreadable_message(path: str, why: str) -> str:
+    day = _day_of(path)
+    return (
+        f"{path}: not a readable feature file ({why}); rebuild its day with "
+        f"gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
+    )
 
 
 def scan_features(
@@ -572,9 +621,7 @@ def scan_features(
 ) -> pl.LazyFrame:
     """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
     grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
-    first_day = _utc(start).date() if start is not None else None
-    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
-    files = feature_files(store, first_day, last_day)
+    files = feature_files(store, *_day_range(start, end))
     if not files:
         return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
     if store.is_local:
@@ -589,7 +636,11 @@ def scan_features(
     if end is not None:
         lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
     if columns is None:
-        return lf.select([c for c in lf.collect_schema().names() if c != SAMPLE_KEY])
+        try:
+            names = lf.collect_schema().names()
+        except READ_ERRORS as exc:
+            _raise_named(exc, store, *_day_range(start, end))
+        return lf.select([c for c in names if c != SAMPLE_KEY])
     return lf.select(list(dict.fromkeys(["ts", GPU, *columns])))
 
 
@@ -603,8 +654,8 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     if not days:
         return scan_features(store).collect()
     day = scan_features(store, start=datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC))
-    newest = day.select(pl.col("ts").max()).collect().item()
-    rows = day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)).collect()
+    newest = _collect(day.select(pl.col("ts").max()), store, days[-1], days[-1]).item()
+    rows = _collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), store, days[-1], days[-1])
     return _sorted_column_by_column(rows, ["ts", GPU])
 
 
