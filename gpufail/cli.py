@@ -797,13 +797,16 @@ def serve(
     """Serve predictions over HTTP (FastAPI under uvicorn, one worker) until interrupted."""
     import uvicorn
 
+    from serving.http_timeouts import read_timeout_protocol
+
     settings = _settings(ctx)
     cfg = settings.serve
     root = _root(ctx, data)
     app, source = _serve_app(settings, root, model_path)
     host, port = host or cfg.host, port or cfg.port
     click.echo(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
-    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info")
+    protocol = read_timeout_protocol(cfg.header_timeout.total_seconds(), cfg.body_timeout.total_seconds())
+    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info", http=protocol)
 
 
 def _serve_app(settings: Any, root: str, model_path: str | None) -> tuple[Any, str]:

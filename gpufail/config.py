@@ -481,6 +481,11 @@ class ServeSettings(_Table):
     once a day); 0 turns the check off (replayed or simulated data)."""
     metrics_top: int = Field(default=20, ge=0, le=1000)
     """/metrics exports risk gauges for this many riskiest GPUs and nodes (bounded labels)."""
+    header_timeout: PositiveDuration = timedelta(seconds=10)
+    """A request's headers must arrive within this of its first byte (or of the connection);
+    else 408 and the connection is closed, so slow clients cannot hold the server's sockets."""
+    body_timeout: PositiveDuration = timedelta(seconds=30)
+    """...and its body within this of its headers."""
 
 
 class Settings(_Table):
