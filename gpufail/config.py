@@ -304,7 +304,7 @@ class ContenderSettings(_Table):
 def _default_contenders() -> list[ContenderSettings]:
     # 100 trees instead of 200: ~2 s per fit on the demo, so ~100 daily fits fit the budget.
     trees = {"n_estimators": 100}
-    singles = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
+    singles: list[tuple[ModelKind, dict[str, Any]]] = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
     out = [
         ContenderSettings(name=f"{k} {m}", kind=k, mode=m, params=p) for m in ("static", "sliding") for k, p in singles
     ]

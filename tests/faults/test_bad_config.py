@@ -166,6 +166,8 @@ CONFIG_FILES = [
     config("[serve]\nmax_body_bytes = 10\n", "[serve] max_body_bytes", id="serve-body-limit-tiny"),
     config("[serve]\nadmin_token_env = '$TOKEN'\n", "[serve] admin_token_env", id="serve-token-env-bad-name"),
     config("[serve]\nmax_top_features = 100\n", "[serve] max_top_features", id="serve-top-features-100"),
+    config("[serve]\nheader_timeout = '0s'\n", "[serve] header_timeout", "above zero", id="serve-header-timeout-zero"),
+    config("[serve]\nbody_timeout = 30\n", "[serve] body_timeout", "without a unit", id="serve-body-timeout-bare"),
     config(
         "[labels]\nhorizon = 12\n[model]\ntop_k = 0\n", "[labels] horizon", "[model] top_k", id="two-problems-one-line"
     ),
