@@ -518,9 +518,9 @@ def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | N
     environment variable, the table and key, what was received and what was expected.
     """
     environ = os.environ if environ is None else environ
-    where = "config file {path}" if path else "config file {path} (GPUFAIL_CONFIG)"
+    named_by = "" if path else " (GPUFAIL_CONFIG)"
     path = path or environ.get("GPUFAIL_CONFIG")
-    data = _read_file(Path(path), where.format(path=path)) if path else {}
+    data = _read_file(Path(path), f"config file {path}{named_by}") if path else {}
     origins = _Origins(str(path) if path else None, {(t, k) for t, v in data.items() if isinstance(v, dict) for k in v})
     for name, table, key, value in _env_overrides(environ):
         section = data.setdefault(table, {})

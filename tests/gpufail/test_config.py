@@ -131,3 +131,10 @@ def test_settings_are_immutable_so_no_stage_can_change_another_stages_view():
     settings = load_settings(environ={})
     with pytest.raises(Exception, match="frozen"):
         settings.model.top_k = 3  # type: ignore[misc]
+
+
+def test_a_file_name_with_braces_is_named_as_it_is(tmp_path):
+    with pytest.raises(ConfigError, match=r"\{x\}.toml: not found$"):
+        load_settings(tmp_path / "{x}.toml", environ={})
+    with pytest.raises(ConfigError, match=r"\{x\}.toml \(GPUFAIL_CONFIG\): not found$"):
+        load_settings(environ={"GPUFAIL_CONFIG": str(tmp_path / "{x}.toml")})
