@@ -1,8 +1,8 @@
 """`gpufail features` killed with SIGKILL at random points, then run again without --overwrite.
 
-The points are the build's writes: before and after each feature file and each save of the
-manifest (`features.manifest`), counted in the child, which kills itself there (a real kill -9:
-no `finally`, no flush). After the rerun the features dataset must hold exactly the rows of a
+The points are the build's writes: before and after each flush of feature files (one file per
+flush here: a day per block) and each save of the manifest (`features.manifest`), counted in
+the child, which kills itself there (a real kill -9: no `finally`, no flush). After the rerun the features dataset must hold exactly the rows of a
 clean build, every file must read, and the manifest must name exactly the files there.
 """
 
@@ -42,7 +42,8 @@ ENV = {
 
 _CHILD = """
 import os, signal, sys, threading
-from ingest.store import Store
+import features.build
+from features.manifest import FeatureManifest
 
 kill_at, seen, lock = int(os.environ["KILL_AT"]), [0], threading.Lock()
 
@@ -53,15 +54,15 @@ def point():
             os.kill(os.getpid(), signal.SIGKILL)
 
 def counted(real):
-    def write(self, *args, **kwargs):
+    def write(*args, **kwargs):
         point()
-        out = real(self, *args, **kwargs)
+        out = real(*args, **kwargs)
         point()
         return out
     return write
 
-Store._write_part = counted(Store._write_part)
-Store._write_bytes_atomic = counted(Store._write_bytes_atomic)
+features.build.write_features = counted(features.build.write_features)
+FeatureManifest._save = counted(FeatureManifest._save)
 from gpufail.cli import main
 sys.argv = ["gpufail", *sys.argv[1:]]
 main()
@@ -95,28 +96,30 @@ def clean(telemetry_store, tmp_path_factory) -> tuple[pl.DataFrame, int]:
     """The clean build's rows, and how many kill points a build passes."""
     root = tmp_path_factory.mktemp("clean") / "data"
     shutil.copytree(telemetry_store, root)
+    import features.build
+    from features.manifest import FeatureManifest
+
     calls, lock = [0], threading.Lock()
-    real_part, real_bytes = Store._write_part, Store._write_bytes_atomic
 
     def counted(real):
-        def write(self, *args, **kwargs):
+        def write(*args, **kwargs):
             with lock:
                 calls[0] += 1
-            return real(self, *args, **kwargs)
+            return real(*args, **kwargs)
 
         return write
 
     with pytest.MonkeyPatch.context() as mp:
         for name, value in ENV.items():
             mp.setenv(name, value)
-        mp.setattr(Store, "_write_part", counted(real_part))
-        mp.setattr(Store, "_write_bytes_atomic", counted(real_bytes))
+        mp.setattr(features.build, "write_features", counted(features.build.write_features))
+        mp.setattr(FeatureManifest, "_save", counted(FeatureManifest._save))
         assert features_cli(["features", "--data", str(root), "--quiet"], mp) == 0
     return read_features(Store.open(str(root))), 2 * calls[0]
 
 
 def kill_points() -> list[int]:
-    # Drawn over the clean build's points (checked below): 4 days x 4 shards of files, and 5
+    # Drawn over the clean build's points (checked below): 4 days x 4 shards of flushes, and 5
     # saves of the manifest (at the start and after each day's block), a point before and
     # after each.
     return sorted(random.Random(SEED).sample(range(1, POINTS + 1), KILLS))
