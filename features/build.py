@@ -15,12 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from features.labels import (
     DEFAULT_HORIZON,
@@ -33,6 +34,8 @@ from features.labels import (
     label_rows,
     resolve_xid_gpus,
 )
+from features.manifest import DATASET as FEATURES_DATASET
+from features.manifest import BuildPlan, FeatureManifest, settle_time
 from features.peers import PEER_METRICS, model_medians, peer_features
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, sample_keys
 from features.schema import (
@@ -68,7 +71,6 @@ from ingest.schema import metric_catalogue
 from ingest.store import Store
 from ingest.xid_catalog import default_failure_xids
 
-FEATURES_DATASET = "features"
 # Feature files of different dates written at once (`write_features`).
 WRITE_THREADS = min(4, os.cpu_count() or 1)
 
@@ -558,9 +560,57 @@ def read_features(
     columns: Sequence[str] | None = None,
 ) -> pl.DataFrame:
     """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
-    the date partitions overlapping the range are opened."""
-    frame = scan_features(store, start, end, columns).collect()
+    the date partitions overlapping the range are opened. A file that does not read is named."""
+    frame = _collect(scan_features(store, start, end, columns), store, *_day_range(start, end))
     return _sorted_column_by_column(frame, ["ts", GPU])
+
+
+def _day_range(start: datetime | None, end: datetime | None) -> tuple[date | None, date | None]:
+    first_day = _utc(start).date() if start is not None else None
+    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
+    return first_day, last_day
+
+
+def _collect(frame: pl.LazyFrame, store: Store, first_day: date | None, last_day: date | None) -> pl.DataFrame:
+    """`frame.collect()`; when reading fails, the error names the feature file at fault (the
+    reader's own message does not: "parquet: File out of specification")."""
+    try:
+        return frame.collect()
+    except READ_ERRORS as exc:
+        _raise_named(exc, store, first_day, last_day)
+
+
+READ_ERRORS = (pl.exceptions.PolarsError, pa.ArrowException, OSError)
+"""What polars and pyarrow raise for a file they cannot read."""
+
+
+def _raise_named(exc: BaseException, store: Store, first_day: date | None, last_day: date | None) -> NoReturn:
+    bad = unreadable_feature_file(store, first_day, last_day)
+    if bad is None:
+        raise exc
+    raise StoreError(unreadable_message(*bad)) from exc
+
+
+def unreadable_feature_file(
+    store: Store, first_day: date | None = None, last_day: date | None = None
+) -> tuple[str, str] | None:
+    """The first feature file dated within the days that does not read whole (footer and every
+    page), and why; None when all of them read. Reads every file: for error messages only."""
+    for path in feature_files(store, first_day, last_day):
+        try:
+            with store.fs.open(path, "rb") as fh:
+                pq.ParquetFile(fh).read()
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            return path, f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unreadable_message(path: str, why: str) -> str:
+    day = _day_of(path)
+    return (
+        f"{path}: not a readable feature file ({why}); rebuild its day with "
+        f"gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
+    )
 
 
 def scan_features(
@@ -571,9 +621,7 @@ def scan_features(
 ) -> pl.LazyFrame:
     """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
     grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
-    first_day = _utc(start).date() if start is not None else None
-    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
-    files = feature_files(store, first_day, last_day)
+    files = feature_files(store, *_day_range(start, end))
     if not files:
         return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
     if store.is_local:
@@ -588,7 +636,11 @@ def scan_features(
     if end is not None:
         lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
     if columns is None:
-        return lf.select([c for c in lf.collect_schema().names() if c != SAMPLE_KEY])
+        try:
+            names = lf.collect_schema().names()
+        except READ_ERRORS as exc:
+            _raise_named(exc, store, *_day_range(start, end))
+        return lf.select([c for c in names if c != SAMPLE_KEY])
     return lf.select(list(dict.fromkeys(["ts", GPU, *columns])))
 
 
@@ -602,8 +654,8 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     if not days:
         return scan_features(store).collect()
     day = scan_features(store, start=datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC))
-    newest = day.select(pl.col("ts").max()).collect().item()
-    rows = day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)).collect()
+    newest = _collect(day.select(pl.col("ts").max()), store, days[-1], days[-1]).item()
+    rows = _collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), store, days[-1], days[-1])
     return _sorted_column_by_column(rows, ["ts", GPU])
 
 
@@ -658,6 +710,8 @@ class FeatureBuildSummary:
     shards: int = 0  # shards of whole nodes the fleet was built in
     files_written: list[str] = field(default_factory=list)
     files_replaced: int = 0
+    days_kept: int = 0  # complete and up to date already: not rebuilt
+    leftovers_removed: int = 0  # files of days an interrupted build left partial
     start: datetime | None = None
     end: datetime | None = None
     data_end: datetime | None = None
@@ -669,7 +723,20 @@ class FeatureBuildSummary:
             f"features: {self.rows:,} rows for {self.gpus:,} GPUs ({self.positives:,} positive, {self.censored:,} censored) "
             f"from {self.telemetry_rows_read:,} telemetry rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); "
             f"{len(self.files_written)} files written, {self.files_replaced} replaced"
+            + (f"; {self.days_kept} days already built kept" if self.days_kept else "")
+            + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
         )
+
+
+def nothing_to_build(manifest: FeatureManifest, plan: BuildPlan, start: datetime, end: datetime) -> str:
+    """Every day asked for is built and up to date: say so, with the range the files cover."""
+    files = manifest.kept_files(plan.kept)
+    removed = f"; removed {len(plan.partial)} files an interrupted build left" if plan.partial else ""
+    return (
+        f"features: {files} files already cover {start.date()}..{(end - timedelta(days=1)).date()}, every day "
+        f"asked for, built from the data as it is now{removed}; pass overwrite=True (gpufail features "
+        "--overwrite) to rebuild them"
+    )
 
 
 def _day_start(moment: datetime) -> datetime:
@@ -848,9 +915,11 @@ def build_features_from_store(
     GIL); they share the memory budget, so each holds a shard of `max_buckets_in_memory /
     workers` buckets and parts of `rows_per_part / workers` rows.
 
-    Dates that already hold feature files are refused unless `overwrite=True`; then the old
-    files are removed after the new ones are written. `scratch` is the folder for the shards'
-    temporary files (the system's temporary folder by default).
+    Days already built are kept (`features.manifest`): only the days no build completed (a
+    build killed half-way), and those whose labels the data has moved on from, are built; when
+    there are none, the build is refused unless `overwrite=True`, which rebuilds every day
+    asked for. A rebuilt day's old files are removed once its block is complete. `scratch` is
+    the folder for the shards' temporary files (the system's temporary folder by default).
     """
     from tqdm.auto import tqdm
 
@@ -894,25 +963,23 @@ def build_features_from_store(
         return summary
     summary.start, summary.end = emit_start, emit_end
 
-    old_files = feature_files(store, emit_start.date(), (emit_end - timedelta(days=1)).date())
-    if old_files and not overwrite:
-        raise FeaturesExistError(
-            f"features: {len(old_files)} files already cover {emit_start.date()}..{(emit_end - timedelta(days=1)).date()} "
-            f"(e.g. {old_files[0]}); pass overwrite=True (gpufail features --overwrite) to rebuild them"
-        )
+    # What is complete stays (a build killed half-way left some days partial: those are rebuilt).
+    manifest = FeatureManifest.load(store)
+    plan = manifest.plan(
+        emit_start,
+        emit_end,
+        data_end=data_end,
+        settle=settle_time(horizon, merge_window, lost_after),
+        overwrite=overwrite,
+    )
+    manifest.remove(plan.partial)
+    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
+    if not plan.runs:
+        raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
 
     # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
     lookback = max(max(windows), max_silence + grid)
     one_day = timedelta(days=1)
-    first_read = max(_day_start(emit_start - lookback), _day_start(first_data))
-    days = [first_read + i * one_day for i in range((emit_end - first_read) // one_day)]
-    days = [d for d in days if d.date() in day_rows or d >= emit_start]
-    # Blocks of at most `block_days`, as even as possible: a short last block would pay for a
-    # whole lookback to emit a day or two.
-    emit_days = (emit_end - emit_start) // one_day
-    n_blocks = -(-emit_days // block_days)
-    block_ends = {emit_start + (emit_days * (i + 1) // n_blocks) * one_day for i in range(n_blocks)}
-
     # A shard carries a block and its trailing window (plus the day a window's start falls in).
     carried_days = block_days + -(-lookback // one_day) + 1
     per_day = one_day // grid
@@ -926,12 +993,7 @@ def build_features_from_store(
         shards = shard_map(presence, gpu_buckets=ahead_days * per_day, max_buckets=budget)
     if rows_per_part is not None:
         rows_per_part = max(1, rows_per_part // workers)
-    buckets = ShardedBuckets(shards, scratch=scratch)
-    summary.shards = buckets.count
-    stream = _BucketStream(grid, max_silence)
-    medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
     gpus: set[str] = set()
-    bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
 
     stop = threading.Event()  # set when the build fails: the block being built stops too
 
@@ -1006,76 +1068,100 @@ def build_features_from_store(
         bar.set_postfix_str(f"{label}, shards 0/{buckets.count}")
         with ThreadPoolExecutor(max_workers=max(1, min(workers, buckets.count))) as pool:
             futures = [pool.submit(build_shard, shard, block_start, block_end, fleet) for shard in range(buckets.count)]
+            written: list[str] = []
             try:
                 for future in as_completed(futures):
-                    future.result().add_to(summary, gpus)
+                    result = future.result()
+                    result.add_to(summary, gpus)
+                    written += result.files
                     done += 1
                     bar.set_postfix_str(f"{label}, shards {done}/{buckets.count}")
             except BaseException:
                 for future in futures:
                     future.cancel()
                 raise
+        # Every shard wrote its files: the block's days are complete, and the files they replace go.
+        block_days = [(block_start + i * one_day).date() for i in range((block_end - block_start) // one_day)]
+        manifest.complete(block_days, written, data_end)
+        for day in block_days:
+            manifest.remove(plan.replaced.get(day, []))
+            summary.files_replaced += len(plan.replaced.get(day, []))
 
     # A block is built on a thread of its own while this one reads and aggregates the next
     # block's days (`read_ahead`): reading was a quarter of the build, with the other core
     # mostly idle (30-day paper store: 311 s at 8.6 GB without, 276 s at 11.5 GB with). One
     # block is built at a time (its shards hold the memory budget), so the reading waits for
-    # the block before to finish before it hands over the next.
-    building: Future[None] | None = None
-    emitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-block")
-    try:
-        block_start = emit_start
-        for day in days:
-            if building is not None and building.done():
-                building.result()  # a failed block stops the reading at once
-            raw: pl.DataFrame | None
-            if day.date() in day_rows:
-                raw = _read_telemetry(store, day, day + one_day)
-            else:
-                # No telemetry that day: the last bucket held back from the day before is still
-                # complete now, and the block ending today needs it.
-                raw = None if stream.held is None else stream.held.clear()
-            if raw is not None:
-                summary.telemetry_rows_read += raw.height
-                day_buckets = stream.day(raw, day + one_day)
-                del raw
-                if day_buckets.height:
-                    medians.append(model_medians(day_buckets, grid))
-                    buckets.add(day.date(), day_buckets)
-            if day + one_day in block_ends:
-                block_end = day + one_day
-                # No buckets since the last block (a telemetry outage): no means to compare, so
-                # the shards' own (empty) medians are the fleet's.
-                fleet = (
-                    pl.concat(medians, how="vertical_relaxed").filter(
-                        pl.col("ts").is_between(pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE))
+    # the block before to finish before it hands over the next. Each run of consecutive days to
+    # build is read from its own lookback on, as a build of just those days: the same rows.
+    for emit_start, emit_end in plan.runs:
+        first_read = max(_day_start(emit_start - lookback), _day_start(first_data))
+        days = [first_read + i * one_day for i in range((emit_end - first_read) // one_day)]
+        days = [d for d in days if d.date() in day_rows or d >= emit_start]
+        # Blocks of at most `block_days`, as even as possible: a short last block would pay for a
+        # whole lookback to emit a day or two.
+        emit_days = (emit_end - emit_start) // one_day
+        n_blocks = -(-emit_days // block_days)
+        block_ends = {emit_start + (emit_days * (i + 1) // n_blocks) * one_day for i in range(n_blocks)}
+
+        buckets = ShardedBuckets(shards, scratch=scratch)
+        summary.shards = buckets.count
+        stream = _BucketStream(grid, max_silence)
+        medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
+        bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
+
+        building: Future[None] | None = None
+        emitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-block")
+        try:
+            block_start = emit_start
+            for day in days:
+                if building is not None and building.done():
+                    building.result()  # a failed block stops the reading at once
+                raw: pl.DataFrame | None
+                if day.date() in day_rows:
+                    raw = _read_telemetry(store, day, day + one_day)
+                else:
+                    # No telemetry that day: the last bucket held back from the day before is still
+                    # complete now, and the block ending today needs it.
+                    raw = None if stream.held is None else stream.held.clear()
+                if raw is not None:
+                    summary.telemetry_rows_read += raw.height
+                    day_buckets = stream.day(raw, day + one_day)
+                    del raw
+                    if day_buckets.height:
+                        medians.append(model_medians(day_buckets, grid))
+                        buckets.add(day.date(), day_buckets)
+                if day + one_day in block_ends:
+                    block_end = day + one_day
+                    # No buckets since the last block (a telemetry outage): no means to compare, so
+                    # the shards' own (empty) medians are the fleet's.
+                    fleet = (
+                        pl.concat(medians, how="vertical_relaxed").filter(
+                            pl.col("ts").is_between(
+                                pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE)
+                            )
+                        )
+                        if medians
+                        else None
                     )
-                    if medians
-                    else None
-                )
-                medians = []
-                if building is not None:
-                    building.result()
-                # Keep only the trailing window this block needs.
-                buckets.forget(block_start - lookback)
-                building = emitter.submit(emit, block_start, block_end, fleet)
-                if not read_ahead:
-                    building.result()
-                block_start = block_end
-            bar.update(1)
-        if building is not None:
-            building.result()
-    except BaseException:
-        stop.set()  # the block being built stops at its next part; its files so far stay
-        raise
-    finally:
-        emitter.shutdown(wait=True)
-        bar.close()
-        buckets.close()
-    for f in old_files:
-        if store.fs.exists(f):
-            store.fs.rm(f)
-    summary.files_replaced = len(old_files)
+                    medians = []
+                    if building is not None:
+                        building.result()
+                    # Keep only the trailing window this block needs.
+                    buckets.forget(block_start - lookback)
+                    building = emitter.submit(emit, block_start, block_end, fleet)
+                    if not read_ahead:
+                        building.result()
+                    block_start = block_end
+                bar.update(1)
+            if building is not None:
+                building.result()
+        except BaseException:
+            stop.set()  # the block being built stops at its next part; its files so far stay unlisted
+            raise
+        finally:
+            emitter.shutdown(wait=True)
+            bar.close()
+            buckets.close()
     summary.gpus = len(gpus)
     summary.seconds = time.perf_counter() - began
     return summary

@@ -41,8 +41,8 @@ import pyarrow.compute as pc
 from features.build import (
     FeatureBuildSummary,
     FeaturesExistError,
-    feature_files,
     features_from_buckets,
+    nothing_to_build,
     read_xid_events,
     write_features,
 )
@@ -56,6 +56,7 @@ from features.labels import (
     gpu_presence,
     resolve_xid_gpus,
 )
+from features.manifest import FeatureManifest, settle_time
 from features.peers import PEER_METRICS, model_medians
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
@@ -246,6 +247,10 @@ def _finish(
 # -- the build --------------------------------------------------------------------------------
 
 
+def _days(start: datetime, end: datetime) -> list[datetime]:
+    return [start + timedelta(days=i) for i in range((end - start) // timedelta(days=1))]
+
+
 def _day_start(moment: datetime) -> datetime:
     m = moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
     return datetime(m.year, m.month, m.day, tzinfo=UTC)
@@ -296,9 +301,9 @@ def build_features_distributed(
 ) -> FeatureBuildSummary:
     """`features.build.build_features_from_store` on the Dask cluster of `client` (a
     `distributed.Client`): the same arguments, the same rows in the `features` dataset, for grid
-    times in [start, end) widened to whole UTC days. Dates that already hold feature files are
-    refused unless `overwrite=True`; then the old files are removed after the new ones are
-    written. See the module notes for the partitions."""
+    times in [start, end) widened to whole UTC days. Days already built are kept and partial
+    ones rebuilt, as there (`features.manifest`; the days are recorded once every partition
+    has written). See the module notes for the partitions."""
     began = time.perf_counter()
     check_grid(grid, windows)
     if partition_days < 1:
@@ -322,12 +327,19 @@ def build_features_distributed(
         summary.seconds = time.perf_counter() - began
         return summary
     summary.start, summary.end = emit_start, emit_end
-    old_files = feature_files(store, emit_start.date(), (emit_end - timedelta(days=1)).date())
-    if old_files and not overwrite:
-        raise FeaturesExistError(
-            f"features: {len(old_files)} files already cover {emit_start.date()}..{(emit_end - timedelta(days=1)).date()} "
-            f"(e.g. {old_files[0]}); pass overwrite=True (gpufail features --overwrite) to rebuild them"
-        )
+    # As the single-machine build: complete days stay, partial ones are rebuilt.
+    manifest = FeatureManifest.load(store)
+    plan = manifest.plan(
+        emit_start,
+        emit_end,
+        data_end=data_end,
+        settle=settle_time(horizon, merge_window, lost_after),
+        overwrite=overwrite,
+    )
+    manifest.remove(plan.partial)
+    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
+    if not plan.runs:
+        raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
 
     params = _Params(
         grid=grid,
@@ -343,10 +355,11 @@ def build_features_distributed(
     )
     step = timedelta(days=partition_days)
     blocks = []
-    block_start = emit_start
-    while block_start < emit_end:
-        blocks.append((block_start, min(block_start + step, emit_end)))
-        block_start += step
+    for run_start, run_end in plan.runs:
+        block_start = run_start
+        while block_start < run_end:
+            blocks.append((block_start, min(block_start + step, run_end)))
+            block_start += step
     groups = node_groups(presence, partition_nodes)
     shared = [client.scatter(x, broadcast=True) for x in (xid, presence, episodes)]
     repairs_f = client.scatter(repairs, broadcast=True) if repairs is not None else None
@@ -371,10 +384,12 @@ def build_features_distributed(
         summary.telemetry_rows_read += done["rows_read"]
         gpus.update(done["gpus"])
     summary.blocks = len(blocks) * len(groups)
-    for f in old_files:
-        if store.fs.exists(f):
-            store.fs.rm(f)
-    summary.files_replaced = len(old_files)
+    # Every partition wrote its files: the days are complete, and the files they replace go.
+    built = [d.date() for start_, end_ in plan.runs for d in _days(start_, end_)]
+    manifest.complete(built, summary.files_written, data_end)
+    replaced = [name for day in built for name in plan.replaced.get(day, [])]
+    manifest.remove(replaced)
+    summary.files_replaced = len(replaced)
     summary.gpus = len(gpus)
     summary.seconds = time.perf_counter() - began
     return summary

@@ -54,7 +54,7 @@ def _root(ctx: click.Context, data: str | None) -> str:
     "--out", required=True, type=click.Path(file_okay=False), help="New folder to write the simulated fleet into."
 )
 @click.option("--preset", default=None, help="demo (a few hundred GPUs, 2 months) or paper (~30k GPUs, 4 months).")
-@click.option("--seed", type=int, default=None, help="Random seed (default: [simulate] seed).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Random seed (default: [simulate] seed).")
 @click.option(
     "--days", type=click.IntRange(min=1), default=None, help="Simulate this many days instead of the preset's."
 )
@@ -128,7 +128,7 @@ def ingest_kernel_log(
         cluster=settings.ingest.cluster,
         dedup_window=settings.ingest.xid_dedup_window,
         node=node,
-        boot_time=_when(boot_time),
+        boot_time=_when(boot_time, "'--boot-time'"),
         tz=tz,
         workers=_ingest_workers(settings),
     )
@@ -197,12 +197,12 @@ def ingest_nvidia_smi(
             [Path(f) for f in files],
             cluster=_settings(ctx).ingest.cluster,
             node=node,
-            time=_when(time_),
+            time=_when(time_, "'--time'"),
             tz=tz,
             progress=not quiet,
         )
     except ValueError as exc:  # an unknown --tz
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint="'--tz'") from None
     click.echo(f"nvidia-smi: {summary.line()}")
 
 
@@ -292,14 +292,23 @@ def collect(
         raise GpufailError(f"collect: every source failed ({', '.join(n for n, _ in failed)}); nothing was collected")
 
 
-def _when(text: str | None) -> datetime | None:
+def _finite(value: float | None, param: click.Parameter) -> float | None:
+    """A FloatRange lets NaN and infinity through (every comparison with NaN is false)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value}: expected a finite number", param=param)
+    return value
+
+
+def _when(text: str | None, option: str) -> datetime | None:
     if text is None:
         return None
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise click.BadParameter(
-            f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00"
+            f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00", param_hint=option
         ) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
@@ -343,7 +352,7 @@ def features(
     from features.build import build_features_from_store
     from ingest.store import Store
 
-    first, last = _when(start), _when(end)
+    first, last = _when(start, "'--start'"), _when(end, "'--end'")
     if first is not None and last is not None and last <= first:
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
     common = dict(
@@ -494,7 +503,8 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
 )
 @click.option(
     "--test-days",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
+    callback=lambda _ctx, param, value: _finite(value, param),
     default=None,
     help="Length of the walk-forward test period at the end of the data (default: [evaluate] test_days).",
 )
@@ -837,13 +847,16 @@ def serve(
     """Serve predictions over HTTP (FastAPI under uvicorn, one worker) until interrupted."""
     import uvicorn
 
+    from serving.http_timeouts import read_timeout_protocol
+
     settings = _settings(ctx)
     cfg = settings.serve
     root = _root(ctx, data)
     app, source = _serve_app(settings, root, model_path)
     host, port = host or cfg.host, port or cfg.port
     click.echo(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
-    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info")
+    protocol = read_timeout_protocol(cfg.header_timeout.total_seconds(), cfg.body_timeout.total_seconds())
+    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info", http=protocol)
 
 
 def _serve_app(settings: Any, root: str, model_path: str | None) -> tuple[Any, str]:
@@ -951,5 +964,9 @@ def main() -> None:
         click.echo("gpufail: aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
-        exc.show()
+        # One line like every other error (click's own shows usage lines first), naming the
+        # command whose option or argument was wrong.
+        ctx = getattr(exc, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None and ctx.parent is not None else ""
+        click.echo(f"gpufail: error: {where}{' '.join(exc.format_message().split())}", err=True)
         sys.exit(exc.exit_code)

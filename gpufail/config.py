@@ -20,47 +20,89 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ingest.errors import ConfigError
 from ingest.xid_catalog import default_failure_xids
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+DURATION_EXAMPLES = "'30s', '5m', '24h' or '7d'"
 
 
 def parse_duration(value: Any) -> timedelta:
-    """`"90s"`, `"5m"`, `"24h"`, `"7d"`, `"1w"` or a number of seconds -> timedelta."""
+    """`"90s"`, `"5m"`, `"24h"`, `"7d"` or `"1w"` -> timedelta.
+
+    A bare number is refused: `horizon = 12` could mean seconds, hours or days, and reading it
+    as seconds silently gave a 12-second label horizon."""
     if isinstance(value, timedelta):
         return value
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return timedelta(seconds=value)
+        raise ValueError(
+            f"expected a duration with a unit such as {DURATION_EXAMPLES}, got {value!r} (a number without a unit)"
+        )
     if isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", value)
         if match:
-            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
-    raise ValueError(f"expected a duration such as '30s', '5m', '24h' or '7d', got {value!r}")
+            try:
+                return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+            except OverflowError:
+                raise ValueError(f"expected a duration of at most 999999999 days, got {value!r}") from None
+    raise ValueError(f"expected a duration such as {DURATION_EXAMPLES}, got {value!r}")
+
+
+def format_duration(value: timedelta) -> str:
+    """The shortest way to write `value` in the configuration's units (`timedelta(days=7)` -> "7d")."""
+    seconds = value.total_seconds()
+    for unit in ("d", "h", "m"):
+        if seconds and seconds % _UNITS[unit] == 0:
+            return f"{int(seconds // _UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
+def _positive(value: timedelta) -> timedelta:
+    if value <= timedelta(0):
+        raise ValueError(f"expected a duration above zero such as {DURATION_EXAMPLES}, got '{format_duration(value)}'")
+    return value
 
 
 Duration = Annotated[timedelta, BeforeValidator(parse_duration)]
+"""A duration that may be zero (where zero means "none", e.g. no cooldown)."""
+PositiveDuration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(_positive)]
+
+_ENV_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+EnvName = Annotated[str, Field(pattern=f"^{_ENV_NAME}$")]
+"""The name of an environment variable (that holds a secret)."""
+HttpUrl = Annotated[str, Field(pattern=r"^https?://\S+$")]
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 class _Table(BaseModel):
     # A misspelt key must fail loudly rather than silently fall back to a default.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are refused too: `holdout_days = inf` ended in an OverflowError.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class StoreSettings(_Table):
-    root: str = "data"
+    root: NonEmpty = "data"
     """Data root: a local folder or an fsspec URL (s3://bucket/prefix)."""
 
 
 class SimulateSettings(_Table):
     preset: Literal["demo", "paper"] = "demo"
-    seed: int = 7
+    seed: int = Field(default=7, ge=0)
 
 
 class IngestSettings(_Table):
-    cluster: str = "default"
+    cluster: NonEmpty = "default"
     """Cluster name written into every row, so several clusters can share a data root."""
     xid_dedup_window: Duration = timedelta(minutes=5)
     """Identical XIDs on one GPU within this window are one incident with a repeat count."""
@@ -69,8 +111,10 @@ class IngestSettings(_Table):
 
 
 class FeatureSettings(_Table):
-    grid: Duration = timedelta(hours=1)
-    windows: list[Duration] = Field(default_factory=lambda: [timedelta(hours=h) for h in (1, 6, 24, 168)])
+    grid: PositiveDuration = timedelta(hours=1)
+    windows: list[PositiveDuration] = Field(
+        default_factory=lambda: [timedelta(hours=h) for h in (1, 6, 24, 168)], min_length=1
+    )
     max_silence: Duration = timedelta(hours=24)
     """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
     buckets_in_memory: int = Field(default=4_000_000, ge=0)
@@ -88,22 +132,23 @@ class FeatureSettings(_Table):
 
 
 class LabelSettings(_Table):
-    horizon: Duration = timedelta(hours=24)
+    horizon: PositiveDuration = timedelta(hours=24)
     """Label at grid time t: does the GPU fail in (t, t + horizon]?"""
     failure_xids: list[int] = Field(default_factory=lambda: list(default_failure_xids()))
     merge_window: Duration = timedelta(hours=6)
     """Failure events on one GPU closer than this are one failure episode."""
-    lost_after: Duration = timedelta(hours=6)
+    lost_after: PositiveDuration = timedelta(hours=6)
     """A GPU silent this long while its node keeps reporting is lost (a failure)."""
 
 
 SingleKind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp"]
+ModelKind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp", "parallel", "cascade"]
 _DEFAULT_MEMBERS: list[SingleKind] = ["lightgbm", "xgboost", "logistic"]
 
 
 class ModelSettings(_Table):
-    kind: Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp", "parallel", "cascade"] = "lightgbm"
-    train_window: Duration = timedelta(days=21)
+    kind: ModelKind = "lightgbm"
+    train_window: PositiveDuration = timedelta(days=21)
     top_k: int = Field(default=10, gt=0)
     """Precision is reported over the K highest-risk GPUs at each grid time."""
     threads: int = Field(default=1, ge=1)
@@ -181,11 +226,11 @@ class PublishSettings(_Table):
     breaker_max_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     """Circuit breaker: at most the larger of breaker_max_nodes and this share of the fleet
     raised to avoid or above within breaker_window; then it trips until --reset-breaker."""
-    breaker_window: Duration = timedelta(hours=24)
+    breaker_window: PositiveDuration = timedelta(hours=24)
     attempts: int = Field(default=3, ge=1)
     """Tries per scheduler call (with exponential back-off from `backoff`)."""
     backoff: Duration = timedelta(seconds=2)
-    timeout: Duration = timedelta(seconds=30)
+    timeout: PositiveDuration = timedelta(seconds=30)
     slurm_bin_dir: str = ""
     """Folder of sinfo/scontrol; empty: PATH."""
     slurm_conf: str = ""
@@ -194,15 +239,29 @@ class PublishSettings(_Table):
     """Slurm node weight for the avoid tier (Slurm fills lower weights first)."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account, else ~/.kube/config."""
-    webhook_url: str = ""
-    webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
+    webhook_url: Literal[""] | HttpUrl = ""
+    webhook_secret_env: EnvName = "GPUFAIL_WEBHOOK_SECRET"
     """Environment variable holding the webhook's HMAC-SHA256 secret (never the config file)."""
+
+    @model_validator(mode="after")
+    def _policy_rules(self) -> PublishSettings:
+        # The policy owns its rules (serving.policy.PolicyConfig); the defaults keep them, so
+        # numpy is imported at load only when the tiers or the breaker were changed.
+        if (self.tiers, self.breaker_max_nodes, self.breaker_max_fraction) != (TiersSettings(), 2, 0.05):
+            from gpufail.publishing import policy_config
+            from ingest.errors import InputError
+
+            try:
+                policy_config(self)
+            except InputError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
 
 class CollectSettings(_Table):
     """`gpufail collect`, the live collector daemon on each GPU node."""
 
-    interval: Duration = timedelta(seconds=30)
+    interval: PositiveDuration = timedelta(seconds=30)
     """Every collector is called once per interval."""
     sources: list[Literal["nvml", "kernel-log", "dcgm-exporter"]] = Field(
         default_factory=lambda: ["nvml", "kernel-log"]  # type: ignore[arg-type]
@@ -210,8 +269,8 @@ class CollectSettings(_Table):
     flush_rows: int = Field(default=50_000, ge=1)
     """Buffered rows are written when the buffer holds this many rows (a kill loses at most
     these), or when flush_interval has passed, or when the daemon stops."""
-    flush_interval: Duration = timedelta(minutes=5)
-    dcgm_exporter_url: str = "http://localhost:9400/metrics"
+    flush_interval: PositiveDuration = timedelta(minutes=5)
+    dcgm_exporter_url: HttpUrl = "http://localhost:9400/metrics"
     kernel_log_source: Literal["kmsg", "journal", "files"] = "kmsg"
     kernel_log_paths: list[str] = Field(default_factory=list)
     """Log files to follow when kernel_log_source = "files" (e.g. /var/log/kern.log)."""
@@ -222,16 +281,24 @@ class CollectSettings(_Table):
     listen: str = "127.0.0.1:9410"
     """host:port of the daemon's /metrics, /healthz and /readyz; "" serves none."""
 
+    @model_validator(mode="after")
+    def _paths_for_files(self) -> CollectSettings:
+        if self.kernel_log_source == "files" and not self.kernel_log_paths and "kernel-log" in self.sources:
+            raise ValueError(
+                'kernel_log_source = "files" needs kernel_log_paths, e.g. kernel_log_paths = ["/var/log/kern.log"]'
+            )
+        return self
+
 
 class ContenderSettings(_Table):
     """One configuration of the walk-forward comparison (`gpufail evaluate`)."""
 
     name: str = Field(min_length=1)
-    kind: str
+    kind: ModelKind
     """A model kind of `train_model`: lightgbm, xgboost, logistic, and those added since."""
     mode: Literal["static", "sliding", "auto"]
     """static: trained once; sliding: retrained on `train_window`; auto: window chosen on validation."""
-    train_window: Duration | None = None
+    train_window: PositiveDuration | None = None
     """static and sliding: overrides [evaluate] train_window."""
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -239,7 +306,7 @@ class ContenderSettings(_Table):
 def _default_contenders() -> list[ContenderSettings]:
     # 100 trees instead of 200: ~2 s per fit on the demo, so ~100 daily fits fit the budget.
     trees = {"n_estimators": 100}
-    singles = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
+    singles: list[tuple[ModelKind, dict[str, Any]]] = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
     out = [
         ContenderSettings(name=f"{k} {m}", kind=k, mode=m, params=p) for m in ("static", "sliding") for k, p in singles
     ]
@@ -271,12 +338,14 @@ def _default_contenders() -> list[ContenderSettings]:
 class EvaluateSettings(_Table):
     test_days: float = Field(default=14.0, gt=0)
     """The walk-forward test period: the last test_days of settled labels."""
-    retrain_every: Duration = timedelta(days=1)
-    train_window: Duration = timedelta(days=21)
+    retrain_every: PositiveDuration = timedelta(days=1)
+    train_window: PositiveDuration = timedelta(days=21)
     """Training window of the static and sliding contenders (unless they set their own)."""
-    candidate_windows: list[Duration] = Field(default_factory=lambda: [timedelta(days=d) for d in (7, 14, 21)])
+    candidate_windows: list[PositiveDuration] = Field(
+        default_factory=lambda: [timedelta(days=d) for d in (7, 14, 21)], min_length=1
+    )
     """Training windows the auto contenders choose from before each retrain."""
-    validation_window: Duration = timedelta(days=7)
+    validation_window: PositiveDuration = timedelta(days=7)
     """The auto choice is made on the most recent validation_window of settled labels (on the
     demo, 3 days switched windows 5 times in 14 retrains, 7 days once)."""
     switch_margin: float = Field(default=0.01, ge=0.0, le=1.0)
@@ -287,7 +356,7 @@ class EvaluateSettings(_Table):
     negative_fraction: float = Field(default=0.05, gt=0.0, le=1.0)
     """Share of the healthy rows each walk-forward fit trains on (every failing row is kept)."""
     bootstrap_samples: int = Field(default=1000, ge=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     jobs: int = Field(default=2, ge=1)
     """Processes that run the fits (each fit uses one thread)."""
     max_memory_gb: float | None = Field(default=None, gt=0)
@@ -295,18 +364,41 @@ class EvaluateSettings(_Table):
     what this machine, or its cgroup limit, has available when it starts."""
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
 
+    @field_validator("top_k")
+    @classmethod
+    def _k(cls, value: list[str]) -> list[str]:
+        from ingest.errors import InputError
+        from models.top_k import parse_top_k
+
+        for spec in value:
+            try:
+                parse_top_k(spec)
+            except InputError as exc:
+                expected = str(exc).split(": ", 1)[-1]
+                raise ValueError(f"{expected}, got {spec!r}") from None
+        return value
+
+    @field_validator("contenders")
+    @classmethod
+    def _distinct_names(cls, value: list[ContenderSettings]) -> list[ContenderSettings]:
+        names = [c.name for c in value]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"expected each contender name once, got {repeated} more than once")
+        return value
+
 
 class MlflowSettings(_Table):
     """The model registry (`gpufail mlflow` runs the embedded server)."""
 
-    tracking_uri: str = "http://127.0.0.1:5000"
+    tracking_uri: NonEmpty = "http://127.0.0.1:5000"
     """Tracking and registry server; the default is the embedded one `gpufail mlflow` starts."""
-    model_name: str = "gpufail"
+    model_name: NonEmpty = "gpufail"
     """The registered model; aliases `champion` (serving) and `challenger` (newest candidate)."""
-    experiment: str = "gpufail-nightly"
-    home: str = "mlruns"
+    experiment: NonEmpty = "gpufail-nightly"
+    home: NonEmpty = "mlruns"
     """Embedded server: folder of its SQLite database (mlflow.db) and artifacts."""
-    host: str = "127.0.0.1"
+    host: NonEmpty = "127.0.0.1"
     port: int = Field(default=5000, ge=1, le=65535)
     retries: int = Field(default=3, ge=0)
     """Attempts after the first while the server is unreachable, with doubling waits."""
@@ -346,7 +438,7 @@ class DaskSettings(_Table):
     n_workers: int = Field(default=2, ge=1)
     threads_per_worker: int = Field(default=1, ge=1)
     """scheduler = "local": worker processes, and threads in each."""
-    connect_timeout: Duration = timedelta(seconds=10)
+    connect_timeout: PositiveDuration = timedelta(seconds=10)
     partition_nodes: int = Field(default=64, ge=1)
     """Feature build: nodes per partition (whole nodes, so the node peer features are exact)."""
     partition_days: int = Field(default=14, ge=1)
@@ -367,15 +459,15 @@ class DaskSettings(_Table):
 class ServeSettings(_Table):
     """`gpufail serve`: the prediction REST endpoint (serving/api.py)."""
 
-    host: str = "127.0.0.1"
+    host: NonEmpty = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
     model: str = ""
     """Empty: the [mlflow] model_name's `champion` alias in the registry; else a model folder
     written by `gpufail train` (`--model` overrides)."""
-    admin_token_env: str = "GPUFAIL_SERVE_ADMIN_TOKEN"
+    admin_token_env: EnvName = "GPUFAIL_SERVE_ADMIN_TOKEN"
     """Environment variable holding the bearer token of the admin endpoints (never the config
     file); without one, admin endpoints refuse every request."""
-    read_token_env: str = "GPUFAIL_SERVE_READ_TOKEN"
+    read_token_env: EnvName = "GPUFAIL_SERVE_READ_TOKEN"
     """Environment variable holding the bearer token of the read endpoints (the admin token is
     accepted too), used when read_requires_token is true."""
     read_requires_token: bool = False
@@ -384,13 +476,18 @@ class ServeSettings(_Table):
     max_gpus_per_request: int = Field(default=2000, ge=1)
     max_top_features: int = Field(default=10, ge=0, le=50)
     """Explanations kept per GPU; a request asks for at most this many (`top_features`)."""
-    reload_poll: Duration = timedelta(seconds=30)
+    reload_poll: PositiveDuration = timedelta(seconds=30)
     """How often the model source and the features dataset are checked for a new version."""
     features_max_age: Duration = timedelta(hours=30)
     """/readyz fails when the newest features are older than this (the nightly job builds them
     once a day); 0 turns the check off (replayed or simulated data)."""
     metrics_top: int = Field(default=20, ge=0, le=1000)
     """/metrics exports risk gauges for this many riskiest GPUs and nodes (bounded labels)."""
+    header_timeout: PositiveDuration = timedelta(seconds=10)
+    """A request's headers must arrive within this of its first byte (or of the connection);
+    else 408 and the connection is closed, so slow clients cannot hold the server's sockets."""
+    body_timeout: PositiveDuration = timedelta(seconds=30)
+    """...and its body within this of its headers."""
 
 
 class Settings(_Table):
@@ -418,33 +515,56 @@ that settings refer to by name; they are not `GPUFAIL_<TABLE>__<KEY>` overrides.
 def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Read the configuration file (if any) and the environment into one Settings object.
 
-    Errors name the file or variable, the table and key, and what was expected.
+    Every value is checked here, before any command runs: types, ranges, units, and that the
+    grid, the windows and the horizon fit together. An error is one line naming the file or
+    environment variable, the table and key, what was received and what was expected.
     """
     environ = os.environ if environ is None else environ
+    named_by = "" if path else " (GPUFAIL_CONFIG)"
     path = path or environ.get("GPUFAIL_CONFIG")
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path}: not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
-    for table, key, value in _env_overrides(environ):
+    data = _read_file(Path(path), f"config file {path}{named_by}") if path else {}
+    origins = _Origins(str(path) if path else None, {(t, k) for t, v in data.items() if isinstance(v, dict) for k in v})
+    for name, table, key, value in _env_overrides(environ):
         section = data.setdefault(table, {})
         if not isinstance(section, dict):
-            raise ConfigError(f"config file {path}: [{table}] must be a table")
+            raise ConfigError(_printable(f"config file {path}: [{table}] must be a table (it is overridden by {name})"))
         section[key] = value
+        origins.env[(table, key)] = name
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
-        overrides = sorted(f"{ENV_PREFIX}{t.upper()}__{k.upper()}" for t, k, _ in _env_overrides(environ))
-        source = " and ".join(filter(None, [str(path) if path else "defaults", ", ".join(overrides)]))
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(_printable(_describe(exc, origins))) from None
+    problems = _inconsistencies(settings, origins)
+    if problems:
+        raise ConfigError(_printable("; ".join(problems)))
+    return settings
 
 
-def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:
-    """`GPUFAIL_LABELS__HORIZON=12h` -> ("labels", "horizon", "12h").
+def _read_file(path: Path, where: str) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(_printable(f"{where}: not found")) from None
+    except IsADirectoryError:
+        raise ConfigError(_printable(f"{where}: is a folder; expected a TOML file")) from None
+    except OSError as exc:
+        raise ConfigError(_printable(f"{where}: cannot be read ({exc.strerror or exc})")) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            _printable(
+                f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); expected a TOML file"
+            )
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(_printable(f"{where}: not valid TOML ({exc})")) from None
+
+
+def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str, Any]]:
+    """`GPUFAIL_LABELS__HORIZON=12h` -> ("GPUFAIL_LABELS__HORIZON", "labels", "horizon", "12h").
 
     A value that parses as JSON (numbers, booleans, lists) is used as such, so
     `GPUFAIL_LABELS__FAILURE_XIDS='[48, 79]'` works; anything else stays a string."""
@@ -457,28 +577,115 @@ def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, Any]]:
             continue  # a secret the settings name (GPUFAIL_WEBHOOK_SECRET), not an override
         if not sep or not key:
             raise ConfigError(
-                f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON"
+                _printable(
+                    f"environment variable {name}: expected GPUFAIL_<TABLE>__<KEY>, e.g. GPUFAIL_LABELS__HORIZON"
+                )
             )
         try:
+            raw.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # os.environ keeps undecodable bytes as lone surrogates (PEP 383): name the byte.
+            byte = ord(raw[exc.start]) - 0xDC00
+            raise ConfigError(
+                _printable(f"environment variable {name}: not UTF-8 text (byte 0x{byte:02x} at offset {exc.start})")
+            ) from None
+        try:
             value: Any = json.loads(raw)
-        except ValueError:
+        except ValueError as exc:
+            if raw.lstrip().startswith(("[", "{")):
+                raise ConfigError(
+                    _printable(
+                        f"environment variable {name}: {raw!r} is not valid JSON ({exc}); expected e.g. '[48, 79]'"
+                    )
+                ) from None
             value = raw
-        found.append((table, key, value))
+        found.append((name, table, key, value))
     return found
 
 
-def _describe(exc: ValidationError, source: str) -> str:
+class _Origins:
+    """Where each (table, key) came from: the environment, the file, or the defaults."""
+
+    def __init__(self, path: str | None, file_keys: set[tuple[str, str]]) -> None:
+        self.path = path
+        self.file_keys = file_keys
+        self.env: dict[tuple[str, str], str] = {}
+
+    def set_in(self, table: str, key: str) -> str:
+        """` (set in config file c.toml)`, ` (set in environment variable ...)`, or nothing for a default."""
+        if (table, key) in self.env:
+            return f" (set in environment variable {self.env[(table, key)]})"
+        return f" (set in config file {self.path})" if (table, key) in self.file_keys else ""
+
+    def where(self, table: str, key: str | None = None, rest: str = "") -> str:
+        """`config file c.toml: [labels] horizon`, `environment variable GPUFAIL_LABELS__HORIZON
+        ([labels] horizon)` or `[labels] horizon (default)`."""
+        place = f"[{table}] {key}{rest}" if key else f"[{table}]"
+        if key is None:
+            names = sorted(n for (t, _), n in self.env.items() if t == table)
+            if names and not any(t == table for t, _ in self.file_keys):
+                return f"environment variable {', '.join(names)} ({place})"
+            return f"config file {self.path}: {place}" if self.path else place
+        if (table, key) in self.env:
+            return f"environment variable {self.env[(table, key)]} ({place})"
+        if (table, key) in self.file_keys:
+            return f"config file {self.path}: {place}"
+        return f"{place} (default)"
+
+
+def _describe(exc: ValidationError, origins: _Origins) -> str:
     problems = []
     for err in exc.errors():
-        loc = err["loc"]
+        loc = [str(part) for part in err["loc"]]
         table = loc[0] if loc else "?"
-        key = ".".join(str(part) for part in loc[1:])
-        where = f"[{table}] {key}".strip() if key else f"[{table}]"
-        env_name = "GPUFAIL_" + "__".join(str(part).upper() for part in loc[:2])
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{where}: unknown key (not a gpufail setting)")
+        key = loc[1] if len(loc) > 1 else None
+        where = origins.where(table, key, "".join(f".{part}" for part in loc[2:]))
+        if err["type"] == "extra_forbidden" and key is None:
+            tables = ", ".join(f"[{name}]" for name in Settings.model_fields)
+            problems.append(f"{where}: unknown table (not a gpufail setting); expected one of {tables}")
+        elif err["type"] == "extra_forbidden":
+            problems.append(f"{where}: unknown key (not a gpufail setting; gpufail.example.toml lists them all)")
         else:
             message = err["msg"].removeprefix("Value error, ")
             received = "" if "got " in message else f", got {err.get('input')!r}"
-            problems.append(f"{where} (or {env_name}): {message}{received}")
-    return f"configuration from {source}: " + "; ".join(problems)
+            problems.append(f"{where}: {message}{received}")
+    return "; ".join(problems)
+
+
+def _inconsistencies(settings: Settings, origins: _Origins) -> list[str]:
+    """The grid, the windows and the horizon must fit together (the feature build and the
+    labels step in whole grid intervals): checked here so that a daily grid with the default
+    hourly windows is refused at load, not with a traceback at features time."""
+    grid, windows, horizon = settings.features.grid, settings.features.windows, settings.labels.horizon
+    day = timedelta(days=1)
+    if day % grid:
+        return [
+            f"{origins.where('features', 'grid')}: expected a grid that divides a day, such as '15m', '1h' or '1d', got '{format_duration(grid)}'"
+        ]
+    problems = []
+    grid_text = f"[features] grid '{format_duration(grid)}'" + origins.set_in("features", "grid")
+    off_grid = [w for w in windows if w % grid]
+    if off_grid:
+        fitted = sorted({-(-w // grid) * grid for w in windows})
+        problems.append(
+            f"{origins.where('features', 'windows')}: each window must be a multiple of {grid_text}, got "
+            f"{_durations(off_grid)}; e.g. windows = {_durations(fitted)}"
+        )
+    elif len(set(windows)) != len(windows):
+        problems.append(f"{origins.where('features', 'windows')}: expected distinct windows, got {_durations(windows)}")
+    if horizon % grid:
+        problems.append(
+            f"{origins.where('labels', 'horizon')}: expected a multiple of {grid_text}, got '{format_duration(horizon)}'; "
+            f'e.g. horizon = "{format_duration(-(-horizon // grid) * grid)}"'
+        )
+    return problems
+
+
+def _durations(values: list[timedelta]) -> str:
+    return "[" + ", ".join(f'"{format_duration(v)}"' for v in values) + "]"
+
+
+def _printable(message: str) -> str:
+    """One line that any terminal can print: undecodable bytes from the environment or a file
+    name (lone surrogates) written as escapes instead of failing the print."""
+    return " ".join(message.encode("utf-8", "backslashreplace").decode("utf-8").split("\n"))

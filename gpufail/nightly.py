@@ -160,7 +160,7 @@ def run_nightly(
             summary.already_done = True
             summary.results = dict(state["steps"])
             return summary
-        job = _Job(store, options, day, state, publish, sleep)
+        job = _Job(store, options, day, state, publish, sleep, report)
         for step in STEPS:
             if step in state["steps"]:
                 summary.results[step] = state["steps"][step]
@@ -211,8 +211,10 @@ class _Job:
         state: dict[str, Any],
         publish: Publish,
         sleep: Callable[[float], None],
+        report: Callable[[str], None] = print,
     ) -> None:
         self.store = store
+        self.report = report
         self.publish = publish
         self.o = options
         self.day = day
@@ -234,7 +236,7 @@ class _Job:
 
     def fail(self, step: str, exc: Exception, report: Callable[[str], None]) -> NightlyError:
         """Record the failure, keep the champion serving, and say what happened."""
-        message = str(exc) if isinstance(exc, GpufailError) else f"{type(exc).__name__}: {exc}"
+        message = self._explain(exc)
         self.state["failed"] = {"step": step, "error": message, "at": _now(), "trace": traceback.format_exc()[-4000:]}
         notes = []
         try:
@@ -260,6 +262,23 @@ class _Job:
             f"nightly {self.day}: step {step} failed: {message}; " + "; ".join(notes) + "; run `gpufail nightly` "
             "again to resume from this step"
         )
+
+    def _explain(self, exc: Exception) -> str:
+        """The failure in words. A reader's error on a damaged feature file does not say which
+        file (polars: "parquet: File out of specification"): the files the retrain reaches are
+        read one by one to name it."""
+        if isinstance(exc, GpufailError):
+            return str(exc)
+        message = f"{type(exc).__name__}: {exc}"
+        from features.build import FEATURES_DATASET, READ_ERRORS, unreadable_feature_file, unreadable_message
+
+        if isinstance(exc, READ_ERRORS) and not isinstance(exc, OSError):
+            days = self.store.dates(FEATURES_DATASET)
+            reach = retrain_reach(days[-1], self.o).date() if days else None
+            bad = unreadable_feature_file(self.store, reach)
+            if bad is not None:
+                return f"{unreadable_message(*bad)} ({message})"
+        return message
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -418,6 +437,13 @@ class _Job:
 
         train, evaluate = self.state["steps"]["train"], self.state["steps"]["evaluate"]
         model = load_model(train["model_dir"])
+
+        def started(run_id: str) -> None:
+            # Recorded before anything is logged: a run killed now is finished by the resume,
+            # not left RUNNING beside a second run.
+            self.state["register_run_id"] = run_id
+            self.store.write_state(STATE, self.state)
+
         metrics = json.loads((Path(evaluate["report"]) / "metrics.json").read_text())
         logged = log_training_run(
             self.registry(),
@@ -434,9 +460,17 @@ class _Job:
                 "train_window_days": self.o.train_window / timedelta(days=1),
             },
             tags={DAY_TAG: self.day},
+            run_id=self.state.get("register_run_id"),
+            on_start=started,
         )
+        if logged.resumed:
+            self.report(
+                f"nightly {self.day}: register: finished MLflow run {logged.run_id}, left {logged.resumed} "
+                "by an interrupted run, instead of logging a second one"
+            )
         version = register(self.registry(), logged)
-        return {"run_id": logged.run_id, "version": version}
+        self.state.pop("register_run_id", None)
+        return {"run_id": logged.run_id, "version": version, "resumed_run": logged.resumed}
 
     def _gate(self) -> dict[str, Any]:
         import json

@@ -33,6 +33,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from ingest.errors import InputError
 from models.frame import labels, require_columns, to_pandas
 from models.split import as_timedelta
+from models.top_k import parse_top_k
 
 SEED = 0
 
@@ -282,29 +283,6 @@ def rule_flags(frame: Any, window: str = RULE_WINDOW) -> np.ndarray:
     for c in columns:
         flags |= pd.to_numeric(df[c], errors="coerce").fillna(0).to_numpy(dtype=np.float64) > 0
     return flags
-
-
-def parse_top_k(spec: str | int) -> tuple[str, float]:
-    """A K specification: a count ("10" or 10) -> ("count", 10); a share of the GPUs present at
-    each grid time ("2%" or "0.02") -> ("fraction", 0.02); "expected" -> ("expected", 0): as
-    many GPUs as failures are expected per day (see `expected_failures_per_day`)."""
-    text = str(spec).strip().lower()
-    if text == "expected":
-        return "expected", 0.0
-    try:
-        if text.endswith("%"):
-            value = float(text[:-1]) / 100.0
-            kind = "fraction"
-        else:
-            value = float(text)
-            kind = "count" if value >= 1 and value == int(value) else "fraction"
-    except ValueError:
-        value, kind = math.nan, "bad"
-    if kind == "bad" or not (value > 0) or (kind == "fraction" and value >= 1):
-        raise InputError(
-            f"top_k {spec!r}: expected a number of GPUs ('10'), a share of the fleet ('2%' or '0.02') or 'expected'"
-        )
-    return kind, value
 
 
 def expected_failures_per_day(frame: Any) -> float:

@@ -350,6 +350,9 @@ def _pyfunc_class() -> type:
 class LoggedRun:
     run_id: str
     model_uri: str
+    resumed: str | None = None
+    """The status (RUNNING, FAILED, ...) of an unfinished run of the same job that this one
+    finished, instead of logging a second run; None for a new or already finished run."""
 
 
 def log_training_run(
@@ -363,12 +366,20 @@ def log_training_run(
     data_window: tuple[Any, Any],
     params: dict[str, Any] | None = None,
     tags: dict[str, str] | None = None,
+    run_id: str | None = None,
+    on_start: Callable[[str], None] | None = None,
 ) -> LoggedRun:
     """Log one training run: parameters (the model's and `params`), the data window, the
     dataset fingerprint, code and library versions, `metrics` (flattened), the files of
     `report_dir`, and the model as a pyfunc with a signature inferred from `example` (feature
     rows). A run already logged with the same `tags[DAY_TAG]` and fingerprint is returned as
-    is, so a resumed job never logs twice."""
+    is, so a resumed job never logs twice.
+
+    The run is created first, with its tags, and its id handed to `on_start` before anything
+    else is logged (the nightly job records it). A process killed while logging leaves the run
+    RUNNING: the next call with that `run_id` (or, with none, the unfinished run of the same day
+    and fingerprint) logs into that run and finishes it, so the job still has one run. Models
+    the interrupted run had begun to log are marked FAILED."""
     import mlflow
     from mlflow.models import infer_signature
 
@@ -384,6 +395,15 @@ def log_training_run(
     existing = _finished_run(registry, experiment_id, all_tags)
     if existing is not None:
         return existing
+    resumed = _unfinished_run(registry, experiment_id, all_tags, run_id)
+    if resumed is not None:
+        run_id, status = resumed.info.run_id, resumed.info.status
+        _fail_unfinished_models(registry, experiment_id, run_id)
+    else:
+        created = registry.call("create the training run", registry.client.create_run, experiment_id, tags=all_tags)
+        run_id, status = created.info.run_id, None
+    if on_start is not None:
+        on_start(run_id)
     design = model.design_matrix(to_pandas(example).head(5))
     signature = infer_signature(design, model.predict_risk(design))
     run_params = {
@@ -405,7 +425,7 @@ def log_training_run(
 
         def log() -> LoggedRun:
             mlflow.set_tracking_uri(registry.tracking_uri)
-            with mlflow.start_run(experiment_id=experiment_id) as run:
+            with mlflow.start_run(run_id=run_id) as run:
                 mlflow.set_tags(all_tags)
                 mlflow.log_params({k: _param_value(v) for k, v in run_params.items()})
                 mlflow.log_metrics(_flat_metrics(metrics))
@@ -422,7 +442,7 @@ def log_training_run(
                 )
                 # Found again by `_finished_run` when a resumed job logs the same day twice.
                 mlflow.set_tag("gpufail.model_uri", info.model_uri)
-                return LoggedRun(run.info.run_id, info.model_uri)
+                return LoggedRun(run.info.run_id, info.model_uri, status)
 
         return registry.call("log the training run", log)
 
@@ -440,6 +460,55 @@ def _finished_run(registry: Registry, experiment_id: str, tags: dict[str, str]) 
     run_id = runs[0].info.run_id
     uri = runs[0].data.tags.get("gpufail.model_uri") or f"runs:/{run_id}/{MODEL_ARTIFACT}"
     return LoggedRun(run_id, uri)
+
+
+def _unfinished_run(registry: Registry, experiment_id: str, tags: dict[str, str], run_id: str | None) -> Any | None:
+    """The run `run_id` if it is not finished, else an unfinished run of the same day and data
+    fingerprint (a process killed between creating the run and recording its id); None when
+    there is none to resume. Other unfinished runs of the same job are marked FAILED."""
+    from mlflow.exceptions import MlflowException
+
+    candidates = []
+    if run_id is not None:
+        try:
+            candidates.append(registry.call("read the interrupted run", registry.client.get_run, run_id))
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+                raise
+    if DAY_TAG in tags:
+        query = (
+            f"tags.`{DAY_TAG}` = '{tags[DAY_TAG]}' and "
+            f"tags.`gpufail.data_fingerprint` = '{tags['gpufail.data_fingerprint']}' and attributes.status != 'FINISHED'"
+        )
+        candidates += registry.call(
+            "search interrupted runs",
+            registry.client.search_runs,
+            [experiment_id],
+            query,
+            order_by=["attributes.start_time DESC"],
+        )
+    unfinished = [r for r in candidates if r.info.status != "FINISHED" and r.info.lifecycle_stage == "active"]
+    if not unfinished:
+        return None
+    chosen = unfinished[0]
+    for other in {r.info.run_id for r in unfinished} - {chosen.info.run_id}:
+        registry.call("close an interrupted run", registry.client.set_terminated, other, "FAILED")
+    return chosen
+
+
+def _fail_unfinished_models(registry: Registry, experiment_id: str, run_id: str) -> None:
+    """Mark FAILED the models an interrupted run began to log and never finished."""
+    from mlflow.entities import LoggedModelStatus
+
+    models = registry.call(
+        "search the run's models",
+        registry.client.search_logged_models,
+        [experiment_id],
+        filter_string=f"source_run_id = '{run_id}'",
+    )
+    for model in models:
+        if model.status != LoggedModelStatus.READY:
+            registry.call("close an interrupted model", registry.client.finalize_logged_model, model.model_id, "FAILED")
 
 
 def register(registry: Registry, run: LoggedRun) -> str:

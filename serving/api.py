@@ -91,7 +91,7 @@ class BodyLimit:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                break  # the client went away; the app will see the disconnect
+                return  # the client went away (or was cut off for a slow body): nobody to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:

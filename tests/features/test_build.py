@@ -347,3 +347,19 @@ def test_the_newest_grid_time_is_read_alone_and_equals_filtering_a_whole_read(tm
     expected = read_features(store).filter(pl.col("ts") == newest)
     assert got.height > 0 and stopped not in got["gpu_uuid"].to_list()
     assert_frame_equal(got, expected)
+
+
+def test_a_damaged_feature_file_is_named_when_read(tmp_path, fleet):
+    from ingest.errors import StoreError
+
+    tel, events = fleet
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", tel.to_arrow())
+    store.write("xid_events", events.to_arrow())
+    build_features_from_store(store, windows=WINDOWS, progress=False)
+    damaged = feature_files(store)[0]
+    with open(damaged, "r+b") as fh:
+        fh.truncate(2000)  # polars alone says "parquet: File out of specification"
+    for read in (lambda: read_features(store), lambda: read_features(store, columns=["label"])):
+        with pytest.raises(StoreError, match=f"^{damaged}: not a readable feature file .*Parquet magic bytes"):
+            read()

@@ -58,7 +58,8 @@ def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_p
 
     # The setting reaches the child: its configuration refuses the preset it names.
     with pytest.raises(
-        RuntimeError, match=r"GPUFAIL_SIMULATE__PRESET\): Input should be 'demo' or 'paper', got 'huge'"
+        RuntimeError,
+        match=r"GPUFAIL_SIMULATE__PRESET \(\[simulate\] preset\): Input should be 'demo' or 'paper', got 'huge'",
     ):
         run_stage("simulate", ["simulate", "--out", str(tmp_path / "x")], {"GPUFAIL_SIMULATE__PRESET": "huge"})
     assert "GPUFAIL_SIMULATE__PRESET" not in os.environ

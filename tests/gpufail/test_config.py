@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufail.config import Settings, load_settings, parse_duration
+from gpufail.config import Settings, format_duration, load_settings, parse_duration
 from ingest.errors import ConfigError
 from ingest.xid_catalog import default_failure_xids
 
@@ -40,10 +40,10 @@ def test_config_path_can_come_from_the_environment(tmp_path):
     ("text", "message"),
     [
         ('[labels]\nhorizn = "12h"\n', r"\[labels\] horizn: unknown key"),
-        ('[lables]\nhorizon = "12h"\n', r"\[lables\]: unknown key"),
+        ('[lables]\nhorizon = "12h"\n', r"\[lables\]: unknown table"),
         (
             '[labels]\nhorizon = "soon"\n',
-            r"\[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\): expected a duration.*'soon'",
+            r"bad.toml: \[labels\] horizon: expected a duration.*'soon'",
         ),
         ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
         ("[model]\nmax_negatives_per_positive = 0\n", r"\[model\] max_negatives_per_positive.*greater than 0, got 0"),
@@ -63,8 +63,7 @@ def test_bad_environment_override_is_named():
     with pytest.raises(ConfigError, match="GPUFAIL_HORIZON: expected GPUFAIL_<TABLE>__<KEY>"):
         load_settings(environ={"GPUFAIL_HORIZON": "12h"})
     with pytest.raises(
-        ConfigError,
-        match=r"from defaults and GPUFAIL_LABELS__HORIZON: \[labels\] horizon \(or GPUFAIL_LABELS__HORIZON\)",
+        ConfigError, match=r"^environment variable GPUFAIL_LABELS__HORIZON \(\[labels\] horizon\): expected a duration"
     ):
         load_settings(environ={"GPUFAIL_LABELS__HORIZON": "forever"})
 
@@ -75,13 +74,67 @@ def test_missing_config_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1w", 604800), (90, 90)]
+    ("text", "seconds"), [("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1w", 604800), ("1.5h", 5400)]
 )
 def test_durations(text, seconds):
     assert parse_duration(text) == timedelta(seconds=seconds)
+    assert parse_duration(format_duration(timedelta(seconds=seconds))) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("number", [12, 12.5, 0])
+def test_a_duration_needs_a_unit(number):
+    # `horizon = 12` was read as 12 seconds.
+    with pytest.raises(ValueError, match=f"got {number} \\(a number without a unit\\)"):
+        parse_duration(number)
+
+
+def test_a_bare_number_for_a_duration_is_refused_at_load_naming_the_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[labels]\nhorizon = 12\n")
+    with pytest.raises(ConfigError, match=r"c.toml: \[labels\] horizon: expected a duration with a unit"):
+        load_settings(path, environ={})
+    with pytest.raises(ConfigError, match=r"GPUFAIL_LABELS__HORIZON \(\[labels\] horizon\).* got 12 "):
+        load_settings(environ={"GPUFAIL_LABELS__HORIZON": "12"})
+
+
+def test_a_daily_grid_needs_daily_windows_and_says_which(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[features]\ngrid = "1d"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(path, environ={})
+    assert str(err.value) == (
+        "[features] windows (default): each window must be a multiple of [features] grid '1d' (set in config file "
+        f'{path}), got ["1h", "6h"]; e.g. windows = ["1d", "7d"]'
+    )
+    path.write_text('[features]\ngrid = "1d"\nwindows = ["1d", "7d", "28d"]\n')
+    settings = load_settings(path, environ={})
+    assert settings.features.windows == [timedelta(days=d) for d in (1, 7, 28)]
+
+
+def test_the_horizon_is_a_whole_number_of_grid_steps():
+    with pytest.raises(
+        ConfigError, match=r"\[labels\] horizon.*multiple of \[features\] grid '1h'.*got '90m'; e.g. horizon = \"2h\""
+    ):
+        load_settings(environ={"GPUFAIL_LABELS__HORIZON": "90m"})
+
+
+def test_a_non_utf8_file_or_override_is_named(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b'[labels]\nhorizon = "1\xe9h"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: not UTF-8 text \(byte 0xe9 at offset 21\)"):
+        load_settings(path, environ={})
+    with pytest.raises(ConfigError, match=r"GPUFAIL_STORE__ROOT: not UTF-8 text \(byte 0xe9 at offset 3\)"):
+        load_settings(environ={"GPUFAIL_STORE__ROOT": "dat\udce9"})
 
 
 def test_settings_are_immutable_so_no_stage_can_change_another_stages_view():
     settings = load_settings(environ={})
     with pytest.raises(Exception, match="frozen"):
         settings.model.top_k = 3  # type: ignore[misc]
+
+
+def test_a_file_name_with_braces_is_named_as_it_is(tmp_path):
+    with pytest.raises(ConfigError, match=r"\{x\}.toml: not found$"):
+        load_settings(tmp_path / "{x}.toml", environ={})
+    with pytest.raises(ConfigError, match=r"\{x\}.toml \(GPUFAIL_CONFIG\): not found$"):
+        load_settings(environ={"GPUFAIL_CONFIG": str(tmp_path / "{x}.toml")})

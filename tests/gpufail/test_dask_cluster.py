@@ -34,7 +34,8 @@ def test_a_scheduler_that_does_not_answer_is_an_error_naming_it():
 
 def test_a_scheduler_value_that_is_not_an_address_is_a_config_error():
     with pytest.raises(
-        ConfigError, match=r"\[dask\] scheduler .*expected '' \(one machine\), 'local'.*'127.0.0.1:8786'"
+        ConfigError,
+        match=r"GPUFAIL_DASK__SCHEDULER \(\[dask\] scheduler\): expected '' \(one machine\), 'local'.*'127.0.0.1:8786'",
     ):
         load_settings(environ={"GPUFAIL_DASK__SCHEDULER": "127.0.0.1:8786"})
 

@@ -291,3 +291,89 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("gpufail: error: nightly ") and "unreachable" in last
     assert "the champion (version 1, from the cache) scored the fleet" in last
+
+
+_KILLED_WHILE_LOGGING_THE_MODEL = """
+import os, signal, sys
+import mlflow.pyfunc
+
+def killed(*args, **kwargs):  # the model's files are being saved: its MLflow entry is PENDING
+    os.kill(os.getpid(), signal.SIGKILL)
+
+mlflow.pyfunc.save_model = killed
+from gpufail.cli import main
+sys.argv = ["gpufail", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server, fleet, tmp_path):
+    import os
+
+    from mlflow.entities import LoggedModelStatus
+
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    experiment = f"test-nightly-{name}"
+    data = tmp_path / "data"
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")} | {
+        "GPUFAIL_MLFLOW__TRACKING_URI": url,
+        "GPUFAIL_MLFLOW__MODEL_NAME": name,
+        "GPUFAIL_MLFLOW__EXPERIMENT": experiment,
+        "GPUFAIL_MLFLOW__RETRIES": "0",
+        "GPUFAIL_MODEL__TRAIN_WINDOW": "10d",
+        "GPUFAIL_NIGHTLY__PRECISION_FLOOR": "0.0",
+        "GPUFAIL_NIGHTLY__PARAMS": '{"n_estimators": 20}',
+    }
+    args = ["nightly", "--data", str(data), "--quiet"]
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_LOGGING_THE_MODEL, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert killed.returncode == -9, killed.stderr
+    (stuck,) = runs_of(url, experiment)
+    assert stuck.info.status == "RUNNING"
+    state = Store.open(str(data)).read_state("nightly")
+    assert "register" not in state["steps"] and state["register_run_id"] == stuck.info.run_id
+
+    cmd = [sys.executable, "-c", "from gpufail.cli import main; main()", *args]
+    resumed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"register: finished MLflow run {stuck.info.run_id}, left RUNNING by an interrupted run" in resumed.stdout
+
+    (run,) = runs_of(url, experiment)  # one run for the night, finished
+    assert run.info.run_id == stuck.info.run_id and run.info.status == "FINISHED"
+    state = Store.open(str(data)).read_state("nightly")
+    assert "register_run_id" not in state and state["steps"]["register"]["resumed_run"] == "RUNNING"
+    registry = Registry(url, name, experiment=experiment)
+    assert registry.client.get_model_version(name, state["steps"]["register"]["version"]).run_id == run.info.run_id
+    models = registry.client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'"
+    )
+    assert sorted(str(m.status) for m in models) == sorted(
+        [str(LoggedModelStatus.FAILED), str(LoggedModelStatus.READY)]
+    )
+
+
+def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
+    from features.build import build_features_from_store
+
+    url, _ = mlflow_server
+    data = tmp_path / "data"
+    opts = options(tmp_path, url, f"nightly-{next(_names)}")
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 2))
+    store = Store.open(str(data))
+    build_features_from_store(store, progress=False)
+    # A day the retrain reads and the nightly does not rebuild, cut short (a copy that stopped).
+    damaged = store.files("features", first_day(fleet) + timedelta(days=FLEET_DAYS - 8))[0]
+    Path(damaged).write_bytes(Path(damaged).read_bytes()[:1000])
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
+
+    with pytest.raises(NightlyError) as failure:
+        run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+    assert f"step train failed: {damaged}: not a readable feature file" in str(failure.value)
+    assert "gpufail features --start" in str(failure.value)

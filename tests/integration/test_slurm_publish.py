@@ -135,7 +135,7 @@ def test_a_restarted_publisher_neither_drains_again_nor_forgets(slurm, tmp_path,
         "predictions", T0.date(), pa.Table.from_pandas(predictions({"gpu009": 0.9}, slurm.nodes), preserve_index=False)
     )
     monkeypatch.setenv("GPUFAIL_PUBLISH__SLURM_CONF", str(slurm.conf))
-    monkeypatch.setenv("GPUFAIL_PUBLISH__BACKOFF", "0.05")
+    monkeypatch.setenv("GPUFAIL_PUBLISH__BACKOFF", "0.05s")
     args = ["publish", "--data", str(tmp_path / "data"), "--to", "slurm", "--no-dry-run"]
     first = CliRunner().invoke(cli, args)
     assert first.exit_code == 0, first.output
