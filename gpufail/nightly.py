@@ -364,7 +364,7 @@ class _Job:
     def _train(self) -> dict[str, Any]:
         import polars as pl
 
-        from models.registry import dataset_fingerprint
+        from models.provenance import dataset_fingerprint
         from models.train import save_model, settled_until
         from models.train_store import train_model_from_store
 
@@ -404,7 +404,7 @@ class _Job:
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
 
     def _evaluate(self) -> dict[str, Any]:
-        from models.registry import holdout_metrics, write_holdout_report
+        from models.gate import holdout_metrics, write_holdout_report
         from models.train import load_model
 
         train = self.state["steps"]["train"]
@@ -452,7 +452,7 @@ class _Job:
     def _gate(self) -> dict[str, Any]:
         import json
 
-        from models.registry import promote_if_better
+        from models.gate import promote_if_better
 
         version = self.state["steps"]["register"]["version"]
         # The evaluation step scored this model on the same held-out window and K.
