@@ -491,8 +491,9 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
     from ingest.store import Store
+    from models.comparison import evaluate_walk_forward
     from models.report import write_walk_forward_report
-    from models.walk_forward import Contender, WalkForwardPlan, evaluate_walk_forward
+    from models.walk_forward import Contender, WalkForwardPlan
 
     settings = _settings(ctx)
     cfg = settings.evaluate

@@ -6,7 +6,7 @@ What is the same as `train_model`: the training window (`training_rows`' bounds:
 `train_window` ending at the last settled grid time, or a horizon before `as_of`), every
 positive and a share `negative_fraction` of the negatives, the positive weight (neg/pos of the
 sample capped at `max_pos_weight`) and the one odds correction `predict_risk` divides out,
-monotone constraints, and every hyperparameter: the estimator `models.estimators.make_model`
+monotone constraints, and every hyperparameter: the estimator `models.kinds.make_model`
 builds is the one whose parameters the Dask estimator gets.
 
 What differs: each date file of the window is read, windowed and subsampled on a worker (seeded
@@ -30,8 +30,9 @@ import polars as pl
 from features.build import FEATURES_DATASET, read_features
 from ingest.errors import InputError
 from ingest.store import Store
-from models.estimators import DEFAULT_PARAMS, MAX_POS_WEIGHT, CategoryCodes, balanced_pos_weight, make_model
+from models.estimators import MAX_POS_WEIGHT, CategoryCodes, balanced_pos_weight, odds_factor
 from models.frame import CATEGORICAL_COLUMNS, feature_columns, split_xy
+from models.kinds import kind_params, make_model
 from models.split import DurationLike, TimeLike, as_timedelta
 from models.train import (
     DEFAULT_NEGATIVE_FRACTION,
@@ -182,7 +183,7 @@ def train_model_distributed(
     fitted = _fit(kind, client, pipeline.named_steps["model"], X, y_all)
     pipeline.steps[0] = ("encode", encode)
     pipeline.steps[-1] = ("model", fitted)
-    recorded: dict[str, Any] = {**DEFAULT_PARAMS[kind], **user_params, "pos_weight": pos_weight}
+    recorded = {**kind_params(kind, user_params), "pos_weight": pos_weight}
     if chosen:
         recorded["monotone_increasing"] = list(chosen)
     return TrainedModel(
@@ -195,7 +196,7 @@ def train_model_distributed(
         n_rows=n_rows,
         n_positives=n_pos,
         horizon=as_timedelta(horizon, "horizon"),
-        pos_weight=pos_weight / negative_fraction,
+        pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
     )

@@ -35,20 +35,9 @@ import pandas as pd
 
 from features.sample_key import drawn, sample_keys
 from ingest.errors import InputError
-from models.estimators import (
-    DEFAULT_PARAMS,
-    ENSEMBLE_DEFAULTS,
-    ENSEMBLE_KINDS,
-    KINDS,
-    MAX_POS_WEIGHT,
-    MONOTONE_KINDS,
-    balanced_pos_weight,
-    effective_pos_weight,
-    make_model,
-    member_kinds,
-    prior_correction,
-)
+from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
+from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, kind_params, make_model, member_kinds
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -342,14 +331,12 @@ def window_name(train_window: DurationLike, horizon: DurationLike, as_of: TimeLi
 
 def check_model_kind(kind: str, params: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The user's parameters and the model kinds a `kind` model fits (its members for an
-    ensemble), or an `InputError` naming an unknown one."""
-    if kind not in KINDS:
-        raise InputError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
+    ensemble), or an `InputError` naming an unknown kind or member."""
     user_params = dict(params or {})
-    kinds = list(member_kinds(kind, user_params))
-    unknown_kinds = sorted(set(kinds) - set(DEFAULT_PARAMS))
-    if unknown_kinds:
-        raise InputError(f"{kind} members: expected kinds among {sorted(DEFAULT_PARAMS)}, got {unknown_kinds}")
+    try:
+        kinds = member_kinds(kind, user_params)
+    except ValueError as exc:
+        raise InputError(f"{kind} ensemble {exc}" if kind in KINDS else str(exc)) from None
     return user_params, kinds
 
 
@@ -367,11 +354,11 @@ def train_model(
     max_negatives_per_positive: float | None = None,
     seed: int = 0,
 ) -> TrainedModel:
-    """Fit a `kind` model (one of `models.estimators.KINDS`) on the most recent `train_window`
+    """Fit a `kind` model (one of `models.kinds.KINDS`) on the most recent `train_window`
     of labelled rows that ends a `horizon` before `as_of` (see `training_rows`), keeping every
     positive and a share `negative_fraction` of the negatives, at most
     `max_negatives_per_positive` per positive (`capped_negative_fraction`; drawn by
-    `sample_negatives` under `seed`). `params` override the defaults of `models.estimators.DEFAULT_PARAMS` (single
+    `sample_negatives` under `seed`). `params` override the defaults of `models.kinds.DEFAULT_PARAMS` (single
     kinds) or `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first,
     second, target_recall, validation_fraction; both: n_jobs, member_params).
 
@@ -453,14 +440,11 @@ def train_model_on_sample(
             raise
         # The ensembles' data checks (a slice without failures, ...) are about the input.
         raise InputError(f"{where}: {exc}") from exc
-    if kind in ENSEMBLE_KINDS:
-        recorded: dict[str, Any] = {**ENSEMBLE_DEFAULTS[kind], **build_params}
-        if kind == "cascade":
-            recorded["threshold"] = estimator.threshold_
-            recorded["validation_recall"] = estimator.validation_recall_
-            recorded["kept_fraction"] = estimator.kept_fraction_
-    else:
-        recorded = {**DEFAULT_PARAMS[kind], **user_params}
+    recorded = kind_params(kind, build_params)
+    if kind == "cascade":
+        recorded["threshold"] = estimator.threshold_
+        recorded["validation_recall"] = estimator.validation_recall_
+        recorded["kept_fraction"] = estimator.kept_fraction_
     recorded["pos_weight"] = pos_weight
     if monotone_increasing:
         recorded["monotone_increasing"] = list(monotone_increasing)
@@ -474,7 +458,7 @@ def train_model_on_sample(
         n_rows=len(y),
         n_positives=n_pos,
         horizon=horizon_td,
-        pos_weight=effective_pos_weight(kind, y, pos_weight) / negative_fraction,
+        pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
     )

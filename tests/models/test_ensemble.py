@@ -11,6 +11,8 @@ from models.ensemble import (
     CascadeEnsemble,
     ParallelEnsemble,
     assign_by_rank,
+    check_combination,
+    combine_probabilities,
     combine_rankings,
     group_ranks,
 )
@@ -116,6 +118,38 @@ def test_parallel_ensemble_members_never_see_the_time_column():
         ParallelEnsemble(estimators=model.estimators, combine="vote").fit(X, [0, 1, 0, 1])
     with pytest.raises(ValueError, match="top_k"):
         ParallelEnsemble(estimators=model.estimators, top_k=0).fit(X, [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="top_k"):
+        ParallelEnsemble(estimators=model.estimators, top_k=True).fit(X, [0, 1, 0, 1])
+
+
+def test_the_combination_of_members_probabilities_is_what_the_fitted_ensemble_scores():
+    X = hand_made(
+        ts=[0, 0, 0, 1, 1, 1],
+        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
+        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
+        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
+    )
+    members = X[["a", "b", "c"]].to_numpy().T
+    for combine in ("top_k_intersection", "rank_average"):
+        model = fixed_parallel(combine, top_k=2).fit(X, np.array([1, 0, 0, 1, 0, 0]))
+        combined = combine_probabilities(members, X["ts"].to_numpy(), combine, 2)
+        np.testing.assert_array_equal(combined, model.predict_proba(X)[:, 1])
+        # Times given as integers (the walk-forward's nanoseconds) group the rows alike.
+        by_ns = combine_probabilities(members, X["ts"].to_numpy().astype("datetime64[ns]").astype(np.int64), combine, 2)
+        np.testing.assert_array_equal(by_ns, combined)
+    # Without times, all rows are one scoring time.
+    one = combine_probabilities(members, None, "top_k_intersection", 2)
+    np.testing.assert_array_equal(one, combine_probabilities(members, np.zeros(6), "top_k_intersection", 2))
+
+
+@pytest.mark.parametrize(
+    ("combine", "top_k", "message"),
+    [("vote", 3, "combine: expected one of"), ("rank_average", 0, "top_k"), ("rank_average", 2.5, "top_k")],
+)
+def test_a_bad_combination_is_refused_naming_the_setting(combine, top_k, message):
+    with pytest.raises(ValueError, match=message):
+        check_combination(combine, top_k)
+    check_combination("rank_average", np.int64(3))  # numpy integers are whole numbers too
 
 
 def planted(n_times: int = 60, n_gpus: int = 50, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
