@@ -365,7 +365,7 @@ class _Job:
         import polars as pl
 
         from models.provenance import dataset_fingerprint
-        from models.train import save_model, settled_until
+        from models.train import TrainOptions, save_model, settled_until
         from models.train_store import train_model_from_store
 
         frame = self.keys()
@@ -391,14 +391,16 @@ class _Job:
             }
         model = train_model_from_store(
             self.store,
-            kind=self.o.kind,
-            train_window=self.o.train_window,
-            horizon=self.o.horizon,
-            as_of=holdout_start,
-            params=dict(self.o.params),
-            negative_fraction=self.o.negative_fraction,
-            max_negatives_per_positive=self.o.max_negatives_per_positive,
-            monotone_increasing=self.o.monotone_increasing,
+            TrainOptions(
+                kind=self.o.kind,
+                train_window=self.o.train_window,
+                horizon=self.o.horizon,
+                as_of=holdout_start,
+                params=dict(self.o.params),
+                negative_fraction=self.o.negative_fraction,
+                max_negatives_per_positive=self.o.max_negatives_per_positive,
+                monotone_increasing=self.o.monotone_increasing,
+            ),
         )
         path = save_model(model, self.folder / "model")
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}

@@ -53,7 +53,7 @@ from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_
 from models.frame import labels, require_columns, to_pandas
 from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, THREADED_KINDS, kind_params, member_kinds, member_params
 from models.split import DurationLike, as_timedelta, as_utc
-from models.train import TrainedModel, settled_until, train_model
+from models.train import TrainedModel, TrainOptions, settled_until, train_model
 
 log = logging.getLogger(__name__)
 
@@ -303,13 +303,15 @@ def _run_fit(task: _FitTask) -> _FitOutcome:
         # subsample it again.
         model = train_model(
             task.pool,
-            kind=spec.kind,
-            train_window=spec.window,
-            horizon=task.horizon,
-            as_of=task.as_of,
-            params=dict(spec.params),
-            monotone_increasing=spec.monotone,
-            negative_fraction=1.0,
+            TrainOptions(
+                kind=spec.kind,
+                train_window=spec.window,
+                horizon=task.horizon,
+                as_of=task.as_of,
+                params=dict(spec.params),
+                monotone_increasing=spec.monotone,
+                negative_fraction=1.0,
+            ),
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, task.rows, None, None, f"kept previous model: {exc}")

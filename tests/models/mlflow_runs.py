@@ -11,7 +11,7 @@ import pandas as pd
 
 from models.gate import holdout_metrics, write_holdout_report
 from models.registry import Registry, log_training_run, register
-from models.train import TrainedModel, train_model
+from models.train import TrainedModel, TrainOptions, train_model
 from tests.models import demo_frame
 
 _names = itertools.count()
@@ -21,7 +21,7 @@ _names = itertools.count()
 def model_and_holdout() -> tuple[TrainedModel, pd.DataFrame]:
     frame = demo_frame()
     holdout_start = frame["ts"].max() - pd.Timedelta(days=3)
-    model = train_model(frame, kind="logistic", train_window="5d", horizon="12h", as_of=holdout_start)
+    model = train_model(frame, TrainOptions(kind="logistic", train_window="5d", horizon="12h", as_of=holdout_start))
     return model, frame[frame["ts"] >= holdout_start]
 
 

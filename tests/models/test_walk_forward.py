@@ -195,16 +195,16 @@ def test_fits_train_on_the_pool_as_drawn_without_subsampling_it_again(monkeypatc
     # or every fit would see a second, different sample and the recorded factor would be wrong.
     import models.walk_forward as wf
 
-    seen: list[dict] = []
+    seen: list = []
     real = wf.train_model
 
-    def recording(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
+    def recording(frame, options):
+        seen.append(options)
+        return real(frame, options)
 
     monkeypatch.setattr(wf, "train_model", recording)
     run_walk_forward(small_frame(), [Contender("lgb static", "lightgbm", "static", FAST)], PLAN)
-    assert seen and all(kw["negative_fraction"] == 1.0 for kw in seen)
+    assert seen and all(options.negative_fraction == 1.0 for options in seen)
 
 
 # -- shared fits: a parallel ensemble from its members' walk-forward scores -----------------------
@@ -220,7 +220,7 @@ TINY = WalkForwardPlan(horizon="12h", test_days=2, train_window="3d", negative_f
 
 @pytest.mark.parametrize("combine", ["top_k_intersection", "rank_average"])
 def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(combine):
-    from models.train import train_model
+    from models.train import TrainOptions, train_model
 
     members = {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": {"n_estimators": 20}}}
     ensemble = {**members, "combine": combine, "top_k": 5, "n_jobs": 1}
@@ -234,10 +234,10 @@ def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(com
     assert result.n_fits == 2 * 2 and result.n_fits_unshared == 4 * 2
     ts = result.test["ts"]
     for r in result.retrain_times:
-        fitted = train_model(
-            tiny_frame(), kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble,
-            negative_fraction=1.0,
-        )  # fmt: skip
+        options = TrainOptions(
+            kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble, negative_fraction=1.0
+        )
+        fitted = train_model(tiny_frame(), options)
         day = ((ts >= r) & (ts < r + pd.Timedelta(days=1))).to_numpy()
         expected = fitted.predict_risk(result.test.loc[day])
         np.testing.assert_array_equal(result.scores["par"][day], expected)
