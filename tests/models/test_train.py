@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import warnings
 from functools import cache
@@ -198,6 +199,22 @@ def test_capped_negative_fraction():
     assert capped_negative_fraction(0, 10, 0.1, 20) == 0.1
     with pytest.raises(InputError, match="max_negatives_per_positive: expected a positive number"):
         capped_negative_fraction(1000, 10, 0.1, 0)
+
+
+def test_train_options_draw_at_the_capped_share_and_name_their_window():
+    options = TrainOptions(kind="lightgbm", train_window="5d", horizon=HORIZON, max_negatives_per_positive=20)
+    assert options.negative_fraction == 0.1 and options.seed == 0 and dict(options.params) == {}
+    drawn = options.drawn_from(10_000, 10)
+    assert drawn.negative_fraction == pytest.approx(0.02)
+    assert drawn == dataclasses.replace(options, negative_fraction=drawn.negative_fraction)
+    assert options.negative_fraction == 0.1  # frozen: drawing makes new options
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.kind = "xgboost"  # type: ignore[misc]
+    assert options.window_name == "training window of 5d before the last settled label"
+    at = dataclasses.replace(options, as_of="2026-01-05T00:00Z")
+    assert at.window_name == f"training window of 5d before 2026-01-05T00:00Z - {HORIZON}"
+    with pytest.raises(TypeError):
+        TrainOptions("lightgbm", "5d", HORIZON)  # type: ignore[misc]  # keywords only
 
 
 # -- every kind ------------------------------------------------------------------------------
