@@ -81,18 +81,23 @@ def hand_made(ts: list[int], a: list[float], b: list[float], c: list[float]) -> 
     )
 
 
+def two_scoring_times() -> pd.DataFrame:
+    """Three GPUs at each of two scoring times, with hand-made member probabilities a, b, c."""
+    return hand_made(
+        ts=[0, 0, 0, 1, 1, 1],
+        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
+        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
+        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
+    )
+
+
 def fixed_parallel(combine: str, top_k: int) -> ParallelEnsemble:
     members = [("a", FixedScores("a")), ("b", FixedScores("b")), ("c", FixedScores("c"))]
     return ParallelEnsemble(estimators=members, combine=combine, top_k=top_k)
 
 
 def test_parallel_ensemble_ranks_within_each_scoring_time():
-    X = hand_made(
-        ts=[0, 0, 0, 1, 1, 1],
-        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
-        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
-        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
-    )
+    X = two_scoring_times()
     model = fixed_parallel("top_k_intersection", top_k=2).fit(X, np.array([1, 0, 0, 1, 0, 0]))
     p = model.predict_proba(X)[:, 1]
     # ts 0: top 2 of a {0, 1}, b {0, 1}, c {1, 2}: GPU 1 alone is in all, so it ranks first
@@ -123,12 +128,7 @@ def test_parallel_ensemble_members_never_see_the_time_column():
 
 
 def test_the_combination_of_members_probabilities_is_what_the_fitted_ensemble_scores():
-    X = hand_made(
-        ts=[0, 0, 0, 1, 1, 1],
-        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
-        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
-        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
-    )
+    X = two_scoring_times()
     members = X[["a", "b", "c"]].to_numpy().T
     for combine in ("top_k_intersection", "rank_average"):
         model = fixed_parallel(combine, top_k=2).fit(X, np.array([1, 0, 0, 1, 0, 0]))
