@@ -446,9 +446,11 @@ def _model_params(settings: Any) -> dict[str, Any]:
     return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
 
 
-def _train_options(settings: Any) -> dict[str, Any]:
-    """`gpufail train`'s keyword arguments for `train_model` and its store and Dask forms."""
-    return dict(
+def _train_options(settings: Any) -> Any:
+    """`gpufail train`'s options for `train_model` and its store and Dask forms."""
+    from models.train import TrainOptions
+
+    return TrainOptions(
         kind=settings.model.kind,
         train_window=settings.model.train_window,
         horizon=settings.labels.horizon,
@@ -477,14 +479,14 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
         from models.distributed import train_model_distributed
 
         with _dask_client(settings) as client:
-            model = train_model_distributed(client, Store.open(_root(ctx, data)), **options)
+            model = train_model_distributed(client, Store.open(_root(ctx, data)), options)
     else:
         # The same rows and model as train_model over all history, reading the wide feature
         # columns of the sampled rows only (a paper-size fleet's window is ~28 GB in full).
         from ingest.store import Store
         from models.train_store import train_model_from_store
 
-        model = train_model_from_store(Store.open(_root(ctx, data)), **options)
+        model = train_model_from_store(Store.open(_root(ctx, data)), options)
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
@@ -514,8 +516,9 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
     from ingest.store import Store
+    from models.comparison import evaluate_walk_forward
     from models.report import write_walk_forward_report
-    from models.walk_forward import Contender, WalkForwardPlan, evaluate_walk_forward
+    from models.walk_forward import Contender, WalkForwardPlan
 
     settings = _settings(ctx)
     cfg = settings.evaluate

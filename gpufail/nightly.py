@@ -372,8 +372,8 @@ class _Job:
     def _train(self) -> dict[str, Any]:
         import polars as pl
 
-        from models.registry import dataset_fingerprint
-        from models.train import save_model, settled_until
+        from models.provenance import dataset_fingerprint
+        from models.train import TrainOptions, save_model, settled_until
         from models.train_store import train_model_from_store
 
         frame = self.keys()
@@ -399,20 +399,22 @@ class _Job:
             }
         model = train_model_from_store(
             self.store,
-            kind=self.o.kind,
-            train_window=self.o.train_window,
-            horizon=self.o.horizon,
-            as_of=holdout_start,
-            params=dict(self.o.params),
-            negative_fraction=self.o.negative_fraction,
-            max_negatives_per_positive=self.o.max_negatives_per_positive,
-            monotone_increasing=self.o.monotone_increasing,
+            TrainOptions(
+                kind=self.o.kind,
+                train_window=self.o.train_window,
+                horizon=self.o.horizon,
+                as_of=holdout_start,
+                params=dict(self.o.params),
+                negative_fraction=self.o.negative_fraction,
+                max_negatives_per_positive=self.o.max_negatives_per_positive,
+                monotone_increasing=self.o.monotone_increasing,
+            ),
         )
         path = save_model(model, self.folder / "model")
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
 
     def _evaluate(self) -> dict[str, Any]:
-        from models.registry import holdout_metrics, write_holdout_report
+        from models.gate import holdout_metrics, write_holdout_report
         from models.train import load_model
 
         train = self.state["steps"]["train"]
@@ -475,7 +477,7 @@ class _Job:
     def _gate(self) -> dict[str, Any]:
         import json
 
-        from models.registry import promote_if_better
+        from models.gate import promote_if_better
 
         version = self.state["steps"]["register"]["version"]
         # The evaluation step scored this model on the same held-out window and K.

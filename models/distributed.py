@@ -6,7 +6,7 @@ What is the same as `train_model`: the training window (`training_rows`' bounds:
 `train_window` ending at the last settled grid time, or a horizon before `as_of`), every
 positive and a share `negative_fraction` of the negatives, the positive weight (neg/pos of the
 sample capped at `max_pos_weight`) and the one odds correction `predict_risk` divides out,
-monotone constraints, and every hyperparameter: the estimator `models.estimators.make_model`
+monotone constraints, and every hyperparameter: the estimator `models.kinds.make_model`
 builds is the one whose parameters the Dask estimator gets.
 
 What differs: each date file of the window is read, windowed and subsampled on a worker (seeded
@@ -30,18 +30,18 @@ import polars as pl
 from features.build import FEATURES_DATASET, read_features
 from ingest.errors import InputError
 from ingest.store import Store
-from models.estimators import DEFAULT_PARAMS, MAX_POS_WEIGHT, CategoryCodes, balanced_pos_weight, make_model
+from models.estimators import CategoryCodes, balanced_pos_weight, odds_factor
 from models.frame import CATEGORICAL_COLUMNS, feature_columns, split_xy
-from models.split import DurationLike, TimeLike, as_timedelta
+from models.kinds import kind_params, make_model
+from models.split import as_timedelta
 from models.train import (
-    DEFAULT_NEGATIVE_FRACTION,
     TrainedModel,
-    capped_negative_fraction,
+    TrainOptions,
+    check_both_classes,
     check_negative_fraction,
     library_versions,
     matching_features,
     sample_negatives,
-    window_name,
 )
 from models.train_store import store_training_bounds, window_label_counts
 
@@ -104,36 +104,24 @@ def _fit(kind: str, client: Any, local: Any, X: Any, y: Any) -> Any:
     return fitted
 
 
-def train_model_distributed(
-    client: Any,
-    store: Store,
-    *,
-    kind: str,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None = None,
-    params: dict[str, Any] | None = None,
-    max_pos_weight: float = MAX_POS_WEIGHT,
-    monotone_increasing: Sequence[str] = (),
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-    max_negatives_per_positive: float | None = None,
-    seed: int = 0,
-) -> TrainedModel:
+def train_model_distributed(client: Any, store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` for `kind` lightgbm or xgboost on the Dask cluster of
     `client`, reading the store's `features` dataset on the workers (see the module notes)."""
     import dask.dataframe as dd
 
+    kind = options.kind
     if kind not in DASK_KINDS:
         raise InputError(
             f"model kind {kind!r}: training on Dask supports {list(DASK_KINDS)}; "
             "set [dask] scheduler = '' to train it on one machine"
         )
-    check_negative_fraction(negative_fraction)
-    user_params = dict(params or {})
-    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    counts = window_label_counts(store, *bounds)
-    negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
-    where = window_name(train_window, horizon, as_of)
+    check_negative_fraction(options.negative_fraction)
+    user_params = dict(options.params)
+    bounds = store_training_bounds(
+        store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
+    )
+    options = options.drawn_from(*window_label_counts(store, *bounds))
+    negative_fraction, where = options.negative_fraction, options.window_name
     days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
     if bounds[1] <= bounds[0] or not days:
         raise InputError(f"{where}: no feature rows in {bounds[0]} .. {bounds[1]}; widen train_window")
@@ -142,7 +130,7 @@ def train_model_distributed(
     columns = feature_columns(schema_frame)
     if not [c for c in columns if c not in CATEGORICAL_COLUMNS]:
         raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
-    seeds = np.random.SeedSequence(seed).generate_state(len(days)).tolist()
+    seeds = np.random.SeedSequence(options.seed).generate_state(len(days)).tolist()
     meta = _part(days[-1], 0, store=store, bounds=(bounds[0], bounds[0]), inputs=columns, negative_fraction=1.0)
     rows = dd.from_map(
         _part, days, seeds, meta=meta, store=store, bounds=bounds, inputs=columns, negative_fraction=negative_fraction
@@ -155,14 +143,11 @@ def train_model_distributed(
     n_rows = sum(lengths)
     n_pos, ts_min, ts_max = client.compute([y_all.sum(), rows[_TS].min(), rows[_TS].max()], sync=True)
     n_pos = int(n_pos)
-    if n_pos == 0 or n_pos == n_rows:
-        raise InputError(
-            f"{where}: need both failing and healthy labelled rows to train, got {n_rows} rows "
-            f"with {n_pos} positives; widen train_window or check the labels"
-        )
-    chosen = matching_features(monotone_increasing, columns) if monotone_increasing else []
+    check_both_classes(n_rows, n_pos, where)
+    monotone = options.monotone_increasing
+    chosen = matching_features(monotone, columns) if monotone else []
     pos_weight = balanced_pos_weight(
-        np.repeat(np.array([1, 0], dtype=np.int8), [n_pos, n_rows - n_pos]), max_pos_weight
+        np.repeat(np.array([1, 0], dtype=np.int8), [n_pos, n_rows - n_pos]), options.max_pos_weight
     )
     pipeline = make_model(
         kind, pos_weight=pos_weight, monotone_increasing=tuple(chosen), columns=list(columns), **user_params
@@ -182,7 +167,7 @@ def train_model_distributed(
     fitted = _fit(kind, client, pipeline.named_steps["model"], X, y_all)
     pipeline.steps[0] = ("encode", encode)
     pipeline.steps[-1] = ("model", fitted)
-    recorded: dict[str, Any] = {**DEFAULT_PARAMS[kind], **user_params, "pos_weight": pos_weight}
+    recorded = {**kind_params(kind, user_params), "pos_weight": pos_weight}
     if chosen:
         recorded["monotone_increasing"] = list(chosen)
     return TrainedModel(
@@ -194,8 +179,8 @@ def train_model_distributed(
         train_end=pd.Timestamp(ts_max).tz_localize("UTC"),
         n_rows=n_rows,
         n_positives=n_pos,
-        horizon=as_timedelta(horizon, "horizon"),
-        pos_weight=pos_weight / negative_fraction,
+        horizon=as_timedelta(options.horizon, "horizon"),
+        pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
     )

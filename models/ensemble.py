@@ -100,9 +100,29 @@ def assign_by_rank(values: np.ndarray, key: np.ndarray, groups: np.ndarray) -> n
     return np.asarray(pd.Series(out).groupby([groups, key]).transform("mean"), dtype=np.float64)
 
 
+def check_combination(combine: str, top_k: Any) -> None:
+    """ValueError naming the setting unless `combine` is one of `COMBINE_RULES` and `top_k` a
+    positive whole number of GPUs."""
+    if combine not in COMBINE_RULES:
+        raise ValueError(f"combine: expected one of {list(COMBINE_RULES)}, got {combine!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 1:
+        raise ValueError(f"top_k: expected a positive number of GPUs, got {top_k!r}")
+
+
+def combine_probabilities(member_probs: np.ndarray, time: np.ndarray | None, combine: str, top_k: int) -> np.ndarray:
+    """The parallel ensemble's probability of each row from its members' (members x rows):
+    within each scoring time (`time` of each row; None: one scoring time), the members' ranks
+    are combined by `combine` (`combine_rankings`) and the members' mean probabilities handed
+    out in that order (`assign_by_rank`). The one implementation of the combination: the
+    fitted ensemble and the walk-forward comparison both score through it."""
+    groups = _group_codes(time, member_probs.shape[1])
+    ranks = np.vstack([group_ranks(p, groups) for p in member_probs])
+    return assign_by_rank(member_probs.mean(axis=0), combine_rankings(ranks, combine, top_k), groups)
+
+
 class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
     """Members of different kinds each rank all GPUs at a scoring time; `combine` turns their
-    rankings into one (`combine_rankings`: `top_k_intersection` or `rank_average`).
+    rankings into one (`combine_probabilities`: `top_k_intersection` or `rank_average`).
 
     `estimators`: list of (name, unfitted estimator); each is cloned and fit on the same rows.
     `time_column`: the column of X that groups rows into scoring times (not a member input).
@@ -121,10 +141,7 @@ class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
         self.time_column = time_column
 
     def fit(self, X: Any, y: Any) -> ParallelEnsemble:
-        if self.combine not in COMBINE_RULES:
-            raise ValueError(f"combine: expected one of {list(COMBINE_RULES)}, got {self.combine!r}")
-        if not isinstance(self.top_k, int | np.integer) or self.top_k < 1:
-            raise ValueError(f"top_k: expected a positive number of GPUs, got {self.top_k!r}")
+        check_combination(self.combine, self.top_k)
         if len(self.estimators) < 1:
             raise ValueError("estimators: expected at least one (name, estimator) pair, got none")
         X, _ = _split_time(self, X, reset=True)
@@ -147,19 +164,10 @@ class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
     def _member_probabilities(self, X: Any) -> np.ndarray:
         return np.vstack([np.asarray(est.predict_proba(X)[:, 1], dtype=np.float64) for est in self.estimators_])
 
-    def ranking_key(self, X: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ordering key, group of each row, members' probabilities): lower key ranks higher
-        within a group."""
+    def predict_proba(self, X: Any) -> np.ndarray:
         check_is_fitted(self, "estimators_")
         X, time = _split_time(self, X, reset=False)
-        probs = self._member_probabilities(X)
-        groups = _group_codes(time, probs.shape[1])
-        ranks = np.vstack([group_ranks(p, groups) for p in probs])
-        return combine_rankings(ranks, self.combine, self.top_k), groups, probs
-
-    def predict_proba(self, X: Any) -> np.ndarray:
-        key, groups, probs = self.ranking_key(X)
-        p = assign_by_rank(probs.mean(axis=0), key, groups)
+        p = combine_probabilities(self._member_probabilities(X), time, self.combine, self.top_k)
         return np.column_stack([1.0 - p, p])
 
     def __sklearn_tags__(self) -> Any:

@@ -1,40 +1,28 @@
-"""The models: a factory of scikit-learn estimators that take a feature matrix from
-`models.frame.feature_matrix` (numeric float32 columns plus the string columns `gpu_model` and
-`driver`) and expose `predict_proba`.
+"""The estimators of the single model kinds that scikit-learn and the boosting libraries do not
+provide, and the weighting of the rare positive class they all share. `models.kinds` builds a
+model of every kind from these (`make_model`); `models.ensemble` combines them.
 
-Single models (`SINGLE_KINDS`) are pipelines; the ensembles (`parallel`, `cascade`, see
-`models.ensemble`) combine single models built here. The string columns are encoded inside
-each pipeline, so the mapping learnt at fit time is the one used at scoring time and is saved
-with the model:
-
-- trees (`lightgbm`, `xgboost`, `random_forest`): `CategoryCodes` turns each string into the
-  code of its category as learnt in `fit`; an unseen or missing category becomes NaN, which
-  the trees route natively (as they do missing numeric values);
-- `logistic` and `mlp`: one-hot encoding (unseen categories -> all zeros), median imputation
-  with missing-value indicators (a telemetry gap is itself a signal), standard scaling.
+- `CategoryCodes`: the trees' encoding of the string columns `gpu_model` and `driver`;
+  `dense_preparation`: the one-hot, impute and scale step of `logistic` and `mlp`.
+- `SignConstrainedLogistic`: L2 logistic regression whose coefficients on named inputs are
+  never negative (monotone constraints for the linear model).
+- `OversampledMLP`: scikit-learn's MLP with the positive class weighted by oversampling.
+- `BinaryClassifierMixin`, `binary_target`: what every gpufail classifier, the ensembles
+  included, shares ("fails" is the second class).
 
 Class imbalance (positives are ~0.1-1% of rows). Every kind weights the positive class by the
-same factor `pos_weight` (use `balanced_pos_weight`: neg/pos capped at `MAX_POS_WEIGHT`):
-`scale_pos_weight` (LightGBM, XGBoost), `class_weight={1: w}` (random forest, logistic
-regression) and, for the MLP, which has no class weights, positive oversampling: each positive
-row is repeated w times on average (`OversampledMLP`), which has the same expected loss as a
-weight of w. A model fit so overstates the odds of failure by w; `prior_correction` divides it
-out (the ranking is unchanged). `models.train` also subsamples negatives, which multiplies the
-odds by a further 1/r; it records the product as the model's one correction factor.
-
-LightGBM also needs `reg_lambda` (lambda_l2) = 1 and `min_child_weight`
-(min_sum_hessian_in_leaf) = 1: with its defaults it produced useless models at 1:1000
-imbalance (PERFORMANCE.md, "Correctness trap").
-
-Monotone constraints (`monotone_increasing`: features whose rise must never lower the risk)
-are native for LightGBM, XGBoost and the random forest; logistic regression keeps the sign of
-their coefficients non-negative (`SignConstrainedLogistic`); the MLP cannot be constrained.
+same factor `pos_weight` (use `balanced_pos_weight`: neg/pos capped at `MAX_POS_WEIGHT`); the
+MLP, which has no class weights, repeats each positive row w times on average
+(`OversampledMLP`), which has the same expected loss as a weight of w. A model fit so overstates
+the odds of failure by w; training also subsamples negatives, which multiplies the odds by a
+further 1/r. `odds_factor` is the product, recorded as the model's one correction factor, and
+`prior_correction` divides it out (the ranking is unchanged).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -50,86 +38,11 @@ from sklearn.utils.validation import check_is_fitted, column_or_1d, validate_dat
 
 from models.frame import CATEGORICAL_COLUMNS, is_polars
 
-Kind = Literal["lightgbm", "xgboost", "logistic", "random_forest", "mlp", "parallel", "cascade"]
-SINGLE_KINDS: tuple[str, ...] = ("lightgbm", "xgboost", "logistic", "random_forest", "mlp")
-ENSEMBLE_KINDS: tuple[str, ...] = ("parallel", "cascade")
-KINDS: tuple[str, ...] = SINGLE_KINDS + ENSEMBLE_KINDS
-TREE_KINDS: tuple[str, ...] = ("lightgbm", "xgboost", "random_forest")
-MONOTONE_KINDS: tuple[str, ...] = ("lightgbm", "xgboost", "random_forest", "logistic")
-
 MAX_POS_WEIGHT = 10.0
 """Cap on the positive-class weight. neg/pos is ~1000 at 1:1000 imbalance, and weighting ~100
 positives that heavily makes the trees chase them: on the synthetic frame of tests/models
 (240k rows, 1:1000, ~100 training positives) LightGBM's held-out ROC-AUC was 0.90-0.94 with
 caps 1-10 and fell to 0.79-0.89 at 30 and 0.56-0.83 at 100."""
-
-THREADS = 2
-
-DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
-    # Sized for daily retrains: 100 trees at rate 0.1 on 63 bins instead of 200 at 0.05 on 255.
-    # (Half the features per tree was faster still on the demo, but on a frame with one
-    # informative feature of five it cut held-out ROC-AUC from 0.94 to 0.87.)
-    "lightgbm": {
-        "n_estimators": 100,
-        "learning_rate": 0.1,
-        "max_bin": 63,
-        "num_leaves": 31,
-        "min_child_samples": 20,
-        "reg_lambda": 1.0,  # lambda_l2: the PERFORMANCE.md imbalance trap
-        "min_child_weight": 1.0,  # min_sum_hessian_in_leaf: same
-        "subsample_freq": 0,
-        "n_jobs": THREADS,
-        "verbose": -1,
-        "random_state": 0,
-    },
-    "xgboost": {
-        "n_estimators": 100,
-        "learning_rate": 0.1,
-        "max_bin": 64,
-        "max_depth": 6,
-        "tree_method": "hist",
-        "min_child_weight": 1.0,
-        "reg_lambda": 1.0,
-        "n_jobs": THREADS,
-        "random_state": 0,
-        "verbosity": 0,
-    },
-    # C = 0.1 (stronger L2 than scikit-learn's 1.0): the ~590 standardised, correlated inputs
-    # converge in ~260 L-BFGS iterations instead of ~660, half the fit time on the demo's 21-day
-    # window, and the demo walk-forward ranked alike (daily precision@10 10.2% vs 10.3%,
-    # recall@10 21 vs 20 of 41 failures).
-    "logistic": {
-        "C": 0.1,
-        "max_iter": 1000,
-    },
-    "random_forest": {
-        "n_estimators": 100,
-        "min_samples_leaf": 5,
-        "max_features": "sqrt",
-        # Each tree sees a bootstrap of half the rows: as good here, and twice as fast.
-        "max_samples": 0.5,
-        "n_jobs": THREADS,
-        "random_state": 0,
-    },
-    # One hidden layer of 32 and 10 epochs ranked the demo's held-out 14 days as well as
-    # (64, 32) and 30 epochs (precision@10 0.094 / 0.092), several times faster.
-    "mlp": {
-        "hidden_layer_sizes": (32,),
-        "alpha": 1e-3,
-        "batch_size": 256,
-        "learning_rate_init": 1e-3,
-        "max_iter": 10,
-        "random_state": 0,
-    },
-}
-
-ENSEMBLE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "parallel": {"members": ["lightgbm", "xgboost", "logistic"], "combine": "top_k_intersection", "top_k": 10},
-    "cascade": {"first": "logistic", "second": "lightgbm", "target_recall": 0.95, "validation_fraction": 0.25},
-}
-"""Parameters of the ensembles: `make_model("parallel", members=[...], combine=..., top_k=...)`,
-`make_model("cascade", first=..., second=..., target_recall=..., validation_fraction=...,
-validation_gap=...)`."""
 
 
 def balanced_pos_weight(y: np.ndarray, cap: float = MAX_POS_WEIGHT) -> float:
@@ -140,6 +53,13 @@ def balanced_pos_weight(y: np.ndarray, cap: float = MAX_POS_WEIGHT) -> float:
     if pos == 0:
         return 1.0
     return float(min(max(neg / pos, 1.0), cap))
+
+
+def odds_factor(pos_weight: float, negative_fraction: float) -> float:
+    """The factor by which a model overstates the odds of failure when trained with positives
+    weighted `pos_weight` (for every kind, ensemble members included) on a share
+    `negative_fraction` of the negative rows: w / r (`prior_correction` divides it out)."""
+    return float(pos_weight) / negative_fraction
 
 
 def prior_correction(p: np.ndarray, pos_weight: float) -> np.ndarray:
@@ -374,7 +294,7 @@ class OversampledMLP(BinaryClassifierMixin, BaseEstimator):
 _CATEGORICAL_PATTERN = "^(?:" + "|".join(CATEGORICAL_COLUMNS) + ")$"
 
 
-def _dense_preparation() -> ColumnTransformer:
+def dense_preparation() -> ColumnTransformer:
     """One-hot categoricals, median-imputed and scaled numerics with missing indicators; pandas
     output, so the final estimator knows the input names (`SignConstrainedLogistic`,
     `models.explain`)."""
@@ -405,107 +325,3 @@ def monotone_positions(columns: Sequence[str], increasing: Sequence[str]) -> lis
         raise ValueError(f"monotone_increasing: {unknown} are not feature columns; expected some of {list(columns)}")
     wanted = set(increasing)
     return [int(c in wanted) for c in columns]
-
-
-def _single_model(
-    kind: str, pos_weight: float, increasing: Sequence[str], columns: Sequence[str] | None, params: dict[str, Any]
-) -> Pipeline:
-    merged = {**DEFAULT_PARAMS[kind], **params}
-    if increasing and kind not in MONOTONE_KINDS:
-        raise ValueError(f"monotone_increasing: kind {kind!r} cannot be constrained; expected one of {MONOTONE_KINDS}")
-    if increasing and kind in TREE_KINDS:
-        if columns is None:
-            raise ValueError("monotone_increasing: the trees need `columns`, the feature columns in fit order")
-        positions = monotone_positions(columns, increasing)
-        if kind == "lightgbm":
-            merged["monotone_constraints"] = positions
-        elif kind == "xgboost":
-            merged["monotone_constraints"] = "(" + ",".join(map(str, positions)) + ")"  # XGBoost 3's form
-        else:
-            merged["monotonic_cst"] = positions
-    if kind == "lightgbm":
-        from lightgbm import LGBMClassifier
-
-        clf: Any = LGBMClassifier(scale_pos_weight=pos_weight, **merged)
-    elif kind == "xgboost":
-        from xgboost import XGBClassifier
-
-        clf = XGBClassifier(scale_pos_weight=pos_weight, **merged)
-    elif kind == "random_forest":
-        from sklearn.ensemble import RandomForestClassifier
-
-        clf = RandomForestClassifier(class_weight={0: 1.0, 1: pos_weight}, **merged)
-    elif kind == "logistic":
-        clf = SignConstrainedLogistic(class_weight={0: 1.0, 1: pos_weight}, increasing=tuple(increasing), **merged)
-    else:
-        clf = OversampledMLP(pos_weight=pos_weight, **merged)
-    if kind in TREE_KINDS:
-        return Pipeline([("encode", CategoryCodes()), ("model", clf)])
-    return Pipeline([("prepare", _dense_preparation()), ("model", clf)])
-
-
-def make_model(
-    kind: str,
-    *,
-    pos_weight: float = 1.0,
-    monotone_increasing: Sequence[str] = (),
-    columns: Sequence[str] | None = None,
-    **params: Any,
-) -> Any:
-    """An unfitted scikit-learn estimator for `kind` (one of `KINDS`).
-
-    `pos_weight` weights the positive class (use `balanced_pos_weight(y)`); every member of an
-    ensemble gets the same weight, so one correction applies to the ensemble's output.
-    `monotone_increasing` names features whose rise must never lower the risk (`columns`, the
-    feature columns in fit order, is then needed for the trees).
-
-    Single kinds: `params` override `DEFAULT_PARAMS[kind]` and go to the final estimator.
-    Ensembles: `params` override `ENSEMBLE_DEFAULTS[kind]`; `n_jobs` goes to every member that
-    takes it, and `member_params` ({kind: {param: value}}) to the members of that kind; the
-    cascade's `first_params` and `second_params` go to one stage only (a small, cheap first
-    stage of the same kind as the second, say).
-    """
-    if kind not in KINDS:
-        raise ValueError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
-    if kind in SINGLE_KINDS:
-        return _single_model(kind, pos_weight, monotone_increasing, columns, params)
-    from models.ensemble import CascadeEnsemble, ParallelEnsemble
-
-    settings = {**ENSEMBLE_DEFAULTS[kind], **params}
-    n_jobs = settings.pop("n_jobs", None)
-    member_params: dict[str, dict[str, Any]] = settings.pop("member_params", None) or {}
-
-    def member(member_kind: str, stage_params: dict[str, Any] | None = None) -> Pipeline:
-        if member_kind not in SINGLE_KINDS:
-            raise ValueError(f"{kind} ensemble member: expected one of {list(SINGLE_KINDS)}, got {member_kind!r}")
-        extra = {**member_params.get(member_kind, {}), **(stage_params or {})}
-        if n_jobs is not None and "n_jobs" in DEFAULT_PARAMS[member_kind]:
-            extra.setdefault("n_jobs", n_jobs)
-        return _single_model(member_kind, pos_weight, monotone_increasing, columns, extra)
-
-    if kind == "parallel":
-        kinds = list(settings.pop("members"))
-        if len(kinds) < 2:
-            raise ValueError(f"parallel ensemble members: expected at least two kinds, got {kinds}")
-        names = [f"{k}_{i}" if kinds.count(k) > 1 else k for i, k in enumerate(kinds)]
-        return ParallelEnsemble(estimators=[(n, member(k)) for n, k in zip(names, kinds, strict=True)], **settings)
-    first, second = settings.pop("first"), settings.pop("second")
-    first_params, second_params = settings.pop("first_params", None), settings.pop("second_params", None)
-    return CascadeEnsemble(first=member(first, first_params), second=member(second, second_params), **settings)
-
-
-def member_kinds(kind: str, params: dict[str, Any] | None = None) -> list[str]:
-    """The single kinds a model of `kind` is made of (itself for a single kind)."""
-    if kind in SINGLE_KINDS:
-        return [kind]
-    settings = {**ENSEMBLE_DEFAULTS.get(kind, {}), **(params or {})}
-    if kind == "parallel":
-        return list(settings["members"])
-    return [settings["first"], settings["second"]]
-
-
-def effective_pos_weight(kind: str, y: np.ndarray, pos_weight: float) -> float:
-    """The factor by which a model of `kind` trained on `y` with positives weighted
-    `pos_weight` overstates the odds of failure: `pos_weight`, for every kind (all of them,
-    ensemble members included, weight positives the same way)."""
-    return float(pos_weight)

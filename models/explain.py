@@ -194,7 +194,7 @@ def _normalised(c: np.ndarray) -> np.ndarray:
 
 def contributions(estimator: Any, X: pd.DataFrame) -> np.ndarray:
     """Contributions (rows x columns of `X`) of each feature to each row's score, for any
-    estimator `models.estimators.make_model` builds (see the module docstring)."""
+    estimator `models.kinds.make_model` builds (see the module docstring)."""
     if isinstance(estimator, ParallelEnsemble):
         members = [_normalised(contributions(member, X)) for member in estimator.estimators_]
         return np.mean(members, axis=0)

@@ -46,10 +46,10 @@ def synthetic_feature_frame(n_gpus: int, hours: int, n_features: int, seed: int 
 def bench_explain(rows: int = 1000, n_features: int = 411, repeat: int = 3) -> dict[str, float]:
     """Rows per second of `explain(..., top=5)` on `rows` rows of a LightGBM model."""
     from models.explain import explain
-    from models.train import train_model
+    from models.train import TrainOptions, train_model
 
     frame = synthetic_feature_frame(n_gpus=max(rows, 400), hours=20, n_features=n_features)
-    model = train_model(frame, kind="lightgbm", train_window="30d", horizon="1h", params={"n_jobs": 1})
+    model = train_model(frame, TrainOptions(kind="lightgbm", train_window="30d", horizon="1h", params={"n_jobs": 1}))
     sample = frame.sample(rows, random_state=0)
     explain(model, sample.head(10))  # reads the trees once (cached with the model)
     best = np.inf

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from models.train import write_file_atomic
+from models.walk_forward import BASELINES
 
 METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.md"
-BASELINES = ("random", "rule", "heuristic", "oracle")
 
 
 def metrics_json(metrics: dict[str, Any], generated_at: datetime | None = None) -> str:

@@ -27,6 +27,7 @@ import polars as pl
 from features.build import read_features
 from ingest.store import Store
 from models.split import as_utc
+from models.train import TrainOptions
 from models.train_store import train_model_from_store
 
 PRODUCT_MONOTONE = ("ecc_dbe_*_increase_*", "remapped_rows_*_increase_*")
@@ -67,14 +68,16 @@ def compare_caps(
         began = time.perf_counter()
         model = train_model_from_store(
             store,
-            kind="lightgbm",
-            train_window=train_window,
-            horizon=horizon,
-            as_of=as_of,
-            params={"n_jobs": threads},
-            negative_fraction=negative_fraction,
-            max_negatives_per_positive=cap,
-            monotone_increasing=monotone_increasing,
+            TrainOptions(
+                kind="lightgbm",
+                train_window=train_window,
+                horizon=horizon,
+                as_of=as_of,
+                params={"n_jobs": threads},
+                negative_fraction=negative_fraction,
+                max_negatives_per_positive=cap,
+                monotone_increasing=monotone_increasing,
+            ),
         )
         seconds = time.perf_counter() - began
         risk = model.predict_risk(test)

@@ -24,8 +24,8 @@ import os
 import platform
 import uuid
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -35,20 +35,9 @@ import pandas as pd
 
 from features.sample_key import drawn, sample_keys
 from ingest.errors import InputError
-from models.estimators import (
-    DEFAULT_PARAMS,
-    ENSEMBLE_DEFAULTS,
-    ENSEMBLE_KINDS,
-    KINDS,
-    MAX_POS_WEIGHT,
-    MONOTONE_KINDS,
-    balanced_pos_weight,
-    effective_pos_weight,
-    make_model,
-    member_kinds,
-    prior_correction,
-)
+from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
+from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, kind_params, make_model, member_kinds
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
 
 FORMAT_VERSION = 1
@@ -71,6 +60,55 @@ def one_blas_thread() -> Any:
 
 DEFAULT_NEGATIVE_FRACTION = 0.1
 """Share of negative rows `train_model` keeps by default (see the module docstring)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """What to train and on which rows. `train_model` (a frame),
+    `models.train_store.train_model_from_store` (the store's features) and
+    `models.distributed.train_model_distributed` (a Dask cluster) take the same options and fit
+    the same model."""
+
+    kind: str
+    """One of `models.kinds.KINDS`."""
+    train_window: DurationLike
+    horizon: DurationLike
+    as_of: TimeLike | None = None
+    """Train on the `train_window` that ends a `horizon` before this time (see `training_rows`);
+    None: the one that ends at the last settled label."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the kind's defaults: `models.kinds.DEFAULT_PARAMS` (single kinds) or
+    `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first, second,
+    target_recall, validation_fraction; both: n_jobs, member_params)."""
+    max_pos_weight: float = MAX_POS_WEIGHT
+    """Cap on the positive-class weight (`balanced_pos_weight`)."""
+    monotone_increasing: Sequence[str] = ()
+    """Features (names or globs, `matching_features`) whose rise must never lower the risk
+    (error counters: a new double-bit ECC error is never good news): the trees get monotone
+    constraints on them, logistic regression non-negative coefficients, and every member of an
+    ensemble likewise (the MLP cannot be constrained: naming features for it is an error).
+    Without them, trees fit on a few hundred failures can rank a GPU lower because its error
+    count went up."""
+    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION
+    """Share of the window's negative rows drawn (every positive is kept)."""
+    max_negatives_per_positive: float | None = None
+    """At most this many negatives drawn per positive (`capped_negative_fraction`; None: no cap)."""
+    seed: int = 0
+    """Seed of the negative draw (`sample_negatives`)."""
+
+    @property
+    def window_name(self) -> str:
+        """How error messages name the training window."""
+        end = "the last settled label" if self.as_of is None else f"{self.as_of} - {self.horizon}"
+        return f"training window of {self.train_window} before {end}"
+
+    def drawn_from(self, n_negative: int, n_positive: int) -> TrainOptions:
+        """These options with `negative_fraction` the share drawn from a window of these label
+        counts (`capped_negative_fraction`)."""
+        fraction = capped_negative_fraction(
+            n_negative, n_positive, self.negative_fraction, self.max_negatives_per_positive
+        )
+        return replace(self, negative_fraction=fraction)
 
 
 def capped_negative_fraction(
@@ -296,24 +334,17 @@ def sample_negatives(frame: Any, negative_fraction: float, seed: int = 0) -> pd.
     return to_pandas(frame).loc[keep]
 
 
-def training_sample(
-    keys: Any,
-    *,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None = None,
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-    seed: int = 0,
-) -> Any:
-    """The `ts` and `gpu_uuid` of the rows `train_model` fits on, in its order, from a polars
-    frame of only `ts`, `gpu_uuid` and `label` sorted by (ts, gpu_uuid) as `read_features`
-    returns it. The window and the negative draw need nothing else, so a caller can read the
-    hundreds of feature columns for these rows alone (`train_model_on_sample`): a fleet of 30k
-    GPUs has ~17M rows in a 3-week window, ~28 GB of features, of which ~10% are kept."""
+def training_sample(keys: Any, options: TrainOptions) -> Any:
+    """The `ts` and `gpu_uuid` of the rows `train_model(frame, options)` fits on, in its order,
+    drawn at `options.negative_fraction`, from a polars frame of only `ts`, `gpu_uuid` and
+    `label` sorted by (ts, gpu_uuid) as `read_features` returns it. The window and the negative
+    draw need nothing else, so a caller can read the hundreds of feature columns for these rows
+    alone (`train_model_on_sample`): a fleet of 30k GPUs has ~17M rows in a 3-week window,
+    ~28 GB of features, of which ~10% are kept."""
     import polars as pl
 
-    window = _window(keys, train_window=train_window, horizon=horizon, as_of=as_of)
-    keep = _negative_sample_mask(window, negative_fraction, seed)
+    window = _window(keys, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of)
+    keep = _negative_sample_mask(window, options.negative_fraction, options.seed)
     return window.filter(pl.Series(keep)).select("ts", "gpu_uuid")
 
 
@@ -335,94 +366,49 @@ def matching_features(patterns: Sequence[str], columns: Sequence[str]) -> list[s
     return chosen
 
 
-def window_name(train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None) -> str:
-    """How error messages name the training window `train_model` cuts."""
-    return f"training window of {train_window} before {'the last settled label' if as_of is None else f'{as_of} - {horizon}'}"
-
-
-def check_model_kind(kind: str, params: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+def check_model_kind(kind: str, params: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The user's parameters and the model kinds a `kind` model fits (its members for an
-    ensemble), or an `InputError` naming an unknown one."""
-    if kind not in KINDS:
-        raise InputError(f"model kind: expected one of {list(KINDS)}, got {kind!r}")
+    ensemble), or an `InputError` naming an unknown kind or member."""
     user_params = dict(params or {})
-    kinds = list(member_kinds(kind, user_params))
-    unknown_kinds = sorted(set(kinds) - set(DEFAULT_PARAMS))
-    if unknown_kinds:
-        raise InputError(f"{kind} members: expected kinds among {sorted(DEFAULT_PARAMS)}, got {unknown_kinds}")
+    try:
+        kinds = member_kinds(kind, user_params)
+    except ValueError as exc:
+        raise InputError(f"{kind} ensemble {exc}" if kind in KINDS else str(exc)) from None
     return user_params, kinds
 
 
-def train_model(
-    frame: Any,
-    *,
-    kind: str,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None = None,
-    params: dict[str, Any] | None = None,
-    max_pos_weight: float = MAX_POS_WEIGHT,
-    monotone_increasing: Sequence[str] = (),
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-    max_negatives_per_positive: float | None = None,
-    seed: int = 0,
-) -> TrainedModel:
-    """Fit a `kind` model (one of `models.estimators.KINDS`) on the most recent `train_window`
-    of labelled rows that ends a `horizon` before `as_of` (see `training_rows`), keeping every
-    positive and a share `negative_fraction` of the negatives, at most
-    `max_negatives_per_positive` per positive (`capped_negative_fraction`; drawn by
-    `sample_negatives` under `seed`). `params` override the defaults of `models.estimators.DEFAULT_PARAMS` (single
-    kinds) or `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first,
-    second, target_recall, validation_fraction; both: n_jobs, member_params).
-
-    `monotone_increasing` names features whose rise must never lower the risk (error counters:
-    a new double-bit ECC error is never good news): the trees get monotone constraints on them,
-    logistic regression non-negative coefficients, and every member of an ensemble likewise
-    (the MLP cannot be constrained: naming features for it is an error). Without them, trees
-    fit on a few hundred failures can rank a GPU lower because its error count went up.
-    """
-    check_model_kind(kind, params)  # before the window is cut: a bad setting fails fast
-    window = _window(frame, train_window=train_window, horizon=horizon, as_of=as_of)
-    negative_fraction = capped_negative_fraction(*label_counts(window), negative_fraction, max_negatives_per_positive)
-    rows = sample_negatives(window, negative_fraction, seed)
-    where = window_name(train_window, horizon, as_of)
-    return train_model_on_sample(
-        rows,
-        kind=kind,
-        horizon=horizon,
-        where=where,
-        params=params,
-        max_pos_weight=max_pos_weight,
-        monotone_increasing=monotone_increasing,
-        negative_fraction=negative_fraction,
-    )
+def train_model(frame: Any, options: TrainOptions) -> TrainedModel:
+    """Fit a model as `options` say on the most recent `train_window` of labelled rows of
+    `frame` that ends a `horizon` before `as_of` (see `training_rows`), keeping every positive
+    and a share `negative_fraction` of the negatives, at most `max_negatives_per_positive` per
+    positive (drawn by `sample_negatives` under `seed`)."""
+    check_model_kind(options.kind, options.params)  # before the window is cut: a bad setting fails fast
+    window = _window(frame, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of)
+    options = options.drawn_from(*label_counts(window))
+    return train_model_on_sample(sample_negatives(window, options.negative_fraction, options.seed), options)
 
 
-def train_model_on_sample(
-    rows: Any,
-    *,
-    kind: str,
-    horizon: DurationLike,
-    where: str = "training sample",
-    params: dict[str, Any] | None = None,
-    max_pos_weight: float = MAX_POS_WEIGHT,
-    monotone_increasing: Sequence[str] = (),
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-) -> TrainedModel:
+def check_both_classes(n_rows: int, n_positives: int, where: str) -> None:
+    """An `InputError` unless the labelled rows hold both failing and healthy ones."""
+    if n_positives == 0 or n_positives == n_rows:
+        raise InputError(
+            f"{where}: need both failing and healthy labelled rows to train, got {n_rows} rows "
+            f"with {n_positives} positives; widen train_window or check the labels"
+        )
+
+
+def train_model_on_sample(rows: Any, options: TrainOptions) -> TrainedModel:
     """`train_model` on rows already windowed and negative-sampled (`training_sample` picks
-    them; `negative_fraction` is the share that was drawn, for the odds correction). `where`
-    names the rows in error messages."""
-    user_params, kinds = check_model_kind(kind, params)
+    them; `options.negative_fraction` is the share that was drawn, for the odds correction)."""
+    kind, where = options.kind, options.window_name
+    user_params, kinds = check_model_kind(kind, options.params)
     # LightGBM reads polars through Arrow, ~3x faster than through pandas, to the same trees.
     X, y, ids = split_xy_polars(rows) if kind == "lightgbm" and is_polars(rows) else split_xy(to_pandas(rows))
     if X.shape[1] == 0:
         raise InputError(f"{where}: no feature columns (expected numeric columns besides ids and labels)")
     n_pos = int(y.sum())
-    if n_pos == 0 or n_pos == len(y):
-        raise InputError(
-            f"{where}: need both failing and healthy labelled rows to train, got {len(y)} rows "
-            f"with {n_pos} positives; widen train_window or check the labels"
-        )
+    check_both_classes(len(y), n_pos, where)
+    monotone_increasing = options.monotone_increasing
     if monotone_increasing:
         monotone_increasing = matching_features(monotone_increasing, list(X.columns))
         unconstrained = sorted(set(kinds) - set(MONOTONE_KINDS))
@@ -430,8 +416,8 @@ def train_model_on_sample(
             raise InputError(
                 f"monotone_increasing: {unconstrained} cannot be constrained; expected kinds among {list(MONOTONE_KINDS)}"
             )
-    pos_weight = balanced_pos_weight(y, max_pos_weight)
-    horizon_td = as_timedelta(horizon, "horizon")
+    pos_weight = balanced_pos_weight(y, options.max_pos_weight)
+    horizon_td = as_timedelta(options.horizon, "horizon")
     build_params = dict(user_params)
     if kind == "cascade":
         # The first stage's last training label must not look into the validation slice.
@@ -453,14 +439,11 @@ def train_model_on_sample(
             raise
         # The ensembles' data checks (a slice without failures, ...) are about the input.
         raise InputError(f"{where}: {exc}") from exc
-    if kind in ENSEMBLE_KINDS:
-        recorded: dict[str, Any] = {**ENSEMBLE_DEFAULTS[kind], **build_params}
-        if kind == "cascade":
-            recorded["threshold"] = estimator.threshold_
-            recorded["validation_recall"] = estimator.validation_recall_
-            recorded["kept_fraction"] = estimator.kept_fraction_
-    else:
-        recorded = {**DEFAULT_PARAMS[kind], **user_params}
+    recorded = kind_params(kind, build_params)
+    if kind == "cascade":
+        recorded["threshold"] = estimator.threshold_
+        recorded["validation_recall"] = estimator.validation_recall_
+        recorded["kept_fraction"] = estimator.kept_fraction_
     recorded["pos_weight"] = pos_weight
     if monotone_increasing:
         recorded["monotone_increasing"] = list(monotone_increasing)
@@ -474,9 +457,9 @@ def train_model_on_sample(
         n_rows=len(y),
         n_positives=n_pos,
         horizon=horizon_td,
-        pos_weight=effective_pos_weight(kind, y, pos_weight) / negative_fraction,
+        pos_weight=odds_factor(pos_weight, options.negative_fraction),
         versions=library_versions(kind, user_params),
-        negative_fraction=negative_fraction,
+        negative_fraction=options.negative_fraction,
     )
 
 

@@ -13,9 +13,7 @@ the rows are the ones `train_model` picks, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime, time, timedelta
-from typing import Any
 
 import pandas as pd
 import polars as pl
@@ -26,76 +24,45 @@ from features.sample_key import SAMPLE_KEY, key_threshold
 from features.schema import TS_DTYPE
 from ingest.errors import InputError
 from ingest.store import Store
-from models.estimators import MAX_POS_WEIGHT
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc
 from models.train import (
-    DEFAULT_NEGATIVE_FRACTION,
     TrainedModel,
-    capped_negative_fraction,
+    TrainOptions,
     check_model_kind,
     check_negative_fraction,
     train_model_on_sample,
     training_bounds,
     training_sample,
-    window_name,
 )
 
 _KEYS = ["ts", "gpu_uuid"]
 
 
-def sampled_training_rows(
-    store: Store,
-    *,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None = None,
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-    seed: int = 0,
-) -> pl.DataFrame:
-    """The rows `train_model(read_features(store), ...)` would fit on (all feature columns),
-    sorted by (ts, gpu_uuid). Files written with the draw's key (`features.sample_key`) are
-    filtered on it as they are read; older ones are read one date file at a time."""
-    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    return _sampled_rows(
-        store,
-        bounds,
-        train_window=train_window,
-        horizon=horizon,
-        as_of=as_of,
-        negative_fraction=negative_fraction,
-        seed=seed,
+def sampled_training_rows(store: Store, options: TrainOptions) -> pl.DataFrame:
+    """The rows `train_model(read_features(store), options)` fits on (all feature columns),
+    sorted by (ts, gpu_uuid), drawn at `options.negative_fraction` (`max_negatives_per_positive`
+    is applied by `train_model_from_store`, which draws at the capped share). Files written with
+    the draw's key (`features.sample_key`) are filtered on it as they are read; older ones are
+    read one date file at a time."""
+    bounds = store_training_bounds(
+        store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )
+    return _sampled_rows(store, bounds, options)
 
 
-def _sampled_rows(
-    store: Store,
-    bounds: tuple[pd.Timestamp, pd.Timestamp],
-    *,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None,
-    negative_fraction: float,
-    seed: int,
-) -> pl.DataFrame:
+def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], options: TrainOptions) -> pl.DataFrame:
     """`sampled_training_rows` for the window [start, end) = `bounds` already found."""
-    check_negative_fraction(negative_fraction)
+    check_negative_fraction(options.negative_fraction)
     start, end = bounds
     files = _window_files(store, start, end)
-    if files and seed == 0 and store.is_local and all(SAMPLE_KEY in pq.read_schema(f).names for f in files):
-        rows = _read_drawn_rows(files, start, end, negative_fraction)
+    if files and options.seed == 0 and store.is_local and all(SAMPLE_KEY in pq.read_schema(f).names for f in files):
+        rows = _read_drawn_rows(files, start, end, options.negative_fraction)
     else:
-        rows = _read_sampled_days(
-            store,
-            train_window=train_window,
-            horizon=horizon,
-            as_of=as_of,
-            negative_fraction=negative_fraction,
-            seed=seed,
-        )
+        rows = _read_sampled_days(store, options)
     if rows.height == 0:
         raise InputError(
-            f"{store.root}: the training window of {train_window} has no labelled rows in the features dataset; "
-            "widen train_window or check the labels"
+            f"{store.root}: the training window of {options.train_window} has no labelled rows in the features "
+            "dataset; widen train_window or check the labels"
         )
     return rows
 
@@ -161,15 +128,7 @@ def _read_drawn_rows(
     return lf.select(columns).collect().sort(_KEYS)
 
 
-def _read_sampled_days(
-    store: Store,
-    *,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None,
-    negative_fraction: float,
-    seed: int,
-) -> pl.DataFrame:
+def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
     """The drawn rows, for files without the stored key (or another seed): the draw is made on
     three narrow columns of the window first, then each date file is read and cut to those rows."""
     days = store.dates(FEATURES_DATASET)
@@ -177,23 +136,11 @@ def _read_sampled_days(
     # which is within a horizon of the newest day: that day and horizon + train_window before
     # it hold every row the window can contain (and the rows that say where labels settle).
     newest = datetime.combine(days[-1], time.min, tzinfo=UTC)
-    first = newest - as_timedelta(horizon, "horizon") - as_timedelta(train_window, "train_window")
-    if as_of is not None:
-        earliest = (
-            as_utc(as_of).to_pydatetime()
-            - as_timedelta(horizon, "horizon")
-            - as_timedelta(train_window, "train_window")
-        )
-        first = min(first, earliest)
-    keys = read_features(store, start=first, columns=["label"])
-    kept = training_sample(
-        keys,
-        train_window=train_window,
-        horizon=horizon,
-        as_of=as_of,
-        negative_fraction=negative_fraction,
-        seed=seed,
-    )
+    span = as_timedelta(options.horizon, "horizon") + as_timedelta(options.train_window, "train_window")
+    first = newest - span
+    if options.as_of is not None:
+        first = min(first, as_utc(options.as_of).to_pydatetime() - span)
+    kept = training_sample(read_features(store, start=first, columns=["label"]), options)
     parts = []
     for day in kept["ts"].dt.date().unique().sort().to_list():
         day_start = datetime.combine(day, time.min, tzinfo=UTC)
@@ -224,43 +171,12 @@ def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.Da
     )
 
 
-def train_model_from_store(
-    store: Store,
-    *,
-    kind: str,
-    train_window: DurationLike,
-    horizon: DurationLike,
-    as_of: TimeLike | None = None,
-    params: dict[str, Any] | None = None,
-    max_pos_weight: float = MAX_POS_WEIGHT,
-    monotone_increasing: Sequence[str] = (),
-    negative_fraction: float = DEFAULT_NEGATIVE_FRACTION,
-    max_negatives_per_positive: float | None = None,
-    seed: int = 0,
-) -> TrainedModel:
-    """`models.train.train_model` on the store's features, with the same arguments and the
-    same model, holding the sample in memory instead of the window."""
-    check_model_kind(kind, params)  # before anything is read: a bad setting fails fast
-    bounds = store_training_bounds(store, train_window=train_window, horizon=horizon, as_of=as_of)
-    counts = window_label_counts(store, *bounds)
-    negative_fraction = capped_negative_fraction(*counts, negative_fraction, max_negatives_per_positive)
-    rows = _sampled_rows(
-        store,
-        bounds,
-        train_window=train_window,
-        horizon=horizon,
-        as_of=as_of,
-        negative_fraction=negative_fraction,
-        seed=seed,
+def train_model_from_store(store: Store, options: TrainOptions) -> TrainedModel:
+    """`models.train.train_model` on the store's features, with the same options and the same
+    model, holding the sample in memory instead of the window."""
+    check_model_kind(options.kind, options.params)  # before anything is read: a bad setting fails fast
+    bounds = store_training_bounds(
+        store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )
-    where = window_name(train_window, horizon, as_of)
-    return train_model_on_sample(
-        rows,
-        kind=kind,
-        horizon=horizon,
-        where=where,
-        params=params,
-        max_pos_weight=max_pos_weight,
-        monotone_increasing=monotone_increasing,
-        negative_fraction=negative_fraction,
-    )
+    options = options.drawn_from(*window_label_counts(store, *bounds))
+    return train_model_on_sample(_sampled_rows(store, bounds, options), options)

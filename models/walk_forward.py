@@ -21,9 +21,11 @@ Shared work. A fit is defined by (kind, parameters, window, monotone features, a
 contenders need the same fit, it is made once and scores the rows of all of them. So a static
 contender's fit is its sliding twin's first fit, the auto contender's track of window W is the
 sliding contender's of the same kind and W, and a `parallel` contender's members are the single
-contenders of those kinds: their per-row probabilities are combined with the ensemble's own
-rules (`models.ensemble.combine_rankings`, `assign_by_rank`), which gives exactly what fitting
-the `ParallelEnsemble` on the same window scores (tested), without fitting its members again.
+contenders of those kinds: their per-row probabilities are combined by the ensemble's own
+combination (`models.ensemble.combine_probabilities`), which gives exactly what fitting the
+`ParallelEnsemble` on the same window scores (tested), without fitting its members again.
+
+The figures of the comparison (metrics, baselines, claims) are `models.comparison`'s.
 
 Speed: every fit sees all positive rows of its window but only a `negative_fraction` of the
 negative ones (the same rows for every fit: one uniform draw per row under the seed); the
@@ -45,17 +47,22 @@ import numpy as np
 import pandas as pd
 
 from ingest.errors import GpufailError, InputError
+from models.ensemble import check_combination, combine_probabilities
+from models.estimators import prior_correction
 from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_pr_auc, time_key
 from models.frame import labels, require_columns, to_pandas
+from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, THREADED_KINDS, kind_params, member_kinds, member_params
 from models.split import DurationLike, as_timedelta, as_utc
-from models.train import TrainedModel, settled_until, train_model
+from models.train import TrainedModel, TrainOptions, settled_until, train_model
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["static", "sliding", "auto"]
 MODES: tuple[str, ...] = ("static", "sliding", "auto")
-THREADED_KINDS = ("lightgbm", "xgboost", "random_forest")
-"""Kinds whose estimator takes `n_jobs`: one thread per fit, the processes give parallelism."""
+BASELINES: tuple[str, ...] = ("random", "rule", "heuristic", "oracle")
+"""The baselines the comparison (`models.comparison`) scores beside the contenders."""
+RESERVED_NAMES: tuple[str, ...] = (*BASELINES, "model")
+"""Names no contender may take: the baselines', and `model`, the comparison's primary contender."""
 
 
 @dataclass(frozen=True)
@@ -148,27 +155,21 @@ class WalkForwardResult:
 
 def available_kinds() -> tuple[str, ...]:
     """Model kinds `models.train.train_model` accepts in this installation."""
-    from models import estimators
-
-    return tuple(estimators.KINDS)
+    return KINDS
 
 
 def check_contenders(contenders: Sequence[Contender], kinds: Sequence[str] | None = None) -> None:
     """Refuse, before any training, an empty list, a repeated name, an unknown mode, a kind
-    this installation cannot train (never drop a contender silently), or a parallel ensemble
-    whose members are not single kinds."""
-    from models.ensemble import COMBINE_RULES
-    from models.estimators import ENSEMBLE_DEFAULTS
-    from models.estimators import SINGLE_KINDS as SINGLES
-
+    this installation cannot train (never drop a contender silently), or an ensemble whose
+    settings cannot be built (members that are not single kinds, an unknown combination)."""
     known = tuple(available_kinds() if kinds is None else kinds)
     if not contenders:
         raise InputError("evaluate contenders: expected at least one contender, got none")
     seen: set[str] = set()
     for i, c in enumerate(contenders):
         where = f"evaluate contender {i} ({c.name!r})"
-        if not c.name or c.name in seen or c.name in BASELINE_NAMES:
-            raise InputError(f"{where}: expected a unique name, not empty and not one of {list(BASELINE_NAMES)}")
+        if not c.name or c.name in seen or c.name in RESERVED_NAMES:
+            raise InputError(f"{where}: expected a unique name, not empty and not one of {list(RESERVED_NAMES)}")
         seen.add(c.name)
         if c.mode not in MODES:
             raise InputError(f"{where}: mode expected one of {list(MODES)}, got {c.mode!r}")
@@ -176,23 +177,14 @@ def check_contenders(contenders: Sequence[Contender], kinds: Sequence[str] | Non
             raise InputError(
                 f"{where}: model kind {c.kind!r} is not available in this installation; expected one of {list(known)}"
             )
-        if c.kind == "parallel":
-            settings = {**ENSEMBLE_DEFAULTS["parallel"], **c.params}
-            members = settings["members"]
-            if not isinstance(members, list | tuple) or len(members) < 2 or any(m not in SINGLES for m in members):
-                raise InputError(
-                    f"{where}: params.members expected a list of at least two kinds among {list(SINGLES)}, got {members!r}"
-                )
-            if settings["combine"] not in COMBINE_RULES:
-                raise InputError(
-                    f"{where}: params.combine expected one of {list(COMBINE_RULES)}, got {settings['combine']!r}"
-                )
-            top_k = settings["top_k"]
-            if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-                raise InputError(f"{where}: params.top_k expected a positive number of GPUs, got {top_k!r}")
-
-
-BASELINE_NAMES = ("random", "rule", "heuristic", "oracle", "model")
+        if c.kind in ENSEMBLE_KINDS:
+            settings = kind_params(c.kind, c.params)
+            try:
+                member_kinds(c.kind, settings)
+                if c.kind == "parallel":
+                    check_combination(settings["combine"], settings["top_k"])
+            except ValueError as exc:
+                raise InputError(f"{where}: params.{exc}") from None
 
 
 def duration_label(duration: DurationLike, what: str = "duration") -> str:
@@ -269,30 +261,17 @@ class _Spec:
 
 
 def _spec(kind: str, params: Mapping[str, Any], window: str, monotone: tuple[str, ...]) -> _Spec:
-    from models.estimators import DEFAULT_PARAMS, ENSEMBLE_DEFAULTS
-
     merged = dict(params)
-    if kind in THREADED_KINDS or kind in ENSEMBLE_DEFAULTS:
+    if kind in THREADED_KINDS or kind in ENSEMBLE_KINDS:
         merged.setdefault("n_jobs", 1)  # one thread per fit: the processes give parallelism
-    merged = {**DEFAULT_PARAMS.get(kind, ENSEMBLE_DEFAULTS.get(kind, {})), **merged}
+    merged = kind_params(kind, merged)
     return _Spec(kind, json.dumps(merged, sort_keys=True, default=str), window, monotone, merged)
 
 
 def _member_specs(params: Mapping[str, Any], window: str, monotone: tuple[str, ...]) -> list[_Spec]:
-    """The members of a parallel ensemble as the single fits `make_model` would build: each
-    kind's defaults, then `member_params[kind]`, then the ensemble's `n_jobs` (here 1)."""
-    from models.estimators import DEFAULT_PARAMS, ENSEMBLE_DEFAULTS
-
-    settings = {**ENSEMBLE_DEFAULTS["parallel"], **params}
-    member_params = settings.get("member_params") or {}
-    n_jobs = settings.get("n_jobs", 1)
-    specs = []
-    for kind in settings["members"]:
-        extra = dict(member_params.get(kind, {}))
-        if "n_jobs" in DEFAULT_PARAMS[kind]:
-            extra.setdefault("n_jobs", n_jobs)
-        specs.append(_spec(kind, extra, window, monotone))
-    return specs
+    """The members of a parallel ensemble as the single fits `make_model` would build them
+    (`models.kinds.member_params`), one thread each unless the ensemble sets `n_jobs`."""
+    return [_spec(kind, extra, window, monotone) for kind, extra in member_params("parallel", {"n_jobs": 1, **params})]
 
 
 @dataclass
@@ -324,13 +303,15 @@ def _run_fit(task: _FitTask) -> _FitOutcome:
         # subsample it again.
         model = train_model(
             task.pool,
-            kind=spec.kind,
-            train_window=spec.window,
-            horizon=task.horizon,
-            as_of=task.as_of,
-            params=dict(spec.params),
-            monotone_increasing=spec.monotone,
-            negative_fraction=1.0,
+            TrainOptions(
+                kind=spec.kind,
+                train_window=spec.window,
+                horizon=task.horizon,
+                as_of=task.as_of,
+                params=dict(spec.params),
+                monotone_increasing=spec.monotone,
+                negative_fraction=1.0,
+            ),
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, task.rows, None, None, f"kept previous model: {exc}")
@@ -396,8 +377,6 @@ def _empty_track(n: int) -> _Track:
 
 def _risk(raw: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`prior_correction` row by row, exactly as each model's `predict_risk` applies it."""
-    from models.estimators import prior_correction
-
     out = np.full(len(raw), np.nan)
     for w in np.unique(weight[~np.isnan(weight)]):
         rows = weight == w
@@ -436,19 +415,15 @@ class _Tracks:
 
     def parallel(self, members: list[_Spec], settings: Mapping[str, Any], assignments: Assignments) -> _Track:
         """The members' tracks combined as `ParallelEnsemble.predict_proba` combines its members
-        within each scoring time: ranks, the combination rule, the mean probability handed out
-        in the ensemble's order; then the shared odds factor divided out."""
-        from models.ensemble import assign_by_rank, combine_rankings, group_ranks
-
+        (`models.ensemble.combine_probabilities`, within each scoring time); then the shared
+        odds factor divided out."""
         tracks = [self.single(m, assignments) for m in members]
         track = _empty_track(len(self.frame))
         raw = np.vstack([t.raw for t in tracks])
         rows = np.flatnonzero(~np.isnan(raw).any(axis=0))
-        groups = np.asarray(pd.factorize(self.ns[rows])[0], dtype=np.int64)
-        member_raw = raw[:, rows]
-        member_ranks = np.vstack([group_ranks(p, groups) for p in member_raw])
-        key = combine_rankings(member_ranks, settings["combine"], int(settings["top_k"]))
-        track.raw[rows] = assign_by_rank(member_raw.mean(axis=0), key, groups)
+        track.raw[rows] = combine_probabilities(
+            raw[:, rows], self.ns[rows], settings["combine"], int(settings["top_k"])
+        )
         # Members are fit on the same rows with the same class weight: one odds factor.
         track.weight[rows] = tracks[0].weight[rows]
         track.trained_ns[rows] = np.vstack([t.trained_ns[rows] for t in tracks]).max(axis=0)
@@ -467,12 +442,7 @@ class _Tracks:
 def _constraints_for(contender: Contender, monotone_increasing: tuple[str, ...]) -> tuple[str, ...]:
     """The plan's monotone features for a contender whose model kinds can all be constrained;
     none for one with an MLP in it (it has no such constraint)."""
-    from models.estimators import ENSEMBLE_DEFAULTS, MONOTONE_KINDS
-
-    kinds = {contender.kind}
-    if contender.kind in ENSEMBLE_DEFAULTS:
-        params = {**ENSEMBLE_DEFAULTS[contender.kind], **contender.params}
-        kinds = set(params["members"]) if contender.kind == "parallel" else {params["first"], params["second"]}
+    kinds = set(member_kinds(contender.kind, contender.params))
     return monotone_increasing if kinds <= set(MONOTONE_KINDS) else ()
 
 
@@ -489,10 +459,8 @@ class _Need:
 
 
 def _need(contender: Contender, window: str, monotone: tuple[str, ...], assignments: Assignments) -> _Need:
-    from models.estimators import ENSEMBLE_DEFAULTS
-
     if contender.kind == "parallel":
-        settings = {**ENSEMBLE_DEFAULTS["parallel"], **contender.params}
+        settings = kind_params("parallel", contender.params)
         return _Need(_member_specs(contender.params, window, monotone), settings, assignments, window)
     return _Need([_spec(contender.kind, contender.params, window, monotone)], None, assignments, window)
 
@@ -741,262 +709,3 @@ def run_walk_forward(
         n_fits=len(requests),
         n_fits_unshared=n_unshared,
     )
-
-
-# -- the comparison: contenders and baselines on the same test rows --------------------------------
-
-SINGLE_KINDS = ("lightgbm", "xgboost", "logistic", "random_forest", "mlp")
-PAPER_PRECISION = (0.463, 0.840)
-"""Liu et al.: precision at the top of the ranking, best single model -> sliding ensembles."""
-
-
-def evaluate_walk_forward(
-    frame: Any,
-    contenders: Sequence[Contender],
-    plan: WalkForwardPlan,
-    *,
-    top_k: Sequence[str] = ("10", "expected"),
-    failures: Any = None,
-    bootstrap_samples: int = 1000,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """Run the walk-forward comparison and return every figure of its report (JSON-ready):
-    the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
-    a reason when the frame lacks its columns), `heuristic` and `oracle`, scored on the same
-    test rows; `model` repeats the primary contender (the first `auto` one, else the first)."""
-    from models.evaluate import baseline_scores, compare_scores, expected_failures_per_day, rule_columns, rule_flags
-
-    specs = [str(s) for s in top_k]
-    if not specs:
-        raise InputError("top_k: expected at least one K specification, got none")
-    plan = WalkForwardPlan(**{**plan.__dict__, "top_k": specs[0]})
-    frame = to_pandas(frame)  # once: a polars frame of the demo is ~1 GB in pandas
-    result = run_walk_forward(frame, contenders, plan, progress=progress)
-    test = result.test
-    history = frame[[c for c in ("ts", "gpu_uuid", "label", "time_to_failure_h") if c in frame.columns]]
-    ts = pd.to_datetime(history["ts"], utc=True)
-    expected = expected_failures_per_day(history.loc[(ts < result.test_start - result.horizon).to_numpy()])
-    baselines = baseline_scores(test, plan.seed)
-    scores: dict[str, np.ndarray] = dict(result.scores)
-    scores["random"] = baselines["random"]
-    rule_note = None
-    if rule_columns(test):
-        # A rule flags or not; among flagged (and among unflagged) GPUs the order is random.
-        scores["rule"] = rule_flags(test).astype(np.float64)
-    else:
-        rule_note = "the features have no hardware-XID or uncorrectable-ECC columns"
-    scores["heuristic"] = baselines["heuristic"]
-    scores["oracle"] = labels(test).to_numpy(dtype=np.float64)
-    compared = compare_scores(
-        test,
-        scores,
-        top_k=specs,
-        expected_per_day=expected,
-        model_age_h=result.model_age_h,
-        failures=failures,
-        bootstrap_samples=bootstrap_samples,
-        seed=plan.seed,
-    )
-    if "rule" in scores:
-        compared["rule"]["flagged"] = _flag_metrics(test, scores["rule"])
-    primary = next((c.name for c in contenders if c.mode == "auto"), contenders[0].name)
-    compared["model"] = {**compared[primary], "name": primary}
-    y = labels(test).to_numpy()
-    return {
-        "kind": "walk-forward",
-        "top_k": specs[0],
-        "top_k_specs": specs,
-        "expected_failures_per_day": expected,
-        "horizon_h": result.horizon / pd.Timedelta(hours=1),
-        "primary": primary,
-        "test": {
-            "start": result.test_start.isoformat(),
-            "end": result.test_end.isoformat(),
-            "n_days": math.ceil((result.test_end - result.test_start) / pd.Timedelta(days=1)),
-            "n_rows": len(test),
-            "n_positives": int(np.nansum(y)),
-            "n_gpus": int(test["gpu_uuid"].nunique()),
-            "n_times": int(test["ts"].nunique()),
-        },
-        "plan": {
-            "test_days": plan.test_days,
-            "retrain_every": duration_label(plan.retrain_every, "retrain_every"),
-            "train_window": duration_label(plan.train_window, "train_window"),
-            "candidate_windows": [duration_label(w, "candidate_windows") for w in plan.candidate_windows],
-            "validation_window": duration_label(plan.validation_window, "validation_window"),
-            "negative_fraction": plan.negative_fraction,
-            "bootstrap_samples": bootstrap_samples,
-            "switch_margin": plan.switch_margin,
-            "seed": plan.seed,
-            "jobs": plan.jobs,
-            "n_fits": result.n_fits,
-            "n_fits_unshared": result.n_fits_unshared,
-        },
-        "contenders": [
-            {
-                "name": c.name,
-                "kind": c.kind,
-                "mode": c.mode,
-                "params": dict(c.params),
-                "train_window": None if c.train_window is None else duration_label(c.train_window, "train_window"),
-            }
-            for c in contenders
-        ],
-        "baselines": {
-            "random": "uniform scores (fixed seed)",
-            "rule": rule_note
-            or "flag a GPU with any hardware-class XID (memory, NVLink, bus, GSP) or any uncorrectable ECC error in the last 24 h",
-            "heuristic": "sum of xid_count* and *ecc*increase* columns",
-            "oracle": "ranks by the label itself: the ceiling",
-        },
-        "retrain_times": [t.isoformat() for t in result.retrain_times],
-        "fits": [f.as_dict() for f in result.fits],
-        "scores": compared,
-        "claims": claims(compared, contenders, specs[0], samples=bootstrap_samples, seed=plan.seed),
-    }
-
-
-def _flag_metrics(test: pd.DataFrame, flags: np.ndarray) -> dict[str, Any]:
-    """The rule at its own operating point: every flagged GPU, however many."""
-    from models.evaluate import episode_recall
-
-    y = labels(test).to_numpy()
-    flagged = flags > 0
-    known = ~np.isnan(y)
-    n_flags = int((flagged & known).sum())
-    per_time = pd.Series(flagged & known).groupby(test["ts"].to_numpy()).sum()
-    recall = episode_recall(test.assign(_flag=flags), threshold=0.5, score="_flag")
-    return {
-        "flags_per_grid_time_mean": float(per_time.mean()),
-        "precision": float((y[flagged & known] == 1).mean()) if n_flags else None,
-        "recall": recall["recall"],
-        "n_caught": recall["n_caught"],
-        "lead_time_h_median": recall["lead_time_h_median"],
-    }
-
-
-def claims(
-    scores: dict[str, Any], contenders: Sequence[Contender], k: str, *, samples: int = 1000, seed: int = 0
-) -> dict[str, Any]:
-    """The report's targets checked against the figures: the best contender against the best
-    static single model (the paper's step), against the rule, and its day-to-day stability."""
-
-    def daily(name: str) -> dict[str, Any]:
-        return dict(scores[name]["by_k"][k])
-
-    def mean(name: str) -> float:
-        return daily(name)["precision_daily_mean"] or 0.0
-
-    names = [c.name for c in contenders]
-    best = max(names, key=mean)
-    statics = [c.name for c in contenders if c.mode == "static" and c.kind in SINGLE_KINDS]
-    out: dict[str, Any] = {"best": best, "best_precision": mean(best)}
-    oracle = daily("oracle")["precision_daily_mean"]
-    out["oracle_precision"] = oracle
-    if statics:
-        static = max(statics, key=mean)
-        out["best_static_single"] = static
-        out["best_static_precision"] = mean(static)
-        out["gain"] = mean(best) - mean(static)
-        out["gain_ratio"] = mean(best) / mean(static) if mean(static) > 0 else None
-        out["paper_gain"] = PAPER_PRECISION[1] - PAPER_PRECISION[0]
-        out["paper_gain_ratio"] = PAPER_PRECISION[1] / PAPER_PRECISION[0]
-        # What the paper's relative step would give here, capped by the ceiling of this data.
-        out["paper_step_target"] = min(mean(static) * out["paper_gain_ratio"], oracle or 1.0)
-        out["meets_paper_step"] = mean(best) >= out["paper_step_target"]
-        s_best, s_static = daily(best)["precision_daily_std"], daily(static)["precision_daily_std"]
-        out["std_best"], out["std_static"] = s_best, s_static
-        out["std_ratio"] = s_best / s_static if s_best is not None and s_static else None
-        out["stability_target_met"] = out["std_ratio"] is not None and out["std_ratio"] <= 0.5
-        out["gain_ci"] = _paired_ci(daily(best)["daily"], daily(static)["daily"], samples, seed)
-    ensembles = [c.name for c in contenders if c.kind in ENSEMBLE_KINDS and c.mode != "static"]
-    if statics and ensembles:
-        out["sliding_ensemble"] = _ensemble_claim(daily, mean, max(ensembles, key=mean), out, samples, seed)
-    if "rule" in scores:
-        out["rule_precision"] = mean("rule")
-        out["beats_rule"] = mean(best) > mean("rule")
-        out["gain_over_rule_ci"] = _paired_ci(daily(best)["daily"], daily("rule")["daily"], samples, seed)
-    return out
-
-
-ENSEMBLE_KINDS = ("parallel", "cascade")
-
-
-def _ensemble_claim(
-    daily: Any, mean: Any, name: str, claims: dict[str, Any], samples: int, seed: int
-) -> dict[str, Any]:
-    """The paper's two claims for its own configuration: the best retrained ensemble (sliding
-    or auto) against the best static single model, the step in daily precision@K and the
-    ratio of the daily standard deviations, each with a paired bootstrap CI over days."""
-    static = claims["best_static_single"]
-    gain = mean(name) - mean(static)
-    std, std_static = daily(name)["precision_daily_std"], daily(static)["precision_daily_std"]
-    ratio = std / std_static if std is not None and std_static else None
-    return {
-        "name": name,
-        "precision": mean(name),
-        # Drift, which retraining is there to follow: how close the static model stays to the
-        # ceiling (the oracle) in the first and the second half of the test period.
-        "static_of_oracle_halves": _halves_of_oracle(daily(static)["daily"], daily("oracle")["daily"]),
-        "oracle_std": daily("oracle")["precision_daily_std"],
-        "static_single": static,
-        "static_precision": mean(static),
-        "gain": gain,
-        "gain_ci": _paired_ci(daily(name)["daily"], daily(static)["daily"], samples, seed),
-        "meets_paper_step": mean(name) >= claims["paper_step_target"],
-        "std": std,
-        "std_static": std_static,
-        "std_ratio": ratio,
-        "std_ratio_ci": _std_ratio_ci(daily(name)["daily"], daily(static)["daily"], samples, seed),
-        "stability_target_met": ratio is not None and ratio <= 0.5,
-    }
-
-
-def _halves_of_oracle(model: list[dict[str, Any]], oracle: list[dict[str, Any]]) -> list[float | None]:
-    """Mean daily precision of `model` over the oracle's, in the first and the second half of
-    the test days (None where the oracle has nothing)."""
-    half = len(model) // 2
-    out: list[float | None] = []
-    for part in (slice(0, half), slice(half, None)):
-        m = [d["precision"] for d in model[part] if d["precision"] is not None]
-        o = [d["precision"] for d in oracle[part] if d["precision"] is not None]
-        out.append(float(np.mean(m) / np.mean(o)) if m and o and np.mean(o) > 0 else None)
-    return out
-
-
-def _std_ratio_ci(a: list[dict[str, Any]], b: list[dict[str, Any]], samples: int, seed: int) -> list[float | None]:
-    """Bootstrap CI over days of std(a) / std(b) of daily precision (the same days drawn)."""
-    from models.evaluate import bootstrap_ci
-
-    pairs = np.array(
-        [
-            (x["precision"], y["precision"])
-            for x, y in zip(a, b, strict=True)
-            if x["precision"] is not None and y["precision"] is not None
-        ],
-        dtype=np.float64,
-    ).reshape(-1, 2)
-
-    def ratio(days: np.ndarray) -> float:
-        below = np.std(days[:, 1])
-        return float(np.std(days[:, 0]) / below) if below > 0 else math.nan
-
-    if len(pairs) < 2:
-        return [None, None]
-    return list(bootstrap_ci(pairs, ratio, samples=samples, seed=seed))
-
-
-def _paired_ci(a: list[dict[str, Any]], b: list[dict[str, Any]], samples: int, seed: int) -> list[float | None]:
-    """Bootstrap CI over days of the mean daily precision difference a - b (same days drawn)."""
-    from models.evaluate import bootstrap_ci
-
-    diff = np.array(
-        [
-            (x["precision"] - y["precision"])
-            for x, y in zip(a, b, strict=True)
-            if x["precision"] is not None and y["precision"] is not None
-        ]
-    )
-    if len(diff) < 2:
-        return [None, None]
-    return list(bootstrap_ci(diff, np.mean, samples=samples, seed=seed))

@@ -84,7 +84,7 @@ def assert_train_reads_its_window_and_fits_what_all_history_gives(data, model_di
     from models.train import load_model, train_model
 
     everything = read_features(Store.open(str(data)))
-    model = train_model(everything, **_train_options(load_settings(environ={})))
+    model = train_model(everything, _train_options(load_settings(environ={})))
     trained = load_model(model_dir)
     assert trained.version == model.version
     probe = everything.tail(300)

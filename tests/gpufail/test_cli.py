@@ -44,7 +44,7 @@ def test_user_errors_are_one_line_with_exit_status_2_and_write_nothing(tmp_path,
 def test_a_cascade_model_gets_each_stage_its_own_parameters(tmp_path):
     from gpufail.cli import _model_params
     from gpufail.config import load_settings
-    from models.estimators import make_model
+    from models.kinds import make_model
 
     path = tmp_path / "gpufail.toml"
     path.write_text(

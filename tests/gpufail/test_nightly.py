@@ -110,17 +110,17 @@ def runs_of(url: str, experiment: str) -> list:
 def test_three_nights_give_three_runs_justified_promotions_and_a_champion_serving_loads(
     mlflow_server, fleet, tmp_path, monkeypatch
 ):
-    import models.registry
+    import models.gate
 
     url, _ = mlflow_server
     scored: list[str] = []  # each scoring of the held-out window, by model version
-    real_metrics = models.registry.holdout_metrics
+    real_metrics = models.gate.holdout_metrics
 
     def counted(model, *args, **kwargs):
         scored.append(model.version)
         return real_metrics(model, *args, **kwargs)
 
-    monkeypatch.setattr(models.registry, "holdout_metrics", counted)
+    monkeypatch.setattr(models.gate, "holdout_metrics", counted)
     name = f"nightly-{next(_names)}"
     data = tmp_path / "data"
     opts = options(tmp_path, url, name)

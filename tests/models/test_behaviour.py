@@ -4,13 +4,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from models.train import train_model
+from models.train import TrainOptions, train_model
 from tests.models import ONE_THREAD, PRECURSOR, demo_frame
 
 
 def risk_after_raising_the_precursor(**kwargs) -> tuple[np.ndarray, np.ndarray]:
     frame = demo_frame()
-    model = train_model(frame, train_window="5d", horizon="12h", **kwargs)
+    model = train_model(frame, TrainOptions(train_window="5d", horizon="12h", **kwargs))
     rows = frame.sample(3000, random_state=1)
     raised = rows.assign(**{PRECURSOR: rows[PRECURSOR] + 0.5})
     return model.predict_risk(rows), model.predict_risk(raised)
@@ -41,7 +41,10 @@ def test_the_default_ensemble_never_lowers_the_risk_of_a_rising_precursor():
     # only improve when its precursor rises, and so can its place in the combined ranking.
     frame = demo_frame()
     model = train_model(
-        frame, kind="parallel", train_window="5d", horizon="12h", params=ONE_THREAD, monotone_increasing=[PRECURSOR]
+        frame,
+        TrainOptions(
+            kind="parallel", train_window="5d", horizon="12h", params=ONE_THREAD, monotone_increasing=[PRECURSOR]
+        ),
     )
     rows = frame.sample(3000, random_state=1).reset_index(drop=True)
     raised = rows.assign(**{PRECURSOR: rows[PRECURSOR] + 0.5})

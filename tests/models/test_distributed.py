@@ -22,7 +22,7 @@ from ingest.errors import InputError
 from ingest.store import Store
 from models.distributed import train_model_distributed
 from models.evaluate import score_metrics
-from models.train import load_model, save_model, train_model
+from models.train import TrainOptions, load_model, save_model, train_model
 from tests.models import ONE_THREAD, demo_features_store, demo_frame
 
 AS_OF = "2026-01-08T12:00Z"
@@ -52,8 +52,8 @@ def _metrics(model) -> dict:
 
 def test_on_the_same_rows_dask_trains_the_single_machine_model(client, store):
     kind = "lightgbm"
-    local = train_model(demo_frame(), kind=kind, negative_fraction=1.0, **WINDOW)
-    dist = train_model_distributed(client, store, kind=kind, negative_fraction=1.0, **WINDOW)
+    local = train_model(demo_frame(), TrainOptions(kind=kind, negative_fraction=1.0, **WINDOW))
+    dist = train_model_distributed(client, store, TrainOptions(kind=kind, negative_fraction=1.0, **WINDOW))
     for name in ("kind", "feature_columns", "n_rows", "n_positives", "train_start", "train_end", "pos_weight"):
         assert getattr(dist, name) == getattr(local, name), name
     assert dist.params == local.params
@@ -65,8 +65,8 @@ def test_on_the_same_rows_dask_trains_the_single_machine_model(client, store):
 
 def test_a_negative_sample_and_monotone_constraints_carry_over(client, store, tmp_path):
     options = dict(WINDOW, kind="xgboost", monotone_increasing=["xid_count_*"])
-    local = train_model(demo_frame(), **options)
-    dist = train_model_distributed(client, store, **options)
+    local = train_model(demo_frame(), TrainOptions(**options))
+    dist = train_model_distributed(client, store, TrainOptions(**options))
     assert dist.n_positives == local.n_positives  # every positive kept
     assert 0.8 < dist.n_rows / local.n_rows < 1.25
     assert dist.pos_weight == local.pos_weight == 10.0 / 0.1  # capped neg/pos weight, then 1 / fraction
@@ -83,9 +83,11 @@ def test_a_negative_sample_and_monotone_constraints_carry_over(client, store, tm
 
 def test_kinds_without_a_dask_trainer_are_refused(client, store):
     with pytest.raises(InputError, match=r"'logistic'.*\[dask\] scheduler = ''"):
-        train_model_distributed(client, store, kind="logistic", **WINDOW)
+        train_model_distributed(client, store, TrainOptions(kind="logistic", **WINDOW))
 
 
 def test_a_window_before_the_data_is_an_error(client, store):
     with pytest.raises(InputError, match="no feature rows"):
-        train_model_distributed(client, store, kind="lightgbm", **{**WINDOW, "as_of": "2025-06-01T00:00Z"})
+        train_model_distributed(
+            client, store, TrainOptions(kind="lightgbm", **{**WINDOW, "as_of": "2025-06-01T00:00Z"})
+        )

@@ -11,6 +11,8 @@ from models.ensemble import (
     CascadeEnsemble,
     ParallelEnsemble,
     assign_by_rank,
+    check_combination,
+    combine_probabilities,
     combine_rankings,
     group_ranks,
 )
@@ -79,18 +81,23 @@ def hand_made(ts: list[int], a: list[float], b: list[float], c: list[float]) -> 
     )
 
 
+def two_scoring_times() -> pd.DataFrame:
+    """Three GPUs at each of two scoring times, with hand-made member probabilities a, b, c."""
+    return hand_made(
+        ts=[0, 0, 0, 1, 1, 1],
+        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
+        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
+        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
+    )
+
+
 def fixed_parallel(combine: str, top_k: int) -> ParallelEnsemble:
     members = [("a", FixedScores("a")), ("b", FixedScores("b")), ("c", FixedScores("c"))]
     return ParallelEnsemble(estimators=members, combine=combine, top_k=top_k)
 
 
 def test_parallel_ensemble_ranks_within_each_scoring_time():
-    X = hand_made(
-        ts=[0, 0, 0, 1, 1, 1],
-        a=[0.9, 0.5, 0.1, 0.02, 0.01, 0.03],
-        b=[0.8, 0.6, 0.2, 0.01, 0.03, 0.02],
-        c=[0.1, 0.6, 0.5, 0.03, 0.02, 0.01],
-    )
+    X = two_scoring_times()
     model = fixed_parallel("top_k_intersection", top_k=2).fit(X, np.array([1, 0, 0, 1, 0, 0]))
     p = model.predict_proba(X)[:, 1]
     # ts 0: top 2 of a {0, 1}, b {0, 1}, c {1, 2}: GPU 1 alone is in all, so it ranks first
@@ -116,6 +123,33 @@ def test_parallel_ensemble_members_never_see_the_time_column():
         ParallelEnsemble(estimators=model.estimators, combine="vote").fit(X, [0, 1, 0, 1])
     with pytest.raises(ValueError, match="top_k"):
         ParallelEnsemble(estimators=model.estimators, top_k=0).fit(X, [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="top_k"):
+        ParallelEnsemble(estimators=model.estimators, top_k=True).fit(X, [0, 1, 0, 1])
+
+
+def test_the_combination_of_members_probabilities_is_what_the_fitted_ensemble_scores():
+    X = two_scoring_times()
+    members = X[["a", "b", "c"]].to_numpy().T
+    for combine in ("top_k_intersection", "rank_average"):
+        model = fixed_parallel(combine, top_k=2).fit(X, np.array([1, 0, 0, 1, 0, 0]))
+        combined = combine_probabilities(members, X["ts"].to_numpy(), combine, 2)
+        np.testing.assert_array_equal(combined, model.predict_proba(X)[:, 1])
+        # Times given as integers (the walk-forward's nanoseconds) group the rows alike.
+        by_ns = combine_probabilities(members, X["ts"].to_numpy().astype("datetime64[ns]").astype(np.int64), combine, 2)
+        np.testing.assert_array_equal(by_ns, combined)
+    # Without times, all rows are one scoring time.
+    one = combine_probabilities(members, None, "top_k_intersection", 2)
+    np.testing.assert_array_equal(one, combine_probabilities(members, np.zeros(6), "top_k_intersection", 2))
+
+
+@pytest.mark.parametrize(
+    ("combine", "top_k", "message"),
+    [("vote", 3, "combine: expected one of"), ("rank_average", 0, "top_k"), ("rank_average", 2.5, "top_k")],
+)
+def test_a_bad_combination_is_refused_naming_the_setting(combine, top_k, message):
+    with pytest.raises(ValueError, match=message):
+        check_combination(combine, top_k)
+    check_combination("rank_average", np.int64(3))  # numpy integers are whole numbers too
 
 
 def planted(n_times: int = 60, n_gpus: int = 50, seed: int = 0) -> tuple[pd.DataFrame, np.ndarray]:

@@ -11,7 +11,7 @@ from models.evaluate import (
     precision_at_k,
 )
 from models.split import time_split
-from models.train import train_model
+from models.train import TrainOptions, train_model
 from tests.models import ONE_THREAD, demo_frame, make_synthetic_frame
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")
@@ -127,10 +127,10 @@ def test_lightgbm_ranks_well_at_1_to_1000_and_the_trap_parameters_do_not():
     def auc(**params):
         params = {**ONE_THREAD, **params}
         # Every negative: the trap is about regularisation at full imbalance, not about subsampling.
-        model = train_model(
-            frame, kind="lightgbm", train_window="10d", horizon="12h", as_of=test_start, params=params,
-            negative_fraction=1.0,
-        )  # fmt: skip
+        options = TrainOptions(
+            kind="lightgbm", train_window="10d", horizon="12h", as_of=test_start, params=params, negative_fraction=1.0
+        )
+        model = train_model(frame, options)
         return roc_auc_score(y, model.predict_risk(test))
 
     chosen = auc()
@@ -273,13 +273,15 @@ def test_compare_scores_per_mode_recall_lead_time_and_model_age():
 def test_every_model_beats_the_random_baseline_on_a_later_window(kind):
     # What the removed single hold-out evaluation checked, on the nightly job's hold-out
     # metrics: train before a 4-day window (with the label-horizon gap), score the window.
-    from models.registry import holdout_metrics
-    from models.train import train_model
+    from models.gate import holdout_metrics
+    from models.train import TrainOptions, train_model
 
     frame = demo_frame()
     test_start = pd.Timestamp(frame["ts"].max()) - pd.Timedelta(days=4)
     params = {} if kind == "logistic" else ONE_THREAD
-    model = train_model(frame, kind=kind, train_window="5d", horizon="12h", as_of=test_start, params=params)
+    model = train_model(
+        frame, TrainOptions(kind=kind, train_window="5d", horizon="12h", as_of=test_start, params=params)
+    )
     assert test_start - model.train_end > pd.Timedelta(hours=12)  # the last training label cannot see the window
     metrics = holdout_metrics(model, frame[frame["ts"] >= test_start], 5)
     scored, random = metrics["model"], metrics["random"]

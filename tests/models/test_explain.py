@@ -7,7 +7,7 @@ import pytest
 from ingest.errors import InputError
 from models.explain import EXPLANATION_COLUMNS, contributions, explain
 from models.frame import feature_matrix
-from models.train import TrainedModel, train_model
+from models.train import TrainedModel, TrainOptions, train_model
 from tests.models import ONE_THREAD, PRECURSOR, demo_frame
 
 PARAMS = {
@@ -23,7 +23,7 @@ PARAMS = {
 
 @cache
 def model(kind: str) -> TrainedModel:
-    return train_model(demo_frame(), kind=kind, train_window="5d", horizon="12h", params=PARAMS[kind])
+    return train_model(demo_frame(), TrainOptions(kind=kind, train_window="5d", horizon="12h", params=PARAMS[kind]))
 
 
 def about_to_fail() -> pd.DataFrame:

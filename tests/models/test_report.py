@@ -9,8 +9,9 @@ from functools import cache
 
 import pandas as pd
 
+from models.comparison import evaluate_walk_forward
 from models.report import METRICS_FILE, PLOTS, REPORT_FILE, metrics_json, write_walk_forward_report
-from models.walk_forward import Contender, WalkForwardPlan, evaluate_walk_forward
+from models.walk_forward import Contender, WalkForwardPlan
 from tests.models import ONE_THREAD, make_synthetic_frame
 
 PLAN = WalkForwardPlan(

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import warnings
 from functools import cache
@@ -12,6 +13,7 @@ from models.train import (
     MODEL_FILE,
     ModelVersionWarning,
     TrainedModel,
+    TrainOptions,
     capped_negative_fraction,
     load_model,
     save_model,
@@ -27,7 +29,8 @@ HORIZON = "12h"
 @cache
 def lightgbm_model() -> TrainedModel:
     return train_model(
-        demo_frame(), kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=1.0
+        demo_frame(),
+        TrainOptions(kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=1.0),
     )
 
 
@@ -65,7 +68,7 @@ def test_censored_rows_never_influence_the_model():
     ghosts["temp_gpu_c_mean_1h"] = -40.0
     poisoned = pd.concat([frame, ghosts], ignore_index=True)
     kwargs = dict(kind="lightgbm", train_window="4d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=ONE_THREAD)
-    clean, dirty = train_model(frame, **kwargs), train_model(poisoned, **kwargs)
+    clean, dirty = train_model(frame, TrainOptions(**kwargs)), train_model(poisoned, TrainOptions(**kwargs))
     assert dirty.n_rows == clean.n_rows
     probe = pd.concat([frame.sample(300, random_state=0), ghosts.head(20)])
     np.testing.assert_array_equal(clean.predict_score(probe), dirty.predict_score(probe))
@@ -75,7 +78,7 @@ def test_a_window_without_failures_is_a_clear_error():
     frame = demo_frame()
     healthy = frame[frame["label"] != 1]
     with pytest.raises(InputError, match="positives"):
-        train_model(healthy, kind="logistic", train_window="3d", horizon=HORIZON)
+        train_model(healthy, TrainOptions(kind="logistic", train_window="3d", horizon=HORIZON))
 
 
 def test_predict_risk_is_calibrated_roughly_and_ranks_like_predict_score():
@@ -138,7 +141,8 @@ def test_negative_subsampling_keeps_every_positive_and_corrects_the_odds():
     frame = demo_frame()
     full = lightgbm_model()
     sampled = train_model(
-        frame, kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=0.2
+        frame,
+        TrainOptions(kind="lightgbm", train_window="5d", horizon=HORIZON, params=ONE_THREAD, negative_fraction=0.2),
     )
     assert sampled.n_positives == full.n_positives
     negatives = full.n_rows - full.n_positives
@@ -159,15 +163,15 @@ def test_negative_subsampling_is_seeded_and_works_on_polars_frames():
 
     frame = demo_frame()
     kwargs = dict(kind="logistic", train_window="3d", horizon=HORIZON, negative_fraction=0.1)
-    a = train_model(frame, **kwargs)
-    b = train_model(pl.from_pandas(frame), **kwargs)
-    c = train_model(frame, **kwargs, seed=1)
+    a = train_model(frame, TrainOptions(**kwargs))
+    b = train_model(pl.from_pandas(frame), TrainOptions(**kwargs))
+    c = train_model(frame, TrainOptions(**kwargs, seed=1))
     probe = frame.tail(500)
     np.testing.assert_allclose(a.predict_risk(probe), b.predict_risk(probe))
     assert a.n_rows == b.n_rows
     assert not np.allclose(a.predict_risk(probe), c.predict_risk(probe))
     with pytest.raises(InputError, match="negative_fraction"):
-        train_model(frame, **{**kwargs, "negative_fraction": 0.0})
+        train_model(frame, TrainOptions(**{**kwargs, "negative_fraction": 0.0}))
 
 
 def test_the_negative_cap_lowers_the_share_to_the_ratio_and_records_it():
@@ -176,13 +180,13 @@ def test_the_negative_cap_lowers_the_share_to_the_ratio_and_records_it():
     window = training_rows(frame, train_window="5d", horizon=HORIZON)
     negatives, positives = int((window["label"] == 0).sum()), int((window["label"] == 1).sum())
     assert negatives > 10 * positives  # the cap below binds
-    capped = train_model(frame, **kwargs, max_negatives_per_positive=5)
+    capped = train_model(frame, TrainOptions(**kwargs, max_negatives_per_positive=5))
     assert capped.n_positives == positives
     assert 4 * positives < capped.n_rows - positives < 6 * positives
     assert capped.negative_fraction == pytest.approx(5 * positives / negatives)
     assert capped.pos_weight == pytest.approx(capped.params["pos_weight"] / capped.negative_fraction)
-    loose = train_model(frame, **kwargs, max_negatives_per_positive=negatives)
-    uncapped = train_model(frame, **kwargs)
+    loose = train_model(frame, TrainOptions(**kwargs, max_negatives_per_positive=negatives))
+    uncapped = train_model(frame, TrainOptions(**kwargs))
     assert loose.negative_fraction == uncapped.negative_fraction == 0.5
     assert loose.n_rows == uncapped.n_rows
 
@@ -195,6 +199,22 @@ def test_capped_negative_fraction():
     assert capped_negative_fraction(0, 10, 0.1, 20) == 0.1
     with pytest.raises(InputError, match="max_negatives_per_positive: expected a positive number"):
         capped_negative_fraction(1000, 10, 0.1, 0)
+
+
+def test_train_options_draw_at_the_capped_share_and_name_their_window():
+    options = TrainOptions(kind="lightgbm", train_window="5d", horizon=HORIZON, max_negatives_per_positive=20)
+    assert options.negative_fraction == 0.1 and options.seed == 0 and dict(options.params) == {}
+    drawn = options.drawn_from(10_000, 10)
+    assert drawn.negative_fraction == pytest.approx(0.02)
+    assert drawn == dataclasses.replace(options, negative_fraction=drawn.negative_fraction)
+    assert options.negative_fraction == 0.1  # frozen: drawing makes new options
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.kind = "xgboost"  # type: ignore[misc]
+    assert options.window_name == "training window of 5d before the last settled label"
+    at = dataclasses.replace(options, as_of="2026-01-05T00:00Z")
+    assert at.window_name == f"training window of 5d before 2026-01-05T00:00Z - {HORIZON}"
+    with pytest.raises(TypeError):
+        TrainOptions("lightgbm", "5d", HORIZON)  # type: ignore[misc]  # keywords only
 
 
 # -- every kind ------------------------------------------------------------------------------
@@ -220,7 +240,7 @@ def shuffled() -> pd.DataFrame:
 def trained(kind: str, shuffled_labels: bool = False) -> TrainedModel:
     frame = shuffled() if shuffled_labels else demo_frame()
     return train_model(
-        frame, kind=kind, train_window="6d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=FAST[kind]
+        frame, TrainOptions(kind=kind, train_window="6d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=FAST[kind])
     )
 
 
@@ -262,7 +282,7 @@ def test_same_seed_same_predictions(kind):
     frame = demo_frame()
     kwargs = dict(kind=kind, train_window="6d", horizon=HORIZON, as_of="2026-01-08T12:00Z", params=FAST[kind])
     probe = held_out().head(2000)
-    again = train_model(frame, **kwargs)
+    again = train_model(frame, TrainOptions(**kwargs))
     np.testing.assert_array_equal(again.predict_risk(probe), trained(kind).predict_risk(probe))
 
 
@@ -295,26 +315,28 @@ def test_cascade_records_its_learnt_threshold():
 def test_bad_ensemble_settings_are_input_errors():
     frame = demo_frame()
     with pytest.raises(InputError, match="svm"):
-        train_model(frame, kind="parallel", train_window="3d", horizon=HORIZON, params={"members": ["svm", "mlp"]})
+        train_model(
+            frame, TrainOptions(kind="parallel", train_window="3d", horizon=HORIZON, params={"members": ["svm", "mlp"]})
+        )
     with pytest.raises(InputError, match="cannot be constrained"):
         train_model(
             frame,
-            kind="parallel",
-            train_window="3d",
-            horizon=HORIZON,
-            params={"members": ["lightgbm", "mlp"]},
-            monotone_increasing=[PRECURSOR],
+            TrainOptions(
+                kind="parallel",
+                train_window="3d",
+                horizon=HORIZON,
+                params={"members": ["lightgbm", "mlp"]},
+                monotone_increasing=[PRECURSOR],
+            ),
         )
     with pytest.raises(InputError, match="model kind"):
-        train_model(frame, kind="svm", train_window="3d", horizon=HORIZON)
+        train_model(frame, TrainOptions(kind="svm", train_window="3d", horizon=HORIZON))
     # A window too short for the cascade's two slices to both hold failures.
     healthy_late = frame.assign(label=frame["label"].where(frame["ts"] < pd.Timestamp("2026-01-06T18:00Z"), 0))
     with pytest.raises(InputError, match="validation slice"):
         train_model(
             healthy_late,
-            kind="cascade",
-            train_window="2d",
-            horizon=HORIZON,
-            as_of="2026-01-08T00:00Z",
-            params=FAST["cascade"],
+            TrainOptions(
+                kind="cascade", train_window="2d", horizon=HORIZON, as_of="2026-01-08T00:00Z", params=FAST["cascade"]
+            ),
         )

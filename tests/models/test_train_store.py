@@ -14,7 +14,7 @@ from features.build import feature_files, read_features, write_features
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold
 from ingest.errors import InputError
 from ingest.store import Store
-from models.train import sample_negatives, train_model, training_rows, training_sample
+from models.train import TrainOptions, sample_negatives, train_model, training_rows, training_sample
 from models.train_store import (
     sampled_training_rows,
     store_training_bounds,
@@ -24,6 +24,11 @@ from models.train_store import (
 from tests.models import ONE_THREAD, demo_features_store
 
 SETTINGS = dict(train_window="4d", horizon="12h", params=ONE_THREAD)
+
+
+def sample_options(**window) -> TrainOptions:
+    """Options that only choose rows (the window and the negative draw): any kind will do."""
+    return TrainOptions(kind="lightgbm", **window)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +42,12 @@ def test_the_sample_is_the_rows_train_model_keeps(store, as_of, seed):
     everything = read_features(store)
     window = dict(train_window="4d", horizon="12h", as_of=as_of)
     expected = sample_negatives(training_rows(everything, **window), 0.2, seed=seed)
-    keys = training_sample(everything.select("ts", "gpu_uuid", "label"), **window, negative_fraction=0.2, seed=seed)
+    keys = training_sample(
+        everything.select("ts", "gpu_uuid", "label"), sample_options(**window, negative_fraction=0.2, seed=seed)
+    )
     assert 0 < keys.height == len(expected)
     assert keys["gpu_uuid"].to_list() == expected["gpu_uuid"].tolist()
-    rows = sampled_training_rows(store, **window, negative_fraction=0.2, seed=seed)
+    rows = sampled_training_rows(store, sample_options(**window, negative_fraction=0.2, seed=seed))
     assert rows.columns == everything.columns
     assert rows.select("ts", "gpu_uuid").equals(keys)
     # A healthy share of the negatives only: the sample is much smaller than the window.
@@ -51,8 +58,8 @@ def test_the_sample_is_the_rows_train_model_keeps(store, as_of, seed):
 @pytest.mark.parametrize("as_of", [None, "2026-01-08T12:00Z"])
 def test_the_model_from_the_store_is_the_model_from_all_rows(store, as_of):
     everything = read_features(store)
-    ours = train_model_from_store(store, kind="lightgbm", as_of=as_of, negative_fraction=0.2, **SETTINGS)
-    theirs = train_model(everything, kind="lightgbm", as_of=as_of, negative_fraction=0.2, **SETTINGS)
+    ours = train_model_from_store(store, TrainOptions(kind="lightgbm", as_of=as_of, negative_fraction=0.2, **SETTINGS))
+    theirs = train_model(everything, TrainOptions(kind="lightgbm", as_of=as_of, negative_fraction=0.2, **SETTINGS))
     assert ours.version == theirs.version
     assert (ours.n_rows, ours.n_positives, ours.pos_weight) == (theirs.n_rows, theirs.n_positives, theirs.pos_weight)
     probe = everything.tail(500)
@@ -62,8 +69,8 @@ def test_the_model_from_the_store_is_the_model_from_all_rows(store, as_of):
 def test_the_negative_cap_gives_the_model_from_all_rows(store):
     everything = read_features(store)
     capped = dict(negative_fraction=0.5, max_negatives_per_positive=4, **SETTINGS)
-    ours = train_model_from_store(store, kind="lightgbm", **capped)
-    theirs = train_model(everything, kind="lightgbm", **capped)
+    ours = train_model_from_store(store, TrainOptions(kind="lightgbm", **capped))
+    theirs = train_model(everything, TrainOptions(kind="lightgbm", **capped))
     assert ours.negative_fraction == theirs.negative_fraction < 0.5
     assert (ours.n_rows, ours.n_positives) == (theirs.n_rows, theirs.n_positives)
     probe = everything.tail(500)
@@ -72,19 +79,19 @@ def test_the_negative_cap_gives_the_model_from_all_rows(store):
 
 def test_a_window_with_no_labelled_rows_is_an_input_error(store):
     with pytest.raises(InputError, match="no labelled rows"):
-        train_model_from_store(store, kind="lightgbm", as_of="2025-01-01T00:00Z", **SETTINGS)
+        train_model_from_store(store, TrainOptions(kind="lightgbm", as_of="2025-01-01T00:00Z", **SETTINGS))
 
 
 def test_a_store_without_features_is_an_input_error(tmp_path):
     empty = Store.create(str(tmp_path / "data"))
     with pytest.raises(InputError, match="features dataset is empty"):
-        train_model_from_store(empty, kind="lightgbm", **SETTINGS)
+        train_model_from_store(empty, TrainOptions(kind="lightgbm", **SETTINGS))
 
 
 def test_an_unknown_kind_fails_before_anything_is_read(tmp_path):
     empty = Store.create(str(tmp_path / "data"))
     with pytest.raises(InputError, match="model kind"):
-        train_model_from_store(empty, kind="nope", **SETTINGS)
+        train_model_from_store(empty, TrainOptions(kind="nope", **SETTINGS))
 
 
 def test_each_features_file_holds_the_presampled_rows_in_its_first_row_group(store):
@@ -114,7 +121,7 @@ def test_the_stored_key_path_never_reads_a_day_whole(store, monkeypatch):
 
     monkeypatch.setattr(module, "_read_rows", no_day_reads)
     monkeypatch.setattr(module, "training_sample", no_day_reads)
-    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.05)
+    rows = sampled_training_rows(store, sample_options(train_window="4d", horizon="12h", negative_fraction=0.05))
     assert rows["label"].sum() > 0
     assert SAMPLE_KEY not in rows.columns
 
@@ -128,7 +135,9 @@ def test_files_written_before_the_stored_key_give_the_same_sample(store, tmp_pat
         pq.write_table(table.drop_columns([SAMPLE_KEY]), path)
     assert read_features(old).equals(read_features(store))
     window = dict(train_window="4d", horizon="12h", negative_fraction=0.2)
-    assert sampled_training_rows(old, **window).equals(sampled_training_rows(store, **window))
+    assert sampled_training_rows(old, sample_options(**window)).equals(
+        sampled_training_rows(store, sample_options(**window))
+    )
 
 
 def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(store, monkeypatch):
@@ -149,7 +158,7 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
 
     monkeypatch.setattr(module, "read_features", narrow_spy)
     monkeypatch.setattr(module, "_read_rows", wide_spy)
-    rows = sampled_training_rows(store, train_window="4d", horizon="12h", negative_fraction=0.2, seed=3)
+    rows = sampled_training_rows(store, sample_options(train_window="4d", horizon="12h", negative_fraction=0.2, seed=3))
     # The newest day's times (where labels settle), then the keys only, up to the newest day.
     assert narrow_calls[1:] == [(narrow_calls[1][0], None, ["label"])]
     per_day = rows.group_by(rows["ts"].dt.date().alias("day")).len().sort("day")
@@ -163,7 +172,9 @@ def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
     try:
         write_features(remote, read_features(store))
         window = dict(train_window="4d", horizon="12h", negative_fraction=0.2, seed=3)
-        assert sampled_training_rows(remote, **window).equals(sampled_training_rows(store, **window))
+        assert sampled_training_rows(remote, sample_options(**window)).equals(
+            sampled_training_rows(store, sample_options(**window))
+        )
         span = dict(train_window="4d", horizon="12h")
         negatives, positives = window_label_counts(store, *store_training_bounds(store, **span))
         assert window_label_counts(remote, *store_training_bounds(remote, **span)) == (negatives, positives)
@@ -182,4 +193,4 @@ def test_a_newest_day_without_rows_is_an_input_error(store, tmp_path):
     folder.mkdir()
     pq.write_table(empty, folder / "part-empty.parquet")
     with pytest.raises(InputError, match="newest features day .* has no rows"):
-        sampled_training_rows(copy, train_window="4d", horizon="12h")
+        sampled_training_rows(copy, sample_options(train_window="4d", horizon="12h"))

@@ -10,30 +10,9 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from models.walk_forward import (
-    Contender,
-    WalkForwardPlan,
-    check_contenders,
-    duration_label,
-    evaluate_walk_forward,
-    run_walk_forward,
-)
-from tests.models import ONE_THREAD, START, make_synthetic_frame
-
-FAST = {"n_estimators": 30, **ONE_THREAD}
-PLAN = WalkForwardPlan(
-    horizon="12h",
-    test_days=3,
-    train_window="4d",
-    candidate_windows=("2d", "6d"),
-    validation_window="1d",
-    negative_fraction=0.3,
-)
-
-
-@cache
-def small_frame() -> pd.DataFrame:
-    return make_synthetic_frame(n_gpus=120, n_hours=24 * 12, horizon_h=12, fail_fraction=0.4, seed=1)
+from models.walk_forward import Contender, WalkForwardPlan, check_contenders, duration_label, run_walk_forward
+from tests.models import START, make_synthetic_frame
+from tests.models.walk_forward_cases import FAST, PLAN, small_frame
 
 
 @cache
@@ -115,25 +94,6 @@ def test_auto_picks_the_window_that_is_best_on_validation_after_a_drift():
         assert fit.validation["2d"] > fit.validation["8d"]
         assert fit.train_window == "2d"
         assert fit.train_end - fit.train_start <= pd.Timedelta(days=2)
-
-
-def test_evaluate_walk_forward_reports_contenders_and_baselines():
-    frame = small_frame()
-    contenders = [Contender("lgb sliding", "lightgbm", "sliding", FAST), Contender("lr static", "logistic", "static")]
-    metrics = evaluate_walk_forward(frame, contenders, PLAN, top_k=["5", "3%", "expected"], bootstrap_samples=50)
-    scores = metrics["scores"]
-    assert set(scores) == {"lgb sliding", "lr static", "random", "heuristic", "oracle", "model"}
-    assert "rule" not in scores and "no hardware-XID" in metrics["baselines"]["rule"]
-    assert scores["model"]["name"] == "lgb sliding"  # no auto contender: the first one
-    for name in ("lgb sliding", "lr static"):
-        at = scores[name]["by_k"]["5"]
-        assert at["precision_daily_mean"] > scores["random"]["by_k"]["5"]["precision_daily_mean"]
-        assert at["precision_daily_mean"] <= scores["oracle"]["by_k"]["5"]["precision_daily_mean"]
-        assert len(at["daily"]) == 3
-    assert scores["oracle"]["by_k"]["expected"]["k_mean"] == max(1, round(metrics["expected_failures_per_day"]))
-    claims = metrics["claims"]
-    assert claims["best_static_single"] == "lr static"
-    assert claims["best"] in ("lgb sliding", "lr static")
 
 
 def test_a_kind_that_is_not_available_is_refused_before_any_training():
@@ -235,16 +195,16 @@ def test_fits_train_on_the_pool_as_drawn_without_subsampling_it_again(monkeypatc
     # or every fit would see a second, different sample and the recorded factor would be wrong.
     import models.walk_forward as wf
 
-    seen: list[dict] = []
+    seen: list = []
     real = wf.train_model
 
-    def recording(*args, **kwargs):
-        seen.append(kwargs)
-        return real(*args, **kwargs)
+    def recording(frame, options):
+        seen.append(options)
+        return real(frame, options)
 
     monkeypatch.setattr(wf, "train_model", recording)
     run_walk_forward(small_frame(), [Contender("lgb static", "lightgbm", "static", FAST)], PLAN)
-    assert seen and all(kw["negative_fraction"] == 1.0 for kw in seen)
+    assert seen and all(options.negative_fraction == 1.0 for options in seen)
 
 
 # -- shared fits: a parallel ensemble from its members' walk-forward scores -----------------------
@@ -260,7 +220,7 @@ TINY = WalkForwardPlan(horizon="12h", test_days=2, train_window="3d", negative_f
 
 @pytest.mark.parametrize("combine", ["top_k_intersection", "rank_average"])
 def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(combine):
-    from models.train import train_model
+    from models.train import TrainOptions, train_model
 
     members = {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": {"n_estimators": 20}}}
     ensemble = {**members, "combine": combine, "top_k": 5, "n_jobs": 1}
@@ -274,10 +234,10 @@ def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(com
     assert result.n_fits == 2 * 2 and result.n_fits_unshared == 4 * 2
     ts = result.test["ts"]
     for r in result.retrain_times:
-        fitted = train_model(
-            tiny_frame(), kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble,
-            negative_fraction=1.0,
-        )  # fmt: skip
+        options = TrainOptions(
+            kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble, negative_fraction=1.0
+        )
+        fitted = train_model(tiny_frame(), options)
         day = ((ts >= r) & (ts < r + pd.Timedelta(days=1))).to_numpy()
         expected = fitted.predict_risk(result.test.loc[day])
         np.testing.assert_array_equal(result.scores["par"][day], expected)
@@ -294,13 +254,15 @@ def test_a_static_contender_shares_its_fit_with_the_first_sliding_one():
     assert not np.array_equal(result.scores["s"][~first], result.scores["d"][~first])
 
 
-def test_a_parallel_contender_with_members_that_are_not_single_kinds_is_refused():
-    with pytest.raises(InputError, match=r"'p'.*params.members expected a list of at least two kinds"):
+def test_an_ensemble_contender_with_members_that_are_not_single_kinds_is_refused():
+    with pytest.raises(InputError, match=r"'p'.*params.members: expected a list of at least two kinds"):
         check_contenders([Contender("p", "parallel", "sliding", {"members": ["lightgbm", "cascade"]})])
-    with pytest.raises(InputError, match=r"params.combine expected one of"):
+    with pytest.raises(InputError, match=r"params.combine: expected one of"):
         check_contenders([Contender("p", "parallel", "sliding", {"combine": "vote"})])
-    with pytest.raises(InputError, match=r"params.top_k expected a positive number"):
+    with pytest.raises(InputError, match=r"params.top_k: expected a positive number"):
         check_contenders([Contender("p", "parallel", "sliding", {"top_k": 0})])
+    with pytest.raises(InputError, match=r"'c'.*params.first: expected one of"):
+        check_contenders([Contender("c", "cascade", "sliding", {"first": "svm"})])
 
 
 def test_auto_keeps_its_window_unless_another_beats_it_by_the_margin():
@@ -330,27 +292,3 @@ def test_auto_scores_validation_days_with_each_windows_own_walk_forward_models()
     for f in auto:
         assert set(f.validation) == {"1d", "3d"} and all(v is not None for v in f.validation.values())
         assert f.validation[f.train_window] == max(f.validation.values())  # margin 0: the best (PR-AUC breaks ties)
-
-
-def test_claims_compare_the_retrained_ensemble_with_the_best_static_single_model():
-    from models.walk_forward import claims
-
-    def scored(days):
-        mean, std = float(np.mean(days)), float(np.std(days))
-        daily = [{"precision": d} for d in days]
-        return {"by_k": {"10": {"precision_daily_mean": mean, "precision_daily_std": std, "daily": daily}}}
-
-    scores = {
-        "s": scored([0.1, 0.3, 0.1, 0.3]),
-        "p": scored([0.26, 0.32, 0.26, 0.32]),  # better every day, and steadier
-        "oracle": scored([0.5, 0.5, 0.4, 0.4]),
-    }
-    contenders = [Contender("s", "lightgbm", "static"), Contender("p", "parallel", "sliding")]
-    e = claims(scores, contenders, "10", samples=200)["sliding_ensemble"]
-    assert (e["name"], e["static_single"]) == ("p", "s")
-    assert e["gain"] == pytest.approx(0.09) and e["gain_ci"][0] > 0
-    assert e["std_ratio"] == pytest.approx(0.03 / 0.1) and e["stability_target_met"]
-    assert e["std_ratio_ci"][0] <= e["std_ratio"] <= e["std_ratio_ci"][1]
-    assert e["static_of_oracle_halves"] == pytest.approx([0.4, 0.5])
-    # Without a retrained ensemble there is no such claim.
-    assert "sliding_ensemble" not in claims(scores, contenders[:1], "10", samples=50)

@@ -56,17 +56,19 @@ def trained_model(seed: int = 0) -> Any:
 
 @cache
 def _trained(seed: int) -> Any:
-    from models.train import train_model
+    from models.train import TrainOptions, train_model
 
     features = fleet()[2]
     return train_model(
         features,
-        kind="lightgbm",
-        train_window="2d",
-        horizon="1h",
-        params={"n_jobs": 1, "n_estimators": 20, "random_state": seed},
-        negative_fraction=1.0,
-        seed=seed,
+        TrainOptions(
+            kind="lightgbm",
+            train_window="2d",
+            horizon="1h",
+            params={"n_jobs": 1, "n_estimators": 20, "random_state": seed},
+            negative_fraction=1.0,
+            seed=seed,
+        ),
     )
 
 

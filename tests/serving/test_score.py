@@ -6,7 +6,7 @@ from gpufail.publishing import top_features_by_gpu
 from ingest.errors import InputError
 from ingest.store import Store
 from models.explain import explain
-from models.train import TrainedModel, train_model
+from models.train import TrainedModel, TrainOptions, train_model
 from serving.predictions import newest_snapshot
 from serving.score import (
     PREDICTION_COLUMNS,
@@ -102,7 +102,7 @@ def test_empty_frame_gives_empty_predictions_with_the_schema():
 
 def test_a_trained_model_scores_every_gpu_once_from_a_polars_frame():
     frame = demo_frame()
-    model = train_model(frame, kind="logistic", train_window="5d", horizon="12h")
+    model = train_model(frame, TrainOptions(kind="logistic", train_window="5d", horizon="12h"))
     predictions = score_latest(model, polars_from_pandas(frame))
     assert len(predictions) == frame["gpu_uuid"].nunique()
     assert predictions["gpu_uuid"].is_unique
@@ -113,7 +113,7 @@ def test_a_trained_model_scores_every_gpu_once_from_a_polars_frame():
 
 def test_lightgbm_model_scores_too():
     frame = demo_frame()
-    model = train_model(frame, kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    model = train_model(frame, TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD))
     predictions = score_latest(model, frame)
     assert len(predictions) == frame["gpu_uuid"].nunique()
     assert np.isfinite(predictions["node_risk"]).all()
@@ -121,7 +121,7 @@ def test_lightgbm_model_scores_too():
 
 def test_top_features_name_each_gpus_largest_contributions_and_fit_the_table():
     frame = demo_frame()
-    model = train_model(frame, kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    model = train_model(frame, TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD))
     predictions = score_latest(model, frame, top_features=3)
     assert list(predictions.columns) == [*PREDICTION_COLUMNS, "top_features"]
     assert all(len(names) == 3 and set(names) <= set(model.feature_columns) for names in predictions["top_features"])
