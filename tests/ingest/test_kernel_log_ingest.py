@@ -355,21 +355,21 @@ def test_files_are_committed_in_batches_and_a_failed_batch_is_read_again(
     # Five node logs, two per batch: three writes (one file each, all events on one date), not five.
     logs = [write(tmp_path / f"node-{i}.log", xid_line(hours(2 + i), BUS_B, 94)) for i in range(5)]
     monkeypatch.setattr(module, "COMMIT_FILES", 2)
-    real_write = Store.write
+    real_write = Store.write_part
     calls = []
 
-    def failing_third_write(self: Store, dataset: str, table: pa.Table) -> list[str]:
+    def failing_third_write(self: Store, dataset: str, day: str, table: pa.Table, **kwargs: object) -> str:
         calls.append(table.num_rows)
         if len(calls) == 3:
             raise StoreError("disk full")
-        return real_write(self, dataset, table)
+        return real_write(self, dataset, day, table, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Store, "write", failing_third_write)
+    monkeypatch.setattr(Store, "write_part", failing_third_write)
     with pytest.raises(StoreError, match="disk full"):
         ingest(store, *logs)
     assert calls == [2, 2, 1]
     assert len(events(store)) == 4  # the first two batches are stored and recorded as read
-    monkeypatch.setattr(Store, "write", real_write)
+    monkeypatch.setattr(Store, "write_part", real_write)
     again = ingest(store, *logs)
     assert (again.files, again.incidents) == (1, 1)  # only the failed batch's file is read again
     assert sorted(r["node"] for r in events(store)) == [f"node-{i}" for i in range(5)]
