@@ -68,9 +68,7 @@ class Journal:
         self.state = _without_commit(raw)
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._unlock()
 
     def commit(self, state: dict[str, Any], tables: Mapping[str, pa.Table]) -> list[str]:
@@ -84,9 +82,7 @@ class Journal:
                 if dataset not in self.datasets:
                     raise ValueError(f"journal {self.name}: {dataset!r} is not one of its datasets {self.datasets}")
                 for day, rows in split_by_day(conform(table, dataset)):
-                    pending.append(
-                        self.store.write_part(dataset, day, rows, hidden_prefix=prefix, durable=True)
-                    )
+                    pending.append(self.store.write_part(dataset, day, rows, hidden_prefix=prefix, durable=True))
             for folder in sorted({path.rsplit("/", 1)[0] for path in pending}):
                 self.store.sync_folder(folder)
             record = {"id": commit_id, "files": [self._relative(_visible_name(p, prefix)) for p in pending]}

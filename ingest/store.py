@@ -432,7 +432,7 @@ def guarded(action: str, path: str) -> Iterator[None]:
 
 
 def describe_os_error(exc: OSError, action: str, path: str) -> str:
-    """"<path>: could not <action> (<reason>); <what to do>" for an OSError of the store."""
+    """The one-line message for an OSError of the store: path, action, reason, what to do."""
     reason = exc.strerror or _one_line(exc) or type(exc).__name__
     where = exc.filename if isinstance(exc.filename, str) and exc.filename else path
     hint = _HINTS.get(exc.errno or 0, "")
