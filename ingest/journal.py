@@ -36,7 +36,16 @@ from typing import IO, Any
 import pyarrow as pa
 
 from ingest.errors import StoreError
-from ingest.store import COMMIT_KEY, Store, conform, describe_os_error, guarded, remove_quietly, split_by_day
+from ingest.store import (
+    COMMIT_KEY,
+    Store,
+    conform,
+    describe_os_error,
+    guarded,
+    remove_quietly,
+    split_by_day,
+    temporary_prefix,
+)
 
 PENDING = ".pending."
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -107,7 +116,13 @@ class Journal:
 
     def _recover(self, commit: dict[str, Any]) -> None:
         """Rename the files of the last commit that a crash left hidden; delete the hidden
-        files of commits that never happened."""
+        files of commits that never happened, and a state file a crash left half written."""
+        state_folder = self.store.path("_state")
+        if self.store.fs.exists(state_folder):
+            stale = temporary_prefix(f"{self.name}.json")
+            for name in _names(self.store, state_folder):
+                if name.startswith(stale):
+                    _delete(self.store, f"{state_folder}/{name}")
         committed = set(commit.get("files", []))
         prefix = f"{PENDING}{self.name}."
         for dataset in self.datasets:

@@ -241,8 +241,8 @@ class Store:
     def _write_bytes_atomic(self, final: str, data: bytes, *, durable: bool = False) -> None:
         """Replace `final` with `data` in one rename. `durable`: on a local store, the bytes and
         then the rename are on disk when this returns (a power cut keeps the old or the new)."""
-        folder = final.rsplit("/", 1)[0]
-        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
+        folder, name = final.rsplit("/", 1)
+        tmp = f"{folder}/{temporary_prefix(name)}{uuid.uuid4().hex}"
         try:
             with self.fs.open(tmp, "wb") as fh:
                 fh.write(data)
@@ -416,6 +416,12 @@ class Store:
         from ingest.journal import Journal
 
         return Journal(self, name, tuple(datasets))
+
+
+def temporary_prefix(name: str) -> str:
+    """How the temporary files of `_write_bytes_atomic(.../name)` begin (hidden from readers;
+    the owner of `name` may delete those a crash left)."""
+    return f".tmp-{name}-"
 
 
 # The key of a state file that holds a journal's last commit (`ingest.journal`).
