@@ -477,7 +477,7 @@ class _Crc32Sink:
 def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
     try:
         return fragment.physical_schema
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(exc)})") from None
 
 
