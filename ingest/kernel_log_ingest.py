@@ -409,9 +409,10 @@ def _relocate_v1_entries(store: Store, entries: dict[str, dict[str, Any]]) -> di
     converted: dict[str, dict[str, Any]] = {}
     for key, entry in entries.items():
         absolute = PurePosixPath(key)
-        inside = root is not None and absolute.is_relative_to(root)
-        relative = absolute.relative_to(root).as_posix() if inside else _tail_under(root, absolute)
-        if not inside:
+        if root is not None and absolute.is_relative_to(root):
+            relative: str | None = absolute.relative_to(root).as_posix()
+        else:
+            relative = _tail_under(root, absolute)
             converted[key] = entry
         if relative is not None:
             family = PurePosixPath(relative).parent / PurePosixPath(str(entry.get("family", key))).name

@@ -63,6 +63,10 @@ _VERIFIED_PARQUET = ds.ParquetFileFormat(
     default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
 )
 _HASH_CHUNK = 4 << 20
+# (path, size, mtime) of the local files this process has verified: a file is hashed once per
+# process, whichever Store object (or Dask task's copy of one) reads it. Part files are never
+# rewritten in place, so a file with another size or mtime is checked again.
+_VERIFIED: set[tuple[str, int, int]] = set()
 
 
 class Store:
@@ -72,8 +76,6 @@ class Store:
         self.root = root
         self.fs = fs
         self._path = path.rstrip("/")
-        # (path, size, mtime) of the files whose checksum this process has verified.
-        self._verified: set[tuple[str, int, float]] = set()
 
     @property
     def is_local(self) -> bool:
@@ -269,13 +271,6 @@ class Store:
             finally:
                 os.close(fd)
 
-    def remove(self, paths: Sequence[str]) -> None:
-        """Delete files of the store (absent ones are fine)."""
-        for path in paths:
-            with guarded("remove", path):
-                if self.fs.exists(path):
-                    self.fs.rm(path)
-
     # -- reading ---------------------------------------------------------------------------
 
     def read(
@@ -346,14 +341,14 @@ class Store:
         """Refuse a part file whose bytes are not those written: the CRC-32 in its name
         (`write_part`) is compared with the file's, on a local store, once per process.
         Remote files are checked page by page as pyarrow reads them (`_VERIFIED_PARQUET`)
-        rather than downloaded twice."""
+        rather than downloaded twice; object stores keep checksums of their own."""
         match = _CHECKSUMMED.search(path)
         if match is None or not self.is_local:
             return
         with guarded("read", path):
             stat = os.stat(path)
-            key = (path, stat.st_size, stat.st_mtime)
-            if key in self._verified:
+            key = (path, stat.st_size, stat.st_mtime_ns)
+            if key in _VERIFIED:
                 return
             crc = 0
             with open(path, "rb") as fh:
@@ -364,7 +359,7 @@ class Store:
                 f"{path}: corrupt file (CRC-32 {crc:08x}, written as {match[1]}); its rows are not used. "
                 "Restore it from a copy of the data root, or remove it and ingest its source again"
             )
-        self._verified.add(key)
+        _VERIFIED.add(key)
 
     def _scan(self, dataset_obj: ds.Dataset, read: Any) -> pa.Table:
         """`read()` of a dataset; a file that cannot be decoded (a corrupt page, a failed page

@@ -462,3 +462,30 @@ def test_an_object_store_maps_events_to_the_same_gpus_as_a_local_one(store: Stor
         (r["xid"], r["gpu_uuid"], r["gpu_index"]) for r in local_rows
     ]
     assert {r["gpu_uuid"] for r in local_rows} >= {"GPU-A0", "GPU-A1", "GPU-B"}
+
+
+def test_logs_inside_the_root_are_named_relative_to_it_and_others_absolutely(store: Store, tmp_path: Path) -> None:
+    inside = tmp_path / "store" / "raw" / "kernel-log" / f"{NODE}.log"
+    inside.parent.mkdir(parents=True)
+    write(inside, node_log())
+    outside = write(tmp_path / "other-node.log", xid_line(hours(3), BUS_A, 13))
+    ingest(store, inside, outside)
+    state = store.read_state(STATE_NAME)
+    assert state is not None and state["version"] == 2
+    assert sorted(state["files"]) == sorted([f"raw/kernel-log/{NODE}.log", str(outside.resolve())])
+    assert state["files"][f"raw/kernel-log/{NODE}.log"]["family"] == f"raw/kernel-log/{NODE}.log"
+    # The root moves; the log outside it stays where it was: neither is read again.
+    moved = tmp_path / "moved"
+    (tmp_path / "store").rename(moved)
+    again = ingest(Store.open(str(moved)), moved / "raw" / "kernel-log" / f"{NODE}.log", outside)
+    assert (again.files, again.incidents) == (0, 0)
+
+
+def test_a_state_of_an_unknown_version_is_refused_rather_than_everything_read_again(
+    store: Store, tmp_path: Path
+) -> None:
+    log = write(tmp_path / f"{NODE}.log", node_log())
+    store.write_state(STATE_NAME, {"version": 99, "files": {}})
+    with pytest.raises(StoreError, match=r"kernel_log_ingest\.json: kernel-log state of version 99 is not understood"):
+        ingest(store, log)
+    assert events(store) == []
