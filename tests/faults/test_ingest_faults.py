@@ -27,6 +27,9 @@ from tests.faults.mounts import fill_leaving, free_bytes, remount, tmpfs
 
 SEED = 20260105
 KILLS = 12
+# Each killed run is a fresh interpreter (a few CPU seconds of imports): about a minute on two
+# free cores, several on a machine shared with other work.
+KILL_TEST_BUDGET_S = 900
 # Log files per commit in the runs that are killed: the small fleet's 28 logs make 10 commits,
 # so most kill points fall between a commit's first file and its state.
 BATCH = 3
@@ -154,6 +157,8 @@ def assert_whole_and_tidy(root: Path) -> None:
     assert hidden == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(KILL_TEST_BUDGET_S)
 def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
@@ -185,6 +190,8 @@ def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
         assert_whole_and_tidy(root)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(KILL_TEST_BUDGET_S)
 def test_kill_9_from_outside_while_files_are_being_written(
     fleet: Path,
     clean: CleanRun,

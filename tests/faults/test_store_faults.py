@@ -187,3 +187,19 @@ def test_permission_denied_is_one_line_naming_the_path(
     monkeypatch.setattr(store.fs, "ls", refuse)
     with pytest.raises(StoreError, match=f"{folder}: could not list the dataset \\(Permission denied\\)"):
         store.dates("xid_events")
+
+
+def test_a_corrupt_features_file_is_named_before_training_or_scoring_reads_it(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from features.build import read_features
+
+    store = Store.create(str(tmp_path / "root"))
+    rows = pa.table({"ts": pa.array([datetime(2026, 1, 5, tzinfo=UTC)], pa.timestamp("us", "UTC")), "gpu_uuid": ["a"]})
+    path = Path(
+        store.write_owned("features", date(2026, 1, 5), rows.append_column("temp_gpu_c_max_1h", pa.array([71.0])))
+    )
+    assert read_features(store).height == 1
+    flip_bit(path, path.stat().st_size // 2, 0)
+    with pytest.raises(StoreError, match=f"{path}: corrupt file"):
+        read_features(store)
