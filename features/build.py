@@ -537,9 +537,12 @@ def _sorted_by_gpu_then_time(frame: pl.DataFrame) -> bool:
     return bool(((earlier_gpu < later_gpu) | ((earlier_gpu == later_gpu) & (earlier_ts < later_ts))).all())
 
 
-def feature_files(store: Store, first_day: date | None = None, last_day: date | None = None) -> list[str]:
-    """Visible part files of the features dataset dated within [first_day, last_day]."""
-    return store.files(FEATURES_DATASET, first_day, last_day)
+def feature_files(
+    store: Store, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
+) -> list[str]:
+    """Visible part files of the features dataset dated within [first_day, last_day]; `verify`
+    (for readers of their rows): each file's checksum checked first (`Store.verify`)."""
+    return store.files(FEATURES_DATASET, first_day, last_day, verify=verify)
 
 
 def features_shape(store: Store) -> tuple[int, int]:
@@ -621,7 +624,7 @@ def scan_features(
 ) -> pl.LazyFrame:
     """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
     grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
-    files = feature_files(store, *_day_range(start, end))
+    files = feature_files(store, *_day_range(start, end), verify=True)
     if not files:
         return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
     if store.is_local:

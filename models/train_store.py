@@ -84,7 +84,11 @@ def store_training_bounds(
 
 
 def _window_files(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> list[str]:
-    return [] if end <= start else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
+    return (
+        []
+        if end <= start
+        else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date(), verify=True)
+    )
 
 
 def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> tuple[int, int]:
@@ -160,7 +164,7 @@ def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.Da
     if not store.is_local:
         wide = read_features(store, start=day_start, end=day_start + timedelta(days=1))
         return wide.join(wanted, on=_KEYS, how="semi")
-    files = feature_files(store, day_start.date(), day_start.date())
+    files = feature_files(store, day_start.date(), day_start.date(), verify=True)
     hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
     return (
         pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
