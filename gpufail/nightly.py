@@ -31,7 +31,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from gpufail.locking import exclusive_lock
+from ingest.locking import exclusive_lock
 from ingest.errors import ConfigError, GpufailError
 from ingest.store import Store
 

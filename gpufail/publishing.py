@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpufail.locking import exclusive_lock
+from ingest.locking import exclusive_lock
 from ingest.errors import GpufailError, InputError
 from ingest.store import Store
 

@@ -9,7 +9,7 @@ import pytest
 
 import serving.publish
 from gpufail.config import load_settings
-from gpufail.locking import LockBusy, exclusive_lock
+from ingest.locking import LockBusy, exclusive_lock
 from gpufail.publishing import publish_latest, publish_lock_path, publish_mode
 from ingest.store import Store
 from serving.predictions import newest_snapshot, write_snapshot
