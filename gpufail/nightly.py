@@ -31,8 +31,8 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ingest.locking import exclusive_lock
 from ingest.errors import ConfigError, GpufailError
+from ingest.locking import exclusive_lock
 from ingest.store import Store
 
 STEPS = ("ingest", "features", "train", "evaluate", "register", "gate", "score", "publish")

@@ -11,18 +11,14 @@ Modes:
   node's `applied` tier as it was, so the next run tries again; re-running with the same
   predictions changes nothing (idempotent).
 
-The audit log is a Parquet dataset, one new file per run under `date=YYYY-MM-DD/` (the UTC
-date of the decisions), never rewritten. A file is first written complete under a hidden
-`.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name
-(`finish_audit`); `append_audit` does both. A caller that keeps state commits the staged file's
-names with its state between the two steps, so that a run killed at any point leaves its rows
-either recorded once or not at all (`gpufail.publishing`).
+The audit log is the store's `actions` dataset, one new file per run under `date=YYYY-MM-DD/`
+(the UTC date of the decisions, `decisions_table`), never rewritten, committed together with
+the policy state it leads to (`gpufail.publishing`), so that a run killed at any point leaves
+its rows either recorded once or not at all. `read_audit` reads what was committed.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -30,16 +26,14 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ingest.errors import InputError
+from ingest.store import Store
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, decide
 from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable, publisher_notices
 from serving.score import node_risks
 
 MODES = ("dry-run", "shadow", "live")
-PENDING_PREFIX = ".pending-"
-"""Staged audit files (`stage_audit`) start with this; readers skip every hidden file."""
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -240,90 +234,14 @@ def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=AUDIT_SCHEMA)
 
 
-def _filesystem(path: str, fs: Any) -> tuple[Any, str]:
-    import fsspec
-
-    if fs is not None:
-        return fs, str(path)
-    return fsspec.core.url_to_fs(str(path))
-
-
-@dataclass(frozen=True)
-class StagedAudit:
-    """An audit file written complete under its hidden `pending` name, to be renamed to `final`."""
-
-    pending: str
-    final: str
-
-
-def stage_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None, run_id: str = "") -> StagedAudit | None:
-    """Write the decisions as one complete Parquet file under a hidden name in the audit log
-    rooted at `path` (None, and nothing written, for no decisions); `finish_audit` makes it
-    visible. `path` is a local folder or fsspec URL, or a path within `fs` (an fsspec
-    filesystem, e.g. `Store.fs` with `Store.path("actions")`); `run_id` names the file (default:
-    a random one)."""
-    if not decisions:
-        return None
-    table = decisions_table(decisions)
-    fs, root = _filesystem(path, fs)
-    first = min(d.time for d in decisions)
-    folder = f"{root.rstrip('/')}/date={first:%Y-%m-%d}"
-    fs.makedirs(folder, exist_ok=True)
-    name = f"part-{first:%Y%m%dT%H%M%SZ}-{run_id or uuid.uuid4().hex}.parquet"
-    final, pending = f"{folder}/{name}", f"{folder}/{PENDING_PREFIX}{name}"
-    tmp = f"{folder}/.tmp-{uuid.uuid4().hex}-{name}"
-    try:
-        with fs.open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
-        _sync(fs, tmp)
-        fs.mv(tmp, pending)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp)
-        raise
-    return StagedAudit(pending, final)
-
-
-def finish_audit(staged: StagedAudit, fs: Any) -> str:
-    """Make a staged audit file visible under its final name (`fs`: the filesystem it was
-    staged on); done already is fine, so a run that resumes after a kill can call it again.
-    Returns the final path."""
-    if fs.exists(staged.pending):
-        if fs.exists(staged.final):
-            # A rename that copies (object stores) was cut between copy and delete.
-            fs.rm(staged.pending)
-        else:
-            fs.mv(staged.pending, staged.final)
-    return staged.final
-
-
-def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
-    """Add the decisions to the audit log rooted at `path` as one new Parquet file; returns its
-    path (None, and nothing written, for no decisions). See `stage_audit` for `path` and `fs`."""
-    staged = stage_audit(decisions, path, fs)
-    return None if staged is None else finish_audit(staged, _filesystem(path, fs)[0])
-
-
-def _sync(fs: Any, path: str) -> None:
-    # A local file reaches the disk before it is renamed into place (a crash of the machine,
-    # not only of the process, then leaves the old or the new file, never an empty one).
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" in protocol:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def read_audit(path: str, fs: Any = None) -> pd.DataFrame:
-    """The whole audit log rooted at `path`, oldest first (temporary files are skipped)."""
-    fs, root = _filesystem(path, fs)
-    files = sorted(f for f in fs.glob(f"{root.rstrip('/')}/date=*/part-*.parquet"))
-    if not files:
+def read_audit(store: Store) -> pd.DataFrame:
+    """The whole audit log of a data root (its committed `actions` files), oldest first."""
+    table = store.read_owned("actions")
+    if table is None:
         return AUDIT_SCHEMA.empty_table().to_pandas()
-    tables = []
-    for f in files:
-        with fs.open(f, "rb") as fh:
-            tables.append(pq.read_table(fh, schema=AUDIT_SCHEMA))
-    return pa.concat_tables(tables).to_pandas().sort_values("time", kind="stable", ignore_index=True)
+    return (
+        table.select(AUDIT_SCHEMA.names)
+        .cast(AUDIT_SCHEMA)
+        .to_pandas()
+        .sort_values("time", kind="stable", ignore_index=True)
+    )
