@@ -42,6 +42,7 @@ writers on one machine only: run one writer of a name at a time there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import tempfile
@@ -101,9 +102,14 @@ class Staging:
             for day, rows in split_by_day(conform(table, dataset))
         ]
 
+    def visible(self, path: str) -> str:
+        """The path a file written here has once committed."""
+        return _visible(path, self.prefix)
+
     def _check(self, dataset: str) -> None:
         if dataset not in self.datasets:
-            raise ValueError(f"{self.prefix}: {dataset!r} is not one of the journal's datasets {self.datasets}")
+            name = self.prefix.removeprefix(PENDING).split(".", 1)[0]
+            raise ValueError(f"journal {name}: {dataset!r} is not one of its datasets {self.datasets}")
 
 
 class Journal:
@@ -148,10 +154,7 @@ class Journal:
         try:
             with guarded("create the lock file", str(path)):
                 held.enter_context(exclusive_lock(path, self._holder, wait_s=self._wait_s, error=StoreError))
-            raw = self.store.read_state_raw(self.name)
-            record = commit_record(raw)
-            self._finish(record)
-            self._sweep()
+            raw = self._recover()
         except BaseException:
             held.close()
             raise
@@ -161,7 +164,15 @@ class Journal:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._held is not None:
+        if self._held is None:
+            return
+        try:
+            if exc is not None:
+                # What the failed work left: finished or removed now, while the lock is held,
+                # rather than at the next entry.
+                with contextlib.suppress(StoreError):
+                    self._recover()
+        finally:
             self._held.close()
             self._held = None
 
@@ -201,7 +212,7 @@ class Journal:
                     self.store.sync_folder(folder)
             record = {
                 "id": self._id,
-                "files": [self._relative(_visible(p, staging.prefix)) for p in hidden],
+                "files": [self._relative(staging.visible(p)) for p in hidden],
                 "replaces": removed,
             }
             with guarded("write", self._marker()):
@@ -220,6 +231,14 @@ class Journal:
         return [self.store.path(f) for f in record["files"]]
 
     # -- finishing and sweeping ------------------------------------------------------------
+
+    def _recover(self) -> dict[str, Any] | None:
+        """Finish the last commit, delete every other hidden file of this writer; returns the
+        state file as committed."""
+        raw = self.store.read_state_raw(self.name)
+        self._finish(commit_record(raw))
+        self._sweep()
+        return raw
 
     def _finish(self, record: dict[str, Any]) -> None:
         """Step 4 of the module notes for `record`; what is done already is skipped, so this
