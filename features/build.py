@@ -574,12 +574,15 @@ def scan_features(
     start: datetime | None = None,
     end: datetime | None = None,
     columns: Sequence[str] | None = None,
+    where: pl.Expr | None = None,
 ) -> pl.LazyFrame:
-    """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
-    grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet).
-    Files written before the stored training key (SAMPLE_KEY) lack it: a later file's column
-    the first file lacks is left out rather than an error."""
-    frame = store.scan(FEATURES_DATASET, start, end, schema={**ID_DTYPES, **LABEL_DTYPES})
+    """`read_features` as a polars LazyFrame in file order (rows matching `where`, which may
+    use the stored training key), for readers that take a range a few grid times at a time (a
+    held-out window is 2.2M rows x 420 columns on the paper fleet). Files written before the
+    stored training key (SAMPLE_KEY) lack it: a later file's column the first file lacks is
+    left out rather than an error. Collect it with `Store.collect` to have a file that does
+    not read named."""
+    frame = store.scan(FEATURES_DATASET, start, end, where=where, schema={**ID_DTYPES, **LABEL_DTYPES})
     if columns is None:
         names = store.collect(frame.head(0), FEATURES_DATASET, start, end).columns
         return frame.select([c for c in names if c != SAMPLE_KEY])

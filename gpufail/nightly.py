@@ -270,14 +270,17 @@ class _Job:
         if isinstance(exc, GpufailError):
             return str(exc)
         message = f"{type(exc).__name__}: {exc}"
-        from features.build import FEATURES_DATASET, READ_ERRORS, unreadable_feature_file, unreadable_message
+        import polars as pl
+        import pyarrow as pa
 
-        if isinstance(exc, READ_ERRORS) and not isinstance(exc, OSError):
+        from features.build import FEATURES_DATASET
+
+        if isinstance(exc, (pl.exceptions.PolarsError, pa.ArrowException)):
             days = self.store.dates(FEATURES_DATASET)
             reach = retrain_reach(days[-1], self.o).date() if days else None
-            bad = unreadable_feature_file(self.store, reach)
-            if bad is not None:
-                return f"{unreadable_message(*bad)} ({message})"
+            unreadable = self.store.unreadable(FEATURES_DATASET, reach)
+            if unreadable is not None:
+                return f"{unreadable} ({message})"
         return message
 
     # -- helpers -------------------------------------------------------------------------------

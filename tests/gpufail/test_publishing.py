@@ -13,6 +13,7 @@ from ingest.journal import Journal
 from ingest.store import Store
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
+from tests.ingest.test_journal import killed_process
 from tests.serving.test_predictions import scored
 
 SETTINGS = load_settings(None, environ={}).publish
@@ -44,6 +45,7 @@ def hidden(store):
 
 def killed_after_the_commit(monkeypatch):
     """The run dies right after its commit (the state's rename), before the audit file's."""
+    killed_process(monkeypatch)
     real = Journal._finish
 
     def finish(self, record):
@@ -77,7 +79,7 @@ def test_a_run_killed_before_its_commit_leaves_nothing_and_the_rerun_is_a_clean_
         return real(self, name, state, **options)
 
     monkeypatch.setattr(Store, "write_state", stopped)
-    monkeypatch.setattr("ingest.journal.remove_quietly", lambda fs, path: None)  # killed: no cleanup
+    killed_process(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
     monkeypatch.undo()

@@ -171,7 +171,7 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
 
 
 def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
-    """Non-local stores read a day whole and cut it, instead of scanning it with polars."""
+    """A store on another filesystem is read through the same scans (pyarrow underneath)."""
     remote = Store.create(f"memory://gpufail-train-store-{tmp_path.name}")
     try:
         write_features(remote, read_features(store))
