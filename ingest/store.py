@@ -592,7 +592,7 @@ def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
     try:
         return fragment.physical_schema
     except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(exc)})") from None
+        raise StoreError(unreadable_message(fragment.path, _one_line(exc))) from None
 
 
 def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
