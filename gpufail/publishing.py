@@ -30,13 +30,14 @@ LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
 PUBLISH_LOCK = "publish"
 """The lock every publish run of a data root holds (`_state/publish.lock` on a local root)."""
-AUDIT_DATASET = "actions"
 
 
 @contextmanager
 def policy_journal(store: Store, name: str, wait_s: float = LOCK_WAIT_S) -> Iterator[Journal]:
     """The journal of the policy state `name` and its audit files, holding the publish lock
     (waiting up to `wait_s` for a run that holds it)."""
+    from serving.publish import AUDIT_DATASET
+
     with store.journal(name, [AUDIT_DATASET], lock=PUBLISH_LOCK, wait_s=wait_s, holder="`gpufail publish`") as journal:
         _finish_legacy_audit(store, name, journal.state)
         yield journal
@@ -50,7 +51,7 @@ def publish_latest(
     holding the publish lock. The policy state is read from the store, and committed with the
     audit file unless in dry run (which must not advance it). Returns the outcome of
     `serving.publish.publish` and the audit file written (None when there was nothing to record)."""
-    from serving.publish import decisions_table, state_name
+    from serving.publish import AUDIT_DATASET, decisions_table, state_name
     from serving.publish import publish as run_publish
 
     name = state_name(target, mode)
@@ -95,6 +96,8 @@ def _finish_legacy_audit(store: Store, name: str, state: dict[str, Any] | None) 
     """gpufail before the store's journal staged a run's audit file under a hidden
     `.pending-` name and recorded its names in the state (`audit`) before the rename: finish a
     rename a kill left undone, and remove staged files no state names."""
+    from serving.publish import AUDIT_DATASET
+
     audit = (state or {}).get("audit")
     fs = store.fs
     with guarded("finish an audit file staged by an earlier gpufail in", store.path(AUDIT_DATASET)):

@@ -14,7 +14,8 @@ Modes:
 The audit log is the store's `actions` dataset, one new file per run under `date=YYYY-MM-DD/`
 (the UTC date of the decisions, `decisions_table`), never rewritten, committed together with
 the policy state it leads to (`gpufail.publishing`), so that a run killed at any point leaves
-its rows either recorded once or not at all. `read_audit` reads what was committed.
+its rows either recorded once or not at all. `read_audit` reads what was committed;
+`append_audit` adds a file without a state.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+import fsspec
 import pandas as pd
 import pyarrow as pa
 
@@ -34,6 +36,7 @@ from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable
 from serving.score import node_risks
 
 MODES = ("dry-run", "shadow", "live")
+AUDIT_DATASET = "actions"
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -234,14 +237,33 @@ def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=AUDIT_SCHEMA)
 
 
-def read_audit(store: Store) -> pd.DataFrame:
-    """The whole audit log of a data root (its committed `actions` files), oldest first."""
-    table = store.read_owned("actions")
+def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
+    """Add the decisions to the audit log at `path` (a data root's `actions` folder: a local
+    folder or fsspec URL, or a path within `fs`) as one new file, visible at once, whole or not
+    at all; returns its path (None, and nothing written, for no decisions). For writers without
+    a policy state (benchmarks, tests): `gpufail publish` commits its audit file together with
+    its state (`gpufail.publishing`)."""
+    if not decisions:
+        return None
+    first = min(d.time for d in decisions)
+    return _audit_store(path, fs).write_owned(AUDIT_DATASET, first.date(), decisions_table(decisions))
+
+
+def read_audit(path: str, fs: Any = None) -> pd.DataFrame:
+    """The whole audit log at `path` (see `append_audit`), oldest first: the files readers of
+    the store see (those committed)."""
+    table = _audit_store(path, fs).read_owned(AUDIT_DATASET)
     if table is None:
         return AUDIT_SCHEMA.empty_table().to_pandas()
-    return (
-        table.select(AUDIT_SCHEMA.names)
-        .cast(AUDIT_SCHEMA)
-        .to_pandas()
-        .sort_values("time", kind="stable", ignore_index=True)
-    )
+    frame = table.select(AUDIT_SCHEMA.names).cast(AUDIT_SCHEMA).to_pandas()
+    return frame.sort_values("time", kind="stable", ignore_index=True)
+
+
+def _audit_store(path: str, fs: Any) -> Store:
+    """The data root whose `actions` dataset is at `path`."""
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(str(path))
+    root = str(path).rstrip("/")
+    if root.rsplit("/", 1)[-1] == AUDIT_DATASET:
+        root = root.rsplit("/", 1)[0]
+    return Store(root, fs, root)

@@ -73,7 +73,7 @@ def snapshot_rows(folder: Path) -> pd.DataFrame:
 
 
 def audit(folder: Path) -> pd.DataFrame:
-    return read_audit(Store.open(str(folder / "data")))
+    return read_audit(str(folder / "data" / "actions"))
 
 
 def acted(rows: pd.DataFrame) -> list[tuple]:

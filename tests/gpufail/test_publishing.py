@@ -62,10 +62,10 @@ def test_a_run_killed_after_its_commit_counts_whole_and_the_next_one_finishes_it
         _publish(store)
     monkeypatch.undo()
     assert [n.split(".")[1] for n in hidden(store)] == ["pending"]  # not yet renamed,
-    assert len(read_audit(store)) == 2  # but committed: its rows count
+    assert len(read_audit(store.path("actions"))) == 2  # but committed: its rows count
     assert store.read_state("publish-log")["nodes"]["c1/n0"]["applied"] == "drain_now"
     _, path = _publish(store)
-    rows = read_audit(store)
+    rows = read_audit(store.path("actions"))
     assert len(rows) == 4 and list(rows["action"]).count("raise") == 1  # 2 nodes x 2 runs
     assert Path(path).exists() and hidden(store) == []
 
@@ -84,9 +84,9 @@ def test_a_run_killed_before_its_commit_leaves_nothing_and_the_rerun_is_a_clean_
         _publish(store)
     monkeypatch.undo()
     assert [n.split(".")[1] for n in hidden(store)] == ["pending"]  # written, never committed
-    assert read_audit(store).empty and store.read_state("publish-log") is None
+    assert read_audit(store.path("actions")).empty and store.read_state("publish-log") is None
     _publish(store)
-    rows = read_audit(store)
+    rows = read_audit(store.path("actions"))
     assert sorted(zip(rows["node"], rows["action"], strict=True)) == [("n0", "raise"), ("n1", "keep")]
     assert hidden(store) == []
 
@@ -99,7 +99,7 @@ def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch
     publish_latest(store, newest_snapshot(store).frame, SETTINGS, target="log", mode="shadow")
     assert len(hidden(store)) == 1  # the live run's, kept
     _publish(store)
-    rows = read_audit(store)
+    rows = read_audit(store.path("actions"))
     assert pd.Series(rows["mode"]).value_counts().to_dict() == {"live": 4, "shadow": 2}
     assert hidden(store) == []
 
@@ -109,7 +109,7 @@ def test_a_dry_run_records_its_decisions_and_leaves_the_state_as_it_was(store):
     before = store.read_state("publish-log")
     publish_latest(store, newest_snapshot(store).frame, SETTINGS, target="log", mode="dry-run")
     assert store.read_state("publish-log") == before
-    assert pd.Series(read_audit(store)["mode"]).value_counts().to_dict() == {"live": 2, "dry-run": 2}
+    assert pd.Series(read_audit(store.path("actions"))["mode"]).value_counts().to_dict() == {"live": 2, "dry-run": 2}
 
 
 def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_rest_of_the_state(store):
@@ -132,4 +132,4 @@ def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_rest_of_the_state(
     )
     after = store.read_state("publish-log")
     assert after["breaker"]["tripped_at"] is None and after["nodes"] == state["nodes"]
-    assert len(read_audit(store)) == 2
+    assert len(read_audit(store.path("actions"))) == 2

@@ -234,7 +234,9 @@ def test_scan_refuses_a_foreign_file_and_collect_names_a_file_that_does_not_deco
     with pytest.raises(StoreError) as refused:
         store.collect(store.scan("xid_events"), "xid_events")
     assert str(refused.value).startswith(f"{damaged}: not a readable Parquet file (")
-    assert str(refused.value).endswith("; restore it from a copy of the data root, or remove it and ingest its source again")
+    assert str(refused.value).endswith(
+        "; restore it from a copy of the data root, or remove it and ingest its source again"
+    )
 
 
 def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_path):

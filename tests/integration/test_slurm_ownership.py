@@ -71,7 +71,7 @@ def test_a_drain_whose_reason_an_operator_edited_is_theirs_and_never_resumed(slu
     state = slurm.node_states()["gpu011"]
     assert state["state_flags"] == ["DRAIN"] and state["reason"] == edited
     assert f"gpu011: drain reason is now {edited!r}, not the {ours!r} gpufail set" in result.stderr
-    row = read_audit(Store.open(str(data))).iloc[-16:].set_index("node").loc["gpu011"]
+    row = read_audit(str(data / "actions")).iloc[-16:].set_index("node").loc["gpu011"]
     assert row["action"] == "skip" and "the operator's, not ours" in row["reason"]
 
 
@@ -124,7 +124,7 @@ def test_kill_9_of_a_live_slurm_publish_then_a_rerun_leaves_what_a_clean_run_lea
     assert run(clean) == 0
     expected_slurm = node_marks(slurm)
     expected_ledger = json.loads((clean / "data" / "_state" / "publish-slurm-ledger.json").read_text())
-    expected_audit = read_audit(Store.open(str(clean / "data")))
+    expected_audit = read_audit(str(clean / "data" / "actions"))
     acted = sorted(
         expected_audit.loc[expected_audit["action"] != "keep", ["node", "tier", "result"]].itertuples(index=False)
     )
@@ -142,6 +142,6 @@ def test_kill_9_of_a_live_slurm_publish_then_a_rerun_leaves_what_a_clean_run_lea
         assert {n: d["reason"] for n, d in ledger["drains"].items()} == {
             n: d["reason"] for n, d in expected_ledger["drains"].items()
         } and ledger["weights"] == expected_ledger["weights"], kill
-        audit = read_audit(Store.open(str(folder / "data")))
+        audit = read_audit(str(folder / "data" / "actions"))
         changed = audit.loc[audit["action"] != "keep", ["node", "tier", "result"]]
         assert sorted(changed.itertuples(index=False)) == acted, kill

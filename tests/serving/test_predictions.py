@@ -85,7 +85,7 @@ def test_scorings_of_one_data_root_take_turns_and_the_last_one_remains(store, mo
         write_snapshot(store, scored(risk=0.1), now=WRITTEN)
     assert "another `gpufail score` of this data root holds the lock" in str(refused.value)
     assert store.files("predictions") == []
-    later, _ = write_snapshot(store, scored(risk=0.2), now=WRITTEN + timedelta(seconds=1))
+    write_snapshot(store, scored(risk=0.2), now=WRITTEN + timedelta(seconds=1))
     last, replaced = write_snapshot(store, scored(risk=0.1), now=WRITTEN)
     assert replaced == 1 and store.files("predictions") == [last]
     assert newest_snapshot(store).frame["risk"].tolist() == [0.1] * 4

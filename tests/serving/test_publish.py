@@ -4,9 +4,8 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from ingest.store import Store
 from serving.policy import PolicyConfig, PolicyState, Tier
-from serving.publish import AUDIT_SCHEMA, decisions_table, publish, read_audit, state_name
+from serving.publish import AUDIT_SCHEMA, append_audit, publish, read_audit, state_name
 from serving.publishers import Applied, NodeView, SchedulerUnavailable
 from serving.publishers.log import LogPublisher
 
@@ -115,14 +114,16 @@ def test_log_publisher_records_and_audit_round_trips(tmp_path):
         top_features={"a-gpu0": ["ecc_sbe_rate_24h", "xid_count_24h"]},
     )
     assert out.rows[0].result == "recorded: none -> drain-now (no scheduler)"
-    store = Store.create(str(tmp_path / "data"))
-    store.write_owned("actions", NOW.date(), decisions_table(out.rows))
-    audit = read_audit(store)
+    path = append_audit(out.rows, str(tmp_path / "actions"))
+    assert path is not None and "/actions/date=2026-01-05/part-" in path
+    audit = read_audit(str(tmp_path / "actions"))
     assert list(audit.columns) == AUDIT_SCHEMA.names and len(audit) == 2
     first = audit.iloc[0]
     assert first["node"] == "a" and list(first["top_features"]) == ["ecc_sbe_rate_24h", "xid_count_24h"]
     assert first["tier"] == "drain_now" and first["target"] == "log" and first["mode"] == "live"
-    assert read_audit(Store.create(str(tmp_path / "empty"))).empty
+    assert append_audit([], str(tmp_path / "actions")) is None
+    assert read_audit(str(tmp_path / "nothing" / "actions")).empty
+    assert not list((tmp_path / "actions").rglob(".*"))
 
 
 def test_unknown_mode_is_refused():
