@@ -610,11 +610,9 @@ def telemetry_spans(store: Store, cluster: str, nodes: list[str], start: datetim
     """
     spans = _EMPTY_SPANS
     wanted = sorted(set(nodes))
-    for day in store.dates("telemetry"):
+    for day in store.dates("telemetry", start, end):
         day_start = datetime.combine(day, time(), UTC)
         lo, hi = max(start, day_start), min(end, day_start + timedelta(days=1))
-        if hi <= lo:
-            continue
         where = (pl.col("cluster") == cluster) & pl.col("node").is_in(wanted)
         rows = store.scan("telemetry", lo, hi, columns=_SPAN_READ, where=where)
         spans = _fold_spans(pl.concat([spans, _day_spans(rows, store, lo, hi)]))

@@ -155,10 +155,11 @@ class Store:
     def exists(self, dataset: str) -> bool:
         return bool(self.files(dataset))
 
-    def dates(self, dataset: str) -> list[date]:
+    def dates(self, dataset: str, start: datetime | None = None, end: datetime | None = None) -> list[date]:
         """The dates of a dataset's partitions that hold files readers see, oldest first (a
-        partition may hold only hidden files: a write in flight, or one a crash cut short)."""
-        return sorted({_day_of(path) for path in self.files(dataset)})
+        partition may hold only hidden files: a write in flight, or one a crash cut short),
+        within the days a [start, end) range touches when given."""
+        return sorted({_day_of(path) for path in self.files(dataset, *_day_range(start, end))})
 
     def partitions(self, dataset: str) -> list[tuple[str, list[str]]]:
         """(folder, the names of every file in it) of each date partition of a dataset, hidden

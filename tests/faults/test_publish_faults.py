@@ -115,6 +115,7 @@ def test_kill_9_of_score_at_random_points_then_a_rerun_gives_one_clean_snapshot(
             pd.testing.assert_frame_equal(after_kill.frame.sort_values("gpu_uuid", ignore_index=True), clean)
         assert gpufail(folder, "score") == 0
         assert len(kill_points.visible_files(folder / "data", "predictions")) == 1, kill
+        assert kill_points.hidden_files(folder / "data") == [], kill  # a killed write's file swept
         pd.testing.assert_frame_equal(snapshot_rows(folder), clean)
 
 
