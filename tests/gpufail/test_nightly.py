@@ -185,14 +185,14 @@ def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_serve
     opts = options(tmp_path, url, name)
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
 
-    real_write = Store.write_owned
+    real_write = Store.write_part
 
     def disk_full(self, dataset, *args, **kwargs):
         if dataset == "predictions":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, dataset, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "write_owned", disk_full)
+    monkeypatch.setattr(Store, "write_part", disk_full)
     messages: list[str] = []
     with pytest.raises(NightlyError, match=r"step score failed: OSError: \[Errno 28\] No space left on device"):
         run_nightly(str(data), opts, publish=log_publish, report=messages.append)
@@ -201,7 +201,7 @@ def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_serve
     assert state["failed"]["step"] == "score"
     assert Store.open(str(data)).files("predictions") == []  # nothing half-written
 
-    monkeypatch.setattr(Store, "write_owned", real_write)
+    monkeypatch.setattr(Store, "write_part", real_write)
     resumed = run_nightly(str(data), opts, publish=log_publish, report=messages.append)
     assert resumed.done == ["score", "publish"]
     assert len(runs_of(url, opts.experiment)) == 1
