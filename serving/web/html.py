@@ -7,6 +7,7 @@ templates use the same functions (registered as globals), so each piece has one 
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from markupsafe import Markup
 
 from serving.api_state import Fleet
 from serving.policy import TIERS
-from serving.web.views import EXPLAINED, fmt_risk, fmt_value
+from serving.web.views import EXPLAINED, feature_meaning, fmt_risk, fmt_value
 
 
 @cache
@@ -27,8 +28,14 @@ def tier_badge(tier: str) -> Markup:
     return Markup(f'<span class="tier t-{escape(tier)}">{escape(tier.replace("_", " "))}</span>')
 
 
+RISK_BAR_DECADES = 4
+"""The risk bar is logarithmic from 10^-4 (empty) to 1 (full): a fleet's risks span orders of
+magnitude, and a linear bar shows nothing below a few percent."""
+
+
 def risk_bar(risk: float) -> Markup:
-    width = min(max(risk, 0.0), 1.0) * 48
+    position = (math.log10(risk) + RISK_BAR_DECADES) / RISK_BAR_DECADES if risk > 0 else 0.0
+    width = min(max(position, 0.0), 1.0) * 48
     return Markup(
         f'<svg class="bar" width="48" height="8" aria-hidden="true"><rect class="track" width="48" height="8"/>'
         f'<rect width="{width:.1f}" height="8"/></svg>'
@@ -40,9 +47,11 @@ def feature_chips(explanation: Sequence[dict[str, Any]]) -> Markup:
     for e in explanation:
         name, value, c = escape(e["feature"]), escape(fmt_value(e["value"])), e["contribution"]
         up = c > 0
+        meaning = feature_meaning(e["feature"])
         parts.append(
             f'<span class="feat {"up" if up else "down"}" title="{name} = {value}; contribution {c:+.3g} '
-            f'({"raises" if up else "lowers"} the risk)">{name} <b>{value}</b></span>'
+            f'({"raises" if up else "lowers"} the risk){escape(": " + meaning) if meaning else ""}">'
+            f"{name} <b>{value}</b></span>"
         )
     return Markup("".join(parts))
 
@@ -70,7 +79,7 @@ def gpu_row(rec: dict[str, Any], explanation: Sequence[dict[str, Any]], with_clu
         f'data-s-cluster="{cluster}" data-s-node="{cluster}&#9;{node}&#9;{rec["gpu_index"]:06d}" data-search="{search}">'
         + (f"<td>{cluster}</td>" if with_cluster else "")
         + f'<td class="num muted">{rec["fleet_rank"]}</td>'
-        f"<td>{node_link(rec['cluster'], rec['node'])}</td>"
+        f'<td class="node">{node_link(rec["cluster"], rec["node"])}</td>'
         f'<td class="num">{rec["gpu_index"]}</td>'
         f"<td><code>{uuid}</code></td>"
         f'<td class="num risk">{fmt_risk(risk)} {risk_bar(risk)}</td>'

@@ -159,6 +159,14 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
     def served_time(snap: Snapshot) -> datetime:
         return views.reference_time(None if snap.fleet is None else snap.fleet.ts, datetime.now(UTC))
 
+    def data_end(s: Any, dataset: str, end: datetime) -> datetime:
+        """`end`, or the end of `dataset`'s newest day if later: the audit is written at the
+        time of publishing, which for replayed features is later than their grid time."""
+        days = s.dates(dataset)
+        if not days:
+            return end
+        return max(end, datetime.combine(days[-1] + timedelta(days=1), datetime.min.time(), tzinfo=UTC))
+
     # -- pages
 
     @router.get("/", response_class=HTMLResponse)
@@ -267,11 +275,15 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
         xids, xids_error = part(
             "XID events",
             lambda s: views.xid_rows(
-                reads.node_xids(s, c, node, end - timedelta(days=XID_DAYS), end, XID_ROWS), failure_xids
+                reads.node_xids(s, c, node, end - timedelta(days=XID_DAYS), data_end(s, "xid_events", end), XID_ROWS),
+                failure_xids,
             ),
         )
         decisions, actions_error = part(
-            "publish audit", lambda s: reads.audit(s, end - timedelta(days=NODE_AUDIT_DAYS), end, cluster=c, node=node)
+            "publish audit",
+            lambda s: reads.audit(
+                s, end - timedelta(days=NODE_AUDIT_DAYS), data_end(s, reads.AUDIT_DATASET, end), cluster=c, node=node
+            ),
         )
         actions = None if decisions is None else views.audit_rows(views.notable(decisions))
         latest = None if decisions is None or decisions.height == 0 else views.audit_rows(decisions.head(1))[0]
@@ -325,6 +337,7 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
             s = store()
         except Exception as exc:
             return page("actions.html", title="Actions", snap=snap, query=query, store_error=str(exc))
+        end = data_end(s, reads.AUDIT_DATASET, end)
         states, states_error = guarded(
             "publish state", lambda: views.breaker_views(reads.publish_states(s), options.tiers, fleet_nodes, end)
         )

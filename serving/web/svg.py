@@ -222,10 +222,7 @@ def bar_chart(
 
 def _open(width: int, height: int, title: str) -> str:
     label = f' aria-label="{escape(title)}"' if title else ""
-    return (
-        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img"{label}>'
-    )
+    return f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img"{label}>'
 
 
 def _frame(pw: float, ph: float) -> str:

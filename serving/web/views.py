@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,19 @@ def reference_time(fleet_ts: Any, now: datetime) -> datetime:
         return now
     ts = fleet_ts.to_pydatetime() if hasattr(fleet_ts, "to_pydatetime") else fleet_ts
     return now if now - ts < timedelta(days=2) else ts + timedelta(hours=1)
+
+
+@cache
+def feature_meaning(name: str) -> str:
+    """What a feature column means, with its unit and window (`features.dictionary`); '' for a
+    name the dictionary does not know (a model trained with other windows)."""
+    from features.dictionary import describe
+
+    try:
+        doc = describe(name)
+    except ValueError:
+        return ""
+    return f"{doc.meaning} ({doc.unit}; window {doc.window})"
 
 
 # -- the at-risk table -------------------------------------------------------------------------
@@ -338,6 +352,7 @@ def drivers_view(
         out.append(
             {
                 "feature": f,
+                "meaning": feature_meaning(f),
                 "chart": (feature_charts or {}).get(f),
                 "metric": metric,
                 "raw": (telemetry_charts or {}).get(metric) if metric else None,

@@ -129,11 +129,14 @@ def build_store(root: Path) -> Path:
     return root
 
 
-def serve_web_fleet(tmp: Path, **options: Any) -> Any:
-    """`gpufail serve` over `build_store` and the trained model."""
+def prepare(tmp: Path) -> tuple[Path, Path]:
+    """(data root, model folder) under `tmp`: `build_store` and the trained model."""
     from models.train import save_model
 
-    data = build_store(tmp / "data")
-    model = save_model(trained_model(), tmp / "model")
+    return build_store(tmp / "data"), save_model(trained_model(), tmp / "model")
+
+
+def serve(tmp: Path, data: Path, model: Path, **options: Any) -> Any:
+    """`gpufail serve` over `data` and `model` with the web fleet's policy settings."""
     extra = SERVE_CONFIG + options.pop("extra_config", "")
     return start_server(tmp, data, model=model, extra_config=extra, **options)
