@@ -139,8 +139,8 @@ def publish_states(store: Any) -> list[PublishState]:
     """Every publish policy state file under `_state/`, by name; a file that does not read is
     listed with the reason."""
     out = []
-    for path in sorted(store.fs.glob(store.path("_state", PUBLISH_STATE_GLOB))):
-        name = path.rsplit("/", 1)[-1].removesuffix(".json")
+    paths = store.fs.glob(store.path("_state", PUBLISH_STATE_GLOB))
+    for name, path in sorted((p.rsplit("/", 1)[-1].removesuffix(".json"), p) for p in paths):
         try:
             out.append(PublishState(name, PolicyState.from_json(json.loads(store.fs.cat_file(path)), path)))
         except Exception as exc:  # one unreadable file must not hide the others
