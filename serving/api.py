@@ -50,7 +50,7 @@ from serving.api_schemas import (
     ReloadResponse,
 )
 from serving.api_state import FeatureStore, ModelSource, ServeOptions, ServingState, Snapshot
-from serving.web import web_router
+from serving.web import operator_pages
 
 log = logging.getLogger("gpufail.serve")
 
@@ -201,6 +201,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(state.refresh)
+        pages.warm_up()
         if start_polling:
             state.start_polling()
         yield
@@ -249,6 +250,7 @@ def create_app(
             )
 
     read_deps = [Depends(require_read)] if options.read_requires_token else []
+    pages = operator_pages(state, _read_token_ok)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -501,7 +503,7 @@ def create_app(
         return _json(body, 409 if outcome.error else 200)
 
     # The operator's pages (`/`, `/nodes/{node}`, `/actions`): same snapshot, same read rule.
-    app.include_router(web_router(state, _read_token_ok))
+    app.include_router(pages.router)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

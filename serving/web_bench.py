@@ -129,7 +129,7 @@ def write_history(store: Any, snapshot: Any, days: int, seed: int = 0) -> None:
         day["model_kind"] = "lightgbm"
         store.write_owned("predictions", ts.date(), prediction_table(day))
         for g in base.sample(5, random_state=int(rng.integers(1 << 30))).itertuples():
-            failed_xids.append((ts - timedelta(hours=3), g.cluster, g.node, g.gpu_uuid, int(g.gpu_index)))
+            failed_xids.append((ts - timedelta(hours=3), g.cluster, g.node, g.gpu_uuid, int(g.gpu_index)))  # type: ignore[arg-type]
         rows = [
             AuditRow(
                 time=ts + timedelta(minutes=10),

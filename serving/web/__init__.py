@@ -3,6 +3,6 @@ fleet at a glance with the at-risk table (`/`), a node (`/nodes/{node}`), and th
 audit with the circuit breaker (`/actions`). Server-rendered HTML; the templates, the style
 sheet and the little JavaScript ship in this package."""
 
-from serving.web.routes import web_router
+from serving.web.routes import OperatorPages, operator_pages
 
-__all__ = ["web_router"]
+__all__ = ["OperatorPages", "operator_pages"]

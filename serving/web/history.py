@@ -46,8 +46,9 @@ def _day_start(day: date) -> datetime:
     return datetime.combine(day, time.min, tzinfo=UTC)
 
 
-RISK_SCHEMA = {
-    "ts": pl.Datetime("us", "UTC"),
+TS_TYPE = pl.Datetime("us", "UTC")
+RISK_SCHEMA: dict[str, Any] = {
+    "ts": TS_TYPE,
     "cluster": pl.String,
     "node": pl.String,
     "gpu_index": pl.Int32,
@@ -68,9 +69,7 @@ def risk_history(
     files = store.files(PREDICTIONS, start.date(), (end - timedelta(microseconds=1)).date())
     if not files:
         return pl.DataFrame(schema=RISK_SCHEMA)
-    where = (pl.col("ts") >= pl.lit(start, dtype=RISK_SCHEMA["ts"])) & (
-        pl.col("ts") < pl.lit(end, dtype=RISK_SCHEMA["ts"])
-    )
+    where = (pl.col("ts") >= pl.lit(start, dtype=TS_TYPE)) & (pl.col("ts") < pl.lit(end, dtype=TS_TYPE))
     if node is not None:
         where &= pl.col("node") == node
     if cluster is not None:
@@ -198,6 +197,8 @@ class DailyCountsCache:
         self._key: tuple[Any, ...] | None = None
         self._value: DailyCounts | None = None
         self._refresh: threading.Thread | None = None
+        self._failed: tuple[Any, ...] | None = None
+        """The inputs a background refresh failed on: not tried again until they change."""
         self.error = ""
         """Why the last background refresh failed ('' when it did not)."""
 
@@ -218,7 +219,8 @@ class DailyCountsCache:
             if key == self._key and self._value is not None:
                 return self._value, False
             if self._value is not None:
-                if self._refresh is None or not self._refresh.is_alive():
+                idle = self._refresh is None or not self._refresh.is_alive()
+                if idle and key != self._failed:
                     self._refresh = threading.Thread(
                         target=self._compute,
                         args=(key, store, tiers, failure_xids, last_day, days),
@@ -236,7 +238,7 @@ class DailyCountsCache:
             value = daily_counts(*args)
         except Exception as exc:  # the stale counts keep being served; the page says why
             with self._lock:
-                self.error = f"{type(exc).__name__}: {exc}"
+                self._failed, self.error = key, f"{type(exc).__name__}: {exc}"
             return
         with self._lock:
             self._key, self._value, self.error = key, value, ""

@@ -50,7 +50,7 @@ def source_metric(feature: str) -> str | None:
 
 
 def _no_rows(values: Sequence[str]) -> pl.DataFrame:
-    schema = {"ts": pl.Datetime("us", "UTC"), "gpu_uuid": pl.String, "gpu_index": pl.Int16}
+    schema: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "gpu_uuid": pl.String, "gpu_index": pl.Int16}
     return pl.DataFrame(schema={**schema, **{v: pl.Float64 for v in values}})
 
 

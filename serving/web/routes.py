@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib import resources
@@ -99,8 +101,18 @@ def _safe_next(target: str) -> str:
     return "/"
 
 
-def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> APIRouter:
-    """The pages, for `create_app` to include. `read_token_ok` is the read API's own check."""
+@dataclass(frozen=True)
+class OperatorPages:
+    router: APIRouter
+    """The pages' routes, for `create_app` to include."""
+    warm_up: Callable[[], None]
+    """Start computing, in the background, what the fleet page's first view would wait for
+    (the alarm history, the first rows of the table); `create_app` calls it once the first
+    snapshot is loaded."""
+
+
+def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) -> OperatorPages:
+    """The pages over `state`. `read_token_ok` is the read API's own token check."""
     options = state.options
     router = APIRouter(include_in_schema=False)
     counts_cache = history.DailyCountsCache()
@@ -167,6 +179,24 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
             return end
         return max(end, datetime.combine(days[-1] + timedelta(days=1), datetime.min.time(), tzinfo=UTC))
 
+    def alarm_counts(snap: Snapshot) -> tuple[history.DailyCounts, bool]:
+        s = store()
+        last = history.last_data_day(s, served_time(snap).date())
+        return counts_cache.get(s, options.tiers, failure_xids, last, HISTORY_DAYS)
+
+    def warm_up() -> None:
+        snap = state.snapshot
+        if snap.fleet is None:
+            return
+        fleet = snap.fleet
+
+        def work() -> None:
+            positions, _ = views.at_risk(fleet, views.AtRiskQuery())
+            row_cache.rows(fleet, positions, len(views.summary(fleet).clusters) > 1)
+            guarded("alarms and failures", lambda: alarm_counts(snap))
+
+        threading.Thread(target=work, name="gpufail-web-warm-up", daemon=True).start()
+
     # -- pages
 
     @router.get("/", response_class=HTMLResponse)
@@ -193,12 +223,7 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
                 complete=matched == len(positions),
             )
 
-            def alarm_counts() -> tuple[history.DailyCounts, bool]:
-                s = store()
-                last = history.last_data_day(s, served_time(snap).date())
-                return counts_cache.get(s, options.tiers, failure_xids, last, HISTORY_DAYS)
-
-            found, context["history_error"] = guarded("alarms and failures", alarm_counts)
+            found, context["history_error"] = guarded("alarms and failures", lambda: alarm_counts(snap))
             context["alarms"] = None if found is None else views.alarms_chart(found[0])
             context["history_stale"] = found is not None and found[1]
             context["history_refresh_error"] = counts_cache.error
@@ -403,7 +428,7 @@ def web_router(state: ServingState, read_token_ok: Callable[[str], bool]) -> API
             return Response("not found", status_code=404, media_type="text/plain")
         return Response(_static(name), media_type=STATIC[name], headers={"Cache-Control": "public, max-age=86400"})
 
-    return router
+    return OperatorPages(router, warm_up)
 
 
 def _failure_xids(featurise: dict[str, Any]) -> tuple[int, ...]:

@@ -238,7 +238,7 @@ def model_card(served: ServedModel, model_name: str) -> dict[str, Any]:
         "kind": m.kind,
         "train_start": fmt_time(m.train_start),
         "train_end": fmt_time(m.train_end),
-        "train_days": (m.train_end - m.train_start) / timedelta(days=1),
+        "train_days": (m.train_end - m.train_start).total_seconds() / 86_400,
         "horizon_h": m.horizon.total_seconds() / 3600,
         "n_rows": m.n_rows,
         "n_positives": m.n_positives,

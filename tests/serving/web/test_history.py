@@ -176,8 +176,12 @@ def test_a_failed_refresh_keeps_the_previous_counts_and_says_why(store, monkeypa
     cache = history.DailyCountsCache()
     last = (T0 + timedelta(days=1)).date()
     before, _ = cache.get(store, TIERS, (79,), last, 7)
+    real = history.daily_counts
+
+    tries = []
 
     def broken(*args):
+        tries.append(args)
         raise OSError("disk gone")
 
     monkeypatch.setattr(history, "daily_counts", broken)
@@ -187,3 +191,11 @@ def test_a_failed_refresh_keeps_the_previous_counts_and_says_why(store, monkeypa
     assert served is before and stale
     assert cache.error == "OSError: disk gone"
     assert cache.get(store, TIERS, (79,), last, 7) == (before, True)
+    cache.join(10)
+    assert len(tries) == 1  # the same inputs are not tried again on every view
+    monkeypatch.setattr(history, "daily_counts", real)
+    write(store, snapshot(T0 + timedelta(days=1, hours=1), {"n0-g0": 0.6}))
+    cache.get(store, TIERS, (79,), last, 7)
+    cache.join(10)
+    recovered, stale = cache.get(store, TIERS, (79,), last, 7)
+    assert not stale and cache.error == "" and sum(recovered.gpu_alarms) == 2

@@ -15,7 +15,7 @@ import pytest
 from ingest.store import Store
 from serving.policy import PolicyState
 from serving.publish import read_audit
-from tests.serving.api_server import ADMIN_TOKEN, N_GPUS, READ_TOKEN
+from tests.serving.api_server import ADMIN_TOKEN, N_GPUS, READ_TOKEN, wait_for
 from tests.serving.web.web_fleet import DRAINED_NODE, FAILED, serve
 
 pytestmark = pytest.mark.slow
@@ -251,22 +251,33 @@ def test_an_unreadable_publish_state_is_named_and_the_rest_of_the_page_shows(web
     assert node.status_code == 200 and 'id="published-publish-log"' in node.text
 
 
-def test_a_store_that_cannot_be_read_leaves_the_snapshot_on_the_page(web_data, tmp_path):
+def test_unreadable_snapshots_leave_the_rest_of_the_fleet_page(web_data, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(web_data[0], data)
+    days = sorted((data / "predictions").iterdir())
+    broken = days[-1] / "part-broken.parquet"
+    broken.write_bytes(b"not parquet")  # there when the server starts
     srv = serve(tmp_path, data, web_data[1])
     try:
         with srv.client() as c:
-            assert c.get("/readyz").status_code == 200
-            for day in (data / "predictions").iterdir():
-                for f in day.iterdir():
-                    f.write_bytes(b"not parquet")
-            r = c.get("/")
+            first = c.get("/")
+            broken.unlink()  # repaired: the counts are computed on the next view
+            repaired = c.get("/")
+            (days[-1] / "part-broken-too.parquet").write_bytes(b"not parquet")  # a new bad file
+
+            def refresh_failed() -> str | None:
+                html = c.get("/").text
+                return html if "could not be counted" in html else None
+
+            stale = wait_for(refresh_failed, 60, "the background refresh to fail")
     finally:
         srv.stop()
-    assert r.status_code == 200
-    assert "alarms and failures could not be read:" in unescape(r.text)
-    assert len(attrs(r.text, "at-risk", "data-gpu")) == N_GPUS
+    assert first.status_code == 200
+    assert "alarms and failures could not be read:" in unescape(first.text)
+    assert len(attrs(first.text, "at-risk", "data-gpu")) == N_GPUS  # the snapshot still shows
+    assert "could not be read" not in repaired.text and '<g class="bars"' in repaired.text
+    assert '<g class="bars"' in stale  # the previous counts, with the reason they are not newer
+    assert 'id="history-stale">The newest snapshots could not be counted (' in stale
 
 
 def test_history_windows_end_at_the_served_features_for_old_data(client):

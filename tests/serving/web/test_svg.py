@@ -40,7 +40,7 @@ def test_reducing_a_long_series_keeps_its_spike_and_its_order():
     y[7_777] = 50.0
     rt, ry = reduce_points(t, y, 200)
     assert len(rt) <= 200 and ry.max() == 50.0 and np.all(np.diff(rt) > 0)
-    short_t, short_y = reduce_points(t[:50], y[:50], 200)
+    short_t, _short_y = reduce_points(t[:50], y[:50], 200)
     assert len(short_t) == 50
 
 

@@ -4,6 +4,7 @@ and the breaker's view; plus a node name two clusters share."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -67,7 +68,7 @@ def test_filter_sort_and_limit_over_the_fleet():
     by_tier, _ = views.at_risk(f, views.AtRiskQuery.parse({"sort": "tier"}))
     ranks = [TIERS.index(f.records[i]["tier"]) for i in by_tier]
     assert ranks == sorted(ranks, reverse=True)
-    for a, b in zip(by_tier, by_tier[1:], strict=False):  # ties keep fleet rank order
+    for a, b in itertools.pairwise(by_tier):  # ties keep fleet rank order
         if f.records[a]["tier"] == f.records[b]["tier"]:
             assert a < b
     asc, _ = views.at_risk(f, views.AtRiskQuery.parse({"sort": "risk", "order": "asc"}))
@@ -185,9 +186,19 @@ def test_the_audit_reads_its_window_newest_first_and_filters(tmp_path):
     window = reads.audit(store, T0, T0 + timedelta(days=1))
     assert window["action"].to_list() == ["skip", "raise", "keep"]
     assert reads.audit(store, T0, T0 + timedelta(days=1), node="n1")["action"].to_list() == ["raise", "keep"]
-    assert reads.audit(store, T0, T0 + timedelta(days=9), actions=["lower", "skip"])["action"].to_list() == ["lower", "skip"]
+    assert reads.audit(store, T0, T0 + timedelta(days=9), actions=["lower", "skip"])["action"].to_list() == [
+        "lower",
+        "skip",
+    ]
     assert reads.audit(store, T0, T0 + timedelta(days=1), columns=["action"]).columns == ["action"]
-    assert views.action_counts(window) == {"raise": 1, "lower": 0, "breaker_held": 0, "cooldown_held": 0, "skip": 1, "keep": 1}
+    assert views.action_counts(window) == {
+        "raise": 1,
+        "lower": 0,
+        "breaker_held": 0,
+        "cooldown_held": 0,
+        "skip": 1,
+        "keep": 1,
+    }
     q = views.AuditQuery.parse({"mode": "shadow"})
     assert q.select(window)["node"].to_list() == ["n2"]
     assert views.AuditQuery.parse({})
@@ -274,7 +285,37 @@ def test_a_node_name_in_two_clusters_needs_its_cluster(tmp_path):
     assert r.status_code == 400
     assert f"query parameter cluster: node '{node}' exists in clusters c0, c1; expected one of them" in unescape(r.text)
     page = client.get(f"/nodes/{node}", params={"cluster": "c1"})
-    assert page.status_code == 200 and "-c1" in page.text and 'cluster c1' in page.text
+    assert page.status_code == 200 and "-c1" in page.text and "cluster c1" in page.text
     assert client.get(f"/nodes/{node}", params={"cluster": "c9"}).status_code == 404
     fleet_page = client.get("/").text
     assert '<select name="cluster"' in fleet_page and "<td>c1</td>" in fleet_page
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx`")
+def test_the_alarm_history_is_computed_at_start_not_at_the_first_view(tmp_path, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from models.train import save_model
+    from serving import api as api_module
+    from serving.api_state import ModelFolder, ServeOptions
+    from serving.score import prediction_table
+    from serving.web import history
+    from tests.serving.api_server import wait_for, write_store
+    from tests.serving.web.web_fleet import predictions
+
+    data = write_store(tmp_path / "data")
+    store = Store.open(str(data))
+    snapshots = predictions()
+    for ts, rows in list(snapshots.groupby("ts"))[-3:]:
+        store.write_owned("predictions", ts.date(), prediction_table(rows))
+    calls = []
+    real = history.daily_counts
+    monkeypatch.setattr(history, "daily_counts", lambda *a: calls.append(a) or real(*a))
+    options = ServeOptions(data_root=str(data), tiers=POLICY, features_max_age_s=0)
+    app = api_module.create_app(
+        options, ModelFolder(save_model(trained_model(), tmp_path / "model")), start_polling=False
+    )
+    with TestClient(app) as client:
+        wait_for(lambda: len(calls) == 1, 60, "the warm-up to count the alarms")
+        page = client.get("/")
+    assert page.status_code == 200 and len(calls) == 1 and '<g class="bars"' in page.text
