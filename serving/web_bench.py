@@ -11,10 +11,11 @@ Builds, in a temporary store:
 - `--days` daily predictions snapshots of every GPU, failure XIDs on a few GPUs a day, a
   publish audit with one decision per node and day, and a publish state;
 
-then requests each page from the app in process (Starlette's test client: the server's work,
-routing, rendering and response, without a socket) and reports the time per page: the first
-request (the fleet page's alarm history is computed then, and cached until the store
-changes) and the median, 90th percentile and maximum of `--repeat` more.
+then starts the app in process (Starlette's test client: the server's work, routing,
+rendering and response, without a socket), which scores the fleet and then warms the pages up
+in the background (the alarm history, the at-risk table's first rows), waits for that, and
+reports the time per page: the first request, and the median, 90th percentile and maximum of
+`--repeat` more; and how long the start, the warm-up and the alarm history alone took.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -177,8 +179,9 @@ def write_history(store: Any, snapshot: Any, days: int, seed: int = 0) -> None:
 
 
 def build(root: Path, n_gpus: int, days: int) -> tuple[Any, float]:
-    """The app over a store at `root` with a synthetic snapshot of `n_gpus` GPUs; and the
-    seconds scoring and explaining the fleet took."""
+    """The app over a store at `root` whose model and features sources give a synthetic fleet
+    of `n_gpus` GPUs (scored when the app starts, as `gpufail serve` does), and the seconds one
+    scoring and explaining of the fleet took (to write the history, which needs the risks)."""
     from ingest.store import Store
     from serving.api import create_app
     from serving.api_state import LatestFeatures, ServedModel, ServeOptions, Snapshot, score_fleet
@@ -191,33 +194,41 @@ def build(root: Path, n_gpus: int, days: int) -> tuple[Any, float]:
     fleet = score_fleet(model, rows, options.tiers, options.max_top_features)
     scoring_s = time.perf_counter() - began
     served = ServedModel(model, "bench", {"source": "path", "path": "bench", "metrics": None}, datetime.now(UTC))
-    snapshot = Snapshot(served, LatestFeatures(rows, "bench", fleet.ts), fleet)
+    latest = LatestFeatures(rows, "bench", fleet.ts)
     store = Store.create(str(root))
-    write_history(store, snapshot, days)
+    write_history(store, Snapshot(served, latest, fleet), days)
 
     class Fixed:
-        """The model and features source of a snapshot built here (nothing to reload)."""
+        """A model or features source that always has the same one (nothing to reload)."""
+
+        def __init__(self, value: Any) -> None:
+            self.value = value
 
         def fingerprint(self) -> str:
             return "bench"
 
         def load(self) -> Any:
-            return served
+            return self.value
 
-    app = create_app(options, Fixed(), start_polling=False)
-    app.state.serving.snapshot = snapshot
-    return app, scoring_s
+    return create_app(options, Fixed(served), features=Fixed(latest), start_polling=False), scoring_s  # type: ignore[arg-type]
 
 
-def time_pages(app: Any, pages: dict[str, str], repeat: int) -> dict[str, dict[str, float]]:
-    import warnings
+def time_history(app: Any, days: int) -> float:
+    """Seconds `serving.web.history.daily_counts` takes over the app's store (the alarm history,
+    computed at start and when a predictions or XID file arrives, in the background)."""
+    from ingest.store import Store
+    from serving.web import history
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Using `httpx`")  # starlette's note about httpx versions
-        from starlette.testclient import TestClient
+    state = app.state.serving
+    store = Store.open(state.options.data_root)
+    last = history.last_data_day(store, state.snapshot.fleet.ts.date())
+    began = time.perf_counter()
+    history.daily_counts(store, state.options.tiers, (79,), last, days)
+    return time.perf_counter() - began
 
+
+def time_pages(client: Any, pages: dict[str, str], repeat: int) -> dict[str, dict[str, float]]:
     out = {}
-    client = TestClient(app)
     for name, url in pages.items():
         began = time.perf_counter()
         first = client.get(url)
@@ -241,26 +252,53 @@ def time_pages(app: Any, pages: dict[str, str], repeat: int) -> dict[str, dict[s
     return out
 
 
+def _warm_ups() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gpufail-web-warm-up"]
+
+
 def run(n_gpus: int, days: int, repeat: int) -> dict[str, Any]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Using `httpx`")  # starlette's note about httpx versions
+        from starlette.testclient import TestClient
+
     with tempfile.TemporaryDirectory(prefix="gpufail-web-bench-") as tmp:
         app, scoring_s = build(Path(tmp) / "data", n_gpus, days)
-        fleet = app.state.serving.snapshot.fleet
-        riskiest = fleet.records[0]
-        pages = {
-            "fleet": "/",
-            "fleet_filtered": "/?q=gpu-a000&tier=watch",
-            "fleet_sorted_by_node": "/?sort=node&limit=5000",
-            "node": f"/nodes/{riskiest['node']}?cluster={riskiest['cluster']}",
-            "actions": "/actions",
-        }
-        timings = time_pages(app, pages, repeat)
-    return {"gpus": n_gpus, "nodes": len(fleet.nodes), "days": days, "scoring_s": scoring_s, "pages": timings}
+        began = time.perf_counter()
+        with TestClient(app) as client:  # starts the app: scores the fleet, then warms the pages up
+            ready_s = time.perf_counter() - began
+            for thread in _warm_ups():
+                thread.join()
+            warm_s = time.perf_counter() - began - ready_s
+            fleet = app.state.serving.snapshot.fleet
+            riskiest = fleet.records[0]
+            pages = {
+                "fleet": "/",
+                "fleet_filtered": "/?q=gpu-a000&tier=watch",
+                "fleet_sorted_by_node": "/?sort=node&limit=5000",
+                "node": f"/nodes/{riskiest['node']}?cluster={riskiest['cluster']}",
+                "actions": "/actions",
+            }
+            timings = time_pages(client, pages, repeat)
+            history_s = time_history(app, days)
+    return {
+        "gpus": n_gpus,
+        "nodes": len(fleet.nodes),
+        "days": days,
+        "scoring_s": scoring_s,
+        "ready_s": ready_s,
+        "warm_up_s": warm_s,
+        "history_s": history_s,
+        "pages": timings,
+    }
 
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        f"operator pages, {result['gpus']:,} GPUs ({result['nodes']:,} nodes), {result['days']} days of history; "
-        f"scoring and explaining the snapshot took {result['scoring_s']:.1f} s",
+        f"operator pages, {result['gpus']:,} GPUs ({result['nodes']:,} nodes), {result['days']} days of history",
+        f"app ready (fleet scored and explained) in {result['ready_s']:.1f} s; warm-up after it (alarm history, "
+        f"first rows) {result['warm_up_s']:.2f} s; the alarm history alone {result['history_s'] * 1000:.0f} ms",
         f"{'page':<22} {'first ms':>9} {'median ms':>10} {'p90 ms':>8} {'max ms':>8} {'KB':>7}",
     ]
     for name, t in result["pages"].items():

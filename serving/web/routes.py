@@ -36,6 +36,7 @@ from serving.web import history, html, reads, views
 log = logging.getLogger("gpufail.serve")
 
 COOKIE = "gpufail_token"
+TEMPLATES = ("fleet.html", "node.html", "actions.html", "login.html", "error.html")
 STATIC = {"web.css": "text/css; charset=utf-8", "web.js": "text/javascript; charset=utf-8"}
 HISTORY_DAYS = 28
 """Days of alarms and failures on the fleet page."""
@@ -191,6 +192,8 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
         fleet = snap.fleet
 
         def work() -> None:
+            for template in TEMPLATES:  # compiled here rather than at the first view
+                _templates().get_template(template)
             positions, _ = views.at_risk(fleet, views.AtRiskQuery())
             row_cache.rows(fleet, positions, len(views.summary(fleet).clusters) > 1)
             guarded("alarms and failures", lambda: alarm_counts(snap))
