@@ -192,10 +192,13 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
         fleet = snap.fleet
 
         def work() -> None:
-            for template in TEMPLATES:  # compiled here rather than at the first view
-                _templates().get_template(template)
-            positions, _ = views.at_risk(fleet, views.AtRiskQuery())
-            row_cache.rows(fleet, positions, len(views.summary(fleet).clusters) > 1)
+            def pages() -> None:
+                for template in TEMPLATES:  # compiled here rather than at the first view
+                    _templates().get_template(template)
+                positions, _ = views.at_risk(fleet, views.AtRiskQuery())
+                row_cache.rows(fleet, positions, len(views.summary(fleet).clusters) > 1)
+
+            guarded("the pages' templates and first rows", pages)
             guarded("alarms and failures", lambda: alarm_counts(snap))
 
         threading.Thread(target=work, name="gpufail-web-warm-up", daemon=True).start()

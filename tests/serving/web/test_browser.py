@@ -50,7 +50,7 @@ def mark(browser) -> None:
     browser.execute_script("window.__mark = 1")
 
 
-def test_the_fleet_page_shows_what_the_api_serves(web_server, browser, tmp_path):
+def test_the_fleet_page_shows_what_the_api_serves(browser, web_server, tmp_path):
     api = at_risk_api(web_server)
     load(browser, web_server.url + "/")
     assert column(browser, "at-risk", "data-gpu") == [g["gpu_uuid"] for g in api]
@@ -70,7 +70,7 @@ def test_the_fleet_page_shows_what_the_api_serves(web_server, browser, tmp_path)
     screenshot(browser, tmp_path, "fleet")
 
 
-def test_clicking_a_column_sorts_in_place_when_every_row_is_shown(web_server, browser, tmp_path):
+def test_clicking_a_column_sorts_in_place_when_every_row_is_shown(browser, web_server, tmp_path):
     api = at_risk_api(web_server)
     load(browser, web_server.url + "/")
     assert browser.find_element(By.ID, "at-risk").get_attribute("data-complete") == "true"
@@ -92,7 +92,7 @@ def test_clicking_a_column_sorts_in_place_when_every_row_is_shown(web_server, br
     assert column(browser, "at-risk", "data-gpu") == [g["gpu_uuid"] for g in expected]
 
 
-def test_clicking_a_column_asks_the_server_when_rows_are_cut(web_server, browser):
+def test_clicking_a_column_asks_the_server_when_rows_are_cut(browser, web_server):
     api = at_risk_api(web_server)
     load(browser, web_server.url + "/?limit=5")
     assert browser.find_element(By.ID, "at-risk").get_attribute("data-complete") == "false"
@@ -103,7 +103,7 @@ def test_clicking_a_column_asks_the_server_when_rows_are_cut(web_server, browser
     assert "limit=5" in browser.current_url and "sort=gpu_uuid" in browser.current_url
 
 
-def test_filtering_live_and_on_the_server(web_server, browser, tmp_path):
+def test_filtering_live_and_on_the_server(browser, web_server, tmp_path):
     api = at_risk_api(web_server)
     node = FAILED[0][0]
     mine = [g["gpu_uuid"] for g in api if g["node"] == node]
@@ -129,7 +129,7 @@ def test_filtering_live_and_on_the_server(web_server, browser, tmp_path):
     assert column(browser, "at-risk", "data-gpu") == strong
 
 
-def test_the_node_page(web_server, browser, tmp_path):
+def test_the_node_page(browser, web_server, tmp_path):
     node = FAILED[0][0]
     with web_server.client() as c:
         api = c.get(f"/v1/nodes/{node}").json()
@@ -161,7 +161,7 @@ def test_the_node_page(web_server, browser, tmp_path):
     screenshot(browser, tmp_path, "node")
 
 
-def test_the_actions_page(web_server, browser, tmp_path):
+def test_the_actions_page(browser, web_server, tmp_path):
     store = Store.open(str(web_server.data))
     state = PolicyState.from_json(store.read_state("publish-log"))
     audit = read_audit(store.path("actions"), fs=store.fs)
@@ -186,7 +186,7 @@ def test_the_actions_page(web_server, browser, tmp_path):
     assert set(column(browser, "audit", "data-action")) == {"skip"}
 
 
-def test_signing_in_with_the_read_token(token_server, browser, tmp_path):
+def test_signing_in_with_the_read_token(browser, token_server, tmp_path):
     browser.delete_all_cookies()
     load(browser, token_server.url + "/actions")
     assert browser.find_elements(By.ID, "token") and not browser.find_elements(By.ID, "audit")
