@@ -133,7 +133,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
         ready, reasons = state.readiness()
         now = datetime.now(UTC)
         features_ts = None if snap.features is None else snap.features.ts
-        html = (
+        body = (
             _templates()
             .get_template(template)
             .render(
@@ -147,7 +147,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
                 **context,
             )
         )
-        return HTMLResponse(html, status_code=status, headers=HEADERS)
+        return HTMLResponse(body, status_code=status, headers=HEADERS)
 
     def sign_in(request: Request, status: int = 401, message: str = "") -> HTMLResponse:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -233,7 +233,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
             context["alarms"] = None if found is None else views.alarms_chart(found[0])
             context["history_stale"] = found is not None and found[1]
             context["history_refresh_error"] = counts_cache.error
-        return page("fleet.html", **context)
+        return page("fleet.html", 200 if snap.fleet is not None else 503, **context)
 
     @router.get("/nodes/{node}", response_class=HTMLResponse)
     def node_page(request: Request, node: str) -> Response:

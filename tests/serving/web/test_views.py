@@ -319,3 +319,24 @@ def test_the_alarm_history_is_computed_at_start_not_at_the_first_view(tmp_path, 
         wait_for(lambda: len(calls) == 1, 60, "the warm-up to count the alarms")
         page = client.get("/")
     assert page.status_code == 200 and len(calls) == 1 and '<g class="bars"' in page.text
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx`")
+def test_before_a_fleet_is_scored_the_pages_say_why(tmp_path):
+    from starlette.testclient import TestClient
+
+    from serving import api as api_module
+    from serving.api_state import ModelFolder, ServeOptions
+
+    Store.create(str(tmp_path / "data"))  # no features yet
+    options = ServeOptions(data_root=str(tmp_path / "data"), tiers=POLICY, features_max_age_s=0)
+    app = api_module.create_app(options, ModelFolder(tmp_path / "no-model"), start_polling=False)
+    with TestClient(app) as client:
+        fleet_page = client.get("/")
+        node_page = client.get("/nodes/node00001")
+        actions = client.get("/actions")
+    assert fleet_page.status_code == 503 and node_page.status_code == 503
+    text = unescape(fleet_page.text)
+    assert "No scored fleet yet" in text and 'id="not-ready"' in text
+    assert "no features dataset yet" in text and "no model at the source yet" in text
+    assert actions.status_code == 200 and 'id="no-state"' in actions.text and 'id="no-audit"' in actions.text
