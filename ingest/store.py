@@ -357,7 +357,7 @@ class Store:
         if f"{crc:08x}" != match[1]:
             raise StoreError(
                 f"{path}: corrupt file (CRC-32 {crc:08x}, written as {match[1]}); its rows are not used. "
-                "Restore it from a copy of the data root, or remove it and ingest its source again"
+                + corrupt_remedy(path)
             )
         _VERIFIED.add(key)
 
@@ -474,6 +474,24 @@ def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
         return fragment.physical_schema
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(exc)})") from None
+
+
+_DATED_PART = re.compile(r"/([a-z_]+)/date=(\d{4}-\d{2}-\d{2})/[^/]+$")
+
+
+def corrupt_remedy(path: str) -> str:
+    """What to do about a corrupt part file, by the dataset it belongs to: derived datasets are
+    rebuilt by the command that wrote them, raw data is restored or ingested again."""
+    match = _DATED_PART.search(path)
+    dataset, day = (match[1], date.fromisoformat(match[2])) if match else ("", None)
+    if dataset == "features" and day is not None:
+        return (
+            "Rebuild its day with "
+            f"gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
+        )
+    if dataset == "predictions":
+        return "Remove it and score again with gpufail score"
+    return "Restore it from a copy of the data root, or remove it and ingest its source again"
 
 
 def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:

@@ -375,5 +375,5 @@ def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
 
     with pytest.raises(NightlyError) as failure:
         run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
-    assert f"step train failed: {damaged}: not a readable feature file" in str(failure.value)
+    assert f"step train failed: {damaged}: corrupt file" in str(failure.value)
     assert "gpufail features --start" in str(failure.value)
