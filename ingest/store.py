@@ -485,10 +485,7 @@ def corrupt_remedy(path: str) -> str:
     match = _DATED_PART.search(path)
     dataset, day = (match[1], date.fromisoformat(match[2])) if match else ("", None)
     if dataset == "features" and day is not None:
-        return (
-            "Rebuild its day with "
-            f"gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
-        )
+        return f"Rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
     if dataset == "predictions":
         return "Remove it and score again with gpufail score"
     return "Restore it from a copy of the data root, or remove it and ingest its source again"
