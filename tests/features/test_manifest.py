@@ -12,7 +12,8 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from features.bench import synthetic_telemetry, synthetic_xids
-from features.build import FeaturesExistError, build_features_from_store, read_features
+from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
+from features.spec import FeatureSpec
 from ingest.errors import StoreError
 from ingest.store import Store
 
@@ -37,8 +38,9 @@ def store_with(root: Path, fleet, until: datetime | None = None) -> Store:
     return store
 
 
-def build(store: Store, **kwargs):
-    return build_features_from_store(store, windows=WINDOWS, block_days=1, progress=False, **kwargs)
+def build(store: Store, *, max_buckets_in_memory: int = 4_000_000, **kwargs):
+    options = BuildOptions(block_days=1, progress=False, max_buckets_in_memory=max_buckets_in_memory)
+    return build_features_from_store(store, FeatureSpec(windows=WINDOWS), options, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from features.build import BuildOptions
 from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, retrain_reach, run_nightly
 from ingest.kernel_log_ingest import ingest_kernel_logs
 from ingest.simulator.run import simulate
@@ -367,7 +368,7 @@ def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
     opts = options(tmp_path, url, f"nightly-{next(_names)}")
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 2))
     store = Store.open(str(data))
-    build_features_from_store(store, progress=False)
+    build_features_from_store(store, options=BuildOptions(progress=False))
     # A day the retrain reads and the nightly does not rebuild, cut short (a copy that stopped).
     damaged = store.files("features", first_day(fleet) + timedelta(days=FLEET_DAYS - 8))[0]
     Path(damaged).write_bytes(Path(damaged).read_bytes()[:1000])

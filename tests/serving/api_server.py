@@ -25,6 +25,8 @@ import httpx
 import numpy as np
 import polars as pl
 
+from features.spec import FeatureSpec
+
 START = datetime(2026, 3, 2, tzinfo=UTC)
 HOURS = 60
 N_GPUS = 24
@@ -41,7 +43,7 @@ def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     tel = synthetic_telemetry(N_GPUS, HOURS, interval=timedelta(minutes=5), start=START, seed=11)
     # Only XIDs that are not failures, so every GPU stays in service to the last grid time.
     events = synthetic_xids(tel, per_gpu_day=1.0, seed=11).filter(pl.col("xid").is_in([13, 31, 43, 45, 63, 92]))
-    features = build_features(tel, events, lost_after=None)
+    features = build_features(tel, events, FeatureSpec(lost_after=None))
     rng = np.random.default_rng(0)
     temp = features["temp_gpu_c_mean_1h"].fill_null(0).to_numpy()
     label = (temp > np.nanquantile(temp, 0.8)) | (rng.random(features.height) < 0.02)

@@ -13,6 +13,7 @@ import httpx
 import pandas as pd
 import pytest
 
+from features.spec import FeatureSpec
 from tests.serving.api_server import (
     ADMIN_TOKEN,
     N_GPUS,
@@ -182,13 +183,15 @@ def test_predict_from_raw_telemetry_featurises_like_training(client):
     built = build_features(
         part,
         sent_events,
-        grid=s.features.grid,
-        windows=s.features.windows,
-        max_silence=s.features.max_silence,
-        horizon=s.labels.horizon,
-        failure_xids=s.labels.failure_xids,
-        merge_window=s.labels.merge_window,
-        lost_after=s.labels.lost_after,
+        FeatureSpec(
+            grid=s.features.grid,
+            windows=s.features.windows,
+            max_silence=s.features.max_silence,
+            horizon=s.labels.horizon,
+            failure_xids=s.labels.failure_xids,
+            merge_window=s.labels.merge_window,
+            lost_after=s.labels.lost_after,
+        ),
     )
     rows = latest_rows(built.to_pandas())
     expected = dict(zip(rows["gpu_uuid"], trained_model().predict_risk(rows), strict=True))
