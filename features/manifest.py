@@ -19,7 +19,7 @@ A store written before the manifest existed (feature files, no manifest) is take
 each day with files counts as complete.
 
 The manifest also records the `FeatureSpec` the days were built with (`spec`), so that a model
-can refuse features built with another spec (`check_spec`), and a build with another spec
+can refuse features built with another spec (`recorded_spec`), and a build with another spec
 cannot leave the dataset holding days of two specs (`FeatureManifest.use_spec`). A manifest
 written before specs were recorded holds none: its days are taken as built with the spec of
 the next build, and readers cannot check them.
@@ -226,14 +226,3 @@ def recorded_spec(store: Store) -> FeatureSpec | None:
     if not isinstance(state, dict) or state.get("spec") is None:
         return None
     return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{MANIFEST}.json')}: spec")
-
-
-def check_spec(store: Store, wanted: FeatureSpec, *, user: str, remedy: str) -> None:
-    """A `FeatureSpecMismatch` when the store's features were built with a spec other than
-    `wanted` (`user` says who wants it: "model lightgbm-... needs"). Features whose spec was
-    not recorded pass: there is nothing to check them against."""
-    built = recorded_spec(store)
-    if built is not None and built != wanted:
-        raise spec_mismatch(
-            built=built, wanted=wanted, features=f"{store.root}: the features", user=user, remedy=remedy
-        )

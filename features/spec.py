@@ -242,3 +242,11 @@ def spec_mismatch(
         f"{features} were built with feature spec {built.fingerprint}, but {user} feature spec "
         f"{wanted.fingerprint}; they differ in {differ}; {remedy}"
     )
+
+
+def require_spec(built: FeatureSpec | None, wanted: FeatureSpec, *, features: str, user: str, remedy: str) -> None:
+    """`spec_mismatch` unless features built with `built` are what `wanted` asks for. Features
+    whose spec was not recorded (`built` None: built before specs were recorded) pass: there is
+    nothing to check them against."""
+    if built is not None and built != wanted:
+        raise spec_mismatch(built=built, wanted=wanted, features=features, user=user, remedy=remedy)

@@ -23,6 +23,7 @@ from ingest.kernel_log_ingest import ingest_kernel_logs
 from ingest.simulator.run import simulate
 from ingest.store import Store
 from models.registry import Registry, load_champion
+from models.train import TrainOptions
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -77,19 +78,21 @@ def options(tmp_path: Path, url: str, name: str, **overrides) -> NightlyOptions:
         tracking_uri=url,
         model_name=name,
         experiment=f"test-nightly-{name}",
-        kind="lightgbm",
-        train_window=timedelta(days=10),
-        horizon=timedelta(hours=24),
+        train=TrainOptions(
+            kind="lightgbm",
+            train_window=timedelta(days=10),
+            horizon=timedelta(hours=24),
+            negative_fraction=0.5,
+            params={"n_estimators": 30, "n_jobs": 1},
+        ),
         top_k=5,
         holdout_days=3.0,
         promotion_margin=0.01,
         recall_tolerance=0.05,
         precision_floor=0.0,
-        negative_fraction=0.5,
-        params={"n_estimators": 30, "n_jobs": 1},
+        build=BuildOptions(progress=False),
         retries=1,
         backoff_s=0.0,
-        progress=False,
     )
     return NightlyOptions(**{**values, **overrides})
 
@@ -174,7 +177,7 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     # The retrain read the label keys from `retrain_reach` on, not the whole history, and its
     # window lies within them.
     feature_days = store.dates("features")
-    reach = retrain_reach(feature_days[-1], opts)
+    reach = retrain_reach(feature_days[-1], opts, opts.feature_spec)
     assert reach > datetime.combine(feature_days[0], datetime.min.time(), tzinfo=UTC)
     assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
 
