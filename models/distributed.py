@@ -28,7 +28,6 @@ import pandas as pd
 import polars as pl
 
 from features.build import FEATURES_DATASET, read_features
-from features.spec import FeatureSpec
 from ingest.errors import InputError
 from ingest.store import Store
 from models.estimators import CategoryCodes, balanced_pos_weight, odds_factor
@@ -185,5 +184,5 @@ def train_model_distributed(client: Any, store: Store, options: TrainOptions) ->
         pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
-        feature_spec=options.feature_spec or FeatureSpec(),
+        feature_spec=options.carried_spec(),
     )

@@ -104,13 +104,18 @@ class TrainOptions:
     feature_spec: FeatureSpec | None = None
     """The spec of the features trained on, which the model carries. From a store, the spec its
     features record wins, and a different one here is refused (`models.train_store`); None:
-    that spec, else the default spec."""
+    that spec, else the default settings with this horizon (`carried_spec`)."""
 
     @property
     def window_name(self) -> str:
         """How error messages name the training window."""
         end = "the last settled label" if self.as_of is None else f"{self.as_of} - {self.horizon}"
         return f"training window of {self.train_window} before {end}"
+
+    def carried_spec(self) -> FeatureSpec:
+        """The spec the model will carry: `feature_spec`, else the default settings with the
+        label horizon trained on."""
+        return self.feature_spec or spec_with_horizon(self.horizon)
 
     def drawn_from(self, n_negative: int, n_positive: int) -> TrainOptions:
         """These options with `negative_fraction` the share drawn from a window of these label
@@ -475,8 +480,17 @@ def train_model_on_sample(rows: Any, options: TrainOptions) -> TrainedModel:
         pos_weight=odds_factor(pos_weight, options.negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=options.negative_fraction,
-        feature_spec=options.feature_spec or FeatureSpec(),
+        feature_spec=options.carried_spec(),
     )
+
+
+def spec_with_horizon(horizon: DurationLike) -> FeatureSpec:
+    """The default feature settings with this label horizon (the defaults alone when it does
+    not fit the default grid)."""
+    try:
+        return FeatureSpec(horizon=as_timedelta(horizon, "horizon").to_pytimedelta())
+    except (ValueError, TypeError):
+        return FeatureSpec()
 
 
 # -- persistence ----------------------------------------------------------------------------
@@ -584,7 +598,8 @@ def load_model(path: str | os.PathLike[str]) -> TrainedModel:
     if not isinstance(model, TrainedModel):
         raise InputError(f"model file {file}: expected a TrainedModel, got {type(model).__name__}")
     if "feature_spec" not in vars(model):
-        model.feature_spec = evident_spec(model)
+        # Saved before models carried their spec: it was evidently built with the defaults.
+        model.feature_spec = spec_with_horizon(model.horizon)
         warnings.warn(
             f"model {folder} records no feature spec (saved before models carried one); it is taken as built "
             f"with the default settings and its horizon (feature spec {model.feature_spec.fingerprint}): retrain "
@@ -593,12 +608,3 @@ def load_model(path: str | os.PathLike[str]) -> TrainedModel:
             stacklevel=2,
         )
     return model
-
-
-def evident_spec(model: TrainedModel) -> FeatureSpec:
-    """The spec a model saved before models carried one was evidently trained on: the default
-    settings, with the label horizon it records."""
-    try:
-        return FeatureSpec(horizon=pd.Timedelta(model.horizon).to_pytimedelta())
-    except (ValueError, TypeError):
-        return FeatureSpec()
