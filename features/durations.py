@@ -8,6 +8,7 @@ configuration that made it.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +47,6 @@ def format_duration(value: timedelta) -> str:
     return f"{int(seconds)}s" if seconds == int(seconds) else f"{seconds!r}s"
 
 
-def format_durations(values: list[timedelta] | tuple[timedelta, ...]) -> str:
+def format_durations(values: Sequence[timedelta]) -> str:
     """`["1h", "6h"]`: a list of durations as the configuration writes it."""
     return "[" + ", ".join(f'"{format_duration(v)}"' for v in values) + "]"

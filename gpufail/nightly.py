@@ -326,7 +326,7 @@ class _Job:
             differ = ", ".join(name for name, _, _ in configured.differences(spec))
             self.report(
                 f"nightly {self.day}: the configured feature settings ({differ}) differ from {whose} feature spec "
-                f"{spec.fingerprint}; the night builds, trains and scores with it (see docs/nightly.md)"
+                f"{spec.fingerprint}; the night builds, trains and scores with it (see docs/feature-spec.md)"
             )
         self._spec = spec
         return spec
@@ -407,6 +407,7 @@ class _Job:
         import polars as pl
 
         from models.provenance import dataset_fingerprint
+        from models.split import as_timedelta
         from models.train import save_model, settled_until
         from models.train_store import train_model_from_store
 
@@ -416,7 +417,7 @@ class _Job:
         settled = settled_until(frame, spec.horizon)
         holdout_start = settled - timedelta(days=self.o.holdout_days) + spec.grid
         # The fit's labels end a horizon before the held-out window: it never sees it.
-        window_start = holdout_start - spec.horizon - options.train_window
+        window_start = holdout_start - spec.horizon - as_timedelta(options.train_window, "train_window")
         window_end = holdout_start - spec.horizon
         positives = frame.filter((pl.col("ts") >= window_start) & (pl.col("ts") < window_end))["label"].sum()
         base = {

@@ -212,7 +212,6 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
     """The publisher of `target` (`serving.publishers`), configured by `config`."""
     import os
 
-    retry = {"attempts": config.attempts, "backoff": config.backoff_s}
     if target == "slurm":
         from serving.publishers.slurm import SlurmPublisher, StoreLedger
 
@@ -222,12 +221,15 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
             avoid_weight=config.slurm_avoid_weight,
             timeout=config.timeout_s,
             ledger=StoreLedger(store),
-            **retry,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
         )
     if target == "kubernetes":
         from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
 
-        return KubernetesPublisher(kubernetes_api(config.kubeconfig), **retry)
+        return KubernetesPublisher(
+            kubernetes_api(config.kubeconfig), attempts=config.attempts, backoff=config.backoff_s
+        )
     if target == "webhook":
         from serving.publishers.webhook import WebhookPublisher
 
@@ -238,7 +240,13 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
                 f"{config.webhook_secret_env}, got url {config.webhook_url!r} and "
                 f"{'a secret' if secret else 'no secret'}"
             )
-        return WebhookPublisher(config.webhook_url, secret.encode(), timeout=config.timeout_s, **retry)
+        return WebhookPublisher(
+            config.webhook_url,
+            secret.encode(),
+            timeout=config.timeout_s,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
+        )
     from serving.publishers.log import LogPublisher
 
     return LogPublisher()

@@ -45,8 +45,8 @@ class ScoredFleet:
     """`serving.score.score_latest`'s frame, with each GPU's top features."""
     path: str
     """The predictions snapshot written."""
-    replaced: bool
-    """Whether it replaced a snapshot of the same grid time and model version."""
+    replaced: int
+    """How many files of an earlier snapshot of the same grid time and model version it replaced."""
 
 
 def score_store(store: Store, model: TrainedModel, *, top_features: int = TOP_FEATURES) -> ScoredFleet:

@@ -182,6 +182,50 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
 
 
+def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_another(mlflow_server, fleet, tmp_path):
+    from features.build import build_features_from_store
+    from features.manifest import recorded_spec
+    from features.spec import FeatureSpec
+    from models.train import load_model
+
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    data = tmp_path / "data"
+    champions = FeatureSpec()
+    start = first_day(fleet)
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 3))
+    first = run_nightly(str(data), options(tmp_path, url, name), publish=log_publish, report=lambda _: None)
+    assert first.results["gate"]["promote"] and load_champion(url, name).model.feature_spec == champions
+
+    # Today's configuration has other feature settings: the night keeps the champion's, says so,
+    # and its challenger carries them.
+    today = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)], lost_after=timedelta(hours=3))
+    lines: list[str] = []
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 2))
+    second = run_nightly(
+        str(data), options(tmp_path, url, name, feature_spec=today), publish=log_publish, report=lines.append
+    )
+    assert second.done == list(STEPS) and second.results["features"]["feature_spec"] == champions.fingerprint
+    assert any(
+        "the configured feature settings (windows, lost_after) differ from the champion's feature spec" in line
+        for line in lines
+    )
+    store = Store.open(str(data))
+    assert recorded_spec(store) == champions
+    assert load_model(second.results["train"]["model_dir"]).feature_spec == champions
+
+    # The features rebuilt by hand with today's settings: the champion cannot score them.
+    build_features_from_store(store, today, options(tmp_path, url, name).build, overwrite=True)
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 1))
+    with pytest.raises(NightlyError) as refused:
+        run_nightly(str(data), options(tmp_path, url, name), publish=log_publish, report=lambda _: None)
+    message = str(refused.value)
+    assert "step features failed: " in message and "no champion could score the fleet (" in message
+    assert message.count(f"were built with feature spec {today.fingerprint}") == 2
+    assert f"needs feature spec {champions.fingerprint}; they differ in windows (" in message
+    assert "\n" not in message
+
+
 def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_server, fleet, tmp_path, monkeypatch):
     url, _ = mlflow_server
     name = f"nightly-{next(_names)}"
