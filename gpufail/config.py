@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from serving.policy import PolicyConfig
     from serving.publishing import PublisherConfig, PublishOptions
 
-__all__ = ["DURATION_EXAMPLES", "ConfigError", "Settings", "format_duration", "load_settings", "parse_duration"]
 
 
 def _positive(value: timedelta) -> timedelta:
