@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from serving.publishing import PublisherConfig, PublishOptions
 
 
-
 def _positive(value: timedelta) -> timedelta:
     if value <= timedelta(0):
         raise ValueError(f"expected a duration above zero such as {DURATION_EXAMPLES}, got '{format_duration(value)}'")
