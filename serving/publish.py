@@ -13,7 +13,7 @@ Modes:
 
 The audit log is the store's `actions` dataset, one new file per run under `date=YYYY-MM-DD/`
 (the UTC date of the decisions, `decisions_table`), never rewritten, committed together with
-the policy state it leads to (`gpufail.publishing`), so that a run killed at any point leaves
+the policy state it leads to (`serving.publishing`), so that a run killed at any point leaves
 its rows either recorded once or not at all. `read_audit` reads what was committed;
 `append_audit` adds a file without a state.
 """
@@ -242,7 +242,7 @@ def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> st
     folder or fsspec URL, or a path within `fs`) as one new file, visible at once, whole or not
     at all; returns its path (None, and nothing written, for no decisions). For writers without
     a policy state (benchmarks, tests): `gpufail publish` commits its audit file together with
-    its state (`gpufail.publishing`)."""
+    its state (`serving.publishing`)."""
     if not decisions:
         return None
     first = min(d.time for d in decisions)

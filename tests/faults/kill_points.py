@@ -39,7 +39,7 @@ from typing import Any
 PRELOAD = [
     "gpufail.cli",
     "gpufail.config",
-    "gpufail.publishing",
+    "serving.publishing",
     "ingest.collect.daemon",
     "ingest.kernel_log_ingest",
     "features.build",

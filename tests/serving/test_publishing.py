@@ -8,11 +8,11 @@ import pandas as pd
 import pytest
 
 from gpufail.config import load_settings
-from gpufail.publishing import publish_latest, publish_mode
 from ingest.journal import Journal
 from ingest.store import Store
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
+from serving.publishing import publish_latest, publish_mode
 from tests.ingest.test_journal import killed_process
 from tests.serving.test_predictions import scored
 
@@ -36,7 +36,7 @@ def store(tmp_path):
 
 def _publish(store):
     latest = newest_snapshot(store).frame
-    return publish_latest(store, latest, SETTINGS, target="log", mode="live")
+    return publish_latest(store, latest, SETTINGS.options(target="log", dry_run=False, shadow=False))
 
 
 def hidden(store):
@@ -96,7 +96,7 @@ def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
     monkeypatch.undo()
-    publish_latest(store, newest_snapshot(store).frame, SETTINGS, target="log", mode="shadow")
+    publish_latest(store, newest_snapshot(store).frame, SETTINGS.options(target="log", dry_run=False, shadow=True))
     assert len(hidden(store)) == 1  # the live run's, kept
     _publish(store)
     rows = read_audit(store.path("actions"))
@@ -107,7 +107,7 @@ def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch
 def test_a_dry_run_records_its_decisions_and_leaves_the_state_as_it_was(store):
     _publish(store)
     before = store.read_state("publish-log")
-    publish_latest(store, newest_snapshot(store).frame, SETTINGS, target="log", mode="dry-run")
+    publish_latest(store, newest_snapshot(store).frame, SETTINGS.options(target="log", dry_run=True, shadow=False))
     assert store.read_state("publish-log") == before
     assert pd.Series(read_audit(store.path("actions"))["mode"]).value_counts().to_dict() == {"live": 2, "dry-run": 2}
 
@@ -116,7 +116,7 @@ def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_rest_of_the_state(
     from click.testing import CliRunner
 
     from gpufail.cli import cli
-    from gpufail.publishing import policy_journal
+    from serving.publishing import policy_journal
 
     _publish(store)
     state = store.read_state("publish-log")

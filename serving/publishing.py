@@ -1,6 +1,7 @@
-"""The `gpufail publish` flow, shared by the command and the nightly job: build the policy and
-the publisher from the [publish] settings, run the policy on the newest predictions snapshot
-(`serving.predictions`), keep its state and append every decision to the audit log.
+"""The `gpufail publish` flow, shared by the command and the nightly job: run the action policy
+(`PublishOptions.policy`) on the newest predictions snapshot (`serving.predictions`), apply it
+through the publisher of the target (`PublisherConfig`), keep the policy's state and append
+every decision to the audit log.
 
 A policy state and its audit files are one journal of the store (`ingest.journal`), named after
 the state (`serving.publish.state_name`): a run commits its decisions' audit file together with
@@ -18,18 +19,57 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from ingest.errors import GpufailError, InputError
-from ingest.journal import Journal
+from ingest.journal import Journal, lock_path
 from ingest.store import Store, guarded
+from serving.policy import PolicyConfig
 
 LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
 PUBLISH_LOCK = "publish"
 """The lock every publish run of a data root holds (`_state/publish.lock` on a local root)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublisherConfig:
+    """How the publishers reach their schedulers (the [publish] settings of each target)."""
+
+    attempts: int = 3
+    """Tries per scheduler call, with exponential back-off from `backoff_s`."""
+    backoff_s: float = 2.0
+    timeout_s: float = 30.0
+    slurm_bin_dir: str = ""
+    """Folder of sinfo/scontrol; empty: PATH."""
+    slurm_conf: str = ""
+    """SLURM_CONF for sinfo/scontrol; empty: Slurm's default."""
+    slurm_avoid_weight: int = 100_000
+    kubeconfig: str = ""
+    """Empty: the in-cluster service account, else ~/.kube/config."""
+    webhook_url: str = ""
+    webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
+    """Environment variable holding the webhook's HMAC-SHA256 secret."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """One publish run: where to, in which mode, with which policy and publisher settings."""
+
+    target: str
+    """"log", "slurm", "kubernetes" or "webhook"."""
+    mode: str
+    """"dry-run", "shadow" or "live" (`publish_mode`)."""
+    policy: PolicyConfig
+    publisher: PublisherConfig
+
+
+def publish_lock_path(store: Store) -> Path:
+    """The file of the data root's publish lock (`ingest.journal.lock_path`)."""
+    return lock_path(store, PUBLISH_LOCK)
 
 
 @contextmanager
@@ -44,22 +84,23 @@ def policy_journal(store: Store, name: str, wait_s: float = LOCK_WAIT_S) -> Iter
 
 
 def publish_latest(
-    store: Store, latest: Any, settings: Any, *, target: str, mode: str, lock_wait_s: float = LOCK_WAIT_S
+    store: Store, latest: Any, options: PublishOptions, *, lock_wait_s: float = LOCK_WAIT_S
 ) -> tuple[Any, str | None]:
     """Publish `latest` (a checked predictions snapshot, `serving.predictions.Snapshot.frame`)
-    to `target` in `mode` ("dry-run" | "shadow" | "live"), with `settings` the [publish] table,
-    holding the publish lock. The policy state is read from the store, and committed with the
-    audit file unless in dry run (which must not advance it). Returns the outcome of
-    `serving.publish.publish` and the audit file written (None when there was nothing to record)."""
+    as `options` say, holding the publish lock. The policy state is read from the store, and
+    committed with the audit file unless in dry run (which must not advance it). Returns the
+    outcome of `serving.publish.publish` and the audit file written (None when there was
+    nothing to record)."""
     from serving.publish import AUDIT_DATASET, decisions_table, state_name
     from serving.publish import publish as run_publish
 
-    name = state_name(target, mode)
+    mode = options.mode
+    name = state_name(options.target, mode)
     with policy_journal(store, name, lock_wait_s) as journal:
         outcome = run_publish(
             latest,
-            make_publisher(settings, target, store),
-            policy_config(settings),
+            make_publisher(options.publisher, options.target, store),
+            options.policy,
             policy_state(journal),
             mode=mode,
             now=datetime.now(UTC),
@@ -109,7 +150,9 @@ def _finish_legacy_audit(store: Store, name: str, state: dict[str, Any] | None) 
             fs.rm(stale)
 
 
-def adopt_drains(store: Store, settings: Any, nodes: list[str], lock_wait_s: float = LOCK_WAIT_S) -> list[str]:
+def adopt_drains(
+    store: Store, publisher: PublisherConfig, nodes: list[str], lock_wait_s: float = LOCK_WAIT_S
+) -> list[str]:
     """Hand orphaned Slurm drains of gpufail (drained with a `gpufail:` reason that the state
     does not record) to gpufail: record each in the drain ledger and put the node in the tier
     its reason names in the live policy state, so that the policy resumes it once its risk
@@ -129,17 +172,17 @@ def adopt_drains(store: Store, settings: Any, nodes: list[str], lock_wait_s: flo
                 f"--adopt {', '.join(missing)}: not in the newest predictions of {store.root}; expected nodes "
                 "that gpufail scores (their cluster names them in the policy state)"
             )
-        publisher = make_publisher(settings, "slurm", store)
+        slurm = make_publisher(publisher, "slurm", store)
         state = policy_state(journal)
         adopted = dict(state.nodes)
         for node in nodes:
-            tier, entry = publisher.adopt(node)
+            tier, entry = slurm.adopt(node)
             key = f"{clusters[node]}/{node}"
             before = adopted.get(key, NodeState())
             adopted[key] = replace(
                 before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
             )
-            lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {publisher.ledger.where}")
+            lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {slurm.ledger.where}")
         journal.commit(replace(state, nodes=adopted).to_json())
     return lines
 
@@ -149,52 +192,44 @@ def publish_mode(dry_run: bool, shadow: bool) -> str:
     return "dry-run" if dry_run else "shadow" if shadow else "live"
 
 
-def policy_config(settings: Any) -> Any:
-    from serving.policy import PolicyConfig, Tier
-
-    configured = {name: getattr(settings.tiers, name) for name in type(settings.tiers).model_fields}
-    tiers = tuple(Tier(name, t.enter, t.exit) for name, t in configured.items() if t is not None)
-    return PolicyConfig(
-        tiers=tiers,
-        recovery_period=settings.recovery_period,
-        cooldown=settings.cooldown,
-        breaker_max_nodes=settings.breaker_max_nodes,
-        breaker_max_fraction=settings.breaker_max_fraction,
-        breaker_window=settings.breaker_window,
-    )
-
-
-def make_publisher(settings: Any, target: str, store: Store) -> Any:
+def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
+    """The publisher of `target` (`serving.publishers`), configured by `config`."""
     import os
 
-    retry = {"attempts": settings.attempts, "backoff": settings.backoff.total_seconds()}
     if target == "slurm":
         from serving.publishers.slurm import SlurmPublisher, StoreLedger
 
         return SlurmPublisher(
-            bin_dir=settings.slurm_bin_dir,
-            slurm_conf=settings.slurm_conf,
-            avoid_weight=settings.slurm_avoid_weight,
-            timeout=settings.timeout.total_seconds(),
+            bin_dir=config.slurm_bin_dir,
+            slurm_conf=config.slurm_conf,
+            avoid_weight=config.slurm_avoid_weight,
+            timeout=config.timeout_s,
             ledger=StoreLedger(store),
-            **retry,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
         )
     if target == "kubernetes":
         from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
 
-        return KubernetesPublisher(kubernetes_api(settings.kubeconfig), **retry)
+        return KubernetesPublisher(
+            kubernetes_api(config.kubeconfig), attempts=config.attempts, backoff=config.backoff_s
+        )
     if target == "webhook":
         from serving.publishers.webhook import WebhookPublisher
 
-        secret = os.environ.get(settings.webhook_secret_env, "")
-        if not settings.webhook_url or not secret:
+        secret = os.environ.get(config.webhook_secret_env, "")
+        if not config.webhook_url or not secret:
             raise GpufailError(
                 "publish --to webhook: expected [publish] webhook_url and a secret in the environment variable "
-                f"{settings.webhook_secret_env}, got url {settings.webhook_url!r} and "
+                f"{config.webhook_secret_env}, got url {config.webhook_url!r} and "
                 f"{'a secret' if secret else 'no secret'}"
             )
         return WebhookPublisher(
-            settings.webhook_url, secret.encode(), timeout=settings.timeout.total_seconds(), **retry
+            config.webhook_url,
+            secret.encode(),
+            timeout=config.timeout_s,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
         )
     from serving.publishers.log import LogPublisher
 
