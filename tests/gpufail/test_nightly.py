@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from features.build import BuildOptions
@@ -332,7 +334,12 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS))  # no new day: already complete
     assert "already complete" in subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
 
-    (data / "telemetry" / f"date={first_day(fleet) + timedelta(days=FLEET_DAYS)}").mkdir()  # a new, empty day
+    store = Store.open(str(data))
+    last = store.dates("telemetry")[-1]
+    since = datetime(last.year, last.month, last.day, tzinfo=UTC)
+    rows = store.read("telemetry", since, since + timedelta(days=1)).slice(0, 10)
+    shifted = pc.add(rows["ts"], pa.scalar(timedelta(days=1), pa.duration("us")))
+    store.write("telemetry", rows.set_column(rows.schema.get_field_index("ts"), "ts", shifted))  # a new day
     down = {**env, "GPUFAIL_MLFLOW__TRACKING_URI": "http://127.0.0.1:9"}
     failed = subprocess.run(cmd, capture_output=True, text=True, env=down, timeout=600)
     assert failed.returncode == 2

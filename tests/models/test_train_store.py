@@ -208,12 +208,13 @@ def with_recorded_spec(store: Store, folder, spec: FeatureSpec) -> Store:
     """A copy of `store` whose features manifest records `spec` (as a build with it would)."""
     import shutil
 
-    from features.manifest import FeatureManifest
+    from features.manifest import open_manifest
 
     shutil.copytree(store.root, folder)
     copy = Store.open(str(folder))
-    FeatureManifest.load(copy)  # takes the copied files as complete
-    copy.write_state("features", {**copy.read_state("features"), "spec": spec.to_json()})
+    with open_manifest(copy) as manifest:  # takes the copied files as complete
+        manifest.spec = spec  # as a build with it records it
+        manifest._save()
     return copy
 
 
