@@ -11,8 +11,8 @@ leave at the same instant.
 
 The writers: the kernel-log ingest (`kernel_log_ingest`), each node's collector
 (`collect-<node>`), the features build (`features`: its state is the features manifest),
-scoring (`predictions`) and publishing (`publish-<target>[-shadow]`: the audit file with the
-policy state).
+scoring (`predictions`), publishing (`publish-<target>[-shadow]`: the audit file with the
+policy state) and the appends of `Store.write` (`append-<dataset>`: imports, the simulator).
 
 How a commit of writer `name` goes:
 1. Each new file is written under a hidden name in its partition folder,
@@ -101,6 +101,14 @@ class Staging:
             self.store.write_part(dataset, day, rows, hidden_prefix=self.prefix, durable=self.durable)
             for day, rows in split_by_day(conform(table, dataset))
         ]
+
+    def write_part_of_day(self, dataset: str, day: date, table: pa.Table) -> str:
+        """One file of `date=day` of a dataset with a store schema (`Store.write_partition`,
+        hidden until committed)."""
+        self._check(dataset)
+        return self.store.write_part(
+            dataset, day.isoformat(), conform(table, dataset), hidden_prefix=self.prefix, durable=self.durable
+        )
 
     def visible(self, path: str) -> str:
         """The path a file written here has once committed."""

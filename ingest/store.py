@@ -196,13 +196,22 @@ class Store:
         The table is checked against the dataset's schema first (columns may come in any order;
         types must match or be safely castable), so a bad batch is refused before anything is
         written. Returns the paths written.
+
+        The files are one commit of the journal `append-<dataset>` (`ingest.journal`): readers
+        see all of them or, after a kill, none, and the next append to the dataset deletes what
+        a killed one left. Appends to one dataset take turns (its journal's lock).
         """
-        return [self.write_part(dataset, day, part) for day, part in split_by_day(conform(table, dataset))]
+        table = conform(table, dataset)
+        with self.journal(f"append-{dataset}", [dataset], wait_s=APPEND_WAIT_S, durable=False) as journal:
+            return journal.commit(tables={dataset: table})
 
     def write_partition(self, dataset: str, day: date, table: pa.Table) -> str:
-        """Write one file into `date=day`, for writers that already produce one day at a time."""
+        """Write one file into `date=day`, for writers that already produce one day at a time
+        (committed as `write` commits)."""
         table = conform(table, dataset)
-        return self.write_part(dataset, day.isoformat(), table)
+        with self.journal(f"append-{dataset}", [dataset], wait_s=APPEND_WAIT_S, durable=False) as journal:
+            staged = journal.staging().write_part_of_day(dataset, day, table)
+            return journal.commit(staged=[staged])[0]
 
     def write_owned(self, dataset: str, day: date, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
         """Write one file of a dataset whose schema a later stage owns (features, predictions,
@@ -541,6 +550,8 @@ def temporary_prefix(name: str) -> str:
 
 # The key of a state file that holds a journal's last commit (`ingest.journal`).
 COMMIT_KEY = "_commit"
+APPEND_WAIT_S = 600.0
+"""How long an append (`Store.write`) waits for another append to the same dataset."""
 
 
 @contextmanager

@@ -251,3 +251,30 @@ def test_a_data_root_whose_first_write_was_killed_is_created_again(tmp_path: Pat
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="is not empty and is not a gpufail dataset"):
         Store.create(str(tmp_path / "other"))
+
+
+def test_an_append_killed_part_way_shows_no_row_and_the_next_append_deletes_what_it_left(
+    store: Store, hours: object, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Store.write over two days, killed after the first day's file: neither day is readable,
+    # and the next append to the dataset sweeps the file the killed one left.
+    killed_process(monkeypatch)
+    real = Store.write_part
+    written: list[str] = []
+
+    def second_file_killed(self: Store, *args: object, **kwargs: object) -> str:
+        if written:
+            raise KeyboardInterrupt
+        written.append(real(self, *args, **kwargs))  # type: ignore[arg-type]
+        return written[-1]
+
+    monkeypatch.setattr(Store, "write_part", second_file_killed)
+    two_days = make_rows("xid_events", hours(23, 25), xid=[79, 48])  # type: ignore[operator]
+    with pytest.raises(KeyboardInterrupt):
+        store.write("xid_events", two_days)
+    monkeypatch.undo()
+    assert len(written) == 1 and Path(written[0]).exists() and hidden(tmp_path / "root") == ["pending"]
+    assert xids(store) == [] and store.dates("xid_events") == []
+    store.write("xid_events", make_rows("xid_events", hours(2), xid=31))  # type: ignore[operator]
+    assert not Path(written[0]).exists() and hidden(tmp_path / "root") == []
+    assert xids(store) == [31]
