@@ -646,6 +646,28 @@ class FeatureBuildSummary:
         )
 
 
+def plan_build(
+    manifest: FeatureManifest,
+    spec: FeatureSpec,
+    summary: FeatureBuildSummary,
+    start: datetime,
+    end: datetime,
+    *,
+    data_end: datetime,
+    overwrite: bool,
+) -> BuildPlan:
+    """The plan of a build of the whole days in [start, end) with `spec` (`FeatureManifest.use_spec`
+    and `plan`), after removing the files no build completed (counted in `summary`); a
+    `FeaturesExistError` when every day is built and up to date."""
+    manifest.use_spec(spec, start, end, overwrite=overwrite)
+    plan = manifest.plan(start, end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
+    manifest.remove(plan.partial)
+    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
+    if not plan.runs:
+        raise FeaturesExistError(nothing_to_build(manifest, plan, start, end))
+    return plan
+
+
 def nothing_to_build(manifest: FeatureManifest, plan: BuildPlan, start: datetime, end: datetime) -> str:
     """Every day asked for is built and up to date: say so, with the range the files cover."""
     files = manifest.kept_files(plan.kept)
@@ -873,12 +895,7 @@ def build_features_from_store(
     summary.start, summary.end = emit_start, emit_end
 
     # What is complete stays (a build killed half-way left some days partial: those are rebuilt).
-    manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
-    plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
-    manifest.remove(plan.partial)
-    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
-    if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
+    plan = plan_build(manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite)
 
     # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
     lookback = max(max(spec.windows), max_silence + grid)

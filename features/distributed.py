@@ -40,9 +40,8 @@ import polars as pl
 
 from features.build import (
     FeatureBuildSummary,
-    FeaturesExistError,
     features_from_buckets,
-    nothing_to_build,
+    plan_build,
     read_xid_events,
     write_features,
 )
@@ -53,7 +52,7 @@ from features.labels import (
     gpu_presence,
     resolve_xid_gpus,
 )
-from features.manifest import open_manifest, settle_time
+from features.manifest import open_manifest
 from features.peers import PEER_METRICS, model_medians
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
@@ -278,12 +277,7 @@ def build_features_distributed(
     summary.start, summary.end = emit_start, emit_end
     # As the single-machine build: complete days stay, partial ones are rebuilt.
     with open_manifest(store) as manifest:
-        manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
-        plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
-        manifest.remove(plan.partial)
-        summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
-        if not plan.runs:
-            raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
+        plan = plan_build(manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite)
 
         params = _Params(spec=spec, data_end=data_end, rows_per_chunk=rows_per_chunk)
         step = timedelta(days=partition_days)

@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError, StoreError
-from ingest.store import Store
+from ingest.store import Store, unreadable_message
 from serving.score import PREDICTION_SCHEMA, TOP_FEATURES_FIELD, prediction_table
 
 DATASET = "predictions"
@@ -219,10 +219,7 @@ def _key(store: Store, path: str) -> SnapshotKey:
             # Written before snapshots: a whole scoring of one grid time, its key in its rows.
             rows = parquet.read(columns=["ts", "model_version"])
     except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(
-            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
-            "`gpufail score` again"
-        ) from None
+        raise InputError(unreadable_message(path, f"{type(exc).__name__}: {exc}")) from None
     if rows.num_rows == 0 or rows["ts"].null_count == rows.num_rows:
         raise InputError(f"{path}: not usable predictions: no rows (expected one per scored GPU)")
     versions = sorted({str(v) for v in rows["model_version"].to_pylist()})
@@ -235,10 +232,7 @@ def _read_table(store: Store, path: str) -> pa.Table:
         with store.fs.open(path, "rb") as fh:
             return pq.read_table(fh)
     except (pa.ArrowException, OSError) as exc:
-        raise InputError(
-            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
-            "`gpufail score` again"
-        ) from None
+        raise InputError(unreadable_message(path, f"{type(exc).__name__}: {exc}")) from None
 
 
 def _utc(value: Any) -> datetime:

@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from ingest.errors import GpufailError, InputError
-from ingest.journal import Journal, lock_path
+from ingest.journal import Journal
 from ingest.store import Store, guarded
 from serving.policy import PolicyConfig
 
@@ -65,11 +64,6 @@ class PublishOptions:
     """"dry-run", "shadow" or "live" (`publish_mode`)."""
     policy: PolicyConfig
     publisher: PublisherConfig
-
-
-def publish_lock_path(store: Store) -> Path:
-    """The file of the data root's publish lock (`ingest.journal.lock_path`)."""
-    return lock_path(store, PUBLISH_LOCK)
 
 
 @contextmanager
