@@ -160,7 +160,7 @@ def test_a_store_written_before_the_manifest_is_taken_as_it_is(fleet, full, tmp_
 )
 def test_a_damaged_manifest_is_named_in_one_line(fleet, tmp_path, text, message):
     store = store_with(tmp_path / "data", fleet, until=T0 + 24 * H)
-    Path(store.path("_state")).mkdir()
+    Path(store.path("_state")).mkdir(exist_ok=True)
     Path(store.path("_state", "features.json")).write_text(text)
     with pytest.raises(StoreError, match=f"_state/features.json: {message}"):
         build(store)
