@@ -251,5 +251,5 @@ def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_pa
         store.files("features", verify=True)
     assert str(refused.value).startswith(f"{path}: corrupt file (CRC-32 ")
     assert str(refused.value).endswith(
-        "its rows are not used. Rebuild its day with gpufail features --overwrite --start 2026-01-05 --end 2026-01-06"
+        "its rows are not used. Rebuild its day with gpufail features --start 2026-01-05 --end 2026-01-06 --overwrite"
     )
