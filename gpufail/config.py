@@ -209,10 +209,46 @@ class TiersSettings(_Table):
         return None if value is False else value
 
 
+class CostSettings(_Table):
+    """[publish.cost]: what the cost policy prices actions with (serving/cost_policy.py,
+    docs/actions.md); GPU-hours throughout."""
+
+    horizon: PositiveDuration = timedelta(hours=24)
+    """The horizon of the node risk: the [labels] horizon the model was trained with."""
+    checkpoint_interval: PositiveDuration = timedelta(hours=1)
+    """Assumed for a job that reports no checkpoint; also the least time between two hints to a job."""
+    checkpoint_time: Duration = timedelta(minutes=5)
+    restart_time: Duration = timedelta(minutes=10)
+    hang_time: Duration = timedelta(minutes=15)
+    """How long a job hangs on a failed node before the failure is noticed."""
+    new_job_gpus: float = Field(default=64.0, ge=0.0)
+    """The GPUs of a job the scheduler would place on a free node."""
+    avoid_share: float = Field(default=0.25, ge=0.0, le=1.0)
+    avoid_cost: float = Field(default=0.5, ge=0.0)
+    """GPU-hours per node GPU that keeping new large jobs off a node costs over the horizon."""
+    false_drain: Duration = timedelta(hours=24)
+    """How long a node drained for nothing stays out of service."""
+
+
 class PublishSettings(_Table):
     """`gpufail publish`: the action policy (serving/policy.py) and the scheduler publishers."""
 
     target: Literal["log", "slurm", "kubernetes", "webhook"] = "log"
+    policy: Literal["tiers", "cost"] = "tiers"
+    """tiers: risk thresholds; cost: the cheapest action for the jobs on the node (docs/actions.md)."""
+    cost: CostSettings = CostSettings()
+    placement_levels: int = Field(default=0, ge=0, le=100)
+    """Risk levels for placement hints (Slurm weights, a Kubernetes node label); 0: none."""
+    standby_nodes: int = Field(default=0, ge=0)
+    """Warm standbys: the lowest-risk idle nodes kept in a reservation (Slurm) or labelled; 0: none."""
+    jobs_url: str = ""
+    """log and webhook targets: a URL or file of the job document (docs/actions.md); empty: none."""
+    slurm_checkpoint_signal: Annotated[str, Field(pattern=r"^(SIG)?[A-Z][A-Z0-9]*$|^[0-9]+$")] = "USR1"
+    """The signal of a checkpoint hint (scancel --signal=... --batch JOB)."""
+    slurm_standby_users: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")]] = Field(
+        default_factory=lambda: ["root"], min_length=1
+    )
+    """Users who may run jobs in the standby reservation."""
     dry_run: bool = True
     """Record what would be done without doing it. Set false (or --no-dry-run) to act."""
     shadow: bool = False

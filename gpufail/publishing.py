@@ -60,12 +60,16 @@ def publish_latest(
     holding the publish lock. The policy state is read from the store, and committed unless in
     dry run (which must not advance it). Returns the outcome of `serving.publish.publish` and
     the audit file written (None when there was nothing to record)."""
+    from serving.cost_policy import hinted_from_json, hinted_to_json
     from serving.publish import finish_audit, stage_audit, state_name
     from serving.publish import publish as run_publish
 
     name = state_name(target, mode)
     with publish_lock(store, lock_wait_s):
         state = read_policy_state(store, name)
+        hinted = hinted_from_json(
+            (store.read_state(name) or {}).get("checkpoint_hints"), f"{store.root}: _state/{name}.json"
+        )
         outcome = run_publish(
             latest,
             make_publisher(settings, target, store),
@@ -75,6 +79,8 @@ def publish_latest(
             now=datetime.now(UTC),
             repairs=latest_repairs(store),
             top_features=top_features_by_gpu(latest),
+            actions=job_actions(settings),
+            hinted=hinted,
         )
         staged = stage_audit(outcome.rows, store.path("actions"), fs=store.fs, run_id=_run_id(name))
         if mode == "dry-run":
@@ -83,7 +89,9 @@ def publish_latest(
         committed = (
             {"pending": _relative(store, staged.pending), "final": _relative(store, staged.final)} if staged else None
         )
-        store.write_state(name, {**outcome.state.to_json(), "audit": committed})
+        store.write_state(
+            name, {**outcome.state.to_json(), "checkpoint_hints": hinted_to_json(outcome.hinted), "audit": committed}
+        )
         return outcome, _finish_committed(store, name)
 
 
@@ -109,7 +117,10 @@ def write_policy_state(store: Store, name: str, state: Any) -> None:
     """Save a policy state changed outside a run (--reset-breaker, --adopt), keeping the record
     of the last run's audit file."""
     previous = store.read_state(name) or {}
-    store.write_state(name, {**state.to_json(), "audit": previous.get("audit")})
+    store.write_state(
+        name,
+        {**state.to_json(), "checkpoint_hints": previous.get("checkpoint_hints"), "audit": previous.get("audit")},
+    )
 
 
 def _finish_committed(store: Store, name: str) -> str | None:
@@ -186,6 +197,30 @@ def policy_config(settings: Any) -> Any:
     )
 
 
+def job_actions(settings: Any) -> Any:
+    """The job-aware part of publishing (`serving.publish.JobActions`) from the [publish] table."""
+    from serving.cost_policy import CostConfig
+    from serving.publish import JobActions
+
+    c = settings.cost
+    return JobActions(
+        policy=settings.policy,
+        cost=CostConfig(
+            horizon=c.horizon,
+            checkpoint_interval=c.checkpoint_interval,
+            checkpoint_time=c.checkpoint_time,
+            restart_time=c.restart_time,
+            hang_time=c.hang_time,
+            new_job_gpus=c.new_job_gpus,
+            avoid_share=c.avoid_share,
+            avoid_cost=c.avoid_cost,
+            false_drain=c.false_drain,
+        ),
+        placement_levels=settings.placement_levels,
+        standby_nodes=settings.standby_nodes,
+    )
+
+
 def make_publisher(settings: Any, target: str, store: Store) -> Any:
     import os
 
@@ -199,6 +234,8 @@ def make_publisher(settings: Any, target: str, store: Store) -> Any:
             avoid_weight=settings.slurm_avoid_weight,
             timeout=settings.timeout.total_seconds(),
             ledger=StoreLedger(store),
+            checkpoint_signal=settings.slurm_checkpoint_signal,
+            standby_users=tuple(settings.slurm_standby_users),
             **retry,
         )
     if target == "kubernetes":
@@ -216,11 +253,15 @@ def make_publisher(settings: Any, target: str, store: Store) -> Any:
                 f"{'a secret' if secret else 'no secret'}"
             )
         return WebhookPublisher(
-            settings.webhook_url, secret.encode(), timeout=settings.timeout.total_seconds(), **retry
+            settings.webhook_url,
+            secret.encode(),
+            timeout=settings.timeout.total_seconds(),
+            jobs_url=settings.jobs_url,
+            **retry,
         )
     from serving.publishers.log import LogPublisher
 
-    return LogPublisher()
+    return LogPublisher(jobs_url=settings.jobs_url, timeout=settings.timeout.total_seconds())
 
 
 def latest_repairs(store: Any) -> dict[tuple[str, str], datetime]:
