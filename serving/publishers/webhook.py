@@ -140,7 +140,10 @@ class WebhookPublisher:
         return [("", Applied(ok, f"{detail}: placement levels of {len(levels)} nodes"))]
 
     def standby(self, nodes: Sequence[str], apply: bool) -> list[tuple[str, Applied]]:
-        """One `standby` event naming the standby nodes (the whole set, each run)."""
+        """One `standby` event naming the standby nodes (the whole set, each run; nothing when
+        there are none to keep: a receiver lets a standby list expire when no event renews it)."""
+        if not nodes:
+            return []
         if not apply:
             return [("", Applied(True, f"would send standby nodes {', '.join(sorted(nodes)) or '(none)'}"))]
         event: dict[str, Any] = {"type": "standby", "nodes": sorted(nodes)}
