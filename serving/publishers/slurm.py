@@ -197,7 +197,9 @@ class SlurmPublisher:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise _CommandFailed(f"{argv[0]}: {exc}") from None
         if done.returncode != 0:
-            raise _CommandFailed(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[:300]}")
+            # scontrol prints some refusals ("Reservation ... not found") on stdout.
+            said = done.stderr.strip() or done.stdout.strip()
+            raise _CommandFailed(f"{' '.join(argv)} exited {done.returncode}: {said[:300]}")
         return done.stdout
 
     def _call(self, *argv: str) -> str:
@@ -497,7 +499,16 @@ class SlurmPublisher:
         self.ledger.save(marks)
         try:
             if not wanted:
-                self._call("scontrol", "delete", f"ReservationName={STANDBY_RESERVATION}")
+                try:
+                    self._run("scontrol", "delete", f"ReservationName={STANDBY_RESERVATION}")
+                except _CommandFailed as exc:
+                    if "in use" not in str(exc):
+                        raise
+                    # A job restarted into a standby still runs there: deleted once it ends.
+                    marks.standby = previous
+                    self.ledger.save(marks)
+                    kept = f"kept: reservation {STANDBY_RESERVATION} is in use by a running job; deleted after it ends"
+                    return [(n, Applied(False, kept)) for n, _ in rows]
             elif current is None:
                 self._call(
                     "scontrol",
@@ -511,7 +522,7 @@ class SlurmPublisher:
                 )
             else:
                 self._call("scontrol", "update", f"ReservationName={STANDBY_RESERVATION}", f"Nodes={','.join(wanted)}")
-        except SchedulerUnavailable as exc:
+        except (SchedulerUnavailable, _CommandFailed) as exc:
             marks.standby = previous
             self.ledger.save(marks)
             return [(n, Applied(False, f"failed: {exc}")) for n, _ in rows]
