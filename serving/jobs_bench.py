@@ -6,8 +6,8 @@ job map of 4,000 nodes and 20,000 jobs and deciding takes under 5 s).
 Builds `squeue --json` text as Slurm 22.05 prints it (every field of a job record, indented as
 squeue indents it; the record is the one of tests/fixtures/slurm/squeue-22.05.json) for a
 fleet of `--nodes` nodes of 8 GPUs: large gang jobs over half the nodes (64 to 512 nodes each)
-and `--jobs` in all, the rest small (1 or 2 GPUs, a few without a GPU) packed onto the other
-half; and predictions for every GPU. Then times, best of `--repeat`:
+and `--jobs` in all, the rest small (8 one-GPU jobs and 2 without a GPU per node) packed onto
+the other half; and predictions for every GPU. Then times, best of `--repeat`:
 
 - `parse`: the text to a `JobMap` (`serving.jobs.slurm_job_map`);
 - `loads`: blast radius and work at risk per node (`node_loads`);
@@ -170,7 +170,7 @@ def _record(job_id: int, nodes: list[str], gpus: int, start: int, limit: int | N
 
 def fleet_jobs(nodes: int, jobs: int, seed: int = 0) -> tuple[list[str], list[dict[str, Any]]]:
     """Node names and job records: gang jobs over the first half of the nodes, small jobs packed
-    onto the second half (up to 8 one-GPU jobs and a CPU-only one per node)."""
+    onto the second half (8 one-GPU jobs and 2 CPU-only ones per node)."""
     rng = np.random.default_rng(seed)
     names = [f"gpu{i:05d}" for i in range(nodes)]
     now = int(NOW.timestamp())
@@ -187,8 +187,8 @@ def fleet_jobs(nodes: int, jobs: int, seed: int = 0) -> tuple[list[str], list[di
     small = max(jobs - len(records), 0)
     rest = names[half:]
     for k in range(small):
-        node = rest[(k // 9) % len(rest)]
-        gpus = 0 if k % 9 == 8 else 1
+        node = rest[(k // 10) % len(rest)]
+        gpus = 0 if k % 10 >= 8 else 1
         start = now - int(rng.integers(60, 86400))
         limit = int(rng.choice([60, 240, 1440]))
         records.append(_record(len(records) + 1, [node], gpus, start, limit, ""))

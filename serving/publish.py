@@ -11,6 +11,10 @@ Modes:
   node's `applied` tier as it was, so the next run tries again; re-running with the same
   predictions changes nothing (idempotent).
 
+With `JobActions`, a run also reads the scheduler's job map and can decide by the cost policy
+(`serving.cost_policy`), send checkpoint hints, set placement levels and keep warm standbys
+(docs/actions.md); each of those is an audit row too.
+
 The audit log is a Parquet dataset, one new file per run under `date=YYYY-MM-DD/` (the UTC
 date of the decisions), never rewritten. A file is first written complete under a hidden
 `.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name

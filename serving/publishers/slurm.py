@@ -26,6 +26,12 @@ run killed between the two leaves an entry that covers what Slurm may show, neve
 
 Safety: a node that is down, failed, or drained with a reason that is not ours is reported
 unavailable and never touched.
+
+Job-aware actions (docs/actions.md): the job map from `squeue --json`; checkpoint hints as
+`scancel --signal=USR1 --batch JOB`; placement levels added to node weights (the base weight is
+recorded in the ledger before ours is set; a weight someone else set becomes the new base); and
+the warm standbys as the reservation `gpufail-standby`, recorded in the ledger before it is
+created or changed (a reservation of that name the ledger does not know is not ours).
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ from, to, risk, reason, gpus, top_features, model_version}, ...]}`. Headers:
   old messages (the body, and so the time, is signed).
 Connection errors, time-outs, HTTP 429 and 5xx are retried with exponential back-off; another
 4xx is not (it will not get better by itself). A run with no change sends nothing.
+
+Job-aware actions (docs/actions.md) go as separate deliveries, signed the same way, of
+`{"source", "delivery_id", "sent_at", "events": [...]}` with events of type `checkpoint`,
+`placement` and `standby`; the job map is read from `jobs_url` (`serving.jobs`).
 """
 
 from __future__ import annotations

@@ -301,3 +301,59 @@ def test_a_standby_reservation_that_is_not_ours_is_left_alone(slurm):
     row = next(r for r in out.rows if r.action == "standby")
     assert row.result.startswith(f"skipped: reservation {STANDBY_RESERVATION} (gpu016) is not recorded")
     assert reservation(slurm) == "gpu016"
+
+
+def tools(folder: Path, refuse: dict[str, str]) -> str:
+    """A bin folder of the real Slurm commands, where `refuse[tool]` names the first argument
+    with which that tool fails instead (a controller refusing one kind of request)."""
+    import shutil
+
+    folder.mkdir()
+    for tool in ("sinfo", "squeue", "scontrol", "scancel"):
+        real = shutil.which(tool)
+        word = refuse.get(tool)
+        guard = f'if [ "$1" = "{word}" ]; then echo "{tool}: refused" >&2; exit 1; fi\n' if word else ""
+        (folder / tool).write_text(f'#!/bin/sh\n{guard}exec {real} "$@"\n')
+        (folder / tool).chmod(0o755)
+    return str(folder)
+
+
+def test_a_signal_to_a_job_that_has_ended_fails_its_hint(slurm, jobs):
+    job = jobs.submit("-N1", "-w", "gpu002", "--gres=gpu:1")
+    mapped = publisher(slurm).read_jobs().by_id()[job]
+    jobs.stop(job)
+    result = publisher(slurm).checkpoint([Hint(mapped, ("gpu002",), "test")])
+    assert not result[0].ok and result[0].detail.startswith("failed: slurm (scancel)")
+
+
+def test_an_unreadable_squeue_keeps_every_tier(slurm, tmp_path):
+    out = publish(
+        predictions({"gpu012": 0.99}, slurm.nodes),
+        publisher(slurm, bin_dir=tools(tmp_path / "bin", {"squeue": "--json"})),
+        CONFIG,
+        PolicyState(),
+        mode="live",
+        now=datetime.now(UTC),
+        actions=JobActions(policy="cost", cost=COST),
+    )
+    assert {r.action for r in out.rows} == {"keep"} and slurm.node_states()["gpu012"]["state_flags"] == []
+    assert any("job map: slurm (squeue): no answer after 2 tries" in n and "squeue: refused" in n for n in out.notices)
+
+
+def test_a_weight_slurm_refuses_is_not_recorded_as_ours(slurm, tmp_path):
+    ledger = MemoryLedger()
+    pub = publisher(slurm, ledger=ledger, bin_dir=tools(tmp_path / "bin", {"scontrol": "update"}))
+    pub.observe(slurm.nodes)
+    results = dict(pub.place({"gpu003": 2}, 4, apply=True))
+    assert not results["gpu003"].ok and "scontrol: refused" in results["gpu003"].detail
+    assert ledger.load().placement == {} and slurm.node_states()["gpu003"]["weight"] == 1
+
+
+def test_a_standby_node_taken_meanwhile_fails_the_refresh_and_keeps_the_record(slurm, jobs):
+    ledger = MemoryLedger()
+    pub = publisher(slurm, ledger=ledger)
+    pub.standby(["gpu004"], apply=True)
+    jobs.submit("-N1", "-w", "gpu005", "--gres=gpu:8")  # gpu005 became busy after the job map was read
+    results = dict(pub.standby(["gpu005"], apply=True))
+    assert not results["gpu005"].ok and "busy" in results["gpu005"].detail
+    assert reservation(slurm) == "gpu004" and ledger.load().standby == ("gpu004",)

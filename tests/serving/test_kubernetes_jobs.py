@@ -3,12 +3,14 @@
 checkpoint hints as pod annotations, the placement score label and the standby label. An
 emulator, not Kubernetes: a contract test of the requests sent and the objects they make."""
 
+import json
 from datetime import UTC, datetime
 
 import pandas as pd
 import pytest
 
 from serving.cost_policy import CostConfig, Hint
+from serving.jobs import JobMapUnreadable
 from serving.policy import PolicyConfig, PolicyState, Tier
 from serving.publish import JobActions, publish
 from serving.publishers.kubernetes import (
@@ -156,3 +158,56 @@ def test_the_cost_policy_through_kubernetes(cluster):
     assert api.read_node("gpu003").spec.unschedulable
     assert CHECKPOINT_REQUEST_ANNOTATION in api.read_namespaced_pod("llm-1", "ml").metadata.annotations
     assert labels(api, "gpu004")[STANDBY_LABEL] == "true"  # gpu005 is cordoned: not a standby
+
+
+class _Raw:
+    def __init__(self, data):
+        self.data = data
+
+
+class PagedPods:
+    """A CoreV1Api stand-in that answers the pod list in pages, as an API server does for `limit`."""
+
+    def __init__(self, pages):
+        self.pages, self.asked = pages, []
+
+    def list_pod_for_all_namespaces(self, **kw):
+        self.asked.append(kw.get("_continue"))
+        return _Raw(self.pages[len(self.asked) - 1])
+
+
+def test_the_pod_list_is_read_page_by_page():
+    first = {"metadata": {"continue": "tok-1"}, "items": [worker("llm-0", "gpu001", 8)]}
+    second = {"metadata": {}, "items": [worker("llm-1", "gpu002", 8)]}
+    api = PagedPods([json.dumps(first).encode(), json.dumps(second).encode()])
+    job_map = KubernetesPublisher(api, attempts=1).read_jobs()
+    assert api.asked == [None, "tok-1"] and job_map.jobs[0].gpus_on == {"gpu001": 8, "gpu002": 8}
+
+
+def test_an_answer_that_is_not_a_pod_list_is_one_line():
+    with pytest.raises(JobMapUnreadable, match="kubernetes list pods: not a pod list"):
+        KubernetesPublisher(PagedPods([b"<html>proxy error</html>"]), attempts=1).read_jobs()
+
+
+def test_a_refused_pod_list_keeps_the_cost_policy_from_acting(cluster):
+    api, _ = cluster
+
+    def forbidden(**kw):
+        from kubernetes.client.exceptions import ApiException
+
+        raise ApiException(status=403, reason="Forbidden")
+
+    api.list_pod_for_all_namespaces = forbidden
+    frame = pd.DataFrame({"cluster": "k", "node": ["gpu003"], "gpu_index": [0], "gpu_uuid": ["g"], "risk": [0.99]})
+    frame["model_version"] = "m"
+    out = publish(
+        frame,
+        KubernetesPublisher(api, attempts=1),
+        CONFIG,
+        PolicyState(),
+        mode="live",
+        now=NOW,
+        actions=JobActions(policy="cost"),
+    )
+    assert out.rows[0].action == "keep" and not api.read_node("gpu003").spec.unschedulable
+    assert any("kubernetes list pods: HTTP 403 Forbidden" in n for n in out.notices)
