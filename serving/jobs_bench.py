@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -285,7 +286,7 @@ def run(nodes: int, jobs: int, repeat: int) -> dict[str, Any]:
     for _ in range(repeat):
         t0 = time.perf_counter()
         job_map = timed("parse", lambda: slurm_job_map(text))
-        loads = timed("loads", lambda job_map=job_map: node_loads(job_map, NOW, cost.checkpoint_interval))
+        loads = timed("loads", partial(node_loads, job_map, NOW, cost.checkpoint_interval))
         inputs = timed("inputs", lambda: node_inputs(frame, flag_threshold=0.2))
 
         def decide_all(job_map: Any = job_map, inputs: Any = inputs, loads: Any = loads) -> Any:
