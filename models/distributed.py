@@ -43,7 +43,7 @@ from models.train import (
     matching_features,
     sample_negatives,
 )
-from models.train_store import store_training_bounds, window_label_counts
+from models.train_store import store_training_bounds, window_label_counts, with_store_spec
 
 DASK_KINDS = ("lightgbm", "xgboost")
 _LABEL, _TS = "_label", "_ts"
@@ -116,6 +116,7 @@ def train_model_distributed(client: Any, store: Store, options: TrainOptions) ->
             "set [dask] scheduler = '' to train it on one machine"
         )
     check_negative_fraction(options.negative_fraction)
+    options = with_store_spec(store, options)
     user_params = dict(options.params)
     bounds = store_training_bounds(
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
@@ -183,4 +184,5 @@ def train_model_distributed(client: Any, store: Store, options: TrainOptions) ->
         pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
+        feature_spec=options.carried_spec(),
     )

@@ -13,6 +13,7 @@ the rows are the ones `train_model` picks, in the same order.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, time, timedelta
 
 import pandas as pd
@@ -20,8 +21,10 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from features.build import FEATURES_DATASET, feature_files, read_features
+from features.manifest import recorded_spec
 from features.sample_key import SAMPLE_KEY, key_threshold
 from features.schema import TS_DTYPE
+from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc
@@ -175,10 +178,32 @@ def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.Da
     )
 
 
+def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:
+    """`options` with the feature spec the store's features record (the model trained on them
+    carries it). A different spec in `options` (the configuration's) is refused: a model would
+    carry settings its features were not built with. Unrecorded (features built before specs
+    were recorded): the spec of `options`, else the default spec."""
+    built = recorded_spec(store)
+    if built is None:
+        return options
+    if options.feature_spec is not None:
+        require_spec(
+            built,
+            options.feature_spec,
+            features=f"{store.root}: the features",
+            user="the training settings ask for",
+            remedy="rebuild the features with these settings (gpufail features --overwrite) or train with the "
+            "settings the features were built with",
+        )
+    return replace(options, feature_spec=built)
+
+
 def train_model_from_store(store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` on the store's features, with the same options and the same
-    model, holding the sample in memory instead of the window."""
+    model, holding the sample in memory instead of the window. The model carries the spec the
+    features were built with (`with_store_spec`)."""
     check_model_kind(options.kind, options.params)  # before anything is read: a bad setting fails fast
+    options = with_store_spec(store, options)
     bounds = store_training_bounds(
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )

@@ -377,7 +377,7 @@ def create_app(
             )
 
         def featurise_and_score() -> tuple[list[dict[str, Any]], set[str]]:
-            frame, sent = telemetry_frame(telemetry, request.xid_events or [], options.featurise)
+            frame, sent = telemetry_frame(telemetry, request.xid_events or [], served.model.feature_spec)
             return score_rows(served.model, frame, options.tiers, top, served.version), sent
 
         gpus, sent = await run_in_threadpool(featurise_and_score)

@@ -59,11 +59,12 @@ def seed_features(hours: int = 36, seed: int = 0) -> Any:
 
     from features.bench import synthetic_telemetry, synthetic_xids
     from features.build import build_features
+    from features.spec import FeatureSpec
 
     start = datetime(2026, 3, 1, tzinfo=UTC)
     tel = synthetic_telemetry(SEED_GPUS, hours, interval=timedelta(minutes=5), start=start, seed=seed)
     events = synthetic_xids(tel, per_gpu_day=1.0, seed=seed).filter(pl.col("xid").is_in([13, 31, 43, 45, 63, 92]))
-    features = build_features(tel, events, lost_after=None)
+    features = build_features(tel, events, FeatureSpec(lost_after=None))
     rng = np.random.default_rng(seed)
     temp = features["temp_gpu_c_mean_1h"].fill_null(0).to_numpy()
     label = (temp > np.nanquantile(temp, 0.85)) | (rng.random(features.height) < 0.01)
@@ -71,15 +72,17 @@ def seed_features(hours: int = 36, seed: int = 0) -> Any:
 
 
 def train(features: Any) -> Any:
-    from models.train import train_model
+    from models.train import TrainOptions, train_model
 
     return train_model(
         features,
-        kind="lightgbm",
-        train_window="1d",
-        horizon="1h",
-        params={"n_jobs": 1, "n_estimators": 30, "random_state": 0},
-        negative_fraction=1.0,
+        TrainOptions(
+            kind="lightgbm",
+            train_window="1d",
+            horizon="1h",
+            params={"n_jobs": 1, "n_estimators": 30, "random_state": 0},
+            negative_fraction=1.0,
+        ),
     )
 
 

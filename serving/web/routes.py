@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from features.spec import FeatureSpec
 from ingest.errors import InputError
 from serving.api_state import ServingState, Snapshot
 from serving.policy import TIERS
@@ -118,7 +119,6 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
     router = APIRouter(include_in_schema=False)
     counts_cache = history.DailyCountsCache()
     row_cache = html.RowCache()
-    failure_xids = _failure_xids(options.featurise)
 
     def authorized(request: Request) -> bool:
         if not options.read_requires_token:
@@ -183,7 +183,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
     def alarm_counts(snap: Snapshot) -> tuple[history.DailyCounts, bool]:
         s = store()
         last = history.last_data_day(s, served_time(snap).date())
-        return counts_cache.get(s, options.tiers, failure_xids, last, HISTORY_DAYS)
+        return counts_cache.get(s, options.tiers, _failure_xids(snap), last, HISTORY_DAYS)
 
     def warm_up() -> None:
         snap = state.snapshot
@@ -307,7 +307,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
             "XID events",
             lambda s: views.xid_rows(
                 reads.node_xids(s, c, node, end - timedelta(days=XID_DAYS), data_end(s, "xid_events", end), XID_ROWS),
-                failure_xids,
+                _failure_xids(snap),
             ),
         )
         decisions, actions_error = part(
@@ -437,10 +437,9 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
     return OperatorPages(router, warm_up)
 
 
-def _failure_xids(featurise: dict[str, Any]) -> tuple[int, ...]:
-    configured = featurise.get("failure_xids")
-    if configured is not None:
-        return tuple(int(x) for x in configured)
-    from ingest.xid_catalog import default_failure_xids
-
-    return default_failure_xids()
+def _failure_xids(snap: Snapshot) -> tuple[int, ...]:
+    """The failure XIDs of the served model's feature spec: the failures its alarms are
+    compared with are the ones it was trained to predict."""
+    if snap.served is not None:
+        return snap.served.model.feature_spec.failure_xids
+    return FeatureSpec().failure_xids

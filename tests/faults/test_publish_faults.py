@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gpufail.publishing import publish_lock
 from ingest.store import Store
 from serving.predictions import newest_snapshot
 from serving.publish import read_audit
+from serving.publishing import publish_lock
 from tests.faults import kill_points
 
 SEED = 25

@@ -34,9 +34,8 @@ SERVE_CONFIG = "[publish]\nbreaker_max_nodes = 1\nbreaker_max_fraction = 0.0\n"
 
 def policy() -> Any:
     from gpufail.config import Settings
-    from gpufail.publishing import policy_config
 
-    return replace(policy_config(Settings().publish), breaker_max_nodes=1, breaker_max_fraction=0.0)
+    return replace(Settings().publish.policy_config(), breaker_max_nodes=1, breaker_max_fraction=0.0)
 
 
 class OperatorDrained:

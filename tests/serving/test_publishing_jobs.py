@@ -7,11 +7,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gpufail.config import load_settings
-from gpufail.publishing import job_actions, make_publisher, publish_latest, read_policy_state, write_policy_state
 from ingest.errors import ConfigError, InputError
 from ingest.store import Store
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
+from serving.publishing import make_publisher, publish_latest, read_policy_state, write_policy_state
 from tests.serving.test_predictions import scored
 
 
@@ -46,9 +46,13 @@ def settings(tmp_path):
     return load_settings(config, environ={}).publish
 
 
+def live(settings):
+    return settings.options(target="log", dry_run=False, shadow=False)
+
+
 def test_a_cost_run_tells_the_job_and_keeps_the_hint_with_the_policy_state(store, settings):
     latest = newest_snapshot(store).frame
-    outcome, _ = publish_latest(store, latest, settings, target="log", mode="live")
+    outcome, _ = publish_latest(store, latest, live(settings))
     hint = next(r for r in outcome.rows if r.action == "checkpoint")
     assert hint.jobs == ("j1",) and hint.result == "recorded: checkpoint hint to job j1 (no scheduler)"
     saved = store.read_state("publish-log")
@@ -56,7 +60,7 @@ def test_a_cost_run_tells_the_job_and_keeps_the_hint_with_the_policy_state(store
     audit = read_audit(store.path("actions"), fs=store.fs)
     assert "checkpoint" in set(audit["action"]) and set(audit["policy"]) == {"cost"}
     # The next run within the checkpoint interval holds the hint.
-    again, _ = publish_latest(store, latest, settings, target="log", mode="live")
+    again, _ = publish_latest(store, latest, live(settings))
     assert [r.action for r in again.rows if r.jobs == ("j1",) and r.action.startswith("checkpoint")] == [
         "checkpoint_held"
     ]
@@ -66,7 +70,7 @@ def test_a_cost_run_tells_the_job_and_keeps_the_hint_with_the_policy_state(store
 
 
 def test_a_dry_run_does_not_advance_the_hint_state(store, settings):
-    publish_latest(store, newest_snapshot(store).frame, settings, target="log", mode="dry-run")
+    publish_latest(store, newest_snapshot(store).frame, settings.options(target="log", dry_run=True))
     assert store.read_state("publish-log") is None
 
 
@@ -75,20 +79,24 @@ def test_a_broken_hint_state_is_one_line_naming_the_file(store, settings):
         "publish-log", {"version": 1, "nodes": {}, "breaker": {}, "checkpoint_hints": ["j1"], "audit": None}
     )
     with pytest.raises(InputError, match=r"_state/publish-log.json: checkpoint_hints is not"):
-        publish_latest(store, newest_snapshot(store).frame, settings, target="log", mode="live")
+        publish_latest(store, newest_snapshot(store).frame, live(settings))
 
 
 def test_the_settings_reach_the_policy_and_the_publishers(tmp_path, settings):
-    actions = job_actions(settings)
+    options = live(settings)
+    actions = options.actions
+    assert actions is not None
     assert actions.policy == "cost" and actions.cost.checkpoint_time == timedelta(minutes=2)
     store = Store.create(str(tmp_path / "d"))
     slurm = make_publisher(
-        settings.model_copy(update={"slurm_checkpoint_signal": "SIGTERM", "slurm_standby_users": ["alice"]}),
+        settings.model_copy(
+            update={"slurm_checkpoint_signal": "SIGTERM", "slurm_standby_users": ["alice"]}
+        ).publisher_config(),
         "slurm",
         store,
     )
     assert (slurm.checkpoint_signal, slurm.standby_users) == ("SIGTERM", ("alice",))
-    assert make_publisher(settings, "log", store).jobs_url == settings.jobs_url
+    assert make_publisher(options.publisher, "log", store).jobs_url == settings.jobs_url
 
 
 @pytest.mark.parametrize(
