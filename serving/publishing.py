@@ -1,7 +1,7 @@
 """The `gpufail publish` flow, shared by the command and the nightly job: run the action policy
-(`PublishOptions.policy`) on the newest predictions snapshot (`serving.predictions`), apply it
-through the publisher of the target (`PublisherConfig`), keep the policy's state and append
-every decision to the audit log.
+(`PublishOptions.policy`, and the job-aware `PublishOptions.actions`) on the newest predictions
+snapshot (`serving.predictions`), apply it through the publisher of the target
+(`PublisherConfig`), keep the policy's state and append every decision to the audit log.
 
 A policy state and its audit files are one journal of the store (`ingest.journal`), named after
 the state (`serving.publish.state_name`): a run commits its decisions' audit file together with
@@ -21,12 +21,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ingest.errors import GpufailError, InputError
 from ingest.journal import Journal
 from ingest.store import Store, guarded
 from serving.policy import PolicyConfig
+
+if TYPE_CHECKING:
+    from serving.publish import JobActions
 
 LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
@@ -47,11 +50,17 @@ class PublisherConfig:
     slurm_conf: str = ""
     """SLURM_CONF for sinfo/scontrol; empty: Slurm's default."""
     slurm_avoid_weight: int = 100_000
+    slurm_checkpoint_signal: str = "USR1"
+    """The signal of a checkpoint hint (`scancel --signal=... --batch JOB`)."""
+    slurm_standby_users: tuple[str, ...] = ("root",)
+    """Users who may run jobs in the standby reservation."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account, else ~/.kube/config."""
     webhook_url: str = ""
     webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
     """Environment variable holding the webhook's HMAC-SHA256 secret."""
+    jobs_url: str = ""
+    """log and webhook targets: a URL or file of the job document; empty: none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +73,9 @@ class PublishOptions:
     """"dry-run", "shadow" or "live" (`publish_mode`)."""
     policy: PolicyConfig
     publisher: PublisherConfig
+    actions: JobActions | None = None
+    """The job-aware actions (the cost policy, checkpoint hints, placement, standbys); None:
+    the tiers alone."""
 
 
 @contextmanager
@@ -85,12 +97,14 @@ def publish_latest(
     committed with the audit file unless in dry run (which must not advance it). Returns the
     outcome of `serving.publish.publish` and the audit file written (None when there was
     nothing to record)."""
+    from serving.cost_policy import hinted_from_json, hinted_to_json
     from serving.publish import AUDIT_DATASET, decisions_table, state_name
     from serving.publish import publish as run_publish
 
     mode = options.mode
     name = state_name(options.target, mode)
     with policy_journal(store, name, lock_wait_s) as journal:
+        hinted = hinted_from_json((journal.state or {}).get("checkpoint_hints"), f"{store.root}: _state/{name}.json")
         outcome = run_publish(
             latest,
             make_publisher(options.publisher, options.target, store),
@@ -100,6 +114,8 @@ def publish_latest(
             now=datetime.now(UTC),
             repairs=latest_repairs(store),
             top_features=top_features_by_gpu(latest),
+            actions=options.actions,
+            hinted=hinted,
         )
         staged = []
         if outcome.rows:
@@ -107,7 +123,8 @@ def publish_latest(
             staged.append(journal.staging().write_owned(AUDIT_DATASET, first, decisions_table(outcome.rows)))
         if mode == "dry-run" and not staged:
             return outcome, None
-        written = journal.commit(None if mode == "dry-run" else outcome.state.to_json(), staged=staged)
+        kept = {**outcome.state.to_json(), "checkpoint_hints": hinted_to_json(outcome.hinted)}
+        written = journal.commit(None if mode == "dry-run" else kept, staged=staged)
     return outcome, written[0] if written else None
 
 
@@ -123,8 +140,14 @@ def update_policy_state(store: Store, name: str, change: Callable[[Any], Any], l
     lock; returns the state before."""
     with policy_journal(store, name, lock_wait_s) as journal:
         before = policy_state(journal)
-        journal.commit(change(before).to_json())
+        commit_policy_state(journal, change(before))
     return before
+
+
+def commit_policy_state(journal: Journal, state: Any) -> None:
+    """Commit a policy state changed outside a run (--reset-breaker, --adopt), keeping the
+    checkpoint hints of the last run."""
+    journal.commit({**state.to_json(), "checkpoint_hints": (journal.state or {}).get("checkpoint_hints")})
 
 
 def _finish_legacy_audit(store: Store, name: str, state: dict[str, Any] | None) -> None:
@@ -177,7 +200,7 @@ def adopt_drains(
                 before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
             )
             lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {slurm.ledger.where}")
-        journal.commit(replace(state, nodes=adopted).to_json())
+        commit_policy_state(journal, replace(state, nodes=adopted))
     return lines
 
 
@@ -199,6 +222,8 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
             avoid_weight=config.slurm_avoid_weight,
             timeout=config.timeout_s,
             ledger=StoreLedger(store),
+            checkpoint_signal=config.slurm_checkpoint_signal,
+            standby_users=config.slurm_standby_users,
             attempts=config.attempts,
             backoff=config.backoff_s,
         )
@@ -222,12 +247,13 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
             config.webhook_url,
             secret.encode(),
             timeout=config.timeout_s,
+            jobs_url=config.jobs_url,
             attempts=config.attempts,
             backoff=config.backoff_s,
         )
     from serving.publishers.log import LogPublisher
 
-    return LogPublisher()
+    return LogPublisher(jobs_url=config.jobs_url, timeout=config.timeout_s)
 
 
 def latest_repairs(store: Any) -> dict[tuple[str, str], datetime]:
