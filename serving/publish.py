@@ -492,6 +492,9 @@ def read_audit(path: str, fs: Any = None) -> pd.DataFrame:
     table = _audit_store(path, fs).read_owned(AUDIT_DATASET)
     if table is None:
         return AUDIT_SCHEMA.empty_table().to_pandas()
+    for column in AUDIT_SCHEMA:
+        if column.name not in table.column_names:  # written before the column was added
+            table = table.append_column(column, pa.nulls(table.num_rows, column.type))
     frame = table.select(AUDIT_SCHEMA.names).cast(AUDIT_SCHEMA).to_pandas()
     return frame.sort_values("time", kind="stable", ignore_index=True)
 
