@@ -15,13 +15,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from features.labels import (
     GPU,
@@ -32,7 +30,7 @@ from features.labels import (
     resolve_xid_gpus,
 )
 from features.manifest import DATASET as FEATURES_DATASET
-from features.manifest import BuildPlan, FeatureManifest, settle_time
+from features.manifest import BuildPlan, FeatureManifest, holding_manifest, settle_time
 from features.peers import PEER_METRICS, model_medians, peer_features
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, sample_keys
 from features.schema import (
@@ -60,6 +58,7 @@ from features.windows import (
 )
 from features.xids import drop_cross_source_duplicates, xid_features
 from ingest.errors import StoreError
+from ingest.journal import Staging
 from ingest.schema import metric_catalogue
 from ingest.store import Store
 
@@ -450,10 +449,11 @@ def _metadata() -> dict[bytes, bytes]:
     }
 
 
-def write_features(store: Store, table: pl.DataFrame, *, threads: int = WRITE_THREADS) -> list[str]:
-    """Append a feature frame to the store's `features` dataset: one new file per UTC date of
-    `ts`, through `Store.write_owned` (hidden temporary name, then rename), so readers never
-    see a partial file. The frame is validated first. Returns the paths written.
+def write_features(target: Store | Staging, table: pl.DataFrame, *, threads: int = WRITE_THREADS) -> list[str]:
+    """Write a feature frame to the store's `features` dataset: one new file per UTC date of
+    `ts`. To a `Staging` of the features journal (a build: the files stay hidden until the
+    manifest commits them), or appended to a `Store` (its files visible at once, each whole).
+    The frame is validated first. Returns the paths written.
 
     Each file is two row groups: the rows a retrain draws at up to `PRESAMPLED_FRACTION` of
     the negatives (and every positive) first, then the rest, each group in (gpu_uuid, ts) order
@@ -484,7 +484,7 @@ def write_features(store: Store, table: pl.DataFrame, *, threads: int = WRITE_TH
         # Two groups in every file, the first for the drawn rows, even when one is empty.
         groups = [table.filter(on_day & ~rest), table.filter(on_day & rest)]
         pieces = [g.to_arrow(compat_level=pl.CompatLevel.oldest()) for g in groups]
-        return store.write_owned(
+        return target.write_owned(
             FEATURES_DATASET,
             one_day,
             [p.replace_schema_metadata({**(p.schema.metadata or {}), **metadata}) for p in pieces],
@@ -513,8 +513,9 @@ def _sorted_by_gpu_then_time(frame: pl.DataFrame) -> bool:
 def feature_files(
     store: Store, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
 ) -> list[str]:
-    """Visible part files of the features dataset dated within [first_day, last_day]; `verify`
-    (for readers of their rows): each file's checksum checked first (`Store.verify`)."""
+    """Part files of the features dataset dated within [first_day, last_day] that readers see
+    (the committed ones, `Store.files`); `verify` (for readers of their rows): each file's
+    checksum checked first (`Store.verify`)."""
     return store.files(FEATURES_DATASET, first_day, last_day, verify=verify)
 
 
@@ -537,56 +538,8 @@ def read_features(
 ) -> pl.DataFrame:
     """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
     the date partitions overlapping the range are opened. A file that does not read is named."""
-    frame = _collect(scan_features(store, start, end, columns), store, *_day_range(start, end))
+    frame = store.collect(scan_features(store, start, end, columns), FEATURES_DATASET, start, end)
     return _sorted_column_by_column(frame, ["ts", GPU])
-
-
-def _day_range(start: datetime | None, end: datetime | None) -> tuple[date | None, date | None]:
-    first_day = _utc(start).date() if start is not None else None
-    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
-    return first_day, last_day
-
-
-def _collect(frame: pl.LazyFrame, store: Store, first_day: date | None, last_day: date | None) -> pl.DataFrame:
-    """`frame.collect()`; when reading fails, the error names the feature file at fault (the
-    reader's own message does not: "parquet: File out of specification")."""
-    try:
-        return frame.collect()
-    except READ_ERRORS as exc:
-        _raise_named(exc, store, first_day, last_day)
-
-
-READ_ERRORS = (pl.exceptions.PolarsError, pa.ArrowException, OSError)
-"""What polars and pyarrow raise for a file they cannot read."""
-
-
-def _raise_named(exc: BaseException, store: Store, first_day: date | None, last_day: date | None) -> NoReturn:
-    bad = unreadable_feature_file(store, first_day, last_day)
-    if bad is None:
-        raise exc
-    raise StoreError(unreadable_message(*bad)) from exc
-
-
-def unreadable_feature_file(
-    store: Store, first_day: date | None = None, last_day: date | None = None
-) -> tuple[str, str] | None:
-    """The first feature file dated within the days that does not read whole (footer and every
-    page), and why; None when all of them read. Reads every file: for error messages only."""
-    for path in feature_files(store, first_day, last_day):
-        try:
-            with store.fs.open(path, "rb") as fh:
-                pq.ParquetFile(fh).read()
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            return path, f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def unreadable_message(path: str, why: str) -> str:
-    day = _day_of(path)
-    return (
-        f"{path}: not a readable feature file ({why}); rebuild its day with "
-        f"gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
-    )
 
 
 def scan_features(
@@ -594,30 +547,19 @@ def scan_features(
     start: datetime | None = None,
     end: datetime | None = None,
     columns: Sequence[str] | None = None,
+    where: pl.Expr | None = None,
 ) -> pl.LazyFrame:
-    """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
-    grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
-    files = feature_files(store, *_day_range(start, end), verify=True)
-    if not files:
-        return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
-    if store.is_local:
-        # polars read these files 2.5x faster than pyarrow's dataset reader (see _read_telemetry).
-        # Files written before the stored training key (SAMPLE_KEY) lack it: a later file's
-        # column the first file lacks is left out rather than an error.
-        lf = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
-    else:
-        lf = pl.scan_pyarrow_dataset(ds.dataset(files, format="parquet", filesystem=store.fs))
-    if start is not None:
-        lf = lf.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=TS_DTYPE))
-    if end is not None:
-        lf = lf.filter(pl.col("ts") < pl.lit(_utc(end), dtype=TS_DTYPE))
+    """`read_features` as a polars LazyFrame in file order (rows matching `where`, which may
+    use the stored training key), for readers that take a range a few grid times at a time (a
+    held-out window is 2.2M rows x 420 columns on the paper fleet). Files written before the
+    stored training key (SAMPLE_KEY) lack it: a later file's column the first file lacks is
+    left out rather than an error. Collect it with `Store.collect` to have a file that does
+    not read named."""
+    frame = store.scan(FEATURES_DATASET, start, end, where=where, schema={**ID_DTYPES, **LABEL_DTYPES})
     if columns is None:
-        try:
-            names = lf.collect_schema().names()
-        except READ_ERRORS as exc:
-            _raise_named(exc, store, *_day_range(start, end))
-        return lf.select([c for c in names if c != SAMPLE_KEY])
-    return lf.select(list(dict.fromkeys(["ts", GPU, *columns])))
+        names = store.collect(frame.head(0), FEATURES_DATASET, start, end).columns
+        return frame.select([c for c in names if c != SAMPLE_KEY])
+    return frame.select(list(dict.fromkeys(["ts", GPU, *columns])))
 
 
 def read_newest_grid_time(store: Store) -> pl.DataFrame:
@@ -629,9 +571,10 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     days = store.dates(FEATURES_DATASET)
     if not days:
         return scan_features(store).collect()
-    day = scan_features(store, start=datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC))
-    newest = _collect(day.select(pl.col("ts").max()), store, days[-1], days[-1]).item()
-    rows = _collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), store, days[-1], days[-1])
+    start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
+    day = scan_features(store, start=start)
+    newest = store.collect(day.select(pl.col("ts").max()), FEATURES_DATASET, start).item()
+    rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, start)
     return _sorted_column_by_column(rows, ["ts", GPU])
 
 
@@ -671,7 +614,6 @@ class _ShardResult:
         summary.rows += self.rows
         summary.positives += self.positives
         summary.censored += self.censored
-        summary.files_written += self.files
         gpus.update(self.gpus)
 
 
@@ -704,6 +646,28 @@ class FeatureBuildSummary:
         )
 
 
+def plan_build(
+    manifest: FeatureManifest,
+    spec: FeatureSpec,
+    summary: FeatureBuildSummary,
+    start: datetime,
+    end: datetime,
+    *,
+    data_end: datetime,
+    overwrite: bool,
+) -> BuildPlan:
+    """The plan of a build of the whole days in [start, end) with `spec` (`FeatureManifest.use_spec`
+    and `plan`), after removing the files no build completed (counted in `summary`); a
+    `FeaturesExistError` when every day is built and up to date."""
+    manifest.use_spec(spec, start, end, overwrite=overwrite)
+    plan = manifest.plan(start, end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
+    manifest.remove(plan.partial)
+    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
+    if not plan.runs:
+        raise FeaturesExistError(nothing_to_build(manifest, plan, start, end))
+    return plan
+
+
 def nothing_to_build(manifest: FeatureManifest, plan: BuildPlan, start: datetime, end: datetime) -> str:
     """Every day asked for is built and up to date: say so, with the range the files cover."""
     files = manifest.kept_files(plan.kept)
@@ -730,50 +694,21 @@ def _day_of(path: str) -> date:
 def _read_telemetry(
     store: Store, start: datetime, end: datetime, *, nodes: tuple[str, str] | None = None
 ) -> pl.DataFrame:
-    """Telemetry rows with start <= ts < end (and node in the closed range `nodes`). On a local
-    store the files (schema-checked by `Store.dataset`) are read with polars, which read the
-    simulator's 60 day files 6x faster than pyarrow's dataset reader on these machines; other
-    filesystems go through `Store.read`."""
-    if not store.is_local:
-        node_filter = None if nodes is None else (pc.field("node") >= nodes[0]) & (pc.field("node") <= nodes[1])
-        return _as_frame(store.read("telemetry", start, end, filter=node_filter))
-    files = store.dataset("telemetry", start.date(), (end - timedelta(microseconds=1)).date()).files
-    if not files:
-        return _as_frame(store.read("telemetry", start, end))
-    lf = pl.scan_parquet(files, hive_partitioning=False).filter(
-        (pl.col("ts") >= pl.lit(start, dtype=TS_DTYPE)) & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
-    )
-    if nodes is not None:
-        lf = lf.filter(pl.col("node").is_between(pl.lit(nodes[0]), pl.lit(nodes[1])))
+    """Telemetry rows with start <= ts < end (and node in the closed range `nodes`)."""
+    where = None if nodes is None else pl.col("node").is_between(pl.lit(nodes[0]), pl.lit(nodes[1]))
     # In one piece: the scan returns a column in as many chunks as it read row groups (142 for a
     # paper fleet-day), and gathering rows from a chunked column was ~8x slower (2.2 s against
     # 0.25 s for the day's frame, plus 0.25 s to rechunk it).
-    return lf.collect().rechunk()
+    return store.collect(store.scan("telemetry", start, end, where=where), "telemetry", start, end).rechunk()
 
 
-def _scan_presence(store: Store, *, progress: bool) -> tuple[pl.DataFrame, dict[date, int]]:
-    """GPU presence over all telemetry, and the number of rows per day partition."""
-    from tqdm.auto import tqdm
-
-    if store.is_local:
-        dataset = store.dataset("telemetry")
-        day_rows: dict[date, int] = {}
-        for fragment in dataset.get_fragments():
-            day = _day_of(fragment.path)
-            day_rows[day] = day_rows.get(day, 0) + fragment.metadata.num_rows
-        if not dataset.files:
-            return combine_presence([]), day_rows
-        # The streaming engine keeps this one pass over the whole history in bounded memory.
-        scan = pl.scan_parquet(dataset.files, hive_partitioning=False).select(_ID_COLS)
-        return gpu_presence(scan, engine="streaming"), day_rows
-    parts = []
-    day_rows = {}
-    for day in tqdm(store.dates("telemetry"), desc="features: scan", unit="day", disable=not progress):
-        day_start = datetime(day.year, day.month, day.day, tzinfo=UTC)
-        table = store.read("telemetry", day_start, day_start + timedelta(days=1), columns=_ID_COLS)
-        day_rows[day] = table.num_rows
-        parts.append(gpu_presence(_as_frame(table)))
-    return combine_presence(parts), day_rows
+def _scan_presence(store: Store) -> tuple[pl.DataFrame, set[date]]:
+    """GPU presence over all telemetry, and the days that have telemetry. The streaming engine
+    keeps this one pass over the whole history in bounded memory."""
+    days = set(store.dates("telemetry"))
+    if not days:
+        return combine_presence([]), days
+    return gpu_presence(store.scan("telemetry", columns=_ID_COLS), engine="streaming"), days
 
 
 def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
@@ -867,8 +802,10 @@ class BuildOptions:
             raise ValueError(f"workers: expected at least 1, got {self.workers}")
 
 
+@holding_manifest
 def build_features_from_store(
     store: Store,
+    manifest: FeatureManifest,
     spec: FeatureSpec | None = None,
     options: BuildOptions | None = None,
     *,
@@ -912,9 +849,10 @@ def build_features_from_store(
     Days already built are kept (`features.manifest`): only the days no build completed (a
     build killed half-way), and those whose labels the data has moved on from, are built; when
     there are none, the build is refused unless `overwrite=True`, which rebuilds every day
-    asked for. A rebuilt day's old files are removed once its block is complete. The dataset
-    records the spec it was built with (`features.manifest`); a build with another spec is
-    refused unless it rebuilds every day (`FeatureManifest.use_spec`).
+    asked for. A block's files stay hidden until its commit, which also removes the old files of
+    the days it rebuilt. The dataset records the spec it was built with (`features.manifest`);
+    a build with another spec is refused unless it rebuilds every day
+    (`FeatureManifest.use_spec`).
     """
     from tqdm.auto import tqdm
 
@@ -927,7 +865,7 @@ def build_features_from_store(
 
     # Pass 1: presence (identity columns only) over the whole store: labels and lost-GPU
     # detection look past `end` as far as the data goes.
-    presence, day_rows = _scan_presence(store, progress=options.progress)
+    presence, day_rows = _scan_presence(store)
     if presence.height == 0:
         summary.seconds = time.perf_counter() - began
         return summary
@@ -957,13 +895,7 @@ def build_features_from_store(
     summary.start, summary.end = emit_start, emit_end
 
     # What is complete stays (a build killed half-way left some days partial: those are rebuilt).
-    manifest = FeatureManifest.load(store)
-    manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
-    plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
-    manifest.remove(plan.partial)
-    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
-    if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
+    plan = plan_build(manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite)
 
     # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
     lookback = max(max(spec.windows), max_silence + grid)
@@ -985,8 +917,11 @@ def build_features_from_store(
 
     stop = threading.Event()  # set when the build fails: the block being built stops too
 
-    def build_shard(shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> _ShardResult:
-        """One shard's rows of a block, written in flushes of about `flush_rows`."""
+    def build_shard(
+        shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None, staging: Staging
+    ) -> _ShardResult:
+        """One shard's rows of a block, written in flushes of about `flush_rows` (hidden until
+        the block's commit)."""
         result = _ShardResult()
         hourly = buckets.take(shard, block_start - lookback, block_end)
         if hourly is None:
@@ -1024,7 +959,7 @@ def build_features_from_store(
                 frame = pl.concat(pending, how="vertical")
                 pending = []
                 wait_for_write()
-                writing = writer.submit(write_features, store, frame)
+                writing = writer.submit(write_features, staging, frame)
                 if not options.write_ahead:
                     wait_for_write()
 
@@ -1047,8 +982,12 @@ def build_features_from_store(
         label = f"block {block_start.date()}..{(block_end - one_day).date()}"
         done = 0
         bar.set_postfix_str(f"{label}, shards 0/{buckets.count}")
+        staging = manifest.staging()
         with ThreadPoolExecutor(max_workers=max(1, min(workers, buckets.count))) as pool:
-            futures = [pool.submit(build_shard, shard, block_start, block_end, fleet) for shard in range(buckets.count)]
+            futures = [
+                pool.submit(build_shard, shard, block_start, block_end, fleet, staging)
+                for shard in range(buckets.count)
+            ]
             written: list[str] = []
             try:
                 for future in as_completed(futures):
@@ -1061,12 +1000,13 @@ def build_features_from_store(
                 for future in futures:
                     future.cancel()
                 raise
-        # Every shard wrote its files: the block's days are complete, and the files they replace go.
+        # Every shard wrote its files: the block's days are complete, and the files they replace
+        # go, in one commit.
         block_days = [(block_start + i * one_day).date() for i in range((block_end - block_start) // one_day)]
-        manifest.complete(block_days, written, data_end)
-        for day in block_days:
-            manifest.remove(plan.replaced.get(day, []))
-            summary.files_replaced += len(plan.replaced.get(day, []))
+        replaced = [name for day in block_days for name in plan.replaced.get(day, [])]
+        manifest.complete(block_days, written, data_end, replaced=replaced)
+        summary.files_written += [staging.visible(path) for path in written]
+        summary.files_replaced += len(replaced)
 
     # A block is built on a thread of its own while this one reads and aggregates the next
     # block's days (`read_ahead`): reading was a quarter of the build, with the other core

@@ -22,9 +22,10 @@ meet in one median task, and each partition replaces its column before it writes
 the single-machine build's up to floating-point rounding (window sums start at the partition's
 first bucket), which `tests/features/test_distributed.py` checks.
 
-Partitions write their own files (`features.build.write_features`: one per date, atomic
-renames), so nothing wide passes through the client. Workers must reach the data root: a
-shared folder or an object store URL (`s3://...`).
+Partitions write their own files (`features.build.write_features`: one per date, hidden until
+the build commits them all with the manifest, `features.manifest`), so nothing wide passes
+through the client. Workers must reach the data root: a shared folder or an object store URL
+(`s3://...`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,11 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import polars as pl
-import pyarrow.compute as pc
 
 from features.build import (
     FeatureBuildSummary,
-    FeaturesExistError,
     features_from_buckets,
-    nothing_to_build,
+    plan_build,
     read_xid_events,
     write_features,
 )
@@ -53,12 +52,13 @@ from features.labels import (
     gpu_presence,
     resolve_xid_gpus,
 )
-from features.manifest import FeatureManifest, settle_time
+from features.manifest import open_manifest
 from features.peers import PEER_METRICS, model_medians
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
 from features.spec import FeatureSpec
 from features.windows import grid_floor, grid_suffix, hourly_aggregate
+from ingest.journal import Staging
 from ingest.store import Store
 
 _ID_COLS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
@@ -83,27 +83,9 @@ class _Params:
 
 
 def _read_nodes(store: Store, nodes: pl.DataFrame, start: datetime, end: datetime) -> pl.DataFrame:
-    """Raw telemetry of the (cluster, node) pairs `nodes` with start <= ts < end. Local files are
-    scanned with polars (several times faster here than pyarrow's dataset reader, see
-    `features.build`); other filesystems go through `Store.read` with the node filter pushed
-    down."""
-    names = nodes["node"].unique().to_list()
-    if store.is_local:
-        files = store.dataset("telemetry", start.date(), (end - timedelta(microseconds=1)).date()).files
-        if not files:
-            return pl.DataFrame()
-        frame = (
-            pl.scan_parquet(files, hive_partitioning=False)
-            .filter(
-                (pl.col("ts") >= pl.lit(start, dtype=TS_DTYPE))
-                & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
-                & pl.col("node").is_in(names)
-            )
-            .collect()
-        )
-    else:
-        table = store.read("telemetry", start, end, filter=pc.field("node").isin(names))
-        frame = pl.DataFrame(pl.from_arrow(table))
+    """Raw telemetry of the (cluster, node) pairs `nodes` with start <= ts < end."""
+    where = pl.col("node").is_in(nodes["node"].unique().to_list())
+    frame = store.collect(store.scan("telemetry", start, end, where=where), "telemetry", start, end)
     return frame.join(nodes, on=_NODE, how="semi")
 
 
@@ -180,12 +162,13 @@ def _means_of(part: tuple[pl.DataFrame | None, pl.DataFrame | None, int]) -> pl.
 
 
 def _finish(
-    store: Store,
+    staging: Staging,
     part: tuple[pl.DataFrame | None, pl.DataFrame | None, int],
     medians: pl.DataFrame | None,
     grid: timedelta,
 ) -> dict[str, Any]:
-    """Make a partition's model deltas fleet-wide, write its files, and say what it wrote."""
+    """Make a partition's model deltas fleet-wide, write its files (hidden until the build
+    commits them), and say what it wrote."""
     frame, means, rows_read = part
     if frame is None or frame.height == 0:
         return {"rows": 0, "positives": 0, "censored": 0, "gpus": [], "files": [], "rows_read": rows_read}
@@ -208,7 +191,7 @@ def _finish(
             .with_columns(pl.col(c).cast(FEATURE_DTYPE) for c in names)
             .select(order)
         )
-    files = write_features(store, frame)
+    files = write_features(staging, frame)
     return {
         "rows": frame.height,
         "positives": int((frame["label"] == 1).sum()),
@@ -293,54 +276,51 @@ def build_features_distributed(
         return summary
     summary.start, summary.end = emit_start, emit_end
     # As the single-machine build: complete days stay, partial ones are rebuilt.
-    manifest = FeatureManifest.load(store)
-    manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
-    plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
-    manifest.remove(plan.partial)
-    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
-    if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
+    with open_manifest(store) as manifest:
+        plan = plan_build(manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite)
 
-    params = _Params(spec=spec, data_end=data_end, rows_per_chunk=rows_per_chunk)
-    step = timedelta(days=partition_days)
-    blocks = []
-    for run_start, run_end in plan.runs:
-        block_start = run_start
-        while block_start < run_end:
-            blocks.append((block_start, min(block_start + step, run_end)))
-            block_start += step
-    groups = node_groups(presence, partition_nodes)
-    shared = [client.scatter(x, broadcast=True) for x in (xid, presence, episodes)]
-    repairs_f = client.scatter(repairs, broadcast=True) if repairs is not None else None
+        params = _Params(spec=spec, data_end=data_end, rows_per_chunk=rows_per_chunk)
+        step = timedelta(days=partition_days)
+        blocks = []
+        for run_start, run_end in plan.runs:
+            block_start = run_start
+            while block_start < run_end:
+                blocks.append((block_start, min(block_start + step, run_end)))
+                block_start += step
+        groups = node_groups(presence, partition_nodes)
+        staging = manifest.staging()  # the partitions' files stay hidden until the manifest's commit
+        shared = [client.scatter(x, broadcast=True) for x in (xid, presence, episodes)]
+        repairs_f = client.scatter(repairs, broadcast=True) if repairs is not None else None
 
-    # All tasks are submitted at once; priorities make the workers finish (and write, freeing
-    # the wide frames of) one block before they start many of the next.
-    results = []
-    for b, block in enumerate(blocks):
-        parts = [
-            client.submit(_partition, store, nodes, block, params, *shared, repairs_f, pure=False, priority=-2 * b)
-            for nodes in groups
-        ]
-        means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
-        medians = client.submit(_model_medians, means, spec.grid, priority=-2 * b + 1)
-        results += [
-            client.submit(_finish, store, p, medians, spec.grid, pure=False, priority=-2 * b + 1) for p in parts
-        ]
-    gpus: set[str] = set()
-    for done in client.gather(results):
-        summary.rows += done["rows"]
-        summary.positives += done["positives"]
-        summary.censored += done["censored"]
-        summary.files_written += done["files"]
-        summary.telemetry_rows_read += done["rows_read"]
-        gpus.update(done["gpus"])
-    summary.blocks = len(blocks) * len(groups)
-    # Every partition wrote its files: the days are complete, and the files they replace go.
-    built = [d.date() for start_, end_ in plan.runs for d in _days(start_, end_)]
-    manifest.complete(built, summary.files_written, data_end)
-    replaced = [name for day in built for name in plan.replaced.get(day, [])]
-    manifest.remove(replaced)
-    summary.files_replaced = len(replaced)
+        # All tasks are submitted at once; priorities make the workers finish (and write, freeing
+        # the wide frames of) one block before they start many of the next.
+        results = []
+        for b, block in enumerate(blocks):
+            parts = [
+                client.submit(_partition, store, nodes, block, params, *shared, repairs_f, pure=False, priority=-2 * b)
+                for nodes in groups
+            ]
+            means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
+            medians = client.submit(_model_medians, means, spec.grid, priority=-2 * b + 1)
+            results += [
+                client.submit(_finish, staging, p, medians, spec.grid, pure=False, priority=-2 * b + 1) for p in parts
+            ]
+        gpus: set[str] = set()
+        for done in client.gather(results):
+            summary.rows += done["rows"]
+            summary.positives += done["positives"]
+            summary.censored += done["censored"]
+            summary.files_written += done["files"]
+            summary.telemetry_rows_read += done["rows_read"]
+            gpus.update(done["gpus"])
+        summary.blocks = len(blocks) * len(groups)
+        # Every partition wrote its files: the days are complete, and the files they replace go,
+        # in one commit.
+        built = [d.date() for start_, end_ in plan.runs for d in _days(start_, end_)]
+        replaced = [name for day in built for name in plan.replaced.get(day, [])]
+        manifest.complete(built, summary.files_written, data_end, replaced=replaced)
+        summary.files_written = [staging.visible(path) for path in summary.files_written]
+        summary.files_replaced = len(replaced)
     summary.gpus = len(gpus)
     summary.seconds = time.perf_counter() - began
     return summary

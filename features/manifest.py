@@ -1,17 +1,20 @@
-"""Which days of the `features` dataset are complete: the build's manifest.
+"""Which days of the `features` dataset are complete: the build's manifest, the state of the
+store's journal `features` (`ingest.journal`).
 
-A day's features are written as many files (a file per shard, flush and day), so a build
-killed half-way leaves days with some of their files. A day counts as complete only once the
-block that builds it has written all of them: then the manifest (`_state/features.json`,
-replaced atomically) lists the day's files and the data end its labels were computed at. The
-state is written after the data it describes, so whatever point a build is killed at:
+A day's features are written as many files (a file per shard, flush and day). A build holds the
+journal from its plan to its end (`holding_manifest`; a second build of the data root is
+refused). The files a block writes stay hidden (`Staging`) until the block is complete; then
+one commit lists the block's days in the manifest with their files and the data end their
+labels were computed at, makes those files visible and removes the files they replace. So,
+whatever point a build is killed at, readers (training, scoring, evaluation) see each day as
+some build completed it, never part of a day, and the next build:
 
-- a day with files but no entry is a partial day: its files are removed and it is rebuilt;
-- a listed day with files the entry does not name holds leftovers of an interrupted rebuild
-  (`--overwrite`): they are removed, the listed files are the day;
-- a listed day missing one of its files is rebuilt;
-- a listed day whose labels were not yet settled when it was built (its grid times lie within
-  `settle` of the data end then) is rebuilt once the data reaches further, so that an
+- deletes the hidden files no commit named (the journal does, on entry);
+- rebuilds a day the manifest does not list;
+- removes visible files of a listed day that the entry does not name (left by builds before
+  the journal), and rebuilds a listed day missing one of its files;
+- rebuilds a listed day whose labels were not yet settled when it was built (its grid times
+  lie within `settle` of the data end then) once the data reaches further, so that an
   incremental build gives the rows a full build would.
 
 Names are relative to the dataset folder, so a moved or copied data root keeps its manifest.
@@ -27,20 +30,25 @@ the next build, and readers cannot check them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from features.spec import FeatureSpec, spec_mismatch
 from ingest.errors import StoreError
+from ingest.journal import Journal, Staging
 from ingest.store import Store
 
 MANIFEST = "features"
-"""The manifest's state name: `_state/features.json`."""
+"""The manifest's journal and state name: `_state/features.json`."""
 DATASET = "features"
 VERSION = 1
 _DAY = timedelta(days=1)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -66,24 +74,25 @@ class BuildPlan:
 
 
 class FeatureManifest:
-    """The complete days of a store's `features` dataset (see the module notes)."""
+    """The complete days of a store's `features` dataset (see the module notes), over the
+    journal that commits them."""
 
-    def __init__(self, store: Store, days: dict[date, DayRecord], spec: FeatureSpec | None = None) -> None:
-        self.store = store
+    def __init__(self, journal: Journal, days: dict[date, DayRecord], spec: FeatureSpec | None = None) -> None:
+        self.journal = journal
+        self.store = journal.store
         self.days = days
         self.spec = spec
         """The spec the listed days were built with (None: not recorded, see the module notes)."""
-        self._base = store.path(DATASET) + "/"
+        self._base = self.store.path(DATASET) + "/"
 
     @classmethod
-    def load(cls, store: Store) -> FeatureManifest:
+    def load(cls, journal: Journal) -> FeatureManifest:
+        store = journal.store
         where = store.path("_state", f"{MANIFEST}.json")
-        state = store.read_state(MANIFEST)
+        state = journal.state
         if state is None:
             # Written before the manifest existed: every day with files is taken as complete.
-            # Saved at once, even when empty, so that the files this build writes are never
-            # taken for an old store's after a kill.
-            manifest = cls(store, {})
+            manifest = cls(journal, {})
             manifest.days = {d: DayRecord(tuple(names), None) for d, names in manifest.present().items()}
             manifest._save()
             return manifest
@@ -103,7 +112,11 @@ class FeatureManifest:
                 f"{where}: not a gpufail feature manifest ({type(exc).__name__}: {exc}); remove it to take the "
                 "feature files as they are, or rebuild with gpufail features --overwrite"
             ) from None
-        return cls(store, days, spec)
+        return cls(journal, days, spec)
+
+    def staging(self) -> Staging:
+        """Where the files of the next `complete` are written (hidden until then)."""
+        return self.journal.staging()
 
     def use_spec(self, spec: FeatureSpec, start: datetime, end: datetime, *, overwrite: bool) -> None:
         """Build the whole days in [start, end) with `spec`. The same spec as recorded, none
@@ -180,25 +193,32 @@ class FeatureManifest:
         return sum(len(self.days[d].files) for d in days)
 
     def remove(self, names: Sequence[str]) -> None:
-        for name in names:
-            path = self._base + name
-            if self.store.fs.exists(path):
-                self.store.fs.rm(path)
+        """Remove feature files (relative names) in one commit."""
+        if names:
+            self.journal.commit(replaces=[self._base + name for name in names])
 
-    def complete(self, days: Iterable[date], written: Iterable[str], data_end: datetime) -> None:
-        """Record `days` as complete with the files `written` for them (full paths), and save."""
+    def complete(
+        self, days: Iterable[date], written: Iterable[str], data_end: datetime, *, replaced: Sequence[str] = ()
+    ) -> None:
+        """Record `days` as complete with the files `written` for them (staged by `staging()`),
+        removing the files `replaced` (relative names), in one commit."""
         by_day: dict[date, list[str]] = {d: [] for d in days}
+        written = list(written)
+        staging = self.staging()
         for path in written:
-            name = self.relative(path)
+            name = self.relative(staging.visible(path))
             day = date.fromisoformat(name.split("/", 1)[0].removeprefix("date="))
             if day in by_day:
                 by_day[day].append(name)
         for day, names in by_day.items():
             self.days[day] = DayRecord(tuple(sorted(names)), data_end)
-        self._save()
+        self.journal.commit(self._state(), staged=written, replaces=[self._base + name for name in replaced])
 
     def _save(self) -> None:
-        state: dict[str, Any] = {
+        self.journal.commit(self._state())
+
+    def _state(self) -> dict[str, Any]:
+        return {
             "version": VERSION,
             "spec": None if self.spec is None else self.spec.to_json(),
             "spec_fingerprint": None if self.spec is None else self.spec.fingerprint,
@@ -210,7 +230,30 @@ class FeatureManifest:
                 for day, record in sorted(self.days.items())
             },
         }
-        self.store.write_state(MANIFEST, state)
+
+
+@contextmanager
+def open_manifest(store: Store) -> Iterator[FeatureManifest]:
+    """The manifest of the store's features, holding its journal (the lock: a second build of
+    the data root is refused) until the block ends. The files are not synced to disk before
+    their commit: a power cut that loses one leaves a file its checksum refuses, and a day is
+    rebuilt in minutes."""
+    with store.journal(MANIFEST, [DATASET], durable=False, holder="`gpufail features`") as journal:
+        yield FeatureManifest.load(journal)
+
+
+def holding_manifest(
+    build: Callable[Concatenate[Store, FeatureManifest, _P], _R],
+) -> Callable[Concatenate[Store, _P], _R]:
+    """`build(store, manifest, ...)` called as `build(store, ...)`, holding the manifest
+    (`open_manifest`) from before its plan to its last commit."""
+
+    @functools.wraps(build)
+    def holding(store: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with open_manifest(store) as manifest:
+            return build(store, manifest, *args, **kwargs)
+
+    return holding
 
 
 def settle_time(spec: FeatureSpec) -> timedelta:

@@ -42,9 +42,9 @@ from typing import Any
 from features.build import BuildOptions
 from features.spec import FeatureSpec
 from ingest.errors import ConfigError, GpufailError
+from ingest.locking import exclusive_lock
 from ingest.store import Store
 from models.train import TrainOptions
-from serving.locking import exclusive_lock
 from serving.publishing import PublishOptions
 
 STEPS = ("ingest", "features", "train", "evaluate", "register", "gate", "score", "publish")
@@ -273,15 +273,18 @@ class _Job:
         if isinstance(exc, GpufailError):
             return str(exc)
         message = f"{type(exc).__name__}: {exc}"
-        from features.build import FEATURES_DATASET, READ_ERRORS, unreadable_feature_file, unreadable_message
+        import polars as pl
+        import pyarrow as pa
 
-        if isinstance(exc, READ_ERRORS) and not isinstance(exc, OSError):
+        from features.build import FEATURES_DATASET
+
+        if isinstance(exc, (pl.exceptions.PolarsError, pa.ArrowException)):
             days = self.store.dates(FEATURES_DATASET)
             # The spec known so far: naming the damaged file must not itself need the registry.
             reach = retrain_reach(days[-1], self.o, self._spec or self.o.feature_spec).date() if days else None
-            bad = unreadable_feature_file(self.store, reach)
-            if bad is not None:
-                return f"{unreadable_message(*bad)} ({message})"
+            unreadable = self.store.unreadable(FEATURES_DATASET, reach)
+            if unreadable is not None:
+                return f"{unreadable} ({message})"
         return message
 
     # -- helpers -------------------------------------------------------------------------------

@@ -12,19 +12,22 @@ Guarantees:
   name (`.tmp-...`, which readers ignore) in the destination folder and is then renamed, so a
   write interrupted at any point leaves no visible partial file.
 - Appending adds new part files; existing files are untouched.
-- Reading a time range opens only the partitions whose date overlaps it, and only the
-  requested columns.
+- Every writer that keeps state commits its files, the files they replace and its state in
+  one step (`Store.journal`, see `ingest.journal`), so a rerun after a crash at any point
+  neither loses nor repeats rows, and readers see only what was committed (`files`).
+- One read path (`scan`, a polars LazyFrame for a time range, columns and a filter, whatever
+  the filesystem): reading a time range opens only the partitions whose date overlaps it, and
+  only the requested columns.
 - Every file must carry the dataset's schema; a foreign file is reported by path.
 - Every file carries a checksum: Parquet page checksums inside (verified whenever pyarrow reads
   it through the store: remote stores are always read that way), and a CRC-32 of the whole file
   in its name (`part-<id>-crc32-<hex>.parquet`), verified once per process before a local file
   is handed to a reader (polars, which local readers use for speed, verifies no checksum; and
   page checksums leave the footer unprotected). A flipped bit or a truncated file is then an
-  error naming the file, never rows. Files written before checksums existed are read as before.
+  error naming the file and what to do about it (`remedy`, by dataset), never rows. Files
+  written before checksums existed are read as before.
 - Every OSError of the store (read-only file system, no space, no permission) becomes a
   one-line `StoreError` naming the path and what to do, at the store: callers need no handler.
-- Rows and a writer's state can be committed together (`Store.journal`, see `ingest.journal`),
-  so a rerun after a crash at any point neither loses nor repeats rows.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import os
 import re
 import uuid
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -50,6 +53,8 @@ from ingest.errors import StoreError
 from ingest.schema import SCHEMA_VERSION, TIMESTAMP, schema_for
 
 if TYPE_CHECKING:
+    import polars as pl  # imported where used: a collector may be installed without it
+
     from ingest.journal import Journal  # which imports this module
 
 MARKER = "gpufail.json"
@@ -67,6 +72,8 @@ _HASH_CHUNK = 4 << 20
 # process, whichever Store object (or Dask task's copy of one) reads it. Part files are never
 # rewritten in place, so a file with another size or mtime is checked again.
 _VERIFIED: set[tuple[str, int, int]] = set()
+# Listings of a dataset taken again when a writer committed while they were taken (`files`).
+_LIST_TRIES = 3
 
 
 class Store:
@@ -123,7 +130,12 @@ class Store:
         with guarded("create the data root", path):
             if fs.exists(f"{path}/{MARKER}"):
                 return cls.open(root)
-            if fs.exists(path) and fs.ls(path):
+            entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)] if fs.exists(path) else []
+            for name in entries:
+                # A create killed before its marker's rename left the marker half written.
+                if name.startswith(temporary_prefix(MARKER)):
+                    fs.rm(f"{path}/{name}")
+            if any(not name.startswith(temporary_prefix(MARKER)) for name in entries):
                 raise StoreError(
                     f"data root {root!r} exists, is not empty and is not a gpufail dataset; "
                     "expected an empty or absent folder"
@@ -143,8 +155,20 @@ class Store:
     def exists(self, dataset: str) -> bool:
         return bool(self.files(dataset))
 
-    def dates(self, dataset: str) -> list[date]:
-        """The partition dates present in a dataset, oldest first."""
+    def dates(self, dataset: str, start: datetime | None = None, end: datetime | None = None) -> list[date]:
+        """The dates of a dataset's partitions that hold files readers see, oldest first (a
+        partition may hold only hidden files: a write in flight, or one a crash cut short),
+        within the days a [start, end) range touches when given."""
+        return sorted({_day_of(path) for path in self.files(dataset, *_day_range(start, end))})
+
+    def partitions(self, dataset: str) -> list[tuple[str, list[str]]]:
+        """(folder, the names of every file in it) of each date partition of a dataset, hidden
+        files included: for writers tidying what they left (`ingest.journal`)."""
+        return [(folder, names) for _, folder, names in self._partitions(dataset, None, None)]
+
+    def _partitions(
+        self, dataset: str, first_day: date | None, last_day: date | None
+    ) -> list[tuple[date, str, list[str]]]:
         base = self.path(dataset)
         with guarded("list the dataset", base):
             if not self.fs.exists(base):
@@ -153,8 +177,15 @@ class Store:
         found = []
         for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith("date="):
-                found.append(date.fromisoformat(name.removeprefix("date=")))
+            if not name.startswith("date="):
+                continue
+            day = date.fromisoformat(name.removeprefix("date="))
+            if (first_day and day < first_day) or (last_day and day > last_day):
+                continue
+            folder = f"{base}/{name}"
+            with guarded("list the partition", folder):
+                names = [f.rsplit("/", 1)[-1] for f in self.fs.ls(folder, detail=False)]
+            found.append((day, folder, names))
         return sorted(found)
 
     # -- writing ---------------------------------------------------------------------------
@@ -165,13 +196,22 @@ class Store:
         The table is checked against the dataset's schema first (columns may come in any order;
         types must match or be safely castable), so a bad batch is refused before anything is
         written. Returns the paths written.
+
+        The files are one commit of the journal `append-<dataset>` (`ingest.journal`): readers
+        see all of them or, after a kill, none, and the next append to the dataset deletes what
+        a killed one left. Appends to one dataset take turns (its journal's lock).
         """
-        return [self.write_part(dataset, day, part) for day, part in split_by_day(conform(table, dataset))]
+        table = conform(table, dataset)
+        with self.journal(f"append-{dataset}", [dataset], wait_s=APPEND_WAIT_S, durable=False) as journal:
+            return journal.commit(tables={dataset: table})
 
     def write_partition(self, dataset: str, day: date, table: pa.Table) -> str:
-        """Write one file into `date=day`, for writers that already produce one day at a time."""
+        """Write one file into `date=day`, for writers that already produce one day at a time
+        (committed as `write` commits)."""
         table = conform(table, dataset)
-        return self.write_part(dataset, day.isoformat(), table)
+        with self.journal(f"append-{dataset}", [dataset], wait_s=APPEND_WAIT_S, durable=False) as journal:
+            staged = journal.staging().write_part_of_day(dataset, day, table)
+            return journal.commit(staged=[staged])[0]
 
     def write_owned(self, dataset: str, day: date, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
         """Write one file of a dataset whose schema a later stage owns (features, predictions,
@@ -287,9 +327,7 @@ class Store:
         range holds, not what the dataset holds.
         """
         expected = schema_for(dataset)
-        first_day = _utc(start).date() if start is not None else None
-        last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
-        dataset_obj = self.dataset(dataset, first_day, last_day)
+        dataset_obj = self.dataset(dataset, *_day_range(start, end))
         if columns is not None:
             unknown = sorted(set(columns) - set(expected.names))
             if unknown:
@@ -305,32 +343,30 @@ class Store:
         omitted), each checked against the dataset's schema and its checksum (`verify`)."""
         expected = schema_for(dataset)
         files = self.files(dataset, first_day, last_day, verify=True)
-        dataset_obj = ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
-        for fragment in dataset_obj.get_fragments():
-            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}")
-        return dataset_obj
+        self._check_schemas(dataset, files, expected)
+        return ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
 
     def files(
         self, dataset: str, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
     ) -> list[str]:
-        """Visible part files, pruned by the date in their partition folder's name.
+        """The part files readers see, pruned by the date in their partition folder's name.
 
         Pruning here, before pyarrow sees the files, means files outside the range are never
-        opened, not even their footers. Files of a journal's commit still under their hidden
-        name are visible; files of an uncommitted one are not (`ingest.journal`). `verify`:
+        opened, not even their footers. What readers see is what the writers' journals have
+        committed (`ingest.journal`): a committed file still under its hidden name counts, a
+        file a commit removed does not, and a file no commit named is not there. `verify`:
         check each file's checksum first (`verify`), for callers about to read them."""
-        from ingest.journal import pending_visibility
+        from ingest.journal import commit_view, markers_unchanged
 
+        for _ in range(_LIST_TRIES):
+            view = commit_view(self)
+            listing = self._partitions(dataset, first_day, last_day)
+            if markers_unchanged(self, view):
+                break  # else a writer committed or finished while the folders were listed
         files = []
-        for day in self.dates(dataset):
-            if (first_day and day < first_day) or (last_day and day > last_day):
-                continue
-            folder = self.path(dataset, f"date={day.isoformat()}")
-            with guarded("list the partition", folder):
-                names = [f.rsplit("/", 1)[-1] for f in self.fs.ls(folder, detail=False)]
-            visible = [n for n in names if n.endswith(".parquet") and not n.startswith((".", "_"))]
-            visible += pending_visibility(self, names)
-            files += [f"{folder}/{name}" for name in visible]
+        base = self.path() + "/"
+        for _, folder, names in listing:
+            files += [f"{folder}/{name}" for name in view.visible(folder.removeprefix(base), names)]
         files.sort()
         if verify:
             for path in files:
@@ -357,9 +393,102 @@ class Store:
         if f"{crc:08x}" != match[1]:
             raise StoreError(
                 f"{path}: corrupt file (CRC-32 {crc:08x}, written as {match[1]}); its rows are not used. "
-                + corrupt_remedy(path)
+                f"{_capitalised(remedy(path))}"
             )
         _VERIFIED.add(key)
+
+    def scan(
+        self,
+        dataset: str,
+        start: datetime | None = None,
+        end: datetime | None = None,
+        columns: Sequence[str] | None = None,
+        where: pl.Expr | None = None,
+        *,
+        schema: Mapping[str, Any] | None = None,
+    ) -> pl.LazyFrame:
+        """Rows of `dataset` with `start <= ts < end` (each bound optional) and `where`, only
+        `columns` (all when None), as a polars LazyFrame: the one read path of the store.
+
+        Only the files readers see (`files`) of the partitions whose date overlaps the range
+        are read, each checked first: its checksum (`verify`), and for a dataset with a store
+        schema its columns (a foreign file is named). A local store is scanned by polars (several
+        times faster here than pyarrow's dataset reader); another filesystem through pyarrow,
+        which checks each page's checksum as it reads. A dataset whose schema a later stage owns
+        (features, ...) may have files without a column that newer files have: the first file's
+        columns are read. `schema`: the columns of the frame when no file is in range (a store
+        schema's dataset has its own). A file that cannot be decoded fails the frame's
+        `collect`; `collect` names it."""
+        import polars as pl
+
+        expected = _store_schema(dataset)
+        if expected is not None and columns is not None:
+            unknown = sorted(set(columns) - set(expected.names))
+            if unknown:
+                raise StoreError(f"{dataset}: unknown columns {unknown}; the schema has {expected.names}")
+        files = self.files(dataset, *_day_range(start, end), verify=True)
+        if not files:
+            empty = pl.DataFrame(expected.empty_table()) if expected is not None else pl.DataFrame(schema=schema)
+            frame = empty.lazy()
+        elif self.is_local:
+            if expected is not None:
+                self._check_schemas(dataset, files, expected)
+            frame = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
+        else:
+            frame = pl.scan_pyarrow_dataset(self._pyarrow_dataset(dataset, files, expected))
+        ts = pl.Datetime("us", "UTC")
+        if start is not None:
+            frame = frame.filter(pl.col("ts") >= pl.lit(_utc(start), dtype=ts))
+        if end is not None:
+            frame = frame.filter(pl.col("ts") < pl.lit(_utc(end), dtype=ts))
+        if where is not None:
+            frame = frame.filter(where)
+        return frame if columns is None else frame.select(list(columns))
+
+    def collect(
+        self, frame: pl.LazyFrame, dataset: str, start: datetime | None = None, end: datetime | None = None
+    ) -> pl.DataFrame:
+        """`frame.collect()` for a frame of `scan(dataset, start, end, ...)`: a file that cannot
+        be decoded is named, with what to do about it, in a one-line `StoreError` (polars' own
+        message names no file)."""
+        import polars as pl
+
+        try:
+            return frame.collect()
+        except (pl.exceptions.PolarsError, pa.ArrowException, OSError) as exc:
+            message = self.unreadable(dataset, *_day_range(start, end))
+            if message is None:
+                raise
+            raise StoreError(message) from exc
+
+    def unreadable(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> str | None:
+        """The one-line message for the first file of `dataset` dated within the days that does
+        not read whole (footer and every page, checksums verified), naming it and what to do;
+        None when every file reads. Reads every file: for error messages only."""
+        for path in self.files(dataset, first_day, last_day):
+            try:
+                self.verify(path)
+                with self.fs.open(path, "rb") as fh:
+                    pq.ParquetFile(fh, page_checksum_verification=True).read()
+            except StoreError as exc:
+                return str(exc)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                return unreadable_message(path, f"{type(exc).__name__}: {_one_line(exc)}")
+        return None
+
+    def _check_schemas(self, dataset: str, files: list[str], expected: pa.Schema) -> None:
+        """Refuse a file of `dataset` whose columns are not the dataset's schema, by path."""
+        found = ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        for fragment in found.get_fragments():
+            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}")
+
+    def _pyarrow_dataset(self, dataset: str, files: list[str], expected: pa.Schema | None) -> ds.Dataset:
+        if expected is not None:
+            self._check_schemas(dataset, files, expected)
+            return ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        found = ds.dataset(files, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        # The first file's columns, as polars reads a local store.
+        return found.replace_schema(_physical_schema(next(iter(found.get_fragments()))))
 
     def _scan(self, dataset_obj: ds.Dataset, read: Any) -> pa.Table:
         """`read()` of a dataset; a file that cannot be decoded (a corrupt page, a failed page
@@ -372,16 +501,16 @@ class Store:
                 try:
                     fragment.to_table()
                 except (OSError, pa.ArrowException) as bad:
-                    raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(bad)})") from None
+                    raise StoreError(unreadable_message(fragment.path, _one_line(bad))) from None
             raise StoreError(f"{self.root}: could not read the files ({_one_line(exc)})") from None
 
     # -- small state files -----------------------------------------------------------------
 
     def read_state(self, name: str) -> dict[str, Any] | None:
-        state = self.read_state_raw(name)
-        if state is not None:
-            state.pop(COMMIT_KEY, None)
-        return state
+        """The state `name` as its writer last committed it (None when there is none)."""
+        from ingest.journal import state_without_commit
+
+        return state_without_commit(self.read_state_raw(name))
 
     def write_state(self, name: str, state: dict[str, Any], *, durable: bool = False) -> None:
         folder = self.path("_state")
@@ -405,12 +534,12 @@ class Store:
             raise StoreError(f"{path}: corrupt state file; expected a JSON object")
         return state
 
-    def journal(self, name: str, datasets: Sequence[str]) -> Journal:
-        """Commit rows of `datasets` together with the state `name` (`ingest.journal`); use as
-        a context manager (it holds a lock on a local store)."""
+    def journal(self, name: str, datasets: Sequence[str], **options: Any) -> Journal:
+        """Commit files of `datasets` together with the state `name` (`ingest.journal`, which
+        describes the `options`); use as a context manager (it holds a lock)."""
         from ingest.journal import Journal
 
-        return Journal(self, name, tuple(datasets))
+        return Journal(self, name, datasets, **options)
 
 
 def temporary_prefix(name: str) -> str:
@@ -421,6 +550,8 @@ def temporary_prefix(name: str) -> str:
 
 # The key of a state file that holds a journal's last commit (`ingest.journal`).
 COMMIT_KEY = "_commit"
+APPEND_WAIT_S = 600.0
+"""How long an append (`Store.write`) waits for another append to the same dataset."""
 
 
 @contextmanager
@@ -473,22 +604,7 @@ def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
     try:
         return fragment.physical_schema
     except (OSError, pa.ArrowException) as exc:
-        raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(exc)})") from None
-
-
-_DATED_PART = re.compile(r"/([a-z_]+)/date=(\d{4}-\d{2}-\d{2})/[^/]+$")
-
-
-def corrupt_remedy(path: str) -> str:
-    """What to do about a corrupt part file, by the dataset it belongs to: derived datasets are
-    rebuilt by the command that wrote them, raw data is restored or ingested again."""
-    match = _DATED_PART.search(path)
-    dataset, day = (match[1], date.fromisoformat(match[2])) if match else ("", None)
-    if dataset == "features" and day is not None:
-        return f"Rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
-    if dataset == "predictions":
-        return "Remove it and score again with gpufail score"
-    return "Restore it from a copy of the data root, or remove it and ingest its source again"
+        raise StoreError(unreadable_message(fragment.path, _one_line(exc))) from None
 
 
 def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -571,3 +687,55 @@ def _write_failure(folder: str, exc: OSError) -> str:
         f"{folder}: could not write a part file ({reason}); nothing of it was kept and the files "
         f"already there are untouched{_HINTS.get(exc.errno or 0, '')}"
     )
+
+
+def _day_range(start: datetime | None, end: datetime | None) -> tuple[date | None, date | None]:
+    """The first and last UTC day a [start, end) range touches (None: unbounded)."""
+    first_day = _utc(start).date() if start is not None else None
+    last_day = (_utc(end) - timedelta(microseconds=1)).date() if end is not None else None
+    return first_day, last_day
+
+
+def _store_schema(dataset: str) -> pa.Schema | None:
+    """The store's schema of a raw dataset; None for a dataset a later stage owns."""
+    try:
+        return schema_for(dataset)
+    except ValueError:
+        return None
+
+
+def _day_of(path: str) -> date:
+    return date.fromisoformat(path.rsplit("/date=", 1)[1].split("/", 1)[0])
+
+
+# What a file of each dataset is called in a message, and what to do when one is corrupt (a
+# dataset not listed is raw data: its source can be ingested again).
+_NOUNS = {"features": "feature file", "predictions": "predictions file", "actions": "audit file"}
+
+
+def _dataset_of(path: str) -> str:
+    """The dataset of a part file's path (`.../<dataset>/date=.../<file>`), else ''."""
+    return path.rsplit("/date=", 1)[0].rsplit("/", 1)[-1] if "/date=" in path else ""
+
+
+def remedy(path: str) -> str:
+    """What to do about a corrupt or unreadable file of the store, by its dataset."""
+    dataset = _dataset_of(path)
+    if dataset == "features":
+        day = _day_of(path)
+        return f"rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
+    if dataset == "predictions":
+        return "move it away, then run `gpufail score` again"
+    if dataset == "actions":
+        return "restore it from a copy of the data root, or move it away (its decisions are then not in the audit log)"
+    return "restore it from a copy of the data root, or remove it and ingest its source again"
+
+
+def unreadable_message(path: str, why: str) -> str:
+    """The one-line error for a file of the store that does not decode: what it is, why, and
+    what to do (`remedy`)."""
+    return f"{path}: not a readable {_NOUNS.get(_dataset_of(path), 'Parquet file')} ({why}); {remedy(path)}"
+
+
+def _capitalised(text: str) -> str:
+    return text[:1].upper() + text[1:]

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import date
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -51,8 +51,13 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _day_bounds(day: date) -> tuple[datetime, datetime]:
+    start = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
+    return start, start + timedelta(days=1)
+
+
 def _run(source: Store, days: list[date], work: Path) -> None:
-    tables = [pl.read_parquet(source.files("telemetry", day, day), hive_partitioning=False).to_arrow() for day in days]
+    tables = [source.scan("telemetry", *_day_bounds(day)).collect().to_arrow() for day in days]
     store = Store.create(str(work / "root"))
     files = [store.write_partition("telemetry", day, table) for day, table in zip(days, tables, strict=True)]
     size = sum(Path(f).stat().st_size for f in files)

@@ -20,10 +20,9 @@ import pandas as pd
 import polars as pl
 import pyarrow.parquet as pq
 
-from features.build import FEATURES_DATASET, feature_files, read_features
+from features.build import FEATURES_DATASET, feature_files, read_features, scan_features
 from features.manifest import recorded_spec
 from features.sample_key import SAMPLE_KEY, key_threshold
-from features.schema import TS_DTYPE
 from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
@@ -58,8 +57,8 @@ def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], optio
     check_negative_fraction(options.negative_fraction)
     start, end = bounds
     files = _window_files(store, start, end)
-    if files and options.seed == 0 and store.is_local and all(SAMPLE_KEY in pq.read_schema(f).names for f in files):
-        rows = _read_drawn_rows(files, start, end, options.negative_fraction)
+    if files and options.seed == 0 and all(SAMPLE_KEY in _column_names(store, f) for f in files):
+        rows = _read_drawn_rows(store, start, end, options.negative_fraction)
     else:
         rows = _read_sampled_days(store, options)
     if rows.height == 0:
@@ -94,45 +93,29 @@ def _window_files(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> list[
     )
 
 
+def _column_names(store: Store, path: str) -> list[str]:
+    with store.fs.open(path, "rb") as fh:
+        return pq.read_schema(fh).names
+
+
 def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> tuple[int, int]:
     """(negatives, positives) with start <= ts < end (`store_training_bounds`), from the
-    `label` and `ts` columns alone."""
+    `label` and `ts` columns alone, counted as they are decoded: no gpu_uuid, no sort (12 s ->
+    ~1 s for the paper fleet's 15.5M-row window)."""
     if end <= start:
         return 0, 0
-    if not store.is_local:
-        labels = read_features(store, start=start.to_pydatetime(), end=end.to_pydatetime(), columns=["label"])["label"]
-        return int((labels == 0).sum()), int((labels == 1).sum())
-    # Two narrow columns, counted as they are decoded: no gpu_uuid, no sort (12 s -> ~1 s for
-    # the paper fleet's 15.5M-row window).
-    files = _window_files(store, start, end)
-    if not files:
-        return 0, 0
-    counts = (
-        pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
-        .filter(_in_window(start, end))
-        .group_by("label")
-        .len()
-        .collect()
-    )
+    window = scan_features(store, start.to_pydatetime(), end.to_pydatetime(), ["label"])
+    counts = store.collect(window.group_by("label").len(), FEATURES_DATASET, start, end)
     by_label = dict(zip(counts["label"].to_list(), counts["len"].to_list(), strict=True))
     return int(by_label.get(0, 0)), int(by_label.get(1, 0))
 
 
-def _in_window(start: pd.Timestamp, end: pd.Timestamp) -> pl.Expr:
-    return (pl.col("ts") >= pl.lit(start.to_pydatetime(), dtype=TS_DTYPE)) & (
-        pl.col("ts") < pl.lit(end.to_pydatetime(), dtype=TS_DTYPE)
-    )
-
-
-def _read_drawn_rows(
-    files: list[str], start: pd.Timestamp, end: pd.Timestamp, negative_fraction: float
-) -> pl.DataFrame:
+def _read_drawn_rows(store: Store, start: pd.Timestamp, end: pd.Timestamp, negative_fraction: float) -> pl.DataFrame:
     """The drawn rows of [start, end) by the stored key: at a share up to PRESAMPLED_FRACTION
-    polars skips every file's second row group by its statistics, ~90% of the bytes."""
+    the reader skips every file's second row group by its statistics, ~90% of the bytes."""
     drawn = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(negative_fraction)))
-    lf = pl.scan_parquet(files, hive_partitioning=False).filter(_in_window(start, end) & drawn)
-    columns = [c for c in lf.collect_schema().names() if c != SAMPLE_KEY]
-    return lf.select(columns).collect().sort(_KEYS)
+    rows = scan_features(store, start.to_pydatetime(), end.to_pydatetime(), where=drawn)
+    return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)
 
 
 def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
@@ -159,23 +142,15 @@ def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
 
 
 def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataFrame:
-    """The feature rows of one UTC day whose (ts, gpu_uuid) are in `wanted`. On a local store
-    the day's files are scanned with the keys' hash as the filter, so polars drops the other
-    rows as it decodes (a hash collision only lets a row through to the exact semi-join):
-    ~5x faster than reading the day whole and sorting it, which a retrain did for each of its
-    ~22 days (0.6 s against 3.3 s for a day of the paper fleet)."""
-    if not store.is_local:
-        wide = read_features(store, start=day_start, end=day_start + timedelta(days=1))
-        return wide.join(wanted, on=_KEYS, how="semi")
-    files = feature_files(store, day_start.date(), day_start.date(), verify=True)
+    """The feature rows of one UTC day whose (ts, gpu_uuid) are in `wanted`. The day's files
+    are scanned with the keys' hash as the filter, so the reader drops the other rows as it
+    decodes (a hash collision only lets a row through to the exact semi-join): ~5x faster than
+    reading the day whole and sorting it, which a retrain did for each of its ~22 days (0.6 s
+    against 3.3 s for a day of the paper fleet)."""
+    day_end = day_start + timedelta(days=1)
     hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
-    return (
-        pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
-        .filter(pl.struct(_KEYS).hash().is_in(hashes.implode()))
-        .collect()
-        .join(wanted, on=_KEYS, how="semi")
-        .drop(SAMPLE_KEY, strict=False)
-    )
+    day = scan_features(store, day_start, day_end, where=pl.struct(_KEYS).hash().is_in(hashes.implode()))
+    return store.collect(day, FEATURES_DATASET, day_start, day_end).join(wanted, on=_KEYS, how="semi")
 
 
 def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:

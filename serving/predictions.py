@@ -5,11 +5,10 @@ A snapshot is one Parquet file under `predictions/date=YYYY-MM-DD/` (the UTC dat
 time) holding every scored GPU at one grid time from one model version (`serving.score`'s
 `PREDICTION_SCHEMA`), with `SNAPSHOT_METADATA` in its schema metadata: grid time, model
 version and the time it was written. Scoring the same grid time with the same model version
-again replaces the snapshot, it never adds to it: the new file is written by the store
-(temporary name, then rename), then the files of the same key written before it are removed.
-A reader that looks in between sees two files of one key and takes the later one, so it never
-combines rows; a kill in between leaves the earlier file, which the next scoring of that key
-removes.
+again replaces the snapshot, it never adds to it: the new file and the removal of the earlier
+files of the same key are one commit of the store's journal `predictions` (`ingest.journal`),
+so a reader sees the earlier snapshot or the new one, never both, whatever point a scoring is
+killed at. Scorings of one data root take turns (the journal's lock).
 
 **The newest snapshot** (`newest_snapshot`) is the one with the latest grid time; among
 snapshots of that grid time (several model versions), the one written last (`written_at`),
@@ -38,14 +37,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest.errors import InputError
-from ingest.store import Store
+from ingest.errors import InputError, StoreError
+from ingest.store import Store, unreadable_message
 from serving.score import PREDICTION_SCHEMA, TOP_FEATURES_FIELD, prediction_table
 
 DATASET = "predictions"
 SNAPSHOT_METADATA = b"gpufail.snapshot"
 """Schema metadata key of a snapshot file: JSON with `ts`, `model_version` and `written_at`."""
 
+LOCK_WAIT_S = 60.0
+"""How long a scoring waits for another scoring of the data root to write its snapshot."""
 _IDS = ("cluster", "node", "gpu_uuid")
 _PROBABILITIES = ("risk", "node_risk")
 
@@ -89,16 +90,15 @@ def write_snapshot(store: Store, predictions: pd.DataFrame, *, now: datetime | N
     written_at = (now or datetime.now(UTC)).isoformat()
     meta = {"ts": ts.isoformat(), "model_version": version, "written_at": written_at}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), SNAPSHOT_METADATA: json.dumps(meta)})
-    path = store.write_owned(DATASET, ts.date(), table)
-    mine = SnapshotKey(path, ts, version, written_at)
-    replaced = 0
-    for key in _keys_of_day(store, ts.date(), skip_unreadable=True):
-        # Only files written before this one: a concurrent scoring of the same key that wrote
-        # after us removes ours, never the other way round, so one snapshot always remains.
-        if (key.ts, key.model_version) == (ts, version) and key.order < mine.order:
-            store.fs.rm(key.path)
-            replaced += 1
-    return path, replaced
+    with store.journal(DATASET, [DATASET], wait_s=LOCK_WAIT_S, holder="`gpufail score` of this data root") as journal:
+        staged = journal.staging().write_owned(DATASET, ts.date(), table)
+        earlier = [
+            key.path
+            for key in _keys_of_day(store, ts.date(), skip_unreadable=True)
+            if (key.ts, key.model_version) == (ts, version)
+        ]
+        (path,) = journal.commit(staged=[staged], replaces=earlier)
+    return path, len(earlier)
 
 
 def newest_snapshot(store: Store) -> Snapshot | None:
@@ -196,13 +196,14 @@ def _keys_of_day(store: Store, day: date, *, skip_unreadable: bool) -> list[Snap
     for path in store.files(DATASET, day, day):
         try:
             keys.append(_key(store, path))
-        except InputError:
+        except (InputError, StoreError):
             if not skip_unreadable:
                 raise
     return keys
 
 
 def _key(store: Store, path: str) -> SnapshotKey:
+    store.verify(path)
     try:
         with store.fs.open(path, "rb") as fh:
             parquet = pq.ParquetFile(fh)
@@ -218,10 +219,7 @@ def _key(store: Store, path: str) -> SnapshotKey:
             # Written before snapshots: a whole scoring of one grid time, its key in its rows.
             rows = parquet.read(columns=["ts", "model_version"])
     except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(
-            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
-            "`gpufail score` again"
-        ) from None
+        raise InputError(unreadable_message(path, f"{type(exc).__name__}: {exc}")) from None
     if rows.num_rows == 0 or rows["ts"].null_count == rows.num_rows:
         raise InputError(f"{path}: not usable predictions: no rows (expected one per scored GPU)")
     versions = sorted({str(v) for v in rows["model_version"].to_pylist()})
@@ -229,14 +227,12 @@ def _key(store: Store, path: str) -> SnapshotKey:
 
 
 def _read_table(store: Store, path: str) -> pa.Table:
+    store.verify(path)
     try:
         with store.fs.open(path, "rb") as fh:
             return pq.read_table(fh)
     except (pa.ArrowException, OSError) as exc:
-        raise InputError(
-            f"{path}: not a readable predictions file ({type(exc).__name__}: {exc}); move it away, then run "
-            "`gpufail score` again"
-        ) from None
+        raise InputError(unreadable_message(path, f"{type(exc).__name__}: {exc}")) from None
 
 
 def _utc(value: Any) -> datetime:

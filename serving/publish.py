@@ -15,28 +15,26 @@ With `JobActions`, a run also reads the scheduler's job map and can decide by th
 (`serving.cost_policy`), send checkpoint hints, set placement levels and keep warm standbys
 (docs/actions.md); each of those is an audit row too.
 
-The audit log is a Parquet dataset, one new file per run under `date=YYYY-MM-DD/` (the UTC
-date of the decisions), never rewritten. A file is first written complete under a hidden
-`.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name
-(`finish_audit`); `append_audit` does both. A caller that keeps state commits the staged file's
-names with its state between the two steps, so that a run killed at any point leaves its rows
-either recorded once or not at all (`serving.publishing`).
+The audit log is the store's `actions` dataset, one new file per run under `date=YYYY-MM-DD/`
+(the UTC date of the decisions, `decisions_table`), never rewritten, committed together with
+the policy state it leads to (`serving.publishing`), so that a run killed at any point leaves
+its rows either recorded once or not at all. `read_audit` reads what was committed;
+`append_audit` adds a file without a state.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+import fsspec
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ingest.errors import InputError
+from ingest.store import Store
 from serving.cost_policy import OPTIONS, CostConfig, CostDecision, Hint, costs_json
 from serving.cost_policy import decide as cost_decide
 from serving.jobs import JobMap, JobMapUnreadable, node_loads
@@ -46,8 +44,7 @@ from serving.publishers import Applied, Change, NodeView, Publisher, SchedulerUn
 from serving.score import node_risks
 
 MODES = ("dry-run", "shadow", "live")
-PENDING_PREFIX = ".pending-"
-"""Staged audit files (`stage_audit`) start with this; readers skip every hidden file."""
+AUDIT_DATASET = "actions"
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -477,90 +474,36 @@ def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=AUDIT_SCHEMA)
 
 
-def _filesystem(path: str, fs: Any) -> tuple[Any, str]:
-    import fsspec
-
-    if fs is not None:
-        return fs, str(path)
-    return fsspec.core.url_to_fs(str(path))
-
-
-@dataclass(frozen=True)
-class StagedAudit:
-    """An audit file written complete under its hidden `pending` name, to be renamed to `final`."""
-
-    pending: str
-    final: str
-
-
-def stage_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None, run_id: str = "") -> StagedAudit | None:
-    """Write the decisions as one complete Parquet file under a hidden name in the audit log
-    rooted at `path` (None, and nothing written, for no decisions); `finish_audit` makes it
-    visible. `path` is a local folder or fsspec URL, or a path within `fs` (an fsspec
-    filesystem, e.g. `Store.fs` with `Store.path("actions")`); `run_id` names the file (default:
-    a random one)."""
+def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
+    """Add the decisions to the audit log at `path` (a data root's `actions` folder: a local
+    folder or fsspec URL, or a path within `fs`) as one new file, visible at once, whole or not
+    at all; returns its path (None, and nothing written, for no decisions). For writers without
+    a policy state (benchmarks, tests): `gpufail publish` commits its audit file together with
+    its state (`serving.publishing`)."""
     if not decisions:
         return None
-    table = decisions_table(decisions)
-    fs, root = _filesystem(path, fs)
     first = min(d.time for d in decisions)
-    folder = f"{root.rstrip('/')}/date={first:%Y-%m-%d}"
-    fs.makedirs(folder, exist_ok=True)
-    name = f"part-{first:%Y%m%dT%H%M%SZ}-{run_id or uuid.uuid4().hex}.parquet"
-    final, pending = f"{folder}/{name}", f"{folder}/{PENDING_PREFIX}{name}"
-    tmp = f"{folder}/.tmp-{uuid.uuid4().hex}-{name}"
-    try:
-        with fs.open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
-        _sync(fs, tmp)
-        fs.mv(tmp, pending)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm(tmp)
-        raise
-    return StagedAudit(pending, final)
-
-
-def finish_audit(staged: StagedAudit, fs: Any) -> str:
-    """Make a staged audit file visible under its final name (`fs`: the filesystem it was
-    staged on); done already is fine, so a run that resumes after a kill can call it again.
-    Returns the final path."""
-    if fs.exists(staged.pending):
-        if fs.exists(staged.final):
-            # A rename that copies (object stores) was cut between copy and delete.
-            fs.rm(staged.pending)
-        else:
-            fs.mv(staged.pending, staged.final)
-    return staged.final
-
-
-def append_audit(decisions: Sequence[AuditRow], path: str, fs: Any = None) -> str | None:
-    """Add the decisions to the audit log rooted at `path` as one new Parquet file; returns its
-    path (None, and nothing written, for no decisions). See `stage_audit` for `path` and `fs`."""
-    staged = stage_audit(decisions, path, fs)
-    return None if staged is None else finish_audit(staged, _filesystem(path, fs)[0])
-
-
-def _sync(fs: Any, path: str) -> None:
-    # A local file reaches the disk before it is renamed into place (a crash of the machine,
-    # not only of the process, then leaves the old or the new file, never an empty one).
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" in protocol:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    return _audit_store(path, fs).write_owned(AUDIT_DATASET, first.date(), decisions_table(decisions))
 
 
 def read_audit(path: str, fs: Any = None) -> pd.DataFrame:
-    """The whole audit log rooted at `path`, oldest first (temporary files are skipped)."""
-    fs, root = _filesystem(path, fs)
-    files = sorted(f for f in fs.glob(f"{root.rstrip('/')}/date=*/part-*.parquet"))
-    if not files:
+    """The whole audit log at `path` (see `append_audit`), oldest first: the files readers of
+    the store see (those committed)."""
+    table = _audit_store(path, fs).read_owned(AUDIT_DATASET)
+    if table is None:
         return AUDIT_SCHEMA.empty_table().to_pandas()
-    tables = []
-    for f in files:
-        with fs.open(f, "rb") as fh:
-            tables.append(pq.read_table(fh, schema=AUDIT_SCHEMA))
-    return pa.concat_tables(tables).to_pandas().sort_values("time", kind="stable", ignore_index=True)
+    for column in AUDIT_SCHEMA:
+        if column.name not in table.column_names:  # written before the column was added
+            table = table.append_column(column, pa.nulls(table.num_rows, column.type))
+    frame = table.select(AUDIT_SCHEMA.names).cast(AUDIT_SCHEMA).to_pandas()
+    return frame.sort_values("time", kind="stable", ignore_index=True)
+
+
+def _audit_store(path: str, fs: Any) -> Store:
+    """The data root whose `actions` dataset is at `path`."""
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(str(path))
+    root = str(path).rstrip("/")
+    if root.rsplit("/", 1)[-1] == AUDIT_DATASET:
+        root = root.rsplit("/", 1)[0]
+    return Store(root, fs, root)

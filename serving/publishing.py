@@ -3,34 +3,29 @@
 snapshot (`serving.predictions`), apply it through the publisher of the target
 (`PublisherConfig`), keep the policy's state and append every decision to the audit log.
 
-One run at a time per data root: every run holds `publish_lock` (the nightly's `flock`
-mechanism, `serving.locking`) from reading the state to committing it, so that runs started
-together act one after the other, and the later ones see what the first did.
+A policy state and its audit files are one journal of the store (`ingest.journal`), named after
+the state (`serving.publish.state_name`): a run commits its decisions' audit file together with
+the state they lead to, so that a run killed at any point has recorded its decisions once or
+not at all. A run killed before its commit has changed nothing but the scheduler, where applying
+the same change again is harmless (a Slurm drain with the same reason; a webhook delivery with
+the same idempotency key). A dry run commits its audit file with the state unchanged.
 
-A live or shadow run commits in this order, so that a kill at any point leaves its decisions
-recorded once or not at all: the audit file is staged complete under a hidden name, the state
-is written with the names of the staged file (`audit`), and the file is then renamed into
-place. The next run first finishes a rename that a kill interrupted (`_finish_committed`) and
-removes staged files that were never committed. A run killed before its state was written has
-changed nothing but the scheduler, where applying the same change again is harmless (a Slurm
-drain with the same reason; a webhook delivery with the same idempotency key).
+One run at a time per data root: every journal of a policy state takes the data root's one
+publish lock (`PUBLISH_LOCK`), from reading the state to committing it, so that runs started
+together act one after the other, and the later ones see what the first did.
 """
 
 from __future__ import annotations
 
-import hashlib
-import tempfile
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ingest.errors import GpufailError, InputError
-from ingest.store import Store
-from serving.locking import exclusive_lock
+from ingest.journal import Journal
+from ingest.store import Store, guarded
 from serving.policy import PolicyConfig
 
 if TYPE_CHECKING:
@@ -38,6 +33,8 @@ if TYPE_CHECKING:
 
 LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
+PUBLISH_LOCK = "publish"
+"""The lock every publish run of a data root holds (`_state/publish.lock` on a local root)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,21 +78,15 @@ class PublishOptions:
     the tiers alone."""
 
 
-def publish_lock_path(store: Store) -> Path:
-    """The lock file of a data root: in its `_state/` when the root is a local folder; else in
-    this machine's temporary folder, named after the root (it then keeps apart only the runs
-    on one machine)."""
-    if store.is_local:
-        return Path(store.path("_state", "publish.lock"))
-    digest = hashlib.sha256(store.root.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"gpufail-publish-{digest}.lock"
-
-
 @contextmanager
-def publish_lock(store: Store, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
-    """Hold the data root's publish lock, waiting up to `wait_s` for a run that holds it."""
-    with exclusive_lock(publish_lock_path(store), "`gpufail publish`", wait_s=wait_s):
-        yield
+def policy_journal(store: Store, name: str, wait_s: float = LOCK_WAIT_S) -> Iterator[Journal]:
+    """The journal of the policy state `name` and its audit files, holding the publish lock
+    (waiting up to `wait_s` for a run that holds it)."""
+    from serving.publish import AUDIT_DATASET
+
+    with store.journal(name, [AUDIT_DATASET], lock=PUBLISH_LOCK, wait_s=wait_s, holder="`gpufail publish`") as journal:
+        _finish_legacy_audit(store, name, journal.state)
+        yield journal
 
 
 def publish_latest(
@@ -103,25 +94,22 @@ def publish_latest(
 ) -> tuple[Any, str | None]:
     """Publish `latest` (a checked predictions snapshot, `serving.predictions.Snapshot.frame`)
     as `options` say, holding the publish lock. The policy state is read from the store, and
-    committed unless in dry run (which must not advance it). Returns the outcome of
-    `serving.publish.publish` and the audit file written (None when there was nothing to
-    record)."""
+    committed with the audit file unless in dry run (which must not advance it). Returns the
+    outcome of `serving.publish.publish` and the audit file written (None when there was
+    nothing to record)."""
     from serving.cost_policy import hinted_from_json, hinted_to_json
-    from serving.publish import finish_audit, stage_audit, state_name
+    from serving.publish import AUDIT_DATASET, decisions_table, state_name
     from serving.publish import publish as run_publish
 
     mode = options.mode
     name = state_name(options.target, mode)
-    with publish_lock(store, lock_wait_s):
-        state = read_policy_state(store, name)
-        hinted = hinted_from_json(
-            (store.read_state(name) or {}).get("checkpoint_hints"), f"{store.root}: _state/{name}.json"
-        )
+    with policy_journal(store, name, lock_wait_s) as journal:
+        hinted = hinted_from_json((journal.state or {}).get("checkpoint_hints"), f"{store.root}: _state/{name}.json")
         outcome = run_publish(
             latest,
             make_publisher(options.publisher, options.target, store),
             options.policy,
-            state,
+            policy_state(journal),
             mode=mode,
             now=datetime.now(UTC),
             repairs=latest_repairs(store),
@@ -129,64 +117,54 @@ def publish_latest(
             actions=options.actions,
             hinted=hinted,
         )
-        staged = stage_audit(outcome.rows, store.path("actions"), fs=store.fs, run_id=_run_id(name))
-        if mode == "dry-run":
-            return outcome, None if staged is None else finish_audit(staged, store.fs)
-        # Relative to the data root, so that a root moved or copied in between still finishes.
-        committed = (
-            {"pending": _relative(store, staged.pending), "final": _relative(store, staged.final)} if staged else None
-        )
-        store.write_state(
-            name, {**outcome.state.to_json(), "checkpoint_hints": hinted_to_json(outcome.hinted), "audit": committed}
-        )
-        return outcome, _finish_committed(store, name)
+        staged = []
+        if outcome.rows:
+            first = min(row.time for row in outcome.rows).date()
+            staged.append(journal.staging().write_owned(AUDIT_DATASET, first, decisions_table(outcome.rows)))
+        if mode == "dry-run" and not staged:
+            return outcome, None
+        kept = {**outcome.state.to_json(), "checkpoint_hints": hinted_to_json(outcome.hinted)}
+        written = journal.commit(None if mode == "dry-run" else kept, staged=staged)
+    return outcome, written[0] if written else None
 
 
-def _relative(store: Store, path: str) -> str:
-    return path.removeprefix(store.path(""))
-
-
-def _run_id(name: str) -> str:
-    # The state's name ends the audit file's name, so that a run sweeps only its own state's
-    # staged files (a shadow run never removes what a live run committed).
-    return f"{uuid.uuid4().hex}.{name}"
-
-
-def read_policy_state(store: Store, name: str) -> Any:
-    """The policy state `name` of the store, after finishing what a killed run committed."""
+def policy_state(journal: Journal) -> Any:
+    """The policy state a journal of `policy_journal` committed last."""
     from serving.policy import PolicyState
 
-    _finish_committed(store, name)
-    return PolicyState.from_json(store.read_state(name), f"{store.root}: _state/{name}.json")
+    return PolicyState.from_json(journal.state, f"{journal.store.root}: _state/{journal.name}.json")
 
 
-def write_policy_state(store: Store, name: str, state: Any) -> None:
-    """Save a policy state changed outside a run (--reset-breaker, --adopt), keeping the record
-    of the last run's audit file."""
-    previous = store.read_state(name) or {}
-    store.write_state(
-        name,
-        {**state.to_json(), "checkpoint_hints": previous.get("checkpoint_hints"), "audit": previous.get("audit")},
-    )
+def update_policy_state(store: Store, name: str, change: Callable[[Any], Any], lock_wait_s: float = LOCK_WAIT_S) -> Any:
+    """Commit `change(state)` as the policy state `name` (--reset-breaker), holding the publish
+    lock; returns the state before."""
+    with policy_journal(store, name, lock_wait_s) as journal:
+        before = policy_state(journal)
+        commit_policy_state(journal, change(before))
+    return before
 
 
-def _finish_committed(store: Store, name: str) -> str | None:
-    """Rename the audit file the state `name` committed into place if a kill left it staged,
-    and remove staged files of runs killed before their commit; returns the committed file."""
-    from serving.publish import PENDING_PREFIX, StagedAudit, finish_audit
+def commit_policy_state(journal: Journal, state: Any) -> None:
+    """Commit a policy state changed outside a run (--reset-breaker, --adopt), keeping the
+    checkpoint hints of the last run."""
+    journal.commit({**state.to_json(), "checkpoint_hints": (journal.state or {}).get("checkpoint_hints")})
 
-    audit = (store.read_state(name) or {}).get("audit")
-    if audit is not None and not (isinstance(audit, dict) and {"pending", "final"} <= set(audit)):
-        raise InputError(
-            f"{store.root}: _state/{name}.json: 'audit' is {audit!r}; expected null or the names of an audit file"
-        )
-    committed = StagedAudit(store.path(str(audit["pending"])), store.path(str(audit["final"]))) if audit else None
-    if committed is not None:
-        finish_audit(committed, store.fs)
-    for stale in store.fs.glob(store.path("actions", "date=*", f"{PENDING_PREFIX}*.{name}.parquet")):
-        if committed is None or stale.rstrip("/") != committed.pending.rstrip("/"):
-            store.fs.rm(stale)
-    return committed.final if committed else None
+
+def _finish_legacy_audit(store: Store, name: str, state: dict[str, Any] | None) -> None:
+    """gpufail before the store's journal staged a run's audit file under a hidden
+    `.pending-` name and recorded its names in the state (`audit`) before the rename: finish a
+    rename a kill left undone, and remove staged files no state names."""
+    from serving.publish import AUDIT_DATASET
+
+    audit = (state or {}).get("audit")
+    fs = store.fs
+    with guarded("finish an audit file staged by an earlier gpufail in", store.path(AUDIT_DATASET)):
+        if isinstance(audit, dict) and {"pending", "final"} <= set(audit):
+            pending, final = store.path(str(audit["pending"]).lstrip("/")), store.path(str(audit["final"]).lstrip("/"))
+            if fs.exists(pending) and not fs.exists(final):
+                fs.mv(pending, final)
+        for stale in fs.glob(store.path(AUDIT_DATASET, "date=*", f".pending-*.{name}.parquet")):
+            fs.rm(stale)
 
 
 def adopt_drains(
@@ -202,7 +180,7 @@ def adopt_drains(
 
     name = state_name("slurm", "live")
     lines = []
-    with publish_lock(store, lock_wait_s):
+    with policy_journal(store, name, lock_wait_s) as journal:
         snapshot = newest_snapshot(store)
         clusters = {} if snapshot is None else dict(zip(snapshot.frame["node"], snapshot.frame["cluster"], strict=True))
         missing = [n for n in nodes if n not in clusters]
@@ -212,7 +190,7 @@ def adopt_drains(
                 "that gpufail scores (their cluster names them in the policy state)"
             )
         slurm = make_publisher(publisher, "slurm", store)
-        state = read_policy_state(store, name)
+        state = policy_state(journal)
         adopted = dict(state.nodes)
         for node in nodes:
             tier, entry = slurm.adopt(node)
@@ -222,7 +200,7 @@ def adopt_drains(
                 before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
             )
             lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {slurm.ledger.where}")
-        write_policy_state(store, name, replace(state, nodes=adopted))
+        commit_policy_state(journal, replace(state, nodes=adopted))
     return lines
 
 

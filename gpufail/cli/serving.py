@@ -99,9 +99,7 @@ def publish(
         LOCK_WAIT_S,
         adopt_drains,
         publish_latest,
-        publish_lock,
-        read_policy_state,
-        write_policy_state,
+        update_policy_state,
     )
 
     options = settings_of(ctx).publish_options(target=target, dry_run=dry_run, shadow=shadow)
@@ -118,10 +116,7 @@ def publish(
             click.echo(f"publish (slurm): {line}")
         return
     if reset_breaker:
-        with publish_lock(store, wait):
-            state = read_policy_state(store, name)
-            was = state.breaker
-            write_policy_state(store, name, closed_breaker(state))
+        was = update_policy_state(store, name, closed_breaker, wait).breaker
         status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
         click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
         return

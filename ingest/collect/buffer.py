@@ -1,8 +1,8 @@
 """The collector daemon's write buffer: rows held in memory between flushes to the store.
 
-Rows are appended per dataset and written by `ingest.collect.commit.CommitLog.flush` when the
-buffer holds `flush_rows` rows or `flush_interval` has passed (and when the daemon stops). The
-buffer never drops a row: while the store cannot be written the rows stay, and the daemon
+Rows are appended per dataset and committed by the daemon (`Daemon.flush`) when the buffer
+holds `flush_rows` rows or `flush_interval` has passed (and when the daemon stops). The buffer
+never drops a row: while the store cannot be written the rows stay, and the daemon
 stops reading its sources once it holds too many, so memory stays bounded however long the
 store is down.
 """

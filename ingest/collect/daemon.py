@@ -8,9 +8,13 @@ One tick calls every collector once. A collector that raises is recorded as a fa
 (CONVENTIONS.md 2) and the others go on; every call, good or bad, becomes a `collector_runs`
 row with its duration. A collector with a backlog (the kernel log after a flood or downtime)
 is read in pieces within the tick, the buffer flushed between them. Rows go to a
-`WriteBuffer`, flushed on its size/time policy through the `CommitLog`, which commits the
-cursors of resumable collectors together with the rows they cover: a restart after a kill at
-any point neither loses nor repeats a row.
+`WriteBuffer`, flushed on its size/time policy through the store's journal `collect-<node>`
+(`ingest.journal`), which commits the cursors of resumable collectors together with the rows
+they cover: a restart after a kill at any point neither loses nor repeats a row. A flush is
+two commits: telemetry first (no source is read twice for telemetry, and this flush's XID
+events are mapped to GPUs from it), then every other dataset with the collectors' states. The
+journal is opened at the first flush and held until the daemon stops, so a second daemon for
+the same node is refused; the committed states are read before it, at the start.
 
 Nothing read is ever dropped. While the store cannot be written the rows stay buffered and
 every tick retries the flush; once the buffer holds `HOLD_FACTOR` x `flush_rows` rows the
@@ -30,7 +34,7 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -46,19 +50,21 @@ from ingest.collect.base import (
     Resumable,
     SystemClock,
 )
-from ingest.collect.buffer import WriteBuffer
-from ingest.collect.commit import CommitLog
+from ingest.collect.buffer import FLUSH_ORDER, WriteBuffer
 from ingest.collect.observe import DaemonMetrics, Health, ObservabilityServer, parse_listen
 from ingest.errors import GpufailError, InputError, StoreError
+from ingest.journal import Journal
 from ingest.kernel_log_ingest import map_to_gpus
 from ingest.schema import schema_for
-from ingest.store import Store
+from ingest.store import Store, guarded
 
 # The longest the daemon waits before noticing a stop request.
 STOP_CHECK_S = 1.0
 # While the store cannot be written, reading stops once the buffer holds this many times
 # `flush_rows` (it may pass that by one collection).
 HOLD_FACTOR = 10
+# The version of the journal's state: {"version", "collectors": {collector name: its state}}.
+STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -298,7 +304,10 @@ class Daemon:
         # Protocol checks are slow (they walk the class's attributes): made once, not per call.
         self.resumable: list[Resumable] = [c for c in self.collectors if isinstance(c, Resumable)]
         self.buffer = WriteBuffer()
-        self.commits = CommitLog(store, node)
+        self.journal_name = f"collect-{node}"
+        self._committed: dict[str, dict[str, Any]] = {}
+        self._held = ExitStack()
+        self._journal: Journal | None = None
         self.metrics = DaemonMetrics(self.collectors)
         self.health = Health(self.clock, self.interval, [c.name for c in self.collectors])
         self.summary = CollectSummary(by_collector={c.name: _Tally() for c in self.collectors})
@@ -310,9 +319,9 @@ class Daemon:
     def run(self, *, max_ticks: int | None = None) -> CollectSummary:
         """Resume from the last commit, then tick until stopped or `max_ticks` ticks have run
         (1 for `--once`); then drain, flush, close. Returns the summary."""
-        states = self.commits.recover()
+        self._committed = self._committed_states()
         for resumable in self.resumable:
-            resumable.restore(states.get(resumable.name))
+            resumable.restore(self._committed.get(resumable.name))
         if self.listen:
             self.server = ObservabilityServer(self.listen, self.metrics, self.health)
             self.report(f"collect: serving /metrics, /healthz and /readyz on {self.server.url}")
@@ -329,7 +338,11 @@ class Daemon:
                 # A tick that overran the interval does not cause a burst of catch-up ticks.
                 next_tick = max(next_tick, self.clock.monotonic() - self.interval)
         finally:
-            self._stop()
+            try:
+                self._stop()
+            finally:
+                self._held.close()
+                self._journal = None
         return self.summary
 
     def tick(self) -> None:
@@ -397,7 +410,7 @@ class Daemon:
         self._last_flush = self.clock.monotonic()
         states = {c.name: c.state() for c in self.resumable}
         try:
-            result = self.commits.flush(self.buffer, states, self._prepare)
+            result = self._commit(states)
         except (GpufailError, OSError) as exc:
             self._last_flush_error = str(exc)
             self.summary.flush_errors += 1
@@ -423,12 +436,57 @@ class Daemon:
         self.report(f"collect: flushed {written} ({result.files} files) | {self.summary.line()}")
         return True
 
+    def _commit(self, states: dict[str, dict[str, Any]]) -> _Flushed:
+        """Write everything the buffer holds and commit `states` with it (they must cover
+        exactly those rows). A dataset leaves the buffer only once it is committed, so an
+        error keeps the rest for the next flush; the states commit only with all of it."""
+        journal = self._open_journal()
+        flushed = _Flushed()
+        if "telemetry" in self.buffer.datasets():
+            table = self.buffer.table("telemetry")
+            flushed.files += len(journal.commit(tables={"telemetry": table}))
+            flushed.rows["telemetry"] = table.num_rows
+            self.buffer.remove("telemetry")
+        # Bus id -> GPU index and UUID, from the telemetry in the store, this flush's included.
+        tables = {d: self._prepare(d, self.buffer.table(d)) for d in self.buffer.datasets()}
+        committed = {**self._committed, **states}  # a source not run this time keeps its position
+        flushed.files += len(journal.commit({"version": STATE_VERSION, "collectors": committed}, tables))
+        for dataset, table in tables.items():
+            flushed.rows[dataset] = table.num_rows
+            self.buffer.remove(dataset)
+        self._committed = committed
+        return flushed
+
     def _prepare(self, dataset: str, table: pa.Table) -> pa.Table:
-        if dataset == "xid_events":
-            # Bus id -> GPU index and UUID from the telemetry in the store, which this flush
-            # has just written first (see FLUSH_ORDER).
-            return map_to_gpus(self.store, table, self.cluster)
-        return table
+        return map_to_gpus(self.store, table, self.cluster) if dataset == "xid_events" else table
+
+    def _committed_states(self) -> dict[str, dict[str, Any]]:
+        """The collectors' states of the last commit, by collector name (read without the
+        journal's lock: a committed state is whole whatever a writer does meanwhile)."""
+        state = self.store.read_state(self.journal_name)
+        if state is None:
+            return {}
+        if state.get("version") != STATE_VERSION or not isinstance(state.get("collectors"), dict):
+            raise StoreError(
+                f"{self.store.path('_state', self.journal_name + '.json')}: not a collector state of this gpufail "
+                f"(version {state.get('version')!r}); expected version {STATE_VERSION} with 'collectors'"
+            )
+        return dict(state["collectors"])
+
+    def _open_journal(self) -> Journal:
+        """The journal, opened at the first flush that finds the store writable and held until
+        the daemon stops."""
+        if self._journal is None:
+            journal = self._held.enter_context(self.store.journal(self.journal_name, FLUSH_ORDER))
+            _finish_legacy_staging(self.store, self.journal_name, journal.state)
+            if self._committed_states() != self._committed:
+                self._held.close()
+                raise StoreError(
+                    f"{self.store.path('_state', self.journal_name + '.json')}: another collector of node "
+                    f"{self.node} committed since this one started; run one collector per node"
+                )
+            self._journal = journal
+        return self._journal
 
     def _wait_until(self, deadline: float) -> None:
         while not self.stop.is_set():
@@ -467,6 +525,28 @@ class Daemon:
                 self.buffer.add(dataset, table)
         except CollectorError as exc:
             self.report(f"collect: draining failed: {exc}")
+
+
+@dataclass
+class _Flushed:
+    rows: dict[str, int] = field(default_factory=dict)
+    files: int = 0
+
+
+def _finish_legacy_staging(store: Store, name: str, state: dict[str, Any] | None) -> None:
+    """gpufail before the store's journal staged a flush's files under `_staging/<name>/` and
+    listed them in the state (`staged`) before moving them: move those a kill left there, then
+    remove the folder (what no state lists was never committed)."""
+    staging = store.path("_staging", name)
+    fs = store.fs
+    with guarded("finish the files staged by an earlier gpufail in", staging):
+        if not fs.exists(staging):
+            return
+        for relative in (state or {}).get("staged", []):
+            if fs.exists(f"{staging}/{relative}") and not fs.exists(store.path(relative)):
+                fs.makedirs(store.path(relative).rsplit("/", 1)[0], exist_ok=True)
+                fs.mv(f"{staging}/{relative}", store.path(relative))
+        fs.rm(staging, recursive=True)
 
 
 def _runs_table(runs: list[CollectorRun]) -> pa.Table:

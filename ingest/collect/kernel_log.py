@@ -14,8 +14,8 @@ memory per open incident, not per line.
 
 Never replay, never lose (DOMAIN.md 5): the collector stores nothing itself. Its `state()`
 (the source's cursor and the incidents still open) is committed by the daemon together with
-the rows it covers (`ingest.collect.commit`), and handed back through `restore()` at the next
-start. Lines after the committed cursor are read again after a kill and give the same rows,
+the rows it covers (the store's journal, `ingest.journal`), and handed back through
+`restore()` at the next start. Lines after the committed cursor are read again after a kill and give the same rows,
 since they are read in the same pieces from the same open incidents.
 """
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import polars as pl
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from serving.policy import TIERS, PolicyConfig, tier_rank
 
@@ -66,21 +65,14 @@ def risk_history(
     `RISK_COLUMNS`, sorted by ts. A grid time scored by several models counts once, with the
     model whose version sorts last (within a kind, the one trained latest: versions are
     `kind-<train end>-<digest>`)."""
-    files = store.files(PREDICTIONS, start.date(), (end - timedelta(microseconds=1)).date())
-    if not files:
-        return pl.DataFrame(schema=RISK_SCHEMA)
-    where = (pl.col("ts") >= pl.lit(start, dtype=TS_TYPE)) & (pl.col("ts") < pl.lit(end, dtype=TS_TYPE))
+    where = pl.lit(True)
     if node is not None:
         where &= pl.col("node") == node
     if cluster is not None:
         where &= pl.col("cluster") == cluster
-    if store.is_local:
-        # polars reads these files ~10x faster than pyarrow's dataset reader; files written
-        # before predictions gained top_features lack that column, which is not read.
-        scan = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
-    else:
-        scan = pl.scan_pyarrow_dataset(ds.dataset(files, format="parquet", filesystem=store.fs))
-    frame = scan.select(RISK_COLUMNS).filter(where).collect().cast(RISK_SCHEMA)  # type: ignore[arg-type]
+    # Files written before predictions gained top_features lack that column, which is not read.
+    scan = store.scan(PREDICTIONS, start, end, RISK_COLUMNS, where, schema=RISK_SCHEMA)
+    frame = store.collect(scan, PREDICTIONS, start, end).cast(RISK_SCHEMA)  # type: ignore[arg-type]
     runs = frame.select("ts", "model_version").unique()
     chosen = runs.group_by("ts").agg(pl.col("model_version").max())
     if chosen.height < runs.height:

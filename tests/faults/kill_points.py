@@ -6,15 +6,18 @@ through fsspec (every store write goes through it; a kill after more of its writ
 same partial temporary file), a subprocess (`scontrol`, ...). At point n the
 process sends itself SIGKILL just before the operation, as kill -9 from outside would find it:
 no `finally`, no `atexit`, no flush. A run without a point counts the operations
-(`count_points`). `plan` takes every point (there are few: each is a boundary between writes)
-and tops them up with kills from outside (SIGKILL from the parent) after delays drawn by a
-seeded generator within a clean run's duration, which land in the computing between writes.
+(`count_points`). `plan` takes the points (each a boundary between writes: every one, or a
+seeded choice of them) and adds kills from outside (SIGKILL from the parent) after delays drawn
+by the same seeded generator within a clean run's duration, which land in the computing between
+writes. Whatever the machine's speed, a kill at a point lands at the same place; a delayed kill
+may land anywhere, which is what it is for, and the tests' assertions hold wherever it lands.
 
 The command runs in a child of a forkserver that has already imported gpufail and its heavy
 libraries, so that a killed run costs about what the command's own work costs instead of the
 seconds of a fresh interpreter's imports. The child gets this process's environment (with `env`
-on top) and working folder, runs `gpufail.cli.main` with the arguments, and exits with its
-status (-9 when killed).
+on top; None unsets) and working folder, calls `setup` (a module-level function, e.g. one that makes a
+command's batches small) when given, runs `gpufail.cli.main` with the arguments, and exits with
+its status (-9 when killed).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,8 @@ PRELOAD = [
     "gpufail.cli",
     "gpufail.config",
     "serving.publishing",
+    "ingest.collect.daemon",
+    "ingest.kernel_log_ingest",
     "features.build",
     "models.explain",
     "models.train",
@@ -70,26 +76,38 @@ class Kill:
         return f"point {self.point}" if self.point is not None else f"kill -9 after {self.after_s:.3f}s"
 
 
-def plan(args: Sequence[str], kills: int, seed: int, env: Mapping[str, str] | None = None) -> list[Kill]:
-    """`kills` kills of `gpufail ARGS`: every kill point and then kills after random delays, or
-    a random choice of the points when there are more (runs the command once, cleanly, to
-    count and time it)."""
+def plan(
+    args: Sequence[str],
+    kills: int,
+    seed: int,
+    env: Mapping[str, str | None] | None = None,
+    setup: Callable[[], None] | None = None,
+    *,
+    delays: int = 0,
+) -> list[Kill]:
+    """Kills of `gpufail ARGS`: `kills` of its kill points (a seeded choice when it has more;
+    every one when `GPUFAIL_KILL_EVERY_POINT=1`, for a thorough run), then `delays` kills after
+    delays drawn by the same seed within a clean run's duration (more when the command has
+    fewer points than `kills`). Runs the command once, cleanly, to count and time it."""
     began = time.monotonic()
-    status, points = run(args, env=env)
+    status, points = run(args, env=env, setup=setup)
     took = time.monotonic() - began
     assert status == 0, f"gpufail {' '.join(args)} exited {status} in a clean run"
     rng = random.Random(seed)
-    if points >= kills:
-        return [Kill(point=p) for p in sorted(rng.sample(range(1, points + 1), kills))]
-    delays = sorted(rng.uniform(0.0, took) for _ in range(kills - points))
-    return [Kill(point=p) for p in range(1, points + 1)] + [Kill(after_s=d) for d in delays]
+    if os.environ.get("GPUFAIL_KILL_EVERY_POINT") == "1" or points <= kills:
+        chosen = list(range(1, points + 1))
+    else:
+        chosen = sorted(rng.sample(range(1, points + 1), kills))
+    delayed = sorted(rng.uniform(0.0, took) for _ in range(delays + max(0, kills - points)))
+    return [Kill(point=p) for p in chosen] + [Kill(after_s=d) for d in delayed]
 
 
 def run(
     args: Sequence[str],
     *,
     kill: Kill | None = None,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
+    setup: Callable[[], None] | None = None,
     timeout: float = 120,
 ) -> tuple[int, int]:
     """Run `gpufail ARGS` in a fresh child, killed as `kill` says. Returns (exit status, kill
@@ -103,7 +121,7 @@ def run(
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         child = ctx.Process(
             target=_child,
-            args=(list(args), kill_at, {**os.environ, **(env or {})}, os.getcwd(), writer, str(out), str(err)),
+            args=(list(args), kill_at, _environment(env), os.getcwd(), writer, str(out), str(err), setup),
         )
         child.start()
         writer.close()
@@ -130,15 +148,30 @@ def run(
     return int(child.exitcode or 0), points
 
 
-def count_points(args: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+def _environment(env: Mapping[str, str | None] | None) -> dict[str, str]:
+    """This process's environment with `env` on top (a None value unsets the variable)."""
+    merged: dict[str, str | None] = {**os.environ, **(env or {})}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def count_points(
+    args: Sequence[str], env: Mapping[str, str | None] | None = None, setup: Callable[[], None] | None = None
+) -> int:
     """How many kill points a clean run of `gpufail ARGS` passes (it runs the command)."""
-    status, points = run(args, env=env)
+    status, points = run(args, env=env, setup=setup)
     assert status == 0, f"gpufail {' '.join(args)} exited {status} in a clean run"
     return points
 
 
 def _child(
-    args: list[str], kill_at: int | None, env: dict[str, str], cwd: str, writer: Any, out: str, err: str
+    args: list[str],
+    kill_at: int | None,
+    env: dict[str, str],
+    cwd: str,
+    writer: Any,
+    out: str,
+    err: str,
+    setup: Callable[[], None] | None,
 ) -> None:
     # This process's environment, as a subprocess would get it (not the forkserver's, from its start).
     os.environ.clear()
@@ -148,13 +181,17 @@ def _child(
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
+    if setup is not None:
+        setup()
     counter = {"n": 0}
+    counting = threading.Lock()  # writes on several threads (features) count one at a time
 
     def point() -> None:
-        counter["n"] += 1
-        if kill_at is not None and counter["n"] >= kill_at:
-            writer.send(counter["n"])
-            os.kill(os.getpid(), signal.SIGKILL)
+        with counting:
+            counter["n"] += 1
+            if kill_at is not None and counter["n"] >= kill_at:
+                writer.send(counter["n"])
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def counted(fn):
         def wrapper(*a, **kw):
@@ -193,3 +230,8 @@ def _child(
 def visible_files(root: Path, dataset: str) -> list[Path]:
     """The part files readers see (hidden temporary and staged files excluded)."""
     return sorted(p for p in (root / dataset).rglob("*.parquet") if not p.name.startswith((".", "_")))
+
+
+def hidden_files(root: Path) -> list[str]:
+    """Hidden files anywhere under the data root (a write in flight, or one a crash cut short)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*"))

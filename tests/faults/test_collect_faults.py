@@ -1,10 +1,12 @@
-"""Fault injection for `gpufail collect`: kill -9 at random points, restart, and the store ends
-with exactly the rows of an uninterrupted run (issue 25: "0 lost and 0 duplicated rows").
+"""Fault injection for `gpufail collect`: kill -9 at its write boundaries and after random delays
+(`tests.faults.kill_points`), restart, and the store ends with exactly the rows of an
+uninterrupted run (issue 25: "0 lost and 0 duplicated rows").
 
 The kernel log is the source that is read again after a restart, so it carries the check:
 floods folded into incidents, distinct XIDs, lines the parser rejects, read in pieces of
-`flush_rows` lines. After every kill the visible store must hold no partial file and no row
-twice; after the last run it must equal the clean run, row for row."""
+`flush_rows` lines. After every kill a reader of the store sees no partial file and no row
+twice; after the restart the store equals the clean run's, row for row, with no hidden file
+left. Every fourth trial is killed again while it restarts."""
 
 from __future__ import annotations
 
@@ -12,10 +14,8 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,10 +23,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.store import Store
+from tests.faults import kill_points
 
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 SEED = 25
-KILLS = 12
+KILLS = 10
+DELAYS = 2
 LINES = 8_000
 NODE = "gpu-node-017"
 
@@ -59,83 +60,60 @@ def kernel_log(rng: random.Random) -> str:
 
 
 def collect_command(root: Path) -> list[str]:
-    return [*GPUFAIL, "collect", "--once", "--source", "kernel-log", "--out", str(root)]
+    return ["collect", "--once", "--source", "kernel-log", "--out", str(root)]
 
 
-def environment(log: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+def environment(log: Path) -> dict[str, str | None]:
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GPUFAIL_")}
     env.update(
         GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
         GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),
         GPUFAIL_COLLECT__NODE=NODE,
         GPUFAIL_COLLECT__FLUSH_ROWS="50",
         GPUFAIL_COLLECT__LISTEN="",
-        # The test kills after the n-th "flushed" line: the child must print each as it happens.
-        PYTHONUNBUFFERED="1",
     )
     return env
 
 
-def visible_rows(root: Path) -> list[tuple]:
-    """Every xid_events row in the visible part files, each file read on its own (a partial
-    file fails here; a killed write may leave only a hidden `.tmp-` file, which readers skip)."""
-    rows = []
-    for path in sorted(root.glob("xid_events/date=*/part-*.parquet")):
-        table = pq.read_table(path, partitioning=None)
-        rows += [tuple(sorted(r.items())) for r in table.to_pylist()]
-    return rows
+def reader_rows(root: Path) -> Counter:
+    """The xid_events rows a reader of the store sees (what the journal committed), each
+    visible file read on its own first (a partial file fails here)."""
+    for path in kill_points.visible_files(root, "xid_events"):
+        pq.read_table(path, partitioning=None)
+    store = Store.open(str(root))
+    if not store.exists("xid_events"):
+        return Counter()
+    return Counter(tuple(sorted(r.items())) for r in store.read("xid_events").to_pylist())
 
 
-def run_to_end(root: Path, env: dict[str, str]) -> str:
-    done = subprocess.run(collect_command(root), env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def run_and_kill(root: Path, env: dict[str, str], rng: random.Random, flushes_left: int) -> int:
-    """Start `gpufail collect --once` and SIGKILL it: during start-up and recovery, or a random
-    moment after a random one of its flushes (reading, staging, committing or renaming). Returns
-    the flushes it reported."""
-    proc = subprocess.Popen(collect_command(root), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    seen = 0
-    if rng.random() < 1 / 6:
-        time.sleep(rng.uniform(0.0, 1.5))
-    else:
-        target = rng.randint(1, max(1, flushes_left // 3))
-        while seen < target:
-            line = proc.stdout.readline()
-            if not line:
-                break  # finished before that flush
-            seen += line.startswith("collect: flushed")
-        time.sleep(rng.uniform(0.0, 0.05))
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode in (0, -signal.SIGKILL), err
-    return seen
-
-
-def test_kill_9_at_random_points_then_a_restart_gives_exactly_the_rows_of_an_uninterrupted_run(tmp_path):
+def test_kill_9_at_write_boundaries_then_a_restart_gives_exactly_the_rows_of_an_uninterrupted_run(tmp_path):
     rng = random.Random(SEED)
     log = tmp_path / "kern.log"
     log.write_text(kernel_log(rng))
     env = environment(log)
 
     clean = tmp_path / "clean"
-    flushes = run_to_end(clean, env).count("collect: flushed")
-    expected = Counter(visible_rows(clean))
+    kills = kill_points.plan(collect_command(clean), KILLS, SEED, env=env, delays=DELAYS)
+    expected = reader_rows(clean)
     assert 800 < sum(expected.values()) < LINES and max(expected.values()) == 1
+    second = {trial: rng.randint(1, 60) for trial in range(3, len(kills), 4)}
 
-    root = tmp_path / "killed"
-    Store.create(str(root))
-    unfinished = 0
-    for _ in range(KILLS):
-        flushes -= run_and_kill(root, env, rng, flushes)
-        seen = Counter(visible_rows(root))
-        assert not seen - expected, "a row the clean run does not have, or a row twice"
-        unfinished += seen != expected
+    def trial(i: int) -> tuple[Counter, Path]:
+        root = tmp_path / f"kill-{i}"
+        status, _ = kill_points.run(collect_command(root), kill=kills[i], env=env)
+        assert status == -signal.SIGKILL or (kills[i].after_s is not None and status == 0), kills[i]
+        seen = reader_rows(root)
+        if i in second:
+            status, _ = kill_points.run(collect_command(root), kill=kill_points.Kill(point=second[i]), env=env)
+            assert status in (0, -signal.SIGKILL), f"{kills[i]}, then point {second[i]}"
+        return seen, root
 
-    assert unfinished >= KILLS // 4, "a good share of the kills should land before the job is done"
-    run_to_end(root, env)
-    assert Counter(visible_rows(root)) == expected
-    assert not [p for p in (root / "_staging").rglob("*") if p.is_file()]
+    # The killed runs are processes of their own: two at a time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        trials = list(pool.map(trial, range(len(kills))))
+    for kill, (seen, root) in zip(kills, trials, strict=True):
+        assert not seen - expected, f"{kill}: a row the clean run does not have, or a row twice"
+        status, _ = kill_points.run(collect_command(root), env=env)
+        assert status == 0, kill
+        assert reader_rows(root) == expected, kill
+        assert kill_points.hidden_files(root) == [], kill

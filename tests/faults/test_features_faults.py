@@ -1,19 +1,20 @@
-"""`gpufail features` killed with SIGKILL at random points, then run again without --overwrite.
+"""`gpufail features` killed with SIGKILL at its write boundaries and after random delays
+(`tests.faults.kill_points`), then run again without --overwrite.
 
-The points are the build's writes: before and after each flush of feature files (one file per
-flush here: a day per block) and each save of the manifest (`features.manifest`), counted in
-the child, which kills itself there (a real kill -9: no `finally`, no flush). After the rerun the features dataset must hold exactly the rows of a
-clean build, every file must read, and the manifest must name exactly the files there.
+Right after a kill, readers (training, scoring, evaluation read through the store) see every
+day whole as a build completed it, or not at all. After the rerun the features dataset holds
+exactly the rows of a clean build, every file reads, no hidden file is left, and the manifest
+names exactly the files there. Half the trials rebuild a built store (--overwrite), where a
+kill must leave each day's old rows or its new ones, never both and never neither.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import subprocess
+import signal
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,54 +26,40 @@ from polars.testing import assert_frame_equal
 from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import read_features
 from ingest.store import Store
+from tests.faults import kill_points
 
 pytestmark = pytest.mark.slow
 
 T0 = datetime(2026, 1, 5, tzinfo=UTC)
-KILLS = 12
+KILLS = 4
+DELAYS = 1
 SEED = 25
-POINTS = 2 * (4 * 4 + 5)
 # Four blocks of a day, each built in several shards (a small bucket budget), so that a day is
-# written as several files: a kill between them leaves it partial.
-ENV = {
+# written as several files: a kill between them leaves it partial. One shard at a time, no
+# reading or writing ahead: the kill points come in the same order in every run.
+ENV: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GPUFAIL_")} | {
     "GPUFAIL_FEATURES__WINDOWS": '["1h", "6h", "24h"]',
     "GPUFAIL_FEATURES__BLOCK_DAYS": "1",
-    "GPUFAIL_FEATURES__BUCKETS_IN_MEMORY": "400",
+    "GPUFAIL_FEATURES__BUCKETS_IN_MEMORY": "800",
+    "GPUFAIL_FEATURES__WORKERS": "1",
+    "GPUFAIL_FEATURES__READ_AHEAD": "false",
+    "GPUFAIL_FEATURES__WRITE_AHEAD": "false",
 }
 
-_CHILD = """
-import os, signal, sys, threading
-import features.build
-from features.manifest import FeatureManifest
 
-kill_at, seen, lock = int(os.environ["KILL_AT"]), [0], threading.Lock()
-
-def point():
-    with lock:
-        seen[0] += 1
-        if seen[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-def counted(real):
-    def write(*args, **kwargs):
-        point()
-        out = real(*args, **kwargs)
-        point()
-        return out
-    return write
-
-features.build.write_features = counted(features.build.write_features)
-FeatureManifest._save = counted(FeatureManifest._save)
-from gpufail.cli import main
-sys.argv = ["gpufail", *sys.argv[1:]]
-main()
-"""
+def features_command(root: Path, *extra: str) -> list[str]:
+    return ["features", "--data", str(root), "--quiet", *extra]
 
 
 def features_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """`gpufail ARGS` in this process; returns the exit status."""
+    """`gpufail ARGS` in this process, with `ENV`; returns the exit status."""
     from gpufail.cli import main
 
+    for name, value in ENV.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["gpufail", *args])
     try:
         main()
@@ -92,65 +79,28 @@ def telemetry_store(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def clean(telemetry_store, tmp_path_factory) -> tuple[pl.DataFrame, int]:
-    """The clean build's rows, and how many kill points a build passes."""
+def built(telemetry_store, tmp_path_factory) -> tuple[Path, pl.DataFrame, list[kill_points.Kill]]:
+    """A clean build (its root and rows), and the kills of a first build."""
     root = tmp_path_factory.mktemp("clean") / "data"
     shutil.copytree(telemetry_store, root)
-    import features.build
-    from features.manifest import FeatureManifest
-
-    calls, lock = [0], threading.Lock()
-
-    def counted(real):
-        def write(*args, **kwargs):
-            with lock:
-                calls[0] += 1
-            return real(*args, **kwargs)
-
-        return write
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in ENV.items():
-            mp.setenv(name, value)
-        mp.setattr(features.build, "write_features", counted(features.build.write_features))
-        mp.setattr(FeatureManifest, "_save", counted(FeatureManifest._save))
-        assert features_cli(["features", "--data", str(root), "--quiet"], mp) == 0
-    return read_features(Store.open(str(root))), 2 * calls[0]
+    kills = kill_points.plan(features_command(root), KILLS, SEED, env=ENV, delays=DELAYS)
+    return root, read_features(Store.open(str(root))), kills
 
 
-def kill_points() -> list[int]:
-    # Drawn over the clean build's points (checked below): 4 days x 4 shards of flushes, and 5
-    # saves of the manifest (at the start and after each day's block), a point before and
-    # after each.
-    return sorted(random.Random(SEED).sample(range(1, POINTS + 1), KILLS))
+def rows_by_day(rows: pl.DataFrame) -> dict[object, pl.DataFrame]:
+    return {day: rows.filter(pl.col("ts").dt.date() == day) for day in rows["ts"].dt.date().unique().to_list()}
 
 
-def test_the_points_are_those_of_a_clean_build(clean):
-    rows, points = clean
-    assert rows.height > 0 and points == POINTS
+def assert_whole_days(root: Path, expected: pl.DataFrame) -> None:
+    """What a reader sees: days whole as the clean build has them, or absent."""
+    seen = read_features(Store.open(str(root)))
+    assert seen.select("gpu_uuid", "ts").is_duplicated().sum() == 0
+    clean = rows_by_day(expected)
+    for day, rows in rows_by_day(seen).items():
+        assert_frame_equal(rows, clean[day], check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("kill_at", kill_points())
-def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telemetry_store, tmp_path, monkeypatch):
-    expected, _ = clean
-    root = tmp_path / "data"
-    shutil.copytree(telemetry_store, root)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")} | ENV | {"KILL_AT": str(kill_at)}
-    killed = subprocess.run(
-        [sys.executable, "-c", _CHILD, "features", "--data", str(root), "--quiet"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert killed.returncode == -9, killed.stderr
-
-    for name in [n for n in os.environ if n.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
-    assert features_cli(["features", "--data", str(root), "--quiet"], monkeypatch) == 0
-
+def assert_clean_build(root: Path, expected: pl.DataFrame) -> None:
     store = Store.open(str(root))
     rows = read_features(store)
     assert rows.select("gpu_uuid", "ts").is_duplicated().sum() == 0
@@ -160,5 +110,47 @@ def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telem
         pq.read_metadata(path)
     listed = {f for day in store.read_state("features")["days"].values() for f in day["files"]}
     assert {str(Path(f).relative_to(store.path("features"))) for f in files} == listed
+    assert kill_points.hidden_files(root) == []
+
+
+def killed_then_rerun(root: Path, kill: kill_points.Kill, expected: pl.DataFrame, *extra: str) -> int:
+    """Kill a build of `root` as planned, check what a reader sees then, run it again to the end
+    and check the result; returns the rerun's status (2: nothing left to build)."""
+    status, _ = kill_points.run(features_command(root, *extra), kill=kill, env=ENV)
+    assert status == -signal.SIGKILL or (kill.after_s is not None and status == 0), kill
+    assert_whole_days(root, expected)
+    status, _ = kill_points.run(features_command(root, *extra), env=ENV)
+    assert status in (0, 2), kill  # 2: the kill came after the end, nothing was left to build
+    assert_clean_build(root, expected)
+    return status
+
+
+def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(built, telemetry_store, tmp_path, monkeypatch):
+    _, expected, kills = built
+
+    def trial(i: int) -> Path:
+        root = tmp_path / f"kill-{i}"
+        shutil.copytree(telemetry_store, root)
+        killed_then_rerun(root, kills[i], expected)
+        return root
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each trial is processes of its own
+        roots = list(pool.map(trial, range(len(kills))))
     # A second rerun has nothing left to do and says what is there.
-    assert features_cli(["features", "--data", str(root), "--quiet"], monkeypatch) == 2
+    assert features_cli(features_command(roots[0]), monkeypatch) == 2
+
+
+def test_a_rebuild_killed_at_any_point_keeps_each_day_old_or_new_and_a_rerun_completes_it(built, tmp_path):
+    clean_root, expected, _ = built
+    plan_root = tmp_path / "plan"
+    shutil.copytree(clean_root, plan_root)
+    kills = kill_points.plan(features_command(plan_root, "--overwrite"), KILLS, SEED + 1, env=ENV, delays=DELAYS)
+
+    def trial(i: int) -> None:
+        root = tmp_path / f"kill-{i}"
+        shutil.copytree(clean_root, root)
+        # Old and new rows are equal: a day read twice or not at all is what would show.
+        killed_then_rerun(root, kills[i], expected, "--overwrite")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(trial, range(len(kills))))

@@ -1,7 +1,8 @@
-"""`gpufail ingest kernel-log` under faults: kill -9 at random points, a full disk, a read-only
-store, a copied or moved data root. After each, with the fault gone, running the command again
-must give exactly the rows of a clean run: nothing lost, nothing counted twice, no corrupt or
-stray file, and any failure is one line naming the path, never a traceback."""
+"""`gpufail ingest kernel-log` under faults: kill -9 at its write boundaries and after random
+delays (`tests.faults.kill_points`), a full disk, a read-only store, a copied or moved data root.
+After each, with the fault gone, running the command again must give exactly the rows of a
+clean run: nothing lost, nothing counted twice, no corrupt or stray file, and any failure is
+one line naming the path, never a traceback."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,63 +22,28 @@ import pytest
 
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.faults import kill_points
 from tests.faults.mounts import fill_leaving, free_bytes, remount, tmpfs
 
 SEED = 20260105
 KILLS = 12
-# Each killed run is a fresh interpreter (a few CPU seconds of imports): about a minute on two
-# free cores, several on a machine shared with other work.
-KILL_TEST_BUDGET_S = 900
+DELAYS = 2
 # Log files per commit in the runs that are killed: the small fleet's 28 logs make 10 commits,
 # so most kill points fall between a commit's first file and its state.
 BATCH = 3
 
-# Runs `gpufail ingest kernel-log --data ROOT` and counts the store's write operations (files
-# opened for writing, Parquet row groups, renames, removals, fsyncs); with FAULT_KILL_AT=n it
-# sends itself SIGKILL just before the n-th, so each kill point is reproducible.
-_CHILD = r"""
-import os, signal, sys
-import fsspec.implementations.local as local
-import pyarrow.parquet as pq
-import ingest.kernel_log_ingest as ingest_module
 
-ingest_module.COMMIT_FILES = int(os.environ["FAULT_BATCH"])
-kill_at = int(os.environ["FAULT_KILL_AT"])
-count = 0
+def small_batches() -> None:
+    """In the killed runs' process: commit `BATCH` log files at a time."""
+    import ingest.kernel_log_ingest
 
-def point():
-    global count
-    count += 1
-    if count == kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-def counted(function, mode_at=None):
-    def wrapper(*args, **kwargs):
-        mode = kwargs.get("mode", args[mode_at] if mode_at is not None and len(args) > mode_at else "rb")
-        if mode_at is None or any(c in mode for c in "wax+"):
-            point()
-        return function(*args, **kwargs)
-    return wrapper
-
-local.LocalFileSystem.open = counted(local.LocalFileSystem.open, mode_at=2)
-local.LocalFileSystem.mv = counted(local.LocalFileSystem.mv)
-local.LocalFileSystem.rm = counted(local.LocalFileSystem.rm)
-pq.ParquetWriter.write_table = counted(pq.ParquetWriter.write_table)
-os.fsync = counted(os.fsync)
-
-from gpufail.cli import main
-sys.argv = ["gpufail", "ingest", "kernel-log", "--data", sys.argv[1]]
-try:
-    main()
-finally:
-    print(f"fault-ops: {count}", file=sys.stderr)
-"""
+    ingest.kernel_log_ingest.COMMIT_FILES = BATCH
 
 
 @dataclass(frozen=True)
 class CleanRun:
     rows: pl.DataFrame
-    ops: int  # store write operations of the run (kill points)
+    kills: list[kill_points.Kill]
 
 
 @pytest.fixture(scope="module")
@@ -93,26 +57,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def clean(fleet: Path, tmp_path_factory: pytest.TempPathFactory) -> CleanRun:
     root = copy_root(fleet, tmp_path_factory.mktemp("clean") / "root")
-    done = run_child(root, kill_at=0)
-    assert done.returncode == 0, done.stderr
-    ops = int(done.stderr.rsplit("fault-ops: ", 1)[1].split()[0])
-    return CleanRun(xid_rows(root), ops)
+    kills = kill_points.plan(ingest_command(root), KILLS, SEED, env=CLEAN_ENV, setup=small_batches, delays=DELAYS)
+    return CleanRun(xid_rows(root), kills)
+
+
+CLEAN_ENV: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GPUFAIL_")}
+
+
+def ingest_command(root: Path) -> list[str]:
+    return ["ingest", "kernel-log", "--data", str(root)]
 
 
 def copy_root(source: Path, target: Path) -> Path:
     shutil.copytree(source, target, symlinks=True)
     return target
-
-
-def run_child(root: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD, str(root)], env=child_env(kill_at), capture_output=True, text=True, timeout=120
-    )
-
-
-def child_env(kill_at: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
-    return {**env, "FAULT_BATCH": str(BATCH), "FAULT_KILL_AT": str(kill_at)}
 
 
 def gpufail(*args: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
@@ -158,8 +116,7 @@ def assert_whole_and_tidy(root: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(KILL_TEST_BUDGET_S)
-def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
+def test_kill_9_at_write_boundaries_then_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
@@ -167,53 +124,26 @@ def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rng = random.Random(SEED)
-    points = sorted(rng.sample(range(1, clean.ops + 1), KILLS))
     # Every fourth trial is killed again while finishing what the first kill left.
-    second_points = {trial: rng.randint(1, max(1, clean.ops // 3)) for trial in range(3, KILLS, 4)}
+    second = {trial: rng.randint(1, 30) for trial in range(3, len(clean.kills), 4)}
 
     def kill(trial: int) -> Path:
         root = copy_root(fleet, tmp_path / f"trial-{trial}")
-        killed = run_child(root, points[trial])
-        assert killed.returncode == -signal.SIGKILL, f"kill point {points[trial]} of {clean.ops}: {killed.stderr}"
-        if trial in second_points:
-            again = run_child(root, second_points[trial])
-            assert again.returncode in (0, -signal.SIGKILL), again.stderr
+        planned = clean.kills[trial]
+        status, _ = kill_points.run(ingest_command(root), kill=planned, env=CLEAN_ENV, setup=small_batches)
+        assert status == -signal.SIGKILL or (planned.after_s is not None and status == 0), planned
+        if trial in second:
+            again = kill_points.Kill(point=second[trial])
+            status, _ = kill_points.run(ingest_command(root), kill=again, env=CLEAN_ENV, setup=small_batches)
+            assert status in (0, -signal.SIGKILL), f"{planned}, then {again}"
         return root
 
     # The killed runs are processes of their own: two at a time.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        roots = list(pool.map(kill, range(KILLS)))
-    for kill_at, root in zip(points, roots, strict=True):
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
-        assert status == 0, f"kill point {kill_at}: {err}"
-        assert_same_rows(root, clean.rows)
-        assert_whole_and_tidy(root)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(KILL_TEST_BUDGET_S)
-def test_kill_9_from_outside_while_files_are_being_written(
-    fleet: Path,
-    clean: CleanRun,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # As an operator would: SIGKILL at a moment, not at a chosen operation.
-    rng = random.Random(SEED + 1)
-    for trial in range(2):
-        root = copy_root(fleet, tmp_path / f"trial-{trial}")
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(root)], env=child_env(kill_at=0), stderr=subprocess.DEVNULL
-        )
-        deadline = time.monotonic() + 60
-        while child.poll() is None and not (root / "xid_events").exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.2))
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=60)
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
-        assert status == 0, err
+        roots = list(pool.map(kill, range(len(clean.kills))))
+    for planned, root in zip(clean.kills, roots, strict=True):
+        status, _, err = gpufail(*ingest_command(root), capsys=capsys, monkeypatch=monkeypatch)
+        assert status == 0, f"{planned}: {err}"
         assert_same_rows(root, clean.rows)
         assert_whole_and_tidy(root)
 

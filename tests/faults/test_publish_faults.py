@@ -15,7 +15,7 @@ import pytest
 from ingest.store import Store
 from serving.predictions import newest_snapshot
 from serving.publish import read_audit
-from serving.publishing import publish_lock
+from serving.publishing import policy_journal
 from tests.faults import kill_points
 
 SEED = 25
@@ -115,6 +115,7 @@ def test_kill_9_of_score_at_random_points_then_a_rerun_gives_one_clean_snapshot(
             pd.testing.assert_frame_equal(after_kill.frame.sort_values("gpu_uuid", ignore_index=True), clean)
         assert gpufail(folder, "score") == 0
         assert len(kill_points.visible_files(folder / "data", "predictions")) == 1, kill
+        assert kill_points.hidden_files(folder / "data") == [], kill  # a killed write's file swept
         pd.testing.assert_frame_equal(snapshot_rows(folder), clean)
 
 
@@ -136,7 +137,7 @@ def test_kill_9_of_live_publish_at_random_points_then_a_rerun_records_each_decis
         assert tiers(folder) == clean_tiers, kill
         files = kill_points.visible_files(folder / "data", "actions")
         assert len(files) in (1, 2) and len(rows) == nodes * len(files), f"{kill}: {len(rows)} rows"
-        assert not list((folder / "data" / "actions").rglob(".pending-*")), kill
+        assert kill_points.hidden_files(folder / "data") == [], kill
 
 
 def test_concurrent_live_publish_runs_raise_each_node_once(scored, tmp_path):
@@ -156,7 +157,7 @@ def test_a_run_refuses_in_one_line_while_another_holds_the_lock(scored, tmp_path
     import os
 
     folder = copy(scored, tmp_path / "data")
-    with publish_lock(Store.open(str(folder / "data"))):
+    with policy_journal(Store.open(str(folder / "data")), "publish-log"):
         status = gpufail(folder, "publish", *LIVE_LOG, "--lock-wait", "0.3")
     err = capfd.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1

@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from features.build import BuildOptions
@@ -233,14 +235,14 @@ def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_serve
     opts = options(tmp_path, url, name)
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
 
-    real_write = Store.write_owned
+    real_write = Store.write_part
 
     def disk_full(self, dataset, *args, **kwargs):
         if dataset == "predictions":
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, dataset, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "write_owned", disk_full)
+    monkeypatch.setattr(Store, "write_part", disk_full)
     messages: list[str] = []
     with pytest.raises(NightlyError, match=r"step score failed: OSError: \[Errno 28\] No space left on device"):
         run_nightly(str(data), opts, publish=log_publish, report=messages.append)
@@ -249,7 +251,7 @@ def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_serve
     assert state["failed"]["step"] == "score"
     assert Store.open(str(data)).files("predictions") == []  # nothing half-written
 
-    monkeypatch.setattr(Store, "write_owned", real_write)
+    monkeypatch.setattr(Store, "write_part", real_write)
     resumed = run_nightly(str(data), opts, publish=log_publish, report=messages.append)
     assert resumed.done == ["score", "publish"]
     assert len(runs_of(url, opts.experiment)) == 1
@@ -332,7 +334,12 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS))  # no new day: already complete
     assert "already complete" in subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
 
-    (data / "telemetry" / f"date={first_day(fleet) + timedelta(days=FLEET_DAYS)}").mkdir()  # a new, empty day
+    store = Store.open(str(data))
+    last = store.dates("telemetry")[-1]
+    since = datetime(last.year, last.month, last.day, tzinfo=UTC)
+    rows = store.read("telemetry", since, since + timedelta(days=1)).slice(0, 10)
+    shifted = pc.add(rows["ts"], pa.scalar(timedelta(days=1), pa.duration("us")))
+    store.write("telemetry", rows.set_column(rows.schema.get_field_index("ts"), "ts", shifted))  # a new day
     down = {**env, "GPUFAIL_MLFLOW__TRACKING_URI": "http://127.0.0.1:9"}
     failed = subprocess.run(cmd, capture_output=True, text=True, env=down, timeout=600)
     assert failed.returncode == 2

@@ -1,19 +1,20 @@
-"""The commit log: a flush's rows and the cursors covering them commit together. A process that
-dies at every single filesystem step of a collection, then starts again, ends with exactly
-the rows of an uninterrupted run."""
+"""The collector's commits (the store's journal `collect-<node>`): a flush's rows and the cursors
+covering them commit together. A process that dies at every single filesystem step of a
+collection, then starts again, ends with exactly the rows of an uninterrupted run."""
 
 from __future__ import annotations
 
 from collections import Counter
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
+import pyarrow.parquet as pq
 import pytest
 
-from ingest.collect.commit import CommitLog
 from ingest.collect.daemon import Daemon
 from ingest.collect.kernel_log import KernelLogCollector
 from ingest.errors import StoreError
 from ingest.store import Store
+from tests.conftest import make_rows
 from tests.ingest.test_collect_kernel_log import FakeClock, FakeLog, flood_log
 
 MUTATIONS = ("open", "mv", "rm", "makedirs")
@@ -96,27 +97,45 @@ def test_a_kill_at_every_filesystem_step_then_a_restart_gives_exactly_the_clean_
             assert not xid_rows(store) - expected, f"killed at step {at}: a row twice or unknown"
         collect_once(store)  # the restart
         assert xid_rows(store) == expected, f"killed at step {at} of {steps}"
-        assert not [p for p in (tmp_path / f"killed-{at}" / "_staging").rglob("*") if p.is_file()]
+        hidden = list((tmp_path / f"killed-{at}").rglob(".*"))
+        assert hidden == [], f"killed at step {at}: {hidden}"
 
 
-def test_recovery_moves_what_was_committed_and_removes_what_was_not(tmp_path):
+def test_files_an_earlier_gpufail_staged_and_committed_are_moved_into_place_at_the_first_flush(tmp_path):
+    # gpufail before the store's journal staged a flush under _staging/collect-<node>/ and
+    # listed the files in its state; a kill could leave them there, committed.
     store = Store.create(str(tmp_path / "d"))
-    log = CommitLog(store, "n1")
-    staged = store.path("_staging", "collect-n1", "xid_events", "date=2026-03-01")
-    store.fs.makedirs(staged, exist_ok=True)
-    for name in ("part-committed.parquet", "part-orphan.parquet"):
-        store.fs.pipe_file(f"{staged}/{name}", b"PAR1")
+    rows = xid_table()
+    staged = tmp_path / "d" / "_staging" / "collect-gpu-node-017" / "xid_events" / "date=2026-03-01"
+    staged.mkdir(parents=True)
+    pq.write_table(rows, staged / "part-committed.parquet")
+    pq.write_table(rows, staged / "part-orphan.parquet")
     store.write_state(
-        "collect-n1",
-        {"version": 1, "collectors": {"kernel-log": {"cursor": 7}}, "staged": ["xid_events/date=2026-03-01/part-committed.parquet", "xid_events/date=2026-03-01/part-moved-before.parquet"]},
-    )  # fmt: skip
-    assert log.recover() == {"kernel-log": {"cursor": 7}}
-    assert store.fs.exists(store.path("xid_events", "date=2026-03-01", "part-committed.parquet"))
-    assert not store.fs.exists(store.path("_staging", "collect-n1"))  # the orphan went with it
+        "collect-gpu-node-017",
+        {"version": 1, "collectors": {}, "staged": ["xid_events/date=2026-03-01/part-committed.parquet"]},
+    )
+    collect_once(store)
+    assert (tmp_path / "d" / "xid_events" / "date=2026-03-01" / "part-committed.parquet").exists()
+    assert not (tmp_path / "d" / "_staging" / "collect-gpu-node-017").exists()  # the orphan went with it
+    assert "staged" not in store.read_state("collect-gpu-node-017")
 
 
-def test_a_commit_record_of_another_version_is_refused_by_name(tmp_path):
+def test_a_state_of_another_version_is_refused_by_name(tmp_path):
     store = Store.create(str(tmp_path / "d"))
-    store.write_state("collect-n1", {"version": 9})
-    with pytest.raises(StoreError, match=r"_state/collect-n1.json: not a commit record of this gpufail"):
-        CommitLog(store, "n1").recover()
+    store.write_state("collect-gpu-node-017", {"version": 9})
+    with pytest.raises(StoreError, match=r"_state/collect-gpu-node-017.json: not a collector state of this gpufail"):
+        collect_once(store)
+
+
+def test_a_second_daemon_for_the_same_node_is_refused_at_its_first_flush(tmp_path):
+    store = Store.create(str(tmp_path / "d"))
+    with store.journal("collect-gpu-node-017", ["xid_events"]), pytest.raises(StoreError) as refused:
+        collect_once(store)
+    assert "another gpufail writer of collect-gpu-node-017 holds the lock" in str(refused.value)
+    assert not store.exists("xid_events")
+    collect_once(store)  # once the first has stopped
+    assert store.exists("xid_events")
+
+
+def xid_table():
+    return make_rows("xid_events", [datetime(2026, 3, 1, 1, tzinfo=UTC)], xid=79)

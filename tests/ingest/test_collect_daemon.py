@@ -218,15 +218,15 @@ def test_a_stop_request_drains_flushes_and_returns(tmp_path):
 
 def test_a_store_that_refuses_keeps_the_rows_for_the_next_flush(tmp_path):
     store, clock = Store.create(str(tmp_path / "d")), FakeClock()
-    real_write = store.write
+    real_write = store.write_part
     failures = iter([True, False, False, False])
 
-    def flaky(dataset, table):
+    def flaky(dataset, day, table, **options):
         if next(failures, False):
             raise StoreError("disk full")
-        return real_write(dataset, table)
+        return real_write(dataset, day, table, **options)
 
-    store.write = flaky  # type: ignore[method-assign]
+    store.write_part = flaky  # type: ignore[method-assign]
     lines: list[str] = []
     summary = daemon(store, [EightGpus(clock)], clock, flush_rows=5, report=lines.append).run(max_ticks=2)
     assert summary.flush_errors == 1 and "flush failed" in lines[0]
@@ -237,10 +237,10 @@ def test_a_store_that_refuses_keeps_the_rows_for_the_next_flush(tmp_path):
 def test_a_final_flush_that_fails_is_an_error(tmp_path):
     store, clock = Store.create(str(tmp_path / "d")), FakeClock()
 
-    def refuse(dataset, table):
+    def refuse(dataset, day, table, **options):
         raise StoreError("bucket unreachable")
 
-    store.write = refuse  # type: ignore[method-assign]
+    store.write_part = refuse  # type: ignore[method-assign]
     with pytest.raises(
         StoreError, match=r"last flush .* failed \(bucket unreachable\); telemetry 8, collector_runs 1 \(9 rows\)"
     ):
@@ -487,7 +487,7 @@ def test_a_read_only_store_keeps_the_cursor_and_exits_non_zero_then_a_rerun_writ
     assert result.returncode == 2, result.stdout + result.stderr
     error = result.stderr.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("gpufail: error: collect: the last flush to")
-    assert f"failed ({root}/" in error[0] and "(Read-only file system)" in error[0]
+    assert f"failed ({root}/_state: could not create the lock file (Read-only file system)" in error[0]
     assert "; xid_events 200, collector_runs 1 (201 rows) were not written" in error[0]
     assert result.stdout.count("flush failed") == 2  # the first refusal ended the reading; then the last
     assert not (root / "_state").exists() and not list(root.glob("*/date=*/*.parquet"))  # nothing moved on

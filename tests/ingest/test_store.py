@@ -187,3 +187,69 @@ def test_owned_files_that_disagree_on_a_type_are_a_clear_error(store):
     store.write_owned("predictions", date(2026, 1, 6), pa.table({"gpu_uuid": ["b"], "risk": ["high"]}))
     with pytest.raises(StoreError, match=r"predictions: the files disagree on a column's type"):
         store.read_owned("predictions")
+
+
+# -- the one read path: Store.scan -------------------------------------------------------------
+
+
+def test_scan_gives_the_same_rows_on_a_local_store_and_on_another_filesystem(store, hours):
+    import polars as pl
+
+    rows = make_rows("xid_events", hours(1, 23, 25, 47, 49), xid=[1, 2, 3, 4, 5], node=["a", "b", "a", "b", "a"])
+    remote = Store.create(f"memory://gpufail-scan-{uuid.uuid4().hex}")
+    for each in (store, remote):
+        each.write("xid_events", rows)
+    t = hours(23, 49)
+    frames = [
+        each.scan("xid_events", t[0], t[1], columns=["ts", "xid"], where=pl.col("node") == "a").collect().sort("ts")
+        for each in (store, remote)
+    ]
+    assert frames[0].equals(frames[1]) and frames[0]["xid"].to_list() == [3]
+    assert frames[0].columns == ["ts", "xid"]
+
+
+def test_scan_of_nothing_has_the_datasets_columns_or_the_ones_given(store):
+    import polars as pl
+
+    assert store.scan("xid_events").collect().columns == make_rows("xid_events", []).column_names
+    assert store.scan("features", schema={"ts": pl.Datetime("us", "UTC")}).collect().schema == {
+        "ts": pl.Datetime("us", "UTC")
+    }
+    with pytest.raises(StoreError, match="unknown columns"):
+        store.scan("xid_events", columns=["xid", "nope"])
+
+
+def test_scan_refuses_a_foreign_file_and_collect_names_a_file_that_does_not_decode(store, hours, tmp_path):
+    store.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    folder = tmp_path / "root" / "xid_events" / "date=2026-01-05"
+    pq.write_table(pa.table({"ts": [1]}), folder / "part-foreign.parquet")
+    with pytest.raises(StoreError, match=r"part-foreign.parquet has a foreign schema"):
+        store.scan("xid_events")
+    (folder / "part-foreign.parquet").unlink()
+    # A file written before checksums were part of the name: only decoding finds the damage.
+    (good,) = folder.glob("part-*.parquet")
+    damaged = folder / "part-legacy.parquet"
+    data = good.read_bytes()
+    damaged.write_bytes(data[:4] + bytes(len(data) // 2 - 4) + data[len(data) // 2 :])
+    with pytest.raises(StoreError) as refused:
+        store.collect(store.scan("xid_events"), "xid_events")
+    assert str(refused.value).startswith(f"{damaged}: not a readable Parquet file (")
+    assert str(refused.value).endswith(
+        "; restore it from a copy of the data root, or remove it and ingest its source again"
+    )
+
+
+def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_path):
+    from datetime import date
+
+    day = date(2026, 1, 5)
+    path = Path(store.write_owned("features", day, pa.table({"ts": [1], "gpu_uuid": ["a"]})))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError) as refused:
+        store.files("features", verify=True)
+    assert str(refused.value).startswith(f"{path}: corrupt file (CRC-32 ")
+    assert str(refused.value).endswith(
+        "its rows are not used. Rebuild its day with gpufail features --start 2026-01-05 --end 2026-01-06 --overwrite"
+    )

@@ -172,7 +172,7 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
 
 
 def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
-    """Non-local stores read a day whole and cut it, instead of scanning it with polars."""
+    """A store on another filesystem is read through the same scans (pyarrow underneath)."""
     remote = Store.create(f"memory://gpufail-train-store-{tmp_path.name}")
     try:
         write_features(remote, read_features(store))
@@ -208,12 +208,13 @@ def with_recorded_spec(store: Store, folder, spec: FeatureSpec) -> Store:
     """A copy of `store` whose features manifest records `spec` (as a build with it would)."""
     import shutil
 
-    from features.manifest import FeatureManifest
+    from features.manifest import open_manifest
 
     shutil.copytree(store.root, folder)
     copy = Store.open(str(folder))
-    FeatureManifest.load(copy)  # takes the copied files as complete
-    copy.write_state("features", {**copy.read_state("features"), "spec": spec.to_json()})
+    with open_manifest(copy) as manifest:  # takes the copied files as complete
+        manifest.spec = spec  # as a build with it records it
+        manifest._save()
     return copy
 
 

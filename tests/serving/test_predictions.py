@@ -8,7 +8,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ingest.errors import InputError
+from ingest.errors import InputError, StoreError
 from ingest.store import Store
 from serving.predictions import check_predictions, newest_snapshot, write_snapshot
 from serving.score import PREDICTION_COLUMNS, prediction_table
@@ -77,15 +77,18 @@ def test_files_written_before_snapshots_are_read_one_at_a_time_never_combined(st
     assert replaced == 2 and store.files("predictions") == [path]
 
 
-def test_of_two_writers_of_one_key_the_later_snapshot_remains(store):
-    # A writer removes only the files of its key written before its own, so that two scorings
-    # of one key at once cannot remove each other's snapshot.
-    later, _ = write_snapshot(store, scored(risk=0.2), now=WRITTEN + timedelta(seconds=1))
-    earlier, replaced = write_snapshot(store, scored(risk=0.1), now=WRITTEN)
-    assert replaced == 0 and sorted(store.files("predictions")) == sorted([later, earlier])
-    assert newest_snapshot(store).path == later
-    _, replaced = write_snapshot(store, scored(risk=0.3), now=WRITTEN + timedelta(seconds=2))
-    assert replaced == 2 and len(store.files("predictions")) == 1
+def test_scorings_of_one_data_root_take_turns_and_the_last_one_remains(store, monkeypatch):
+    import serving.predictions
+
+    monkeypatch.setattr(serving.predictions, "LOCK_WAIT_S", 0.0)
+    with store.journal("predictions", ["predictions"]), pytest.raises(StoreError) as refused:
+        write_snapshot(store, scored(risk=0.1), now=WRITTEN)
+    assert "another `gpufail score` of this data root holds the lock" in str(refused.value)
+    assert store.files("predictions") == []
+    write_snapshot(store, scored(risk=0.2), now=WRITTEN + timedelta(seconds=1))
+    last, replaced = write_snapshot(store, scored(risk=0.1), now=WRITTEN)
+    assert replaced == 1 and store.files("predictions") == [last]
+    assert newest_snapshot(store).frame["risk"].tolist() == [0.1] * 4
 
 
 def test_a_scoring_of_a_frame_where_a_gpu_stopped_reporting_reads_as_the_grid_time(store):

@@ -115,14 +115,15 @@ def test_log_publisher_records_and_audit_round_trips(tmp_path):
     )
     assert out.rows[0].result == "recorded: none -> drain-now (no scheduler)"
     path = append_audit(out.rows, str(tmp_path / "actions"))
-    assert path is not None and "/date=2026-01-05/part-" in path
+    assert path is not None and "/actions/date=2026-01-05/part-" in path
     audit = read_audit(str(tmp_path / "actions"))
     assert list(audit.columns) == AUDIT_SCHEMA.names and len(audit) == 2
     first = audit.iloc[0]
     assert first["node"] == "a" and list(first["top_features"]) == ["ecc_sbe_rate_24h", "xid_count_24h"]
     assert first["tier"] == "drain_now" and first["target"] == "log" and first["mode"] == "live"
     assert append_audit([], str(tmp_path / "actions")) is None
-    assert not list((tmp_path / "actions").rglob(".tmp-*"))
+    assert read_audit(str(tmp_path / "nothing" / "actions")).empty
+    assert not list((tmp_path / "actions").rglob(".*"))
 
 
 def test_unknown_mode_is_refused():

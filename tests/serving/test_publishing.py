@@ -7,13 +7,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import serving.publish
 from gpufail.config import load_settings
+from ingest.journal import Journal
 from ingest.store import Store
-from serving.locking import LockBusy, exclusive_lock
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
-from serving.publishing import publish_latest, publish_lock_path, publish_mode
+from serving.publishing import publish_latest, publish_mode
+from tests.ingest.test_journal import killed_process
 from tests.serving.test_predictions import scored
 
 SETTINGS = load_settings(None, environ={}).publish
@@ -23,44 +23,6 @@ def test_publish_mode_a_dry_run_wins_over_shadow():
     assert publish_mode(True, True) == "dry-run"
     assert publish_mode(False, True) == "shadow"
     assert publish_mode(False, False) == "live"
-
-
-def test_the_lock_of_a_local_root_is_in_its_state_folder_else_on_this_machine(tmp_path):
-    local = Store.create(str(tmp_path / "data"))
-    assert publish_lock_path(local) == tmp_path / "data" / "_state" / "publish.lock"
-    remote = Store.create("memory://fleet-a")
-    assert publish_lock_path(remote).name.startswith("gpufail-publish-")
-    assert publish_lock_path(remote) != publish_lock_path(Store.create("memory://fleet-b"))
-
-
-def test_a_run_that_finds_the_lock_held_waits_for_it_and_then_runs(tmp_path):
-    import fcntl
-
-    path = tmp_path / "x.lock"
-    waited: list[float] = []
-    with exclusive_lock(path, "`x`", wait_s=5, sleep=waited.append):
-        pass
-    assert waited == []  # free: taken at once
-    # Held through another open file, as by another process: polled until it is released.
-    with open(path, "a+") as other:
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-        def release(seconds: float) -> None:
-            waited.append(seconds)
-            fcntl.flock(other, fcntl.LOCK_UN)
-
-        with exclusive_lock(path, "`x`", wait_s=5, sleep=release):
-            assert waited == [0.1]
-
-
-def test_a_run_refused_by_the_lock_names_the_file_and_its_holder(tmp_path):
-    path = tmp_path / "x.lock"
-    clock = iter([0.0, 0.5, 1.0, 1.5])
-    second = exclusive_lock(path, "`x`", wait_s=1.0, sleep=lambda _: None, clock=lambda: next(clock))
-    with exclusive_lock(path, "`x`"), pytest.raises(LockBusy) as refused, second:
-        pass
-    assert str(refused.value).startswith(f"another `x` holds the lock {path} (pid ")
-    assert "; waited 1s; runs must not overlap" in str(refused.value)
 
 
 @pytest.fixture
@@ -77,73 +39,97 @@ def _publish(store):
     return publish_latest(store, latest, SETTINGS.options(target="log", dry_run=False, shadow=False))
 
 
-def test_a_run_stopped_after_its_commit_is_finished_by_the_next_one(store, monkeypatch):
-    real = serving.publish.finish_audit
-    monkeypatch.setattr(serving.publish, "finish_audit", _raise)
+def hidden(store):
+    return sorted(p.name for p in Path(store.path()).rglob(".*"))
+
+
+def killed_after_the_commit(monkeypatch):
+    """The run dies right after its commit (the state's rename), before the audit file's."""
+    killed_process(monkeypatch)
+    real = Journal._finish
+
+    def finish(self, record):
+        if record.get("files") and self.name.startswith("publish-"):
+            raise KeyboardInterrupt
+        return real(self, record)
+
+    monkeypatch.setattr(Journal, "_finish", finish)
+
+
+def test_a_run_killed_after_its_commit_counts_whole_and_the_next_one_finishes_it(store, monkeypatch):
+    killed_after_the_commit(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
-    assert read_audit(store.path("actions")).empty  # staged, not yet visible
-    assert store.read_state("publish-log")["nodes"]["c1/n0"]["applied"] == "drain_now"  # committed
-    monkeypatch.setattr(serving.publish, "finish_audit", real)
+    monkeypatch.undo()
+    assert [n.split(".")[1] for n in hidden(store)] == ["pending"]  # not yet renamed,
+    assert len(read_audit(store.path("actions"))) == 2  # but committed: its rows count
+    assert store.read_state("publish-log")["nodes"]["c1/n0"]["applied"] == "drain_now"
     _, path = _publish(store)
     rows = read_audit(store.path("actions"))
     assert len(rows) == 4 and list(rows["action"]).count("raise") == 1  # 2 nodes x 2 runs
-    assert Path(path).exists() and not list(Path(store.path("actions")).rglob(".pending-*"))
+    assert Path(path).exists() and hidden(store) == []
 
 
-def test_a_run_stopped_before_its_commit_leaves_nothing_and_the_rerun_is_a_clean_run(store, monkeypatch):
+def test_a_run_killed_before_its_commit_leaves_nothing_and_the_rerun_is_a_clean_run(store, monkeypatch):
     real = Store.write_state
 
-    def stopped(self, name, state):
+    def stopped(self, name, state, **options):
         if name == "publish-log":
             raise KeyboardInterrupt
-        return real(self, name, state)
+        return real(self, name, state, **options)
 
     monkeypatch.setattr(Store, "write_state", stopped)
+    killed_process(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
-    assert list(Path(store.path("actions")).rglob(".pending-*"))  # staged, never committed
-    monkeypatch.setattr(Store, "write_state", real)
+    monkeypatch.undo()
+    assert [n.split(".")[1] for n in hidden(store)] == ["pending"]  # written, never committed
+    assert read_audit(store.path("actions")).empty and store.read_state("publish-log") is None
     _publish(store)
     rows = read_audit(store.path("actions"))
     assert sorted(zip(rows["node"], rows["action"], strict=True)) == [("n0", "raise"), ("n1", "keep")]
-    assert not list(Path(store.path("actions")).rglob(".pending-*"))
+    assert hidden(store) == []
 
 
 def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch):
-    real = serving.publish.finish_audit
-    monkeypatch.setattr(serving.publish, "finish_audit", _raise)
+    killed_after_the_commit(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
-    monkeypatch.setattr(serving.publish, "finish_audit", real)
+    monkeypatch.undo()
     publish_latest(store, newest_snapshot(store).frame, SETTINGS.options(target="log", dry_run=False, shadow=True))
-    assert len(list(Path(store.path("actions")).rglob(".pending-*"))) == 1  # the live run's, kept
+    assert len(hidden(store)) == 1  # the live run's, kept
     _publish(store)
     rows = read_audit(store.path("actions"))
     assert pd.Series(rows["mode"]).value_counts().to_dict() == {"live": 4, "shadow": 2}
+    assert hidden(store) == []
 
 
-def _raise(*args, **kwargs):
-    raise KeyboardInterrupt
+def test_a_dry_run_records_its_decisions_and_leaves_the_state_as_it_was(store):
+    _publish(store)
+    before = store.read_state("publish-log")
+    publish_latest(store, newest_snapshot(store).frame, SETTINGS.options(target="log", dry_run=True, shadow=False))
+    assert store.read_state("publish-log") == before
+    assert pd.Series(read_audit(store.path("actions"))["mode"]).value_counts().to_dict() == {"live": 2, "dry-run": 2}
 
 
-def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_record_of_the_last_run(store):
+def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_rest_of_the_state(store):
     from click.testing import CliRunner
 
     from gpufail.cli import cli
-    from serving.publishing import publish_lock
+    from serving.publishing import policy_journal
 
     _publish(store)
     state = store.read_state("publish-log")
     state["breaker"]["tripped_at"], state["breaker"]["reason"] = "2026-01-06T00:00:00+00:00", "too many"
     store.write_state("publish-log", state)
     args = ["publish", "--data", store.root, "--to", "log", "--no-dry-run", "--reset-breaker", "--lock-wait", "0"]
-    with publish_lock(store):
+    with policy_journal(store, "publish-log-shadow"):  # any publish run holds the one lock
         busy = CliRunner().invoke(cli, args)
-    assert busy.exit_code != 0 and "holds the lock" in str(busy.exception)
+    assert busy.exit_code != 0 and "another `gpufail publish` holds the lock" in str(busy.exception)
     done = CliRunner().invoke(cli, args)
     assert (
         done.exit_code == 0 and "circuit breaker reset; it was open since 2026-01-06 00:00Z (too many)" in done.output
     )
     after = store.read_state("publish-log")
-    assert after["breaker"]["tripped_at"] is None and after["audit"] == state["audit"] is not None
+    assert after["breaker"]["tripped_at"] is None and after["nodes"] == state["nodes"]
+    assert len(read_audit(store.path("actions"))) == 2

@@ -11,7 +11,7 @@ from ingest.errors import ConfigError, InputError
 from ingest.store import Store
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
-from serving.publishing import make_publisher, publish_latest, read_policy_state, write_policy_state
+from serving.publishing import make_publisher, publish_latest, update_policy_state
 from tests.serving.test_predictions import scored
 
 
@@ -65,7 +65,7 @@ def test_a_cost_run_tells_the_job_and_keeps_the_hint_with_the_policy_state(store
         "checkpoint_held"
     ]
     # --reset-breaker and --adopt rewrite the policy state: the hints stay.
-    write_policy_state(store, "publish-log", read_policy_state(store, "publish-log"))
+    update_policy_state(store, "publish-log", lambda state: state)
     assert store.read_state("publish-log")["checkpoint_hints"] == saved["checkpoint_hints"]
 
 

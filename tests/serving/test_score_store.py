@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from features.manifest import FeatureManifest, recorded_spec
+from features.manifest import open_manifest, recorded_spec
 from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import InputError
 from ingest.store import Store
@@ -28,9 +28,10 @@ def store_built_with(root: Path, spec: FeatureSpec | None) -> Store:
     """The test fleet's features in a store whose manifest records `spec` (None: none, as a
     store built before specs were recorded)."""
     store = Store.open(str(write_store(root)))
-    FeatureManifest.load(store)  # takes the written files as complete
-    if spec is not None:
-        store.write_state("features", {**store.read_state("features"), "spec": spec.to_json()})
+    with open_manifest(store) as manifest:  # takes the written files as complete
+        if spec is not None:
+            manifest.spec = spec  # as a build with it records it
+            manifest._save()
     assert recorded_spec(store) == spec
     return store
 

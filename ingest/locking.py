@@ -1,5 +1,5 @@
-"""One run at a time: an exclusive `flock` on a local file, for the jobs that must not overlap
-(`gpufail nightly`, `gpufail publish`).
+"""One run at a time: an exclusive `flock` on a local file, for the work that must not overlap
+(each writer of the store's journal, `ingest.journal`; `gpufail nightly`; `gpufail publish`).
 
 The kernel releases a `flock` when its holder dies, kill -9 included, so a crash never leaves a
 stale lock behind and nobody has to delete a lock file by hand. The holder writes its pid and
