@@ -33,17 +33,17 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, time, timedelta, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-import polars as pl
 import pyarrow as pa
 
 from ingest.errors import InputError, StoreError
 from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
-from ingest.schema import TIMESTAMP, normalise_pci_bus_id, xid_events_schema
+from ingest.schema import TIMESTAMP, xid_events_schema
 from ingest.store import Store
+from ingest.xid_gpus import map_to_gpus
 
 DATASET = "xid_events"
 STATE_NAME = "kernel_log_ingest"
@@ -58,12 +58,9 @@ FINGERPRINT_SPAN = 64 * 1024
 # Log files whose events and state are committed together, in one step.
 COMMIT_FILES = 500
 
-# Telemetry is read this far around the events, first narrowly, then (only for events with no
-# GPU seen before them) widely: see `map_to_gpus`.
-TELEMETRY_LOOKBACKS = (timedelta(days=1), timedelta(days=30))
 MAX_REJECTED_REPORTED = 20
 # Files are parsed in worker processes only when there is this much to read: starting a
-# process (a fresh interpreter importing pyarrow and polars) costs about a second.
+# process (a fresh interpreter importing pyarrow) costs about a second.
 PARALLEL_MIN_BYTES = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20
@@ -224,7 +221,7 @@ def _parse_files(
     which process finished first."""
     big_enough = sum(f.stat.st_size for f in todo) >= PARALLEL_MIN_BYTES
     if workers > 1 and len(todo) > 1 and big_enough:
-        # Spawned, not forked: the parent's polars and pyarrow thread pools do not survive a fork.
+        # Spawned, not forked: the parent's pyarrow thread pools do not survive a fork.
         context = multiprocessing.get_context("spawn")
         workers = min(workers, len(todo))
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
@@ -549,137 +546,3 @@ def _count_unmapped(table: pa.Table, summary: IngestSummary) -> None:
         if name not in seen:
             seen.add(name)
             summary.unmapped_bus_ids.append(name)
-
-
-# -- bus id -> GPU -------------------------------------------------------------------------
-
-
-def map_to_gpus(store: Store, events: pa.Table, cluster: str) -> pa.Table:
-    """Fill `gpu_index` and `gpu_uuid` of `xid_events` rows from the store's telemetry.
-
-    For an event at time t on (node, bus id): the GPU whose observed span on that slot contains
-    t, else the one seen last before t, else the first one seen after t. A UUID already on the
-    row (from the driver's `GPU at PCI` banner) wins over telemetry's; its index is then the
-    index telemetry gives that UUID on the node, if any. Rows with no GPU keep nulls.
-
-    Telemetry is read within a day of the events first; only events that found no GPU seen
-    before them read further back (`TELEMETRY_LOOKBACKS`), so a run over a few new minutes of
-    logs reads a few days of telemetry, not the fleet's history.
-    """
-    if events.num_rows == 0:
-        return events
-    if not store.exists("telemetry"):
-        return events
-    frame = pl.DataFrame(events).with_row_index("_row")
-    keys = frame.select("_row", "node", "pci_bus_id", "ts")
-    best: pl.DataFrame | None = None
-    spans = pl.DataFrame()
-    for lookback in TELEMETRY_LOOKBACKS:
-        todo = (
-            keys if best is None else keys.join(best.filter(pl.col("_rank") < 2).select("_row"), on="_row", how="anti")
-        )
-        if todo.is_empty():
-            break
-        start = todo["ts"].min() - lookback  # type: ignore[operator]
-        end = todo["ts"].max() + lookback  # type: ignore[operator]
-        nodes = sorted(set(todo["node"].to_list()))
-        spans = telemetry_spans(store, cluster, nodes, start, end)  # type: ignore[arg-type]
-        found = _pick_gpu(todo, spans)
-        best = found if best is None else pl.concat([best.join(found.select("_row"), on="_row", how="anti"), found])
-    assert best is not None
-    by_uuid = spans.group_by("node", "gpu_uuid").agg(pl.col("gpu_index").last().alias("_uuid_index"))
-    out = (
-        frame.join(best, on="_row", how="left")
-        .join(by_uuid, on=["node", "gpu_uuid"], how="left")
-        .with_columns(
-            pl.coalesce("_uuid_index", "_index").cast(pl.Int16).alias("gpu_index"),
-            pl.coalesce("gpu_uuid", "_uuid").alias("gpu_uuid"),
-        )
-        .sort("_row")
-    )
-    return out.select(events.column_names).to_arrow().cast(events.schema)
-
-
-def telemetry_spans(store: Store, cluster: str, nodes: list[str], start: datetime, end: datetime) -> pl.DataFrame:
-    """First and last time each GPU was seen in each slot: node, pci_bus_id, gpu_index,
-    gpu_uuid, first_ts, last_ts (telemetry rows of `cluster` and `nodes` in [start, end)).
-
-    Read one daily partition at a time and folded into the running spans, so memory holds one
-    day of telemetry plus one row per GPU and slot, however long the range. A day is one query
-    of the store's scan, grouped as it is read.
-    """
-    spans = _EMPTY_SPANS
-    wanted = sorted(set(nodes))
-    for day in store.dates("telemetry", start, end):
-        day_start = datetime.combine(day, time(), UTC)
-        lo, hi = max(start, day_start), min(end, day_start + timedelta(days=1))
-        where = (pl.col("cluster") == cluster) & pl.col("node").is_in(wanted)
-        rows = store.scan("telemetry", lo, hi, columns=_SPAN_READ, where=where)
-        spans = _fold_spans(pl.concat([spans, _day_spans(rows, store, lo, hi)]))
-    return spans
-
-
-_SPAN_KEYS = ["node", "pci_bus_id", "gpu_index", "gpu_uuid"]
-_SPAN_READ = ["ts", *_SPAN_KEYS]
-_EMPTY_SPANS = pl.DataFrame(
-    schema={
-        "node": pl.String,
-        "pci_bus_id": pl.String,
-        "gpu_index": pl.Int16,
-        "gpu_uuid": pl.String,
-        "first_ts": pl.Datetime("us", "UTC"),
-        "last_ts": pl.Datetime("us", "UTC"),
-    }
-)
-
-
-def _day_spans(rows: pl.LazyFrame, store: Store, start: datetime, end: datetime) -> pl.DataFrame:
-    spans = store.collect(
-        rows.filter(pl.col("pci_bus_id").is_not_null())
-        .group_by(_SPAN_KEYS)
-        .agg(pl.col("ts").min().alias("first_ts"), pl.col("ts").max().alias("last_ts")),
-        "telemetry",
-        start,
-        end,
-    )
-    # Telemetry should already hold the canonical form; normalising the few distinct values
-    # costs nothing and makes a join on a differently written id impossible to miss. Two
-    # spellings of one slot become one span when the caller folds the day in.
-    canonical = {raw: _normalise_or_none(raw) for raw in spans["pci_bus_id"].unique().to_list()}
-    spans = spans.with_columns(pl.col("pci_bus_id").replace_strict(canonical, return_dtype=pl.String)).filter(
-        pl.col("pci_bus_id").is_not_null()
-    )
-    return spans.cast(_EMPTY_SPANS.schema)  # type: ignore[arg-type]
-
-
-def _fold_spans(spans: pl.DataFrame) -> pl.DataFrame:
-    return spans.group_by(_SPAN_KEYS).agg(pl.col("first_ts").min(), pl.col("last_ts").max())
-
-
-def _normalise_or_none(raw: str) -> str | None:
-    try:
-        return normalise_pci_bus_id(raw)
-    except ValueError:
-        return None
-
-
-def _pick_gpu(keys: pl.DataFrame, spans: pl.DataFrame) -> pl.DataFrame:
-    """Per event row, the best GPU of its slot: rank 0 = span contains t (latest start first),
-    1 = seen before t (latest last sighting first), 2 = seen after t (earliest first)."""
-    ts, first, last = pl.col("ts"), pl.col("first_ts"), pl.col("last_ts")
-    candidates = keys.join(spans, on=["node", "pci_bus_id"], how="inner")
-    ranked = candidates.with_columns(
-        pl.when((first <= ts) & (ts <= last)).then(0).when(last < ts).then(1).otherwise(2).alias("_rank"),
-        pl.when((first <= ts) & (ts <= last))
-        .then(ts - first)
-        .when(last < ts)
-        .then(ts - last)
-        .otherwise(first - ts)
-        .alias("_gap"),
-    )
-    return (
-        ranked.sort("_row", "_rank", "_gap")
-        .group_by("_row", maintain_order=True)
-        .first()
-        .select("_row", pl.col("gpu_index").alias("_index"), pl.col("gpu_uuid").alias("_uuid"), "_rank")
-    )

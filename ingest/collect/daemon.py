@@ -54,9 +54,9 @@ from ingest.collect.buffer import FLUSH_ORDER, WriteBuffer
 from ingest.collect.observe import DaemonMetrics, Health, ObservabilityServer, parse_listen
 from ingest.errors import GpufailError, InputError, StoreError
 from ingest.journal import Journal
-from ingest.kernel_log_ingest import map_to_gpus
 from ingest.schema import schema_for
 from ingest.store import Store, guarded
+from ingest.xid_gpus import map_to_gpus
 
 # The longest the daemon waits before noticing a stop request.
 STOP_CHECK_S = 1.0
