@@ -100,7 +100,7 @@ def test_save_load_round_trip_gives_identical_predictions(tmp_path):
     meta = json.loads((folder / METADATA_FILE).read_text())
     assert meta["version"] == model.version and meta["feature_columns"] == model.feature_columns
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # same versions: no warning
+        warnings.simplefilter("error", ModelVersionWarning)  # same versions: no warning
         loaded = load_model(folder)
     frame = demo_frame().tail(2000)
     np.testing.assert_array_equal(loaded.predict_risk(frame), model.predict_risk(frame))
@@ -295,7 +295,7 @@ def test_ensembles_save_load_and_score(tmp_path, kind):
     meta = json.loads((folder / METADATA_FILE).read_text())
     assert meta["kind"] == kind and meta["versions"]["lightgbm"] and meta["versions"]["scikit-learn"]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", ModelVersionWarning)
         loaded = load_model(folder)
     probe = held_out()
     np.testing.assert_array_equal(loaded.predict_risk(probe), model.predict_risk(probe))
