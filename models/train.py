@@ -87,7 +87,7 @@ class TrainOptions:
     params: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the kind's defaults: `models.kinds.DEFAULT_PARAMS` (single kinds) or
     `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first, second,
-    target_recall, validation_fraction; both: n_jobs, member_params)."""
+    target_recall, folds; both: n_jobs, member_params)."""
     max_pos_weight: float = MAX_POS_WEIGHT
     """Cap on the positive-class weight (`balanced_pos_weight`)."""
     monotone_increasing: Sequence[str] = ()
