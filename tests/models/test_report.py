@@ -16,7 +16,7 @@ from tests.models import ONE_THREAD, make_synthetic_frame
 
 PLAN = WalkForwardPlan(
     horizon="12h", test_days=3, train_window="4d", candidate_windows=("2d", "4d"), validation_window="1d",
-    negative_fraction=0.3, seed=5,
+    negative_fraction=0.3, seed=5, calibration_window="1d",
 )  # fmt: skip
 CONTENDERS = [
     Contender("lgb static", "lightgbm", "static", {"n_estimators": 20, **ONE_THREAD}),
