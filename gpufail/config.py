@@ -185,14 +185,21 @@ class ModelSettings(_Table):
     cascade_second_params: dict[str, Any] = Field(default_factory=dict)
     """kind = "cascade": the second stage's parameters on top of its kind's defaults."""
     cascade_recall: float = Field(default=0.95, gt=0.0, le=1.0)
-    """kind = "cascade": share of the failures the first stage must keep (on a validation slice)."""
+    """kind = "cascade": share of the failures the first stage must keep (out of fold)."""
+    calibration: Literal["platt", "isotonic"] = "platt"
+    """How the served risk is calibrated (models/calibration.py), on the calibration_window of
+    labels after the training window (the model is trained as of the window's start)."""
+    calibration_window: PositiveDuration = timedelta(days=7)
 
 
 class TierSettings(_Table):
     enter: float = Field(ge=0.0, le=1.0)
-    """A node enters the tier when its risk reaches this."""
+    """A node enters the tier when its (calibrated) risk reaches this."""
     exit: float = Field(ge=0.0, le=1.0)
     """It leaves when its risk has stayed below this for [publish] recovery_period."""
+    budget_per_day: float | None = Field(default=None, gt=0.0)
+    """Set: an alarm budget instead of a threshold alone, at most this many nodes entering the
+    tier per day (riskiest first); enter is then the least risk that may enter at all."""
 
 
 class TiersSettings(_Table):
@@ -362,6 +369,20 @@ class EvaluateSettings(_Table):
     max_memory_gb: float | None = Field(default=None, gt=0)
     """The most memory evaluate may plan to use (it holds the whole features dataset); unset:
     what this machine, or its cgroup limit, has available when it starts."""
+    alarm_budgets: list[Annotated[float, Field(gt=0.0)]] = Field(
+        default_factory=lambda: [0.5, 1.0, 2.0, 5.0], min_length=1
+    )
+    """Operating points, in alarms per 1,000 GPUs per day: each threshold is chosen on the
+    validation slice before the test period (models/alarms.py)."""
+    alarm_quiet_period: Duration = timedelta(hours=24)
+    """A GPU that stays above the threshold alarms again after this long ("0s": only after
+    falling back below)."""
+    alarm_lookback: PositiveDuration = timedelta(days=7)
+    """A failure counts as alarmed when its GPU alarmed within this before it."""
+    long_horizon: PositiveDuration = timedelta(hours=72)
+    """The second precision of an alarm: does its GPU fail within this?"""
+    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Run the comparison under each of these seeds and report mean and range (empty: seed alone)."""
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
 
     @field_validator("top_k")
@@ -376,6 +397,14 @@ class EvaluateSettings(_Table):
             except InputError as exc:
                 expected = str(exc).split(": ", 1)[-1]
                 raise ValueError(f"{expected}, got {spec!r}") from None
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, value: list[int]) -> list[int]:
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:
+            raise ValueError(f"expected each seed once, got {repeated} more than once")
         return value
 
     @field_validator("contenders")

@@ -175,7 +175,7 @@ def policy_config(settings: Any) -> Any:
     from serving.policy import PolicyConfig, Tier
 
     configured = {name: getattr(settings.tiers, name) for name in type(settings.tiers).model_fields}
-    tiers = tuple(Tier(name, t.enter, t.exit) for name, t in configured.items() if t is not None)
+    tiers = tuple(Tier(name, t.enter, t.exit, t.budget_per_day) for name, t in configured.items() if t is not None)
     return PolicyConfig(
         tiers=tiers,
         recovery_period=settings.recovery_period,
