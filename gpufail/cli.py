@@ -458,6 +458,8 @@ def _train_options(settings: Any) -> Any:
         negative_fraction=settings.model.negative_fraction,
         max_negatives_per_positive=settings.model.max_negatives_per_positive,
         monotone_increasing=settings.model.monotone_increasing,
+        calibration=settings.model.calibration,
+        calibration_window=settings.model.calibration_window,
     )
 
 
@@ -490,7 +492,17 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
-        f"from {model.train_start:%Y-%m-%d %H:%M} to {model.train_end:%Y-%m-%d %H:%M} -> {path}"
+        f"from {model.train_start:%Y-%m-%d %H:%M} to {model.train_end:%Y-%m-%d %H:%M}, "
+        f"{_calibration_text(model.calibration_info())} -> {path}"
+    )
+
+
+def _calibration_text(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return "not calibrated"
+    return (
+        f"calibrated ({info['method']}) on {info['slice_start'][:16]} .. {info['slice_end'][:16]} "
+        f"({info['n_rows']:,} rows, {info['n_positives']:,} positive)"
     )
 
 
@@ -541,25 +553,82 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
         seed=cfg.seed,
         jobs=cfg.jobs,
         monotone_increasing=tuple(settings.model.monotone_increasing),
+        # The served model's calibration: the comparison scores what `gpufail train` makes.
+        calibration=settings.model.calibration,
+        calibration_window=settings.model.calibration_window,
     )
     contenders = [Contender(c.name, c.kind, c.mode, dict(c.params), c.train_window) for c in cfg.contenders]
-    metrics = evaluate_walk_forward(
-        frame,
-        contenders,
-        plan,
-        top_k=cfg.top_k,
-        failures=failures,
-        bootstrap_samples=cfg.bootstrap_samples,
-        progress=not quiet,
-    )
+    options = {
+        "top_k": cfg.top_k,
+        "failures": failures,
+        "bootstrap_samples": cfg.bootstrap_samples,
+        "progress": not quiet,
+        **_alarm_options(settings),
+    }
+    if cfg.seeds:
+        from models.comparison import evaluate_seeds
+
+        metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
+    else:
+        metrics = evaluate_walk_forward(frame, contenders, plan, **options)
     report, _ = write_walk_forward_report(metrics, report_dir)
     scores, claims = metrics["scores"], metrics["claims"]
     click.echo(
         f"precision@{metrics['top_k']} (daily mean): best {claims['best']} "
         f"{claims['best_precision']:.3f}, random {scores['random']['by_k'][metrics['top_k']]['precision_daily_mean']:.3f}, "
         + (f"rule {claims['rule_precision']:.3f}, " if "rule_precision" in claims else "")
-        + f"oracle {claims['oracle_precision']:.3f} -> {report}"
+        + f"oracle {claims['oracle_precision']:.3f}; "
+        + _alarm_lines(metrics)[0]
+        + f" -> {report}"
     )
+
+
+def _alarm_options(settings: Any) -> dict[str, Any]:
+    """`evaluate_walk_forward`'s alarm settings from [evaluate]."""
+    from models.alarms import AlarmRules
+
+    cfg = settings.evaluate
+    quiet = cfg.alarm_quiet_period
+    rules = AlarmRules(
+        horizon=settings.labels.horizon,
+        long_horizon=cfg.long_horizon,
+        lookback=cfg.alarm_lookback,
+        quiet_period=quiet if quiet.total_seconds() > 0 else None,
+    )
+    return {"alarm_rules": rules, "budgets": tuple(cfg.alarm_budgets)}
+
+
+def _alarm_lines(metrics: dict[str, Any]) -> list[str]:
+    """What `gpufail evaluate` and `gpufail summary` say of the primary contender's alarms at
+    the headline budget, and of its calibrated risk."""
+    budget = metrics["alarm_headline_budget"]
+    name = metrics["primary"]
+    point = metrics["alarms"]["by_budget"][f"{budget:g}"][name]
+    calibration = metrics["calibration"][name]
+    high = calibration["high_risk"]
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    lead = point["lead_time_h_median"]
+    lines = [
+        f"{name} at {budget:g} alarms per 1,000 GPUs per day (threshold chosen before the test): "
+        f"{point['n_alarms']} alarms ({point['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), precision "
+        f"{pct(point['precision'])} within the horizon, {pct(point['precision_long'])} within "
+        f"{metrics['alarms']['rules']['long_horizon_h']:g} h, recall {pct(point['recall'])} "
+        f"({point['n_caught']} of {point['n_failures']} failures)"
+        + ("" if lead is None else f", median lead {lead:.1f} h"),
+        f"calibrated risk on the test period: ECE {calibration['ece']:.4f}, Brier {calibration['brier']:.5f}; "
+        f"rows at risk >= {high['level']:g}: {high['n_rows']}"
+        + (
+            ""
+            if high["mean_risk"] is None
+            else f", predicted {high['mean_risk']:.2f}, observed {high['observed_rate']:.2f} ({high['verdict']})"
+        ),
+    ]
+    verdicts = metrics["claims"].get("ensemble_at_equal_volume", {})
+    lines += [f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in verdicts.items()]
+    return lines
 
 
 @cli.command()
@@ -752,9 +821,13 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     scores = metrics["scores"]
     model = scores["model"]
     others = ", ".join(f"{name} {s['precision_at_k_pooled']:.3f}" for name, s in scores.items() if name != "model")
-    return [
+    lines = [
         f"held-out test period: {metrics['test']['start']} to {metrics['test']['end']} ({metrics['test']['n_gpus']} GPUs)",
-        f"precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
+    ]
+    if "alarms" in metrics:  # reports written before alarms were scored have none
+        lines += _alarm_lines(metrics)
+    return lines + [
+        f"ranking, precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
         f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
     ]
@@ -806,6 +879,8 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         negative_fraction=cfg.negative_fraction,
         max_negatives_per_positive=settings.model.max_negatives_per_positive,
         monotone_increasing=tuple(settings.model.monotone_increasing),
+        calibration=settings.model.calibration,
+        calibration_window=settings.model.calibration_window,
         params={**_model_params(settings), **cfg.params},
         retries=ml.retries,
         backoff_s=ml.backoff.total_seconds(),

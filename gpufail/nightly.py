@@ -63,6 +63,9 @@ class NightlyOptions:
     negative_fraction: float = 0.1
     max_negatives_per_positive: float | None = 20.0
     monotone_increasing: tuple[str, ...] = ()
+    calibration: str | None = None
+    """How the model is calibrated ([model] calibration; None: not), on calibration_window."""
+    calibration_window: timedelta = timedelta(days=7)
     params: dict[str, Any] = field(default_factory=dict)
     retries: int = 3
     backoff_s: float = 2.0
@@ -194,9 +197,12 @@ def retrain_reach(newest_day: date, options: NightlyOptions) -> datetime:
 
     Its held-out window ends where labels settle, a horizon before the newest row (which is on
     that day), and is `holdout_days` long; the fit's labels end a horizon before that window,
-    and its rows go back `train_window` more. A day of margin on top."""
+    and its rows go back `train_window` more (with a calibration, the calibration slice and
+    another horizon lie in between). A day of margin on top."""
     newest_start = datetime(newest_day.year, newest_day.month, newest_day.day, tzinfo=UTC)
     reach = timedelta(days=options.holdout_days) + 2 * options.horizon + options.train_window
+    if options.calibration is not None:
+        reach += options.calibration_window + options.horizon
     return newest_start - reach - timedelta(days=1)
 
 
@@ -373,16 +379,33 @@ class _Job:
         import polars as pl
 
         from models.provenance import dataset_fingerprint
-        from models.train import TrainOptions, save_model, settled_until
+        from models.train import TrainOptions, calibration_bounds, save_model, settled_until
         from models.train_store import train_model_from_store
 
         frame = self.keys()
         settled = settled_until(frame, self.o.horizon)
         holdout_start = settled - timedelta(days=self.o.holdout_days) + self.o.grid
-        # The fit's labels end a horizon before the held-out window: it never sees it.
-        window_start = holdout_start - self.o.horizon - self.o.train_window
-        window_end = holdout_start - self.o.horizon
-        positives = frame.filter((pl.col("ts") >= window_start) & (pl.col("ts") < window_end))["label"].sum()
+        options = TrainOptions(
+            kind=self.o.kind,
+            train_window=self.o.train_window,
+            horizon=self.o.horizon,
+            as_of=holdout_start,
+            params=dict(self.o.params),
+            negative_fraction=self.o.negative_fraction,
+            max_negatives_per_positive=self.o.max_negatives_per_positive,
+            monotone_increasing=self.o.monotone_increasing,
+            calibration=self.o.calibration,
+            calibration_window=self.o.calibration_window,
+        )
+        # The fit's labels end a horizon before the held-out window (or before its calibration
+        # slice, which ends there): it never sees them.
+        calibration = None if self.o.calibration is None else calibration_bounds(settled, options)
+        fit_as_of = holdout_start if calibration is None else calibration[0]
+        window_start = fit_as_of - self.o.horizon - self.o.train_window
+        window_end = fit_as_of - self.o.horizon
+        slices = {"training window": (window_start, window_end)}
+        if calibration is not None:
+            slices["calibration slice"] = calibration
         base = {
             "holdout_start": holdout_start.isoformat(),
             "holdout_end": settled.isoformat(),
@@ -390,26 +413,17 @@ class _Job:
             "window_end": window_end.isoformat(),
             "fingerprint": dataset_fingerprint(self.store, ["telemetry", "xid_events", "features"]),
         }
-        if not positives:
-            return {
-                **base,
-                "skipped": True,
-                "reason": f"the training window {window_start:%Y-%m-%d %H:%M} to {window_end:%Y-%m-%d %H:%M} "
-                "has no failures; no model trained, the champion stays",
-            }
-        model = train_model_from_store(
-            self.store,
-            TrainOptions(
-                kind=self.o.kind,
-                train_window=self.o.train_window,
-                horizon=self.o.horizon,
-                as_of=holdout_start,
-                params=dict(self.o.params),
-                negative_fraction=self.o.negative_fraction,
-                max_negatives_per_positive=self.o.max_negatives_per_positive,
-                monotone_increasing=self.o.monotone_increasing,
-            ),
-        )
+        if calibration is not None:
+            base["calibration_start"], base["calibration_end"] = (t.isoformat() for t in calibration)
+        for what, (start, end) in slices.items():
+            if not frame.filter((pl.col("ts") >= start) & (pl.col("ts") < end))["label"].sum():
+                return {
+                    **base,
+                    "skipped": True,
+                    "reason": f"the {what} {start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M} "
+                    "has no failures; no model trained, the champion stays",
+                }
+        model = train_model_from_store(self.store, options)
         path = save_model(model, self.folder / "model")
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
 
