@@ -826,7 +826,8 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     ]
     if "alarms" in metrics:  # reports written before alarms were scored have none
         lines += _alarm_lines(metrics)
-    return lines + [
+    return [
+        *lines,
         f"ranking, precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
         f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),

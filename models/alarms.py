@@ -310,9 +310,10 @@ def failure_outcomes(frame: AlarmFrame, table: pd.DataFrame) -> pd.DataFrame:
     before = pd.to_datetime(pairs["failure_ts"], utc=True) - pairs["ts"]
     pairs = pairs.loc[((before > pd.Timedelta(0)) & (before <= frame.lookback)).to_numpy()]
     first = pairs.groupby("index")["ts"].min()
-    lead = (failure_ts.iloc[first.index] - first) / pd.Timedelta(hours=1)
+    failed_at = failure_ts.iloc[first.index].to_numpy(dtype="datetime64[ns]")
+    lead = (failed_at - first.to_numpy(dtype="datetime64[ns]")) / np.timedelta64(1, "h")
     episodes["lead_h"] = np.nan
-    episodes.loc[first.index, "lead_h"] = lead.to_numpy()
+    episodes.loc[first.index, "lead_h"] = lead
     episodes["caught"] = episodes["lead_h"].notna()
     return episodes
 
