@@ -470,6 +470,7 @@ def _by_k(
     valid = picks > 0
     return {
         "k_mean": _num(k.mean()) if len(k) else None,
+        "picks_mean": _num(per_time_picks.mean()) if len(per_time_picks) else None,
         "precision_at_k_mean": _num((per_time_hits / per_time_picks).mean()),
         "precision_at_k_pooled": _num(hits.sum() / picks.sum()) if picks.sum() else None,
         "precision_daily_mean": _num(np.nanmean(daily_precision)) if valid.any() else None,

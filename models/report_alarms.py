@@ -169,8 +169,8 @@ def _verdict_text(name: str, verdict: str) -> str:
 
 def mode_lead_section(metrics: dict[str, Any]) -> list[str]:
     """Per failure mode, the primary contender's share of failures alarmed at least 1/6/24/72 h
-    before, at the headline budget."""
-    budget = budget_key(metrics["alarm_headline_budget"])
+    before, at the largest budget (the most alarms: the one where a mode has a chance)."""
+    budget = budget_key(max(metrics["alarms"]["budgets"]))
     primary = metrics["primary"]
     point = metrics["alarms"]["by_budget"][budget][primary]
     heads = " | ".join(f"alarmed >= {h} h ahead" for h in LEAD_TIMES_H)

@@ -119,7 +119,11 @@ def test_alarms_calibration_and_the_ensemble_at_equal_volume_are_reported():
         low, high = single["precision_difference_ci"]
         assert low <= single["precision_difference"] <= high
     assert metrics["claims"]["ensemble_at_equal_volume"]["par sliding"] in ("holds", "reversed", "not shown")
-    # Its ranking picks only flagged GPUs: never more than K = 5 per grid time, often fewer.
+    # Its ranking picks only flagged GPUs: never more than K = 5 per grid time, often fewer; so it
+    # is no candidate for the best at K.
+    assert metrics["scores"]["par sliding"]["by_k"]["5"]["picks_mean"] < 5
+    assert metrics["scores"]["lgb sliding"]["by_k"]["5"]["picks_mean"] == 5
+    assert metrics["claims"]["best"] in ("lgb sliding", "lr sliding")
     assert metrics["scores"]["par sliding"]["by_k"]["5"]["precision_gpu_day_mean"] is not None
     # Calibration on the test period, with the uncalibrated risk beside it.
     figures = metrics["calibration"]["lgb sliding"]

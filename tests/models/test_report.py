@@ -88,7 +88,7 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     point = metrics()["alarms"]["by_budget"]["200"]["lr auto"]
     assert f"| lr auto | {point['threshold']:.3g} | " in text
     assert "### At their own volume" in text and "| rule | own flags |" in text
-    assert "## Lead time per failure mode (lr auto, 50 alarms per 1,000 GPUs per day)" in text
+    assert "## Lead time per failure mode (lr auto, 200 alarms per 1,000 GPUs per day)" in text
     assert "## Calibration on the test period" in text and "Reliability of lr auto" in text
     assert "## The paper's parallel ensemble at equal alarm volume" not in text  # no parallel contender
     assert "## Failure modes (K = 5)" in text
