@@ -189,7 +189,7 @@ def bench_store(
     import shutil
     import tempfile
 
-    from features.build import build_features_from_store
+    from features.build import BuildOptions, build_features_from_store
     from ingest.store import Store
 
     root = tempfile.mkdtemp(prefix="gpufail-features-bench-")
@@ -203,7 +203,9 @@ def bench_store(
             rows += tel.height
             del tel
         began, cpu = time.perf_counter(), time.process_time()
-        summary = build_features_from_store(store, max_buckets_in_memory=buckets_in_memory, progress=False)
+        summary = build_features_from_store(
+            store, options=BuildOptions(max_buckets_in_memory=buckets_in_memory, progress=False)
+        )
         seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -24,9 +24,6 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from features.labels import (
-    DEFAULT_HORIZON,
-    DEFAULT_LOST_AFTER,
-    DEFAULT_MERGE_WINDOW,
     GPU,
     combine_presence,
     episodes_for,
@@ -50,14 +47,10 @@ from features.schema import (
     window_label,
 )
 from features.shards import SHARD, ShardedBuckets, shard_map
+from features.spec import DEFAULT_GRID, FeatureSpec
 from features.windows import (
     BUCKET_ID_COLUMNS,
-    DEFAULT_GRID,
-    DEFAULT_MAX_SILENCE,
-    DEFAULT_WINDOWS,
-    DEFAULT_XID_SINCE_CAP,
     ENGINE,
-    check_grid,
     dense_grid,
     grid_floor,
     grid_suffix,
@@ -69,7 +62,6 @@ from features.xids import drop_cross_source_duplicates, xid_features
 from ingest.errors import StoreError
 from ingest.schema import metric_catalogue
 from ingest.store import Store
-from ingest.xid_catalog import default_failure_xids
 
 # Feature files of different dates written at once (`write_features`).
 WRITE_THREADS = min(4, os.cpu_count() or 1)
@@ -159,11 +151,9 @@ def _presence_from_buckets(hourly: pl.DataFrame, grid: timedelta) -> pl.DataFram
     )
 
 
-def empty_features(
-    telemetry_columns: Sequence[str], *, grid: timedelta = DEFAULT_GRID, windows: Sequence[timedelta] = DEFAULT_WINDOWS
-) -> pl.DataFrame:
-    """A zero-row feature frame with the columns a build over frames with these telemetry
-    columns produces."""
+def empty_features(telemetry_columns: Sequence[str], spec: FeatureSpec | None = None) -> pl.DataFrame:
+    """A zero-row feature frame with the columns a build with `spec` (default: the default spec)
+    over frames with these telemetry columns produces."""
     metric_types = {m.column: pl.from_arrow(pa.array([], type=m.arrow_type)).dtype for m in metric_catalogue()}  # type: ignore[union-attr]
     schema = {c: ID_DTYPES.get(c, metric_types.get(c, pl.Float32())) for c in telemetry_columns}
     schema.setdefault("ts", TS_DTYPE)
@@ -171,46 +161,37 @@ def empty_features(
     tel = pl.DataFrame(schema=schema)
     end = datetime(1970, 1, 2, tzinfo=UTC)
     return build_features(
-        tel,
-        pl.DataFrame(schema={"ts": TS_DTYPE, GPU: pl.String(), "xid": pl.Int32()}),
-        grid=grid,
-        windows=windows,
-        data_end=end,
+        tel, pl.DataFrame(schema={"ts": TS_DTYPE, GPU: pl.String(), "xid": pl.Int32()}), spec, data_end=end
     )
 
 
 def build_features(
     telemetry: pl.DataFrame | pa.Table,
     xid_events: pl.DataFrame | pa.Table,
+    spec: FeatureSpec | None = None,
     *,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    horizon: timedelta = DEFAULT_HORIZON,
-    failure_xids: Iterable[int] | None = None,
-    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
     data_end: datetime | None = None,
-    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
-    max_silence: timedelta = DEFAULT_MAX_SILENCE,
-    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     repairs: pl.DataFrame | pa.Table | None = None,
     presence: pl.DataFrame | None = None,
     episodes: pl.DataFrame | None = None,
     emit_start: datetime | None = None,
     emit_end: datetime | None = None,
 ) -> pl.DataFrame:
-    """The feature frame (`features.schema`) for the GPUs in `telemetry`, built in memory.
+    """The feature frame (`features.schema`) for the GPUs in `telemetry`, built in memory with
+    the settings of `spec` (default: the default spec).
 
     One row per (gpu_uuid, grid time t) from the GPU's first bucket up to `data_end` (default:
-    the last telemetry timestamp), while the GPU's last sample is at most `max_silence` old,
-    and while the GPU is in service (not between a failure episode and its repair). Features use
-    only data <= t; labels look at (t, t + horizon] (see `features.windows`, `features.labels`).
+    the last telemetry timestamp), while the GPU's last sample is at most `spec.max_silence`
+    old, and while the GPU is in service (not between a failure episode and its repair).
+    Features use only data <= t; labels look at (t, t + horizon] (see `features.windows`,
+    `features.labels`).
 
     `repairs` are operator records (the `repairs` dataset). `presence`, `episodes` let a caller
     that sees only part of the fleet or of the history pass fleet-wide facts: GPU presence
     (`labels.gpu_presence`: first sample, for `gpu_age_h`, and lost-GPU detection) and failure
     episodes. `emit_start` / `emit_end` keep only rows with emit_start <= t < emit_end.
     """
-    check_grid(grid, windows)
+    spec = spec or FeatureSpec()
     tel = _normalise_ts(_as_frame(telemetry), ["ts"], "telemetry")
     missing = [c for c in ("ts", GPU) if c not in tel.columns]
     if missing:
@@ -220,19 +201,12 @@ def build_features(
             raise ValueError("telemetry is empty and no data_end was given; cannot place the grid")
         data_end = tel["ts"].max()  # type: ignore[assignment]
     assert data_end is not None
-    hourly = hourly_aggregate(tel, grid, max_gap=max_silence)
+    hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence)
     return features_from_buckets(
         hourly,
         xid_events,
-        grid=grid,
-        windows=windows,
-        horizon=horizon,
-        failure_xids=failure_xids,
-        merge_window=merge_window,
+        spec,
         data_end=data_end,
-        lost_after=lost_after,
-        max_silence=max_silence,
-        xid_since_cap=xid_since_cap,
         repairs=repairs,
         presence=presence,
         episodes=episodes,
@@ -241,27 +215,22 @@ def build_features(
     )
 
 
-def features_from_buckets(hourly: pl.DataFrame, xid_events: pl.DataFrame | pa.Table, **options: Any) -> pl.DataFrame:
+def features_from_buckets(
+    hourly: pl.DataFrame, xid_events: pl.DataFrame | pa.Table, spec: FeatureSpec | None = None, **options: Any
+) -> pl.DataFrame:
     """`build_features` from bucket aggregates (`features.windows.hourly_aggregate` output)
     instead of raw samples: the second half of a build, as one frame. `options` are
     `iter_features_from_buckets`' (data_end is required); its parts are concatenated here, so a
     setting is declared once, there."""
-    return pl.concat(list(iter_features_from_buckets(hourly, xid_events, **options)), how="vertical")
+    return pl.concat(list(iter_features_from_buckets(hourly, xid_events, spec, **options)), how="vertical")
 
 
 def iter_features_from_buckets(
     hourly: pl.DataFrame,
     xid_events: pl.DataFrame | pa.Table,
+    spec: FeatureSpec | None = None,
     *,
     data_end: datetime,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    horizon: timedelta = DEFAULT_HORIZON,
-    failure_xids: Iterable[int] | None = None,
-    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
-    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
-    max_silence: timedelta = DEFAULT_MAX_SILENCE,
-    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     repairs: pl.DataFrame | pa.Table | None = None,
     presence: pl.DataFrame | None = None,
     episodes: pl.DataFrame | None = None,
@@ -287,11 +256,11 @@ def iter_features_from_buckets(
 
     `model_medians` (`features.peers.model_medians` of the whole fleet) is given when the
     buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own."""
-    check_grid(grid, windows)
+    spec = spec or FeatureSpec()
+    grid, max_silence = spec.grid, spec.max_silence
     data_end = _utc(data_end)
     xid = _prepare_xids(_as_frame(xid_events))
     fixes = _prepare_repairs(repairs)
-    failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
     if presence is None:
         presence = _presence_from_buckets(hourly, grid)
     xid = resolve_xid_gpus(xid, presence)
@@ -299,10 +268,10 @@ def iter_features_from_buckets(
         episodes = episodes_for(
             xid,
             presence,
-            failure_xids=failure_xids,
-            merge_window=merge_window,
+            failure_xids=spec.failure_xids,
+            merge_window=spec.merge_window,
             data_end=data_end,
-            lost_after=lost_after,
+            lost_after=spec.lost_after,
             repairs=fixes,
         )
     first_seen = presence.group_by(GPU).agg(pl.col("first_ts").min())
@@ -340,7 +309,7 @@ def iter_features_from_buckets(
         emit &= ts >= _utc(emit_start)
     if emit_end is not None:
         emit &= ts < _utc(emit_end)
-    facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=horizon, data_end=data_end, repairs=fixes)
+    facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=spec.horizon, data_end=data_end, repairs=fixes)
     silent = narrow.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
     keep = emit & facts["in_service"] & ~silent.fill_null(True)
     peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
@@ -372,9 +341,7 @@ def iter_features_from_buckets(
             facts.slice(first, n_kept),
             xid,
             first_seen,
-            grid=grid,
-            windows=windows,
-            xid_since_cap=xid_since_cap,
+            spec,
             rows_per_chunk=rows_per_chunk,
         )
         produced = True
@@ -400,10 +367,8 @@ def _assemble(
     facts: pl.DataFrame,
     xid: pl.DataFrame,
     first_seen: pl.DataFrame,
+    spec: FeatureSpec,
     *,
-    grid: timedelta,
-    windows: Sequence[timedelta],
-    xid_since_cap: timedelta,
     rows_per_chunk: int | None,
 ) -> pl.DataFrame:
     """The feature frame of the kept rows of `dense` (whole GPUs): window and XID features in
@@ -412,9 +377,17 @@ def _assemble(
     for offset, length in _gpu_slices(dense[GPU], rows_per_chunk):
         part, part_keep = dense.slice(offset, length), keep.slice(offset, length)
         keys = part.select(GPU, "ts")
-        wf = window_features(part, grid, windows, first_seen=first_seen, keep=part_keep, dtype=FEATURE_DTYPE)
+        wf = window_features(part, spec.grid, spec.windows, first_seen=first_seen, keep=part_keep, dtype=FEATURE_DTYPE)
         chunk_xid = xid.join(keys.select(GPU).unique(), on=GPU, how="semi")
-        xf = xid_features(keys, chunk_xid, grid, windows, since_cap=xid_since_cap, keep=part_keep, dtype=FEATURE_DTYPE)
+        xf = xid_features(
+            keys,
+            chunk_xid,
+            spec.grid,
+            spec.windows,
+            since_cap=spec.xid_since_cap,
+            keep=part_keep,
+            dtype=FEATURE_DTYPE,
+        )
         pieces.append(pl.concat([wf, xf.drop(GPU, "ts")], how="horizontal"))
     features = pl.concat(pieces, how="vertical") if len(pieces) > 1 else pieces[0]
     ids = dense.filter(keep).select([c for c in ID_COLUMNS if c in dense.columns])
@@ -537,9 +510,12 @@ def _sorted_by_gpu_then_time(frame: pl.DataFrame) -> bool:
     return bool(((earlier_gpu < later_gpu) | ((earlier_gpu == later_gpu) & (earlier_ts < later_ts))).all())
 
 
-def feature_files(store: Store, first_day: date | None = None, last_day: date | None = None) -> list[str]:
-    """Visible part files of the features dataset dated within [first_day, last_day]."""
-    return store.files(FEATURES_DATASET, first_day, last_day)
+def feature_files(
+    store: Store, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
+) -> list[str]:
+    """Visible part files of the features dataset dated within [first_day, last_day]; `verify`
+    (for readers of their rows): each file's checksum checked first (`Store.verify`)."""
+    return store.files(FEATURES_DATASET, first_day, last_day, verify=verify)
 
 
 def features_shape(store: Store) -> tuple[int, int]:
@@ -621,7 +597,7 @@ def scan_features(
 ) -> pl.LazyFrame:
     """`read_features` as a polars LazyFrame in file order, for readers that take a range a few
     grid times at a time (a held-out window is 2.2M rows x 420 columns on the paper fleet)."""
-    files = feature_files(store, *_day_range(start, end))
+    files = feature_files(store, *_day_range(start, end), verify=True)
     if not files:
         return pl.LazyFrame(schema={**ID_DTYPES, **LABEL_DTYPES})
     if store.is_local:
@@ -859,33 +835,51 @@ class _BucketStream:
         return buckets
 
 
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """How `build_features_from_store` runs: its memory bounds, threads and progress bar. None of
+    them changes a feature value (the settings that do are the `FeatureSpec`)."""
+
+    rows_per_chunk: int = 250_000
+    """Grid rows of whole GPUs whose window and XID features are computed at once."""
+    rows_per_part: int | None = 500_000
+    """Grid rows of whole GPUs whose wide bucket statistics are held at once (None: all)."""
+    max_buckets_in_memory: int = 4_000_000
+    """Grid buckets a shard of whole nodes holds: more, and the fleet is built in shards."""
+    block_days: int = 14
+    """Days built together: the lookback before them is read once per block."""
+    flush_rows: int = 300_000
+    """Finished rows written at once."""
+    workers: int = 1
+    """Shards of a block built at once, on threads (they share the memory bounds)."""
+    read_ahead: bool = True
+    """Read and aggregate the next block's days while a block is built."""
+    write_ahead: bool = True
+    """Write finished rows on a thread of their own while the next rows are computed."""
+    scratch: str | None = None
+    """Folder for the shards' temporary files (default: the system's temporary folder)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_days < 1:
+            raise ValueError(f"block_days: expected at least 1, got {self.block_days}")
+        if self.workers < 1:
+            raise ValueError(f"workers: expected at least 1, got {self.workers}")
+
+
 def build_features_from_store(
     store: Store,
+    spec: FeatureSpec | None = None,
+    options: BuildOptions | None = None,
     *,
     start: datetime | None = None,
     end: datetime | None = None,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    horizon: timedelta = DEFAULT_HORIZON,
-    failure_xids: Iterable[int] | None = None,
-    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
-    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
-    max_silence: timedelta = DEFAULT_MAX_SILENCE,
-    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
-    rows_per_chunk: int = 250_000,
-    rows_per_part: int | None = 500_000,
-    max_buckets_in_memory: int = 4_000_000,
-    block_days: int = 14,
-    flush_rows: int = 300_000,
     overwrite: bool = False,
-    progress: bool = True,
-    scratch: str | None = None,
-    workers: int = 1,
-    read_ahead: bool = True,
-    write_ahead: bool = True,
 ) -> FeatureBuildSummary:
-    """Build and write the `features` dataset for grid times in [start, end), widened to whole
-    UTC days (so every date partition is complete). Default: all telemetry in the store.
+    """Build and write the `features` dataset with the settings of `spec` (default: the
+    default spec) for grid times in [start, end), widened to whole UTC days (so every date
+    partition is complete). Default: all telemetry in the store. `options` say how (memory
+    bounds, threads; `BuildOptions`).
 
     Labels look as far past `end` as the store's data goes (the data end is the last telemetry
     sample in the store), so building yesterday's features today labels them as well as today's
@@ -918,23 +912,22 @@ def build_features_from_store(
     Days already built are kept (`features.manifest`): only the days no build completed (a
     build killed half-way), and those whose labels the data has moved on from, are built; when
     there are none, the build is refused unless `overwrite=True`, which rebuilds every day
-    asked for. A rebuilt day's old files are removed once its block is complete. `scratch` is
-    the folder for the shards' temporary files (the system's temporary folder by default).
+    asked for. A rebuilt day's old files are removed once its block is complete. The dataset
+    records the spec it was built with (`features.manifest`); a build with another spec is
+    refused unless it rebuilds every day (`FeatureManifest.use_spec`).
     """
     from tqdm.auto import tqdm
 
     began = time.perf_counter()
-    check_grid(grid, windows)
-    if block_days < 1:
-        raise ValueError(f"block_days: expected at least 1, got {block_days}")
-    if workers < 1:
-        raise ValueError(f"workers: expected at least 1, got {workers}")
-    failure_xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
+    spec = spec or FeatureSpec()
+    options = options or BuildOptions()
+    grid, max_silence, block_days = spec.grid, spec.max_silence, options.block_days
+    workers, rows_per_part, flush_rows = options.workers, options.rows_per_part, options.flush_rows
     summary = FeatureBuildSummary()
 
     # Pass 1: presence (identity columns only) over the whole store: labels and lost-GPU
     # detection look past `end` as far as the data goes.
-    presence, day_rows = _scan_presence(store, progress=progress)
+    presence, day_rows = _scan_presence(store, progress=options.progress)
     if presence.height == 0:
         summary.seconds = time.perf_counter() - began
         return summary
@@ -946,10 +939,10 @@ def build_features_from_store(
     episodes = episodes_for(
         xid,
         presence,
-        failure_xids=failure_xids,
-        merge_window=merge_window,
+        failure_xids=spec.failure_xids,
+        merge_window=spec.merge_window,
         data_end=data_end,
-        lost_after=lost_after,
+        lost_after=spec.lost_after,
         repairs=repairs,
     )
 
@@ -965,28 +958,23 @@ def build_features_from_store(
 
     # What is complete stays (a build killed half-way left some days partial: those are rebuilt).
     manifest = FeatureManifest.load(store)
-    plan = manifest.plan(
-        emit_start,
-        emit_end,
-        data_end=data_end,
-        settle=settle_time(horizon, merge_window, lost_after),
-        overwrite=overwrite,
-    )
+    manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
+    plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
     manifest.remove(plan.partial)
     summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
     if not plan.runs:
         raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
 
     # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
-    lookback = max(max(windows), max_silence + grid)
+    lookback = max(max(spec.windows), max_silence + grid)
     one_day = timedelta(days=1)
     # A shard carries a block and its trailing window (plus the day a window's start falls in).
     carried_days = block_days + -(-lookback // one_day) + 1
     per_day = one_day // grid
     # The workers share the memory budget: each builds a shard and a part of a share of it.
-    budget = max_buckets_in_memory // workers
+    budget = options.max_buckets_in_memory // workers
     shards = shard_map(presence, gpu_buckets=carried_days * per_day, max_buckets=budget)
-    ahead_days = carried_days + (block_days if read_ahead else 0)
+    ahead_days = carried_days + (block_days if options.read_ahead else 0)
     if shards[SHARD].n_unique() <= 1 and presence[GPU].n_unique() * ahead_days * per_day > budget:
         # One shard keeps its buckets in memory, and the next block's days, read while a block
         # is built, come on top: when both do not fit, the buckets wait on disk in shards.
@@ -1006,21 +994,14 @@ def build_features_from_store(
         parts = iter_features_from_buckets(
             hourly,
             xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
+            spec,
             data_end=data_end,
-            grid=grid,
-            windows=windows,
-            horizon=horizon,
-            failure_xids=failure_xids,
-            merge_window=merge_window,
-            lost_after=lost_after,
-            max_silence=max_silence,
-            xid_since_cap=xid_since_cap,
             repairs=repairs,
             presence=presence,
             episodes=episodes,
             emit_start=block_start,
             emit_end=block_end,
-            rows_per_chunk=rows_per_chunk,
+            rows_per_chunk=options.rows_per_chunk,
             rows_per_part=rows_per_part,
             model_medians=fleet,
         )
@@ -1044,7 +1025,7 @@ def build_features_from_store(
                 pending = []
                 wait_for_write()
                 writing = writer.submit(write_features, store, frame)
-                if not write_ahead:
+                if not options.write_ahead:
                     wait_for_write()
 
             for frame in parts:
@@ -1103,11 +1084,11 @@ def build_features_from_store(
         n_blocks = -(-emit_days // block_days)
         block_ends = {emit_start + (emit_days * (i + 1) // n_blocks) * one_day for i in range(n_blocks)}
 
-        buckets = ShardedBuckets(shards, scratch=scratch)
+        buckets = ShardedBuckets(shards, scratch=options.scratch)
         summary.shards = buckets.count
         stream = _BucketStream(grid, max_silence)
         medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
-        bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not progress)
+        bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not options.progress)
 
         building: Future[None] | None = None
         emitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-block")
@@ -1149,7 +1130,7 @@ def build_features_from_store(
                     # Keep only the trailing window this block needs.
                     buckets.forget(block_start - lookback)
                     building = emitter.submit(emit, block_start, block_end, fleet)
-                    if not read_ahead:
+                    if not options.read_ahead:
                         building.result()
                     block_start = block_end
                 bar.update(1)

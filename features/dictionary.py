@@ -16,7 +16,8 @@ from datetime import timedelta
 
 from features.peers import PEER_METRICS
 from features.schema import ID_COLUMNS, LABEL_COLUMNS, feature_columns, window_label
-from features.windows import BITMASK_GROUPS, DEFAULT_GRID, DEFAULT_WINDOWS
+from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, FeatureSpec
+from features.windows import BITMASK_GROUPS
 from features.xids import BURST_MIN
 from ingest.schema import TELEMETRY_ID_FIELDS, metric_catalogue
 from ingest.xid_catalog import XID_CLASSES
@@ -131,22 +132,24 @@ def describe(name: str, grid: timedelta = DEFAULT_GRID, windows: Sequence[timede
     raise ValueError(f"{name!r}: no feature family makes this column; add it to features.dictionary")
 
 
-def feature_dictionary(
-    grid: timedelta = DEFAULT_GRID, windows: Sequence[timedelta] = DEFAULT_WINDOWS
-) -> list[FeatureDoc]:
-    """One entry per column of the feature frame a store build writes (every catalogue metric
-    present), in frame order: identity, features, labels."""
+def feature_dictionary(spec: FeatureSpec | None = None) -> list[FeatureDoc]:
+    """One entry per column of the feature frame a store build with `spec` (default: the
+    default spec) writes (every catalogue metric present), in frame order: identity, features,
+    labels."""
     from features.build import empty_features
 
+    spec = spec or FeatureSpec()
     columns = [f.name for f in TELEMETRY_ID_FIELDS] + [m.column for m in metric_catalogue()]
-    frame = empty_features(columns, grid=grid, windows=windows)
+    frame = empty_features(columns, spec)
     names = ID_COLUMNS + feature_columns(frame) + LABEL_COLUMNS
-    return [describe(n, grid, windows) for n in names]
+    return [describe(n, spec.grid, spec.windows) for n in names]
 
 
-def dictionary_markdown(grid: timedelta = DEFAULT_GRID, windows: Sequence[timedelta] = DEFAULT_WINDOWS) -> str:
+def dictionary_markdown(spec: FeatureSpec | None = None) -> str:
     """The dictionary as a Markdown document."""
-    entries = feature_dictionary(grid, windows)
+    spec = spec or FeatureSpec()
+    grid, windows = spec.grid, spec.windows
+    entries = feature_dictionary(spec)
     n_features = sum(e.family not in ("identity", "features.labels") for e in entries)
     lines = [
         "# Feature dictionary",

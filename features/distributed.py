@@ -30,7 +30,7 @@ shared folder or an object store URL (`s3://...`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -47,9 +47,6 @@ from features.build import (
     write_features,
 )
 from features.labels import (
-    DEFAULT_HORIZON,
-    DEFAULT_LOST_AFTER,
-    DEFAULT_MERGE_WINDOW,
     GPU,
     combine_presence,
     episodes_for,
@@ -60,18 +57,9 @@ from features.manifest import FeatureManifest, settle_time
 from features.peers import PEER_METRICS, model_medians
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
-from features.windows import (
-    DEFAULT_GRID,
-    DEFAULT_MAX_SILENCE,
-    DEFAULT_WINDOWS,
-    DEFAULT_XID_SINCE_CAP,
-    check_grid,
-    grid_floor,
-    grid_suffix,
-    hourly_aggregate,
-)
+from features.spec import FeatureSpec
+from features.windows import grid_floor, grid_suffix, hourly_aggregate
 from ingest.store import Store
-from ingest.xid_catalog import default_failure_xids
 
 _ID_COLS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
 _NODE = ["cluster", "node"]
@@ -81,21 +69,14 @@ _NODE = ["cluster", "node"]
 class _Params:
     """What every partition needs besides its own rows (sent once per task, small)."""
 
-    grid: timedelta
-    windows: tuple[timedelta, ...]
-    horizon: timedelta
-    failure_xids: tuple[int, ...]
-    merge_window: timedelta
-    lost_after: timedelta | None
-    max_silence: timedelta
-    xid_since_cap: timedelta
+    spec: FeatureSpec
     data_end: datetime
     rows_per_chunk: int
 
     @property
     def lookback(self) -> timedelta:
         # Same as the single-machine build: the longest window, and a silent GPU's last bucket.
-        return max(max(self.windows), self.max_silence + self.grid)
+        return max(max(self.spec.windows), self.spec.max_silence + self.spec.grid)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -148,25 +129,19 @@ def _partition(
     """The features of `nodes` for grid times in `block` (before the model deltas are made
     fleet-wide), their bucket means for the fleet medians, and the telemetry rows read."""
     start, end = block
+    spec = params.spec
     horizon_start = start - params.lookback
-    tel = _read_nodes(store, nodes, horizon_start - params.grid - params.max_silence, end)
+    tel = _read_nodes(store, nodes, horizon_start - spec.grid - spec.max_silence, end)
     if tel.height == 0:
         return None, None, 0
-    hourly = hourly_aggregate(tel, params.grid, max_gap=params.max_silence)
+    hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence)
     hourly = hourly.filter(pl.col("ts") > pl.lit(horizon_start, dtype=TS_DTYPE))
     gpus = presence.join(nodes, on=_NODE, how="semi")[GPU].unique()
     frame = features_from_buckets(
         hourly,
         xid.filter(pl.col(GPU).is_in(gpus.implode())),
+        spec,
         data_end=params.data_end,
-        grid=params.grid,
-        windows=params.windows,
-        horizon=params.horizon,
-        failure_xids=params.failure_xids,
-        merge_window=params.merge_window,
-        lost_after=params.lost_after,
-        max_silence=params.max_silence,
-        xid_since_cap=params.xid_since_cap,
         repairs=repairs,
         presence=presence,
         episodes=episodes,
@@ -174,11 +149,11 @@ def _partition(
         emit_end=end,
         rows_per_chunk=params.rows_per_chunk,
     )
-    sfx = grid_suffix(params.grid)
+    sfx = grid_suffix(spec.grid)
     metrics = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in hourly.columns]
     # The rows `features.peers` takes its fleet median over: buckets in the block, on the grid
     # before the data end (empty buckets have no mean, and medians skip nulls).
-    last = grid_floor(params.data_end, params.grid)
+    last = grid_floor(params.data_end, spec.grid)
     means = hourly.filter(
         (pl.col("ts") >= pl.lit(start, dtype=TS_DTYPE))
         & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
@@ -257,7 +232,7 @@ def _day_start(moment: datetime) -> datetime:
 
 
 def _shared_facts(
-    client: Any, store: Store, *, failure_xids: tuple[int, ...], merge_window: timedelta, lost_after: timedelta | None
+    client: Any, store: Store, spec: FeatureSpec
 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None, pl.DataFrame]:
     """Presence (one task per telemetry day), resolved XID events, repairs, failure episodes."""
     days = store.dates("telemetry")
@@ -271,10 +246,10 @@ def _shared_facts(
     episodes = episodes_for(
         xid,
         presence,
-        failure_xids=failure_xids,
-        merge_window=merge_window,
+        failure_xids=spec.failure_xids,
+        merge_window=spec.merge_window,
         data_end=data_end,  # type: ignore[arg-type]
-        lost_after=lost_after,
+        lost_after=spec.lost_after,
         repairs=repairs,
     )
     return presence, xid, repairs, episodes
@@ -283,36 +258,26 @@ def _shared_facts(
 def build_features_distributed(
     client: Any,
     store: Store,
+    spec: FeatureSpec | None = None,
     *,
     start: datetime | None = None,
     end: datetime | None = None,
-    grid: timedelta = DEFAULT_GRID,
-    windows: Sequence[timedelta] = DEFAULT_WINDOWS,
-    horizon: timedelta = DEFAULT_HORIZON,
-    failure_xids: Iterable[int] | None = None,
-    merge_window: timedelta = DEFAULT_MERGE_WINDOW,
-    lost_after: timedelta | None = DEFAULT_LOST_AFTER,
-    max_silence: timedelta = DEFAULT_MAX_SILENCE,
-    xid_since_cap: timedelta = DEFAULT_XID_SINCE_CAP,
     partition_nodes: int = 64,
     partition_days: int = 14,
     rows_per_chunk: int = 250_000,
     overwrite: bool = False,
 ) -> FeatureBuildSummary:
     """`features.build.build_features_from_store` on the Dask cluster of `client` (a
-    `distributed.Client`): the same arguments, the same rows in the `features` dataset, for grid
+    `distributed.Client`): the same spec, the same rows in the `features` dataset, for grid
     times in [start, end) widened to whole UTC days. Days already built are kept and partial
     ones rebuilt, as there (`features.manifest`; the days are recorded once every partition
-    has written). See the module notes for the partitions."""
+    has written, with the spec). See the module notes for the partitions."""
     began = time.perf_counter()
-    check_grid(grid, windows)
+    spec = spec or FeatureSpec()
     if partition_days < 1:
         raise ValueError(f"partition_days: expected at least 1, got {partition_days}")
-    xids = default_failure_xids() if failure_xids is None else tuple(failure_xids)
     summary = FeatureBuildSummary()
-    presence, xid, repairs, episodes = _shared_facts(
-        client, store, failure_xids=xids, merge_window=merge_window, lost_after=lost_after
-    )
+    presence, xid, repairs, episodes = _shared_facts(client, store, spec)
     if presence.height == 0:
         summary.seconds = time.perf_counter() - began
         return summary
@@ -329,30 +294,14 @@ def build_features_distributed(
     summary.start, summary.end = emit_start, emit_end
     # As the single-machine build: complete days stay, partial ones are rebuilt.
     manifest = FeatureManifest.load(store)
-    plan = manifest.plan(
-        emit_start,
-        emit_end,
-        data_end=data_end,
-        settle=settle_time(horizon, merge_window, lost_after),
-        overwrite=overwrite,
-    )
+    manifest.use_spec(spec, emit_start, emit_end, overwrite=overwrite)
+    plan = manifest.plan(emit_start, emit_end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
     manifest.remove(plan.partial)
     summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
     if not plan.runs:
         raise FeaturesExistError(nothing_to_build(manifest, plan, emit_start, emit_end))
 
-    params = _Params(
-        grid=grid,
-        windows=tuple(windows),
-        horizon=horizon,
-        failure_xids=xids,
-        merge_window=merge_window,
-        lost_after=lost_after,
-        max_silence=max_silence,
-        xid_since_cap=xid_since_cap,
-        data_end=data_end,
-        rows_per_chunk=rows_per_chunk,
-    )
+    params = _Params(spec=spec, data_end=data_end, rows_per_chunk=rows_per_chunk)
     step = timedelta(days=partition_days)
     blocks = []
     for run_start, run_end in plan.runs:
@@ -373,8 +322,10 @@ def build_features_distributed(
             for nodes in groups
         ]
         means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
-        medians = client.submit(_model_medians, means, grid, priority=-2 * b + 1)
-        results += [client.submit(_finish, store, p, medians, grid, pure=False, priority=-2 * b + 1) for p in parts]
+        medians = client.submit(_model_medians, means, spec.grid, priority=-2 * b + 1)
+        results += [
+            client.submit(_finish, store, p, medians, spec.grid, pure=False, priority=-2 * b + 1) for p in parts
+        ]
     gpus: set[str] = set()
     for done in client.gather(results):
         summary.rows += done["rows"]

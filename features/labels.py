@@ -41,14 +41,11 @@ from typing import Literal
 import polars as pl
 
 from features.schema import TS_DTYPE
+from features.spec import DEFAULT_HORIZON, DEFAULT_LOST_AFTER, DEFAULT_MERGE_WINDOW
 from features.windows import ENGINE
 
 GPU = "gpu_uuid"
 HOUR_US = 3_600_000_000
-
-DEFAULT_HORIZON = timedelta(hours=24)
-DEFAULT_MERGE_WINDOW = timedelta(hours=6)
-DEFAULT_LOST_AFTER = timedelta(hours=6)
 
 EPISODE_SCHEMA = {
     GPU: pl.String(),

@@ -17,6 +17,12 @@ state is written after the data it describes, so whatever point a build is kille
 Names are relative to the dataset folder, so a moved or copied data root keeps its manifest.
 A store written before the manifest existed (feature files, no manifest) is taken as it is:
 each day with files counts as complete.
+
+The manifest also records the `FeatureSpec` the days were built with (`spec`), so that a model
+can refuse features built with another spec (`recorded_spec`), and a build with another spec
+cannot leave the dataset holding days of two specs (`FeatureManifest.use_spec`). A manifest
+written before specs were recorded holds none: its days are taken as built with the spec of
+the next build, and readers cannot check them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
+from features.spec import FeatureSpec, spec_mismatch
 from ingest.errors import StoreError
 from ingest.store import Store
 
@@ -61,9 +68,11 @@ class BuildPlan:
 class FeatureManifest:
     """The complete days of a store's `features` dataset (see the module notes)."""
 
-    def __init__(self, store: Store, days: dict[date, DayRecord]) -> None:
+    def __init__(self, store: Store, days: dict[date, DayRecord], spec: FeatureSpec | None = None) -> None:
         self.store = store
         self.days = days
+        self.spec = spec
+        """The spec the listed days were built with (None: not recorded, see the module notes)."""
         self._base = store.path(DATASET) + "/"
 
     @classmethod
@@ -88,12 +97,36 @@ class FeatureManifest:
                 )
                 for day, entry in state["days"].items()
             }
+            spec = None if state.get("spec") is None else FeatureSpec.from_json(state["spec"], "spec")
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise StoreError(
                 f"{where}: not a gpufail feature manifest ({type(exc).__name__}: {exc}); remove it to take the "
                 "feature files as they are, or rebuild with gpufail features --overwrite"
             ) from None
-        return cls(store, days)
+        return cls(store, days, spec)
+
+    def use_spec(self, spec: FeatureSpec, start: datetime, end: datetime, *, overwrite: bool) -> None:
+        """Build the whole days in [start, end) with `spec`. The same spec as recorded, none
+        recorded, or no day listed: it is recorded with the first day completed. Another spec:
+        allowed only when the build rebuilds every listed day (`overwrite` over a range that holds them all), and
+        then the listed days are forgotten first (their files are then removed as leftovers),
+        so that the dataset never holds days of two specs; else a `FeatureSpecMismatch`."""
+        if self.spec is None or self.spec == spec or not self.days:
+            self.spec = spec
+            return
+        outside = sorted(d for d in self.days if not start.date() <= d < end.date())
+        if not overwrite or outside:
+            reach = f"; {len(outside)} built days lie outside {start.date()}..{(end - _DAY).date()}" if outside else ""
+            raise spec_mismatch(
+                built=self.spec,
+                wanted=spec,
+                features=f"{self.store.root}: the features",
+                user="this build asks for",
+                remedy=f"rebuild every day with the new settings (gpufail features --overwrite, without --start "
+                f"and --end){reach}, or build into another data root",
+            )
+        self.days, self.spec = {}, spec
+        self._save()
 
     def present(self, first: date | None = None, last: date | None = None) -> dict[date, list[str]]:
         """The visible feature files of each day in [first, last], by relative name."""
@@ -167,6 +200,8 @@ class FeatureManifest:
     def _save(self) -> None:
         state: dict[str, Any] = {
             "version": VERSION,
+            "spec": None if self.spec is None else self.spec.to_json(),
+            "spec_fingerprint": None if self.spec is None else self.spec.fingerprint,
             "days": {
                 day.isoformat(): {
                     "files": list(record.files),
@@ -178,7 +213,16 @@ class FeatureManifest:
         self.store.write_state(MANIFEST, state)
 
 
-def settle_time(horizon: timedelta, merge_window: timedelta, lost_after: timedelta | None) -> timedelta:
+def settle_time(spec: FeatureSpec) -> timedelta:
     """How long after a grid time its label can still change as data arrives: the horizon, then
     the merge window of a failure episode and the silence that makes a GPU lost."""
-    return horizon + merge_window + (lost_after or timedelta(0))
+    return spec.horizon + spec.merge_window + (spec.lost_after or timedelta(0))
+
+
+def recorded_spec(store: Store) -> FeatureSpec | None:
+    """The spec the store's features were built with, from the manifest (None: no manifest, or
+    one written before specs were recorded). Reads only; `FeatureManifest.load` may write."""
+    state = store.read_state(MANIFEST)
+    if not isinstance(state, dict) or state.get("spec") is None:
+        return None
+    return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{MANIFEST}.json')}: spec")

@@ -18,7 +18,8 @@ from datetime import timedelta
 import numpy as np
 import polars as pl
 
-from features.windows import DEFAULT_GRID, ENGINE, GPU, grid_suffix
+from features.spec import DEFAULT_GRID
+from features.windows import ENGINE, GPU, grid_suffix
 
 PEER_METRICS = ("temp_gpu_c", "power_w")
 

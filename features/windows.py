@@ -56,6 +56,7 @@ import polars as pl
 
 from features import rolling, runs
 from features.schema import TS_DTYPE, window_label
+from features.spec import DEFAULT_GRID, DEFAULT_MAX_SILENCE, DEFAULT_WINDOWS
 from ingest.schema import metric_catalogue
 
 GPU = "gpu_uuid"
@@ -63,16 +64,6 @@ HOUR_US = 3_600_000_000
 # polars 2 runs lazy queries on the streaming engine by default; for these in-memory frames the
 # in-memory engine was ~2x faster (features.bench, 1M rows).
 ENGINE: Literal["in-memory"] = "in-memory"
-
-DEFAULT_GRID = timedelta(hours=1)
-DEFAULT_WINDOWS: tuple[timedelta, ...] = (
-    timedelta(hours=1),
-    timedelta(hours=6),
-    timedelta(hours=24),
-    timedelta(days=7),
-)
-DEFAULT_MAX_SILENCE = timedelta(hours=24)
-DEFAULT_XID_SINCE_CAP = timedelta(hours=720)
 
 # Identity columns carried per bucket (the latest value in the bucket).
 BUCKET_ID_COLUMNS = ("cluster", "node", "gpu_index", "pci_bus_id", "gpu_model", "driver")

@@ -25,10 +25,8 @@ import polars as pl
 
 from features.rolling import KeptRows
 from features.schema import window_label
+from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, DEFAULT_XID_SINCE_CAP
 from features.windows import (
-    DEFAULT_GRID,
-    DEFAULT_WINDOWS,
-    DEFAULT_XID_SINCE_CAP,
     ENGINE,
     GPU,
     HOUR_US,

@@ -6,7 +6,10 @@ the defaults below. `gpufail.example.toml` at the repository root documents ever
 keeps it identical to these defaults.
 
 Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
-nothing here runs at import time, and no other package imports this module.
+nothing here runs at import time, and no other package imports this module. `Settings` turns
+its tables into the option objects the packages take (`feature_spec`, `build_options`,
+`train_options`, `walk_forward_plan`, `publish_options`, `serve_options`, `nightly_options`, ...), so that the
+commands and the nightly job never copy settings into them by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import tomllib
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -31,41 +34,30 @@ from pydantic import (
     model_validator,
 )
 
+from features.durations import DURATION_EXAMPLES, format_duration, parse_duration
+from features.spec import (
+    DEFAULT_GRID,
+    DEFAULT_HORIZON,
+    DEFAULT_LOST_AFTER,
+    DEFAULT_MAX_SILENCE,
+    DEFAULT_MERGE_WINDOW,
+    DEFAULT_WINDOWS,
+    FeatureSpec,
+    default_failure_xids,
+    inconsistencies,
+)
 from ingest.errors import ConfigError
-from ingest.xid_catalog import default_failure_xids
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-DURATION_EXAMPLES = "'30s', '5m', '24h' or '7d'"
-
-
-def parse_duration(value: Any) -> timedelta:
-    """`"90s"`, `"5m"`, `"24h"`, `"7d"` or `"1w"` -> timedelta.
-
-    A bare number is refused: `horizon = 12` could mean seconds, hours or days, and reading it
-    as seconds silently gave a 12-second label horizon."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        raise ValueError(
-            f"expected a duration with a unit such as {DURATION_EXAMPLES}, got {value!r} (a number without a unit)"
-        )
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", value)
-        if match:
-            try:
-                return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
-            except OverflowError:
-                raise ValueError(f"expected a duration of at most 999999999 days, got {value!r}") from None
-    raise ValueError(f"expected a duration such as {DURATION_EXAMPLES}, got {value!r}")
-
-
-def format_duration(value: timedelta) -> str:
-    """The shortest way to write `value` in the configuration's units (`timedelta(days=7)` -> "7d")."""
-    seconds = value.total_seconds()
-    for unit in ("d", "h", "m"):
-        if seconds and seconds % _UNITS[unit] == 0:
-            return f"{int(seconds // _UNITS[unit])}{unit}"
-    return f"{seconds:g}s"
+if TYPE_CHECKING:
+    from features.build import BuildOptions
+    from gpufail.nightly import NightlyOptions
+    from ingest.collect.daemon import CollectOptions
+    from models.alarms import AlarmRules
+    from models.train import TrainOptions
+    from models.walk_forward import WalkForwardPlan
+    from serving.api_state import ServeOptions
+    from serving.policy import PolicyConfig
+    from serving.publishing import PublisherConfig, PublishOptions
 
 
 def _positive(value: timedelta) -> timedelta:
@@ -111,11 +103,10 @@ class IngestSettings(_Table):
 
 
 class FeatureSettings(_Table):
-    grid: PositiveDuration = timedelta(hours=1)
-    windows: list[PositiveDuration] = Field(
-        default_factory=lambda: [timedelta(hours=h) for h in (1, 6, 24, 168)], min_length=1
-    )
-    max_silence: Duration = timedelta(hours=24)
+    # The defaults of the settings that shape features are the FeatureSpec's (features.spec).
+    grid: PositiveDuration = DEFAULT_GRID
+    windows: list[PositiveDuration] = Field(default_factory=lambda: list(DEFAULT_WINDOWS), min_length=1)
+    max_silence: Duration = DEFAULT_MAX_SILENCE
     """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
     buckets_in_memory: int = Field(default=4_000_000, ge=0)
     """Hourly (grid) buckets the build holds for one shard of whole nodes: bounds its memory."""
@@ -132,12 +123,12 @@ class FeatureSettings(_Table):
 
 
 class LabelSettings(_Table):
-    horizon: PositiveDuration = timedelta(hours=24)
+    horizon: PositiveDuration = DEFAULT_HORIZON
     """Label at grid time t: does the GPU fail in (t, t + horizon]?"""
     failure_xids: list[int] = Field(default_factory=lambda: list(default_failure_xids()))
-    merge_window: Duration = timedelta(hours=6)
+    merge_window: Duration = DEFAULT_MERGE_WINDOW
     """Failure events on one GPU closer than this are one failure episode."""
-    lost_after: PositiveDuration = timedelta(hours=6)
+    lost_after: PositiveDuration = DEFAULT_LOST_AFTER
     """A GPU silent this long while its node keeps reporting is lost (a failure)."""
 
 
@@ -255,14 +246,59 @@ class PublishSettings(_Table):
         # The policy owns its rules (serving.policy.PolicyConfig); the defaults keep them, so
         # numpy is imported at load only when the tiers or the breaker were changed.
         if (self.tiers, self.breaker_max_nodes, self.breaker_max_fraction) != (TiersSettings(), 2, 0.05):
-            from gpufail.publishing import policy_config
             from ingest.errors import InputError
 
             try:
-                policy_config(self)
+                self.policy_config()
             except InputError as exc:
                 raise ValueError(str(exc)) from None
         return self
+
+    def policy_config(self) -> PolicyConfig:
+        """The action policy of these settings (`serving.policy`)."""
+        from serving.policy import PolicyConfig, Tier
+
+        configured = {name: getattr(self.tiers, name) for name in type(self.tiers).model_fields}
+        return PolicyConfig(
+            tiers=tuple(
+                Tier(name, t.enter, t.exit, t.budget_per_day) for name, t in configured.items() if t is not None
+            ),
+            recovery_period=self.recovery_period,
+            cooldown=self.cooldown,
+            breaker_max_nodes=self.breaker_max_nodes,
+            breaker_max_fraction=self.breaker_max_fraction,
+            breaker_window=self.breaker_window,
+        )
+
+    def publisher_config(self) -> PublisherConfig:
+        """How the publishers reach their schedulers (`serving.publishing`)."""
+        from serving.publishing import PublisherConfig
+
+        return PublisherConfig(
+            attempts=self.attempts,
+            backoff_s=self.backoff.total_seconds(),
+            timeout_s=self.timeout.total_seconds(),
+            slurm_bin_dir=self.slurm_bin_dir,
+            slurm_conf=self.slurm_conf,
+            slurm_avoid_weight=self.slurm_avoid_weight,
+            kubeconfig=self.kubeconfig,
+            webhook_url=self.webhook_url,
+            webhook_secret_env=self.webhook_secret_env,
+        )
+
+    def options(
+        self, *, target: str | None = None, dry_run: bool | None = None, shadow: bool | None = None
+    ) -> PublishOptions:
+        """A publish run of these settings; `target`, `dry_run` and `shadow` override theirs."""
+        from serving.publishing import PublishOptions, publish_mode
+
+        dry = self.dry_run if dry_run is None else dry_run
+        return PublishOptions(
+            target=target or self.target,
+            mode=publish_mode(dry, self.shadow if shadow is None else shadow),
+            policy=self.policy_config(),
+            publisher=self.publisher_config(),
+        )
 
 
 class CollectSettings(_Table):
@@ -534,6 +570,198 @@ class Settings(_Table):
     dask: DaskSettings = DaskSettings()
     serve: ServeSettings = ServeSettings()
 
+    def feature_spec(self) -> FeatureSpec:
+        """The settings that shape features ([features] and [labels]) as one spec."""
+        f, labels = self.features, self.labels
+        return FeatureSpec(
+            grid=f.grid,
+            windows=tuple(f.windows),
+            max_silence=f.max_silence,
+            horizon=labels.horizon,
+            failure_xids=tuple(labels.failure_xids),
+            merge_window=labels.merge_window,
+            lost_after=labels.lost_after,
+        )
+
+    def build_options(self, *, progress: bool = True) -> BuildOptions:
+        """How the single-machine feature build runs ([features] memory bounds and threads)."""
+        from features.build import BuildOptions
+
+        f = self.features
+        return BuildOptions(
+            max_buckets_in_memory=f.buckets_in_memory,
+            rows_per_part=f.rows_per_part,
+            block_days=f.block_days,
+            workers=f.workers,
+            read_ahead=f.read_ahead,
+            write_ahead=f.write_ahead,
+            progress=progress,
+        )
+
+    def model_params(self) -> dict[str, Any]:
+        """The [model] kind's parameters for `models.kinds` (threads, ensemble members, cascade stages)."""
+        m = self.model
+        if m.kind == "parallel":
+            return {"n_jobs": m.threads, "members": list(m.members), "combine": m.combine, "top_k": m.top_k}
+        if m.kind == "cascade":
+            return {
+                "n_jobs": m.threads,
+                "first": m.cascade_first,
+                "second": m.cascade_second,
+                "first_params": dict(m.cascade_first_params),
+                "second_params": dict(m.cascade_second_params),
+                "target_recall": m.cascade_recall,
+            }
+        return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
+
+    def train_options(self) -> TrainOptions:
+        """`gpufail train`'s options for `models.train` (and its store and Dask forms): the
+        [model] fit on features of this configuration's spec."""
+        from models.train import TrainOptions
+
+        spec = self.feature_spec()
+        return TrainOptions(
+            kind=self.model.kind,
+            train_window=self.model.train_window,
+            horizon=spec.horizon,
+            params=self.model_params(),
+            negative_fraction=self.model.negative_fraction,
+            max_negatives_per_positive=self.model.max_negatives_per_positive,
+            monotone_increasing=tuple(self.model.monotone_increasing),
+            calibration=self.model.calibration,
+            calibration_window=self.model.calibration_window,
+            feature_spec=spec,
+        )
+
+    def walk_forward_plan(self, *, test_days: float | None = None) -> WalkForwardPlan:
+        """`gpufail evaluate`'s walk-forward ([evaluate]), every fit calibrated as `gpufail
+        train` calibrates the served model ([model] calibration); `test_days` overrides."""
+        from models.walk_forward import WalkForwardPlan
+
+        cfg = self.evaluate
+        return WalkForwardPlan(
+            horizon=self.labels.horizon,
+            test_days=cfg.test_days if test_days is None else test_days,
+            retrain_every=cfg.retrain_every,
+            train_window=cfg.train_window,
+            candidate_windows=tuple(cfg.candidate_windows),
+            validation_window=cfg.validation_window,
+            switch_margin=cfg.switch_margin,
+            negative_fraction=cfg.negative_fraction,
+            seed=cfg.seed,
+            jobs=cfg.jobs,
+            monotone_increasing=tuple(self.model.monotone_increasing),
+            calibration=self.model.calibration,
+            calibration_window=self.model.calibration_window,
+        )
+
+    def alarm_rules(self) -> AlarmRules:
+        """How `gpufail evaluate` raises and judges alarms ([evaluate] and the label horizon)."""
+        from models.alarms import AlarmRules
+
+        cfg = self.evaluate
+        quiet = cfg.alarm_quiet_period
+        return AlarmRules(
+            horizon=self.labels.horizon,
+            long_horizon=cfg.long_horizon,
+            lookback=cfg.alarm_lookback,
+            quiet_period=quiet if quiet.total_seconds() > 0 else None,
+        )
+
+    def ingest_workers(self) -> int:
+        """`[ingest] workers`, 0 meaning one per core."""
+        return self.ingest.workers or os.cpu_count() or 1
+
+    def collect_options(
+        self,
+        *,
+        node: str | None = None,
+        sources: str | None = None,
+        interval: timedelta | None = None,
+        listen: str | None = None,
+    ) -> CollectOptions:
+        """`gpufail collect`'s options ([collect] and [ingest]), with the command line's overrides;
+        the node defaults to [collect] node, else this machine's hostname."""
+        import socket
+
+        from ingest.collect.daemon import CollectOptions, parse_sources
+
+        cfg = self.collect
+        return CollectOptions(
+            cluster=self.ingest.cluster,
+            node=node or cfg.node or socket.gethostname(),
+            sources=parse_sources(sources if sources is not None else cfg.sources),
+            interval=cfg.interval if interval is None else interval,
+            flush_rows=cfg.flush_rows,
+            flush_interval=cfg.flush_interval,
+            dcgm_exporter_url=cfg.dcgm_exporter_url,
+            kernel_log_source=cfg.kernel_log_source,
+            kernel_log_paths=tuple(cfg.kernel_log_paths),
+            dedup_window=self.ingest.xid_dedup_window,
+            max_lines=cfg.max_lines_per_run,
+            listen=cfg.listen if listen is None else listen,
+        )
+
+    def publish_options(
+        self, *, target: str | None = None, dry_run: bool | None = None, shadow: bool | None = None
+    ) -> PublishOptions:
+        """A `gpufail publish` run of the [publish] settings, with the command line's overrides."""
+        return self.publish.options(target=target, dry_run=dry_run, shadow=shadow)
+
+    def serve_options(self, root: str, *, admin_token: str | None, read_token: str | None) -> ServeOptions:
+        """`gpufail serve`'s options ([serve] and the policy's tiers) for the data root `root`;
+        the tokens come from the environment variables [serve] names."""
+        from serving.api_state import ServeOptions
+
+        cfg = self.serve
+        return ServeOptions(
+            data_root=root,
+            tiers=self.publish.policy_config(),
+            model_name=self.mlflow.model_name,
+            admin_token=admin_token,
+            read_token=read_token,
+            read_requires_token=cfg.read_requires_token,
+            admin_token_env=cfg.admin_token_env,
+            max_body_bytes=cfg.max_body_bytes,
+            max_gpus_per_request=cfg.max_gpus_per_request,
+            max_top_features=cfg.max_top_features,
+            reload_poll_s=cfg.reload_poll.total_seconds(),
+            features_max_age_s=cfg.features_max_age.total_seconds(),
+            metrics_top=cfg.metrics_top,
+        )
+
+    def nightly_options(self, root: str, *, progress: bool = True) -> NightlyOptions:
+        """`gpufail nightly`'s options: the same spec, build and training options the commands
+        use, with the [nightly] fit's parameters and negative share on top."""
+        from dataclasses import replace
+
+        from gpufail.nightly import NightlyOptions, default_work_dir
+
+        cfg, ml = self.nightly, self.mlflow
+        return NightlyOptions(
+            work_dir=default_work_dir(root, cfg.work_dir),
+            tracking_uri=ml.tracking_uri,
+            model_name=ml.model_name,
+            experiment=ml.experiment,
+            train=replace(
+                self.train_options(),
+                params={**self.model_params(), **cfg.params},
+                negative_fraction=cfg.negative_fraction,
+            ),
+            top_k=self.model.top_k,
+            holdout_days=cfg.holdout_days,
+            promotion_margin=cfg.promotion_margin,
+            recall_tolerance=cfg.recall_tolerance,
+            precision_floor=cfg.precision_floor,
+            feature_spec=self.feature_spec(),
+            build=self.build_options(progress=progress),
+            retries=ml.retries,
+            backoff_s=ml.backoff.total_seconds(),
+            cluster=self.ingest.cluster,
+            dedup_window=self.ingest.xid_dedup_window,
+            ingest_workers=self.ingest_workers(),
+        )
+
 
 ENV_PREFIX = "GPUFAIL_"
 SECRET_ENV_SUFFIXES = ("_TOKEN", "_SECRET")
@@ -681,37 +909,19 @@ def _describe(exc: ValidationError, origins: _Origins) -> str:
     return "; ".join(problems)
 
 
+_SPEC_KEYS = {"grid": ("features", "grid"), "windows": ("features", "windows"), "horizon": ("labels", "horizon")}
+"""Where each setting `features.spec.inconsistencies` checks lives in the configuration."""
+
+
 def _inconsistencies(settings: Settings, origins: _Origins) -> list[str]:
-    """The grid, the windows and the horizon must fit together (the feature build and the
-    labels step in whole grid intervals): checked here so that a daily grid with the default
-    hourly windows is refused at load, not with a traceback at features time."""
-    grid, windows, horizon = settings.features.grid, settings.features.windows, settings.labels.horizon
-    day = timedelta(days=1)
-    if day % grid:
-        return [
-            f"{origins.where('features', 'grid')}: expected a grid that divides a day, such as '15m', '1h' or '1d', got '{format_duration(grid)}'"
-        ]
-    problems = []
-    grid_text = f"[features] grid '{format_duration(grid)}'" + origins.set_in("features", "grid")
-    off_grid = [w for w in windows if w % grid]
-    if off_grid:
-        fitted = sorted({-(-w // grid) * grid for w in windows})
-        problems.append(
-            f"{origins.where('features', 'windows')}: each window must be a multiple of {grid_text}, got "
-            f"{_durations(off_grid)}; e.g. windows = {_durations(fitted)}"
-        )
-    elif len(set(windows)) != len(windows):
-        problems.append(f"{origins.where('features', 'windows')}: expected distinct windows, got {_durations(windows)}")
-    if horizon % grid:
-        problems.append(
-            f"{origins.where('labels', 'horizon')}: expected a multiple of {grid_text}, got '{format_duration(horizon)}'; "
-            f'e.g. horizon = "{format_duration(-(-horizon // grid) * grid)}"'
-        )
-    return problems
-
-
-def _durations(values: list[timedelta]) -> str:
-    return "[" + ", ".join(f'"{format_duration(v)}"' for v in values) + "]"
+    """The grid, the windows and the horizon must fit together (`features.spec.inconsistencies`,
+    the check every `FeatureSpec` makes): checked here so that a daily grid with the default
+    hourly windows is refused at load, naming where each setting was set, not when the spec is
+    made for a command."""
+    grid = settings.features.grid
+    grid_name = f"[features] grid '{format_duration(grid)}'" + origins.set_in("features", "grid")
+    found = inconsistencies(grid, settings.features.windows, settings.labels.horizon, grid_name=grid_name)
+    return [f"{origins.where(*_SPEC_KEYS[p.field])}: {p.message}" for p in found]
 
 
 def _printable(message: str) -> str:

@@ -17,6 +17,14 @@ A file lock (`flock`, released by the kernel when the process dies, so a crash l
 lock) keeps two runs from overlapping. When a step fails, the champion keeps serving: the job
 still scores and publishes with it (falling back to the last champion loaded when the registry
 is down), without marking those steps done, and then exits non-zero naming the failed step.
+
+The night builds, trains and scores with the champion's feature spec (the settings its
+training features were built with): the challenger is judged against the champion on the same
+held-out features, and the champion keeps scoring the features the night builds. The spec of
+the configuration is used only while there is no champion; a configuration that differs is
+reported, and takes effect once a model trained on features rebuilt with it is promoted.
+The steps are the functions the commands call (`gpufail.config.Settings.nightly_options`
+makes the options from the same settings).
 """
 
 from __future__ import annotations
@@ -26,14 +34,18 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from gpufail.locking import exclusive_lock
+from features.build import BuildOptions
+from features.spec import FeatureSpec
 from ingest.errors import ConfigError, GpufailError
 from ingest.store import Store
+from models.train import TrainOptions
+from serving.locking import exclusive_lock
+from serving.publishing import PublishOptions
 
 STEPS = ("ingest", "features", "train", "evaluate", "register", "gate", "score", "publish")
 SERVING_STEPS = ("score", "publish")
@@ -44,47 +56,30 @@ class NightlyError(GpufailError):
     """A nightly step failed (the champion keeps serving), or another run holds the lock."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NightlyOptions:
-    """Everything the job needs, as plain values (read from the settings by the CLI)."""
+    """Everything the job needs, as plain values (`gpufail.config.Settings.nightly_options`)."""
 
     work_dir: Path
     tracking_uri: str
     model_name: str
     experiment: str
-    kind: str
-    train_window: timedelta
-    horizon: timedelta
+    train: TrainOptions
+    """The fit, as `gpufail train` makes it (with the [nightly] parameters and negative share);
+    each night sets its window end, and its horizon and feature spec to the night's spec."""
     top_k: int
     holdout_days: float
     promotion_margin: float
     recall_tolerance: float
     precision_floor: float
-    negative_fraction: float = 0.1
-    max_negatives_per_positive: float | None = 20.0
-    monotone_increasing: tuple[str, ...] = ()
-    calibration: str | None = None
-    """How the model is calibrated ([model] calibration; None: not), on calibration_window."""
-    calibration_window: timedelta = timedelta(days=7)
-    params: dict[str, Any] = field(default_factory=dict)
+    feature_spec: FeatureSpec = field(default_factory=FeatureSpec)
+    """The configuration's spec: the night's while there is no champion (see the module notes)."""
+    build: BuildOptions = field(default_factory=BuildOptions)
     retries: int = 3
     backoff_s: float = 2.0
     cluster: str = "default"
     dedup_window: timedelta = timedelta(minutes=5)
     ingest_workers: int = 1
-    grid: timedelta = timedelta(hours=1)
-    windows: tuple[timedelta, ...] = (timedelta(hours=1), timedelta(hours=6), timedelta(hours=24), timedelta(days=7))
-    failure_xids: tuple[int, ...] | None = None
-    merge_window: timedelta = timedelta(hours=6)
-    max_silence: timedelta = timedelta(hours=24)
-    lost_after: timedelta = timedelta(hours=6)
-    buckets_in_memory: int = 4_000_000
-    rows_per_part: int = 500_000
-    block_days: int = 14
-    workers: int = 1
-    read_ahead: bool = True
-    write_ahead: bool = True
-    progress: bool = True
 
 
 @dataclass
@@ -192,17 +187,22 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def retrain_reach(newest_day: date, options: NightlyOptions) -> datetime:
-    """The earliest grid time a retrain reads when the newest feature day is `newest_day`.
+def retrain_reach(newest_day: date, options: NightlyOptions, spec: FeatureSpec) -> datetime:
+    """The earliest grid time a retrain with the night's `spec` reads when the newest feature
+    day is `newest_day`.
 
     Its held-out window ends where labels settle, a horizon before the newest row (which is on
     that day), and is `holdout_days` long; the fit's labels end a horizon before that window,
     and its rows go back `train_window` more (with a calibration, the calibration slice and
     another horizon lie in between). A day of margin on top."""
+    from models.split import as_timedelta
+
     newest_start = datetime(newest_day.year, newest_day.month, newest_day.day, tzinfo=UTC)
-    reach = timedelta(days=options.holdout_days) + 2 * options.horizon + options.train_window
-    if options.calibration is not None:
-        reach += options.calibration_window + options.horizon
+    train = options.train
+    train_window = as_timedelta(train.train_window, "train_window").to_pytimedelta()
+    reach = timedelta(days=options.holdout_days) + 2 * spec.horizon + train_window
+    if train.calibration is not None:
+        reach += as_timedelta(train.calibration_window, "calibration_window").to_pytimedelta() + spec.horizon
     return newest_start - reach - timedelta(days=1)
 
 
@@ -230,6 +230,7 @@ class _Job:
         self._keys: Any = None
         self._holdout: Any = None
         self._registry: Any = None
+        self._spec: FeatureSpec | None = None
         self._served: dict[str, Any] = {}
 
     def run(self, step: str) -> dict[str, Any]:
@@ -280,7 +281,8 @@ class _Job:
 
         if isinstance(exc, READ_ERRORS) and not isinstance(exc, OSError):
             days = self.store.dates(FEATURES_DATASET)
-            reach = retrain_reach(days[-1], self.o).date() if days else None
+            # The spec known so far: naming the damaged file must not itself need the registry.
+            reach = retrain_reach(days[-1], self.o, self._spec or self.o.feature_spec).date() if days else None
             bad = unreadable_feature_file(self.store, reach)
             if bad is not None:
                 return f"{unreadable_message(*bad)} ({message})"
@@ -302,6 +304,49 @@ class _Job:
             )
         return self._registry
 
+    def spec(self) -> FeatureSpec:
+        """The night's feature spec: the champion's; the configuration's while there is none
+        (see the module notes). With the registry unreachable and no cached champion, the spec
+        the store's features record (the one the champion has been scoring)."""
+        from features.manifest import recorded_spec
+        from models.registry import CHAMPION, RegistryError
+
+        if self._spec is not None:
+            return self._spec
+        configured, spec, whose = self.o.feature_spec, None, "the champion's"
+        try:
+            has_champion = self.registry().alias_version(CHAMPION) is not None
+        except RegistryError:
+            has_champion = True  # unreachable: the cached champion, if there is one
+        if has_champion:
+            try:
+                spec = self._load_champion().model.feature_spec
+            except RegistryError as exc:
+                spec, whose = recorded_spec(self.store), "the store's features'"
+                self.report(f"nightly {self.day}: the champion's feature spec is unknown ({exc}); using {whose}")
+        if spec is None:
+            spec, whose = configured, "the configuration's"
+        if spec != configured:
+            differ = ", ".join(name for name, _, _ in configured.differences(spec))
+            self.report(
+                f"nightly {self.day}: the configured feature settings ({differ}) differ from {whose} feature spec "
+                f"{spec.fingerprint}; the night builds, trains and scores with it (see docs/feature-spec.md)"
+            )
+        self._spec = spec
+        return spec
+
+    def _load_champion(self) -> Any:
+        from models.registry import load_champion
+
+        return load_champion(
+            self.o.tracking_uri,
+            self.o.model_name,
+            cache_dir=self.o.work_dir / "champion",
+            retries=self.o.retries,
+            backoff_s=self.o.backoff_s,
+            sleep=self.sleep,
+        )
+
     def keys(self) -> Any:
         """ts, gpu_uuid and label of the feature rows a retrain can reach (`retrain_reach`):
         where labels settle and where failures are, without the hundreds of feature columns.
@@ -310,7 +355,7 @@ class _Job:
 
         if self._keys is None:
             days = self.store.dates(FEATURES_DATASET)
-            start = retrain_reach(days[-1], self.o) if days else None
+            start = retrain_reach(days[-1], self.o, self.spec()) if days else None
             self._keys = read_features(self.store, start=start, columns=["label"])
             if self._keys.height == 0:
                 raise NightlyError(f"{self.store.root}: the features dataset is empty after the features step")
@@ -348,61 +393,40 @@ class _Job:
     def _features(self) -> dict[str, Any]:
         from features.build import FEATURES_DATASET, build_features_from_store
 
+        spec = self.spec()
         built = self.store.dates(FEATURES_DATASET)
         start = None
         if built:
             # New data settles labels up to horizon + merge_window back: rebuild those days too.
-            back = math.ceil((self.o.horizon + self.o.merge_window) / timedelta(days=1))
+            back = math.ceil((spec.horizon + spec.merge_window) / timedelta(days=1))
             start = datetime.combine(built[-1] - timedelta(days=back), datetime.min.time(), tzinfo=UTC)
-        summary = build_features_from_store(
-            self.store,
-            start=start,
-            grid=self.o.grid,
-            windows=list(self.o.windows),
-            horizon=self.o.horizon,
-            failure_xids=self.o.failure_xids,
-            merge_window=self.o.merge_window,
-            max_silence=self.o.max_silence,
-            lost_after=self.o.lost_after,
-            max_buckets_in_memory=self.o.buckets_in_memory,
-            rows_per_part=self.o.rows_per_part,
-            block_days=self.o.block_days,
-            workers=self.o.workers,
-            read_ahead=self.o.read_ahead,
-            write_ahead=self.o.write_ahead,
-            overwrite=bool(built),
-            progress=self.o.progress,
-        )
-        return {"features": str(summary), "from": None if start is None else start.isoformat()}
+        summary = build_features_from_store(self.store, spec, self.o.build, start=start, overwrite=bool(built))
+        return {
+            "features": str(summary),
+            "from": None if start is None else start.isoformat(),
+            "feature_spec": spec.fingerprint,
+        }
 
     def _train(self) -> dict[str, Any]:
         import polars as pl
 
         from models.provenance import dataset_fingerprint
-        from models.train import TrainOptions, calibration_bounds, save_model, settled_until
+        from models.split import as_timedelta
+        from models.train import calibration_bounds, save_model, settled_until
         from models.train_store import train_model_from_store
 
+        spec = self.spec()
+        options = replace(self.o.train, horizon=spec.horizon, feature_spec=spec)
         frame = self.keys()
-        settled = settled_until(frame, self.o.horizon)
-        holdout_start = settled - timedelta(days=self.o.holdout_days) + self.o.grid
-        options = TrainOptions(
-            kind=self.o.kind,
-            train_window=self.o.train_window,
-            horizon=self.o.horizon,
-            as_of=holdout_start,
-            params=dict(self.o.params),
-            negative_fraction=self.o.negative_fraction,
-            max_negatives_per_positive=self.o.max_negatives_per_positive,
-            monotone_increasing=self.o.monotone_increasing,
-            calibration=self.o.calibration,
-            calibration_window=self.o.calibration_window,
-        )
+        settled = settled_until(frame, spec.horizon)
+        holdout_start = settled - timedelta(days=self.o.holdout_days) + spec.grid
+        options = replace(options, as_of=holdout_start)
         # The fit's labels end a horizon before the held-out window (or before its calibration
         # slice, which ends there): it never sees them.
-        calibration = None if self.o.calibration is None else calibration_bounds(settled, options)
+        calibration = None if options.calibration is None else calibration_bounds(settled, options)
         fit_as_of = holdout_start if calibration is None else calibration[0]
-        window_start = fit_as_of - self.o.horizon - self.o.train_window
-        window_end = fit_as_of - self.o.horizon
+        window_start = fit_as_of - spec.horizon - as_timedelta(options.train_window, "train_window")
+        window_end = fit_as_of - spec.horizon
         slices = {"training window": (window_start, window_end)}
         if calibration is not None:
             slices["calibration slice"] = calibration
@@ -448,7 +472,10 @@ class _Job:
     def _register(self) -> dict[str, Any]:
         import json
 
+        import pandas as pd
+
         from models.registry import DAY_TAG, log_training_run, register
+        from models.split import as_timedelta
         from models.train import load_model
 
         train, evaluate = self.state["steps"]["train"], self.state["steps"]["evaluate"]
@@ -473,7 +500,7 @@ class _Job:
                 "holdout_start": train["holdout_start"],
                 "holdout_end": train["holdout_end"],
                 "top_k": self.o.top_k,
-                "train_window_days": self.o.train_window / timedelta(days=1),
+                "train_window_days": as_timedelta(self.o.train.train_window, "train_window") / pd.Timedelta(days=1),
             },
             tags={DAY_TAG: self.day},
             run_id=self.state.get("register_run_id"),
@@ -514,31 +541,19 @@ class _Job:
         }
 
     def _score(self) -> dict[str, Any]:
-        from features.build import read_newest_grid_time
-        from models.registry import load_champion
-        from serving.predictions import write_snapshot
-        from serving.score import score_latest
+        from serving.score_store import score_store
 
-        loaded = load_champion(
-            self.o.tracking_uri,
-            self.o.model_name,
-            cache_dir=self.o.work_dir / "champion",
-            retries=self.o.retries,
-            backoff_s=self.o.backoff_s,
-            sleep=self.sleep,
-        )
-        frame = read_newest_grid_time(self.store)
-        predictions = score_latest(loaded.model, frame, top_features=5)
-        ts = predictions["ts"].max()
+        loaded = self._load_champion()
+        # `gpufail score`'s function: refused when the features are not of the champion's spec.
         # A resumed job that scores the same grid time with the same model replaces the snapshot.
-        path, _ = write_snapshot(self.store, predictions)
+        scored = score_store(self.store, loaded.model)
         self._served = {
             "version": loaded.version,
             "source": loaded.source,
             "model_version": loaded.model.version,
-            "ts": str(ts),
-            "gpus": len(predictions),
-            "path": path,
+            "ts": str(scored.predictions["ts"].max()),
+            "gpus": len(scored.predictions),
+            "path": scored.path,
         }
         return dict(self._served)
 
@@ -556,21 +571,19 @@ Publish = Callable[[Store, Any], dict[str, Any]]
 """Publishes the latest predictions (a pandas frame) of a store; returns a record of it."""
 
 
-def policy_publisher(publish_settings: Any, *, dry_run: bool) -> Publish:
-    """The `gpufail publish` path (action policy, configured target, audit log) as a step:
-    `publish_settings` is the [publish] table; `dry_run` overrides its dry_run."""
+def policy_publisher(options: PublishOptions) -> Publish:
+    """The `gpufail publish` path (action policy, configured target, audit log) as a step, with
+    the options the command makes (`gpufail.config.Settings.publish_options`)."""
 
     def publish(store: Store, latest: Any) -> dict[str, Any]:
         from collections import Counter
 
-        from gpufail.publishing import publish_latest, publish_mode
+        from serving.publishing import publish_latest
 
-        cfg = publish_settings
-        mode = publish_mode(dry_run, cfg.shadow)
-        outcome, path = publish_latest(store, latest, cfg, target=cfg.target, mode=mode)
+        outcome, path = publish_latest(store, latest, options)
         return {
-            "mode": mode,
-            "target": cfg.target,
+            "mode": options.mode,
+            "target": options.target,
             "actions": dict(Counter(r.action for r in outcome.rows)),
             "scheduler_error": outcome.scheduler_error,
             "notices": outcome.notices,

@@ -9,9 +9,16 @@ Never replay (DOMAIN.md 5, complaint 3). The state `_state/kernel_log_ingest.jso
 per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
 whose content is unchanged is skipped; a file that grew is read from where the last run
 stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped) is recognised by its
-content, not its name, so its lines are not read twice either. The state is written only after
-the events are, so a crash in between re-reads a batch of files rather than losing it
-(at-least-once).
+content, not its name, so its lines are not read twice either.
+
+Exactly once. A batch's rows and the state that records its files as read are one commit of
+the store's journal (`ingest.journal`): a run killed at any point, or stopped by a full or
+read-only disk, has committed whole batches and nothing else, so the rerun reads again exactly
+the files of the batches that were not committed, and ends with the rows of a clean run.
+
+A moved or copied data root re-reads nothing: files inside the data root (`raw/kernel-log/`)
+are named in the state by their path relative to it; files elsewhere by their absolute path.
+A state written by older versions (absolute paths only) is converted when read.
 """
 
 from __future__ import annotations
@@ -27,27 +34,29 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, time, timedelta, tzinfo
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from ingest.errors import InputError
+from ingest.errors import InputError, StoreError
 from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
 from ingest.schema import TIMESTAMP, normalise_pci_bus_id, xid_events_schema
 from ingest.store import Store
 
+DATASET = "xid_events"
 STATE_NAME = "kernel_log_ingest"
-STATE_VERSION = 1
+# 2: files inside the data root are named relative to it (1: absolute paths only).
+STATE_VERSION = 2
 # Oldest entries are dropped beyond this, so the state file of a long-lived fleet stays small.
 MAX_STATE_ENTRIES = 20_000
 # The fingerprint hashes this much at the start and at the end of the ingested bytes: enough to
 # tell one log from another and to notice truncation or rewriting, without re-reading gigabytes
 # of a growing syslog on every run.
 FINGERPRINT_SPAN = 64 * 1024
-# Log files whose events are written together, and then recorded as read, in one step.
+# Log files whose events and state are committed together, in one step.
 COMMIT_FILES = 500
 
 # Telemetry is read this far around the events, first narrowly, then (only for events with no
@@ -128,45 +137,41 @@ def ingest_kernel_logs(
     paths = list(dict.fromkeys(Path(p) for p in paths))  # a path given twice is read once
     for path in paths:
         _check_readable(path)
-    state = _load_state(store)
-    summary = IngestSummary()
-    todo = []
-    for path in paths:
-        try:
-            stat = path.stat()
-            compressed = _is_gzip(path)
-            scan = _resume_point(state, path, compressed)
-        except _READ_ERRORS as exc:
-            raise _unreadable(path, exc) from None
-        if scan.unchanged:
-            summary.skipped_files.append(str(path))
-        else:
-            todo.append(_FileToParse(path, compressed, stat, scan))
-    # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
-    # read once per run rather than once per file; then write and commit file by file.
-    options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time)
-    parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
-    tables = [p.table for p in parsed if p.table is not None]
-    mapped = iter(
-        _split(map_to_gpus(store, pa.concat_tables(tables), cluster), [t.num_rows for t in tables]) if tables else []
-    )
-    # Files are committed in batches: one write (a file per date) and one state update per batch.
-    # Per log file, a fleet of thousands of node logs made thousands of tiny Parquet files per
-    # day and rewrote the growing state file as often (quadratic). A crash between a batch's
-    # write and its state update re-reads that batch's files next run (at-least-once, as before,
-    # for a batch instead of a file).
-    for first in range(0, len(parsed), COMMIT_FILES):
-        batch = parsed[first : first + COMMIT_FILES]
-        tables = [next(mapped) for result in batch if result.table is not None]
-        if tables:
-            table = pa.concat_tables(tables)
-            store.write("xid_events", table)
-            summary.incidents += table.num_rows
-            _count_unmapped(table, summary)
-        # Only now that the events are safely written do the files count as read this far.
-        for result in batch:
-            _remember(state, result.path, result.compressed, result.stat, result.end, result.lines)
-        store.write_state(STATE_NAME, state)
+    with store.journal(STATE_NAME, [DATASET]) as journal:
+        state = _load_state(store, journal.state)
+        summary = IngestSummary()
+        todo = []
+        for path in paths:
+            try:
+                stat = path.stat()
+                compressed = _is_gzip(path)
+                scan = _resume_point(store, state, path, compressed)
+            except _READ_ERRORS as exc:
+                raise _unreadable(path, exc) from None
+            if scan.unchanged:
+                summary.skipped_files.append(str(path))
+            else:
+                todo.append(_FileToParse(path, compressed, stat, scan))
+        # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
+        # read once per run rather than once per file; then commit batch by batch.
+        options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time)
+        parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
+        tables = [p.table for p in parsed if p.table is not None]
+        sizes = [t.num_rows for t in tables]
+        mapped = iter(_split(map_to_gpus(store, pa.concat_tables(tables), cluster), sizes) if tables else [])
+        # One commit per batch of files: one file per date and one state update. Per log file, a
+        # fleet of thousands of node logs made thousands of tiny Parquet files per day and
+        # rewrote the growing state file as often (quadratic).
+        for first in range(0, len(parsed), COMMIT_FILES):
+            batch = parsed[first : first + COMMIT_FILES]
+            tables = [next(mapped) for result in batch if result.table is not None]
+            for result in batch:
+                _remember(store, state, result.path, result.compressed, result.stat, result.end, result.lines)
+            table = pa.concat_tables(tables) if tables else None
+            journal.commit(state, {DATASET: table} if table is not None else {})
+            if table is not None:
+                summary.incidents += table.num_rows
+                _count_unmapped(table, summary)
     return summary
 
 
@@ -365,11 +370,65 @@ class _LineReader:
 # -- never replay: the state ---------------------------------------------------------------
 
 
-def _load_state(store: Store) -> dict[str, Any]:
-    state = store.read_state(STATE_NAME)
-    if not state or state.get("version") != STATE_VERSION or not isinstance(state.get("files"), dict):
+def _load_state(store: Store, state: dict[str, Any] | None) -> dict[str, Any]:
+    """The committed state, converted to this version's; a fresh one when there is none."""
+    if state is None:
         return {"version": STATE_VERSION, "seq": 0, "files": {}}
+    version = state.get("version")
+    if version not in (1, STATE_VERSION) or not isinstance(state.get("files"), dict):
+        # Starting afresh would ingest every file again: refuse instead.
+        raise StoreError(
+            f"{store.path('_state', STATE_NAME + '.json')}: kernel-log state of version {version!r} "
+            f"is not understood; expected version 1 or {STATE_VERSION} with a 'files' object"
+        )
+    if version == 1:
+        state = {**state, "version": STATE_VERSION, "files": _relocate_v1_entries(store, state["files"])}
     return state
+
+
+def _locator(store: Store, path: Path) -> str:
+    """The state's name for a file: its path relative to the data root when it lies inside the
+    root (so that a moved or copied root keeps its state), else its absolute path."""
+    resolved = path.resolve()
+    root = _local_root(store)
+    if root is not None and resolved.is_relative_to(root):
+        return resolved.relative_to(root).as_posix()
+    return str(resolved)
+
+
+def _local_root(store: Store) -> Path | None:
+    return Path(store.path()).resolve() if store.is_local else None
+
+
+def _relocate_v1_entries(store: Store, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Version 1 named every file by absolute path. Files under the data root are renamed
+    relative to it. A file elsewhere keeps its name, and when the root holds a file at the same
+    path's tail (the root was copied or moved before the upgrade) that path is named too: the
+    fingerprint still decides whether its content is the one ingested."""
+    root = _local_root(store)
+    converted: dict[str, dict[str, Any]] = {}
+    for key, entry in entries.items():
+        absolute = PurePosixPath(key)
+        if root is not None and absolute.is_relative_to(root):
+            relative: str | None = absolute.relative_to(root).as_posix()
+        else:
+            relative = _tail_under(root, absolute)
+            converted[key] = entry
+        if relative is not None:
+            family = PurePosixPath(relative).parent / PurePosixPath(str(entry.get("family", key))).name
+            converted[relative] = {**entry, "family": family.as_posix()}
+    return converted
+
+
+def _tail_under(root: Path | None, key: PurePosixPath) -> str | None:
+    """The longest tail of the absolute path `key` that names a file under `root`, if any."""
+    if root is None:
+        return None
+    for start in range(1, len(key.parts)):
+        tail = PurePosixPath(*key.parts[start:])
+        if (root / tail).is_file():
+            return tail.as_posix()
+    return None
 
 
 def _fingerprint(fh: IO[bytes], end: int) -> str | None:
@@ -388,7 +447,7 @@ def _fingerprint(fh: IO[bytes], end: int) -> str | None:
     return digest.hexdigest()
 
 
-def _resume_point(state: dict[str, Any], path: Path, compressed: bool) -> _FileScan:
+def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: bool) -> _FileScan:
     """Where reading `path` starts: after the longest already-ingested content it begins with.
 
     Candidates are the entry of this path and entries of rotated copies (same folder, same
@@ -396,7 +455,7 @@ def _resume_point(state: dict[str, Any], path: Path, compressed: bool) -> _FileS
     its own offset. Limiting copies to one rotation family keeps two nodes' logs, named after
     their nodes, from ever being taken for each other.
     """
-    key = str(path.resolve())
+    key = _locator(store, path)
     entries: dict[str, dict[str, Any]] = state["files"]
     stat = path.stat()
     own = entries.get(key)
@@ -406,7 +465,7 @@ def _resume_point(state: dict[str, Any], path: Path, compressed: bool) -> _FileS
         with _open(path, compressed) as fh:
             if _fingerprint(fh, own["offset"]) == own["fingerprint"] and _at_eof(fh, own["offset"]):
                 return _FileScan(own["offset"], own["lines"], unchanged=True)
-    family = rotation_family(path)
+    family = _locator(store, Path(rotation_family(path)))
     with _open(path, compressed) as fh:
         head = fh.read(FINGERPRINT_SPAN)
         candidates = sorted(
@@ -430,15 +489,17 @@ def _at_eof(fh: IO[bytes], offset: int) -> bool:
     return not fh.read(1)
 
 
-def _remember(state: dict[str, Any], path: Path, compressed: bool, stat: os.stat_result, end: int, lines: int) -> None:
+def _remember(
+    store: Store, state: dict[str, Any], path: Path, compressed: bool, stat: os.stat_result, end: int, lines: int
+) -> None:
     with _open(path, compressed) as fh:
         fingerprint = _fingerprint(fh, end)
         fh.seek(0)
         head = fh.read(min(end, FINGERPRINT_SPAN))
     state["seq"] = state.get("seq", 0) + 1
-    state["files"][str(path.resolve())] = {
+    state["files"][_locator(store, path)] = {
         "path": str(path),
-        "family": rotation_family(path),
+        "family": _locator(store, Path(rotation_family(path))),
         "compressed": compressed,
         "raw_size": stat.st_size,
         "raw_mtime_ns": stat.st_mtime_ns,

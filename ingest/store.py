@@ -15,16 +15,30 @@ Guarantees:
 - Reading a time range opens only the partitions whose date overlaps it, and only the
   requested columns.
 - Every file must carry the dataset's schema; a foreign file is reported by path.
+- Every file carries a checksum: Parquet page checksums inside (verified whenever pyarrow reads
+  it through the store: remote stores are always read that way), and a CRC-32 of the whole file
+  in its name (`part-<id>-crc32-<hex>.parquet`), verified once per process before a local file
+  is handed to a reader (polars, which local readers use for speed, verifies no checksum; and
+  page checksums leave the footer unprotected). A flipped bit or a truncated file is then an
+  error naming the file, never rows. Files written before checksums existed are read as before.
+- Every OSError of the store (read-only file system, no space, no permission) becomes a
+  one-line `StoreError` naming the path and what to do, at the store: callers need no handler.
+- Rows and a writer's state can be committed together (`Store.journal`, see `ingest.journal`),
+  so a rerun after a crash at any point neither loses nor repeats rows.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
+import re
 import uuid
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
@@ -35,10 +49,24 @@ import pyarrow.parquet as pq
 from ingest.errors import StoreError
 from ingest.schema import SCHEMA_VERSION, TIMESTAMP, schema_for
 
+if TYPE_CHECKING:
+    from ingest.journal import Journal  # which imports this module
+
 MARKER = "gpufail.json"
 # Snappy reads 2-3.5x faster than zstd here (PERFORMANCE.md) and raw data is re-read nightly.
 COMPRESSION = "snappy"
 ROW_GROUP_SIZE = 1_000_000
+# A part file's name ends in the CRC-32 of its bytes (`Store._verify`).
+_CHECKSUMMED = re.compile(r"-crc32-([0-9a-f]{8})\.parquet$")
+# Written files carry page checksums; reads through pyarrow check them.
+_VERIFIED_PARQUET = ds.ParquetFileFormat(
+    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+)
+_HASH_CHUNK = 4 << 20
+# (path, size, mtime) of the local files this process has verified: a file is hashed once per
+# process, whichever Store object (or Dask task's copy of one) reads it. Part files are never
+# rewritten in place, so a file with another size or mtime is checked again.
+_VERIFIED: set[tuple[str, int, int]] = set()
 
 
 class Store:
@@ -63,17 +91,19 @@ class Store:
         """Open an existing data root; refuse anything that is not one."""
         fs, path = fsspec.core.url_to_fs(root)
         marker = f"{path.rstrip('/')}/{MARKER}"
-        if not fs.exists(path):
-            raise StoreError(
-                f"data root {root!r} does not exist; create it with `gpufail simulate` or `gpufail collect`"
-            )
-        if not fs.exists(marker):
-            raise StoreError(
-                f"data root {root!r} is not a gpufail dataset: {MARKER} is missing "
-                "(expected a folder written by gpufail)"
-            )
+        with guarded("open the data root", path):
+            if not fs.exists(path):
+                raise StoreError(
+                    f"data root {root!r} does not exist; create it with `gpufail simulate` or `gpufail collect`"
+                )
+            if not fs.exists(marker):
+                raise StoreError(
+                    f"data root {root!r} is not a gpufail dataset: {MARKER} is missing "
+                    "(expected a folder written by gpufail)"
+                )
+            text = fs.cat_file(marker)
         try:
-            info = json.loads(fs.cat_file(marker))
+            info = json.loads(text)
             version = int(info["schema_version"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(
@@ -90,14 +120,15 @@ class Store:
         """Open a data root, creating it if the folder is absent or empty."""
         fs, path = fsspec.core.url_to_fs(root)
         path = path.rstrip("/")
-        if fs.exists(f"{path}/{MARKER}"):
-            return cls.open(root)
-        if fs.exists(path) and fs.ls(path):
-            raise StoreError(
-                f"data root {root!r} exists, is not empty and is not a gpufail dataset; "
-                "expected an empty or absent folder"
-            )
-        fs.makedirs(path, exist_ok=True)
+        with guarded("create the data root", path):
+            if fs.exists(f"{path}/{MARKER}"):
+                return cls.open(root)
+            if fs.exists(path) and fs.ls(path):
+                raise StoreError(
+                    f"data root {root!r} exists, is not empty and is not a gpufail dataset; "
+                    "expected an empty or absent folder"
+                )
+            fs.makedirs(path, exist_ok=True)
         store = cls(root, fs, path)
         store._write_bytes_atomic(
             f"{path}/{MARKER}", json.dumps({"format": "gpufail", "schema_version": SCHEMA_VERSION}).encode()
@@ -115,10 +146,12 @@ class Store:
     def dates(self, dataset: str) -> list[date]:
         """The partition dates present in a dataset, oldest first."""
         base = self.path(dataset)
-        if not self.fs.exists(base):
-            return []
+        with guarded("list the dataset", base):
+            if not self.fs.exists(base):
+                return []
+            entries = self.fs.ls(base, detail=False)
         found = []
-        for entry in self.fs.ls(base, detail=False):
+        for entry in entries:
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             if name.startswith("date="):
                 found.append(date.fromisoformat(name.removeprefix("date=")))
@@ -133,20 +166,12 @@ class Store:
         types must match or be safely castable), so a bad batch is refused before anything is
         written. Returns the paths written.
         """
-        table = conform(table, dataset)
-        if table.num_rows == 0:
-            return []
-        days = pc.strftime(table["ts"], format="%Y-%m-%d")
-        written = []
-        for day in pc.unique(days).to_pylist():
-            part = table.filter(pc.equal(days, day))
-            written.append(self._write_part(dataset, day, part))
-        return written
+        return [self.write_part(dataset, day, part) for day, part in split_by_day(conform(table, dataset))]
 
     def write_partition(self, dataset: str, day: date, table: pa.Table) -> str:
         """Write one file into `date=day`, for writers that already produce one day at a time."""
         table = conform(table, dataset)
-        return self._write_part(dataset, day.isoformat(), table)
+        return self.write_part(dataset, day.isoformat(), table)
 
     def write_owned(self, dataset: str, day: date, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
         """Write one file of a dataset whose schema a later stage owns (features, predictions,
@@ -155,53 +180,96 @@ class Store:
         `pyarrow.parquet.ParquetWriter` (e.g. `use_dictionary`). A sequence of tables (one
         schema) is one file in which each table starts a new row group, so that a reader
         filtering on what sets them apart skips the others by their statistics."""
-        return self._write_part(dataset, day.isoformat(), table, **parquet_options)
+        return self.write_part(dataset, day.isoformat(), table, **parquet_options)
 
     def read_owned(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> pa.Table | None:
         """All rows of an owned dataset within the given days, or None when it has no file."""
-        files = self.files(dataset, first_day, last_day)
+        files = self.files(dataset, first_day, last_day, verify=True)
         if not files:
             return None
-        found = ds.dataset(files, format="parquet", filesystem=self.fs)
+        found = ds.dataset(files, format=_VERIFIED_PARQUET, filesystem=self.fs)
         if len(files) == 1:
-            return found.to_table()
+            return self._scan(found, found.to_table)
         # A dataset's schema is taken from its first file unless told otherwise, and an owned
         # schema can grow (a newer gpufail adds a column, e.g. predictions' top_features): take
         # every file's columns, so that rows written before the upgrade read with nulls there
         # and the new column is not dropped.
         try:
-            schema = pa.unify_schemas([f.physical_schema for f in found.get_fragments()])
+            schema = pa.unify_schemas([_physical_schema(f) for f in found.get_fragments()])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise StoreError(f"{self.path(dataset)}: the files disagree on a column's type ({exc})") from None
-        return found.replace_schema(schema).to_table()
+        found = found.replace_schema(schema)
+        return self._scan(found, found.to_table)
 
-    def _write_part(self, dataset: str, day: str, table: pa.Table | Sequence[pa.Table], **parquet_options: Any) -> str:
+    def write_part(
+        self,
+        dataset: str,
+        day: str,
+        table: pa.Table | Sequence[pa.Table],
+        *,
+        hidden_prefix: str = "",
+        durable: bool = False,
+        **parquet_options: Any,
+    ) -> str:
+        """Write one part file of `date=day`: to a temporary name, then renamed to
+        `<hidden_prefix>part-<id>-crc32-<crc>.parquet` (a prefix starting with "." keeps it from
+        readers until its writer says otherwise: see `ingest.journal`). `durable`: the file's
+        bytes are on disk before it gets its name (a local store only)."""
         folder = self.path(dataset, f"date={day}")
-        self.fs.makedirs(folder, exist_ok=True)
-        final = f"{folder}/part-{uuid.uuid4().hex}.parquet"
-        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}.parquet"
+        part_id = uuid.uuid4().hex
+        tmp = f"{folder}/{hidden_prefix or '.'}tmp-{part_id}.parquet"
         try:
+            self.fs.makedirs(folder, exist_ok=True)
             pieces = [table] if isinstance(table, pa.Table) else list(table)
-            options = {"compression": COMPRESSION, **parquet_options}
-            with self.fs.open(tmp, "wb") as fh, pq.ParquetWriter(fh, pieces[0].schema, **options) as writer:
-                for piece in pieces:
-                    writer.write_table(piece, row_group_size=ROW_GROUP_SIZE)
+            options = {"compression": COMPRESSION, "write_page_checksum": True, **parquet_options}
+            with self.fs.open(tmp, "wb") as fh:
+                sink = _Crc32Sink(fh)
+                with pq.ParquetWriter(sink, pieces[0].schema, **options) as writer:
+                    for piece in pieces:
+                        writer.write_table(piece, row_group_size=ROW_GROUP_SIZE)
+                if durable and self.is_local:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            final = f"{folder}/{hidden_prefix}part-{part_id}-crc32-{sink.crc:08x}.parquet"
             self.fs.mv(tmp, final)
         except BaseException as exc:
             # Leave nothing behind on any interruption, KeyboardInterrupt included.
-            if self.fs.exists(tmp):
-                self.fs.rm(tmp)
+            remove_quietly(self.fs, tmp)
             if isinstance(exc, OSError):
                 raise StoreError(_write_failure(folder, exc)) from exc
             raise
         return final
 
-    def _write_bytes_atomic(self, final: str, data: bytes) -> None:
-        folder = final.rsplit("/", 1)[0]
-        tmp = f"{folder}/.tmp-{uuid.uuid4().hex}"
-        with self.fs.open(tmp, "wb") as fh:
-            fh.write(data)
-        self.fs.mv(tmp, final)
+    def _write_bytes_atomic(self, final: str, data: bytes, *, durable: bool = False) -> None:
+        """Replace `final` with `data` in one rename. `durable`: on a local store, the bytes and
+        then the rename are on disk when this returns (a power cut keeps the old or the new)."""
+        folder, name = final.rsplit("/", 1)
+        tmp = f"{folder}/{temporary_prefix(name)}{uuid.uuid4().hex}"
+        try:
+            with self.fs.open(tmp, "wb") as fh:
+                fh.write(data)
+                if durable and self.is_local:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            self.fs.mv(tmp, final)
+        except BaseException as exc:
+            remove_quietly(self.fs, tmp)
+            if isinstance(exc, OSError):
+                raise StoreError(describe_os_error(exc, "write", final)) from exc
+            raise
+        if durable:
+            self.sync_folder(folder)
+
+    def sync_folder(self, folder: str) -> None:
+        """Make the names in a local folder (files created or renamed there) survive a power cut."""
+        if not self.is_local:
+            return
+        with guarded("sync", folder):
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -229,53 +297,220 @@ class Store:
         expr = _time_filter(start, end)
         if filter is not None:
             expr = filter if expr is None else expr & filter
-        table = dataset_obj.to_table(columns=columns, filter=expr)
+        table = self._scan(dataset_obj, lambda: dataset_obj.to_table(columns=columns, filter=expr))
         return table.replace_schema_metadata(expected.metadata) if columns is None else table
 
     def dataset(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> ds.Dataset:
         """A pyarrow dataset over the files of `dataset` dated within the given days (all when
-        omitted), each checked against the dataset's schema."""
+        omitted), each checked against the dataset's schema and its checksum (`verify`)."""
         expected = schema_for(dataset)
-        files = self.files(dataset, first_day, last_day)
-        dataset_obj = ds.dataset(files, schema=expected, format="parquet", filesystem=self.fs)
+        files = self.files(dataset, first_day, last_day, verify=True)
+        dataset_obj = ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
         for fragment in dataset_obj.get_fragments():
-            try:
-                physical = fragment.physical_schema
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise StoreError(f"{fragment.path}: not a readable Parquet file ({exc})") from None
-            _check_physical(physical, expected, f"{dataset} file {fragment.path}")
+            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}")
         return dataset_obj
 
-    def files(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> list[str]:
+    def files(
+        self, dataset: str, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
+    ) -> list[str]:
         """Visible part files, pruned by the date in their partition folder's name.
 
         Pruning here, before pyarrow sees the files, means files outside the range are never
-        opened, not even their footers."""
+        opened, not even their footers. Files of a journal's commit still under their hidden
+        name are visible; files of an uncommitted one are not (`ingest.journal`). `verify`:
+        check each file's checksum first (`verify`), for callers about to read them."""
+        from ingest.journal import pending_visibility
+
         files = []
         for day in self.dates(dataset):
             if (first_day and day < first_day) or (last_day and day > last_day):
                 continue
-            for f in self.fs.ls(self.path(dataset, f"date={day.isoformat()}"), detail=False):
-                name = f.rsplit("/", 1)[-1]
-                if name.endswith(".parquet") and not name.startswith((".", "_")):
-                    files.append(f)
-        return sorted(files)
+            folder = self.path(dataset, f"date={day.isoformat()}")
+            with guarded("list the partition", folder):
+                names = [f.rsplit("/", 1)[-1] for f in self.fs.ls(folder, detail=False)]
+            visible = [n for n in names if n.endswith(".parquet") and not n.startswith((".", "_"))]
+            visible += pending_visibility(self, names)
+            files += [f"{folder}/{name}" for name in visible]
+        files.sort()
+        if verify:
+            for path in files:
+                self.verify(path)
+        return files
+
+    def verify(self, path: str) -> None:
+        """Refuse a part file whose bytes are not those written: the CRC-32 in its name
+        (`write_part`) is compared with the file's, on a local store, once per process.
+        Remote files are checked page by page as pyarrow reads them (`_VERIFIED_PARQUET`)
+        rather than downloaded twice; object stores keep checksums of their own."""
+        match = _CHECKSUMMED.search(path)
+        if match is None or not self.is_local:
+            return
+        with guarded("read", path):
+            stat = os.stat(path)
+            key = (path, stat.st_size, stat.st_mtime_ns)
+            if key in _VERIFIED:
+                return
+            crc = 0
+            with open(path, "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+        if f"{crc:08x}" != match[1]:
+            raise StoreError(
+                f"{path}: corrupt file (CRC-32 {crc:08x}, written as {match[1]}); its rows are not used. "
+                + corrupt_remedy(path)
+            )
+        _VERIFIED.add(key)
+
+    def _scan(self, dataset_obj: ds.Dataset, read: Any) -> pa.Table:
+        """`read()` of a dataset; a file that cannot be decoded (a corrupt page, a failed page
+        checksum, an I/O error) is named in a one-line error. Only on failure is each file read
+        alone to find which one it was."""
+        try:
+            return read()
+        except (OSError, pa.ArrowException) as exc:
+            for fragment in dataset_obj.get_fragments():
+                try:
+                    fragment.to_table()
+                except (OSError, pa.ArrowException) as bad:
+                    raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(bad)})") from None
+            raise StoreError(f"{self.root}: could not read the files ({_one_line(exc)})") from None
 
     # -- small state files -----------------------------------------------------------------
 
     def read_state(self, name: str) -> dict[str, Any] | None:
+        state = self.read_state_raw(name)
+        if state is not None:
+            state.pop(COMMIT_KEY, None)
+        return state
+
+    def write_state(self, name: str, state: dict[str, Any], *, durable: bool = False) -> None:
+        folder = self.path("_state")
+        with guarded("create", folder):
+            self.fs.makedirs(folder, exist_ok=True)
+        data = json.dumps(state, indent=1, default=str).encode()
+        self._write_bytes_atomic(f"{folder}/{name}.json", data, durable=durable)
+
+    def read_state_raw(self, name: str) -> dict[str, Any] | None:
+        """The state file as written, with a journal's commit record (`COMMIT_KEY`)."""
         path = self.path("_state", f"{name}.json")
-        if not self.fs.exists(path):
-            return None
+        with guarded("read", path):
+            if not self.fs.exists(path):
+                return None
+            text = self.fs.cat_file(path)
         try:
-            return json.loads(self.fs.cat_file(path))
+            state = json.loads(text)
         except ValueError as exc:
             raise StoreError(f"{path}: corrupt state file ({exc}); expected JSON") from None
+        if not isinstance(state, dict):
+            raise StoreError(f"{path}: corrupt state file; expected a JSON object")
+        return state
 
-    def write_state(self, name: str, state: dict[str, Any]) -> None:
-        folder = self.path("_state")
-        self.fs.makedirs(folder, exist_ok=True)
-        self._write_bytes_atomic(f"{folder}/{name}.json", json.dumps(state, indent=1, default=str).encode())
+    def journal(self, name: str, datasets: Sequence[str]) -> Journal:
+        """Commit rows of `datasets` together with the state `name` (`ingest.journal`); use as
+        a context manager (it holds a lock on a local store)."""
+        from ingest.journal import Journal
+
+        return Journal(self, name, tuple(datasets))
+
+
+def temporary_prefix(name: str) -> str:
+    """How the temporary files of `_write_bytes_atomic(.../name)` begin (hidden from readers;
+    the owner of `name` may delete those a crash left)."""
+    return f".tmp-{name}-"
+
+
+# The key of a state file that holds a journal's last commit (`ingest.journal`).
+COMMIT_KEY = "_commit"
+
+
+@contextmanager
+def guarded(action: str, path: str) -> Iterator[None]:
+    """Turn an OSError raised inside into a one-line `StoreError` naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise StoreError(describe_os_error(exc, action, path)) from exc
+
+
+def describe_os_error(exc: OSError, action: str, path: str) -> str:
+    """The one-line message for an OSError of the store: path, action, reason, what to do."""
+    reason = exc.strerror or _one_line(exc) or type(exc).__name__
+    where = exc.filename if isinstance(exc.filename, str) and exc.filename else path
+    hint = _HINTS.get(exc.errno or 0, "")
+    return f"{where}: could not {action} ({reason}){hint}"
+
+
+_HINTS = {
+    errno.EROFS: "; the data root is on a read-only file system: remount it writable or give another --data",
+    errno.ENOSPC: "; free space there and run again",
+    errno.EDQUOT: "; free space there (disk quota) and run again",
+    errno.EACCES: "; gpufail needs read and write access to the data root",
+    errno.EPERM: "; gpufail needs read and write access to the data root",
+}
+
+
+class _Crc32Sink:
+    """A write-only file that passes bytes on and keeps their CRC-32 (the file's checksum,
+    without reading it back)."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+        self.crc = 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self._fh.write(data)  # type: ignore[no-any-return]
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._fh.closed)
+
+
+def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
+    try:
+        return fragment.physical_schema
+    except (OSError, pa.ArrowException) as exc:
+        raise StoreError(f"{fragment.path}: not a readable Parquet file ({_one_line(exc)})") from None
+
+
+_DATED_PART = re.compile(r"/([a-z_]+)/date=(\d{4}-\d{2}-\d{2})/[^/]+$")
+
+
+def corrupt_remedy(path: str) -> str:
+    """What to do about a corrupt part file, by the dataset it belongs to: derived datasets are
+    rebuilt by the command that wrote them, raw data is restored or ingested again."""
+    match = _DATED_PART.search(path)
+    dataset, day = (match[1], date.fromisoformat(match[2])) if match else ("", None)
+    if dataset == "features" and day is not None:
+        return f"Rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
+    if dataset == "predictions":
+        return "Remove it and score again with gpufail score"
+    return "Restore it from a copy of the data root, or remove it and ingest its source again"
+
+
+def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Best-effort cleanup on a failure path: the failure being reported matters more."""
+    try:
+        if fs.exists(path):
+            fs.rm(path)
+    except OSError:
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def split_by_day(table: pa.Table) -> Iterator[tuple[str, pa.Table]]:
+    """(YYYY-MM-DD, rows) for each UTC date of `table["ts"]`, in order of first appearance."""
+    if table.num_rows == 0:
+        return
+    days = pc.strftime(table["ts"], format="%Y-%m-%d")
+    for day in pc.unique(days).to_pylist():
+        yield day, table.filter(pc.equal(days, day))
 
 
 def _check_physical(physical: pa.Schema, expected: pa.Schema, where: str) -> None:
@@ -331,9 +566,8 @@ def _utc(moment: datetime) -> datetime:
 
 def _write_failure(folder: str, exc: OSError) -> str:
     """The one-line error for a part file that could not be written (disk full, no permission)."""
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    out_of_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = exc.strerror or _one_line(exc) or type(exc).__name__
     return (
         f"{folder}: could not write a part file ({reason}); nothing of it was kept and the files "
-        f"already there are untouched{'; free space there and run again' if out_of_space else ''}"
+        f"already there are untouched{_HINTS.get(exc.errno or 0, '')}"
     )

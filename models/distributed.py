@@ -43,7 +43,7 @@ from models.train import (
     matching_features,
     sample_negatives,
 )
-from models.train_store import calibrated_from_store, store_training_bounds, window_label_counts
+from models.train_store import calibrated_from_store, store_training_bounds, window_label_counts, with_store_spec
 
 DASK_KINDS = ("lightgbm", "xgboost")
 _LABEL, _TS = "_label", "_ts"
@@ -114,6 +114,7 @@ def train_model_distributed(client: Any, store: Store, options: TrainOptions) ->
             f"model kind {options.kind!r}: training on Dask supports {list(DASK_KINDS)}; "
             "set [dask] scheduler = '' to train it on one machine"
         )
+    options = with_store_spec(store, options)
     return calibrated_from_store(store, options, lambda fit_options: _train_distributed(client, store, fit_options))
 
 
@@ -189,4 +190,5 @@ def _train_distributed(client: Any, store: Store, options: TrainOptions) -> Trai
         pos_weight=odds_factor(pos_weight, negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=negative_fraction,
+        feature_spec=options.carried_spec(),
     )

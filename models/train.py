@@ -1,8 +1,9 @@
 """Train one model on a window of a feature frame, and save or load it with its metadata.
 
 A saved model is a folder of two files: `model.joblib` (a joblib pickle of a `TrainedModel`)
-and `metadata.json` (its description and the library versions it was trained with, readable
-without unpickling).
+and `metadata.json` (its description, the feature spec and the library versions it was trained
+with, readable without unpickling). A model carries the `features.spec.FeatureSpec` of the
+features it was trained on: whatever builds features for it builds them with that spec.
 Negative subsampling (`negative_fraction` r): healthy rows outnumber failing ones ~300:1, and
 most of them say the same thing. Keeping a random share r of the negatives (every positive
 kept) makes a fit ~1/r times cheaper and, on the demo, ranks as well (see `train_model`). It
@@ -34,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from features.sample_key import drawn, sample_keys
+from features.spec import FeatureSpec
 from ingest.errors import InputError
 from models.calibration import Calibration, check_method, fit_calibration
 from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
@@ -54,6 +56,10 @@ class ModelVersionWarning(UserWarning):
 class UncalibratedModelWarning(UserWarning):
     """A saved model has no calibration (written before models carried one): its risk is the
     odds-corrected model output, not a calibrated probability."""
+
+
+class ModelSpecWarning(UserWarning):
+    """A saved model records no feature spec (saved before models carried one)."""
 
 
 def one_blas_thread() -> Any:
@@ -108,12 +114,21 @@ class TrainOptions:
     `calibration_window` of labelled rows after the training window (`calibration_bounds`);
     None: none (the walk-forward calibrates its fits itself)."""
     calibration_window: DurationLike = "7d"
+    feature_spec: FeatureSpec | None = None
+    """The spec of the features trained on, which the model carries. From a store, the spec its
+    features record wins, and a different one here is refused (`models.train_store`); None:
+    that spec, else the default settings with this horizon (`carried_spec`)."""
 
     @property
     def window_name(self) -> str:
         """How error messages name the training window."""
         end = "the last settled label" if self.as_of is None else f"{self.as_of} - {self.horizon}"
         return f"training window of {self.train_window} before {end}"
+
+    def carried_spec(self) -> FeatureSpec:
+        """The spec the model will carry: `feature_spec`, else the default settings with the
+        label horizon trained on."""
+        return self.feature_spec or spec_with_horizon(self.horizon)
 
     def drawn_from(self, n_negative: int, n_positive: int) -> TrainOptions:
         """These options with `negative_fraction` the share drawn from a window of these label
@@ -201,6 +216,9 @@ class TrainedModel:
     trained_at: pd.Timestamp = field(default_factory=lambda: pd.Timestamp.now(tz="UTC"))
     negative_fraction: float = 1.0
     """Share of the window's negative rows the model was fit on (`n_rows` counts the sample)."""
+    feature_spec: FeatureSpec = field(default_factory=FeatureSpec)
+    """The spec of the features the model was trained on: scoring and serving build features
+    with it and refuse features built with another (`features.manifest.check_spec`)."""
     calibration: Calibration | None = None
     """The map from odds-corrected to calibrated risk, fitted after the training window (None:
     an uncalibrated model, e.g. one saved before models carried a calibration)."""
@@ -286,6 +304,8 @@ class TrainedModel:
             "horizon_h": self.horizon / pd.Timedelta(hours=1),
             "pos_weight": self.pos_weight,
             "negative_fraction": getattr(self, "negative_fraction", 1.0),
+            "feature_spec": self.feature_spec.to_json(),
+            "feature_spec_fingerprint": self.feature_spec.fingerprint,
             "trained_at": self.trained_at.isoformat(),
             "versions": self.versions,
             "calibrated": self.calibrated,
@@ -568,7 +588,17 @@ def train_model_on_sample(rows: Any, options: TrainOptions) -> TrainedModel:
         pos_weight=odds_factor(pos_weight, options.negative_fraction),
         versions=library_versions(kind, user_params),
         negative_fraction=options.negative_fraction,
+        feature_spec=options.carried_spec(),
     )
+
+
+def spec_with_horizon(horizon: DurationLike) -> FeatureSpec:
+    """The default feature settings with this label horizon (the defaults alone when it does
+    not fit the default grid)."""
+    try:
+        return FeatureSpec(horizon=as_timedelta(horizon, "horizon").to_pytimedelta())
+    except (ValueError, TypeError):
+        return FeatureSpec()
 
 
 # -- persistence ----------------------------------------------------------------------------
@@ -675,6 +705,16 @@ def load_model(path: str | os.PathLike[str]) -> TrainedModel:
         ) from exc
     if not isinstance(model, TrainedModel):
         raise InputError(f"model file {file}: expected a TrainedModel, got {type(model).__name__}")
+    if "feature_spec" not in vars(model):
+        # Saved before models carried their spec: it was evidently built with the defaults.
+        model.feature_spec = spec_with_horizon(model.horizon)
+        warnings.warn(
+            f"model {folder} records no feature spec (saved before models carried one); it is taken as built "
+            f"with the default settings and its horizon (feature spec {model.feature_spec.fingerprint}): retrain "
+            "it if its features were built otherwise",
+            ModelSpecWarning,
+            stacklevel=2,
+        )
     if not model.calibrated:
         warnings.warn(
             f"model {folder} has no calibration (format {meta.get('format_version', 1)}): it is served "

@@ -22,8 +22,10 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from features.build import FEATURES_DATASET, feature_files, read_features
+from features.manifest import recorded_spec
 from features.sample_key import SAMPLE_KEY, key_threshold
 from features.schema import TS_DTYPE
+from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
 from models.calibration import check_method
@@ -96,7 +98,11 @@ def store_training_bounds(
 
 
 def _window_files(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> list[str]:
-    return [] if end <= start else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date())
+    return (
+        []
+        if end <= start
+        else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date(), verify=True)
+    )
 
 
 def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> tuple[int, int]:
@@ -172,7 +178,7 @@ def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.Da
     if not store.is_local:
         wide = read_features(store, start=day_start, end=day_start + timedelta(days=1))
         return wide.join(wanted, on=_KEYS, how="semi")
-    files = feature_files(store, day_start.date(), day_start.date())
+    files = feature_files(store, day_start.date(), day_start.date(), verify=True)
     hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
     return (
         pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
@@ -208,10 +214,32 @@ def calibrated_from_store(
     )
 
 
+def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:
+    """`options` with the feature spec the store's features record (the model trained on them
+    carries it). A different spec in `options` (the configuration's) is refused: a model would
+    carry settings its features were not built with. Unrecorded (features built before specs
+    were recorded): the spec of `options`, else the default spec."""
+    built = recorded_spec(store)
+    if built is None:
+        return options
+    if options.feature_spec is not None:
+        require_spec(
+            built,
+            options.feature_spec,
+            features=f"{store.root}: the features",
+            user="the training settings ask for",
+            remedy="rebuild the features with these settings (gpufail features --overwrite) or train with the "
+            "settings the features were built with",
+        )
+    return replace(options, feature_spec=built)
+
+
 def train_model_from_store(store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` on the store's features, with the same options and the same
-    model (its calibration included), holding the sample in memory instead of the window."""
+    model (its calibration included), holding the sample in memory instead of the window. The
+    model carries the spec the features were built with (`with_store_spec`)."""
     check_model_kind(options.kind, options.params)  # before anything is read: a bad setting fails fast
+    options = with_store_spec(store, options)
     return calibrated_from_store(store, options, lambda fit_options: _train_from_store(store, fit_options))
 
 

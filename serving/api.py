@@ -11,6 +11,7 @@ Endpoints (docs/serving.md has examples):
   and XID events (scored per request) -> risk, rank, tier, top contributing features;
 - `GET /v1/gpus/at-risk?top=K`, `GET /v1/nodes/{node}`: the fleet's latest scores;
 - `GET /metrics`: Prometheus exposition;
+- `GET /`, `/nodes/{node}`, `/actions`: the operator's pages (`serving.web`);
 - `POST /v1/admin/reload`: look for a new model and features now (admin token).
 
 Read endpoints are open unless [serve] read_requires_token; admin endpoints always need the
@@ -49,6 +50,7 @@ from serving.api_schemas import (
     ReloadResponse,
 )
 from serving.api_state import FeatureStore, ModelSource, ServeOptions, ServingState, Snapshot, calibration_payload
+from serving.web import operator_pages
 
 log = logging.getLogger("gpufail.serve")
 
@@ -199,6 +201,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(state.refresh)
+        pages.warm_up()
         if start_polling:
             state.start_polling()
         yield
@@ -235,16 +238,19 @@ def create_app(
         if not _matches(_token(credentials), options.admin_token):
             raise HTTPException(401, "Authorization: the token is not the admin token", {"WWW-Authenticate": "Bearer"})
 
-    async def require_read(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
-        token = _token(credentials)
+    def _read_token_ok(token: str) -> bool:
         # Both compared, so the time taken does not tell which token was close.
         read_ok, admin_ok = _matches(token, options.read_token), _matches(token, options.admin_token)
-        if not (read_ok or admin_ok):
+        return read_ok or admin_ok
+
+    async def require_read(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        if not _read_token_ok(_token(credentials)):
             raise HTTPException(
                 401, "Authorization: the token is not a read or admin token", {"WWW-Authenticate": "Bearer"}
             )
 
     read_deps = [Depends(require_read)] if options.read_requires_token else []
+    pages = operator_pages(state, _read_token_ok)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -372,7 +378,7 @@ def create_app(
             )
 
         def featurise_and_score() -> tuple[list[dict[str, Any]], set[str]]:
-            frame, sent = telemetry_frame(telemetry, request.xid_events or [], options.featurise)
+            frame, sent = telemetry_frame(telemetry, request.xid_events or [], served.model.feature_spec)
             return score_rows(served.model, frame, options.tiers, top, served.version), sent
 
         gpus, sent = await run_in_threadpool(featurise_and_score)
@@ -497,6 +503,8 @@ def create_app(
         }
         return _json(body, 409 if outcome.error else 200)
 
+    # The operator's pages (`/`, `/nodes/{node}`, `/actions`): same snapshot, same read rule.
+    app.include_router(pages.router)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

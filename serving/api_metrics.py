@@ -197,9 +197,13 @@ class _StoreCollector(Collector):
 
         gauge = GaugeMetricFamily(
             "gpufail_failed_gpus_24h",
-            "GPUs with a failure XID ([labels] failure_xids) in the store's xid_events within the last 24 h",
+            "GPUs with a failure XID (the served model's feature spec's failure_xids) in the store's xid_events "
+            "within the last 24 h",
         )
-        xids = self.state.options.featurise.get("failure_xids")
+        served = self.state.snapshot.served
+        if served is None:
+            return [gauge]  # no model, no failure XIDs to count by: no sample
+        xids = served.model.feature_spec.failure_xids
         if not xids or not store.exists("xid_events"):
             gauge.add_metric([], 0.0)
             return [gauge]

@@ -2,8 +2,9 @@
 
 Feature rows are put into a feature frame with the model's columns (a feature the row does not
 give is missing, as a null in the store would be); telemetry rows and XID events go through
-`features.build.build_features`, the code that builds the training features, with the
-configured [features] and [labels] settings, and each GPU's newest grid row is scored. Features
+`features.build.build_features`, the code that builds the training features, with the served
+model's feature spec (the settings its training features were built with, whatever the
+configuration says today), and each GPU's newest grid row is scored. Features
 that compare a GPU with its peers (node and fleet medians) see only the GPUs of the request:
 send a node's GPUs together.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from features.spec import FeatureSpec
 from ingest.errors import InputError
 from models.frame import CATEGORICAL_COLUMNS
 from models.train import TrainedModel
@@ -55,10 +57,9 @@ def feature_frame(rows: list[Any], model: TrainedModel) -> pd.DataFrame:
     return frame
 
 
-def telemetry_frame(
-    telemetry: list[Any], xid_events: list[Any], featurise: dict[str, Any]
-) -> tuple[pd.DataFrame, set[str]]:
-    """Each GPU's newest feature row built from raw samples (and the uuids sent)."""
+def telemetry_frame(telemetry: list[Any], xid_events: list[Any], spec: FeatureSpec) -> tuple[pd.DataFrame, set[str]]:
+    """Each GPU's newest feature row built from raw samples with `spec` (the served model's),
+    and the uuids sent."""
     import polars as pl
     import pyarrow as pa
 
@@ -73,7 +74,7 @@ def telemetry_frame(
     try:
         tel = pa.Table.from_pylist([r.model_dump() for r in telemetry], schema=schema_for("telemetry"))
         xids = pa.Table.from_pylist(xid_rows, schema=schema_for("xid_events"))
-        built = build_features(tel, xids, **featurise)
+        built = build_features(tel, xids, spec)
     except (ValueError, TypeError, ArithmeticError, pa.ArrowException, pl.exceptions.PolarsError) as exc:
         # The rows passed validation one by one; this is about them together (or their values).
         raise InputError(f"telemetry: cannot build features from these rows ({type(exc).__name__}: {exc})") from exc

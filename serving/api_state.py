@@ -28,10 +28,12 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from features.spec import FeatureSpec
 from ingest.errors import GpufailError, InputError
 from models.train import TrainedModel, load_model
 from serving.policy import PolicyConfig
 from serving.score import latest_rows, score_latest
+from serving.score_store import check_model_spec
 
 log = logging.getLogger("gpufail.serve")
 
@@ -54,8 +56,6 @@ class ServeOptions:
     features_max_age_s: float = 30 * 3600.0
     """0: the age of the features is not checked."""
     metrics_top: int = 20
-    featurise: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of `features.build.build_features` ([features] and [labels])."""
 
 
 # -- where models and features come from -------------------------------------------------------
@@ -159,6 +159,8 @@ class LatestFeatures:
     """Each GPU's row at the newest grid time of the features dataset."""
     fingerprint: str
     ts: pd.Timestamp | None
+    spec: FeatureSpec | None = None
+    """The spec the features were built with (None: not recorded, `features.manifest`)."""
 
 
 class FeatureStore:
@@ -184,15 +186,17 @@ class FeatureStore:
 
     def load(self) -> LatestFeatures:
         from features.build import read_newest_grid_time
+        from features.manifest import recorded_spec
 
         store = self._store()
         fingerprint = self.fingerprint()
         if fingerprint is None:
             raise InputError(f"{self.root}: no features dataset; run `gpufail features --data {self.root}`")
+        spec = recorded_spec(store)
         frame = read_newest_grid_time(store)
         latest = latest_rows(frame.to_pandas()).reset_index(drop=True)
         ts = pd.Timestamp(latest["ts"].max()) if len(latest) else None
-        return LatestFeatures(latest, fingerprint, ts)
+        return LatestFeatures(latest, fingerprint, ts, spec)
 
 
 # -- the fleet scored once per (model, features) -----------------------------------------------
@@ -431,8 +435,11 @@ class ServingState:
         self._on_reload("loaded")
 
     def _fleet(self, served: ServedModel | None, features: LatestFeatures | None) -> Fleet | None:
+        """The fleet scored with `served`, refused when the features were built with another
+        spec than the model's (the model or the features that came last is not taken)."""
         if served is None or features is None:
             return None
+        check_model_spec(served.model, features.spec, self.feature_store.root)
         return score_fleet(served.model, features.frame, self.options.tiers, self.options.max_top_features)
 
     # -- readiness and polling

@@ -16,7 +16,7 @@ date of the decisions), never rewritten. A file is first written complete under 
 `.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name
 (`finish_audit`); `append_audit` does both. A caller that keeps state commits the staged file's
 names with its state between the two steps, so that a run killed at any point leaves its rows
-either recorded once or not at all (`gpufail.publishing`).
+either recorded once or not at all (`serving.publishing`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ With `top_features=k`, the predictions also carry `TOP_FEATURES_FIELD`: each GPU
 of largest absolute contribution to its score (`models.explain`), largest first, so that the
 audit log records why a node was acted on. The column is optional: predictions written before
 it, or without explanations, lack it, and readers take it as absent (see
-`gpufail.publishing.top_features_by_gpu`).
+`serving.publishing.top_features_by_gpu`).
 """
 
 from __future__ import annotations

@@ -79,12 +79,11 @@ def assert_train_reads_its_window_and_fits_what_all_history_gives(data, model_di
     import numpy as np
 
     from features.build import read_features
-    from gpufail.cli import _train_options
     from gpufail.config import load_settings
     from models.train import load_model, train_model
 
     everything = read_features(Store.open(str(data)))
-    model = train_model(everything, _train_options(load_settings(environ={})))
+    model = train_model(everything, load_settings(environ={}).train_options())
     trained = load_model(model_dir)
     assert trained.version == model.version
     probe = everything.tail(300)

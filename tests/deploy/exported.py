@@ -48,14 +48,13 @@ def server_metrics(tmp: Path) -> set[str]:
     """Every name `gpufail serve`'s /metrics can carry (with no model nor data, each family is
     still described)."""
     from gpufail.config import load_settings
-    from gpufail.publishing import policy_config
     from ingest.store import Store
     from serving.api_metrics import ApiMetrics
     from serving.api_state import FeatureStore, ModelFolder, ServeOptions, ServingState
 
     root = str(tmp / "data")
     Store.create(root)
-    options = ServeOptions(data_root=root, tiers=policy_config(load_settings(environ={}).publish))
+    options = ServeOptions(data_root=root, tiers=load_settings(environ={}).publish.policy_config())
     metrics = ApiMetrics()
     metrics.watch(ServingState(options, ModelFolder(tmp / "model"), FeatureStore(root)), top=5)
     return exposed(metrics.registry)
@@ -82,10 +81,9 @@ def metric_names(expr: str) -> set[str]:
 def server_app_routes() -> set[str]:
     """The paths `gpufail serve`'s app answers."""
     from gpufail.config import load_settings
-    from gpufail.publishing import policy_config
     from serving.api import create_app
     from serving.api_state import ModelFolder, ServeOptions
 
-    options = ServeOptions(data_root="unused", tiers=policy_config(load_settings(environ={}).publish))
+    options = ServeOptions(data_root="unused", tiers=load_settings(environ={}).publish.policy_config())
     app = create_app(options, ModelFolder("unused"))
     return {getattr(route, "path", "") for route in app.routes}

@@ -79,6 +79,7 @@ def test_gpufail_serve_needs_only_the_serve_extra(tmp_path):
         gpus = httpx.get(server.url + "/v1/gpus/at-risk", params={"top": 3, "top_features": 2}, timeout=30)
         assert gpus.status_code == 200, gpus.text
         assert "gpufail_ready 1.0" in httpx.get(server.url + "/metrics", timeout=30).text
+        assert httpx.get(server.url + "/", timeout=30).status_code == 200  # the operator's pages
     finally:
         server.stop()
     assert "not in this install" not in server.logs()

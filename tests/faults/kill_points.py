@@ -35,7 +35,7 @@ from typing import Any
 PRELOAD = [
     "gpufail.cli",
     "gpufail.config",
-    "gpufail.publishing",
+    "serving.publishing",
     "features.build",
     "models.explain",
     "models.train",

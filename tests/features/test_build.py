@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import polars as pl
@@ -18,6 +19,7 @@ from features.bench import (
     synthetic_xids,
 )
 from features.build import (
+    BuildOptions,
     build_features,
     build_features_from_store,
     empty_features,
@@ -36,6 +38,7 @@ from features.schema import (
     validate_features,
     window_label,
 )
+from features.spec import FeatureSpec
 from features.windows import hourly_aggregate
 from ingest.schema import metric_columns
 from ingest.store import Store
@@ -56,7 +59,7 @@ def fleet() -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def test_columns_types_and_order(fleet):
     tel, events = fleet
-    out = build_features(tel, events, windows=WINDOWS)
+    out = build_features(tel, events, FeatureSpec(windows=WINDOWS))
     validate_features(out)
     assert out.columns[: len(ID_COLUMNS)] == ID_COLUMNS
     assert out.columns[-2:] == LABEL_COLUMNS
@@ -91,8 +94,8 @@ def test_columns_types_and_order(fleet):
 
 def test_empty_features_has_the_columns_of_a_build(fleet):
     tel, events = fleet
-    out = build_features(tel, events, windows=WINDOWS)
-    empty = empty_features(tel.columns, windows=WINDOWS)
+    out = build_features(tel, events, FeatureSpec(windows=WINDOWS))
+    empty = empty_features(tel.columns, FeatureSpec(windows=WINDOWS))
     assert empty.height == 0
     assert empty.schema == out.schema
 
@@ -117,7 +120,7 @@ def test_window_labels():
 
 def test_write_and_read_features_round_trip(tmp_path, fleet):
     tel, events = fleet
-    out = build_features(tel, events, windows=WINDOWS)
+    out = build_features(tel, events, FeatureSpec(windows=WINDOWS))
     store = Store.create(str(tmp_path / "data"))
     written = write_features(store, out)
     assert len(written) == out["ts"].dt.date().n_unique()
@@ -139,19 +142,16 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     # that day, block, shard, part and chunk edges and the carried raw rows are exercised.
     summary = build_features_from_store(
         store,
-        windows=WINDOWS,
-        rows_per_chunk=500,
-        rows_per_part=700,
-        max_buckets_in_memory=0,
-        block_days=1,
-        flush_rows=500,
-        progress=False,
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(
+            rows_per_chunk=500, rows_per_part=700, max_buckets_in_memory=0, block_days=1, flush_rows=500, progress=False
+        ),
     )
     assert summary.blocks == 3  # 72 h: three days, each emitted on its own
     assert summary.shards == tel.select("cluster", "node").n_unique() > 1
     assert summary.telemetry_rows_read == tel.height  # each raw row is read once
     stored = read_features(store)
-    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert summary.rows == stored.height == expected.height
     assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
     assert stored.filter(pl.col("gpu_uuid") == "GPU-00000004")["ts"].max() <= T0 + 40 * H
@@ -160,9 +160,11 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     # A second build over the same days is refused, then replaces the files when asked to;
     # this time everything fits the budget: one shard, one block.
     with pytest.raises(FileExistsError, match="overwrite"):
-        build_features_from_store(store, windows=WINDOWS, progress=False)
+        build_features_from_store(store, FeatureSpec(windows=WINDOWS), BuildOptions(progress=False))
     before = set(feature_files(store))
-    summary = build_features_from_store(store, windows=WINDOWS, overwrite=True, progress=False)
+    summary = build_features_from_store(
+        store, FeatureSpec(windows=WINDOWS), BuildOptions(progress=False), overwrite=True
+    )
     assert summary.blocks == 1 and summary.shards == 1 and summary.telemetry_rows_read == tel.height
     assert summary.files_replaced == len(before)
     assert not before & set(feature_files(store))
@@ -174,19 +176,25 @@ def test_building_part_of_a_store(tmp_path, fleet):
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
-    summary = build_features_from_store(store, windows=WINDOWS, start=T0 + 30 * H, end=T0 + 50 * H, progress=False)
+    summary = build_features_from_store(
+        store, FeatureSpec(windows=WINDOWS), BuildOptions(progress=False), start=T0 + 30 * H, end=T0 + 50 * H
+    )
     stored = read_features(store)
     # Whole UTC days: day 2 (24:00 .. 47:00 ... 48:00 is day 3) up to the day holding 50:00.
     assert stored["ts"].min() == T0 + 24 * H
     assert stored["ts"].max() == T0 + 71 * H  # the data ends at 71:59
-    expected = build_features(tel, events, windows=WINDOWS).filter(pl.col("ts") >= T0 + 24 * H).sort("ts", "gpu_uuid")
+    expected = (
+        build_features(tel, events, FeatureSpec(windows=WINDOWS))
+        .filter(pl.col("ts") >= T0 + 24 * H)
+        .sort("ts", "gpu_uuid")
+    )
     assert summary.data_end == tel["ts"].max()
     assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
 def test_an_empty_store_builds_nothing(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    summary = build_features_from_store(store, progress=False)
+    summary = build_features_from_store(store, options=BuildOptions(progress=False))
     assert summary.rows == 0 and read_features(store).height == 0
 
 
@@ -198,8 +206,10 @@ def test_bench_reports_a_rate():
 
 def test_row_order_of_the_input_does_not_matter(fleet):
     tel, events = fleet
-    expected = build_features(tel, events, windows=WINDOWS)
-    shuffled = build_features(tel.sample(fraction=1.0, shuffle=True, seed=5), events.reverse(), windows=WINDOWS)
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS))
+    shuffled = build_features(
+        tel.sample(fraction=1.0, shuffle=True, seed=5), events.reverse(), FeatureSpec(windows=WINDOWS)
+    )
     assert_frame_equal(shuffled, expected, check_exact=False, rel_tol=1e-6, abs_tol=1e-5)
 
 
@@ -211,7 +221,9 @@ def test_a_store_on_another_filesystem_builds_the_same(tmp_path, fleet):
     for store in (local, remote):
         store.write("telemetry", tel.to_arrow())
         store.write("xid_events", events.to_arrow())
-        build_features_from_store(store, windows=WINDOWS, max_buckets_in_memory=0, progress=False)
+        build_features_from_store(
+            store, FeatureSpec(windows=WINDOWS), BuildOptions(max_buckets_in_memory=0, progress=False)
+        )
     assert_frame_equal(read_features(remote), read_features(local))
     remote.fs.rm(remote.path(), recursive=True)
 
@@ -259,8 +271,8 @@ def test_an_xid_seen_by_both_nvml_and_the_kernel_log_counts_once_in_the_features
     nvml_copies = events.with_columns(
         pl.col("ts") + pl.duration(seconds=30), pl.col("last_ts") + pl.duration(seconds=30), source=pl.lit("nvml")
     )
-    expected = build_features(tel, events, windows=WINDOWS)
-    both = build_features(tel, pl.concat([events, nvml_copies]), windows=WINDOWS)
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS))
+    both = build_features(tel, pl.concat([events, nvml_copies]), FeatureSpec(windows=WINDOWS))
     assert_frame_equal(both, expected)
     xid_columns = [c for c in expected.columns if c.startswith("xid_") and "count" in c]
     assert xid_columns and expected.select(pl.sum_horizontal(xid_columns).sum()).item() > 0
@@ -272,8 +284,10 @@ def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
     tel, events = fleet
     hourly = hourly_aggregate(tel, H)
     end = tel["ts"].max()
-    whole = features_from_buckets(hourly, events, data_end=end, windows=WINDOWS)
-    parts = list(iter_features_from_buckets(hourly, events, data_end=end, windows=WINDOWS, rows_per_part=100))
+    whole = features_from_buckets(hourly, events, FeatureSpec(windows=WINDOWS), data_end=end)
+    parts = list(
+        iter_features_from_buckets(hourly, events, FeatureSpec(windows=WINDOWS), data_end=end, rows_per_part=100)
+    )
     assert len(parts) > 2
     for part in parts:  # whole GPUs: no GPU is split across parts
         assert part.height > 0
@@ -283,7 +297,7 @@ def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
     # An emitted range that keeps no row still yields one (empty) frame with every column.
     none = list(
         iter_features_from_buckets(
-            hourly, events, data_end=end, windows=WINDOWS, rows_per_part=100, emit_start=end + 48 * H
+            hourly, events, FeatureSpec(windows=WINDOWS), data_end=end, rows_per_part=100, emit_start=end + 48 * H
         )
     )
     assert len(none) == 1 and none[0].height == 0 and none[0].columns == whole.columns
@@ -291,7 +305,7 @@ def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
 
 def test_a_failed_write_of_one_date_raises_and_leaves_the_other_dates_whole(tmp_path, fleet, monkeypatch):
     tel, events = fleet
-    out = build_features(tel, events, windows=WINDOWS)
+    out = build_features(tel, events, FeatureSpec(windows=WINDOWS))
     days = sorted(out["ts"].dt.date().unique().to_list())
     assert len(days) >= 3
     store = Store.create(str(tmp_path / "data"))
@@ -320,7 +334,7 @@ def test_each_file_group_is_in_gpu_then_time_order_whatever_the_frame_order(tmp_
     """Readers and compression rely on the (gpu_uuid, ts) order within each row group; a caller
     may pass rows in any order (the store build's flushes come sorted, the Dask path's need not)."""
     tel, events = fleet
-    frame = build_features(tel, events, windows=WINDOWS)
+    frame = build_features(tel, events, FeatureSpec(windows=WINDOWS))
     store = Store.create(str(tmp_path / "data"))
     write_features(store, frame.sample(fraction=1.0, shuffle=True, seed=5))
     for path in feature_files(store):
@@ -333,7 +347,7 @@ def test_each_file_group_is_in_gpu_then_time_order_whatever_the_frame_order(tmp_
 
 def test_the_newest_grid_time_is_read_alone_and_equals_filtering_a_whole_read(tmp_path, fleet):
     tel, events = fleet
-    out = build_features(tel, events, windows=WINDOWS)
+    out = build_features(tel, events, FeatureSpec(windows=WINDOWS))
     newest = out["ts"].max()
     # A GPU that stopped reporting before the newest hour has no row there.
     stopped = out.filter(pl.col("ts") == newest)["gpu_uuid"][0]
@@ -356,10 +370,10 @@ def test_a_damaged_feature_file_is_named_when_read(tmp_path, fleet):
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
-    build_features_from_store(store, windows=WINDOWS, progress=False)
+    build_features_from_store(store, FeatureSpec(windows=WINDOWS), BuildOptions(progress=False))
     damaged = feature_files(store)[0]
     with open(damaged, "r+b") as fh:
         fh.truncate(2000)  # polars alone says "parquet: File out of specification"
     for read in (lambda: read_features(store), lambda: read_features(store, columns=["label"])):
-        with pytest.raises(StoreError, match=f"^{damaged}: not a readable feature file .*Parquet magic bytes"):
+        with pytest.raises(StoreError, match=f"^{re.escape(damaged)}: corrupt file .*its rows are not used"):
             read()

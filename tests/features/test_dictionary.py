@@ -13,6 +13,7 @@ import pytest
 from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.dictionary import describe, dictionary_markdown, feature_dictionary
+from features.spec import FeatureSpec
 from ingest.store import Store
 from tests.features import T0, H
 
@@ -34,7 +35,7 @@ def test_every_column_of_a_build_has_an_entry_with_a_unit_and_a_window():
 
 
 def test_the_dictionary_follows_the_configured_windows():
-    names = [e.name for e in feature_dictionary(windows=[H, timedelta(hours=12)])]
+    names = [e.name for e in feature_dictionary(FeatureSpec(windows=[H, timedelta(hours=12)]))]
     assert "temp_gpu_c_mean_12h" in names and "temp_gpu_c_mean_24h" not in names
 
 

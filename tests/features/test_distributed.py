@@ -11,6 +11,7 @@ from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import FeaturesExistError, build_features, feature_files, read_features
 from features.distributed import build_features_distributed
 from features.shards import node_groups
+from features.spec import FeatureSpec
 from gpufail.dask_cluster import dask_client
 from ingest.store import Store
 from tests.features import T0, H, store_of
@@ -48,8 +49,10 @@ def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fl
     tel, events = fleet
     store = store_of(tmp_path, fleet)
     # One node group per partition and one-day blocks: every partition edge is exercised.
-    summary = build_features_distributed(client, store, windows=WINDOWS, partition_nodes=1, partition_days=1)
-    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    summary = build_features_distributed(
+        client, store, FeatureSpec(windows=WINDOWS), partition_nodes=1, partition_days=1
+    )
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     stored = read_features(store)
     assert summary.rows == stored.height == expected.height
     assert summary.gpus == 24 and summary.blocks == 2 * 3
@@ -66,12 +69,14 @@ def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fl
 def test_an_existing_range_is_refused_then_replaced(tmp_path, client, fleet):
     store = store_of(tmp_path, fleet)
     start, end = T0 + 30 * H, T0 + 50 * H
-    build_features_distributed(client, store, windows=WINDOWS, start=start, end=end)
+    build_features_distributed(client, store, FeatureSpec(windows=WINDOWS), start=start, end=end)
     first = set(feature_files(store))
     assert read_features(store)["ts"].min() == T0 + 24 * H  # whole UTC days
     with pytest.raises(FeaturesExistError, match="overwrite"):
-        build_features_distributed(client, store, windows=WINDOWS, start=start, end=end)
-    summary = build_features_distributed(client, store, windows=WINDOWS, start=start, end=end, overwrite=True)
+        build_features_distributed(client, store, FeatureSpec(windows=WINDOWS), start=start, end=end)
+    summary = build_features_distributed(
+        client, store, FeatureSpec(windows=WINDOWS), start=start, end=end, overwrite=True
+    )
     assert summary.files_replaced == len(first) and not first & set(feature_files(store))
 
 
@@ -87,9 +92,11 @@ def test_a_store_without_xid_events_builds_as_on_one_machine(tmp_path, client, f
     tel, _ = fleet
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", tel.to_arrow())
-    summary = build_features_distributed(client, store, windows=WINDOWS, partition_nodes=2, partition_days=2)
+    summary = build_features_distributed(
+        client, store, FeatureSpec(windows=WINDOWS), partition_nodes=2, partition_days=2
+    )
     expected = build_features(
-        tel, pl.DataFrame(schema={"ts": pl.Datetime("us", "UTC"), "xid": pl.Int32()}), windows=WINDOWS
+        tel, pl.DataFrame(schema={"ts": pl.Datetime("us", "UTC"), "xid": pl.Int32()}), FeatureSpec(windows=WINDOWS)
     )
     stored = read_features(store)
     assert summary.rows == stored.height == expected.height > 0

@@ -16,6 +16,7 @@ from features.labels import (
     repair_episodes,
     resolve_xid_gpus,
 )
+from features.spec import FeatureSpec
 from tests.features import MIN, NO_XIDS, H, at, every, samples, xids
 
 DAY = timedelta(hours=24)
@@ -33,7 +34,7 @@ def one_gpu_two_days(gpu: str = "GPU-a", **kw) -> pl.DataFrame:
 def test_failure_labels_the_horizon_before_it_and_drops_rows_after_it():
     tel = one_gpu_two_days()
     fail = at(30, 30)  # XID 79, fallen off the bus
-    out = build_features(tel, xids([{"ts": fail, "gpu_uuid": "GPU-a", "xid": 79}]), horizon=DAY)
+    out = build_features(tel, xids([{"ts": fail, "gpu_uuid": "GPU-a", "xid": 79}]), FeatureSpec(horizon=DAY))
     labels = labels_by_ts(out)
     # Label 1 for grid times in [T - horizon, T) = [06:30, 30:30): 07:00 ... 30:00.
     assert all(labels[at(h)] == 1 for h in range(7, 31))
@@ -48,7 +49,7 @@ def test_failure_labels_the_horizon_before_it_and_drops_rows_after_it():
 
 
 def test_rows_whose_horizon_runs_past_the_data_end_are_censored():
-    out = build_features(one_gpu_two_days(), NO_XIDS, horizon=6 * H)
+    out = build_features(one_gpu_two_days(), NO_XIDS, FeatureSpec(horizon=6 * H))
     labels = labels_by_ts(out)
     assert max(labels) == at(48)
     assert labels[at(42)] == 0  # 42 + 6 = 48 = data end: fully observed
@@ -57,7 +58,9 @@ def test_rows_whose_horizon_runs_past_the_data_end_are_censored():
 
 
 def test_a_failure_inside_the_censored_tail_is_still_a_positive():
-    out = build_features(one_gpu_two_days(), xids([{"ts": at(47, 30), "gpu_uuid": "GPU-a", "xid": 48}]), horizon=DAY)
+    out = build_features(
+        one_gpu_two_days(), xids([{"ts": at(47, 30), "gpu_uuid": "GPU-a", "xid": 48}]), FeatureSpec(horizon=DAY)
+    )
     labels = labels_by_ts(out)
     assert labels[at(47)] == 1 and labels[at(30)] == 1
     assert labels[at(23)] == 0  # 23 + 24 < 47:30
@@ -93,7 +96,7 @@ def test_non_failure_xids_never_make_a_label():
             for x in (13, 31, 43, 45, 63, 92)
         ]
     )
-    out = build_features(one_gpu_two_days(), events, horizon=DAY)
+    out = build_features(one_gpu_two_days(), events, FeatureSpec(horizon=DAY))
     assert out.filter(pl.col("label") == 1).height == 0
     assert out.height == 48  # no row dropped
     assert out["xid_application_count_7d"].max() > 0  # the XIDs are features, not labels
@@ -101,7 +104,7 @@ def test_non_failure_xids_never_make_a_label():
 
 def test_failure_xids_are_configuration():
     events = xids([{"ts": at(20, 30), "gpu_uuid": "GPU-a", "xid": 13}])
-    out = build_features(one_gpu_two_days(), events, horizon=DAY, failure_xids=[13])
+    out = build_features(one_gpu_two_days(), events, FeatureSpec(horizon=DAY, failure_xids=[13]))
     assert labels_by_ts(out)[at(20)] == 1
     assert max(labels_by_ts(out)) == at(20)
 
@@ -110,7 +113,7 @@ def test_a_replacement_gpu_starts_fresh():
     old = samples(every(at(0, 10), at(20), 10 * MIN), gpu="GPU-old", temp_gpu_c=60.0)
     new = samples(every(at(26, 10), at(48), 10 * MIN), gpu="GPU-new", temp_gpu_c=50.0)
     events = xids([{"ts": at(20, 5), "gpu_uuid": "GPU-old", "xid": 79}])
-    out = build_features(pl.concat([old, new]), events, horizon=6 * H)
+    out = build_features(pl.concat([old, new]), events, FeatureSpec(horizon=6 * H))
     assert labels_by_ts(out, "GPU-old")[at(20)] == 1
     assert min(labels_by_ts(out, "GPU-new")) == at(27)
     assert out.filter(pl.col("gpu_uuid") == "GPU-new")["label"].drop_nulls().unique().to_list() == [0]
@@ -124,12 +127,12 @@ def test_a_gpu_that_goes_silent_while_its_node_keeps_reporting_is_lost():
     assert ep.select("gpu_uuid", "start", "source").rows() == [
         ("GPU-a", at(20, 20) + timedelta(microseconds=1), "lost")
     ]
-    out = build_features(pl.concat([lost, peer]), NO_XIDS, horizon=6 * H)
+    out = build_features(pl.concat([lost, peer]), NO_XIDS, FeatureSpec(horizon=6 * H))
     labels = labels_by_ts(out, "GPU-a")
     assert max(labels) == at(20)
     assert labels[at(15)] == 1 and labels[at(14)] == 0
     # Turned off, the silent GPU is unlabelled data: rows continue while it is silent < max_silence.
-    out = build_features(pl.concat([lost, peer]), NO_XIDS, horizon=6 * H, lost_after=None)
+    out = build_features(pl.concat([lost, peer]), NO_XIDS, FeatureSpec(horizon=6 * H, lost_after=None))
     assert max(labels_by_ts(out, "GPU-a")) == at(44)
 
 
@@ -151,7 +154,7 @@ def test_xid_events_without_a_uuid_are_attributed_by_pci_bus_id():
     events = xids([{"ts": at(30, 30), "gpu_uuid": None, "pci_bus_id": "0000:5e:00", "gpu_index": None, "xid": 79}])
     resolved = resolve_xid_gpus(events, gpu_presence(pl.concat([a, b])))
     assert resolved["gpu_uuid"].to_list() == ["GPU-b"]
-    out = build_features(pl.concat([a, b]), events, horizon=DAY)
+    out = build_features(pl.concat([a, b]), events, FeatureSpec(horizon=DAY))
     assert labels_by_ts(out, "GPU-b")[at(10)] == 1
     assert labels_by_ts(out, "GPU-a")[at(10)] == 0
 
@@ -172,7 +175,7 @@ def test_a_failure_xid_soon_after_the_telemetry_stops_dates_the_failure():
     lost = samples(every(at(0, 10), at(20, 20), 10 * MIN), gpu="GPU-a", gpu_index=0, temp_gpu_c=60.0)
     peer = samples(every(at(0, 10), at(48), 10 * MIN), gpu="GPU-b", gpu_index=1, temp_gpu_c=60.0)
     events = xids([{"ts": at(23, 30), "gpu_uuid": "GPU-a", "xid": 79}])
-    out = build_features(pl.concat([lost, peer]), events, horizon=6 * H)
+    out = build_features(pl.concat([lost, peer]), events, FeatureSpec(horizon=6 * H))
     a = out.filter(pl.col("gpu_uuid") == "GPU-a")
     # Rows continue through the silence, labelled by the XID, until it is logged.
     assert a["ts"].max() == at(23)
@@ -220,7 +223,7 @@ def test_a_repaired_gpu_returns_to_service_and_can_fail_again():
             {"ts": at(40, 30), "gpu_uuid": "GPU-a", "xid": 48},
         ]
     )
-    out = build_features(tel, events, horizon=6 * H, repairs=repairs([(at(14), "GPU-a", "reseat")]))
+    out = build_features(tel, events, FeatureSpec(horizon=6 * H), repairs=repairs([(at(14), "GPU-a", "reseat")]))
     labels = labels_by_ts(out)
     # Out of service from the failure at 10:30 until the reseat at 14:00.
     assert at(10) in labels and not any(at(h) in labels for h in (11, 12, 13))
@@ -229,13 +232,17 @@ def test_a_repaired_gpu_returns_to_service_and_can_fail_again():
     assert all(labels[at(h)] == 1 for h in range(35, 41))
     assert max(labels) == at(40)
     # Without the repair record the GPU never comes back.
-    assert max(labels_by_ts(build_features(tel, events, horizon=6 * H))) == at(10)
+    assert max(labels_by_ts(build_features(tel, events, FeatureSpec(horizon=6 * H)))) == at(10)
 
 
 def test_a_repair_of_a_gpu_in_service_is_a_failure_at_its_last_sample():
     tel = samples(every(at(0, 10), at(20), 10 * MIN), temp_gpu_c=60.0)
     out = build_features(
-        tel, NO_XIDS, horizon=6 * H, data_end=at(48), lost_after=None, repairs=repairs([(at(30), "GPU-a", "replace")])
+        tel,
+        NO_XIDS,
+        FeatureSpec(horizon=6 * H, lost_after=None),
+        data_end=at(48),
+        repairs=repairs([(at(30), "GPU-a", "replace")]),
     )
     labels = labels_by_ts(out)
     # Failed just after its last sample at 20:00: label 1 for (14:00, 20:00].
@@ -259,13 +266,15 @@ def test_a_repair_closing_a_known_failure_adds_no_second_episode():
 
 def test_a_failure_exactly_at_the_horizon_edge_is_a_positive_and_one_just_past_it_is_not():
     tel = one_gpu_two_days()
-    edge = build_features(tel, xids([{"ts": at(30), "gpu_uuid": "GPU-a", "xid": 79}]), horizon=6 * H)
+    edge = build_features(tel, xids([{"ts": at(30), "gpu_uuid": "GPU-a", "xid": 79}]), FeatureSpec(horizon=6 * H))
     labels = labels_by_ts(edge)
     assert labels[at(24)] == 1  # failure at 24:00 + 6 h exactly: inside (t, t + horizon]
     assert labels[at(23)] == 0
     assert max(labels) == at(29)  # the row at the failure time itself is dropped
     past = build_features(
-        tel, xids([{"ts": at(30) + timedelta(microseconds=1), "gpu_uuid": "GPU-a", "xid": 79}]), horizon=6 * H
+        tel,
+        xids([{"ts": at(30) + timedelta(microseconds=1), "gpu_uuid": "GPU-a", "xid": 79}]),
+        FeatureSpec(horizon=6 * H),
     )
     assert labels_by_ts(past)[at(24)] == 0
 

@@ -20,6 +20,7 @@ from polars.testing import assert_frame_equal
 from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.schema import feature_columns
+from features.spec import FeatureSpec
 from ingest.xid_catalog import default_failure_xids
 from tests.features import T0, H
 
@@ -69,14 +70,9 @@ def messy_fleet(seed: int = 1) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 
 def compare_up_to(tel: pl.DataFrame, events: pl.DataFrame, t0: datetime, *, lost_after: timedelta | None) -> int:
-    kwargs = dict(windows=WINDOWS, horizon=6 * H, lost_after=lost_after)
-    past = build_features(
-        tel.filter(pl.col("ts") <= t0),
-        events.filter(pl.col("ts") <= t0),
-        data_end=t0,
-        **kwargs,  # type: ignore[arg-type]
-    )
-    full = build_features(tel, events, **kwargs)  # type: ignore[arg-type]
+    spec = FeatureSpec(windows=WINDOWS, horizon=6 * H, lost_after=lost_after)
+    past = build_features(tel.filter(pl.col("ts") <= t0), events.filter(pl.col("ts") <= t0), spec, data_end=t0)
+    full = build_features(tel, events, spec)
     past = past.filter(pl.col("ts") <= t0)
     full = full.filter(pl.col("ts") <= t0)
     cols = ["gpu_uuid", "ts", "cluster", "node", "gpu_index", "gpu_model", "driver", *feature_columns(full)]
@@ -115,11 +111,10 @@ def test_appending_data_never_changes_past_features_at_any_cut(minutes: int, mic
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_the_order_of_input_rows_never_changes_the_features(seed: int):
     tel, events = FLEET
-    expected = build_features(tel, events, windows=WINDOWS, horizon=6 * H)
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS, horizon=6 * H))
     shuffled = build_features(
         tel.sample(fraction=1.0, shuffle=True, seed=seed),
         events.sample(fraction=1.0, shuffle=True, seed=seed),
-        windows=WINDOWS,
-        horizon=6 * H,
+        FeatureSpec(windows=WINDOWS, horizon=6 * H),
     )
     assert_frame_equal(shuffled, expected, check_exact=True)

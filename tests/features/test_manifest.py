@@ -12,7 +12,9 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from features.bench import synthetic_telemetry, synthetic_xids
-from features.build import FeaturesExistError, build_features_from_store, read_features
+from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
+from features.manifest import recorded_spec
+from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import StoreError
 from ingest.store import Store
 
@@ -37,8 +39,13 @@ def store_with(root: Path, fleet, until: datetime | None = None) -> Store:
     return store
 
 
-def build(store: Store, **kwargs):
-    return build_features_from_store(store, windows=WINDOWS, block_days=1, progress=False, **kwargs)
+SPEC = FeatureSpec(windows=WINDOWS)
+OTHER = FeatureSpec(windows=[H, 6 * H], horizon=12 * H)
+
+
+def build(store: Store, *, max_buckets_in_memory: int = 4_000_000, spec: FeatureSpec = SPEC, **kwargs):
+    options = BuildOptions(block_days=1, progress=False, max_buckets_in_memory=max_buckets_in_memory)
+    return build_features_from_store(store, spec, options, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +161,52 @@ def test_a_damaged_manifest_is_named_in_one_line(fleet, tmp_path, text, message)
     Path(store.path("_state", "features.json")).write_text(text)
     with pytest.raises(StoreError, match=f"_state/features.json: {message}"):
         build(store)
+
+
+# -- the spec the days were built with ----------------------------------------------------------
+
+
+def test_the_manifest_records_the_spec_the_features_were_built_with(fleet, tmp_path):
+    store = store_with(tmp_path / "data", fleet, until=T0 + 48 * H)
+    assert recorded_spec(store) is None
+    build(store)
+    assert recorded_spec(store) == SPEC
+    state = store.read_state("features")
+    assert state["spec"] == SPEC.to_json() and state["spec_fingerprint"] == SPEC.fingerprint
+
+
+def test_a_build_with_other_settings_is_refused_unless_it_rebuilds_every_day(fleet, tmp_path):
+    store = store_with(tmp_path / "data", fleet)
+    build(store)
+    files = sorted(store.files("features"))
+    for refused in ({}, {"overwrite": True, "start": T0 + 24 * H}):
+        with pytest.raises(FeatureSpecMismatch) as error:
+            build(store, spec=OTHER, **refused)
+        message = str(error.value)
+        assert message.startswith(f"{store.root}: the features were built with feature spec {SPEC.fingerprint}, ")
+        assert f"but this build asks for feature spec {OTHER.fingerprint}; they differ in windows (" in message
+        assert "horizon (" in message and "\n" not in message
+        assert sorted(store.files("features")) == files and recorded_spec(store) == SPEC  # nothing changed
+    assert "1 built days lie outside 2026-01-06..2026-01-08" in message
+
+    summary = build(store, spec=OTHER, overwrite=True)
+    assert recorded_spec(store) == OTHER and summary.days_kept == 0
+    assert not set(store.files("features")) & set(files)  # every day of the old spec is gone
+    fresh = store_with(tmp_path / "fresh", fleet)
+    build(fresh, spec=OTHER)
+    same_rows(store, read_features(fresh))  # the rows a build of the new settings alone gives
+    assert "temp_gpu_c_mean_24h" not in read_features(store).columns
+
+
+def test_a_store_built_before_specs_were_recorded_takes_the_spec_of_its_next_build(fleet, full, tmp_path):
+    store = store_with(tmp_path / "data", fleet, until=T0 + 72 * H)
+    build(store)
+    state = store.read_state("features")
+    store.write_state("features", {k: v for k, v in state.items() if k not in ("spec", "spec_fingerprint")})
+    assert recorded_spec(store) is None
+    tel, xids = fleet
+    store.write("telemetry", tel.filter(pl.col("ts") >= T0 + 72 * H).to_arrow())
+    store.write("xid_events", xids.filter(pl.col("ts") >= T0 + 72 * H).to_arrow())
+    build(store)
+    assert recorded_spec(store) == SPEC
+    same_rows(store, full)

@@ -11,10 +11,11 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from features.bench import synthetic_telemetry, synthetic_xids
-from features.build import build_features, build_features_from_store, feature_files, read_features
+from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
 from features.shards import SHARD, ShardedBuckets, shard_map
+from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
 from ingest.store import Store
 from tests.features import T0, H, store_of
@@ -113,18 +114,14 @@ def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, wo
     store.write("xid_events", events.to_arrow())
     summary = build_features_from_store(
         store,
-        windows=WINDOWS,
-        max_buckets_in_memory=400,
-        block_days=2,
-        progress=False,
-        scratch=str(tmp_path),
-        workers=workers,
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(max_buckets_in_memory=400, block_days=2, progress=False, scratch=str(tmp_path), workers=workers),
     )
     # 16 GPUs x 24 buckets x 5 carried days (a block of 2, the 25 h lookback's 2, 1 more) = 1,920
     # buckets: more than 4 shards of 400, so one node each; 3 days in blocks of 2: 2 blocks.
     assert (summary.shards, summary.blocks) == (4, 2)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]  # scratch removed
-    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
@@ -147,7 +144,9 @@ def test_a_failed_build_leaves_no_scratch_files_behind(tmp_path, fleet, monkeypa
     monkeypatch.setattr(build, "_read_telemetry", failing)
     with pytest.raises(OSError, match="disk went away"):
         build_features_from_store(
-            store, windows=WINDOWS, max_buckets_in_memory=0, progress=False, scratch=str(tmp_path)
+            store,
+            FeatureSpec(windows=WINDOWS),
+            BuildOptions(max_buckets_in_memory=0, progress=False, scratch=str(tmp_path)),
         )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
 
@@ -171,7 +170,9 @@ def test_a_shard_that_fails_on_a_worker_fails_the_build_and_removes_the_scratch_
     monkeypatch.setattr(build, "write_features", failing)
     with pytest.raises(OSError, match="No space left"):
         build_features_from_store(
-            store, windows=WINDOWS, max_buckets_in_memory=400, progress=False, scratch=str(tmp_path), workers=2
+            store,
+            FeatureSpec(windows=WINDOWS),
+            BuildOptions(max_buckets_in_memory=400, progress=False, scratch=str(tmp_path), workers=2),
         )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
     # What was written is whole: every visible file reads.
@@ -182,13 +183,13 @@ def test_a_shard_that_fails_on_a_worker_fails_the_build_and_removes_the_scratch_
 def test_a_block_of_no_days_is_refused(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     with pytest.raises(ValueError, match="block_days: expected at least 1"):
-        build_features_from_store(store, block_days=0, progress=False)
+        build_features_from_store(store, options=BuildOptions(block_days=0, progress=False))
 
 
 def test_no_workers_is_refused(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     with pytest.raises(ValueError, match="workers: expected at least 1, got 0"):
-        build_features_from_store(store, workers=0, progress=False)
+        build_features_from_store(store, options=BuildOptions(workers=0, progress=False))
 
 
 def test_an_xid_in_a_silence_where_a_block_starts_counts_as_in_an_all_history_build(tmp_path, fleet):
@@ -217,9 +218,9 @@ def test_an_xid_in_a_silence_where_a_block_starts_counts_as_in_an_all_history_bu
     store.write("xid_events", event.to_arrow())
     # The third day's block reads buckets after 48 h - 25 h of lookback = 23 h; the GPU's first
     # bucket there is 30:15, after the XID (bucket 26 h).
-    build_features_from_store(store, windows=WINDOWS, block_days=1, progress=False)
+    build_features_from_store(store, FeatureSpec(windows=WINDOWS), BuildOptions(block_days=1, progress=False))
     stored = read_features(store).filter(pl.col("gpu_uuid") == quiet)
-    expected = build_features(tel, event, windows=WINDOWS).filter(pl.col("gpu_uuid") == quiet).sort("ts")
+    expected = build_features(tel, event, FeatureSpec(windows=WINDOWS)).filter(pl.col("gpu_uuid") == quiet).sort("ts")
     at_48 = pl.col("ts").is_in([T0 + 48 * H, T0 + 49 * H])
     assert expected.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]  # the window reaches 26 h
     assert stored.filter(at_48)["xid_13_count_24h"].to_list() == [1.0, 1.0]
@@ -235,10 +236,12 @@ def test_a_block_without_telemetry_builds_the_rows_of_an_all_history_build(tmp_p
     store.write("telemetry", tel.to_arrow())
     store.write("xid_events", events.to_arrow())
     summary = build_features_from_store(
-        store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+        store,
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
     )
     assert summary.blocks == 3
-    expected = build_features(tel, events, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(tel, events, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
@@ -270,11 +273,13 @@ def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_t
     monkeypatch.setattr(build, "_read_telemetry", reading)
     monkeypatch.setattr(build, "iter_features_from_buckets", parts)
     summary = build_features_from_store(
-        store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, read_ahead=read_ahead, progress=False
+        store,
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(max_buckets_in_memory=0, block_days=1, read_ahead=read_ahead, progress=False),
     )
     assert summary.blocks == 3
     assert seen["first block"] is read_ahead
-    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(*fleet, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
@@ -285,15 +290,13 @@ def test_one_shard_in_memory_only_when_the_read_ahead_fits_beside_it(tmp_path, f
     # block's 2 days beside it makes 7 (2,688): over a budget of 2,000, so two shards on disk.
     summary = build_features_from_store(
         store,
-        windows=WINDOWS,
-        max_buckets_in_memory=2_000,
-        block_days=2,
-        read_ahead=read_ahead,
-        progress=False,
-        scratch=str(tmp_path),
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(
+            max_buckets_in_memory=2_000, block_days=2, read_ahead=read_ahead, progress=False, scratch=str(tmp_path)
+        ),
     )
     assert summary.shards == (2 if read_ahead else 1)
-    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(*fleet, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
@@ -327,7 +330,9 @@ def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, mo
     monkeypatch.setattr(build, "iter_features_from_buckets", parts)
     with pytest.raises(OSError, match="disk went away"):
         build_features_from_store(
-            store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+            store,
+            FeatureSpec(windows=WINDOWS),
+            BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
         )
     # The block stopped at its first part instead of finishing: nothing of it was written.
     assert feature_files(store) == []
@@ -346,7 +351,9 @@ def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_pat
     monkeypatch.setattr(build, "write_features", failing)
     with pytest.raises(OSError, match="No space left"):
         build_features_from_store(
-            store, windows=WINDOWS, max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)
+            store,
+            FeatureSpec(windows=WINDOWS),
+            BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
         )
     assert not _build_threads()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
@@ -381,11 +388,13 @@ def test_a_flush_is_written_while_the_next_part_is_computed_and_the_rows_are_the
     monkeypatch.setattr(build, "write_features", writing)
     # Parts of about two GPUs, each flushed on its own: eight flushes a block.
     build_features_from_store(
-        store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, write_ahead=write_ahead, progress=False
+        store,
+        FeatureSpec(windows=WINDOWS),
+        BuildOptions(rows_per_part=2 * 72, flush_rows=1, write_ahead=write_ahead, progress=False),
     )
     assert seen["first write"] is write_ahead
     assert not _build_threads()
-    expected = build_features(*fleet, windows=WINDOWS).sort("ts", "gpu_uuid")
+    expected = build_features(*fleet, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
@@ -404,7 +413,9 @@ def test_a_failed_write_stops_the_shard_at_its_next_flush(tmp_path, fleet, monke
 
     monkeypatch.setattr(build, "write_features", failing)
     with pytest.raises(OSError, match="No space left"):
-        build_features_from_store(store, windows=WINDOWS, rows_per_part=2 * 72, flush_rows=1, progress=False)
+        build_features_from_store(
+            store, FeatureSpec(windows=WINDOWS), BuildOptions(rows_per_part=2 * 72, flush_rows=1, progress=False)
+        )
     # Eight flushes were due; the shard learnt of the failed second at the third and wrote no more.
     assert calls["n"] == 2
     assert not _build_threads()

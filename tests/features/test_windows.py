@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 
 from features.build import build_features
+from features.spec import FeatureSpec
 from features.windows import grid_time, hourly_aggregate
 from tests.features import MIN, NO_XIDS, US, H, at, every, samples, xids
 
@@ -170,7 +171,7 @@ def test_missing_sample_fraction_rises_when_samples_are_dropped():
 def test_silence_makes_rows_with_growing_hours_since_last_sample_then_stops():
     times = every(at(0, 10), at(10), 10 * MIN) + every(at(14, 30), at(20), 10 * MIN)
     tel = samples(times, temp_gpu_c=60.0)
-    out = build_features(tel, NO_XIDS, max_silence=timedelta(hours=3), lost_after=None)
+    out = build_features(tel, NO_XIDS, FeatureSpec(max_silence=timedelta(hours=3), lost_after=None))
     since = dict(zip(out["ts"].to_list(), out["telemetry_since_last_h"].to_list(), strict=True))
     assert since[at(10)] == 0.0
     assert since[at(11)] == 1.0 and since[at(13)] == 3.0
@@ -323,12 +324,12 @@ def test_key_xid_codes_and_application_bursts():
 def test_windows_must_be_multiples_of_the_grid():
     tel = samples([at(0, 10)], temp_gpu_c=60.0)
     with pytest.raises(ValueError, match="multiple of the grid"):
-        build_features(tel, NO_XIDS, windows=[timedelta(minutes=90)])
+        build_features(tel, NO_XIDS, FeatureSpec(windows=[timedelta(minutes=90)]))
 
 
 def test_a_finer_grid_names_columns_after_it():
     tel = samples(every(at(0, 1), at(2)), temp_gpu_c=60.0, power_w=100.0)
-    out = build_features(tel, NO_XIDS, grid=timedelta(minutes=15), windows=[timedelta(minutes=15), H])
+    out = build_features(tel, NO_XIDS, FeatureSpec(grid=timedelta(minutes=15), windows=[timedelta(minutes=15), H]))
     assert "temp_gpu_c_mean_15m" in out.columns and "temp_gpu_c_node_delta_15m" in out.columns
     assert row(out, at(1, 15))["telemetry_missing_frac_15m"] == 0.0
     assert out["ts"].diff().drop_nulls().unique().to_list() == [timedelta(minutes=15)]
@@ -345,7 +346,7 @@ def test_window_sums_and_extremes_match_a_plain_rolling_computation():
         temps = rng.normal(60, 10, len(times)).round(1).tolist()
         parts.append(samples(times, gpu=gpu, gpu_index=i, temp_gpu_c=temps))
     tel = pl.concat(parts)
-    out = build_features(tel, NO_XIDS, max_silence=timedelta(hours=48)).sort("gpu_uuid", "ts")
+    out = build_features(tel, NO_XIDS, FeatureSpec(max_silence=timedelta(hours=48))).sort("gpu_uuid", "ts")
     hourly = (
         tel.with_columns(grid_time(pl.col("ts"), H).alias("t"))
         .group_by("gpu_uuid", "t")
@@ -377,7 +378,7 @@ def test_the_spread_of_a_large_steady_gauge_survives_weeks_of_running_sums():
     times = every(at(0, 7.5), at(21 * 24), 15 * MIN)
     values = [80_000.0 + 0.125 * (i % 2) for i in range(len(times))]
     tel = samples(times, fb_used_mib=values)
-    out = build_features(tel, NO_XIDS, windows=[H, 6 * H, 24 * H]).sort("ts")
+    out = build_features(tel, NO_XIDS, FeatureSpec(windows=[H, 6 * H, 24 * H])).sort("ts")
     last = out.row(-1, named=True)
     exact = statistics.stdev(values[-4:])  # the four samples of the last hour
     assert exact == pytest.approx(0.0722, abs=1e-4)

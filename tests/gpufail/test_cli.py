@@ -42,7 +42,6 @@ def test_user_errors_are_one_line_with_exit_status_2_and_write_nothing(tmp_path,
 
 
 def test_a_cascade_model_gets_each_stage_its_own_parameters(tmp_path):
-    from gpufail.cli import _model_params
     from gpufail.config import load_settings
     from models.kinds import make_model
 
@@ -52,7 +51,7 @@ def test_a_cascade_model_gets_each_stage_its_own_parameters(tmp_path):
         "cascade_first_params = { n_estimators = 20, num_leaves = 7 }\n"
         "cascade_second_params = { n_estimators = 50 }\n"
     )
-    cascade = make_model("cascade", **_model_params(load_settings(path, environ={})))
+    cascade = make_model("cascade", **load_settings(path, environ={}).model_params())
     first, second = cascade.first[-1], cascade.second[-1]
     assert (first.n_estimators, first.num_leaves) == (20, 7)
     assert second.n_estimators == 50 and second.num_leaves != 7

@@ -17,11 +17,13 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from features.build import BuildOptions
 from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, retrain_reach, run_nightly
 from ingest.kernel_log_ingest import ingest_kernel_logs
 from ingest.simulator.run import simulate
 from ingest.store import Store
 from models.registry import Registry, load_champion
+from models.train import TrainOptions
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -76,19 +78,21 @@ def options(tmp_path: Path, url: str, name: str, **overrides) -> NightlyOptions:
         tracking_uri=url,
         model_name=name,
         experiment=f"test-nightly-{name}",
-        kind="lightgbm",
-        train_window=timedelta(days=10),
-        horizon=timedelta(hours=24),
+        train=TrainOptions(
+            kind="lightgbm",
+            train_window=timedelta(days=10),
+            horizon=timedelta(hours=24),
+            negative_fraction=0.5,
+            params={"n_estimators": 30, "n_jobs": 1},
+        ),
         top_k=5,
         holdout_days=3.0,
         promotion_margin=0.01,
         recall_tolerance=0.05,
         precision_floor=0.0,
-        negative_fraction=0.5,
-        params={"n_estimators": 30, "n_jobs": 1},
+        build=BuildOptions(progress=False),
         retries=1,
         backoff_s=0.0,
-        progress=False,
     )
     return NightlyOptions(**{**values, **overrides})
 
@@ -181,9 +185,53 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     # The retrain read the label keys from `retrain_reach` on, not the whole history, and its
     # window lies within them.
     feature_days = store.dates("features")
-    reach = retrain_reach(feature_days[-1], opts)
+    reach = retrain_reach(feature_days[-1], opts, opts.feature_spec)
     assert reach > datetime.combine(feature_days[0], datetime.min.time(), tzinfo=UTC)
     assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
+
+
+def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_another(mlflow_server, fleet, tmp_path):
+    from features.build import build_features_from_store
+    from features.manifest import recorded_spec
+    from features.spec import FeatureSpec
+    from models.train import load_model
+
+    url, _ = mlflow_server
+    name = f"nightly-{next(_names)}"
+    data = tmp_path / "data"
+    champions = FeatureSpec()
+    start = first_day(fleet)
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 3))
+    first = run_nightly(str(data), options(tmp_path, url, name), publish=log_publish, report=lambda _: None)
+    assert first.results["gate"]["promote"] and load_champion(url, name).model.feature_spec == champions
+
+    # Today's configuration has other feature settings: the night keeps the champion's, says so,
+    # and its challenger carries them.
+    today = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)], lost_after=timedelta(hours=3))
+    lines: list[str] = []
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 2))
+    second = run_nightly(
+        str(data), options(tmp_path, url, name, feature_spec=today), publish=log_publish, report=lines.append
+    )
+    assert second.done == list(STEPS) and second.results["features"]["feature_spec"] == champions.fingerprint
+    assert any(
+        "the configured feature settings (windows, lost_after) differ from the champion's feature spec" in line
+        for line in lines
+    )
+    store = Store.open(str(data))
+    assert recorded_spec(store) == champions
+    assert load_model(second.results["train"]["model_dir"]).feature_spec == champions
+
+    # The features rebuilt by hand with today's settings: the champion cannot score them.
+    build_features_from_store(store, today, options(tmp_path, url, name).build, overwrite=True)
+    grow(fleet, data, start + timedelta(days=FLEET_DAYS - 1))
+    with pytest.raises(NightlyError) as refused:
+        run_nightly(str(data), options(tmp_path, url, name), publish=log_publish, report=lambda _: None)
+    message = str(refused.value)
+    assert "step features failed: " in message and "no champion could score the fleet (" in message
+    assert message.count(f"were built with feature spec {today.fingerprint}") == 2
+    assert f"needs feature spec {champions.fingerprint}; they differ in windows (" in message
+    assert "\n" not in message
 
 
 def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_server, fleet, tmp_path, monkeypatch):
@@ -375,7 +423,7 @@ def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
     opts = options(tmp_path, url, f"nightly-{next(_names)}")
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 2))
     store = Store.open(str(data))
-    build_features_from_store(store, progress=False)
+    build_features_from_store(store, options=BuildOptions(progress=False))
     # A day the retrain reads and the nightly does not rebuild, cut short (a copy that stopped).
     damaged = store.files("features", first_day(fleet) + timedelta(days=FLEET_DAYS - 8))[0]
     Path(damaged).write_bytes(Path(damaged).read_bytes()[:1000])
@@ -383,5 +431,5 @@ def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
 
     with pytest.raises(NightlyError) as failure:
         run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
-    assert f"step train failed: {damaged}: not a readable feature file" in str(failure.value)
+    assert f"step train failed: {damaged}: corrupt file" in str(failure.value)
     assert "gpufail features --start" in str(failure.value)

@@ -236,8 +236,8 @@ def test_the_endpoints_answer_and_the_metrics_follow_collections_and_flushes(run
     def refuse(store, dataset, day, table, **options):
         raise StoreError(f"{store.path(dataset)}: could not write a part file (Read-only file system)")
 
-    real_write_part = Store._write_part
-    running["monkeypatch"].setattr(Store, "_write_part", refuse)
+    real_write_part = Store.write_part
+    running["monkeypatch"].setattr(Store, "write_part", refuse)
     clock.advance(INTERVAL)
     status, body = get(url, "/healthz")
     assert status == 503 and body["reasons"] == [
@@ -253,7 +253,7 @@ def test_the_endpoints_answer_and_the_metrics_follow_collections_and_flushes(run
         m[("gpufail_collector_last_flush_timestamp_seconds", ())] == (clock.t - timedelta(seconds=INTERVAL)).timestamp()
     )
 
-    running["monkeypatch"].setattr(Store, "_write_part", real_write_part)
+    running["monkeypatch"].setattr(Store, "write_part", real_write_part)
     log.broken = False
     log.lines += [xid_line(2)]
     clock.advance(INTERVAL)

@@ -355,21 +355,21 @@ def test_files_are_committed_in_batches_and_a_failed_batch_is_read_again(
     # Five node logs, two per batch: three writes (one file each, all events on one date), not five.
     logs = [write(tmp_path / f"node-{i}.log", xid_line(hours(2 + i), BUS_B, 94)) for i in range(5)]
     monkeypatch.setattr(module, "COMMIT_FILES", 2)
-    real_write = Store.write
+    real_write = Store.write_part
     calls = []
 
-    def failing_third_write(self: Store, dataset: str, table: pa.Table) -> list[str]:
+    def failing_third_write(self: Store, dataset: str, day: str, table: pa.Table, **kwargs: object) -> str:
         calls.append(table.num_rows)
         if len(calls) == 3:
             raise StoreError("disk full")
-        return real_write(self, dataset, table)
+        return real_write(self, dataset, day, table, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Store, "write", failing_third_write)
+    monkeypatch.setattr(Store, "write_part", failing_third_write)
     with pytest.raises(StoreError, match="disk full"):
         ingest(store, *logs)
     assert calls == [2, 2, 1]
     assert len(events(store)) == 4  # the first two batches are stored and recorded as read
-    monkeypatch.setattr(Store, "write", real_write)
+    monkeypatch.setattr(Store, "write_part", real_write)
     again = ingest(store, *logs)
     assert (again.files, again.incidents) == (1, 1)  # only the failed batch's file is read again
     assert sorted(r["node"] for r in events(store)) == [f"node-{i}" for i in range(5)]
@@ -462,3 +462,30 @@ def test_an_object_store_maps_events_to_the_same_gpus_as_a_local_one(store: Stor
         (r["xid"], r["gpu_uuid"], r["gpu_index"]) for r in local_rows
     ]
     assert {r["gpu_uuid"] for r in local_rows} >= {"GPU-A0", "GPU-A1", "GPU-B"}
+
+
+def test_logs_inside_the_root_are_named_relative_to_it_and_others_absolutely(store: Store, tmp_path: Path) -> None:
+    inside = tmp_path / "store" / "raw" / "kernel-log" / f"{NODE}.log"
+    inside.parent.mkdir(parents=True)
+    write(inside, node_log())
+    outside = write(tmp_path / "other-node.log", xid_line(hours(3), BUS_A, 13))
+    ingest(store, inside, outside)
+    state = store.read_state(STATE_NAME)
+    assert state is not None and state["version"] == 2
+    assert sorted(state["files"]) == sorted([f"raw/kernel-log/{NODE}.log", str(outside.resolve())])
+    assert state["files"][f"raw/kernel-log/{NODE}.log"]["family"] == f"raw/kernel-log/{NODE}.log"
+    # The root moves; the log outside it stays where it was: neither is read again.
+    moved = tmp_path / "moved"
+    (tmp_path / "store").rename(moved)
+    again = ingest(Store.open(str(moved)), moved / "raw" / "kernel-log" / f"{NODE}.log", outside)
+    assert (again.files, again.incidents) == (0, 0)
+
+
+def test_a_state_of_an_unknown_version_is_refused_rather_than_everything_read_again(
+    store: Store, tmp_path: Path
+) -> None:
+    log = write(tmp_path / f"{NODE}.log", node_log())
+    store.write_state(STATE_NAME, {"version": 99, "files": {}})
+    with pytest.raises(StoreError, match=r"kernel_log_ingest\.json: kernel-log state of version 99 is not understood"):
+        ingest(store, log)
+    assert events(store) == []

@@ -51,7 +51,7 @@ def test_range_read_never_opens_partitions_outside_the_range(store, hours, tmp_p
     first_day_file.write_bytes(b"not parquet at all")
     t = hours(24, 48)
     assert store.read("xid_events", start=t[0], end=t[1])["xid"].to_pylist() == [48]
-    with pytest.raises(StoreError, match="date=2026-01-05.*not a readable Parquet file"):
+    with pytest.raises(StoreError, match=r"date=2026-01-05/part-[^ ]*\.parquet: corrupt file"):
         store.read("xid_events")
 
 

@@ -1,16 +1,19 @@
 import dataclasses
 import json
 import warnings
+from datetime import timedelta
 from functools import cache
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from features.spec import FeatureSpec
 from ingest.errors import InputError
 from models.train import (
     METADATA_FILE,
     MODEL_FILE,
+    ModelSpecWarning,
     ModelVersionWarning,
     TrainedModel,
     TrainOptions,
@@ -116,6 +119,38 @@ def test_load_warns_when_library_versions_differ(tmp_path):
     (folder / METADATA_FILE).write_text(json.dumps(meta))
     with pytest.warns(ModelVersionWarning, match=r"lightgbm 3\.0\.0 \(installed"):
         load_model(folder)
+
+
+def test_a_model_carries_its_feature_spec_through_save_and_load(tmp_path):
+    spec = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)], horizon=timedelta(hours=12))
+    model = train_model(
+        demo_frame(),
+        TrainOptions(kind="logistic", train_window="3d", horizon=HORIZON, negative_fraction=0.2, feature_spec=spec),
+    )
+    assert model.feature_spec == spec
+    folder = save_model(model, tmp_path / "model")
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    assert meta["feature_spec"] == spec.to_json() and meta["feature_spec_fingerprint"] == spec.fingerprint
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_model(folder).feature_spec == spec
+    # Without a spec given, the default settings with the horizon trained on.
+    assert lightgbm_model().feature_spec == FeatureSpec(horizon=timedelta(hours=12))
+
+
+def test_a_model_saved_before_models_carried_a_spec_loads_with_the_evident_one_and_says_so(tmp_path):
+    import joblib
+
+    folder = save_model(lightgbm_model(), tmp_path / "model")
+    old = dataclasses.replace(lightgbm_model())
+    del old.__dict__["feature_spec"]  # what a TrainedModel pickled before the field existed holds
+    joblib.dump(old, folder / MODEL_FILE)
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    (folder / METADATA_FILE).write_text(json.dumps({k: v for k, v in meta.items() if not k.startswith("feature_spec")}))
+    with pytest.warns(ModelSpecWarning, match=f"model {folder} records no feature spec .*default settings"):
+        loaded = load_model(folder)
+    assert loaded.feature_spec == FeatureSpec(horizon=timedelta(hours=12))  # its recorded horizon
+    assert loaded.version == lightgbm_model().version
 
 
 def test_corrupt_model_file_is_an_error_naming_the_path(tmp_path):

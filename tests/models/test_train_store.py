@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from datetime import timedelta
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from features.build import feature_files, read_features, write_features
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold
+from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import TrainOptions, sample_negatives, train_model, training_rows, training_sample
@@ -145,7 +148,9 @@ def test_files_written_before_the_stored_key_give_the_same_sample(store, tmp_pat
     write_features(old, read_features(store))
     for path in feature_files(old)[::2]:
         table = pq.read_table(path)
-        pq.write_table(table.drop_columns([SAMPLE_KEY]), path)
+        # As an older gpufail wrote them: without the key, and without a checksum in the name.
+        pq.write_table(table.drop_columns([SAMPLE_KEY]), re.sub(r"-crc32-[0-9a-f]{8}\.parquet$", ".parquet", path))
+        os.remove(path)
     assert read_features(old).equals(read_features(store))
     window = dict(train_window="4d", horizon="12h", negative_fraction=0.2)
     assert sampled_training_rows(old, sample_options(**window)).equals(
@@ -207,3 +212,47 @@ def test_a_newest_day_without_rows_is_an_input_error(store, tmp_path):
     pq.write_table(empty, folder / "part-empty.parquet")
     with pytest.raises(InputError, match="newest features day .* has no rows"):
         sampled_training_rows(copy, sample_options(train_window="4d", horizon="12h"))
+
+
+# -- the feature spec the model carries -----------------------------------------------------------
+
+
+def with_recorded_spec(store: Store, folder, spec: FeatureSpec) -> Store:
+    """A copy of `store` whose features manifest records `spec` (as a build with it would)."""
+    import shutil
+
+    from features.manifest import FeatureManifest
+
+    shutil.copytree(store.root, folder)
+    copy = Store.open(str(folder))
+    FeatureManifest.load(copy)  # takes the copied files as complete
+    copy.write_state("features", {**copy.read_state("features"), "spec": spec.to_json()})
+    return copy
+
+
+def test_the_model_carries_the_spec_its_features_record(store, tmp_path):
+    spec = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)], horizon=timedelta(hours=12))
+    data = with_recorded_spec(store, tmp_path / "data", spec)
+    assert train_model_from_store(data, TrainOptions(kind="lightgbm", **SETTINGS)).feature_spec == spec
+    model = train_model_from_store(data, TrainOptions(kind="lightgbm", **SETTINGS, feature_spec=spec))
+    assert model.feature_spec == spec
+
+
+def test_training_settings_of_another_spec_than_the_features_are_refused(store, tmp_path):
+    built = FeatureSpec(horizon=timedelta(hours=12))
+    data = with_recorded_spec(store, tmp_path / "data", built)
+    asked = FeatureSpec(horizon=timedelta(hours=12), lost_after=timedelta(hours=3))
+    with pytest.raises(FeatureSpecMismatch) as refused:
+        train_model_from_store(data, TrainOptions(kind="lightgbm", **SETTINGS, feature_spec=asked))
+    assert str(refused.value).startswith(
+        f"{data.root}: the features were built with feature spec {built.fingerprint}, but the training settings "
+        f'ask for feature spec {asked.fingerprint}; they differ in lost_after ("6h" against "3h"); rebuild'
+    )
+
+
+def test_features_that_record_no_spec_give_the_spec_of_the_options(store):
+    spec = FeatureSpec(horizon=timedelta(hours=12))
+    assert (
+        train_model_from_store(store, TrainOptions(kind="lightgbm", **SETTINGS, feature_spec=spec)).feature_spec == spec
+    )
+    assert train_model_from_store(store, TrainOptions(kind="lightgbm", **SETTINGS)).feature_spec == spec  # horizon 12h

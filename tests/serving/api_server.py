@@ -25,11 +25,15 @@ import httpx
 import numpy as np
 import polars as pl
 
+from features.spec import FeatureSpec
+
 START = datetime(2026, 3, 2, tzinfo=UTC)
 HOURS = 60
 N_GPUS = 24
 ADMIN_TOKEN = "admin-7f3b9c1e5d"
 READ_TOKEN = "read-2a8e4c6b0f"
+SPEC = FeatureSpec(lost_after=None)
+"""The feature spec of the fleet's features, which the model carries."""
 
 
 @cache
@@ -41,7 +45,7 @@ def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     tel = synthetic_telemetry(N_GPUS, HOURS, interval=timedelta(minutes=5), start=START, seed=11)
     # Only XIDs that are not failures, so every GPU stays in service to the last grid time.
     events = synthetic_xids(tel, per_gpu_day=1.0, seed=11).filter(pl.col("xid").is_in([13, 31, 43, 45, 63, 92]))
-    features = build_features(tel, events, lost_after=None)
+    features = build_features(tel, events, SPEC)
     rng = np.random.default_rng(0)
     temp = features["temp_gpu_c_mean_1h"].fill_null(0).to_numpy()
     label = (temp > np.nanquantile(temp, 0.8)) | (rng.random(features.height) < 0.02)
@@ -70,6 +74,7 @@ def _trained(seed: int) -> Any:
             seed=seed,
             calibration="platt",
             calibration_window="6h",
+            feature_spec=SPEC,
         ),
     )
 

@@ -16,6 +16,7 @@ import pytest
 from tests.serving.api_server import (
     ADMIN_TOKEN,
     N_GPUS,
+    SPEC,
     fleet,
     serve_test_fleet,
     trained_model,
@@ -28,11 +29,16 @@ FUZZ_EXAMPLES = int(os.environ.get("API_FUZZ_EXAMPLES", "20"))
 """Per operation and generation mode; raise it for a deeper run (the suite keeps it under a minute)."""
 
 
+TODAYS_FEATURE_SETTINGS = '[features]\nwindows = ["1h", "6h"]\n[labels]\nhorizon = "12h"\nlost_after = "3h"\n'
+"""The server's configuration today: other feature settings than the model was trained with."""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = serve_test_fleet(
         tmp_path_factory.mktemp("serve"),
         serve={"max_gpus_per_request": MAX_GPUS, "max_body_bytes": MAX_BODY, "metrics_top": METRICS_TOP},
+        extra_config=TODAYS_FEATURE_SETTINGS,
         env={"GPUFAIL_SERVE_ADMIN_TOKEN": ADMIN_TOKEN},
     )
     yield srv
@@ -156,8 +162,9 @@ def test_predict_from_feature_values_equals_the_id_path(client):
 
 
 def test_predict_from_raw_telemetry_featurises_like_training(client):
+    """With the model's feature spec, not with the server's configuration of today (which
+    has other windows, horizon and loss delay: `TODAYS_FEATURE_SETTINGS`)."""
     from features.build import build_features
-    from gpufail.config import Settings
     from serving.score import latest_rows
 
     tel, events, _ = fleet()
@@ -179,21 +186,12 @@ def test_predict_from_raw_telemetry_featurises_like_training(client):
     body = response.json()
     assert body["source"] == "telemetry" and body["not_scored"] == []
     assert {g["gpu_uuid"] for g in body["gpus"]} == set(part["gpu_uuid"].unique())
-    # the same rows through the training feature code, in this process
-    s = Settings()
-    built = build_features(
-        part,
-        sent_events,
-        grid=s.features.grid,
-        windows=s.features.windows,
-        max_silence=s.features.max_silence,
-        horizon=s.labels.horizon,
-        failure_xids=s.labels.failure_xids,
-        merge_window=s.labels.merge_window,
-        lost_after=s.labels.lost_after,
-    )
+    # the same rows through the training feature code, in this process, with the model's spec
+    model = trained_model()
+    assert model.feature_spec == SPEC and model.feature_spec.windows != (timedelta(hours=1), timedelta(hours=6))
+    built = build_features(part, sent_events, model.feature_spec)
     rows = latest_rows(built.to_pandas())
-    expected = dict(zip(rows["gpu_uuid"], trained_model().predict_risk(rows), strict=True))
+    expected = dict(zip(rows["gpu_uuid"], model.predict_risk(rows), strict=True))
     for g in body["gpus"]:
         assert g["risk"] == pytest.approx(expected[g["gpu_uuid"]], rel=1e-6)
         assert pd.Timestamp(g["ts"]) == rows["ts"].max()

@@ -2,12 +2,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gpufail.publishing import top_features_by_gpu
 from ingest.errors import InputError
 from ingest.store import Store
 from models.explain import explain
 from models.train import TrainedModel, TrainOptions, train_model
 from serving.predictions import newest_snapshot
+from serving.publishing import top_features_by_gpu
 from serving.score import (
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,

@@ -9,11 +9,11 @@ import pytest
 
 import serving.publish
 from gpufail.config import load_settings
-from gpufail.locking import LockBusy, exclusive_lock
-from gpufail.publishing import publish_latest, publish_lock_path, publish_mode
 from ingest.store import Store
+from serving.locking import LockBusy, exclusive_lock
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
+from serving.publishing import publish_latest, publish_lock_path, publish_mode
 from tests.serving.test_predictions import scored
 
 SETTINGS = load_settings(None, environ={}).publish
@@ -74,7 +74,7 @@ def store(tmp_path):
 
 def _publish(store):
     latest = newest_snapshot(store).frame
-    return publish_latest(store, latest, SETTINGS, target="log", mode="live")
+    return publish_latest(store, latest, SETTINGS.options(target="log", dry_run=False, shadow=False))
 
 
 def test_a_run_stopped_after_its_commit_is_finished_by_the_next_one(store, monkeypatch):
@@ -116,7 +116,7 @@ def test_a_shadow_run_never_removes_what_a_live_run_committed(store, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         _publish(store)
     monkeypatch.setattr(serving.publish, "finish_audit", real)
-    publish_latest(store, newest_snapshot(store).frame, SETTINGS, target="log", mode="shadow")
+    publish_latest(store, newest_snapshot(store).frame, SETTINGS.options(target="log", dry_run=False, shadow=True))
     assert len(list(Path(store.path("actions")).rglob(".pending-*"))) == 1  # the live run's, kept
     _publish(store)
     rows = read_audit(store.path("actions"))
@@ -131,7 +131,7 @@ def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_record_of_the_last
     from click.testing import CliRunner
 
     from gpufail.cli import cli
-    from gpufail.publishing import publish_lock
+    from serving.publishing import publish_lock
 
     _publish(store)
     state = store.read_state("publish-log")

@@ -1,9 +1,10 @@
-"""The `gpufail publish` flow, shared by the command and the nightly job: build the policy and
-the publisher from the [publish] settings, run the policy on the newest predictions snapshot
-(`serving.predictions`), keep its state and append every decision to the audit log.
+"""The `gpufail publish` flow, shared by the command and the nightly job: run the action policy
+(`PublishOptions.policy`) on the newest predictions snapshot (`serving.predictions`), apply it
+through the publisher of the target (`PublisherConfig`), keep the policy's state and append
+every decision to the audit log.
 
 One run at a time per data root: every run holds `publish_lock` (the nightly's `flock`
-mechanism, `gpufail.locking`) from reading the state to committing it, so that runs started
+mechanism, `serving.locking`) from reading the state to committing it, so that runs started
 together act one after the other, and the later ones see what the first did.
 
 A live or shadow run commits in this order, so that a kill at any point leaves its decisions
@@ -22,17 +23,50 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gpufail.locking import exclusive_lock
 from ingest.errors import GpufailError, InputError
 from ingest.store import Store
+from serving.locking import exclusive_lock
+from serving.policy import PolicyConfig
 
 LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublisherConfig:
+    """How the publishers reach their schedulers (the [publish] settings of each target)."""
+
+    attempts: int = 3
+    """Tries per scheduler call, with exponential back-off from `backoff_s`."""
+    backoff_s: float = 2.0
+    timeout_s: float = 30.0
+    slurm_bin_dir: str = ""
+    """Folder of sinfo/scontrol; empty: PATH."""
+    slurm_conf: str = ""
+    """SLURM_CONF for sinfo/scontrol; empty: Slurm's default."""
+    slurm_avoid_weight: int = 100_000
+    kubeconfig: str = ""
+    """Empty: the in-cluster service account, else ~/.kube/config."""
+    webhook_url: str = ""
+    webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
+    """Environment variable holding the webhook's HMAC-SHA256 secret."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """One publish run: where to, in which mode, with which policy and publisher settings."""
+
+    target: str
+    """"log", "slurm", "kubernetes" or "webhook"."""
+    mode: str
+    """"dry-run", "shadow" or "live" (`publish_mode`)."""
+    policy: PolicyConfig
+    publisher: PublisherConfig
 
 
 def publish_lock_path(store: Store) -> Path:
@@ -53,23 +87,24 @@ def publish_lock(store: Store, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
 
 
 def publish_latest(
-    store: Store, latest: Any, settings: Any, *, target: str, mode: str, lock_wait_s: float = LOCK_WAIT_S
+    store: Store, latest: Any, options: PublishOptions, *, lock_wait_s: float = LOCK_WAIT_S
 ) -> tuple[Any, str | None]:
     """Publish `latest` (a checked predictions snapshot, `serving.predictions.Snapshot.frame`)
-    to `target` in `mode` ("dry-run" | "shadow" | "live"), with `settings` the [publish] table,
-    holding the publish lock. The policy state is read from the store, and committed unless in
-    dry run (which must not advance it). Returns the outcome of `serving.publish.publish` and
-    the audit file written (None when there was nothing to record)."""
+    as `options` say, holding the publish lock. The policy state is read from the store, and
+    committed unless in dry run (which must not advance it). Returns the outcome of
+    `serving.publish.publish` and the audit file written (None when there was nothing to
+    record)."""
     from serving.publish import finish_audit, stage_audit, state_name
     from serving.publish import publish as run_publish
 
-    name = state_name(target, mode)
+    mode = options.mode
+    name = state_name(options.target, mode)
     with publish_lock(store, lock_wait_s):
         state = read_policy_state(store, name)
         outcome = run_publish(
             latest,
-            make_publisher(settings, target, store),
-            policy_config(settings),
+            make_publisher(options.publisher, options.target, store),
+            options.policy,
             state,
             mode=mode,
             now=datetime.now(UTC),
@@ -131,7 +166,9 @@ def _finish_committed(store: Store, name: str) -> str | None:
     return committed.final if committed else None
 
 
-def adopt_drains(store: Store, settings: Any, nodes: list[str], lock_wait_s: float = LOCK_WAIT_S) -> list[str]:
+def adopt_drains(
+    store: Store, publisher: PublisherConfig, nodes: list[str], lock_wait_s: float = LOCK_WAIT_S
+) -> list[str]:
     """Hand orphaned Slurm drains of gpufail (drained with a `gpufail:` reason that the state
     does not record) to gpufail: record each in the drain ledger and put the node in the tier
     its reason names in the live policy state, so that the policy resumes it once its risk
@@ -151,17 +188,17 @@ def adopt_drains(store: Store, settings: Any, nodes: list[str], lock_wait_s: flo
                 f"--adopt {', '.join(missing)}: not in the newest predictions of {store.root}; expected nodes "
                 "that gpufail scores (their cluster names them in the policy state)"
             )
-        publisher = make_publisher(settings, "slurm", store)
+        slurm = make_publisher(publisher, "slurm", store)
         state = read_policy_state(store, name)
         adopted = dict(state.nodes)
         for node in nodes:
-            tier, entry = publisher.adopt(node)
+            tier, entry = slurm.adopt(node)
             key = f"{clusters[node]}/{node}"
             before = adopted.get(key, NodeState())
             adopted[key] = replace(
                 before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
             )
-            lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {publisher.ledger.where}")
+            lines.append(f"{node}: adopted the drain {entry.reason!r} as {tier} -> {slurm.ledger.where}")
         write_policy_state(store, name, replace(state, nodes=adopted))
     return lines
 
@@ -171,52 +208,44 @@ def publish_mode(dry_run: bool, shadow: bool) -> str:
     return "dry-run" if dry_run else "shadow" if shadow else "live"
 
 
-def policy_config(settings: Any) -> Any:
-    from serving.policy import PolicyConfig, Tier
-
-    configured = {name: getattr(settings.tiers, name) for name in type(settings.tiers).model_fields}
-    tiers = tuple(Tier(name, t.enter, t.exit, t.budget_per_day) for name, t in configured.items() if t is not None)
-    return PolicyConfig(
-        tiers=tiers,
-        recovery_period=settings.recovery_period,
-        cooldown=settings.cooldown,
-        breaker_max_nodes=settings.breaker_max_nodes,
-        breaker_max_fraction=settings.breaker_max_fraction,
-        breaker_window=settings.breaker_window,
-    )
-
-
-def make_publisher(settings: Any, target: str, store: Store) -> Any:
+def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
+    """The publisher of `target` (`serving.publishers`), configured by `config`."""
     import os
 
-    retry = {"attempts": settings.attempts, "backoff": settings.backoff.total_seconds()}
     if target == "slurm":
         from serving.publishers.slurm import SlurmPublisher, StoreLedger
 
         return SlurmPublisher(
-            bin_dir=settings.slurm_bin_dir,
-            slurm_conf=settings.slurm_conf,
-            avoid_weight=settings.slurm_avoid_weight,
-            timeout=settings.timeout.total_seconds(),
+            bin_dir=config.slurm_bin_dir,
+            slurm_conf=config.slurm_conf,
+            avoid_weight=config.slurm_avoid_weight,
+            timeout=config.timeout_s,
             ledger=StoreLedger(store),
-            **retry,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
         )
     if target == "kubernetes":
         from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
 
-        return KubernetesPublisher(kubernetes_api(settings.kubeconfig), **retry)
+        return KubernetesPublisher(
+            kubernetes_api(config.kubeconfig), attempts=config.attempts, backoff=config.backoff_s
+        )
     if target == "webhook":
         from serving.publishers.webhook import WebhookPublisher
 
-        secret = os.environ.get(settings.webhook_secret_env, "")
-        if not settings.webhook_url or not secret:
+        secret = os.environ.get(config.webhook_secret_env, "")
+        if not config.webhook_url or not secret:
             raise GpufailError(
                 "publish --to webhook: expected [publish] webhook_url and a secret in the environment variable "
-                f"{settings.webhook_secret_env}, got url {settings.webhook_url!r} and "
+                f"{config.webhook_secret_env}, got url {config.webhook_url!r} and "
                 f"{'a secret' if secret else 'no secret'}"
             )
         return WebhookPublisher(
-            settings.webhook_url, secret.encode(), timeout=settings.timeout.total_seconds(), **retry
+            config.webhook_url,
+            secret.encode(),
+            timeout=config.timeout_s,
+            attempts=config.attempts,
+            backoff=config.backoff_s,
         )
     from serving.publishers.log import LogPublisher
 

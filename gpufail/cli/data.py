@@ -1,0 +1,232 @@
+"""Commands that bring data into the store: `simulate`, `ingest ...` and the `collect` daemon."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from gpufail.cli.options import data_option, data_root, settings_of, when
+from ingest.errors import GpufailError
+
+
+@click.command()
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="New folder to write the simulated fleet into."
+)
+@click.option("--preset", default=None, help="demo (a few hundred GPUs, 2 months) or paper (~30k GPUs, 4 months).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Random seed (default: [simulate] seed).")
+@click.option(
+    "--days", type=click.IntRange(min=1), default=None, help="Simulate this many days instead of the preset's."
+)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None, days: int | None, quiet: bool) -> None:
+    """Simulate a GPU fleet: telemetry, kernel logs, repairs and ground truth."""
+    from ingest.simulator.run import simulate as run_simulation
+
+    settings = settings_of(ctx)
+    cfg = settings.simulate
+    summary = run_simulation(
+        out,
+        preset or cfg.preset,
+        cfg.seed if seed is None else seed,
+        progress=not quiet,
+        cluster=settings.ingest.cluster,
+        **({} if days is None else {"days": days}),
+    )
+    modes = ", ".join(f"{k} {v}" for k, v in summary.failures_by_mode.items())
+    click.echo(
+        f"simulated {summary.gpus} GPUs on {summary.nodes} nodes over {summary.days} days: "
+        f"{summary.telemetry_rows:,} telemetry rows, {summary.kernel_log_lines:,} kernel-log lines, "
+        f"{summary.failures} failures ({modes}) in {summary.seconds:.1f}s -> {summary.out}"
+    )
+
+
+@click.group()
+def ingest() -> None:
+    """Bring data into the store (kernel logs, ...)."""
+
+
+@ingest.command("kernel-log")
+@data_option
+@click.option("--node", default=None, help="Node name for formats without a host field (default: the file name).")
+@click.option(
+    "--boot-time", default=None, help="When the host booted (ISO, UTC): places /dev/kmsg and [uptime] stamps in time."
+)
+@click.option(
+    "--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw."
+)
+@click.argument("files", nargs=-1, type=click.Path())
+@click.pass_context
+def ingest_kernel_log(
+    ctx: click.Context,
+    data: str | None,
+    node: str | None,
+    boot_time: str | None,
+    tz: str | None,
+    files: tuple[str, ...],
+) -> None:
+    """Parse NVRM/Xid kernel-log lines into the xid_events dataset.
+
+    FILES (plain, rotated or gzip-compressed) default to everything under DATA/raw/kernel-log/
+    (what `gpufail simulate` writes). Files already ingested are skipped; a grown file is read
+    from where the last run stopped."""
+    from ingest.kernel_log_ingest import ingest_kernel_logs
+    from ingest.store import Store
+
+    settings = settings_of(ctx)
+    root = data_root(ctx, data)
+    store = Store.open(root)
+    paths = [Path(f) for f in files] or sorted(
+        p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file()
+    )
+    if not paths:
+        raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
+    summary = ingest_kernel_logs(
+        store,
+        paths,
+        cluster=settings.ingest.cluster,
+        dedup_window=settings.ingest.xid_dedup_window,
+        node=node,
+        boot_time=when(boot_time, "'--boot-time'"),
+        tz=tz,
+        workers=settings.ingest_workers(),
+    )
+    click.echo(f"kernel-log: {summary}")
+
+
+@ingest.command("dcgm-exporter")
+@data_option
+@click.option("--node", default=None, help="Node name (default: each GPU's Hostname label).")
+@click.argument("sources", nargs=-1, required=True)
+@click.pass_context
+def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None, sources: tuple[str, ...]) -> None:
+    """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
+
+    SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
+    from ingest.dcgm_exporter import fetch_scrape, parse_scrape
+    from ingest.store import Store
+
+    settings = settings_of(ctx)
+    # Parse every source before touching the store, so one bad source writes nothing at all.
+    tables = [
+        parse_scrape(
+            fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
+        )
+        for source in sources
+    ]
+    store = Store.create(data_root(ctx, data))
+    for table in tables:
+        store.write("telemetry", table)
+    rows = sum(table.num_rows for table in tables)
+    click.echo(f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}")
+
+
+@ingest.command("nvidia-smi")
+@data_option
+@click.option("--node", default=None, help="Node name (default: the file name without its extensions).")
+@click.option("--time", "time_", default=None, help="Capture time (ISO) for output with no timestamp of its own.")
+@click.option("--tz", default=None, help="Time zone of nvidia-smi's local-time stamps (default: UTC).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.pass_context
+def ingest_nvidia_smi(
+    ctx: click.Context,
+    data: str | None,
+    node: str | None,
+    time_: str | None,
+    tz: str | None,
+    quiet: bool,
+    files: tuple[str, ...],
+) -> None:
+    """Import saved nvidia-smi output into the telemetry dataset.
+
+    FILES hold `nvidia-smi --query-gpu=timestamp,uuid,... --format=csv` output (with its
+    header; looped runs and `nounits` are fine) or `nvidia-smi -q -x` XML, plain or gzip."""
+    from ingest.nvidia_smi import import_nvidia_smi
+    from ingest.store import Store
+
+    try:
+        summary = import_nvidia_smi(
+            Store.create(data_root(ctx, data)),
+            [Path(f) for f in files],
+            cluster=settings_of(ctx).ingest.cluster,
+            node=node,
+            time=when(time_, "'--time'"),
+            tz=tz,
+            progress=not quiet,
+        )
+    except ValueError as exc:  # an unknown --tz
+        raise click.BadParameter(str(exc), param_hint="'--tz'") from None
+    click.echo(f"nvidia-smi: {summary.line()}")
+
+
+@ingest.command("table")
+@data_option
+@click.option("--map", "mapping_file", required=True, type=click.Path(dir_okay=False), help="TOML mapping file.")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.pass_context
+def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: str) -> None:
+    """Import another system's telemetry (CSV or Parquet), and optionally its failure and
+    repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
+    from ingest.store import Store
+    from ingest.table_import import import_table
+    from ingest.table_mapping import load_mapping
+
+    mapping = load_mapping(Path(mapping_file))
+    summary = import_table(
+        Store.create(data_root(ctx, data)),
+        Path(file),
+        mapping,
+        mapping_path=Path(mapping_file),
+        cluster=settings_of(ctx).ingest.cluster,
+    )
+    click.echo(f"table: {summary.line()}")
+
+
+@click.command()
+@click.option("--out", "--data", "data", default=None, help="Data root to write to (default: [store] root).")
+@click.option("--source", "sources", default=None, help="Comma-separated collectors (default: [collect] sources).")
+@click.option("--interval", default=None, help="Time between collections, e.g. 30s (default: [collect] interval).")
+@click.option("--once", is_flag=True, help="Collect once, flush and exit.")
+@click.option("--max-runs", type=click.IntRange(min=1), default=None, help="Stop after this many collections.")
+@click.option("--node", default=None, help="Node name (default: [collect] node, else the hostname).")
+@click.option(
+    "--listen",
+    default=None,
+    help='Serve /metrics, /healthz, /readyz on host:port; "" for none (default: [collect] listen).',
+)
+@click.pass_context
+def collect(
+    ctx: click.Context,
+    data: str | None,
+    sources: str | None,
+    interval: str | None,
+    once: bool,
+    max_runs: int | None,
+    node: str | None,
+    listen: str | None,
+) -> None:
+    """Run the live collectors (NVML, kernel log, dcgm-exporter) into the store until SIGTERM
+    or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
+    non-zero when the last flush failed or when every source failed, naming each and why."""
+    from gpufail.config import parse_duration
+    from ingest.collect.daemon import StopFlag, run_collect, stop_on_signals
+    from ingest.store import Store
+
+    try:
+        every = parse_duration(interval) if interval is not None else None
+    except ValueError as exc:
+        raise GpufailError(f"--interval: {exc}") from None
+    options = settings_of(ctx).collect_options(node=node, sources=sources, interval=every, listen=listen)
+    store = Store.create(data_root(ctx, data))
+    with stop_on_signals(StopFlag()) as stop:
+        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=click.echo)
+    click.echo(f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}")
+    failed = summary.every_source_failed()
+    if failed:
+        for name, error in failed:
+            click.echo(f"collect: {name} failed: {error}", err=True)
+        raise GpufailError(f"collect: every source failed ({', '.join(n for n, _ in failed)}); nothing was collected")

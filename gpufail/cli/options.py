@@ -1,0 +1,69 @@
+"""What the commands share: the settings of the run, the data root option and its default, and
+the parsing of option values that click does not do for us."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+if TYPE_CHECKING:
+    from gpufail.config import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def settings_of(ctx: click.Context) -> Settings:
+    """The settings `gpufail --config ...` loaded for this run (`gpufail.config.load_settings`)."""
+    settings: Settings = ctx.find_root().obj
+    return settings
+
+
+def data_option(f: F) -> F:
+    """`--data`: the data root, a folder or an fsspec URL (default: [store] root)."""
+    return click.option(
+        "--data", "data", default=None, help="Data root: folder or fsspec URL (default: [store] root)."
+    )(f)
+
+
+def quiet_option(f: F) -> F:
+    return click.option("--quiet", is_flag=True, help="No progress bar.")(f)
+
+
+def data_root(ctx: click.Context, data: str | None) -> str:
+    """`--data`, else the [store] root."""
+    return data or settings_of(ctx).store.root
+
+
+def when(text: str | None, option: str) -> datetime | None:
+    """An ISO date or time given to `option` (UTC when it names no zone)."""
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: expected an ISO date or time such as 2026-02-01 or 2026-02-01T06:00", param_hint=option
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def finite(_ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A click callback: a FloatRange lets NaN and infinity through (every comparison with NaN
+    is false)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value}: expected a finite number", param=param)
+    return value
+
+
+def dask_client(settings: Settings) -> Any:
+    """The Dask client of the `[dask]` settings (docs/fleet-scale.md)."""
+    from gpufail.dask_cluster import dask_client as client_of
+
+    d = settings.dask
+    return client_of(
+        d.scheduler, n_workers=d.n_workers, threads_per_worker=d.threads_per_worker, connect_timeout=d.connect_timeout
+    )

@@ -1,0 +1,217 @@
+"""Commands that score and act: `score`, `publish` and the REST endpoint `serve`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from gpufail.cli.options import data_option, data_root, settings_of
+from ingest.errors import GpufailError
+
+if TYPE_CHECKING:
+    from gpufail.config import Settings
+
+
+@click.command()
+@data_option
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="A model folder written by `gpufail train`.",
+)
+@click.pass_context
+def score(ctx: click.Context, data: str | None, model_path: str) -> None:
+    """Score every GPU's latest grid time: the predictions snapshot of that grid time and model
+    version (scoring them again replaces it). Refused when the features were built with other
+    settings than the model's."""
+    from ingest.store import Store
+    from models.train import load_model
+    from serving.score_store import score_store
+
+    root = data_root(ctx, data)
+    model = load_model(model_path)
+    scored = score_store(Store.open(root), model)
+    predictions = scored.predictions
+    top = predictions.nsmallest(3, "rank")
+    riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
+    again = "; replaced the earlier snapshot of this grid time and model" if scored.replaced else ""
+    click.echo(
+        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest}"
+        f"{again} -> {scored.path}"
+    )
+
+
+@click.command()
+@data_option
+@click.option(
+    "--to",
+    "target",
+    type=click.Choice(["log", "slurm", "kubernetes", "webhook"]),
+    default=None,
+    help="Where to publish (default: [publish] target).",
+)
+@click.option(
+    "--dry-run/--no-dry-run",
+    default=None,
+    help="Record what would be done without doing it (default: [publish] dry_run, true).",
+)
+@click.option("--shadow", is_flag=True, default=None, help="Run the policy on its own state; touch nothing.")
+@click.option("--reset-breaker", is_flag=True, help="Close a tripped circuit breaker (with a fresh budget) and exit.")
+@click.option(
+    "--adopt",
+    "adopt",
+    multiple=True,
+    metavar="NODE",
+    help="With --to slurm: hand an orphaned gpufail drain of NODE to gpufail (repeatable) and exit.",
+)
+@click.option(
+    "--lock-wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds to wait for another publish run on this data root to finish (default 60), then refuse.",
+)
+@click.option("--quiet", is_flag=True, help="Print only the summary line.")
+@click.pass_context
+def publish(
+    ctx: click.Context,
+    data: str | None,
+    target: str | None,
+    dry_run: bool | None,
+    shadow: bool | None,
+    reset_breaker: bool,
+    adopt: tuple[str, ...],
+    lock_wait: float | None,
+    quiet: bool,
+) -> None:
+    """Turn the newest predictions snapshot into risk tiers through the action policy
+    (hysteresis, cooldown, circuit breaker), apply them to the scheduler unless in dry run, and
+    append every decision to the actions audit log. One run at a time per data root."""
+    from ingest.store import Store
+    from serving.policy import reset_breaker as closed_breaker
+    from serving.predictions import newest_snapshot
+    from serving.publish import state_name
+    from serving.publishing import (
+        LOCK_WAIT_S,
+        adopt_drains,
+        publish_latest,
+        publish_lock,
+        read_policy_state,
+        write_policy_state,
+    )
+
+    options = settings_of(ctx).publish_options(target=target, dry_run=dry_run, shadow=shadow)
+    target, mode = options.target, options.mode
+    wait = LOCK_WAIT_S if lock_wait is None else lock_wait
+    root = data_root(ctx, data)
+    store = Store.open(root)
+    name = state_name(target, mode)
+    where = f"{root}: _state/{name}.json"
+    if adopt:
+        if target != "slurm":
+            raise click.UsageError("--adopt goes with --to slurm (only Slurm drains can be orphaned)")
+        for line in adopt_drains(store, options.publisher, list(adopt), lock_wait_s=wait):
+            click.echo(f"publish (slurm): {line}")
+        return
+    if reset_breaker:
+        with publish_lock(store, wait):
+            state = read_policy_state(store, name)
+            was = state.breaker
+            write_policy_state(store, name, closed_breaker(state))
+        status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
+        click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
+        return
+    snapshot = newest_snapshot(store)
+    if snapshot is None:
+        raise GpufailError(f"{root}: no predictions; run `gpufail score` first")
+    outcome, path = publish_latest(store, snapshot.frame, options, lock_wait_s=wait)
+    for notice in outcome.notices:
+        click.echo(f"publish ({target}): note: {notice}", err=True)
+    if not quiet:
+        for row in outcome.rows:
+            if row.action != "keep" or row.result != "unchanged":
+                click.echo(
+                    f"  {row.node:<14} risk {row.risk:.3f}  {row.previous_tier} -> {row.tier:<15} {row.action:<13} {row.result}"
+                )
+    counts = Counter(r.action for r in outcome.rows)
+    tiers = Counter(r.tier for r in outcome.rows if r.tier != "none")
+    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[mode]
+    breaker = (
+        "; circuit breaker OPEN"
+        if outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in outcome.rows)
+        else ""
+    )
+    unreachable = f"; scheduler unreachable: {outcome.scheduler_error}" if outcome.scheduler_error else ""
+    click.echo(
+        f"publish ({label}, {target}): {len(outcome.rows)} nodes of the snapshot at "
+        f"{snapshot.key.ts:%Y-%m-%d %H:%M}Z (model {snapshot.key.model_version}); "
+        + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+        + "; tiers: "
+        + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")
+        + f"{breaker}{unreachable} -> {path}"
+    )
+
+
+@click.command()
+@data_option
+@click.option("--host", default=None, help="Address to listen on (default: [serve] host, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port (default: [serve] port, 8080).")
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="A model folder written by `gpufail train` (default: [serve] model, else the registry's champion).",
+)
+@click.option("--access-log/--no-access-log", default=True, help="Log one line per request (never the token).")
+@click.pass_context
+def serve(
+    ctx: click.Context, data: str | None, host: str | None, port: int | None, model_path: str | None, access_log: bool
+) -> None:
+    """Serve predictions over HTTP (FastAPI under uvicorn, one worker) until interrupted."""
+    import uvicorn
+
+    from serving.http_timeouts import read_timeout_protocol
+
+    settings = settings_of(ctx)
+    cfg = settings.serve
+    root = data_root(ctx, data)
+    app, source = _serve_app(settings, root, model_path)
+    host, port = host or cfg.host, port or cfg.port
+    click.echo(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
+    protocol = read_timeout_protocol(cfg.header_timeout.total_seconds(), cfg.body_timeout.total_seconds())
+    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info", http=protocol)
+
+
+def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[Any, str]:
+    """The REST app for `gpufail serve` from the settings, and a description of its model source.
+    Features a request sends telemetry for are built with the served model's spec, not with the
+    [features] and [labels] settings (`serving.api_payloads`)."""
+    import os
+
+    from serving.api import create_app
+    from serving.api_state import ModelFolder, RegistryChampion
+
+    cfg, ml = settings.serve, settings.mlflow
+    admin, read = os.environ.get(cfg.admin_token_env) or None, os.environ.get(cfg.read_token_env) or None
+    if cfg.read_requires_token and not (read or admin):
+        raise GpufailError(
+            f"[serve] read_requires_token is true, but neither {cfg.read_token_env} nor {cfg.admin_token_env} holds a token"
+        )
+    options = settings.serve_options(root, admin_token=admin, read_token=read)
+    path = model_path or cfg.model
+    if path:
+        return create_app(options, ModelFolder(path)), f"model folder {path}"
+    local = "://" not in root
+    source = RegistryChampion(
+        ml.tracking_uri,
+        ml.model_name,
+        cache_dir=Path(root) / "_serve" if local else None,
+        retries=ml.retries,
+        backoff_s=ml.backoff.total_seconds(),
+    )
+    return create_app(options, source), f"the champion of {ml.model_name!r} at {ml.tracking_uri}"
