@@ -114,7 +114,7 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     )
     plan = settings.walk_forward_plan(test_days=test_days)
     contenders = [Contender(c.name, c.kind, c.mode, dict(c.params), c.train_window) for c in cfg.contenders]
-    options = {
+    options: dict[str, Any] = {
         "top_k": cfg.top_k,
         "failures": failures,
         "bootstrap_samples": cfg.bootstrap_samples,

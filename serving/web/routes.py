@@ -441,5 +441,5 @@ def _failure_xids(snap: Snapshot) -> tuple[int, ...]:
     """The failure XIDs of the served model's feature spec: the failures its alarms are
     compared with are the ones it was trained to predict."""
     if snap.served is not None:
-        return snap.served.model.feature_spec.failure_xids
-    return FeatureSpec().failure_xids
+        return tuple(snap.served.model.feature_spec.failure_xids)
+    return tuple(FeatureSpec().failure_xids)

@@ -10,6 +10,7 @@ import itertools
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -127,7 +128,10 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     monkeypatch.setattr(models.gate, "holdout_metrics", counted)
     name = f"nightly-{next(_names)}"
     data = tmp_path / "data"
-    opts = options(tmp_path, url, name, calibration="platt", calibration_window=timedelta(days=1))
+    plain = options(tmp_path, url, name)
+    opts = options(
+        tmp_path, url, name, train=replace(plain.train, calibration="platt", calibration_window=timedelta(days=1))
+    )
     start = first_day(fleet)
     days = [start + timedelta(days=d) for d in (FLEET_DAYS - 3, FLEET_DAYS - 2, FLEET_DAYS - 1)]
     summaries = []
