@@ -151,3 +151,29 @@ def test_a_file_name_with_braces_is_named_as_it_is(tmp_path):
         load_settings(tmp_path / "{x}.toml", environ={})
     with pytest.raises(ConfigError, match=r"\{x\}.toml \(GPUFAIL_CONFIG\): not found$"):
         load_settings(environ={"GPUFAIL_CONFIG": str(tmp_path / "{x}.toml")})
+
+
+def test_calibration_alarm_and_budget_settings_reach_the_options_the_commands_take(tmp_path):
+    path = tmp_path / "gpufail.toml"
+    path.write_text(
+        '[model]\ncalibration = "isotonic"\ncalibration_window = "3d"\n'
+        '[evaluate]\nalarm_quiet_period = "0s"\nalarm_lookback = "2d"\nlong_horizon = "48h"\ntest_days = 10\n'
+        "[publish.tiers.avoid]\nenter = 0.25\nexit = 0.15\nbudget_per_day = 2\n"
+    )
+    settings = load_settings(path, environ={})
+    train = settings.train_options()
+    assert (train.calibration, train.calibration_window) == ("isotonic", timedelta(days=3))
+    assert settings.nightly_options(str(tmp_path)).train.calibration == "isotonic"
+    plan = settings.walk_forward_plan()
+    assert (plan.calibration, plan.calibration_window, plan.test_days) == ("isotonic", timedelta(days=3), 10)
+    assert settings.walk_forward_plan(test_days=4).test_days == 4
+    rules = settings.alarm_rules()
+    assert rules.quiet_period is None  # "0s": only falling back below the threshold re-arms
+    assert (rules.horizon, rules.lookback, rules.long_horizon) == (
+        timedelta(hours=24),
+        timedelta(days=2),
+        timedelta(hours=48),
+    )
+    tiers = {t.name: t for t in settings.publish.policy_config().tiers}
+    assert tiers["avoid"].budget_per_day == 2 and tiers["watch"].budget_per_day is None
+    assert settings.publish_options().policy.tiers == settings.publish.policy_config().tiers
