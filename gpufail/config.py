@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from models.walk_forward import WalkForwardPlan
     from serving.api_state import ServeOptions
     from serving.policy import PolicyConfig
+    from serving.publish import JobActions
     from serving.publishing import PublisherConfig, PublishOptions
 
 
@@ -207,10 +208,46 @@ class TiersSettings(_Table):
         return None if value is False else value
 
 
+class CostSettings(_Table):
+    """[publish.cost]: what the cost policy prices actions with (serving/cost_policy.py,
+    docs/actions.md); GPU-hours throughout."""
+
+    horizon: PositiveDuration = timedelta(hours=24)
+    """The horizon of the node risk: the [labels] horizon the model was trained with."""
+    checkpoint_interval: PositiveDuration = timedelta(hours=1)
+    """Assumed for a job that reports no checkpoint; also the least time between two hints to a job."""
+    checkpoint_time: Duration = timedelta(minutes=5)
+    restart_time: Duration = timedelta(minutes=10)
+    hang_time: Duration = timedelta(minutes=15)
+    """How long a job hangs on a failed node before the failure is noticed."""
+    new_job_gpus: float = Field(default=64.0, ge=0.0)
+    """The GPUs of a job the scheduler would place on a free node."""
+    avoid_share: float = Field(default=0.25, ge=0.0, le=1.0)
+    avoid_cost: float = Field(default=0.5, ge=0.0)
+    """GPU-hours per node GPU that keeping new large jobs off a node costs over the horizon."""
+    false_drain: Duration = timedelta(hours=24)
+    """How long a node drained for nothing stays out of service."""
+
+
 class PublishSettings(_Table):
     """`gpufail publish`: the action policy (serving/policy.py) and the scheduler publishers."""
 
     target: Literal["log", "slurm", "kubernetes", "webhook"] = "log"
+    policy: Literal["tiers", "cost"] = "tiers"
+    """tiers: risk thresholds; cost: the cheapest action for the jobs on the node (docs/actions.md)."""
+    cost: CostSettings = CostSettings()
+    placement_levels: int = Field(default=0, ge=0, le=100)
+    """Risk levels for placement hints (Slurm weights, a Kubernetes node label); 0: none."""
+    standby_nodes: int = Field(default=0, ge=0)
+    """Warm standbys: the lowest-risk idle nodes kept in a reservation (Slurm) or labelled; 0: none."""
+    jobs_url: str = ""
+    """log and webhook targets: a URL or file of the job document (docs/actions.md); empty: none."""
+    slurm_checkpoint_signal: Annotated[str, Field(pattern=r"^(SIG)?[A-Z][A-Z0-9]*$|^[0-9]+$")] = "USR1"
+    """The signal of a checkpoint hint (scancel --signal=... --batch JOB)."""
+    slurm_standby_users: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")]] = Field(
+        default_factory=lambda: ["root"], min_length=1
+    )
+    """Users who may run jobs in the standby reservation."""
     dry_run: bool = True
     """Record what would be done without doing it. Set false (or --no-dry-run) to act."""
     shadow: bool = False
@@ -281,9 +318,36 @@ class PublishSettings(_Table):
             slurm_bin_dir=self.slurm_bin_dir,
             slurm_conf=self.slurm_conf,
             slurm_avoid_weight=self.slurm_avoid_weight,
+            slurm_checkpoint_signal=self.slurm_checkpoint_signal,
+            slurm_standby_users=tuple(self.slurm_standby_users),
             kubeconfig=self.kubeconfig,
             webhook_url=self.webhook_url,
             webhook_secret_env=self.webhook_secret_env,
+            jobs_url=self.jobs_url,
+        )
+
+    def job_actions(self) -> JobActions:
+        """What a run does with the jobs on the nodes beyond the tiers (`serving.publish`): the
+        policy, the cost policy's prices, placement levels and warm standbys."""
+        from serving.cost_policy import CostConfig
+        from serving.publish import JobActions
+
+        c = self.cost
+        return JobActions(
+            policy=self.policy,
+            cost=CostConfig(
+                horizon=c.horizon,
+                checkpoint_interval=c.checkpoint_interval,
+                checkpoint_time=c.checkpoint_time,
+                restart_time=c.restart_time,
+                hang_time=c.hang_time,
+                new_job_gpus=c.new_job_gpus,
+                avoid_share=c.avoid_share,
+                avoid_cost=c.avoid_cost,
+                false_drain=c.false_drain,
+            ),
+            placement_levels=self.placement_levels,
+            standby_nodes=self.standby_nodes,
         )
 
     def options(
@@ -298,6 +362,7 @@ class PublishSettings(_Table):
             mode=publish_mode(dry, self.shadow if shadow is None else shadow),
             policy=self.policy_config(),
             publisher=self.publisher_config(),
+            actions=self.job_actions(),
         )
 
 

@@ -254,6 +254,10 @@ class NodeRisk:
     """Why the scheduler's node must not be touched ('' when it may be)."""
     repaired_at: datetime | None = None
     """The node's latest repair record, if any."""
+    wanted: str = ""
+    """The tier another policy chose for the node (`serving.cost_policy`), with `why`; '' = the
+    tier its risk enters. The rules here (repair, cooldown, breaker, recovery) apply to either."""
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -306,8 +310,11 @@ def decide(
 def _within_budget(target: str, risk: float, config: PolicyConfig, entries: list[tuple[datetime, str, str]]) -> str:
     """`target`, or the strongest weaker tier the risk reaches whose alarm budget has room
     ('none' if none): the tiers with a budget admit at most `budget_count` nodes per window."""
+    if config.tier(target) is None:  # not a configured tier: it has no budget
+        return target
     for tier in reversed(config.tiers):
-        if tier_rank(tier.name) > tier_rank(target) or risk < tier.enter:
+        # The target itself even below its enter threshold: another policy may have chosen it.
+        if tier_rank(tier.name) > tier_rank(target) or (tier.name != target and risk < tier.enter):
             continue
         if tier.budget_per_day is None or sum(e[1] == tier.name for e in entries) < tier.budget_count:
             return tier.name
@@ -339,7 +346,7 @@ def _decide_node(
         reason = f"repaired at {n.repaired_at:%Y-%m-%d %H:%M}Z after entering {current}; {risk_text}"
         return decision("lower", "none", reason), moved("none"), breaker
 
-    target = config.entered_tier(n.risk)
+    target = n.wanted or config.entered_tier(n.risk)
     if tier_rank(target) > tier_rank(current):
         allowed = _within_budget(target, n.risk, config, entries)
         if allowed != target:
@@ -350,14 +357,14 @@ def _decide_node(
                 f"({tier.budget_count} within {tier.budget_window})"
             )
             if tier_rank(allowed) <= tier_rank(current):
-                reason = f"would raise to {target} ({risk_text} >= enter threshold {tier.enter:.3f}), but {full}"
+                reason = f"would raise to {target} ({n.why or f'{risk_text} >= enter threshold {tier.enter:.3f}'}), but {full}"
                 return decision("budget_held", current, reason), replace(previous, below_since=None), breaker
             n_note = f"; {full}"
             target = allowed
         else:
             n_note = ""
-        enter = next(t.enter for t in config.tiers if t.name == target)
-        why = f"{risk_text} >= {target} enter threshold {enter:.3f}{n_note}"
+        enter = next((t.enter for t in config.tiers if t.name == target), 0.0)
+        why = (n.why or f"{risk_text} >= {target} enter threshold {enter:.3f}") + n_note
         cooling = previous.changed_at is not None and now - previous.changed_at < config.cooldown
         if cooling and target != config.strongest:
             reason = f"would raise to {target} ({why}), but the tier changed at {previous.changed_at:%Y-%m-%d %H:%M}Z, within the cooldown of {config.cooldown}"
@@ -380,16 +387,17 @@ def _decide_node(
         return decision("raise", target, why), moved(target), breaker
 
     if current == "none":
-        return decision("keep", "none", f"{risk_text} below every enter threshold"), previous, breaker
+        return decision("keep", "none", n.why or f"{risk_text} below every enter threshold"), previous, breaker
     exit_at = config.exit_threshold(current)
-    if n.risk >= exit_at:
-        reason = f"{risk_text} >= {current} exit threshold {exit_at:.3f}"
+    if tier_rank(target) >= tier_rank(current) if n.wanted else n.risk >= exit_at:
+        reason = n.why or f"{risk_text} >= {current} exit threshold {exit_at:.3f}"
         return decision("keep", current, reason), replace(previous, below_since=None), breaker
+    below = f"{n.why}; {target} wanted" if n.wanted else f"{risk_text} below {current} exit threshold {exit_at:.3f}"
     below_since = previous.below_since or now
     if now - below_since >= config.recovery_period:
-        reason = f"{risk_text} below {current} exit threshold {exit_at:.3f} since {below_since:%Y-%m-%d %H:%M}Z (recovery period {config.recovery_period})"
+        reason = f"{below} since {below_since:%Y-%m-%d %H:%M}Z (recovery period {config.recovery_period})"
         return decision("lower", target, reason), moved(target), breaker
-    reason = f"{risk_text} below {current} exit threshold {exit_at:.3f} since {below_since:%Y-%m-%d %H:%M}Z; recovery after {config.recovery_period}"
+    reason = f"{below} since {below_since:%Y-%m-%d %H:%M}Z; recovery after {config.recovery_period}"
     return decision("keep", current, reason), replace(previous, below_since=below_since), breaker
 
 

@@ -11,6 +11,10 @@ Modes:
   node's `applied` tier as it was, so the next run tries again; re-running with the same
   predictions changes nothing (idempotent).
 
+With `JobActions`, a run also reads the scheduler's job map and can decide by the cost policy
+(`serving.cost_policy`), send checkpoint hints, set placement levels and keep warm standbys
+(docs/actions.md); each of those is an audit row too.
+
 The audit log is a Parquet dataset, one new file per run under `date=YYYY-MM-DD/` (the UTC
 date of the decisions), never rewritten. A file is first written complete under a hidden
 `.pending-` name (`stage_audit`), which readers ignore, and then renamed to its final name
@@ -33,8 +37,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError
+from serving.cost_policy import OPTIONS, CostConfig, CostDecision, Hint, costs_json
+from serving.cost_policy import decide as cost_decide
+from serving.jobs import JobMap, JobMapUnreadable, node_loads
+from serving.placement import placement_levels, standby_nodes
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, decide
-from serving.publishers import Change, NodeView, Publisher, SchedulerUnavailable, publisher_notices
+from serving.publishers import Applied, Change, NodeView, Publisher, SchedulerUnavailable, publisher_notices
 from serving.score import node_risks
 
 MODES = ("dry-run", "shadow", "live")
@@ -58,6 +66,14 @@ AUDIT_SCHEMA = pa.schema(
         ("mode", pa.string()),
         ("dry_run", pa.bool_()),
         ("result", pa.string()),
+        # The job-aware fields (docs/actions.md); null in rows of the tiered policy and in files
+        # written before them.
+        ("policy", pa.string()),
+        ("option", pa.string()),
+        ("costs", pa.struct([(o, pa.float64()) for o in OPTIONS])),
+        ("jobs", pa.list_(pa.string())),
+        ("blast_radius", pa.int64()),
+        ("work_at_risk", pa.float64()),
     ]
 )
 
@@ -81,6 +97,42 @@ class AuditRow:
     mode: str
     dry_run: bool
     result: str
+    policy: str = "tiers"
+    option: str = ""
+    """The cost policy's cheapest option ('' for the tiered policy)."""
+    costs: Mapping[str, float | None] | None = None
+    """The cost policy: expected GPU-hours of every option (None where not offered)."""
+    jobs: tuple[str, ...] = ()
+    blast_radius: int | None = None
+    work_at_risk: float | None = None
+
+
+POLICIES = ("tiers", "cost")
+
+
+@dataclass(frozen=True)
+class JobActions:
+    """What `publish` does with the jobs on the nodes, beyond the tiers (docs/actions.md)."""
+
+    policy: str = "tiers"
+    """"tiers" (`serving.policy`) or "cost" (`serving.cost_policy`)."""
+    cost: CostConfig = field(default_factory=CostConfig)
+    placement_levels: int = 0
+    """Placement levels (`serving.placement`); 0: no placement hints."""
+    standby_nodes: int = 0
+    """Warm standbys to keep; 0: none."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InputError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.placement_levels < 0 or self.standby_nodes < 0:
+            raise InputError(
+                f"placement_levels and standby_nodes: expected >= 0, got {self.placement_levels} and {self.standby_nodes}"
+            )
+
+    @property
+    def needs_jobs(self) -> bool:
+        return self.policy == "cost" or self.standby_nodes > 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +144,8 @@ class PublishOutcome:
     """Why the scheduler could not be read ('' when it could)."""
     notices: list[str] = field(default_factory=list)
     """What the publisher has to tell the operator beyond the decisions (`publisher_notices`)."""
+    hinted: dict[str, datetime] = field(default_factory=dict)
+    """The cost policy's state: job id -> when it was last told to checkpoint."""
 
 
 def state_name(target: str, mode: str) -> str:
@@ -146,9 +200,14 @@ def publish(
     now: datetime,
     repairs: Mapping[tuple[str, str], datetime] | None = None,
     top_features: Mapping[str, Sequence[str]] | None = None,
+    actions: JobActions | None = None,
+    hinted: Mapping[str, datetime] | None = None,
 ) -> PublishOutcome:
     """Decide for every node of `predictions` and, in live mode, make the scheduler follow.
-    Never raises for an unreachable scheduler: the rows say so and the next run retries."""
+    Never raises for an unreachable scheduler: the rows say so and the next run retries.
+    `actions` adds the job-aware ones (the cost policy, checkpoint hints, placement, standbys),
+    `hinted` is the cost policy's state from the last run."""
+    actions = actions or JobActions()
     if mode not in MODES:
         raise InputError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     nodes = sorted(set(predictions["node"].astype(str)))
@@ -167,7 +226,21 @@ def publish(
         repairs=repairs,
         top_features=top_features,
     )
-    decisions, after = decide(inputs, state, config, now)
+    job_map = None
+    if actions.needs_jobs and views is not None:
+        job_map = read_job_map(publisher, notices)
+    priced: dict[str, CostDecision] = {}
+    new_hinted: dict[str, datetime] = dict(hinted or {})
+    hints: list[Hint] = []
+    held: list[tuple[Hint, str]] = []
+    if actions.policy == "cost":
+        gpus_per_node = {str(k): int(v) for k, v in predictions.groupby("node").size().items()}
+        co = cost_decide(inputs, job_map, gpus_per_node, actions.cost, state, hinted or {}, config, now)
+        decisions, after = [c.decision for c in co.decisions], co.state
+        priced = {c.decision.key: c for c in co.decisions}
+        new_hinted, hints, held = co.hinted, co.hints, co.held
+    else:
+        decisions, after = decide(inputs, state, config, now)
     version = model_version(predictions)
 
     results: dict[str, str] = {}
@@ -207,27 +280,187 @@ def publish(
             nodes_after[key] = replace(nodes_after[key], saved=dict(outcome.saved) or nodes_after[key].saved)
     final = state if mode == "dry-run" else replace(after, nodes=nodes_after)
 
-    rows = [
-        AuditRow(
-            time=d.time,
-            cluster=d.cluster,
-            node=d.node,
-            gpus=d.gpus,
-            risk=d.risk,
-            previous_tier=d.previous_tier,
-            tier=d.tier,
-            action=d.action,
-            reason=d.reason,
-            top_features=d.top_features,
-            model_version=version,
-            target=publisher.name,
-            mode=mode,
-            dry_run=mode != "live",
-            result=results[d.key],
+    common: dict[str, Any] = {
+        "model_version": version,
+        "target": publisher.name,
+        "mode": mode,
+        "dry_run": mode != "live",
+    }
+    rows = []
+    for d in decisions:
+        c = priced.get(d.key)
+        rows.append(
+            AuditRow(
+                time=d.time,
+                cluster=d.cluster,
+                node=d.node,
+                gpus=d.gpus,
+                risk=d.risk,
+                previous_tier=d.previous_tier,
+                tier=d.tier,
+                action=d.action,
+                reason=d.reason,
+                top_features=d.top_features,
+                result=results[d.key],
+                policy=actions.policy,
+                **common,
+                **(_priced_fields(c) if c is not None and c.costs else {}),
+            )
         )
-        for d in decisions
+    by_node = {n.node: n for n in inputs}
+    tiers_after = {key: s.tier for key, s in final.nodes.items()}
+    job_rows, failed_hints = job_action_rows(
+        publisher, hints, held, mode=mode, scheduler_error=scheduler_error, reachable=views is not None
+    )
+    for job_id in failed_hints:
+        new_hinted.pop(job_id, None)
+    rows += [_job_row(row, by_node, tiers_after, now, actions.policy, common) for row in job_rows]
+    if views is not None:
+        hint_rows = placement_and_standby(publisher, inputs, job_map, tiers_after, config, actions, mode, now, notices)
+        rows += [_job_row(row, by_node, tiers_after, now, actions.policy, common) for row in hint_rows]
+    kept_hinted = dict(hinted or {}) if mode == "dry-run" else new_hinted
+    return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error, notices=notices, hinted=kept_hinted)
+
+
+def read_job_map(publisher: Publisher, notices: list[str]) -> JobMap | None:
+    """The publisher's job map, or None (with a notice saying why) when it has none or it
+    cannot be read."""
+    read = getattr(publisher, "read_jobs", None)
+    if not callable(read):
+        notices.append(f"job map: the {publisher.name} target has no job map; the cost policy keeps every tier")
+        return None
+    try:
+        job_map: JobMap = read()
+    except (SchedulerUnavailable, JobMapUnreadable) as exc:
+        notices.append(f"job map: {exc}; the cost policy keeps every tier, standbys are left as they are")
+        return None
+    notices.extend(f"job map: {n}" for n in job_map.notices)
+    return job_map
+
+
+def _priced_fields(c: CostDecision) -> dict[str, Any]:
+    return {
+        "option": c.option,
+        "costs": costs_json(c.costs),
+        "jobs": c.load.jobs,
+        "blast_radius": c.load.blast_radius,
+        "work_at_risk": c.load.work_at_risk,
+    }
+
+
+@dataclass(frozen=True)
+class _JobActionRow:
+    node: str
+    action: str
+    reason: str
+    result: str
+    jobs: tuple[str, ...] = ()
+    blast_radius: int | None = None
+    work_at_risk: float | None = None
+
+
+def job_action_rows(
+    publisher: Publisher,
+    hints: Sequence[Hint],
+    held: Sequence[tuple[Hint, str]],
+    *,
+    mode: str,
+    scheduler_error: str,
+    reachable: bool,
+) -> tuple[list[_JobActionRow], list[str]]:
+    """Send the checkpoint hints (live mode) and describe them, and those held, as audit rows;
+    also the ids of the jobs whose hint did not go out (to be tried again next run)."""
+    if not hints and not held:
+        return [], []
+    send = getattr(publisher, "checkpoint", None)
+    if mode != "live":
+        results = [Applied(True, f"{mode}: would tell job {h.job.id} to checkpoint") for h in hints]
+    elif not reachable:
+        results = [Applied(False, f"failed: {scheduler_error}; retried next run") for _ in hints]
+    elif not callable(send):
+        results = [Applied(False, f"skipped: the {publisher.name} target cannot send checkpoint hints") for _ in hints]
+    else:
+        results = send(list(hints))
+    rows = [
+        _JobActionRow(h.nodes[0], "checkpoint", h.reason, r.detail, (h.job.id,), h.job.gpus)
+        for h, r in zip(hints, results, strict=True)
     ]
-    return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error, notices=notices)
+    rows += [
+        _JobActionRow(h.nodes[0], "checkpoint_held", f"{h.reason}; held: {why}", "held", (h.job.id,), h.job.gpus)
+        for h, why in held
+    ]
+    failed = [h.job.id for h, r in zip(hints, results, strict=True) if not r.ok]
+    return rows, failed
+
+
+def placement_and_standby(
+    publisher: Publisher,
+    inputs: Sequence[NodeRisk],
+    job_map: JobMap | None,
+    tiers_after: Mapping[str, str],
+    config: PolicyConfig,
+    actions: JobActions,
+    mode: str,
+    now: datetime,
+    notices: list[str],
+) -> list[_JobActionRow]:
+    """Placement levels and warm standbys through the publisher (what would change, outside
+    live mode), as audit rows."""
+    rows = []
+    apply = mode == "live"
+    prefix = "" if apply else f"{mode}: "
+    place = getattr(publisher, "place", None)
+    if callable(place):
+        levels = placement_levels(inputs, actions.placement_levels, config)
+        for node, r in place(levels, actions.placement_levels, apply):
+            why = f"placement level {levels[node]} of {actions.placement_levels}" if node in levels else "placement"
+            rows.append(_JobActionRow(node, "placement", why, prefix + r.detail))
+    elif actions.placement_levels:
+        notices.append(f"placement: the {publisher.name} target takes no placement hints")
+    standby = getattr(publisher, "standby", None)
+    if callable(standby):
+        if job_map is None and actions.standby_nodes:
+            notices.append("standby: not refreshed, the job map is unavailable")
+        else:
+            loads = node_loads(job_map, now, actions.cost.checkpoint_interval) if job_map is not None else {}
+            chosen = standby_nodes(inputs, loads, tiers_after, actions.standby_nodes)
+            why = f"warm standby: among the {actions.standby_nodes} lowest-risk idle nodes"
+            for node, r in standby(chosen, apply):
+                reason = why if node in chosen or not node else "no longer a warm standby"
+                rows.append(_JobActionRow(node, "standby", reason, prefix + r.detail))
+    elif actions.standby_nodes:
+        notices.append(f"standby: the {publisher.name} target keeps no standbys")
+    return rows
+
+
+def _job_row(
+    row: _JobActionRow,
+    by_node: Mapping[str, NodeRisk],
+    tiers_after: Mapping[str, str],
+    now: datetime,
+    policy: str,
+    common: Mapping[str, Any],
+) -> AuditRow:
+    n = by_node.get(row.node)
+    tier = tiers_after.get(n.key, "none") if n is not None else "none"
+    return AuditRow(
+        time=now,
+        cluster=n.cluster if n is not None else "",
+        node=row.node,
+        gpus=(),
+        risk=n.risk if n is not None else float("nan"),
+        previous_tier=tier,
+        tier=tier,
+        action=row.action,
+        reason=row.reason,
+        top_features=(),
+        result=row.result,
+        policy=policy,
+        jobs=row.jobs,
+        blast_radius=row.blast_radius,
+        work_at_risk=row.work_at_risk,
+        **common,
+    )
 
 
 def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
@@ -236,7 +469,11 @@ def decisions_table(decisions: Sequence[AuditRow]) -> pa.Table:
     for d in decisions:
         for name in AUDIT_SCHEMA.names:
             value = getattr(d, name)
-            columns[name].append(list(value) if name in ("gpus", "top_features") else value)
+            if name in ("gpus", "top_features", "jobs"):
+                value = list(value)
+            elif name == "costs" and value is not None:
+                value = dict(value)
+            columns[name].append(value)
     return pa.Table.from_pydict(columns, schema=AUDIT_SCHEMA)
 
 

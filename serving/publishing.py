@@ -1,7 +1,7 @@
 """The `gpufail publish` flow, shared by the command and the nightly job: run the action policy
-(`PublishOptions.policy`) on the newest predictions snapshot (`serving.predictions`), apply it
-through the publisher of the target (`PublisherConfig`), keep the policy's state and append
-every decision to the audit log.
+(`PublishOptions.policy`, and the job-aware `PublishOptions.actions`) on the newest predictions
+snapshot (`serving.predictions`), apply it through the publisher of the target
+(`PublisherConfig`), keep the policy's state and append every decision to the audit log.
 
 One run at a time per data root: every run holds `publish_lock` (the nightly's `flock`
 mechanism, `serving.locking`) from reading the state to committing it, so that runs started
@@ -26,12 +26,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ingest.errors import GpufailError, InputError
 from ingest.store import Store
 from serving.locking import exclusive_lock
 from serving.policy import PolicyConfig
+
+if TYPE_CHECKING:
+    from serving.publish import JobActions
 
 LOCK_WAIT_S = 60.0
 """How long a publish run waits for another to finish before it refuses (see docs/serving.md)."""
@@ -50,11 +53,17 @@ class PublisherConfig:
     slurm_conf: str = ""
     """SLURM_CONF for sinfo/scontrol; empty: Slurm's default."""
     slurm_avoid_weight: int = 100_000
+    slurm_checkpoint_signal: str = "USR1"
+    """The signal of a checkpoint hint (`scancel --signal=... --batch JOB`)."""
+    slurm_standby_users: tuple[str, ...] = ("root",)
+    """Users who may run jobs in the standby reservation."""
     kubeconfig: str = ""
     """Empty: the in-cluster service account, else ~/.kube/config."""
     webhook_url: str = ""
     webhook_secret_env: str = "GPUFAIL_WEBHOOK_SECRET"
     """Environment variable holding the webhook's HMAC-SHA256 secret."""
+    jobs_url: str = ""
+    """log and webhook targets: a URL or file of the job document; empty: none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +76,9 @@ class PublishOptions:
     """"dry-run", "shadow" or "live" (`publish_mode`)."""
     policy: PolicyConfig
     publisher: PublisherConfig
+    actions: JobActions | None = None
+    """The job-aware actions (the cost policy, checkpoint hints, placement, standbys); None:
+    the tiers alone."""
 
 
 def publish_lock_path(store: Store) -> Path:
@@ -94,6 +106,7 @@ def publish_latest(
     committed unless in dry run (which must not advance it). Returns the outcome of
     `serving.publish.publish` and the audit file written (None when there was nothing to
     record)."""
+    from serving.cost_policy import hinted_from_json, hinted_to_json
     from serving.publish import finish_audit, stage_audit, state_name
     from serving.publish import publish as run_publish
 
@@ -101,6 +114,9 @@ def publish_latest(
     name = state_name(options.target, mode)
     with publish_lock(store, lock_wait_s):
         state = read_policy_state(store, name)
+        hinted = hinted_from_json(
+            (store.read_state(name) or {}).get("checkpoint_hints"), f"{store.root}: _state/{name}.json"
+        )
         outcome = run_publish(
             latest,
             make_publisher(options.publisher, options.target, store),
@@ -110,6 +126,8 @@ def publish_latest(
             now=datetime.now(UTC),
             repairs=latest_repairs(store),
             top_features=top_features_by_gpu(latest),
+            actions=options.actions,
+            hinted=hinted,
         )
         staged = stage_audit(outcome.rows, store.path("actions"), fs=store.fs, run_id=_run_id(name))
         if mode == "dry-run":
@@ -118,7 +136,9 @@ def publish_latest(
         committed = (
             {"pending": _relative(store, staged.pending), "final": _relative(store, staged.final)} if staged else None
         )
-        store.write_state(name, {**outcome.state.to_json(), "audit": committed})
+        store.write_state(
+            name, {**outcome.state.to_json(), "checkpoint_hints": hinted_to_json(outcome.hinted), "audit": committed}
+        )
         return outcome, _finish_committed(store, name)
 
 
@@ -144,7 +164,10 @@ def write_policy_state(store: Store, name: str, state: Any) -> None:
     """Save a policy state changed outside a run (--reset-breaker, --adopt), keeping the record
     of the last run's audit file."""
     previous = store.read_state(name) or {}
-    store.write_state(name, {**state.to_json(), "audit": previous.get("audit")})
+    store.write_state(
+        name,
+        {**state.to_json(), "checkpoint_hints": previous.get("checkpoint_hints"), "audit": previous.get("audit")},
+    )
 
 
 def _finish_committed(store: Store, name: str) -> str | None:
@@ -221,6 +244,8 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
             avoid_weight=config.slurm_avoid_weight,
             timeout=config.timeout_s,
             ledger=StoreLedger(store),
+            checkpoint_signal=config.slurm_checkpoint_signal,
+            standby_users=config.slurm_standby_users,
             attempts=config.attempts,
             backoff=config.backoff_s,
         )
@@ -244,12 +269,13 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
             config.webhook_url,
             secret.encode(),
             timeout=config.timeout_s,
+            jobs_url=config.jobs_url,
             attempts=config.attempts,
             backoff=config.backoff_s,
         )
     from serving.publishers.log import LogPublisher
 
-    return LogPublisher()
+    return LogPublisher(jobs_url=config.jobs_url, timeout=config.timeout_s)
 
 
 def latest_repairs(store: Any) -> dict[tuple[str, str], datetime]:

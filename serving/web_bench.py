@@ -206,7 +206,7 @@ def build(root: Path, n_gpus: int, days: int) -> tuple[Any, float]:
 
         def __init__(self, value: Any) -> None:
             self.value = value
-            self.root = str(root)  # what the server names in a message about these features
+            self.root = str(root)  # the data root the app names in its messages
 
         def fingerprint(self) -> str:
             return "bench"

@@ -7,7 +7,11 @@ Marks, all namespaced under `gpufail.io` so that only ours are ever removed:
 - node condition `GpufailRisk` (status True, reason the tier, message ours) while the node has
   a tier above watch;
 - cordon (`spec.unschedulable`) only for drain-now, with annotation `gpufail.io/cordoned` so
-  that uncordoning undoes only our cordon. Evicting running pods is left to people.
+  that uncordoning undoes only our cordon. Evicting running pods is left to people;
+- job-aware (docs/actions.md): label `gpufail.io/placement-score` (0-100, placement hints),
+  label `gpufail.io/standby=true` (warm standbys), and on the pods of a job told to
+  checkpoint the annotation `gpufail.io/checkpoint-requested`. The job map is the Running pods
+  with GPU requests.
 
 A node that is not Ready, or that someone else cordoned, is reported unavailable and left alone.
 
@@ -24,11 +28,13 @@ How the requests are shaped for a real API server (strategic merge patches, as `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from serving.cost_policy import Hint
+from serving.jobs import JobMap, JobMapUnreadable, kubernetes_job_map
 from serving.policy import tier_rank
 from serving.publishers import REASON_PREFIX, Applied, Change, NodeView, SchedulerUnavailable, tier_phrase, with_retries
 
@@ -37,6 +43,11 @@ TIER_LABEL = f"{DOMAIN}/risk-tier"
 TAINT_KEY = f"{DOMAIN}/risk"
 CORDON_ANNOTATION = f"{DOMAIN}/cordoned"
 CONDITION_TYPE = "GpufailRisk"
+CHECKPOINT_REQUEST_ANNOTATION = f"{DOMAIN}/checkpoint-requested"
+"""Pod annotation of a checkpoint hint: the time it was asked (docs/actions.md)."""
+PLACEMENT_LABEL = f"{DOMAIN}/placement-score"
+"""Node label: 0 (riskiest) to 100 (healthiest), for preferred node affinity or a scheduler plugin."""
+STANDBY_LABEL = f"{DOMAIN}/standby"
 TAINT_EFFECTS = {"avoid": "PreferNoSchedule", "drain_after_job": "NoSchedule", "drain_now": "NoSchedule"}
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
@@ -83,8 +94,7 @@ class KubernetesPublisher:
         )
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
-        listed = self._call("list nodes", self.api.list_node)
-        known = {item.metadata.name: item for item in listed.items}
+        known = self._list_nodes()
         return {
             n: _view(known[n])
             if n in known
@@ -132,6 +142,108 @@ class KubernetesPublisher:
                 f"condition {CONDITION_TYPE}" if tier_rank(change.new) > tier_rank("watch") else "condition removed"
             )
         return Applied(True, ", ".join(done))
+
+    def _list_nodes(self) -> dict[str, Any]:
+        listed = self._call("list nodes", self.api.list_node)
+        self._known = {item.metadata.name: item for item in listed.items}
+        return self._known
+
+    # --- job-aware actions (docs/actions.md) ----------------------------------------------
+
+    def read_jobs(self) -> JobMap:
+        """The running pods that request GPUs, grouped into jobs (`serving.jobs.kubernetes_job_map`)."""
+        import json
+
+        pods: list[Any] = []
+        token = None
+        while True:
+            # The raw JSON, not the client's models: building 20,000 V1Pods costs seconds.
+            raw = self._call(
+                "list pods",
+                lambda token=token: self.api.list_pod_for_all_namespaces(
+                    field_selector="status.phase=Running", limit=500, _continue=token, _preload_content=False
+                ),
+            )
+            try:
+                page = json.loads(raw.data)
+                pods.extend(page["items"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise JobMapUnreadable(f"kubernetes list pods: not a pod list ({type(exc).__name__}: {exc})") from None
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return kubernetes_job_map(pods)
+
+    def checkpoint(self, hints: Sequence[Hint]) -> list[Applied]:
+        """Annotate every pod of each job with `gpufail.io/checkpoint-requested=<now>` (a
+        training process sees it through a downward-API volume file)."""
+        out = []
+        stamp = _rfc3339(self.now())
+        for hint in hints:
+            done = 0
+            try:
+                for pod in hint.job.pods:
+                    namespace, name = pod.split("/", 1)
+                    body = {"metadata": {"annotations": {CHECKPOINT_REQUEST_ANNOTATION: stamp}}}
+                    self._call(
+                        f"patch pod {pod}",
+                        lambda namespace=namespace, name=name, body=body: self.api.patch_namespaced_pod(
+                            name, namespace, body, _content_type=STRATEGIC_MERGE_PATCH
+                        ),
+                    )
+                    done += 1
+            except SchedulerUnavailable as exc:
+                out.append(Applied(False, f"failed: {exc} (after {done} of {len(hint.job.pods)} pods)"))
+                continue
+            out.append(Applied(True, f"annotated {done} pod(s) {CHECKPOINT_REQUEST_ANNOTATION}={stamp}"))
+        return out
+
+    def place(self, levels: Mapping[str, int], count: int, apply: bool) -> list[tuple[str, Applied]]:
+        """Label each node of `levels` `gpufail.io/placement-score` (100 for the healthiest level,
+        0 for the riskiest); remove our label from available nodes not in `levels`."""
+        wanted = {node: str(placement_score(level, count)) for node, level in levels.items()}
+        return self._label(PLACEMENT_LABEL, wanted, apply, "placement score")
+
+    def standby(self, nodes: Sequence[str], apply: bool) -> list[tuple[str, Applied]]:
+        """Label exactly `nodes` `gpufail.io/standby=true` (our label removed from the others)."""
+        return self._label(STANDBY_LABEL, dict.fromkeys(nodes, "true"), apply, "standby")
+
+    def _label(self, key: str, wanted: Mapping[str, str], apply: bool, what: str) -> list[tuple[str, Applied]]:
+        # The nodes as `observe` listed them: `apply` changes only our tier marks, not these labels.
+        known = getattr(self, "_known", None)
+        if known is None:
+            try:
+                known = self._list_nodes()
+            except SchedulerUnavailable as exc:
+                return [(node, Applied(False, f"failed: {exc}")) for node in sorted(wanted)]
+        out = []
+        for name in sorted(set(wanted) | {n for n, item in known.items() if key in (item.metadata.labels or {})}):
+            item = known.get(name)
+            if item is None or _view(item).unavailable:
+                continue
+            current = (item.metadata.labels or {}).get(key)
+            target = wanted.get(name)
+            if current == target:
+                continue
+            detail = f"{what} {current or '(none)'} -> {target or '(removed)'}"
+            if not apply:
+                out.append((name, Applied(True, f"would set {detail}")))
+                continue
+            body = {"metadata": {"labels": {key: target}}}
+            try:
+                self._call(
+                    f"patch node {name}",
+                    lambda name=name, body=body: self.api.patch_node(name, body, _content_type=STRATEGIC_MERGE_PATCH),
+                )
+            except SchedulerUnavailable as exc:
+                out.append((name, Applied(False, f"failed: {exc}")))
+                continue
+            out.append((name, Applied(True, detail)))
+        return out
+
+
+def placement_score(level: int, count: int) -> int:
+    """The node label's score of a placement level (0 = the healthiest of `count` levels)."""
+    return 100 if count <= 1 else round(100 * (count - 1 - level) / (count - 1))
 
 
 def node_patch(node: Any, new: str) -> tuple[dict[str, Any], list[str]]:

@@ -26,6 +26,12 @@ run killed between the two leaves an entry that covers what Slurm may show, neve
 
 Safety: a node that is down, failed, or drained with a reason that is not ours is reported
 unavailable and never touched.
+
+Job-aware actions (docs/actions.md): the job map from `squeue --json`; checkpoint hints as
+`scancel --signal=USR1 --batch JOB`; placement levels added to node weights (the base weight is
+recorded in the ledger before ours is set; a weight someone else set becomes the new base); and
+the warm standbys as the reservation `gpufail-standby`, recorded in the ledger before it is
+created or changed (a reservation of that name the ledger does not know is not ours).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from typing import Any, Protocol
 
 from ingest.errors import InputError
 from ingest.store import Store
+from serving.cost_policy import Hint
+from serving.jobs import JobMap, expand_hostlist, slurm_job_map
 from serving.policy import TIERS, tier_rank
 from serving.publishers import REASON_PREFIX, Applied, Change, NodeView, SchedulerUnavailable, tier_phrase, with_retries
 
@@ -52,6 +60,8 @@ BLOCKING_FLAGS = frozenset(
 LEDGER = "publish-slurm-ledger"
 """The store state file (`_state/<name>.json`) of what gpufail set in Slurm."""
 DRAIN_FLAGS = frozenset({"DRAIN", "DRAINED", "DRAINING"})
+STANDBY_RESERVATION = "gpufail-standby"
+"""The Slurm reservation that holds the warm standby nodes (docs/actions.md)."""
 
 
 class _CommandFailed(RuntimeError):
@@ -79,6 +89,13 @@ class Marks:
     drains: dict[str, OwnedDrain] = field(default_factory=dict)
     weights: dict[str, int] = field(default_factory=dict)
     """The node's weight before we set `avoid_weight` (to restore it)."""
+    placement: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Node -> (its weight before our placement level, the weight we set)."""
+    standby: tuple[str, ...] | None = None
+    """The nodes of our standby reservation (None: we hold none)."""
+
+    def copy(self) -> Marks:
+        return Marks(dict(self.drains), dict(self.weights), dict(self.placement), self.standby)
 
 
 class SlurmLedger(Protocol):
@@ -100,10 +117,10 @@ class MemoryLedger:
         self._marks = Marks()
 
     def load(self) -> Marks:
-        return Marks(dict(self._marks.drains), dict(self._marks.weights))
+        return self._marks.copy()
 
     def save(self, marks: Marks) -> None:
-        self._marks = Marks(dict(marks.drains), dict(marks.weights))
+        self._marks = marks.copy()
 
 
 class StoreLedger:
@@ -123,20 +140,35 @@ class StoreLedger:
                 for node, d in (data.get("drains") or {}).items()
             }
             weights = {str(node): int(w) for node, w in (data.get("weights") or {}).items()}
+            placement = {
+                str(node): (int(p["base"]), int(p["set"])) for node, p in (data.get("placement") or {}).items()
+            }
+            standby = data.get("standby")
+            standby = None if standby is None else tuple(str(n) for n in standby)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(
                 f"{self.where}: not a gpufail Slurm ledger ({type(exc).__name__}: {exc}); expected "
-                '{"drains": {NODE: {"reason": ..., "at": ISO time}}, "weights": {NODE: weight}}'
+                '{"drains": {NODE: {"reason": ..., "at": ISO time}}, "weights": {NODE: weight}, '
+                '"placement": {NODE: {"base": weight, "set": weight}}, "standby": [NODE, ...] or null}'
             ) from None
-        return Marks(drains, weights)
+        return Marks(drains, weights, placement, standby)
 
     def save(self, marks: Marks) -> None:
         drains = {
             node: {"reason": d.reason, "at": d.at.isoformat(), **({"replaces": d.replaces} if d.replaces else {})}
             for node, d in sorted(marks.drains.items())
         }
+        placement = {node: {"base": b, "set": w} for node, (b, w) in sorted(marks.placement.items())}
+        standby = None if marks.standby is None else list(marks.standby)
         self.store.write_state(
-            self.name, {"version": 1, "drains": drains, "weights": dict(sorted(marks.weights.items()))}
+            self.name,
+            {
+                "version": 1,
+                "drains": drains,
+                "weights": dict(sorted(marks.weights.items())),
+                "placement": placement,
+                "standby": standby,
+            },
         )
 
 
@@ -153,6 +185,10 @@ class SlurmPublisher:
     backoff: float = 2.0
     ledger: SlurmLedger = field(default_factory=MemoryLedger)
     """Where what we set is recorded; give a `StoreLedger` to keep it across runs."""
+    checkpoint_signal: str = "USR1"
+    """The signal of a checkpoint hint (`scancel --signal=... --batch JOB`)."""
+    standby_users: tuple[str, ...] = ("root",)
+    """Who may run jobs in the standby reservation."""
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
     def __post_init__(self) -> None:
@@ -167,7 +203,9 @@ class SlurmPublisher:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise _CommandFailed(f"{argv[0]}: {exc}") from None
         if done.returncode != 0:
-            raise _CommandFailed(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[:300]}")
+            # scontrol prints some refusals ("Reservation ... not found") on stdout.
+            said = done.stderr.strip() or done.stdout.strip()
+            raise _CommandFailed(f"{' '.join(argv)} exited {done.returncode}: {said[:300]}")
         return done.stdout
 
     def _call(self, *argv: str) -> str:
@@ -246,6 +284,8 @@ class SlurmPublisher:
         self._marks = Marks(
             drains={n: d for n, d in marks.drains.items() if n in known and _is_drained(known[n])},
             weights={n: w for n, w in marks.weights.items() if n in known and _weight(known[n]) == self.avoid_weight},
+            placement=marks.placement,
+            standby=marks.standby,
         )
         if self._marks != marks:
             self.ledger.save(self._marks)
@@ -340,6 +380,187 @@ class SlurmPublisher:
         except SchedulerUnavailable as exc:
             return Applied(False, f"failed: {exc}" + (f" (after: {', '.join(done)})" if done else ""), saved)
         return Applied(True, ", ".join(done) or "nothing to change in Slurm", saved)
+
+    # --- job-aware actions (docs/actions.md) ----------------------------------------------
+
+    def read_jobs(self) -> JobMap:
+        """The running jobs, from `squeue --json`."""
+        return slurm_job_map(self._call("squeue", "--json"))
+
+    def checkpoint(self, hints: Sequence[Hint]) -> list[Applied]:
+        """Tell each job to checkpoint: `scancel --signal=<checkpoint_signal> --batch JOB` (the
+        batch script traps the signal and passes it on to the training processes)."""
+        out = []
+        for hint in hints:
+            try:
+                self._call("scancel", f"--signal={self.checkpoint_signal}", "--batch", hint.job.id)
+            except SchedulerUnavailable as exc:
+                out.append(Applied(False, f"failed: {exc}"))
+                continue
+            out.append(Applied(True, f"signalled {self.checkpoint_signal} to job {hint.job.id} (batch step)"))
+        return out
+
+    def place(self, levels: Mapping[str, int], count: int, apply: bool) -> list[tuple[str, Applied]]:
+        """Give each node of `levels` the weight its base (the weight before ours; a weight
+        someone else set becomes the new base) plus its placement level, so Slurm fills the
+        healthiest nodes first. Nodes in the avoid tier or above (their weight is the avoid
+        weight), unavailable ones and unknown ones are left alone. An available node with a
+        placement weight of ours that is not in `levels` gets its base back."""
+        marks = self.ledger.load()
+        self._marks = marks
+        if not levels and not marks.placement:
+            return []
+        try:
+            known = self.read_nodes()
+        except SchedulerUnavailable as exc:
+            return [(node, Applied(False, f"failed: {exc}")) for node in sorted(levels)]
+        wanted: dict[int, list[tuple[str, int, int]]] = {}
+        for node in sorted(set(levels) | set(marks.placement)):
+            record = known.get(node)
+            if record is None:
+                marks.placement.pop(node, None)
+                continue
+            if _view(record, marks.drains.get(node)).unavailable or node in marks.weights:
+                continue
+            current = _weight(record)
+            if current == self.avoid_weight:
+                continue
+            entry = marks.placement.get(node)
+            base = entry[0] if entry is not None and current == entry[1] else current
+            target = base + levels[node] if node in levels else base
+            if current != target:
+                wanted.setdefault(target, []).append((node, base, current))
+            elif node not in levels:
+                marks.placement.pop(node, None)
+            elif entry != (base, target):
+                marks.placement[node] = (base, target)
+        out: list[tuple[str, Applied]] = []
+        if not apply:
+            return [
+                (node, Applied(True, f"would set weight {current} -> {target}"))
+                for target, group in sorted(wanted.items())
+                for node, _, current in group
+            ]
+        for target, group in sorted(wanted.items()):
+            before = {node: marks.placement.get(node) for node, _, _ in group}
+            for node, base, _ in group:
+                marks.placement[node] = (base, target)
+            self.ledger.save(marks)  # recorded before scontrol: a kill in between leaves it covered
+            names = ",".join(node for node, _, _ in group)
+            try:
+                self._call("scontrol", "update", f"NodeName={names}", f"Weight={target}")
+            except SchedulerUnavailable as exc:
+                for node, entry in before.items():
+                    if entry is None:
+                        marks.placement.pop(node, None)
+                    else:
+                        marks.placement[node] = entry
+                out.extend((node, Applied(False, f"failed: {exc}")) for node, _, _ in group)
+                continue
+            for node, _, current in group:
+                if node not in levels:
+                    marks.placement.pop(node, None)
+                why = f"placement level {levels[node]}" if node in levels else "placement off: base restored"
+                out.append((node, Applied(True, f"weight {current} -> {target} ({why})")))
+        self.ledger.save(marks)
+        return out
+
+    def standby(self, nodes: Sequence[str], apply: bool) -> list[tuple[str, Applied]]:
+        """Make the reservation `gpufail-standby` hold exactly `nodes` (created, updated, or
+        deleted when `nodes` is empty). A reservation of that name the ledger does not record
+        is someone else's (or left by a lost state): reported, never changed."""
+        wanted = tuple(sorted(nodes))
+        marks = self.ledger.load()
+        self._marks = marks
+        if not wanted and marks.standby is None:
+            return []
+        try:
+            current = self._reservation()
+        except SchedulerUnavailable as exc:
+            return [(node, Applied(False, f"failed: {exc}")) for node in wanted]
+        if current is not None and marks.standby is None:
+            detail = (
+                f"skipped: reservation {STANDBY_RESERVATION} ({','.join(current) or 'no nodes'}) is not recorded in "
+                f"{self.ledger.where}: not ours; `scontrol delete ReservationName={STANDBY_RESERVATION}` lets gpufail make its own"
+            )
+            return [(node, Applied(False, detail)) for node in wanted]
+        have = set(current or ())
+        added, removed = [n for n in wanted if n not in have], sorted(have - set(wanted))
+        if not added and not removed:
+            if marks.standby != (wanted or None):
+                marks.standby = wanted or None
+                self.ledger.save(marks)
+            return []
+        verb = "would add to" if not apply else "added to"
+        rows = [(n, Applied(True, f"{verb} reservation {STANDBY_RESERVATION}")) for n in added]
+        rows += [
+            (n, Applied(True, f"{'would remove' if not apply else 'removed'} from reservation {STANDBY_RESERVATION}"))
+            for n in removed
+        ]
+        if not apply:
+            return rows
+        previous = marks.standby
+        # Recorded first, the union of before and after: a kill before scontrol leaves it ours.
+        marks.standby = tuple(sorted(have | set(wanted)))
+        self.ledger.save(marks)
+        try:
+            if not wanted:
+                try:
+                    self._run("scontrol", "delete", f"ReservationName={STANDBY_RESERVATION}")
+                except _CommandFailed as exc:
+                    if "in use" not in str(exc):
+                        raise
+                    # A job restarted into a standby still runs there: deleted once it ends.
+                    marks.standby = previous
+                    self.ledger.save(marks)
+                    kept = f"kept: reservation {STANDBY_RESERVATION} is in use by a running job; deleted after it ends"
+                    return [(n, Applied(False, kept)) for n, _ in rows]
+            elif current is None:
+                self._call(
+                    "scontrol",
+                    "create",
+                    "reservation",
+                    f"ReservationName={STANDBY_RESERVATION}",
+                    f"Nodes={','.join(wanted)}",
+                    "StartTime=now",
+                    "Duration=infinite",
+                    f"Users={','.join(self.standby_users)}",
+                )
+            else:
+                self._call("scontrol", "update", f"ReservationName={STANDBY_RESERVATION}", f"Nodes={','.join(wanted)}")
+        except (SchedulerUnavailable, _CommandFailed) as exc:
+            marks.standby = previous
+            self.ledger.save(marks)
+            return [(n, Applied(False, f"failed: {exc}")) for n, _ in rows]
+        marks.standby = wanted or None
+        self.ledger.save(marks)
+        return rows
+
+    def _reservation(self) -> tuple[str, ...] | None:
+        """The nodes of our standby reservation as Slurm shows it (None: there is none)."""
+        tool = os.path.join(self.bin_dir, "scontrol") if self.bin_dir else "scontrol"
+        argv = ("scontrol", "show", "reservation", STANDBY_RESERVATION, "--oneliner")
+
+        def show() -> str | None:
+            try:
+                return self._run(*argv)
+            except _CommandFailed as exc:
+                if "not found" in str(exc):
+                    return None
+                raise
+
+        text = with_retries(
+            show,
+            what=f"slurm ({tool} show reservation)",
+            attempts=self.attempts,
+            backoff=self.backoff,
+            retry_on=(_CommandFailed,),
+        )
+        if text is None:
+            return None
+        fields = dict(word.split("=", 1) for word in text.split() if "=" in word)
+        nodes = fields.get("Nodes", "")
+        return tuple(sorted(expand_hostlist(nodes))) if nodes and nodes != "(null)" else ()
 
 
 def drain_reason(change: Change) -> str:

@@ -16,6 +16,10 @@ from, to, risk, reason, gpus, top_features, model_version}, ...]}`. Headers:
   old messages (the body, and so the time, is signed).
 Connection errors, time-outs, HTTP 429 and 5xx are retried with exponential back-off; another
 4xx is not (it will not get better by itself). A run with no change sends nothing.
+
+Job-aware actions (docs/actions.md) go as separate deliveries, signed the same way, of
+`{"source", "delivery_id", "sent_at", "events": [...]}` with events of type `checkpoint`,
+`placement` and `standby`; the job map is read from `jobs_url` (`serving.jobs`).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
+from serving.cost_policy import Hint
+from serving.jobs import JobMap, JobMapUnreadable, read_job_document
 from serving.publishers import Applied, Change, NodeView, SchedulerUnavailable, with_retries
 
 SIGNATURE_HEADER = "X-Gpufail-Signature"
@@ -60,6 +67,8 @@ class WebhookPublisher:
     backoff: float = 2.0
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     sleep: Callable[[float], None] = time.sleep
+    jobs_url: str = ""
+    """Where the receiver's side publishes its job map (a URL or a file; '' = none)."""
     name = "webhook"
 
     def observe(self, nodes: Sequence[str]) -> dict[str, NodeView]:
@@ -92,7 +101,68 @@ class WebhookPublisher:
         if not changes:
             return []
         sent_at = self.clock()
-        body = self.body(changes, sent_at)
+        ok, detail = self._post(self.body(changes, sent_at), delivery_id(changes), sent_at)
+        return [Applied(ok, detail) for _ in changes]
+
+    # --- job-aware actions (docs/actions.md) ----------------------------------------------
+
+    def read_jobs(self) -> JobMap:
+        """The job map the receiver's side publishes at `jobs_url` (`serving.jobs.job_map_from_document`)."""
+        if not self.jobs_url:
+            raise JobMapUnreadable(
+                "webhook: no job map; expected [publish] jobs_url (a URL or file of the job document)"
+            )
+        return read_job_document(self.jobs_url, self.timeout)
+
+    def checkpoint(self, hints: Sequence[Hint]) -> list[Applied]:
+        """One delivery of `checkpoint` events, one per job."""
+        if not hints:
+            return []
+        events = [
+            {
+                "type": "checkpoint",
+                "id": _digest(f"checkpoint\x00{h.job.id}\x00{self.clock().isoformat()}"),
+                "job": h.job.id,
+                "nodes": list(h.nodes),
+                "reason": h.reason,
+            }
+            for h in hints
+        ]
+        ok, detail = self._send_events(events)
+        return [Applied(ok, detail) for _ in hints]
+
+    def place(self, levels: Mapping[str, int], count: int, apply: bool) -> list[tuple[str, Applied]]:
+        """One `placement` event with every node's level (0 = healthiest of `count`); the
+        receiver keeps no state of ours to compare, so each run sends the whole map."""
+        if not levels:
+            return []
+        if not apply:
+            return [("", Applied(True, f"would send placement levels of {len(levels)} nodes"))]
+        event = {"type": "placement", "count": count, "levels": dict(sorted(levels.items()))}
+        event["id"] = _digest(json.dumps(event, sort_keys=True))
+        ok, detail = self._send_events([event])
+        return [("", Applied(ok, f"{detail}: placement levels of {len(levels)} nodes"))]
+
+    def standby(self, nodes: Sequence[str], apply: bool) -> list[tuple[str, Applied]]:
+        """One `standby` event naming the standby nodes (the whole set, each run; nothing when
+        there are none to keep: a receiver lets a standby list expire when no event renews it)."""
+        if not nodes:
+            return []
+        if not apply:
+            return [("", Applied(True, f"would send standby nodes {', '.join(sorted(nodes)) or '(none)'}"))]
+        event: dict[str, Any] = {"type": "standby", "nodes": sorted(nodes)}
+        event["id"] = _digest(json.dumps(event, sort_keys=True))
+        ok, detail = self._send_events([event])
+        return [("", Applied(ok, f"{detail}: standby {', '.join(sorted(nodes)) or '(none)'}"))]
+
+    def _send_events(self, events: list[dict[str, Any]]) -> tuple[bool, str]:
+        sent_at = self.clock()
+        key = _digest("\n".join(sorted(str(e["id"]) for e in events)))
+        payload = {"source": "gpufail", "delivery_id": key, "sent_at": sent_at.isoformat(), "events": events}
+        return self._post(json.dumps(payload, sort_keys=True).encode(), key, sent_at)
+
+    def _post(self, body: bytes, key: str, sent_at: datetime) -> tuple[bool, str]:
+        """POST `body`, signed, with idempotency key `key`; (acknowledged, what happened)."""
         # One request object for every try: each retry sends the same bytes and headers.
         request = urllib.request.Request(
             self.url,
@@ -101,7 +171,7 @@ class WebhookPublisher:
             headers={
                 "Content-Type": "application/json",
                 SIGNATURE_HEADER: signature(self.secret, body),
-                IDEMPOTENCY_HEADER: delivery_id(changes),
+                IDEMPOTENCY_HEADER: key,
                 TIMESTAMP_HEADER: str(int(sent_at.timestamp())),
             },
         )
@@ -127,5 +197,9 @@ class WebhookPublisher:
                 sleep=self.sleep,
             )
         except SchedulerUnavailable as exc:
-            return [Applied(False, f"failed: {exc}") for _ in changes]
-        return [Applied(True, f"sent (HTTP {status})") for _ in changes]
+            return False, f"failed: {exc}"
+        return True, f"sent (HTTP {status})"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -27,7 +27,8 @@ from pathlib import Path
 
 NODE_COUNT = 16
 GPUS_PER_NODE = 8
-BINARIES = ("slurmctld", "slurmd", "scontrol", "sinfo", "munged", "munge", "unmunge")
+BINARIES = ("slurmctld", "slurmd", "scontrol", "sinfo", "squeue", "sbatch", "scancel", "munged", "munge", "unmunge")
+STANDBY_RESERVATION = "gpufail-standby"
 
 
 class SlurmUnavailable(RuntimeError):
@@ -76,8 +77,27 @@ class SlurmCluster:
         summary = {name: (s.get("state"), s.get("state_flags")) for name, s in states.items()}
         raise SlurmUnavailable(f"nodes did not all become idle within {timeout:.0f}s: {summary}; logs in {self.folder}")
 
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """A Slurm command against this cluster."""
+        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=30)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+        return done
+
+    def jobs(self) -> dict[str, dict[str, object]]:
+        """Job id -> its `squeue --json` record, for the jobs that are pending or running."""
+        answer = json.loads(self.run("squeue", "--json").stdout)
+        return {str(j["job_id"]): j for j in answer["jobs"] if j["job_state"] in ("PENDING", "RUNNING", "COMPLETING")}
+
     def reset_nodes(self) -> None:
-        """Resume every node and clear its weight, so each test starts from an idle cluster."""
+        """End every job, remove the standby reservation, resume every node and clear its
+        weight, so each test starts from an idle cluster."""
+        if self.jobs():
+            self.run("scancel", "--user=root")
+            deadline = time.monotonic() + 60
+            while self.jobs() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.run("scontrol", "delete", f"ReservationName={STANDBY_RESERVATION}", check=False)
         states = self.node_states()
         # RESUME is refused for a node that is neither drained nor down.
         stuck = [n for n, s in states.items() if s.get("state_flags") or s.get("state") == "down"]

@@ -218,3 +218,17 @@ def test_a_budget_below_one_a_day_counts_over_several_days_and_survives_json():
     assert PolicyState.from_json(old).entries == ()
     with pytest.raises(InputError, match="budget_per_day: expected a positive number"):
         config(tiers=(Tier("avoid", 0.3, 0.2, budget_per_day=0.0),))
+
+
+def test_a_tier_another_policy_wants_counts_against_its_budget_and_keeps_its_reason():
+    cfg = config(tiers=BUDGETED, breaker_max_nodes=10)
+    wanted = [
+        NodeRisk(key=f"c/{n}", cluster="c", node=n, risk=r, wanted="avoid", why=f"job cost on {n}")
+        for n, r in {"a": 0.25, "b": 0.24, "c": 0.22}.items()
+    ]
+    got = by_node(decide(wanted, PolicyState(), cfg, T0)[0])
+    # Below avoid's enter threshold, yet wanted there: the first two take the budget, the third
+    # falls to watch (its risk reaches it), each with the other policy's reason.
+    assert (got["a"].tier, got["b"].tier, got["c"].tier) == ("avoid", "avoid", "watch")
+    assert got["a"].reason.startswith("job cost on a")
+    assert "job cost on c" in got["c"].reason and "avoid's alarm budget of 2 nodes per day is used" in got["c"].reason
