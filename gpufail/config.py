@@ -8,7 +8,7 @@ keeps it identical to these defaults.
 Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
 nothing here runs at import time, and no other package imports this module. `Settings` turns
 its tables into the option objects the packages take (`feature_spec`, `build_options`,
-`train_options`, `publish_options`, `serve_options`, `nightly_options`, ...), so that the
+`train_options`, `walk_forward_plan`, `publish_options`, `serve_options`, `nightly_options`, ...), so that the
 commands and the nightly job never copy settings into them by hand.
 """
 
@@ -52,7 +52,9 @@ if TYPE_CHECKING:
     from features.build import BuildOptions
     from gpufail.nightly import NightlyOptions
     from ingest.collect.daemon import CollectOptions
+    from models.alarms import AlarmRules
     from models.train import TrainOptions
+    from models.walk_forward import WalkForwardPlan
     from serving.api_state import ServeOptions
     from serving.policy import PolicyConfig
     from serving.publish import JobActions
@@ -175,14 +177,21 @@ class ModelSettings(_Table):
     cascade_second_params: dict[str, Any] = Field(default_factory=dict)
     """kind = "cascade": the second stage's parameters on top of its kind's defaults."""
     cascade_recall: float = Field(default=0.95, gt=0.0, le=1.0)
-    """kind = "cascade": share of the failures the first stage must keep (on a validation slice)."""
+    """kind = "cascade": share of the failures the first stage must keep (out of fold)."""
+    calibration: Literal["platt", "isotonic"] = "platt"
+    """How the served risk is calibrated (models/calibration.py), on the calibration_window of
+    labels after the training window (the model is trained as of the window's start)."""
+    calibration_window: PositiveDuration = timedelta(days=7)
 
 
 class TierSettings(_Table):
     enter: float = Field(ge=0.0, le=1.0)
-    """A node enters the tier when its risk reaches this."""
+    """A node enters the tier when its (calibrated) risk reaches this."""
     exit: float = Field(ge=0.0, le=1.0)
     """It leaves when its risk has stayed below this for [publish] recovery_period."""
+    budget_per_day: float | None = Field(default=None, gt=0.0)
+    """Set: an alarm budget instead of a threshold alone, at most this many nodes entering the
+    tier per day (riskiest first); enter is then the least risk that may enter at all."""
 
 
 class TiersSettings(_Table):
@@ -288,7 +297,9 @@ class PublishSettings(_Table):
 
         configured = {name: getattr(self.tiers, name) for name in type(self.tiers).model_fields}
         return PolicyConfig(
-            tiers=tuple(Tier(name, t.enter, t.exit) for name, t in configured.items() if t is not None),
+            tiers=tuple(
+                Tier(name, t.enter, t.exit, t.budget_per_day) for name, t in configured.items() if t is not None
+            ),
             recovery_period=self.recovery_period,
             cooldown=self.cooldown,
             breaker_max_nodes=self.breaker_max_nodes,
@@ -459,6 +470,20 @@ class EvaluateSettings(_Table):
     max_memory_gb: float | None = Field(default=None, gt=0)
     """The most memory evaluate may plan to use (it holds the whole features dataset); unset:
     what this machine, or its cgroup limit, has available when it starts."""
+    alarm_budgets: list[Annotated[float, Field(gt=0.0)]] = Field(
+        default_factory=lambda: [0.5, 1.0, 2.0, 5.0], min_length=1
+    )
+    """Operating points, in alarms per 1,000 GPUs per day: each threshold is chosen on the
+    validation slice before the test period (models/alarms.py)."""
+    alarm_quiet_period: Duration = timedelta(hours=24)
+    """A GPU that stays above the threshold alarms again after this long ("0s": only after
+    falling back below)."""
+    alarm_lookback: PositiveDuration = timedelta(days=7)
+    """A failure counts as alarmed when its GPU alarmed within this before it."""
+    long_horizon: PositiveDuration = timedelta(hours=72)
+    """The second precision of an alarm: does its GPU fail within this?"""
+    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Run the comparison under each of these seeds and report mean and range (empty: seed alone)."""
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
 
     @field_validator("top_k")
@@ -473,6 +498,14 @@ class EvaluateSettings(_Table):
             except InputError as exc:
                 expected = str(exc).split(": ", 1)[-1]
                 raise ValueError(f"{expected}, got {spec!r}") from None
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, value: list[int]) -> list[int]:
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:
+            raise ValueError(f"expected each seed once, got {repeated} more than once")
         return value
 
     @field_validator("contenders")
@@ -660,7 +693,44 @@ class Settings(_Table):
             negative_fraction=self.model.negative_fraction,
             max_negatives_per_positive=self.model.max_negatives_per_positive,
             monotone_increasing=tuple(self.model.monotone_increasing),
+            calibration=self.model.calibration,
+            calibration_window=self.model.calibration_window,
             feature_spec=spec,
+        )
+
+    def walk_forward_plan(self, *, test_days: float | None = None) -> WalkForwardPlan:
+        """`gpufail evaluate`'s walk-forward ([evaluate]), every fit calibrated as `gpufail
+        train` calibrates the served model ([model] calibration); `test_days` overrides."""
+        from models.walk_forward import WalkForwardPlan
+
+        cfg = self.evaluate
+        return WalkForwardPlan(
+            horizon=self.labels.horizon,
+            test_days=cfg.test_days if test_days is None else test_days,
+            retrain_every=cfg.retrain_every,
+            train_window=cfg.train_window,
+            candidate_windows=tuple(cfg.candidate_windows),
+            validation_window=cfg.validation_window,
+            switch_margin=cfg.switch_margin,
+            negative_fraction=cfg.negative_fraction,
+            seed=cfg.seed,
+            jobs=cfg.jobs,
+            monotone_increasing=tuple(self.model.monotone_increasing),
+            calibration=self.model.calibration,
+            calibration_window=self.model.calibration_window,
+        )
+
+    def alarm_rules(self) -> AlarmRules:
+        """How `gpufail evaluate` raises and judges alarms ([evaluate] and the label horizon)."""
+        from models.alarms import AlarmRules
+
+        cfg = self.evaluate
+        quiet = cfg.alarm_quiet_period
+        return AlarmRules(
+            horizon=self.labels.horizon,
+            long_horizon=cfg.long_horizon,
+            lookback=cfg.alarm_lookback,
+            quiet_period=quiet if quiet.total_seconds() > 0 else None,
         )
 
     def ingest_workers(self) -> int:

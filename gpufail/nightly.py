@@ -193,12 +193,16 @@ def retrain_reach(newest_day: date, options: NightlyOptions, spec: FeatureSpec) 
 
     Its held-out window ends where labels settle, a horizon before the newest row (which is on
     that day), and is `holdout_days` long; the fit's labels end a horizon before that window,
-    and its rows go back `train_window` more. A day of margin on top."""
+    and its rows go back `train_window` more (with a calibration, the calibration slice and
+    another horizon lie in between). A day of margin on top."""
     from models.split import as_timedelta
 
     newest_start = datetime(newest_day.year, newest_day.month, newest_day.day, tzinfo=UTC)
-    train_window = as_timedelta(options.train.train_window, "train_window").to_pytimedelta()
+    train = options.train
+    train_window = as_timedelta(train.train_window, "train_window").to_pytimedelta()
     reach = timedelta(days=options.holdout_days) + 2 * spec.horizon + train_window
+    if train.calibration is not None:
+        reach += as_timedelta(train.calibration_window, "calibration_window").to_pytimedelta() + spec.horizon
     return newest_start - reach - timedelta(days=1)
 
 
@@ -411,7 +415,7 @@ class _Job:
 
         from models.provenance import dataset_fingerprint
         from models.split import as_timedelta
-        from models.train import save_model, settled_until
+        from models.train import calibration_bounds, save_model, settled_until
         from models.train_store import train_model_from_store
 
         spec = self.spec()
@@ -419,10 +423,16 @@ class _Job:
         frame = self.keys()
         settled = settled_until(frame, spec.horizon)
         holdout_start = settled - timedelta(days=self.o.holdout_days) + spec.grid
-        # The fit's labels end a horizon before the held-out window: it never sees it.
-        window_start = holdout_start - spec.horizon - as_timedelta(options.train_window, "train_window")
-        window_end = holdout_start - spec.horizon
-        positives = frame.filter((pl.col("ts") >= window_start) & (pl.col("ts") < window_end))["label"].sum()
+        options = replace(options, as_of=holdout_start)
+        # The fit's labels end a horizon before the held-out window (or before its calibration
+        # slice, which ends there): it never sees them.
+        calibration = None if options.calibration is None else calibration_bounds(settled, options)
+        fit_as_of = holdout_start if calibration is None else calibration[0]
+        window_start = fit_as_of - spec.horizon - as_timedelta(options.train_window, "train_window")
+        window_end = fit_as_of - spec.horizon
+        slices = {"training window": (window_start, window_end)}
+        if calibration is not None:
+            slices["calibration slice"] = calibration
         base = {
             "holdout_start": holdout_start.isoformat(),
             "holdout_end": settled.isoformat(),
@@ -430,14 +440,17 @@ class _Job:
             "window_end": window_end.isoformat(),
             "fingerprint": dataset_fingerprint(self.store, ["telemetry", "xid_events", "features"]),
         }
-        if not positives:
-            return {
-                **base,
-                "skipped": True,
-                "reason": f"the training window {window_start:%Y-%m-%d %H:%M} to {window_end:%Y-%m-%d %H:%M} "
-                "has no failures; no model trained, the champion stays",
-            }
-        model = train_model_from_store(self.store, replace(options, as_of=holdout_start))
+        if calibration is not None:
+            base["calibration_start"], base["calibration_end"] = (t.isoformat() for t in calibration)
+        for what, (start, end) in slices.items():
+            if not frame.filter((pl.col("ts") >= start) & (pl.col("ts") < end))["label"].sum():
+                return {
+                    **base,
+                    "skipped": True,
+                    "reason": f"the {what} {start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M} "
+                    "has no failures; no model trained, the champion stays",
+                }
+        model = train_model_from_store(self.store, options)
         path = save_model(model, self.folder / "model")
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
 

@@ -1,10 +1,22 @@
 """The walk-forward comparison: every contender of `models.walk_forward.run_walk_forward` and
 the baselines (`random`, `rule`, `heuristic`, `oracle`) scored on the same test rows, with the
-figures of the report (`models.report`): precision@K per day and pooled, episode recall and
-lead time per K, by failure mode and by model age (`models.evaluate.compare_scores`), and the
-claims the report checks, each with a paired bootstrap confidence interval over days: the step
-from the best static single model to the best contender and to the best retrained ensemble (the
-paper's claim), and the stability of daily precision."""
+figures of the report (`models.report`):
+
+- the ranking: precision@K per day and pooled (per GPU-hour and per distinct GPU and day),
+  episode recall and lead time per K, by failure mode and by model age
+  (`models.evaluate.compare_scores`), on the uncalibrated risk;
+- the alarms at operating points chosen before the test period, and the paper's ensemble at
+  its own volume against single models at the same volume (`models.operating_points`), on the
+  calibrated risk;
+- the calibration on the test period: reliability table, Brier score, expected calibration
+  error, and the rows at high risk (`models.calibration`);
+- the claims the report checks, each with a paired bootstrap confidence interval over days:
+  the step from the best static single model to the best contender and to the best retrained
+  ensemble (the paper's claim), the stability of daily precision, and whether the ensemble's
+  gain holds at equal alarm volume.
+
+`evaluate_seeds` repeats the comparison under several seeds (the negative draw of every fit)
+and reports the mean and range of the headline figures."""
 
 from __future__ import annotations
 
@@ -16,6 +28,8 @@ import numpy as np
 import pandas as pd
 
 from ingest.errors import InputError
+from models.alarms import DEFAULT_BUDGETS, AlarmRules
+from models.calibration import high_risk_check, reliability
 from models.evaluate import (
     baseline_scores,
     bootstrap_ci,
@@ -27,6 +41,7 @@ from models.evaluate import (
 )
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
+from models.operating_points import alarm_comparison, ensemble_verdict
 from models.walk_forward import Contender, WalkForwardPlan, duration_label, run_walk_forward
 
 PAPER_PRECISION = (0.463, 0.840)
@@ -42,11 +57,17 @@ def evaluate_walk_forward(
     failures: Any = None,
     bootstrap_samples: int = 1000,
     progress: bool = False,
+    alarm_rules: AlarmRules | None = None,
+    budgets: Sequence[float] = DEFAULT_BUDGETS,
 ) -> dict[str, Any]:
     """Run the walk-forward comparison and return every figure of its report (JSON-ready):
     the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
     a reason when the frame lacks its columns), `heuristic` and `oracle`, scored on the same
-    test rows; `model` repeats the primary contender (the first `auto` one, else the first)."""
+    test rows; `model` repeats the primary contender (the first `auto` one, else the first).
+    Alarms follow `alarm_rules` (default: `AlarmRules` at the plan's horizon) at each of
+    `budgets` (alarms per 1,000 GPUs per day)."""
+    if not budgets:
+        raise InputError("alarm budgets: expected at least one number of alarms per 1,000 GPUs per day, got none")
     specs = [str(s) for s in top_k]
     if not specs:
         raise InputError("top_k: expected at least one K specification, got none")
@@ -77,12 +98,25 @@ def evaluate_walk_forward(
         failures=failures,
         bootstrap_samples=bootstrap_samples,
         seed=plan.seed,
+        flags=result.flags,
+    )
+    alarms = alarm_comparison(
+        history,
+        result,
+        contenders,
+        alarm_rules or AlarmRules(horizon=plan.horizon),
+        budgets,
+        failure_modes=failures,
+        samples=bootstrap_samples,
+        seed=plan.seed,
     )
     if "rule" in scores:
         compared["rule"]["flagged"] = _flag_metrics(test, scores["rule"])
     primary = next((c.name for c in contenders if c.mode == "auto"), contenders[0].name)
     compared["model"] = {**compared[primary], "name": primary}
     y = labels(test).to_numpy()
+    headline = 1.0 if 1.0 in [float(b) for b in budgets] else float(budgets[0])
+    verdicts = ensemble_verdict(alarms["equal_volume"])
     return {
         "kind": "walk-forward",
         "top_k": specs[0],
@@ -112,6 +146,8 @@ def evaluate_walk_forward(
             "jobs": plan.jobs,
             "n_fits": result.n_fits,
             "n_fits_unshared": result.n_fits_unshared,
+            "calibration": plan.calibration,
+            "calibration_window": duration_label(plan.calibration_window, "calibration_window"),
         },
         "contenders": [
             {
@@ -133,8 +169,43 @@ def evaluate_walk_forward(
         "retrain_times": [t.isoformat() for t in result.retrain_times],
         "fits": [f.as_dict() for f in result.fits],
         "scores": compared,
-        "claims": claims(compared, contenders, specs[0], samples=bootstrap_samples, seed=plan.seed),
+        "alarms": alarms,
+        "alarm_headline_budget": headline,
+        "calibration": calibration_figures(y, result.scores, result.calibrated),
+        "claims": {
+            **claims(
+                compared,
+                contenders,
+                specs[0],
+                samples=bootstrap_samples,
+                seed=plan.seed,
+                own_volume=tuple(result.flags),
+            ),
+            "ensemble_at_equal_volume": verdicts,
+        },
     }
+
+
+def calibration_figures(
+    y: np.ndarray, uncalibrated: dict[str, np.ndarray], calibrated: dict[str, np.ndarray]
+) -> dict[str, Any]:
+    """Per contender, the reliability figures (`models.calibration.reliability`) and the check
+    of the rows at risk >= 0.5 (`high_risk_check`) of its calibrated risk on the test period,
+    and the same figures of its uncalibrated (odds-corrected) risk for comparison."""
+    out = {}
+    for name, risk in calibrated.items():
+        before = reliability(y, uncalibrated[name])
+        out[name] = {
+            **reliability(y, risk),
+            "high_risk": high_risk_check(y, risk),
+            "uncalibrated": {
+                "ece": before["ece"],
+                "brier": before["brier"],
+                "mean_risk": before["mean_risk"],
+                "high_risk": high_risk_check(y, uncalibrated[name]),
+            },
+        }
+    return out
 
 
 def _flag_metrics(test: pd.DataFrame, flags: np.ndarray) -> dict[str, Any]:
@@ -155,10 +226,18 @@ def _flag_metrics(test: pd.DataFrame, flags: np.ndarray) -> dict[str, Any]:
 
 
 def claims(
-    scores: dict[str, Any], contenders: Sequence[Contender], k: str, *, samples: int = 1000, seed: int = 0
+    scores: dict[str, Any],
+    contenders: Sequence[Contender],
+    k: str,
+    *,
+    samples: int = 1000,
+    seed: int = 0,
+    own_volume: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report's targets checked against the figures: the best contender against the best
-    static single model (the paper's step), against the rule, and its day-to-day stability."""
+    static single model (the paper's step), against the rule, and its day-to-day stability.
+    Contenders in `own_volume` (a parallel intersection) pick fewer than K GPUs: they are not
+    candidates for the best at K; the retrained-ensemble claim names their volume."""
 
     def daily(name: str) -> dict[str, Any]:
         return dict(scores[name]["by_k"][k])
@@ -166,7 +245,7 @@ def claims(
     def mean(name: str) -> float:
         return daily(name)["precision_daily_mean"] or 0.0
 
-    names = [c.name for c in contenders]
+    names = [c.name for c in contenders if c.name not in own_volume] or [c.name for c in contenders]
     best = max(names, key=mean)
     statics = [c.name for c in contenders if c.mode == "static" and c.kind in SINGLE_KINDS]
     out: dict[str, Any] = {"best": best, "best_precision": mean(best)}
@@ -211,6 +290,7 @@ def _ensemble_claim(
     return {
         "name": name,
         "precision": mean(name),
+        "picks_per_grid_time": daily(name).get("picks_mean"),
         # Drift, which retraining is there to follow: how close the static model stays to the
         # ceiling (the oracle) in the first and the second half of the test period.
         "static_of_oracle_halves": _halves_of_oracle(daily(static)["daily"], daily("oracle")["daily"]),
@@ -272,3 +352,74 @@ def _paired_ci(a: list[dict[str, Any]], b: list[dict[str, Any]], samples: int, s
     if len(diff) < 2:
         return [None, None]
     return list(bootstrap_ci(diff, np.mean, samples=samples, seed=seed))
+
+
+SEED_FIGURES = (
+    "roc_auc",
+    "pr_auc",
+    "precision_daily_mean",
+    "alarm_precision",
+    "alarm_precision_long",
+    "alarm_recall",
+    "alarms_per_1000_gpu_days",
+    "alarm_lead_time_h_median",
+    "ece",
+)
+"""The headline figures `evaluate_seeds` averages, per contender."""
+
+
+def headline_figures(metrics: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per contender, the `SEED_FIGURES` of one comparison: ROC-AUC and PR-AUC, daily
+    precision@K at the headline K, the alarms at the headline budget, the calibrated ECE."""
+    k, budget = metrics["top_k"], f"{metrics['alarm_headline_budget']:g}"
+    out = {}
+    for c in metrics["contenders"]:
+        name = c["name"]
+        score, alarm = metrics["scores"][name], metrics["alarms"]["by_budget"][budget][name]
+        out[name] = {
+            "roc_auc": score["roc_auc"],
+            "pr_auc": score["pr_auc"],
+            "precision_daily_mean": score["by_k"][k]["precision_daily_mean"],
+            "alarm_precision": alarm["precision"],
+            "alarm_precision_long": alarm["precision_long"],
+            "alarm_recall": alarm["recall"],
+            "alarms_per_1000_gpu_days": alarm["alarms_per_1000_gpu_days"],
+            "alarm_lead_time_h_median": alarm["lead_time_h_median"],
+            "ece": metrics["calibration"][name]["ece"],
+        }
+    return out
+
+
+def evaluate_seeds(
+    frame: Any, contenders: Sequence[Contender], plan: WalkForwardPlan, seeds: Sequence[int], **options: Any
+) -> dict[str, Any]:
+    """`evaluate_walk_forward` under each of `seeds` (the plan's seed: every fit's negative
+    draw, the random baseline, the bootstrap): the first seed's metrics in full, with `seeds`
+    holding each seed's headline figures (`headline_figures`) and, per contender and figure,
+    the mean, min and max over the seeds (figures a seed lacks are left out of its mean)."""
+    if not seeds:
+        raise InputError("seeds: expected at least one seed, got none")
+    if len(set(seeds)) != len(seeds):
+        raise InputError(f"seeds: expected distinct seeds, got {list(seeds)}")
+    frame = to_pandas(frame)
+    first: dict[str, Any] | None = None
+    per_seed = {}
+    for seed in seeds:
+        metrics = evaluate_walk_forward(
+            frame, contenders, WalkForwardPlan(**{**plan.__dict__, "seed": seed}), **options
+        )
+        first = first or metrics
+        per_seed[str(seed)] = headline_figures(metrics)
+    assert first is not None
+    summary: dict[str, dict[str, dict[str, float | None]]] = {}
+    for c in contenders:
+        summary[c.name] = {}
+        for figure in SEED_FIGURES:
+            values = [v for s in per_seed.values() if (v := s[c.name][figure]) is not None]
+            summary[c.name][figure] = {
+                "mean": float(np.mean(values)) if values else None,
+                "min": float(np.min(values)) if values else None,
+                "max": float(np.max(values)) if values else None,
+                "n_seeds": len(values),
+            }
+    return {**first, "seeds": {"seeds": list(seeds), "per_seed": per_seed, "summary": summary}}

@@ -43,7 +43,7 @@ from models.train import (
     matching_features,
     sample_negatives,
 )
-from models.train_store import store_training_bounds, window_label_counts, with_store_spec
+from models.train_store import calibrated_from_store, store_training_bounds, window_label_counts, with_store_spec
 
 DASK_KINDS = ("lightgbm", "xgboost")
 _LABEL, _TS = "_label", "_ts"
@@ -106,17 +106,23 @@ def _fit(kind: str, client: Any, local: Any, X: Any, y: Any) -> Any:
 
 def train_model_distributed(client: Any, store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` for `kind` lightgbm or xgboost on the Dask cluster of
-    `client`, reading the store's `features` dataset on the workers (see the module notes)."""
+    `client`, reading the store's `features` dataset on the workers (see the module notes).
+    With `options.calibration`, the calibration slice's drawn rows (a small share of a window)
+    are read and scored here (`models.train_store.calibrated_from_store`)."""
+    if options.kind not in DASK_KINDS:
+        raise InputError(
+            f"model kind {options.kind!r}: training on Dask supports {list(DASK_KINDS)}; "
+            "set [dask] scheduler = '' to train it on one machine"
+        )
+    options = with_store_spec(store, options)
+    return calibrated_from_store(store, options, lambda fit_options: _train_distributed(client, store, fit_options))
+
+
+def _train_distributed(client: Any, store: Store, options: TrainOptions) -> TrainedModel:
     import dask.dataframe as dd
 
     kind = options.kind
-    if kind not in DASK_KINDS:
-        raise InputError(
-            f"model kind {kind!r}: training on Dask supports {list(DASK_KINDS)}; "
-            "set [dask] scheduler = '' to train it on one machine"
-        )
     check_negative_fraction(options.negative_fraction)
-    options = with_store_spec(store, options)
     user_params = dict(options.params)
     bounds = store_training_bounds(
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of

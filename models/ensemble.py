@@ -8,9 +8,9 @@ Both take the feature matrix of their members, optionally with one extra column,
 - `ParallelEnsemble` ranks GPUs within each scoring time: many GPUs share a `ts`, and a GPU is
   compared only with the fleet at the same moment. Without the column, the rows passed to
   `predict_proba` are one scoring time.
-- `CascadeEnsemble` splits its training rows by time (CONVENTIONS.md 7): its first stage
-  learns on the earlier rows, its threshold on the later ones. Without the column, rows are
-  taken to be in time order.
+- `CascadeEnsemble` cuts its training rows into blocks of time (CONVENTIONS.md 7), so that
+  its threshold and its second stage come from first-stage scores made out of fold. Without
+  the column, rows are taken to be in time order.
 
 Probabilities. Members are fit with the same positive-class weight, so their probabilities
 share one scale, which `models.train` corrects once (`prior_correction`). The parallel
@@ -76,17 +76,35 @@ def combine_rankings(member_ranks: np.ndarray, rule: str, top_k: int) -> np.ndar
     within each scoring time): lower is better, compared within a scoring time.
 
     `rank_average`: the mean of the members' ranks (a soft vote). `top_k_intersection` (the
-    paper's rule): a GPU is flagged when it is in the top `top_k` of every member; flagged GPUs
-    come first, ordered by mean rank, then the rest by mean rank. With ties, a GPU is in a
-    member's top K when its (mean) rank is at most K."""
+    paper's rule): a GPU is flagged when it is in the top `top_k` of every member
+    (`in_every_top_k`); flagged GPUs come first, ordered by mean rank, then the rest by mean
+    rank. The order is for the probabilities; the rule's alarms are the flagged GPUs alone,
+    however few (`intersection_flags`), never topped up to K."""
     mean_rank = member_ranks.mean(axis=0)
     if rule == "rank_average":
         return mean_rank
     if rule == "top_k_intersection":
-        flagged = (member_ranks <= top_k).all(axis=0)
+        flagged = in_every_top_k(member_ranks, top_k)
         # A mean rank is at most its group's size <= all rows: the offset puts unflagged GPUs last.
         return mean_rank + np.where(flagged, 0.0, member_ranks.shape[1] + 1.0)
     raise ValueError(f"combine: expected one of {list(COMBINE_RULES)}, got {rule!r}")
+
+
+def in_every_top_k(member_ranks: np.ndarray, top_k: int) -> np.ndarray:
+    """Whether each row is in the top `top_k` of every member (ranks: members x rows, taken
+    within each scoring time). With ties, a GPU is in a member's top K when its (mean) rank is
+    at most K, so a member may put fewer than K GPUs there, never more."""
+    return np.asarray((member_ranks <= top_k).all(axis=0), dtype=bool)
+
+
+def intersection_flags(member_probs: np.ndarray, time: np.ndarray | None, top_k: int) -> np.ndarray:
+    """The paper's parallel rule: the rows (GPUs at a scoring time, `time` of each row; None:
+    one scoring time) that are in the top `top_k` of every member's probabilities
+    (members x rows). At most `top_k` per scoring time, and often fewer: its alarm volume is
+    its own, set by how much the members agree."""
+    groups = _group_codes(time, member_probs.shape[1])
+    ranks = np.vstack([group_ranks(p, groups) for p in member_probs])
+    return in_every_top_k(ranks, top_k)
 
 
 def assign_by_rank(values: np.ndarray, key: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -170,6 +188,13 @@ class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
         p = combine_probabilities(self._member_probabilities(X), time, self.combine, self.top_k)
         return np.column_stack([1.0 - p, p])
 
+    def flags(self, X: Any) -> np.ndarray:
+        """The GPUs in every member's top `top_k` at their scoring time (`intersection_flags`):
+        the paper's alarms, whatever `combine` orders the probabilities by."""
+        check_is_fitted(self, "estimators_")
+        X, time = _split_time(self, X, reset=False)
+        return intersection_flags(self._member_probabilities(X), time, self.top_k)
+
     def __sklearn_tags__(self) -> Any:
         tags = super().__sklearn_tags__()
         tags.input_tags.allow_nan = all(get_tags(est).input_tags.allow_nan for _, est in self.estimators)
@@ -178,17 +203,22 @@ class ParallelEnsemble(BinaryClassifierMixin, BaseEstimator):
 
 class CascadeEnsemble(BinaryClassifierMixin, BaseEstimator):
     """Two stages: `first` scores every GPU and keeps those at or above a threshold; `second`,
-    fit only on the rows the first keeps, ranks them.
+    fit only on rows the first keeps, ranks them.
 
-    Fit: the training rows are split by time; `first` learns on the earlier
-    1 - `validation_fraction` of the scoring times and is then frozen; the threshold is the
-    highest first-stage probability that keeps at least `target_recall` of the positive rows
-    of the later `validation_fraction` (the validation slice), whose rows start
-    `validation_gap` after the first stage's last training row (the label horizon: earlier
-    labels would look into the validation slice). `second` learns on every training row the
-    frozen first stage keeps. The threshold is logged and stored (`threshold_`), with the
-    recall and kept share it had on the validation slice (`validation_recall_`,
-    `kept_fraction_`).
+    Fit, so that the second stage learns from first-stage scores the first stage did not see
+    in training (a first stage scoring its own training rows keeps their failures more easily
+    than it will keep new ones, and the second stage would learn from a biased set):
+
+    1. Out of fold: the training rows are cut by time into `folds` consecutive blocks of
+       scoring times; each block is scored by a copy of `first` fit on the other blocks,
+       leaving out the rows within `validation_gap` (the label horizon) of the block on either
+       side, whose labels share failures with it.
+    2. The threshold is the highest out-of-fold probability that keeps at least
+       `target_recall` of the positive rows; it is logged and stored (`threshold_`), with the
+       recall and the share of rows it keeps out of fold (`validation_recall_`,
+       `kept_fraction_`).
+    3. `second` learns on the rows whose out-of-fold probability reaches the threshold.
+    4. `first` is fit again on every row (`first_`): the stage that serves.
 
     Probability: p1 (first stage) for a dropped GPU, which is below the threshold t;
     t + (1 - t) p2 for a kept one, p2 being the second stage's. Kept GPUs thus rank above
@@ -203,35 +233,46 @@ class CascadeEnsemble(BinaryClassifierMixin, BaseEstimator):
         first: Any,
         second: Any,
         target_recall: float = 0.95,
-        validation_fraction: float = 0.25,
+        folds: int = 3,
         validation_gap: Any = None,
         time_column: str | None = "ts",
     ) -> None:
         self.first = first
         self.second = second
         self.target_recall = target_recall
-        self.validation_fraction = validation_fraction
+        self.folds = folds
         self.validation_gap = validation_gap
         self.time_column = time_column
 
     def _check_params(self) -> None:
         if not 0.0 < self.target_recall <= 1.0:
             raise ValueError(f"target_recall: expected a share in (0, 1], got {self.target_recall!r}")
-        if not 0.0 < self.validation_fraction < 1.0:
-            raise ValueError(f"validation_fraction: expected a share in (0, 1), got {self.validation_fraction!r}")
+        if isinstance(self.folds, bool) or not isinstance(self.folds, int | np.integer) or self.folds < 2:
+            raise ValueError(f"folds: expected a whole number of blocks >= 2, got {self.folds!r}")
 
-    def _slices(self, time: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Row masks of the first stage's training slice and of the validation slice."""
+    def fold_masks(self, time: np.ndarray | None, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(training rows, scored rows) of each fold: the scored rows are one block of
+        consecutive scoring times; the training rows are the others, less those within
+        `validation_gap` of the block."""
         if time is None:
-            cut = round(n * (1.0 - self.validation_fraction))
-            position = np.arange(n)
-            return position < cut, position >= cut
+            block = np.minimum(np.arange(n) * self.folds // max(n, 1), self.folds - 1)
+            return [(block != f, block == f) for f in range(self.folds)]
         times = np.unique(time)
-        if len(times) < 2:
-            raise ValueError(f"{self.time_column}: the cascade needs at least two scoring times to split, got one")
-        validation_start = times[min(len(times) - 1, round(len(times) * (1.0 - self.validation_fraction)))]
+        if len(times) < self.folds:
+            raise ValueError(
+                f"{self.time_column}: the cascade cuts its rows into {self.folds} blocks of scoring times, "
+                f"got {len(times)} scoring time(s)"
+            )
+        block_of_time = np.minimum(np.arange(len(times)) * self.folds // len(times), self.folds - 1)
+        block = block_of_time[np.searchsorted(times, time)]
         gap = np.timedelta64(0, "ns") if self.validation_gap is None else pd.Timedelta(self.validation_gap).to_numpy()
-        return time < validation_start - gap, time >= validation_start
+        out = []
+        for f in range(self.folds):
+            scored = block == f
+            first, last = times[block_of_time == f][[0, -1]]
+            near = (time >= first - gap) & (time <= last + gap)
+            out.append((~scored & ~near, scored))
+        return out
 
     def fit(self, X: Any, y: Any) -> CascadeEnsemble:
         self._check_params()
@@ -239,35 +280,40 @@ class CascadeEnsemble(BinaryClassifierMixin, BaseEstimator):
         y = binary_target(self, y)
         check_consistent_length(X, y)
         positive = y == self.classes_[-1]
-        train, validation = self._slices(time, len(y))
-        for name, mask in [("first-stage training", train), ("validation", validation)]:
-            if len(np.unique(y[mask])) < 2:
-                raise ValueError(
-                    f"CascadeEnsemble: the {name} slice ({int(mask.sum())} rows, {int(positive[mask].sum())} "
-                    "positive) holds only one class; expected failing and healthy rows in both slices "
-                    "(a longer training window)"
-                )
         rows = _rows(X)
-        self.first_ = clone(self.first).fit(rows(train), y[train])
-        p1 = np.asarray(self.first_.predict_proba(rows(validation))[:, 1], dtype=np.float64)
-        scores = np.sort(p1[positive[validation]])[::-1]
+        p1_oof = np.full(len(y), np.nan)
+        for f, (train, scored) in enumerate(self.fold_masks(time, len(y))):
+            if len(np.unique(y[train])) < 2:
+                raise ValueError(
+                    f"CascadeEnsemble: the first stage's training rows for fold {f + 1} of {self.folds} "
+                    f"({int(train.sum())} rows, {int(positive[train].sum())} positive) hold only one class; "
+                    "expected failing and healthy rows outside every fold (a longer training window)"
+                )
+            model = clone(self.first).fit(rows(train), y[train])
+            p1_oof[scored] = np.asarray(model.predict_proba(rows(scored))[:, 1], dtype=np.float64)
+        if not positive.any():
+            raise ValueError(
+                "CascadeEnsemble: the training rows hold only one class; expected failing and healthy rows"
+            )
+        scores = np.sort(p1_oof[positive])[::-1]
         keep_n = int(np.ceil(self.target_recall * len(scores)))
         self.threshold_ = float(scores[keep_n - 1])
         self.validation_recall_ = float((scores >= self.threshold_).mean())
-        self.kept_fraction_ = float((p1 >= self.threshold_).mean())
+        self.kept_fraction_ = float((p1_oof >= self.threshold_).mean())
         log.info(
-            "cascade: first-stage threshold %.6g keeps %.1f%% of the validation rows and %.1f%% of its "
-            "positives (target %.1f%%)",
+            "cascade: first-stage threshold %.6g keeps %.1f%% of the rows and %.1f%% of the positives out of fold "
+            "(target %.1f%%)",
             self.threshold_,
             100 * self.kept_fraction_,
             100 * self.validation_recall_,
             100 * self.target_recall,
         )
-        kept = np.asarray(self.first_.predict_proba(X)[:, 1], dtype=np.float64) >= self.threshold_
+        kept = p1_oof >= self.threshold_
         self.n_second_rows_ = int(kept.sum())
+        self.first_ = clone(self.first).fit(X, y)
         if len(np.unique(y[kept])) < 2:
-            # The first stage already separates the classes on its training rows: the second has
-            # nothing to learn, and the kept rows keep the first stage's order.
+            # The first stage already separates the classes out of fold: the second has nothing
+            # to learn, and the kept rows keep the first stage's order.
             log.warning(
                 "cascade: the %d rows the first stage keeps are all of one class; no second stage",
                 self.n_second_rows_,

@@ -432,9 +432,14 @@ def _by_k(
     *,
     samples: int,
     seed: int,
+    flags: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """precision@K per day and overall, episode recall and lead time overall and per mode."""
+    """precision@K per day and overall (per GPU-hour, and per distinct GPU and day), episode
+    recall and lead time overall and per mode. With `flags`, only flagged rows are picked (the
+    paper's intersection: at most K, never topped up to K)."""
     picked = ranks(prepared, seed) <= k
+    if flags is not None:
+        picked &= flags
     hit = picked & (prepared["label"] == 1).to_numpy()
     hits = np.bincount(day, weights=hit, minlength=n_days)
     picks = np.bincount(day, weights=picked, minlength=n_days)
@@ -461,14 +466,18 @@ def _by_k(
         }
     precision_days = np.column_stack([hits, picks])
     recall_days = np.column_stack([caught_d, failures_d])
+    gpu_days = _gpu_day_precision(prepared, picked, hit, day, n_days)
     valid = picks > 0
     return {
         "k_mean": _num(k.mean()) if len(k) else None,
+        "picks_mean": _num(per_time_picks.mean()) if len(per_time_picks) else None,
         "precision_at_k_mean": _num((per_time_hits / per_time_picks).mean()),
         "precision_at_k_pooled": _num(hits.sum() / picks.sum()) if picks.sum() else None,
         "precision_daily_mean": _num(np.nanmean(daily_precision)) if valid.any() else None,
         "precision_daily_std": _num(np.nanstd(daily_precision)) if valid.any() else None,
         "precision_daily_ci": list(bootstrap_ci(precision_days, mean_of_ratios, samples=samples, seed=seed)),
+        "precision_gpu_day_mean": _num(mean_of_ratios(gpu_days)) if gpu_days[:, 1].sum() else None,
+        "precision_gpu_day_ci": list(bootstrap_ci(gpu_days, mean_of_ratios, samples=samples, seed=seed)),
         "n_episodes": len(caught),
         "n_caught": int(caught["caught"].sum()),
         "recall": _num(caught["caught"].mean()) if len(caught) else None,
@@ -487,6 +496,18 @@ def _by_k(
         ],
         "_picked": picked,
     }
+
+
+def _gpu_day_precision(
+    prepared: pd.DataFrame, picked: np.ndarray, hit: np.ndarray, day: np.ndarray, n_days: int
+) -> np.ndarray:
+    """Per day: (distinct GPUs picked at some grid time that day whose label was 1 at one of
+    their picks, distinct GPUs picked): precision counted in GPUs, not GPU-hours."""
+    table = pd.DataFrame({"gpu": prepared["gpu_uuid"].to_numpy()[picked], "day": day[picked], "hit": hit[picked]})
+    per_gpu = table.groupby(["day", "gpu"])["hit"].max().reset_index()
+    hits = np.bincount(per_gpu["day"], weights=per_gpu["hit"], minlength=n_days)
+    count = np.bincount(per_gpu["day"], minlength=n_days).astype(float)
+    return np.column_stack([hits, count])
 
 
 def _by_age(prepared: pd.DataFrame, picked: np.ndarray, age_h: np.ndarray, bucket_h: float) -> list[dict[str, Any]]:
@@ -511,6 +532,7 @@ def compare_scores(
     bootstrap_samples: int = 1000,
     seed: int = SEED,
     age_bucket_h: float = 6.0,
+    flags: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Every figure of the walk-forward comparison for each score vector of `scores` (aligned
     with the rows of `test`), at every K of `top_k` (the first is the headline).
@@ -521,7 +543,7 @@ def compare_scores(
     episode recall with its CI, lead time, the same per failure mode, and the daily series),
     `daily_pr_auc`, and `by_model_age` (headline precision@K by hours since the model's
     retraining, for scorers in `model_age_h`). Episodes get their failure mode from `failures`
-    (see `attach_modes`)."""
+    (see `attach_modes`). A scorer in `flags` picks only its flagged rows (`_by_k`)."""
     if not top_k:
         raise InputError("top_k: expected at least one K specification, got none")
     specs = [str(spec) for spec in top_k]
@@ -546,8 +568,19 @@ def compare_scores(
                 f"scores of {name!r}: expected one per test row ({len(labelled)}), got shape {values.shape}"
             )
         prepared = base.assign(score=values[labelled])
+        flagged = None if flags is None or name not in flags else np.asarray(flags[name], dtype=bool)[labelled]
         by_k = {
-            spec: _by_k(prepared, episodes, modes, day, n_days, k_rows[spec], samples=bootstrap_samples, seed=seed)
+            spec: _by_k(
+                prepared,
+                episodes,
+                modes,
+                day,
+                n_days,
+                k_rows[spec],
+                samples=bootstrap_samples,
+                seed=seed,
+                flags=flagged,
+            )
             for spec in specs
         }
         head = by_k[specs[0]]

@@ -119,10 +119,10 @@ THREADED_KINDS: tuple[str, ...] = tuple(k for k in SINGLE_KINDS if "n_jobs" in D
 
 ENSEMBLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "parallel": {"members": ["lightgbm", "xgboost", "logistic"], "combine": "top_k_intersection", "top_k": 10},
-    "cascade": {"first": "logistic", "second": "lightgbm", "target_recall": 0.95, "validation_fraction": 0.25},
+    "cascade": {"first": "logistic", "second": "lightgbm", "target_recall": 0.95, "folds": 3},
 }
 """Parameters of the ensembles: `make_model("parallel", members=[...], combine=..., top_k=...)`,
-`make_model("cascade", first=..., second=..., target_recall=..., validation_fraction=...,
+`make_model("cascade", first=..., second=..., target_recall=..., folds=...,
 validation_gap=...)`. Both also take `n_jobs` (for every member that takes it) and
 `member_params` ({kind: {param: value}}, for the members of that kind); the cascade takes
 `first_params` and `second_params` for one stage only (a small, cheap first stage of the same

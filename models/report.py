@@ -17,6 +17,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from models.report_alarms import (
+    alarm_sections,
+    calibration_section,
+    plot_alarm_precision,
+    plot_reliability,
+    seeds_section,
+)
 from models.train import write_file_atomic
 from models.walk_forward import BASELINES
 
@@ -52,15 +59,16 @@ def _rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _comparison_table(metrics: dict[str, Any], k: str) -> list[str]:
     lines = [
-        "| configuration | model, training | precision@K daily mean | 95% CI | daily std | recall@K | 95% CI | median lead h | PR-AUC |",
-        "| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: |",
+        "| configuration | model, training | precision@K daily mean | 95% CI | daily std | per GPU-day | recall@K | 95% CI | median lead h | PR-AUC |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for name, what in _rows(metrics):
         s = metrics["scores"][name]
         at = s["by_k"][k]
         lines.append(
             f"| {name} | {what} | {_pct(at['precision_daily_mean'])} | {_ci(at['precision_daily_ci'])} | "
-            f"{_pct(at['precision_daily_std'])} | {_pct(at['recall'])} ({at['n_caught']}/{at['n_episodes']}) | "
+            f"{_pct(at['precision_daily_std'])} | {_pct(at.get('precision_gpu_day_mean'))} | "
+            f"{_pct(at['recall'])} ({at['n_caught']}/{at['n_episodes']}) | "
             f"{_ci(at['recall_ci'])} | {_num(at['lead_time_h_median'], 1)} | {_num(s['pr_auc'])} |"
         )
     return lines
@@ -99,6 +107,7 @@ def _mode_notes(metrics: dict[str, Any], k: str, best: str) -> list[str]:
 
 def _claims_text(metrics: dict[str, Any]) -> list[str]:
     c = metrics["claims"]
+    k_mean = metrics["scores"]["oracle"]["by_k"][metrics["top_k"]]["k_mean"]
     lines = [f"- Best configuration: **{c['best']}**, daily precision@K {_pct(c['best_precision'])}."]
     if "best_static_single" in c:
         lines.append(
@@ -129,6 +138,12 @@ def _claims_text(metrics: dict[str, Any]) -> list[str]:
             f"{'met' if e['meets_paper_step'] else 'not met'}. Daily precision std {_pct(e['std'])} against "
             f"{_pct(e['std_static'])}, ratio {_num(e['std_ratio'], 2)} (95% CI {_ratio_ci(e['std_ratio_ci'])}); "
             f"target <= 0.5 {'met' if e['stability_target_met'] else 'not met'}."
+            + (
+                f" Its precision@K is over {_num(e['picks_per_grid_time'], 1)} picks per grid time, not "
+                f"{_num(k_mean, 1)}: at its own, smaller volume (the equal-volume comparison above is the fair one)."
+                if e.get("picks_per_grid_time") is not None and k_mean and e["picks_per_grid_time"] < k_mean - 0.05
+                else ""
+            )
         )
         if not (e["meets_paper_step"] and e["stability_target_met"]):
             first, second = e["static_of_oracle_halves"]
@@ -196,13 +211,21 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
             else ""
         ),
         "",
-        f"## Comparison at K = {k}",
+        *(alarm_sections(metrics) if "alarms" in metrics else []),
+        *(calibration_section(metrics) if "calibration" in metrics else []),
+        *seeds_section(metrics),
+        f"## Ranking at K = {k}",
         "",
         *_comparison_table(metrics, k),
         "",
+        "The ranking of the GPUs at each grid time, by uncalibrated risk (calibration keeps each model's order). "
         "Daily precision@K: the share of failing GPUs among the K highest-ranked at each grid time, pooled "
-        "over a day, then averaged over days. Recall@K: failures whose GPU was in the top K at least once "
-        "within the horizon before failing; lead time from that first catch. Confidence intervals: percentile "
+        "over a day, then averaged over days; per GPU-day: the distinct GPUs picked on a day, a hit when one of "
+        "its picks was followed by its failure within the horizon. A parallel intersection picks only the GPUs "
+        "in every member's top K, often fewer than K: its precision is at its own, smaller volume (see the "
+        "equal-volume comparison above). Recall@K: failures whose GPU was in the top K at least once "
+        "within the horizon before failing; lead time from that first catch (capped by the horizon: the alarm "
+        "tables above are not). Confidence intervals: percentile "
         f"bootstrap over days ({plan['bootstrap_samples']} resamples, seed {plan['seed']}).",
         "",
         "## Targets",
@@ -213,7 +236,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
     for other in metrics["top_k_specs"][1:]:
         mean_k = metrics["scores"]["oracle"]["by_k"][other]["k_mean"]
         lines += [
-            f"## Comparison at K = {other} (K = {_num(mean_k, 1)} on average)",
+            f"## Ranking at K = {other} (K = {_num(mean_k, 1)} on average)",
             "",
             *_comparison_table(metrics, other),
             "",
@@ -321,6 +344,8 @@ PLOTS: dict[str, Callable[[dict[str, Any], Any], None]] = {
     "daily_precision.png": _plot_daily,
     "precision_by_model_age.png": _plot_age,
     "recall_by_mode.png": _plot_modes,
+    "reliability.png": plot_reliability,
+    "alarm_precision.png": plot_alarm_precision,
 }
 
 

@@ -76,6 +76,12 @@ def _ts_between(frame: Any, start: pd.Timestamp | None, end: pd.Timestamp | None
     return frame.filter(expr)
 
 
+def rows_between(frame: Any, start: TimeLike | None, end: TimeLike | None) -> Any:
+    """The rows of a polars or pandas frame with start <= ts < end (either bound optional), in
+    the type of `frame`."""
+    return _ts_between(frame, None if start is None else as_utc(start), None if end is None else as_utc(end))
+
+
 def time_split(
     frame: Any,
     test_start: TimeLike,

@@ -37,17 +37,25 @@ import pandas as pd
 from features.sample_key import drawn, sample_keys
 from features.spec import FeatureSpec
 from ingest.errors import InputError
+from models.calibration import Calibration, check_method, fit_calibration
 from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
 from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, kind_params, make_model, member_kinds
-from models.split import DurationLike, TimeLike, as_timedelta, as_utc, time_split
+from models.split import DurationLike, TimeLike, as_timedelta, as_utc, rows_between, time_split
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: models carry a calibration (`TrainedModel.calibration`); folders of version 1 load
+without one and are served uncalibrated, with an `UncalibratedModelWarning`."""
 CHECKED_LIBRARIES = ("scikit-learn", "lightgbm", "xgboost", "numpy")
 
 
 class ModelVersionWarning(UserWarning):
     """A saved model was trained with other library versions than the installed ones."""
+
+
+class UncalibratedModelWarning(UserWarning):
+    """A saved model has no calibration (written before models carried one): its risk is the
+    odds-corrected model output, not a calibrated probability."""
 
 
 class ModelSpecWarning(UserWarning):
@@ -85,7 +93,7 @@ class TrainOptions:
     params: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the kind's defaults: `models.kinds.DEFAULT_PARAMS` (single kinds) or
     `ENSEMBLE_DEFAULTS` (`parallel`: members, combine, top_k; `cascade`: first, second,
-    target_recall, validation_fraction; both: n_jobs, member_params)."""
+    target_recall, folds; both: n_jobs, member_params)."""
     max_pos_weight: float = MAX_POS_WEIGHT
     """Cap on the positive-class weight (`balanced_pos_weight`)."""
     monotone_increasing: Sequence[str] = ()
@@ -101,6 +109,11 @@ class TrainOptions:
     """At most this many negatives drawn per positive (`capped_negative_fraction`; None: no cap)."""
     seed: int = 0
     """Seed of the negative draw (`sample_negatives`)."""
+    calibration: str | None = None
+    """Fit a calibration (`models.calibration.METHODS`: "platt" or "isotonic") on the
+    `calibration_window` of labelled rows after the training window (`calibration_bounds`);
+    None: none (the walk-forward calibrates its fits itself)."""
+    calibration_window: DurationLike = "7d"
     feature_spec: FeatureSpec | None = None
     """The spec of the features trained on, which the model carries. From a store, the spec its
     features record wins, and a different one here is refused (`models.train_store`); None:
@@ -206,6 +219,14 @@ class TrainedModel:
     feature_spec: FeatureSpec = field(default_factory=FeatureSpec)
     """The spec of the features the model was trained on: scoring and serving build features
     with it and refuse features built with another (`features.manifest.check_spec`)."""
+    calibration: Calibration | None = None
+    """The map from odds-corrected to calibrated risk, fitted after the training window (None:
+    an uncalibrated model, e.g. one saved before models carried a calibration)."""
+
+    @property
+    def calibrated(self) -> bool:
+        # getattr: a model pickled before the field existed has no such attribute.
+        return getattr(self, "calibration", None) is not None
 
     def design_matrix(self, frame: Any) -> pd.DataFrame:
         """What the estimator takes: the feature columns and, for an ensemble that ranks within
@@ -221,13 +242,18 @@ class TrainedModel:
     @property
     def version(self) -> str:
         """`kind-<train_end>-<digest>`: names the model in predictions and the audit log."""
-        digest = hashlib.sha256(
-            json.dumps(
-                [self.kind, self.params, self.feature_columns, str(self.train_start), str(self.train_end), self.n_rows],
-                sort_keys=True,
-                default=str,
-            ).encode()
-        ).hexdigest()[:8]
+        identity: list[Any] = [
+            self.kind,
+            self.params,
+            self.feature_columns,
+            str(self.train_start),
+            str(self.train_end),
+            self.n_rows,
+        ]
+        if self.calibrated:
+            # Only for calibrated models, so an older model keeps the version it was served under.
+            identity.append(self.calibration_info())
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
         return f"{self.kind}-{self.train_end:%Y%m%dT%H%MZ}-{digest}"
 
     def predict_score(self, frame: Any) -> np.ndarray:
@@ -239,10 +265,29 @@ class TrainedModel:
         with one_blas_thread():
             return np.asarray(self.estimator.predict_proba(X)[:, 1], dtype=np.float64)
 
-    def predict_risk(self, frame: Any) -> np.ndarray:
-        """Probability that each row's GPU fails within the horizon, with the class weighting
-        divided out (`prior_correction`); same ranking as `predict_score`."""
+    def predict_uncalibrated_risk(self, frame: Any) -> np.ndarray:
+        """The estimator's probability with the class weighting and the negative subsampling
+        divided out (`prior_correction`): right on average, not in the tails; same ranking as
+        `predict_score`."""
         return prior_correction(self.predict_score(frame), self.pos_weight)
+
+    def calibrate(self, uncalibrated_risk: Any) -> np.ndarray:
+        """`predict_uncalibrated_risk`'s values through the model's calibration (unchanged
+        without one)."""
+        risk = np.asarray(uncalibrated_risk, dtype=np.float64)
+        calibration = getattr(self, "calibration", None)
+        return risk if calibration is None else calibration.apply(risk)
+
+    def predict_risk(self, frame: Any) -> np.ndarray:
+        """Probability that each row's GPU fails within the horizon: the calibrated risk
+        (`calibrate(predict_uncalibrated_risk)`), or the uncalibrated one for a model without
+        a calibration."""
+        return self.calibrate(self.predict_uncalibrated_risk(frame))
+
+    def calibration_info(self) -> dict[str, Any] | None:
+        """The calibration's provenance (`Calibration.provenance`), None without one."""
+        calibration = getattr(self, "calibration", None)
+        return None if calibration is None else calibration.provenance()
 
     def metadata(self) -> dict[str, Any]:
         """JSON-ready description (the sidecar file of `save_model`)."""
@@ -263,6 +308,8 @@ class TrainedModel:
             "feature_spec_fingerprint": self.feature_spec.fingerprint,
             "trained_at": self.trained_at.isoformat(),
             "versions": self.versions,
+            "calibrated": self.calibrated,
+            "calibration": self.calibration_info(),
         }
 
 
@@ -397,12 +444,73 @@ def check_model_kind(kind: str, params: Mapping[str, Any] | None) -> tuple[dict[
     return user_params, kinds
 
 
+def calibration_bounds(settled: pd.Timestamp, options: TrainOptions) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the calibration slice of a model trained with `options` on data whose
+    labels are settled until `settled` (`settled_until`): the `calibration_window` that ends
+    where the uncalibrated model's training window would end (a horizon before `as_of`, or
+    after `settled`). The model itself is then trained as of the slice's start
+    (`calibration_fit_options`): its last training label ends before the slice begins, so
+    the slice is rows it never saw, and still nothing after `as_of - horizon` is used."""
+    _, end = training_bounds(
+        settled, train_window=options.calibration_window, horizon=options.horizon, as_of=options.as_of
+    )
+    return end - as_timedelta(options.calibration_window, "calibration_window"), end
+
+
+def calibration_fit_options(options: TrainOptions, slice_start: pd.Timestamp) -> TrainOptions:
+    """The options of the fit a calibrated model is made of: trained as of its calibration
+    slice's start, not calibrated itself."""
+    return replace(options, as_of=slice_start, calibration=None)
+
+
+def calibrate_model(
+    model: TrainedModel,
+    rows: Any,
+    *,
+    method: str,
+    bounds: tuple[pd.Timestamp, pd.Timestamp],
+    negative_fraction: float = 1.0,
+) -> TrainedModel:
+    """`model` with a calibration (`models.calibration.fit_calibration`) fitted on the labelled
+    `rows` of its calibration slice `bounds`, of which a share `negative_fraction` of the
+    healthy ones were drawn."""
+    df = to_pandas(rows)
+    df = df.loc[labels(df).notna().to_numpy()] if len(df) else df
+    if len(df) == 0:
+        raise InputError(
+            f"calibration slice {bounds[0]} .. {bounds[1]}: no labelled rows; expected feature rows after the "
+            "training window (a shorter calibration_window, or more data)"
+        )
+    calibration = fit_calibration(
+        model.predict_uncalibrated_risk(df),
+        labels(df).to_numpy(),
+        method,
+        slice_start=bounds[0],
+        slice_end=bounds[1],
+        negative_fraction=negative_fraction,
+    )
+    return replace(model, calibration=calibration)
+
+
 def train_model(frame: Any, options: TrainOptions) -> TrainedModel:
     """Fit a model as `options` say on the most recent `train_window` of labelled rows of
     `frame` that ends a `horizon` before `as_of` (see `training_rows`), keeping every positive
     and a share `negative_fraction` of the negatives, at most `max_negatives_per_positive` per
-    positive (drawn by `sample_negatives` under `seed`)."""
+    positive (drawn by `sample_negatives` under `seed`). With `calibration`, the model is
+    trained as of its calibration slice (`calibration_bounds`) and calibrated on it, the
+    slice's healthy rows drawn as the training rows are."""
     check_model_kind(options.kind, options.params)  # before the window is cut: a bad setting fails fast
+    if options.calibration is not None:
+        check_method(options.calibration)
+        bounds = calibration_bounds(settled_until(frame, options.horizon), options)
+        model = train_model(frame, calibration_fit_options(options, bounds[0]))
+        _require(frame, ["ts", "gpu_uuid", "label"], "calibration frame")
+        part = rows_between(frame, *bounds)
+        drawn = options.drawn_from(*label_counts(part))
+        rows = sample_negatives(part, drawn.negative_fraction, options.seed)
+        return calibrate_model(
+            model, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
+        )
     window = _window(frame, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of)
     options = options.drawn_from(*label_counts(window))
     return train_model_on_sample(sample_negatives(window, options.negative_fraction, options.seed), options)
@@ -605,6 +713,14 @@ def load_model(path: str | os.PathLike[str]) -> TrainedModel:
             f"with the default settings and its horizon (feature spec {model.feature_spec.fingerprint}): retrain "
             "it if its features were built otherwise",
             ModelSpecWarning,
+            stacklevel=2,
+        )
+    if not model.calibrated:
+        warnings.warn(
+            f"model {folder} has no calibration (format {meta.get('format_version', 1)}): it is served "
+            "uncalibrated, its risk the odds-corrected model output rather than a calibrated probability; "
+            "retrain it (`gpufail train`) to calibrate it",
+            UncalibratedModelWarning,
             stacklevel=2,
         )
     return model

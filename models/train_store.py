@@ -13,6 +13,7 @@ the rows are the ones `train_model` picks, in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, time, timedelta
 
@@ -26,10 +27,14 @@ from features.sample_key import SAMPLE_KEY, key_threshold
 from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
+from models.calibration import check_method
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc
 from models.train import (
     TrainedModel,
     TrainOptions,
+    calibrate_model,
+    calibration_bounds,
+    calibration_fit_options,
     check_model_kind,
     check_negative_fraction,
     train_model_on_sample,
@@ -69,11 +74,9 @@ def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], optio
     return rows
 
 
-def store_training_bounds(
-    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
-) -> tuple[pd.Timestamp, pd.Timestamp]:
-    """[start, end) of the grid times `models.train.training_rows` keeps, found from the last
-    date partition alone (the data's last grid time), without reading the window."""
+def store_settled_until(store: Store, horizon: DurationLike) -> pd.Timestamp:
+    """`models.train.settled_until` of the store's features, found from the last date
+    partition alone (the data's last grid time), without reading the rest."""
     days = store.dates(FEATURES_DATASET)
     if not days:
         raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
@@ -81,7 +84,15 @@ def store_training_bounds(
     last_ts = read_features(store, start=newest, columns=[])["ts"].max()
     if not isinstance(last_ts, datetime):
         raise InputError(f"{store.root}: the newest features day ({days[-1]}) has no rows")
-    settled = as_utc(last_ts) - as_timedelta(horizon, "horizon")  # settled_until of the features
+    return as_utc(last_ts) - as_timedelta(horizon, "horizon")
+
+
+def store_training_bounds(
+    store: Store, *, train_window: DurationLike, horizon: DurationLike, as_of: TimeLike | None = None
+) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the grid times `models.train.training_rows` keeps, found from the last
+    date partition alone (the data's last grid time), without reading the window."""
+    settled = store_settled_until(store, horizon)
     return training_bounds(settled, train_window=train_window, horizon=horizon, as_of=as_of)
 
 
@@ -153,6 +164,31 @@ def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.Da
     return store.collect(day, FEATURES_DATASET, day_start, day_end).join(wanted, on=_KEYS, how="semi")
 
 
+def calibrated_from_store(
+    store: Store, options: TrainOptions, fit: Callable[[TrainOptions], TrainedModel]
+) -> TrainedModel:
+    """`fit(options)`, or, with `options.calibration`, the model `fit` makes as of its
+    calibration slice (`models.train.calibration_bounds`), calibrated on the slice's rows
+    drawn from the store as the training rows are (`train_model` on a frame does the same)."""
+    if options.calibration is None:
+        return fit(options)
+    check_method(options.calibration)
+    bounds = calibration_bounds(store_settled_until(store, options.horizon), options)
+    model = fit(calibration_fit_options(options, bounds[0]))
+    counts = window_label_counts(store, *bounds)
+    # The slice read as a training window of its own (files without the stored draw key are
+    # drawn from the window that `train_window` and `as_of` name).
+    drawn = replace(
+        options.drawn_from(*counts),
+        train_window=options.calibration_window,
+        as_of=bounds[1] + as_timedelta(options.horizon, "horizon"),
+    )
+    rows = _sampled_rows(store, bounds, drawn) if sum(counts) else pl.DataFrame()
+    return calibrate_model(
+        model, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
+    )
+
+
 def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:
     """`options` with the feature spec the store's features record (the model trained on them
     carries it). A different spec in `options` (the configuration's) is refused: a model would
@@ -175,10 +211,14 @@ def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:
 
 def train_model_from_store(store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` on the store's features, with the same options and the same
-    model, holding the sample in memory instead of the window. The model carries the spec the
-    features were built with (`with_store_spec`)."""
+    model (its calibration included), holding the sample in memory instead of the window. The
+    model carries the spec the features were built with (`with_store_spec`)."""
     check_model_kind(options.kind, options.params)  # before anything is read: a bad setting fails fast
     options = with_store_spec(store, options)
+    return calibrated_from_store(store, options, lambda fit_options: _train_from_store(store, fit_options))
+
+
+def _train_from_store(store: Store, options: TrainOptions) -> TrainedModel:
     bounds = store_training_bounds(
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )

@@ -1,9 +1,13 @@
 """Walk-forward (sliding) training and scoring of several contenders over a test period.
 
-At every retraining time r (test_start, test_start + retrain_every, ...) a contender is trained
-on labelled rows that end a full `horizon` before r (`models.split.time_split`: a row at ts has
-its label window (ts, ts + horizon], known only once ts + horizon < r), then scores the grid
-times of [r, r + retrain_every). Modes:
+At every retraining time r (test_start, test_start + retrain_every, ...) a contender's model is
+made as `gpufail train` makes the served one: calibrated on the `calibration_window` of labelled
+rows that ends a full `horizon` before r (a row at ts has its label window (ts, ts + horizon],
+known only once ts + horizon < r), and trained on rows whose labels end before that slice
+begins (`models.split.time_split` as of the slice's start). It then scores the grid times of
+[r, r + retrain_every): `scores` holds the uncalibrated risk (the ranking), `calibrated` the
+calibrated one. The first retrain's slice, the days just before the test period, is also
+where the comparison chooses its operating points (`WalkForwardResult.validation`). Modes:
 
 - `static`: trained once, at test_start, on `train_window`; scores the whole test period (the
   baseline: what a model trained once and left alone does as the fleet drifts);
@@ -47,7 +51,8 @@ import numpy as np
 import pandas as pd
 
 from ingest.errors import GpufailError, InputError
-from models.ensemble import check_combination, combine_probabilities
+from models.calibration import DEFAULT_METHOD, Calibration, check_method, fit_calibration
+from models.ensemble import check_combination, combine_probabilities, intersection_flags
 from models.estimators import prior_correction
 from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_pr_auc, time_key
 from models.frame import labels, require_columns, to_pandas
@@ -99,6 +104,13 @@ class WalkForwardPlan:
     """Features (names or globs) whose rise must never lower the risk, as `train_model` takes
     them; applied to every contender whose kind can be constrained (all but the MLP and
     ensembles with an MLP member), so the comparison scores what `gpufail train` trains."""
+    calibration: str = DEFAULT_METHOD
+    """How every fit is calibrated (`models.calibration.METHODS`), as `gpufail train` does."""
+    calibration_window: DurationLike = "7d"
+    """The calibration slice of a model retrained at r: [r - horizon - calibration_window,
+    r - horizon); the model itself is trained as of the slice's start (as `gpufail train`
+    trains with a calibration, `models.train.calibration_bounds`). The first retrain's slice,
+    just before the test period, is also where the operating points are chosen."""
 
 
 @dataclass
@@ -116,6 +128,8 @@ class Fit:
     n_positives: int = 0
     validation: dict[str, float | None] | None = None
     """auto mode: precision@K on the validation window per candidate (None: no score)."""
+    calibration: dict[str, Any] | None = None
+    """The provenance of the calibration in use from this retrain (`Calibration.provenance`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -128,6 +142,7 @@ class Fit:
             "n_rows": self.n_rows,
             "n_positives": self.n_positives,
             "validation": self.validation,
+            "calibration": self.calibration,
         }
 
 
@@ -151,6 +166,19 @@ class WalkForwardResult:
     n_fits_unshared: int = 0
     """Models the contenders' retrains (members and auto candidates included) name: what the
     comparison would train without sharing."""
+    calibrated: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per contender, the calibrated risk of each test row (`scores` is the uncalibrated risk,
+    in the same order within every grid time)."""
+    flags: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per parallel contender, the paper's intersection flags of each test row."""
+    validation: pd.DataFrame | None = None
+    """The operating points' validation slice: the labelled rows of the first retrain's
+    calibration slice, before the test period (sorted by ts, gpu_uuid)."""
+    validation_calibrated: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per contender, the calibrated risk of the validation rows by its first model."""
+    validation_flags: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per parallel contender, its intersection flags on the validation rows."""
+    calibration_window: pd.Timedelta | None = None
 
 
 def available_kinds() -> tuple[str, ...]:
@@ -278,6 +306,9 @@ def _member_specs(params: Mapping[str, Any], window: str, monotone: tuple[str, .
 class _FitTask:
     spec: _Spec
     as_of: pd.Timestamp
+    """The retraining time: the model scores from here."""
+    fit_as_of: pd.Timestamp
+    """What the model is trained as of: the start of its calibration slice."""
     pool: pd.DataFrame
     rows: np.ndarray
     """Positions in the evaluation frame that this model scores (sorted, unique)."""
@@ -289,6 +320,7 @@ class _FitTask:
 class _FitOutcome:
     spec: _Spec
     as_of: pd.Timestamp
+    fit_as_of: pd.Timestamp
     rows: np.ndarray
     raw: np.ndarray | None
     """The estimator's probabilities on `rows` (`TrainedModel.predict_score`)."""
@@ -307,15 +339,16 @@ def _run_fit(task: _FitTask) -> _FitOutcome:
                 kind=spec.kind,
                 train_window=spec.window,
                 horizon=task.horizon,
-                as_of=task.as_of,
+                as_of=task.fit_as_of,
                 params=dict(spec.params),
                 monotone_increasing=spec.monotone,
                 negative_fraction=1.0,
             ),
         )
     except InputError as exc:
-        return _FitOutcome(spec, task.as_of, task.rows, None, None, f"kept previous model: {exc}")
-    return _FitOutcome(spec, task.as_of, task.rows, model.predict_score(task.score_rows), model, "trained")
+        return _FitOutcome(spec, task.as_of, task.fit_as_of, task.rows, None, None, f"kept previous model: {exc}")
+    raw = model.predict_score(task.score_rows)
+    return _FitOutcome(spec, task.as_of, task.fit_as_of, task.rows, raw, model, "trained")
 
 
 def _execute(tasks: Iterator[_FitTask], n_tasks: int, jobs: int, progress: bool) -> list[_FitOutcome]:
@@ -360,19 +393,25 @@ Assignments = list[tuple[pd.Timestamp, np.ndarray]]
 @dataclass
 class _Track:
     """Per row of the evaluation frame: the probability of the model that scored it (NaN: no
-    model), the odds factor of that model, its risk and when it was trained (ns); and per
-    retraining time, the outcome and the model then in use (None: none yet)."""
+    model), the odds factor of that model, its risk, its calibrated risk, when it was trained
+    (ns) and, for a parallel ensemble, the intersection flag; per retraining time, the outcome
+    and the model then in use (None: none yet), the calibration then in use, and the
+    calibrated risk (and flags) of that time's new model on its calibration slice."""
 
     raw: np.ndarray
     weight: np.ndarray
     risk: np.ndarray
     trained_ns: np.ndarray
     at: dict[pd.Timestamp, tuple[str, TrainedModel | None]]
+    calibrated: np.ndarray
+    flags: np.ndarray | None = None
+    calibration: dict[pd.Timestamp, Calibration | None] = field(default_factory=dict)
+    on_slice: dict[pd.Timestamp, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
 
 
 def _empty_track(n: int) -> _Track:
     nan = np.full(n, np.nan)
-    return _Track(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), {})
+    return _Track(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), {}, nan.copy())
 
 
 def _risk(raw: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -385,54 +424,105 @@ def _risk(raw: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 
 class _Tracks:
-    """Builds tracks from the fit outcomes, each (spec, assignments) once."""
+    """Builds tracks from the fit outcomes, each (spec, assignments) once. Every retrain's
+    model is calibrated on its calibration slice (`_Layout.calibration_rows`) from the scores
+    it made there; a retrain whose slice cannot be calibrated on (no failure in it) keeps the
+    previous model and calibration, as a failed fit does."""
 
-    def __init__(self, frame: pd.DataFrame, ns: np.ndarray, outcomes: dict[tuple[_Spec, pd.Timestamp], _FitOutcome]):
-        self.frame, self.ns, self.outcomes = frame, ns, outcomes
+    def __init__(self, layout: _Layout, outcomes: dict[tuple[_Spec, pd.Timestamp], _FitOutcome], method: str) -> None:
+        self.layout, self.outcomes, self.method = layout, outcomes, method
+        self.frame, self.ns = layout.frame, layout.ns
+        self.labels = labels(layout.frame).to_numpy()
         self._cache: dict[tuple[Any, ...], _Track] = {}
+
+    def _calibrate(self, t: pd.Timestamp, risk: np.ndarray) -> Calibration:
+        """The calibration of the model retrained at `t`, from its risk on its slice."""
+        start, end = self.layout.calibration_bounds(t)
+        return fit_calibration(
+            risk, self.labels[self.layout.calibration_rows(t)], self.method, slice_start=start, slice_end=end
+        )
+
+    def _slice_raw(self, spec: _Spec, t: pd.Timestamp) -> np.ndarray:
+        out = self.outcomes[(spec, t)]
+        assert out.raw is not None
+        return out.raw[np.searchsorted(out.rows, self.layout.calibration_rows(t))]
+
+    @staticmethod
+    def _apply_calibrations(track: _Track, assignments: Assignments) -> None:
+        for t, rows in assignments:
+            calibration = track.calibration.get(t)
+            if calibration is not None and len(rows):
+                track.calibrated[rows] = calibration.apply(track.risk[rows])
 
     def single(self, spec: _Spec, assignments: Assignments) -> _Track:
         key = (spec, tuple(t for t, _ in assignments), tuple(len(r) for _, r in assignments))
         if key in self._cache:
             return self._cache[key]
         track = _empty_track(len(self.frame))
-        latest: tuple[TrainedModel, pd.Timestamp] | None = None
+        latest: tuple[TrainedModel, pd.Timestamp, Calibration] | None = None
         for t, rows in assignments:
             out = self.outcomes[(spec, t)]
+            status = out.status
             if out.model is not None and out.raw is not None:
-                latest = (out.model, t)
-                track.raw[rows] = out.raw[np.searchsorted(out.rows, rows)]
-            elif latest is not None and len(rows):
+                slice_risk = prior_correction(self._slice_raw(spec, t), out.model.pos_weight)
+                try:
+                    calibration = self._calibrate(t, slice_risk)
+                except InputError as exc:
+                    status = f"kept previous model: {exc}"
+                else:
+                    latest = (out.model, t, calibration)
+                    track.raw[rows] = out.raw[np.searchsorted(out.rows, rows)]
+                    track.on_slice[t] = (calibration.apply(slice_risk), None)
+            if status != "trained" and latest is not None and len(rows):
                 # A retrain that could not be done: the previous model goes on scoring.
                 track.raw[rows] = latest[0].predict_score(self.frame.iloc[rows])
-            track.at[t] = (out.status, None if latest is None else latest[0])
+            track.at[t] = (status, None if latest is None else latest[0])
+            track.calibration[t] = None if latest is None else latest[2]
             if latest is not None:
                 track.weight[rows] = latest[0].pos_weight
                 track.trained_ns[rows] = latest[1].value
         track.risk = _risk(track.raw, track.weight)
+        self._apply_calibrations(track, assignments)
         self._cache[key] = track
         return track
 
     def parallel(self, members: list[_Spec], settings: Mapping[str, Any], assignments: Assignments) -> _Track:
         """The members' tracks combined as `ParallelEnsemble.predict_proba` combines its members
         (`models.ensemble.combine_probabilities`, within each scoring time); then the shared
-        odds factor divided out."""
+        odds factor divided out, and the combination calibrated on each retrain's slice. The
+        flags are the paper's intersection (`models.ensemble.intersection_flags`)."""
+        combine, top_k = settings["combine"], int(settings["top_k"])
         tracks = [self.single(m, assignments) for m in members]
         track = _empty_track(len(self.frame))
+        track.flags = np.zeros(len(self.frame), dtype=bool)
         raw = np.vstack([t.raw for t in tracks])
         rows = np.flatnonzero(~np.isnan(raw).any(axis=0))
-        track.raw[rows] = combine_probabilities(
-            raw[:, rows], self.ns[rows], settings["combine"], int(settings["top_k"])
-        )
+        track.raw[rows] = combine_probabilities(raw[:, rows], self.ns[rows], combine, top_k)
+        track.flags[rows] = intersection_flags(raw[:, rows], self.ns[rows], top_k)
         # Members are fit on the same rows with the same class weight: one odds factor.
         track.weight[rows] = tracks[0].weight[rows]
         track.trained_ns[rows] = np.vstack([t.trained_ns[rows] for t in tracks]).max(axis=0)
         track.risk = _risk(track.raw, track.weight)
+        latest: Calibration | None = None
         for t, _ in assignments:
             states = [m.at[t] for m in tracks]
             failed = next((s for s, _ in states if s != "trained"), None)
             model = states[0][1] if all(m is not None for _, m in states) else None
+            if failed is None and model is not None:
+                slice_ns = self.ns[self.layout.calibration_rows(t)]
+                member_raw = np.vstack([self._slice_raw(m, t) for m in members])
+                slice_risk = prior_correction(
+                    combine_probabilities(member_raw, slice_ns, combine, top_k), model.pos_weight
+                )
+                try:
+                    latest = self._calibrate(t, slice_risk)
+                except InputError as exc:  # (the members' own slices are the same: they kept theirs)
+                    failed = f"kept previous model: {exc}"
+                else:
+                    track.on_slice[t] = (latest.apply(slice_risk), intersection_flags(member_raw, slice_ns, top_k))
             track.at[t] = (failed or "trained", model)
+            track.calibration[t] = latest
+        self._apply_calibrations(track, assignments)
         return track
 
 
@@ -495,9 +585,22 @@ class _Layout:
     horizon: pd.Timedelta
     every: pd.Timedelta
     test_end_excl: pd.Timestamp
+    calibration_window: pd.Timedelta
 
     def period(self, t: pd.Timestamp, end: pd.Timestamp) -> np.ndarray:
         return np.flatnonzero((self.ns >= t.value) & (self.ns < end.value))
+
+    def calibration_bounds(self, t: pd.Timestamp) -> tuple[pd.Timestamp, pd.Timestamp]:
+        """[start, end) of the calibration slice of the model retrained at `t`: settled by `t`."""
+        end = t - self.horizon
+        return end - self.calibration_window, end
+
+    def calibration_rows(self, t: pd.Timestamp) -> np.ndarray:
+        return self.period(*self.calibration_bounds(t))
+
+    def fit_as_of(self, t: pd.Timestamp) -> pd.Timestamp:
+        """What the model retrained at `t` is trained as of: its calibration slice's start."""
+        return self.calibration_bounds(t)[0]
 
     def sliding(self, times: list[pd.Timestamp]) -> Assignments:
         return [(t, self.period(t, min(t + self.every, self.test_end_excl))) for t in times]
@@ -520,11 +623,22 @@ def _contender_needs(contender: Contender, plan: WalkForwardPlan, layout: _Layou
     return [_need(contender, window, monotone, assignments)]
 
 
-def _fit_record(name: str, t: pd.Timestamp, window: str, state: tuple[str, TrainedModel | None]) -> Fit:
-    status, model = state
+def _fit_record(name: str, t: pd.Timestamp, window: str, track: _Track) -> Fit:
+    status, model = track.at[t]
     if status != "trained" or model is None:
         return Fit(name, t, window, status)
-    return Fit(name, t, window, "trained", model.train_start, model.train_end, model.n_rows, model.n_positives)
+    calibration = track.calibration.get(t)
+    return Fit(
+        name,
+        t,
+        window,
+        "trained",
+        model.train_start,
+        model.train_end,
+        model.n_rows,
+        model.n_positives,
+        calibration=None if calibration is None else calibration.provenance(),
+    )
 
 
 def _first_model_or_error(name: str, t: pd.Timestamp, state: tuple[str, TrainedModel | None]) -> None:
@@ -587,7 +701,10 @@ def _auto_choice(
         chosen = candidates[current]
         track.raw[rows], track.weight[rows] = chosen.raw[rows], chosen.weight[rows]
         track.risk[rows], track.trained_ns[rows] = chosen.risk[rows], chosen.trained_ns[rows]
-        track.at[t] = chosen.at[t]
+        track.calibrated[rows] = chosen.calibrated[rows]
+        track.at[t], track.calibration[t] = chosen.at[t], chosen.calibration[t]
+        if t in chosen.on_slice:
+            track.on_slice[t] = chosen.on_slice[t]
         choices.append((t, current, {w: None if s is None else s[0] for w, s in scored.items()}))
     return choices, track
 
@@ -615,31 +732,40 @@ def run_walk_forward(
     if not plan.switch_margin >= 0.0:
         raise InputError(f"switch_margin: expected a precision difference >= 0, got {plan.switch_margin!r}")
     parse_top_k(plan.top_k)
+    check_method(plan.calibration)
     if any(c.mode == "auto" for c in contenders) and not plan.candidate_windows:
         raise InputError("candidate_windows: expected at least one window for the auto contenders, got none")
     horizon = as_timedelta(plan.horizon, "horizon")
     every = as_timedelta(plan.retrain_every, "retrain_every")
     validation_window = as_timedelta(plan.validation_window, "validation_window")
+    calibration_window = as_timedelta(plan.calibration_window, "calibration_window")
     df = to_pandas(frame)
     require_columns(df, ["ts", "gpu_uuid", "label"], "walk-forward frame")
     timeline = _Timeline(df, plan.negative_fraction, plan.seed)
     test_end = settled_until(timeline.frame, horizon)
     test_start = test_end - pd.Timedelta(days=plan.test_days) + timeline.step
     test_end_excl = test_end + timeline.step
-    if test_start <= as_utc(pd.Timestamp(timeline.ns[0])) + horizon:
+    # The first model trains as of its calibration slice, which ends a horizon before the test.
+    first_fit = test_start - horizon - calibration_window
+    if first_fit <= as_utc(pd.Timestamp(timeline.ns[0])) + horizon:
         raise InputError(
-            f"test_days {plan.test_days}: the test period would start at {test_start}, before any settled "
-            f"training label (data from {pd.Timestamp(timeline.ns[0], tz='UTC')}); expected a shorter test period"
+            f"test_days {plan.test_days}: the first model would be trained as of {first_fit} (the test period "
+            f"starts at {test_start}, after a calibration slice of {duration_label(calibration_window)} and the "
+            f"horizon), before any settled training label (data from {pd.Timestamp(timeline.ns[0], tz='UTC')}); "
+            "expected a shorter test period or calibration_window"
         )
     n_periods = math.ceil((test_end_excl - test_start) / every)
     retrain_times = [test_start + i * every for i in range(n_periods)]
     # auto: the models of the days before the test period score the first validation windows.
     n_pre = math.ceil((horizon + validation_window) / every) if any(c.mode == "auto" for c in contenders) else 0
     pre_times = [test_start - k * every for k in range(n_pre, 0, -1)]
-    eval_start = pre_times[0] if pre_times else test_start
+    # From the calibration slice of the first model trained.
+    eval_start = (pre_times[0] if pre_times else test_start) - horizon - calibration_window
     evaluation, eval_ns = timeline.labelled_rows(eval_start, test_end_excl)
     offset = int(np.searchsorted(eval_ns, test_start.value, side="left"))
-    layout = _Layout(evaluation, eval_ns, offset, retrain_times, pre_times, horizon, every, test_end_excl)
+    layout = _Layout(
+        evaluation, eval_ns, offset, retrain_times, pre_times, horizon, every, test_end_excl, calibration_window
+    )
 
     needs = {c.name: _contender_needs(c, plan, layout) for c in contenders}
     requests: dict[tuple[_Spec, pd.Timestamp], list[np.ndarray]] = {}
@@ -648,28 +774,35 @@ def run_walk_forward(
         for need in contender_needs:
             for spec in need.specs:
                 for t, rows in need.assignments:
-                    requests.setdefault((spec, t), []).append(rows)
+                    # Each model also scores its calibration slice.
+                    requests.setdefault((spec, t), [layout.calibration_rows(t)]).append(rows)
                     n_unshared += 1
 
     def tasks() -> Iterator[_FitTask]:
         for (spec, t), parts in requests.items():
-            rows = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+            # One contiguous span of the (time-sorted) frame, from the calibration slice to the
+            # last row scored: a slice is a view, where picking rows would copy a wide frame
+            # (~1 s for the demo's 8 days); the horizon between them is scored for nothing.
+            wanted = np.concatenate(parts)
+            lo, hi = (int(wanted.min()), int(wanted.max()) + 1) if len(wanted) else (0, 0)
             window = as_timedelta(spec.window, "train_window")
+            fit_as_of = layout.fit_as_of(t)
             yield _FitTask(
                 spec,
                 t,
-                timeline.training_pool(t - horizon - window, t - horizon, t),
-                rows,
-                evaluation.iloc[rows],
+                fit_as_of,
+                timeline.training_pool(fit_as_of - horizon - window, fit_as_of - horizon, fit_as_of),
+                np.arange(lo, hi),
+                evaluation.iloc[lo:hi],
                 horizon,
             )
 
     outcomes = {}
     for outcome in _execute(tasks(), len(requests), plan.jobs, progress):
         if outcome.model is not None:
-            _check_gap(outcome.model, outcome.as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
+            _check_gap(outcome.model, outcome.fit_as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
         outcomes[(outcome.spec, outcome.as_of)] = outcome
-    built = _Tracks(evaluation, eval_ns, outcomes)
+    built = _Tracks(layout, outcomes, plan.calibration)
 
     def track_of(need: _Need) -> _Track:
         if need.settings is None:
@@ -677,13 +810,14 @@ def run_walk_forward(
         return built.parallel(need.specs, need.settings, need.assignments)
 
     scores, ages, fits = {}, {}, []
+    calibrated, flags, on_validation, validation_flags = {}, {}, {}, {}
     hour = pd.Timedelta(hours=1).value
     for c in contenders:
         if c.mode == "auto":
             candidates = {need.window: track_of(need) for need in needs[c.name]}
             choices, track = _auto_choice(c.name, candidates, layout, plan)
             for t, window, validation in choices:
-                fit = _fit_record(c.name, t, window, track.at[t])
+                fit = _fit_record(c.name, t, window, track)
                 fit.validation = validation
                 fits.append(fit)
                 log.info("%s at %s: train window %s (validation precision@K %s)", c.name, t, window, validation)
@@ -692,9 +826,18 @@ def run_walk_forward(
             track = track_of(need)
             first = need.assignments[0][0]
             _first_model_or_error(c.name, first, track.at[first])
-            fits += [_fit_record(c.name, t, need.window, track.at[t]) for t, _ in need.assignments]
+            fits += [_fit_record(c.name, t, need.window, track) for t, _ in need.assignments]
         scores[c.name] = track.risk[offset:]
+        calibrated[c.name] = track.calibrated[offset:]
         ages[c.name] = (eval_ns[offset:] - track.trained_ns[offset:]) / hour
+        if test_start not in track.on_slice:
+            raise InputError(
+                f"walk-forward: {c.name} has no model of its own calibrated at the first retraining time "
+                f"{test_start} ({track.at[test_start][0]}); expected a calibration slice with failures"
+            )
+        on_validation[c.name], first_flags = track.on_slice[test_start]
+        if track.flags is not None and first_flags is not None:
+            flags[c.name], validation_flags[c.name] = track.flags[offset:], first_flags
     return WalkForwardResult(
         test=evaluation.iloc[offset:].reset_index(drop=True),
         scores=scores,
@@ -708,4 +851,10 @@ def run_walk_forward(
         contenders=list(contenders),
         n_fits=len(requests),
         n_fits_unshared=n_unshared,
+        calibrated=calibrated,
+        flags=flags,
+        validation=evaluation.iloc[layout.calibration_rows(test_start)].reset_index(drop=True),
+        validation_calibrated=on_validation,
+        validation_flags=validation_flags,
+        calibration_window=calibration_window,
     )

@@ -49,7 +49,7 @@ from serving.api_schemas import (
     Readiness,
     ReloadResponse,
 )
-from serving.api_state import FeatureStore, ModelSource, ServeOptions, ServingState, Snapshot
+from serving.api_state import FeatureStore, ModelSource, ServeOptions, ServingState, Snapshot, calibration_payload
 from serving.web import operator_pages
 
 log = logging.getLogger("gpufail.serve")
@@ -328,6 +328,7 @@ def create_app(
                 "n_features": len(m.feature_columns),
                 "feature_columns": m.feature_columns,
                 "metrics": served.info.get("metrics"),
+                **calibration_payload(m),
                 "library_versions": m.versions,
                 "installed_versions": {lib: _installed_version(lib) for lib in m.versions if lib != "python"},
                 "loaded_at": served.loaded_at.isoformat(),

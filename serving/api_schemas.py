@@ -221,6 +221,14 @@ class ModelResponse(BaseModel):
     metrics: dict[str, float] | None = Field(
         description="The registry run's evaluation metrics (null for a model folder)."
     )
+    calibrated: bool = Field(
+        description="Whether the served risk is calibrated; false for a model saved before models carried a "
+        "calibration (its risk is then the odds-corrected model output)."
+    )
+    calibration: dict[str, Any] | None = Field(
+        description="The calibration's provenance: method, slice_start, slice_end, n_rows, n_positives, "
+        "negative_fraction, its parameters (null when not calibrated)."
+    )
     library_versions: dict[str, str] = Field(description="Recorded at training.")
     installed_versions: dict[str, str | None]
     loaded_at: datetime

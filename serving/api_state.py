@@ -236,6 +236,12 @@ def explanation_lists(model: TrainedModel, frame: pd.DataFrame, top: int) -> lis
     ]
 
 
+def calibration_payload(model: TrainedModel) -> dict[str, Any]:
+    """What `/v1/model` says of the served risk: whether it is calibrated and the calibration's
+    provenance (method, slice, rows, failures, its parameters; `models.calibration`)."""
+    return {"calibrated": model.calibrated, "calibration": model.calibration_info()}
+
+
 def _json_value(v: Any) -> float | str | None:
     if v is None or isinstance(v, str):
         return v
@@ -420,6 +426,12 @@ class ServingState:
         self._rejected, self.model_error = None, None
         self.snapshot = replace(current, served=served, fleet=fleet if fleet is not None else current.fleet)
         log.info("model %s loaded (%s)", served.version, served.info["source"])
+        if not served.model.calibrated:
+            log.warning(
+                "model %s has no calibration (saved before models carried one): its risk is served uncalibrated; "
+                "retrain it to calibrate it",
+                served.version,
+            )
         self._on_reload("loaded")
 
     def _fleet(self, served: ServedModel | None, features: LatestFeatures | None) -> Fleet | None:

@@ -4,6 +4,15 @@ Tiers, weakest first: `none`, `watch` (recorded only), `avoid` (keep new large j
 node), `drain_after_job` (no new jobs; the running one finishes), `drain_now` (the strongest).
 How each publisher expresses a tier is in `serving/publishers/`.
 
+The risk is the calibrated probability that a GPU fails within the model's horizon
+(`models.calibration`), combined per node (`serving.score.node_risk`), so a threshold means
+what it says: a node at 0.5 fails about half the time. A tier is set either by thresholds
+alone, or as an **alarm budget** (`Tier.budget_per_day`): at most that many nodes may enter it
+per day (riskiest first, each still at or above `enter`, the least risk that may enter at
+all); a node over the budget enters the strongest weaker tier it reaches that has room, or
+stays where it is (`budget_held`). A budget below one a day is counted over as many days as
+make one node (0.5: one node per two days).
+
 Per node, on each call (`decide`):
 
 - **Hysteresis**: a node enters a tier when its risk reaches the tier's `enter` threshold and
@@ -44,7 +53,7 @@ TIERS = ("none", "watch", "avoid", "drain_after_job", "drain_now")
 ACTING_TIERS = frozenset({"avoid", "drain_after_job", "drain_now"})
 """Tiers that change what the scheduler does; raising a node into one uses the breaker's budget."""
 
-ACTIONS = ("raise", "lower", "keep", "breaker_held", "cooldown_held", "skip")
+ACTIONS = ("raise", "lower", "keep", "breaker_held", "cooldown_held", "budget_held", "skip")
 
 
 def tier_rank(tier: str) -> int:
@@ -59,6 +68,20 @@ class Tier:
     name: str
     enter: float
     exit: float
+    budget_per_day: float | None = None
+    """At most this many nodes enter the tier per day (None: no limit; see the module notes)."""
+
+    @property
+    def budget_window(self) -> timedelta:
+        """The window the budget is counted over: a day, or as many days as make one node."""
+        per_day = self.budget_per_day or 1.0
+        return timedelta(days=max(1, math.ceil(1.0 / per_day - 1e-9)))
+
+    @property
+    def budget_count(self) -> int:
+        """Entries allowed within `budget_window`."""
+        per_day = self.budget_per_day or 0.0
+        return math.floor(per_day * self.budget_window.days + 1e-9)
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,10 @@ class PolicyConfig:
             if not 0.0 <= t.exit <= t.enter <= 1.0:
                 raise InputError(
                     f"tiers.{t.name}: expected 0 <= exit <= enter <= 1, got enter {t.enter}, exit {t.exit}"
+                )
+            if t.budget_per_day is not None and not (math.isfinite(t.budget_per_day) and t.budget_per_day > 0):
+                raise InputError(
+                    f"tiers.{t.name}.budget_per_day: expected a positive number of nodes per day, got {t.budget_per_day}"
                 )
         ordered = sorted(self.tiers, key=lambda t: tier_rank(t.name))
         enters = [t.enter for t in ordered]
@@ -111,6 +138,9 @@ class PolicyConfig:
         for t in self.tiers:  # weakest first: a stronger tier overwrites
             out[np.asarray(risk) >= t.enter] = t.name
         return out
+
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.tiers if t.name == name), None)
 
     def exit_threshold(self, tier: str) -> float:
         for t in self.tiers:
@@ -154,6 +184,8 @@ class BreakerState:
 class PolicyState:
     nodes: Mapping[str, NodeState] = field(default_factory=dict)
     breaker: BreakerState = BreakerState()
+    entries: tuple[tuple[datetime, str, str], ...] = ()
+    """(time, tier, node key) of each raise into a tier with an alarm budget, within its window."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -174,6 +206,7 @@ class PolicyState:
                 "reason": self.breaker.reason,
                 "raised": [[_iso(t), key] for t, key in self.breaker.raised],
             },
+            "entries": [[_iso(t), tier, key] for t, tier, key in self.entries],
         }
 
     @classmethod
@@ -197,9 +230,13 @@ class PolicyState:
             breaker = BreakerState(
                 tripped_at=_time(b.get("tripped_at")), reason=str(b.get("reason", "")), raised=raised
             )
+            # Absent from states written before tiers could have a budget.
+            entries = tuple(
+                (_required_time(t), _known_tier(tier), str(key)) for t, tier, key in data.get("entries", [])
+            )
         except (KeyError, TypeError, ValueError, AttributeError, InputError) as exc:
             raise InputError(f"{where}: not a gpufail policy state ({type(exc).__name__}: {exc})") from None
-        return cls(nodes=nodes, breaker=breaker)
+        return cls(nodes=nodes, breaker=breaker, entries=entries)
 
 
 @dataclass(frozen=True)
@@ -254,17 +291,34 @@ def decide(
     limit = config.breaker_limit(fleet)
     window_start = now - config.breaker_window
     breaker = replace(state.breaker, raised=tuple(r for r in state.breaker.raised if r[0] > window_start))
+    entries = [e for e in state.entries if (t := config.tier(e[1])) is not None and e[0] > now - t.budget_window]
     new_nodes = dict(state.nodes)
     decisions = []
     for n in sorted(nodes, key=lambda n: (-n.risk, n.key)):
         previous = state.nodes.get(n.key, NodeState())
-        decision, after, breaker = _decide_node(n, previous, config, now, breaker, limit, fleet)
+        decision, after, breaker = _decide_node(n, previous, config, now, breaker, limit, fleet, entries)
         decisions.append(decision)
+        if decision.action == "raise" and (tier := config.tier(decision.tier)) and tier.budget_per_day:
+            entries.append((now, decision.tier, n.key))
         if after != NodeState():
             new_nodes[n.key] = after
         else:
             new_nodes.pop(n.key, None)
-    return decisions, PolicyState(nodes=new_nodes, breaker=breaker)
+    return decisions, PolicyState(nodes=new_nodes, breaker=breaker, entries=tuple(entries))
+
+
+def _within_budget(target: str, risk: float, config: PolicyConfig, entries: list[tuple[datetime, str, str]]) -> str:
+    """`target`, or the strongest weaker tier the risk reaches whose alarm budget has room
+    ('none' if none): the tiers with a budget admit at most `budget_count` nodes per window."""
+    if config.tier(target) is None:  # not a configured tier: it has no budget
+        return target
+    for tier in reversed(config.tiers):
+        # The target itself even below its enter threshold: another policy may have chosen it.
+        if tier_rank(tier.name) > tier_rank(target) or (tier.name != target and risk < tier.enter):
+            continue
+        if tier.budget_per_day is None or sum(e[1] == tier.name for e in entries) < tier.budget_count:
+            return tier.name
+    return "none"
 
 
 def _decide_node(
@@ -275,6 +329,7 @@ def _decide_node(
     breaker: BreakerState,
     limit: int,
     fleet: int,
+    entries: list[tuple[datetime, str, str]],
 ) -> tuple[Decision, NodeState, BreakerState]:
     current = previous.tier
 
@@ -293,8 +348,23 @@ def _decide_node(
 
     target = n.wanted or config.entered_tier(n.risk)
     if tier_rank(target) > tier_rank(current):
+        allowed = _within_budget(target, n.risk, config, entries)
+        if allowed != target:
+            tier = config.tier(target)
+            assert tier is not None and tier.budget_per_day is not None
+            full = (
+                f"{target}'s alarm budget of {tier.budget_per_day:g} nodes per day is used "
+                f"({tier.budget_count} within {tier.budget_window})"
+            )
+            if tier_rank(allowed) <= tier_rank(current):
+                reason = f"would raise to {target} ({n.why or f'{risk_text} >= enter threshold {tier.enter:.3f}'}), but {full}"
+                return decision("budget_held", current, reason), replace(previous, below_since=None), breaker
+            n_note = f"; {full}"
+            target = allowed
+        else:
+            n_note = ""
         enter = next((t.enter for t in config.tiers if t.name == target), 0.0)
-        why = n.why or f"{risk_text} >= {target} enter threshold {enter:.3f}"
+        why = (n.why or f"{risk_text} >= {target} enter threshold {enter:.3f}") + n_note
         cooling = previous.changed_at is not None and now - previous.changed_at < config.cooldown
         if cooling and target != config.strongest:
             reason = f"would raise to {target} ({why}), but the tier changed at {previous.changed_at:%Y-%m-%d %H:%M}Z, within the cooldown of {config.cooldown}"

@@ -1,8 +1,9 @@
 """Scoring: the risk of each GPU now, from its most recent row of the feature frame.
 
-The prediction schema (`PREDICTION_COLUMNS`) is owned here. `risk` is the model's probability
-that the GPU fails within the model's horizon, with class weighting divided out
-(`TrainedModel.predict_risk`); `node_risk` = 1 - prod(1 - risk) over the GPUs of the node, the
+The prediction schema (`PREDICTION_COLUMNS`) is owned here. `risk` is the model's calibrated
+probability that the GPU fails within the model's horizon (`TrainedModel.predict_risk`: class
+weighting and negative subsampling divided out, then the model's calibration; a model saved
+without a calibration serves its uncalibrated risk, and says so when it loads); `node_risk` = 1 - prod(1 - risk) over the GPUs of the node, the
 chance that at least one fails if they fail independently (they do not quite: a node's GPUs
 share power, cooling and a baseboard, so read it as a ranking of nodes more than a probability).
 
@@ -72,8 +73,9 @@ def _log_survival(risk: Any) -> np.ndarray:
 def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.DataFrame:
     """Score each GPU's most recent row of `frame` with `model`.
 
-    One row per GPU with `PREDICTION_COLUMNS`, sorted by rank (1 = highest risk; ties broken by
-    gpu_uuid so that the order is reproducible); with `top_features` > 0, also the column
+    One row per GPU with `PREDICTION_COLUMNS`, sorted by rank (1 = highest calibrated risk; ties
+    broken by the uncalibrated risk, then gpu_uuid, so that the order is the model's and
+    reproducible); with `top_features` > 0, also the column
     `top_features` (lists of that many feature names)."""
     if top_features < 0:
         raise InputError(f"top_features: expected 0 (none) or a positive number of features, got {top_features}")
@@ -81,7 +83,8 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     if len(latest) == 0:
         schema = PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD) if top_features else PREDICTION_SCHEMA
         return schema.empty_table().to_pandas()
-    risk = model.predict_risk(latest)
+    uncalibrated = model.predict_uncalibrated_risk(latest)
+    risk = model.calibrate(uncalibrated)
     if not np.all(np.isfinite(risk)):
         raise InputError(f"model {model.version} returned non-finite risks for {int((~np.isfinite(risk)).sum())} GPUs")
     out = pd.DataFrame(
@@ -92,11 +95,14 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
             "gpu_index": latest["gpu_index"].to_numpy(dtype=np.int32),
             "gpu_uuid": latest["gpu_uuid"].astype(str).to_numpy(),
             "risk": risk,
+            "_uncalibrated": uncalibrated,
         }
     )
     if top_features:
         out["top_features"] = _top_feature_names(model, latest, top_features)
-    out = out.sort_values(["risk", "gpu_uuid"], ascending=[False, True], ignore_index=True)
+    # GPUs a calibration puts at the same risk (a flat stretch of an isotonic map) keep the
+    # model's own order.
+    out = out.sort_values(["risk", "_uncalibrated", "gpu_uuid"], ascending=[False, False, True], ignore_index=True)
     out["rank"] = np.arange(1, len(out) + 1, dtype=np.int64)
     out["node_risk"] = node_risk(out["risk"], out["cluster"], out["node"])
     out["model_kind"] = model.kind

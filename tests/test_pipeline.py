@@ -30,11 +30,12 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
 
     assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
     assert "features:" in gpufail("features", "--data", str(data), "--quiet")
-    assert "trained lightgbm" in gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
+    trained = gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
+    assert "trained lightgbm" in trained and "calibrated (platt) on " in trained
     assert_train_reads_its_window_and_fits_what_all_history_gives(data, out / "model")
-    assert "precision@10" in gpufail(
-        "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6"
-    )
+    evaluated = gpufail("evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6")
+    assert "precision@10" in evaluated
+    assert "alarms per 1,000 GPUs per day (threshold chosen before the test)" in evaluated
     scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
     published = gpufail("publish", "--data", str(data), "--dry-run")
     summary = gpufail("summary", "--data", str(data), "--report", str(out / "report"))
@@ -57,6 +58,8 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     scores = metrics["scores"]
     assert scores["model"]["precision_at_k_pooled"] > scores["random"]["precision_at_k_pooled"]
     assert "simulated failures (ground truth)" in summary
+    assert "calibrated risk on the test period: ECE " in summary
+    assert f"{metrics['primary']} at {metrics['alarm_headline_budget']:g} alarms per 1,000 GPUs per day" in summary
 
 
 def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):

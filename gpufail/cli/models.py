@@ -41,7 +41,17 @@ def train(ctx: click.Context, data: str | None, model_out: str) -> None:
     path = save_model(model, model_out)
     click.echo(
         f"trained {model.kind} on {model.n_rows:,} rows ({model.n_positives:,} positive) "
-        f"from {model.train_start:%Y-%m-%d %H:%M} to {model.train_end:%Y-%m-%d %H:%M} -> {path}"
+        f"from {model.train_start:%Y-%m-%d %H:%M} to {model.train_end:%Y-%m-%d %H:%M}, "
+        f"{_calibration_text(model.calibration_info())} -> {path}"
+    )
+
+
+def _calibration_text(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return "not calibrated"
+    return (
+        f"calibrated ({info['method']}) on {info['slice_start'][:16]} .. {info['slice_end'][:16]} "
+        f"({info['n_rows']:,} rows, {info['n_positives']:,} positive)"
     )
 
 
@@ -91,7 +101,7 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     from ingest.store import Store
     from models.comparison import evaluate_walk_forward
     from models.report import write_walk_forward_report
-    from models.walk_forward import Contender, WalkForwardPlan
+    from models.walk_forward import Contender
 
     settings = settings_of(ctx)
     cfg = settings.evaluate
@@ -102,37 +112,65 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
     failures = (
         store.read("failures", columns=["ts", "gpu_uuid", "mode"]).to_pandas() if store.exists("failures") else None
     )
-    plan = WalkForwardPlan(
-        horizon=settings.labels.horizon,
-        test_days=cfg.test_days if test_days is None else test_days,
-        retrain_every=cfg.retrain_every,
-        train_window=cfg.train_window,
-        candidate_windows=tuple(cfg.candidate_windows),
-        validation_window=cfg.validation_window,
-        switch_margin=cfg.switch_margin,
-        negative_fraction=cfg.negative_fraction,
-        seed=cfg.seed,
-        jobs=cfg.jobs,
-        monotone_increasing=tuple(settings.model.monotone_increasing),
-    )
+    plan = settings.walk_forward_plan(test_days=test_days)
     contenders = [Contender(c.name, c.kind, c.mode, dict(c.params), c.train_window) for c in cfg.contenders]
-    metrics = evaluate_walk_forward(
-        frame,
-        contenders,
-        plan,
-        top_k=cfg.top_k,
-        failures=failures,
-        bootstrap_samples=cfg.bootstrap_samples,
-        progress=not quiet,
-    )
+    options: dict[str, Any] = {
+        "top_k": cfg.top_k,
+        "failures": failures,
+        "bootstrap_samples": cfg.bootstrap_samples,
+        "progress": not quiet,
+        "alarm_rules": settings.alarm_rules(),
+        "budgets": tuple(cfg.alarm_budgets),
+    }
+    if cfg.seeds:
+        from models.comparison import evaluate_seeds
+
+        metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
+    else:
+        metrics = evaluate_walk_forward(frame, contenders, plan, **options)
     report, _ = write_walk_forward_report(metrics, report_dir)
     scores, claims = metrics["scores"], metrics["claims"]
     click.echo(
         f"precision@{metrics['top_k']} (daily mean): best {claims['best']} "
         f"{claims['best_precision']:.3f}, random {scores['random']['by_k'][metrics['top_k']]['precision_daily_mean']:.3f}, "
         + (f"rule {claims['rule_precision']:.3f}, " if "rule_precision" in claims else "")
-        + f"oracle {claims['oracle_precision']:.3f} -> {report}"
+        + f"oracle {claims['oracle_precision']:.3f}; "
+        + _alarm_lines(metrics)[0]
+        + f" -> {report}"
     )
+
+
+def _alarm_lines(metrics: dict[str, Any]) -> list[str]:
+    """What `gpufail evaluate` and `gpufail summary` say of the primary contender's alarms at
+    the headline budget, and of its calibrated risk."""
+    budget = metrics["alarm_headline_budget"]
+    name = metrics["primary"]
+    point = metrics["alarms"]["by_budget"][f"{budget:g}"][name]
+    calibration = metrics["calibration"][name]
+    high = calibration["high_risk"]
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    lead = point["lead_time_h_median"]
+    lines = [
+        f"{name} at {budget:g} alarms per 1,000 GPUs per day (threshold chosen before the test): "
+        f"{point['n_alarms']} alarms ({point['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), precision "
+        f"{pct(point['precision'])} within the horizon, {pct(point['precision_long'])} within "
+        f"{metrics['alarms']['rules']['long_horizon_h']:g} h, recall {pct(point['recall'])} "
+        f"({point['n_caught']} of {point['n_failures']} failures)"
+        + ("" if lead is None else f", median lead {lead:.1f} h"),
+        f"calibrated risk on the test period: ECE {calibration['ece']:.4f}, Brier {calibration['brier']:.5f}; "
+        f"rows at risk >= {high['level']:g}: {high['n_rows']}"
+        + (
+            ""
+            if high["mean_risk"] is None
+            else f", predicted {high['mean_risk']:.2f}, observed {high['observed_rate']:.2f} ({high['verdict']})"
+        ),
+    ]
+    verdicts = metrics["claims"].get("ensemble_at_equal_volume", {})
+    lines += [f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in verdicts.items()]
+    return lines
 
 
 @click.command()
@@ -176,9 +214,14 @@ def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     scores = metrics["scores"]
     model = scores["model"]
     others = ", ".join(f"{name} {s['precision_at_k_pooled']:.3f}" for name, s in scores.items() if name != "model")
-    return [
+    lines = [
         f"held-out test period: {metrics['test']['start']} to {metrics['test']['end']} ({metrics['test']['n_gpus']} GPUs)",
-        f"precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
+    ]
+    if "alarms" in metrics:  # reports written before alarms were scored have none
+        lines += _alarm_lines(metrics)
+    return [
+        *lines,
+        f"ranking, precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
         f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
     ]

@@ -48,6 +48,19 @@ def test_config_path_can_come_from_the_environment(tmp_path):
         ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
         ("[model]\nmax_negatives_per_positive = 0\n", r"\[model\] max_negatives_per_positive.*greater than 0, got 0"),
         ('[model]\nkind = "magic"\n', r"\[model\] kind.*'lightgbm', 'xgboost', .*'parallel' or 'cascade'"),
+        ('[model]\ncalibration = "beta"\n', r"\[model\] calibration.*'platt' or 'isotonic', got 'beta'"),
+        ('[model]\ncalibration_window = "0s"\n', r"\[model\] calibration_window: expected a duration above zero"),
+        ("[evaluate]\nalarm_budgets = []\n", r"\[evaluate\] alarm_budgets.*at least 1 item"),
+        ("[evaluate]\nalarm_budgets = [1, 0]\n", r"\[evaluate\] alarm_budgets.1.*greater than 0, got 0"),
+        ('[evaluate]\nalarm_lookback = "0h"\n', r"\[evaluate\] alarm_lookback: expected a duration above zero"),
+        ('[evaluate]\nlong_horizon = "soon"\n', r"\[evaluate\] long_horizon: expected a duration"),
+        ("[evaluate]\nalarm_quiet_period = 24\n", r"\[evaluate\] alarm_quiet_period: expected a duration with a unit"),
+        ("[evaluate]\nseeds = [1, 2, 1]\n", r"\[evaluate\] seeds: .*expected each seed once, got \[1\]"),
+        ("[evaluate]\nseeds = [-1]\n", r"\[evaluate\] seeds.0.*greater than or equal to 0"),
+        (
+            "[publish.tiers.avoid]\nenter = 0.1\nexit = 0.05\nbudget_per_day = 0\n",
+            r"\[publish\] tiers.avoid.budget_per_day.*greater than 0, got 0",
+        ),
         ("[labels\n", "not valid TOML"),
     ],
 )
@@ -138,3 +151,29 @@ def test_a_file_name_with_braces_is_named_as_it_is(tmp_path):
         load_settings(tmp_path / "{x}.toml", environ={})
     with pytest.raises(ConfigError, match=r"\{x\}.toml \(GPUFAIL_CONFIG\): not found$"):
         load_settings(environ={"GPUFAIL_CONFIG": str(tmp_path / "{x}.toml")})
+
+
+def test_calibration_alarm_and_budget_settings_reach_the_options_the_commands_take(tmp_path):
+    path = tmp_path / "gpufail.toml"
+    path.write_text(
+        '[model]\ncalibration = "isotonic"\ncalibration_window = "3d"\n'
+        '[evaluate]\nalarm_quiet_period = "0s"\nalarm_lookback = "2d"\nlong_horizon = "48h"\ntest_days = 10\n'
+        "[publish.tiers.avoid]\nenter = 0.25\nexit = 0.15\nbudget_per_day = 2\n"
+    )
+    settings = load_settings(path, environ={})
+    train = settings.train_options()
+    assert (train.calibration, train.calibration_window) == ("isotonic", timedelta(days=3))
+    assert settings.nightly_options(str(tmp_path)).train.calibration == "isotonic"
+    plan = settings.walk_forward_plan()
+    assert (plan.calibration, plan.calibration_window, plan.test_days) == ("isotonic", timedelta(days=3), 10)
+    assert settings.walk_forward_plan(test_days=4).test_days == 4
+    rules = settings.alarm_rules()
+    assert rules.quiet_period is None  # "0s": only falling back below the threshold re-arms
+    assert (rules.horizon, rules.lookback, rules.long_horizon) == (
+        timedelta(hours=24),
+        timedelta(days=2),
+        timedelta(hours=48),
+    )
+    tiers = {t.name: t for t in settings.publish.policy_config().tiers}
+    assert tiers["avoid"].budget_per_day == 2 and tiers["watch"].budget_per_day is None
+    assert settings.publish_options().policy.tiers == settings.publish.policy_config().tiers

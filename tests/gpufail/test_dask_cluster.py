@@ -69,7 +69,9 @@ def test_features_and_train_run_on_the_configured_cluster(tmp_path):
             "GPUFAIL_DASK__SCHEDULER": client.scheduler.address,
             "GPUFAIL_FEATURES__WINDOWS": '["1h", "6h", "24h"]',
             "GPUFAIL_MODEL__MONOTONE_INCREASING": "[]",
-            "GPUFAIL_MODEL__TRAIN_WINDOW": "2d",
+            "GPUFAIL_MODEL__TRAIN_WINDOW": "1d",
+            # The model is calibrated on the half day after its window (three days of data).
+            "GPUFAIL_MODEL__CALIBRATION_WINDOW": "12h",
         }
         result = run("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
         assert result.exit_code == 0, result.output
@@ -79,3 +81,4 @@ def test_features_and_train_run_on_the_configured_cluster(tmp_path):
         assert result.exit_code == 0, result.output
     meta = json.loads(Path(tmp_path / "model" / "metadata.json").read_text())
     assert meta["kind"] == "lightgbm" and meta["n_positives"] > 0
+    assert meta["calibrated"] and meta["calibration"]["n_positives"] > 0

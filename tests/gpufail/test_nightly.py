@@ -10,6 +10,7 @@ import itertools
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -129,7 +130,10 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     monkeypatch.setattr(models.gate, "holdout_metrics", counted)
     name = f"nightly-{next(_names)}"
     data = tmp_path / "data"
-    opts = options(tmp_path, url, name)
+    plain = options(tmp_path, url, name)
+    opts = options(
+        tmp_path, url, name, train=replace(plain.train, calibration="platt", calibration_window=timedelta(days=1))
+    )
     start = first_day(fleet)
     days = [start + timedelta(days=d) for d in (FLEET_DAYS - 3, FLEET_DAYS - 2, FLEET_DAYS - 1)]
     summaries = []
@@ -166,6 +170,14 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     promoted = [g["version"] for g in gates if g["promote"]]
     champion = load_champion(url, name)
     assert champion.version == promoted[-1]
+    # The champion carries the calibration it was fitted with, on the day after its training
+    # window and before the held-out window.
+    train = next(s.results["train"] for s in summaries if s.results["train"]["model_version"] == champion.model.version)
+    assert champion.model.calibrated
+    info = champion.model.calibration_info()
+    assert info["slice_end"] == train["calibration_end"] and info["slice_start"] == train["calibration_start"]
+    assert datetime.fromisoformat(train["window_end"]) < datetime.fromisoformat(train["calibration_start"])
+    assert datetime.fromisoformat(train["calibration_end"]) < datetime.fromisoformat(train["holdout_start"])
 
     # Each night scored the fleet's latest grid time with that night's champion.
     store = Store.open(str(data))

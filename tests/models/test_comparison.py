@@ -4,10 +4,13 @@ checked against the figures."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
+from ingest.errors import InputError
 from models.comparison import claims, evaluate_walk_forward
 from models.walk_forward import Contender
+from tests.models import PRECURSOR
 from tests.models.walk_forward_cases import FAST, PLAN, small_frame
 
 
@@ -50,3 +53,97 @@ def test_claims_compare_the_retrained_ensemble_with_the_best_static_single_model
     assert e["static_of_oracle_halves"] == pytest.approx([0.4, 0.5])
     # Without a retrained ensemble there is no such claim.
     assert "sliding_ensemble" not in claims(scores, contenders[:1], "10", samples=50)
+
+
+ALARM_CONTENDERS = [
+    Contender("lgb sliding", "lightgbm", "sliding", FAST),
+    Contender("lr sliding", "logistic", "sliding"),
+    Contender(
+        "par sliding",
+        "parallel",
+        "sliding",
+        {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": FAST}, "top_k": 3},
+    ),
+]
+BUDGETS = (60.0, 200.0)
+
+
+def alarm_run(frame):
+    return evaluate_walk_forward(frame, ALARM_CONTENDERS, PLAN, top_k=["5"], bootstrap_samples=50, budgets=BUDGETS)
+
+
+def test_operating_points_are_chosen_without_the_test_period():
+    frame = small_frame()
+    before = alarm_run(frame)
+    # The same data with every failure of the test period erased and its precursor turned
+    # around: the test's labels and scores change, nothing before it does.
+    test_start = pd.Timestamp(before["test"]["start"])
+    later = (frame["ts"] >= test_start).to_numpy()
+    in_test = later & frame["label"].eq(1).fillna(False).to_numpy(dtype=bool)
+    erased = frame.assign(
+        label=frame["label"].mask(in_test, 0),
+        time_to_failure_h=frame["time_to_failure_h"].mask(in_test),
+        **{PRECURSOR: frame[PRECURSOR].mask(later, -frame[PRECURSOR])},
+    )
+    after = alarm_run(erased)
+    for budget in ("60", "200"):
+        for name, point in before["alarms"]["by_budget"][budget].items():
+            again = after["alarms"]["by_budget"][budget][name]
+            assert (point["threshold"], point["validation_rate"]) == (again["threshold"], again["validation_rate"])
+    assert before["alarms"]["natural"]["par sliding"]["validation_rate"] == pytest.approx(
+        after["alarms"]["natural"]["par sliding"]["validation_rate"]
+    )
+    # ... while what they are judged on did change.
+    assert after["alarms"]["by_budget"]["60"]["lgb sliding"]["n_failures"] == 0
+    assert before["alarms"]["by_budget"]["60"]["lgb sliding"]["n_failures"] > 0
+
+
+def test_alarms_calibration_and_the_ensemble_at_equal_volume_are_reported():
+    metrics = alarm_run(small_frame())
+    alarms = metrics["alarms"]
+    assert alarms["budgets"] == list(BUDGETS) and metrics["alarm_headline_budget"] == 60.0
+    assert pd.Timestamp(alarms["validation"]["end"]) < pd.Timestamp(metrics["test"]["start"])
+    for budget in ("60", "200"):
+        for name in ("lgb sliding", "lr sliding", "par sliding", "heuristic", "random"):
+            point = alarms["by_budget"][budget][name]
+            assert point["validation_rate"] <= float(budget)
+            assert set(point["alarmed_before_h"]) == {"1", "6", "24", "72"}
+    model = alarms["by_budget"]["200"]["lgb sliding"]
+    assert model["precision"] > alarms["by_budget"]["200"]["random"]["precision"]
+    # The parallel ensemble at its own volume, and each single model cut to it on validation.
+    equal = alarms["equal_volume"]["par sliding"]
+    assert equal["volume"] == alarms["natural"]["par sliding"]["validation_rate"] > 0
+    assert set(equal["singles"]) == {"lgb sliding", "lr sliding"}
+    for single in equal["singles"].values():
+        assert single["validation_rate"] <= equal["volume"]
+        low, high = single["precision_difference_ci"]
+        assert low <= single["precision_difference"] <= high
+    assert metrics["claims"]["ensemble_at_equal_volume"]["par sliding"] in ("holds", "reversed", "not shown")
+    # Its ranking picks only flagged GPUs: never more than K = 5 per grid time, often fewer; so it
+    # is no candidate for the best at K.
+    assert metrics["scores"]["par sliding"]["by_k"]["5"]["picks_mean"] < 5
+    assert metrics["scores"]["lgb sliding"]["by_k"]["5"]["picks_mean"] == 5
+    assert metrics["claims"]["best"] in ("lgb sliding", "lr sliding")
+    assert metrics["scores"]["par sliding"]["by_k"]["5"]["precision_gpu_day_mean"] is not None
+    # Calibration on the test period, with the uncalibrated risk beside it.
+    figures = metrics["calibration"]["lgb sliding"]
+    assert 0 <= figures["ece"] < 0.1 and figures["brier"] > 0
+    assert figures["high_risk"]["verdict"] in ("within", "outside", "too few rows", "no rows")
+    assert sum(b["n_rows"] for b in figures["bins"]) == metrics["test"]["n_rows"]
+    assert "ece" in figures["uncalibrated"]
+
+
+def test_evaluate_seeds_reports_mean_and_range_over_seeds():
+    from models.comparison import evaluate_seeds
+
+    contenders = ALARM_CONTENDERS[:2]
+    out = evaluate_seeds(small_frame(), contenders, PLAN, [0, 1], top_k=["5"], bootstrap_samples=20, budgets=BUDGETS)
+    assert out["seeds"]["seeds"] == [0, 1] and set(out["seeds"]["per_seed"]) == {"0", "1"}
+    for name in ("lgb sliding", "lr sliding"):
+        auc = out["seeds"]["summary"][name]["roc_auc"]
+        values = [out["seeds"]["per_seed"][s][name]["roc_auc"] for s in ("0", "1")]
+        assert auc["min"] == min(values) and auc["max"] == max(values)
+        assert auc["mean"] == pytest.approx(sum(values) / 2) and auc["n_seeds"] == 2
+    assert out["plan"]["seed"] == 0  # the first seed's figures in full
+    with pytest.raises(InputError, match="distinct seeds"):
+        evaluate_seeds(small_frame(), contenders, PLAN, [1, 1])

@@ -15,6 +15,7 @@ from models.ensemble import (
     combine_probabilities,
     combine_rankings,
     group_ranks,
+    intersection_flags,
 )
 
 
@@ -64,6 +65,29 @@ def test_top_k_intersection_puts_gpus_in_every_top_k_first_then_mean_rank():
     assert np.argsort(combine_rankings(ranks, "top_k_intersection", top_k=2)).tolist() == [1, 0]  # 0 misses m3
     with pytest.raises(ValueError, match="combine"):
         combine_rankings(ranks, "majority", top_k=2)
+
+
+def test_the_intersection_flags_only_gpus_in_every_members_top_k_by_hand():
+    # Two scoring times. At t0 (six GPUs), top 2 of m1 {0, 1}, m2 {1, 3}, m3 {1, 0}: only GPU 1
+    # is in all three, so one GPU is flagged, not K = 2: nothing fills the second place.
+    # At t1 (four GPUs), m1 {0, 1}, m2 {0, 1}, m3 {1, 0}: GPUs 0 and 1 both.
+    m1 = [0.9, 0.8, 0.1, 0.2, 0.0, 0.3, 0.7, 0.6, 0.1, 0.2]
+    m2 = [0.2, 0.9, 0.1, 0.8, 0.3, 0.0, 0.9, 0.5, 0.4, 0.1]
+    m3 = [0.7, 0.9, 0.5, 0.1, 0.2, 0.3, 0.6, 0.8, 0.1, 0.0]
+    time = np.array([0] * 6 + [1] * 4)
+    flags = intersection_flags(np.array([m1, m2, m3]), time, top_k=2)
+    assert np.flatnonzero(flags).tolist() == [1, 6, 7]
+    # Top 1: at t0 no GPU is first for every member; at t1 none either (m3 puts GPU 7 first).
+    assert not intersection_flags(np.array([m1, m2, m3]), time, top_k=1).any()
+    # Ties: three GPUs tied at the top of m1 share rank 2, outside a top 1 and inside a top 2.
+    tied = np.array([[0.5, 0.5, 0.5, 0.1], [0.9, 0.8, 0.1, 0.2]])
+    assert intersection_flags(tied, None, top_k=1).tolist() == [False] * 4
+    assert intersection_flags(tied, None, top_k=2).tolist() == [True, True, False, False]
+    # The fitted ensemble flags the same rows, whatever it orders its probabilities by.
+    X = hand_made(ts=time.tolist(), a=m1, b=m2, c=m3)
+    for combine in ("top_k_intersection", "rank_average"):
+        model = fixed_parallel(combine, top_k=2).fit(X, np.array([0, 1] * 5))
+        np.testing.assert_array_equal(model.flags(X), flags)
 
 
 def test_probabilities_are_handed_out_in_ranking_order_within_each_time():
@@ -174,40 +198,62 @@ def cascade(**kwargs) -> CascadeEnsemble:
     )
 
 
+def out_of_fold(X: pd.DataFrame, y: np.ndarray, gap: pd.Timedelta, folds: int = 3) -> np.ndarray:
+    """The first stage's out-of-fold probabilities, by hand: blocks of whole scoring times,
+    each scored by a logistic regression fit on the rows more than `gap` away from it."""
+    times = np.sort(X["ts"].unique())
+    block_of_time = {t: min(i * folds // len(times), folds - 1) for i, t in enumerate(times)}
+    block = X["ts"].map(block_of_time).to_numpy()
+    out = np.full(len(y), np.nan)
+    for f in range(folds):
+        inside = X["ts"][block == f]
+        far = ((X["ts"] < inside.min() - gap) | (X["ts"] > inside.max() + gap)).to_numpy()
+        model = LogisticRegression().fit(X.loc[far, ["signal", "noise"]], y[far])
+        out[block == f] = model.predict_proba(X.loc[block == f, ["signal", "noise"]])[:, 1]
+    return out
+
+
 @pytest.mark.parametrize("target", [0.8, 0.95, 1.0])
-def test_cascade_threshold_reaches_the_target_recall_on_the_validation_slice(target, caplog):
+def test_cascade_threshold_reaches_the_target_recall_out_of_fold(target, caplog):
     X, y = planted()
     with caplog.at_level(logging.INFO, logger="models.ensemble"):
         model = cascade(target_recall=target).fit(X, y)
     assert f"target {100 * target:.1f}%" in caplog.text and "threshold" in caplog.text
-    # The validation slice: the last quarter of the scoring times (15 of 60).
-    times = np.sort(X["ts"].unique())
-    validation = (X["ts"] >= times[45]).to_numpy()
-    p1 = model.first_.predict_proba(X.loc[validation, ["signal", "noise"]])[:, 1]
+    p1 = out_of_fold(X, y, pd.Timedelta(0))
     kept = p1 >= model.threshold_
-    recall = kept[y[validation] == 1].mean()
+    recall = kept[y == 1].mean()
     assert recall >= target and recall == pytest.approx(model.validation_recall_)
     assert model.kept_fraction_ == pytest.approx(kept.mean())
     # The smallest such set: one notch higher and the recall falls below the target.
-    above = np.sort(np.unique(p1[y[validation] == 1]))
+    above = np.sort(np.unique(p1[y == 1]))
     higher = above[above > model.threshold_]
     if len(higher):
-        assert (p1[y[validation] == 1] >= higher[0]).mean() < target
+        assert (p1[y == 1] >= higher[0]).mean() < target
     if target < 1.0:
         assert model.kept_fraction_ < 0.5  # it does prune
 
 
-def test_cascade_learns_its_first_stage_before_the_gap_and_the_validation_slice():
+def test_cascade_second_stage_learns_from_scores_the_first_stage_did_not_train_on():
     X, y = planted()
     gap = pd.Timedelta(hours=5)
     model = cascade(validation_gap=gap).fit(X, y)
-    times = np.sort(X["ts"].unique())
-    earlier = (X["ts"] < times[45] - gap).to_numpy()
-    reference = LogisticRegression().fit(X.loc[earlier, ["signal", "noise"]], y[earlier])
-    np.testing.assert_allclose(model.first_.coef_, reference.coef_)
-    # The second stage learns only on what the first keeps.
-    kept = model.first_.predict_proba(X[["signal", "noise"]])[:, 1] >= model.threshold_
+    # Each block is scored by a first stage that never saw it, nor the rows within the gap.
+    masks = model.fold_masks(X["ts"].to_numpy(), len(y))
+    assert np.array_equal(np.sum([scored for _, scored in masks], axis=0), np.ones(len(y)))
+    for train, scored in masks:
+        inside = X["ts"][scored]
+        assert not (train & (X["ts"] >= inside.min() - gap) & (X["ts"] <= inside.max() + gap)).to_numpy().any()
+    # The second stage learns on the rows kept out of fold, not on what the refit first stage keeps.
+    kept = out_of_fold(X, y, gap) >= model.threshold_
     assert model.n_second_rows_ == int(kept.sum()) < len(X)
+    reference = DecisionTreeClassifier(max_depth=4, random_state=0).fit(X.loc[kept, ["signal", "noise"]], y[kept])
+    np.testing.assert_array_equal(
+        model.second_.predict_proba(X[["signal", "noise"]]), reference.predict_proba(X[["signal", "noise"]])
+    )
+    in_sample = model.first_.predict_proba(X[["signal", "noise"]])[:, 1] >= model.threshold_
+    assert not np.array_equal(in_sample, kept)  # the in-sample set is another (biased) one
+    # The stage that serves is fit on every row.
+    np.testing.assert_allclose(model.first_.coef_, LogisticRegression().fit(X[["signal", "noise"]], y).coef_)
 
 
 def test_cascade_ranks_every_kept_gpu_above_every_dropped_one():
@@ -223,15 +269,17 @@ def test_cascade_ranks_every_kept_gpu_above_every_dropped_one():
     assert np.all(np.diff(p[kept][order]) >= 0)
 
 
-def test_cascade_refuses_a_validation_slice_without_failures():
+def test_cascade_refuses_folds_without_failures_and_bad_settings():
     X, y = planted()
     y = y.copy()
-    y[(X["ts"] >= np.sort(X["ts"].unique())[45]).to_numpy()] = 0
-    with pytest.raises(ValueError, match="validation slice .* only one class"):
+    y[(X["ts"] < np.sort(X["ts"].unique())[40]).to_numpy()] = 0  # failures only in the last block
+    with pytest.raises(ValueError, match="fold 3 of 3 .* only one class"):
         cascade().fit(X, y)
     with pytest.raises(ValueError, match="target_recall"):
         cascade(target_recall=1.5).fit(X, y)
-    with pytest.raises(ValueError, match="two scoring times"):
+    with pytest.raises(ValueError, match="folds"):
+        cascade(folds=1).fit(X, y)
+    with pytest.raises(ValueError, match="3 blocks of scoring times, got 1"):
         cascade().fit(X.assign(ts=X["ts"].iloc[0]), y)
 
 

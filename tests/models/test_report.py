@@ -16,7 +16,7 @@ from tests.models import ONE_THREAD, make_synthetic_frame
 
 PLAN = WalkForwardPlan(
     horizon="12h", test_days=3, train_window="4d", candidate_windows=("2d", "4d"), validation_window="1d",
-    negative_fraction=0.3, seed=5,
+    negative_fraction=0.3, seed=5, calibration_window="1d",
 )  # fmt: skip
 CONTENDERS = [
     Contender("lgb static", "lightgbm", "static", {"n_estimators": 20, **ONE_THREAD}),
@@ -24,6 +24,8 @@ CONTENDERS = [
     Contender("lr auto", "logistic", "auto"),
 ]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BUDGETS = (50.0, 200.0)
+"""Alarms per 1,000 GPUs per day: a 100-GPU fleet's one-day validation slice holds few alarms."""
 
 
 def fleet_frame() -> pd.DataFrame:
@@ -37,11 +39,15 @@ def fleet_frame() -> pd.DataFrame:
 
 @cache
 def metrics() -> dict:
-    return evaluate_walk_forward(fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100)
+    return evaluate_walk_forward(
+        fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100, budgets=BUDGETS
+    )
 
 
 def test_same_data_and_seed_give_a_byte_identical_metrics_json_apart_from_the_timestamp(tmp_path):
-    again = evaluate_walk_forward(fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100)
+    again = evaluate_walk_forward(
+        fleet_frame(), CONTENDERS, PLAN, top_k=["5", "expected"], bootstrap_samples=100, budgets=BUDGETS
+    )
     first, _ = write_walk_forward_report(metrics(), tmp_path / "a", generated_at=datetime(2026, 1, 1, tzinfo=UTC))
     second, _ = write_walk_forward_report(again, tmp_path / "b", generated_at=datetime(2026, 2, 2, tzinfo=UTC))
     a, b = first.read_text().splitlines(), second.read_text().splitlines()
@@ -73,7 +79,18 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
         assert row in text
     best = metrics()["claims"]["best"]
     assert f"Best configuration: **{best}**" in text
-    assert "## Comparison at K = expected" in text
+    assert "## Ranking at K = expected" in text
+    # The decision sections: alarms per budget (thresholds from before the test), lead time per
+    # mode, calibration with the primary's reliability table.
+    assert "## Alarms at operating points chosen before the test period" in text
+    for budget in ("50", "200"):
+        assert f"### Budget {budget} alarms per 1,000 GPUs per day" in text
+    point = metrics()["alarms"]["by_budget"]["200"]["lr auto"]
+    assert f"| lr auto | {point['threshold']:.3g} | " in text
+    assert "### At their own volume" in text and "| rule | own flags |" in text
+    assert "## Lead time per failure mode (lr auto, 200 alarms per 1,000 GPUs per day)" in text
+    assert "## Calibration on the test period" in text and "Reliability of lr auto" in text
+    assert "## The paper's parallel ensemble at equal alarm volume" not in text  # no parallel contender
     assert "## Failure modes (K = 5)" in text
     auto_fits = [f for f in metrics()["fits"] if f["contender"] == "lr auto"]
     assert len(auto_fits) == 3

@@ -69,6 +69,19 @@ def test_the_model_from_the_store_is_the_model_from_all_rows(store, as_of):
     np.testing.assert_array_equal(ours.predict_risk(probe), theirs.predict_risk(probe))
 
 
+@pytest.mark.parametrize("as_of", [None, "2026-01-09T00:00Z"])
+def test_the_calibrated_model_from_the_store_is_the_calibrated_model_from_all_rows(store, as_of):
+    everything = read_features(store)
+    options = TrainOptions(
+        kind="lightgbm", as_of=as_of, negative_fraction=0.2, calibration="platt", calibration_window="2d", **SETTINGS
+    )
+    ours, theirs = train_model_from_store(store, options), train_model(everything, options)
+    assert ours.calibration_info() == theirs.calibration_info()
+    assert ours.calibration_info()["negative_fraction"] == 0.2 and ours.version == theirs.version
+    probe = everything.tail(500)
+    np.testing.assert_array_equal(ours.predict_risk(probe), theirs.predict_risk(probe))
+
+
 def test_the_negative_cap_gives_the_model_from_all_rows(store):
     everything = read_features(store)
     capped = dict(negative_fraction=0.5, max_negatives_per_positive=4, **SETTINGS)

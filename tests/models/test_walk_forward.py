@@ -31,8 +31,13 @@ def test_no_fit_trains_on_a_row_whose_label_window_reaches_its_test_period():
     trained = [f for f in result.fits if f.status == "trained"]
     assert len(trained) == 1 + 3 + 3  # static once, sliding and auto at each of the 3 days
     for fit in trained:
-        # A training row at ts has its label window (ts, ts + horizon]; the model scores from retrain_at.
-        assert fit.train_end + horizon < fit.retrain_at
+        # A training row at ts has its label window (ts, ts + horizon]; the model scores from
+        # retrain_at, after its calibration slice [retrain_at - horizon - 1d, retrain_at - horizon),
+        # which no training label reaches.
+        slice_start, slice_end = (pd.Timestamp(fit.calibration[k]) for k in ("slice_start", "slice_end"))
+        assert slice_end == fit.retrain_at - horizon and slice_end - slice_start == pd.Timedelta(days=1)
+        assert fit.train_end + horizon < slice_start
+        assert fit.calibration["n_positives"] > 0 and fit.calibration["method"] == "platt"
     ts = result.test["ts"]
     for name in ("lgb sliding", "lgb auto"):
         assert not np.isnan(result.scores[name]).any()
@@ -48,7 +53,8 @@ def test_the_sliding_window_moves_with_the_retraining_time():
     for f in fits:
         assert f.train_window == "4d"
         assert f.train_end - f.train_start <= pd.Timedelta(days=4)
-        assert f.train_start >= f.retrain_at - pd.Timedelta(hours=12) - pd.Timedelta(days=4)
+        # The window ends a horizon before the calibration slice, which ends a horizon before retrain_at.
+        assert f.train_start >= f.retrain_at - pd.Timedelta(hours=24) - pd.Timedelta(days=1 + 4)
 
 
 def test_the_test_period_ends_at_the_last_settled_label_and_spans_test_days():
@@ -61,11 +67,11 @@ def test_the_test_period_ends_at_the_last_settled_label_and_spans_test_days():
 
 
 def drifting_frame(seed: int = 0) -> pd.DataFrame:
-    """The precursor that announces failures switches from one column to another on day 8:
+    """The precursor that announces failures switches from one column to another on day 6:
     a long window mixes the old pattern in, a short one has only the new."""
     frame = make_synthetic_frame(n_gpus=160, n_hours=24 * 14, horizon_h=12, fail_fraction=0.5, seed=seed, signal=4.0)
     rng = np.random.default_rng(seed + 100)
-    switch = START + pd.Timedelta(days=8)
+    switch = START + pd.Timedelta(days=6)
     late = (frame["ts"] >= switch).to_numpy()
     signal = frame["pcie_replay_rate_6h"].to_numpy().copy()
     # After the switch the old column is noise and the new one carries the ramp; before, the reverse.
@@ -84,12 +90,14 @@ def test_auto_picks_the_window_that_is_best_on_validation_after_a_drift():
         validation_window="1d",
         negative_fraction=0.5,
         top_k="5",
+        calibration_window="1d",
     )
     result = run_walk_forward(frame, [Contender("auto", "logistic", "auto")], plan)
     fits = result.fits
     assert len(fits) == 2
     for fit in fits:
-        # After the switch the 2-day window holds only the new pattern; the 8-day one mostly the old.
+        # The models are trained as of 1.5 days before they score (calibration slice and horizon):
+        # the 2-day window then holds mostly the new pattern, the 8-day one mostly the old.
         assert fit.validation is not None
         assert fit.validation["2d"] > fit.validation["8d"]
         assert fit.train_window == "2d"
@@ -215,7 +223,7 @@ def tiny_frame() -> pd.DataFrame:
     return make_synthetic_frame(n_gpus=60, n_hours=24 * 9, horizon_h=12, fail_fraction=0.5, seed=3)
 
 
-TINY = WalkForwardPlan(horizon="12h", test_days=2, train_window="3d", negative_fraction=1.0)
+TINY = WalkForwardPlan(horizon="12h", test_days=2, train_window="3d", negative_fraction=1.0, calibration_window="1d")
 
 
 @pytest.mark.parametrize("combine", ["top_k_intersection", "rank_average"])
@@ -234,15 +242,32 @@ def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(com
     assert result.n_fits == 2 * 2 and result.n_fits_unshared == 4 * 2
     ts = result.test["ts"]
     for r in result.retrain_times:
+        # What `gpufail train` makes as of r: calibrated on the day before r - horizon.
         options = TrainOptions(
-            kind="parallel", train_window="3d", horizon="12h", as_of=r, params=ensemble, negative_fraction=1.0
+            kind="parallel",
+            train_window="3d",
+            horizon="12h",
+            as_of=r,
+            params=ensemble,
+            negative_fraction=1.0,
+            calibration="platt",
+            calibration_window="1d",
         )
         fitted = train_model(tiny_frame(), options)
         day = ((ts >= r) & (ts < r + pd.Timedelta(days=1))).to_numpy()
-        expected = fitted.predict_risk(result.test.loc[day])
-        np.testing.assert_array_equal(result.scores["par"][day], expected)
+        rows = result.test.loc[day]
+        np.testing.assert_array_equal(result.scores["par"][day], fitted.predict_uncalibrated_risk(rows))
+        np.testing.assert_allclose(result.calibrated["par"][day], fitted.predict_risk(rows), rtol=1e-9)
+        np.testing.assert_array_equal(result.flags["par"][day], fitted.estimator.flags(fitted.design_matrix(rows)))
         fit = next(f for f in result.fits if f.contender == "par" and f.retrain_at == r)
         assert (fit.status, fit.train_end, fit.n_rows) == ("trained", fitted.train_end, fitted.n_rows)
+        assert fit.calibration == fitted.calibration_info()
+    # The operating points' validation rows: the first model's calibration slice, before the test.
+    first = result.retrain_times[0]
+    assert result.validation["ts"].min() == first - pd.Timedelta("12h") - pd.Timedelta(days=1)
+    assert result.validation["ts"].max() < first - pd.Timedelta("12h")
+    assert len(result.validation_calibrated["par"]) == len(result.validation) == len(result.validation_flags["par"])
+    assert set(result.flags) == set(result.validation_flags) == {"par"}
 
 
 def test_a_static_contender_shares_its_fit_with_the_first_sliding_one():

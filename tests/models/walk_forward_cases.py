@@ -18,6 +18,7 @@ PLAN = WalkForwardPlan(
     candidate_windows=("2d", "6d"),
     validation_window="1d",
     negative_fraction=0.3,
+    calibration_window="1d",
 )
 
 

@@ -72,6 +72,8 @@ def _trained(seed: int) -> Any:
             params={"n_jobs": 1, "n_estimators": 20, "random_state": seed},
             negative_fraction=1.0,
             seed=seed,
+            calibration="platt",
+            calibration_window="6h",
             feature_spec=SPEC,
         ),
     )

@@ -86,6 +86,8 @@ def test_model_describes_the_served_model(client):
     assert body["library_versions"]["lightgbm"] == model.versions["lightgbm"]
     assert body["installed_versions"]["lightgbm"] == model.versions["lightgbm"]
     assert body["metrics"] is None  # a model folder carries no evaluation; the registry's runs do
+    assert body["calibrated"] is True and body["calibration"] == model.calibration_info()
+    assert body["calibration"]["method"] == "platt" and body["calibration"]["n_positives"] > 0
     assert body["last_reload_error"] is None
 
 

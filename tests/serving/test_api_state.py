@@ -80,6 +80,26 @@ def test_a_registry_that_goes_down_while_serving_keeps_the_model():
     assert "Connection refused" in (s.model_error or "")
 
 
+def test_an_uncalibrated_model_is_served_with_a_warning_and_says_so(caplog):
+    import logging
+    from dataclasses import replace
+
+    from models.calibration import Calibration
+    from serving.api_state import calibration_payload
+
+    with caplog.at_level(logging.WARNING, logger="gpufail.serve"):
+        s = state(DownRegistry(cached=True))
+        s.refresh()
+    assert "has no calibration" in caplog.text and "served uncalibrated" in caplog.text
+    assert calibration_payload(s.snapshot.served.model) == {"calibrated": False, "calibration": None}
+    start, end = pd.Timestamp("2026-01-01", tz="UTC"), pd.Timestamp("2026-01-08", tz="UTC")
+    calibration = Calibration("platt", {"slope": 0.8, "offset": -0.2}, start, end, 5000, 40)
+    payload = calibration_payload(replace(fake_model(), calibration=calibration))
+    assert payload["calibrated"] is True
+    assert payload["calibration"]["method"] == "platt" and payload["calibration"]["n_positives"] == 40
+    assert payload["calibration"]["slice_start"] == start.isoformat()
+
+
 # -- the model's feature spec against the features' ---------------------------------------------
 
 OTHER = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)])

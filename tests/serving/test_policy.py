@@ -175,3 +175,60 @@ def test_bad_state_and_config_are_refused_with_what_was_expected():
         config(tiers=(Tier("none", 0.5, 0.1),))
     with pytest.raises(InputError, match="timezone-aware"):
         decide([], PolicyState(), config(), datetime(2026, 1, 1))
+
+
+BUDGETED = (
+    Tier("watch", 0.2, 0.1),
+    Tier("avoid", 0.3, 0.2, budget_per_day=2),
+    Tier("drain_now", 0.8, 0.6),
+)
+
+
+def test_an_alarm_budget_admits_the_riskiest_nodes_up_to_n_per_day():
+    cfg = config(tiers=BUDGETED, breaker_max_nodes=10)
+    decisions, state = decide(nodes(a=0.6, b=0.5, c=0.4, d=0.25, e=0.9), PolicyState(), cfg, T0)
+    got = by_node(decisions)
+    # Two nodes enter avoid (the riskiest that reach it); the third falls to watch, the tier
+    # below with room. drain_now has no budget.
+    assert (got["a"].tier, got["b"].tier, got["c"].tier, got["e"].tier) == ("avoid", "avoid", "watch", "drain_now")
+    assert "avoid's alarm budget of 2 nodes per day is used" in got["c"].reason and got["c"].action == "raise"
+    assert got["d"].tier == "watch"
+    assert sorted(key for _, tier, key in state.entries if tier == "avoid") == ["c/a", "c/b"]
+    # Later the same day, a node held at watch cannot enter avoid yet: budget_held.
+    later, state2 = decide(nodes(a=0.6, b=0.5, c=0.45), state, cfg, T0 + 8 * H)
+    assert by_node(later)["c"].action == "budget_held" and by_node(later)["c"].tier == "watch"
+    # A day after the first entries the budget has room again.
+    next_day, _ = decide(nodes(a=0.6, b=0.5, c=0.45), state2, cfg, T0 + 25 * H)
+    assert by_node(next_day)["c"].action == "raise" and by_node(next_day)["c"].tier == "avoid"
+
+
+def test_a_budget_below_one_a_day_counts_over_several_days_and_survives_json():
+    tier = Tier("avoid", 0.3, 0.2, budget_per_day=0.5)
+    assert (tier.budget_window, tier.budget_count) == (timedelta(days=2), 1)
+    cfg = config(tiers=(tier,), breaker_max_nodes=10)
+    _, state = decide(nodes(a=0.6), PolicyState(), cfg, T0)
+    state = PolicyState.from_json(state.to_json())
+    held, _ = decide(nodes(a=0.6, b=0.5), state, cfg, T0 + 30 * H)
+    assert by_node(held)["b"].action == "budget_held" and by_node(held)["b"].tier == "none"
+    freed, _ = decide(nodes(a=0.6, b=0.5), state, cfg, T0 + 49 * H)
+    assert by_node(freed)["b"].action == "raise"
+    # States written before budgets existed have no entries.
+    old = state.to_json()
+    del old["entries"]
+    assert PolicyState.from_json(old).entries == ()
+    with pytest.raises(InputError, match="budget_per_day: expected a positive number"):
+        config(tiers=(Tier("avoid", 0.3, 0.2, budget_per_day=0.0),))
+
+
+def test_a_tier_another_policy_wants_counts_against_its_budget_and_keeps_its_reason():
+    cfg = config(tiers=BUDGETED, breaker_max_nodes=10)
+    wanted = [
+        NodeRisk(key=f"c/{n}", cluster="c", node=n, risk=r, wanted="avoid", why=f"job cost on {n}")
+        for n, r in {"a": 0.25, "b": 0.24, "c": 0.22}.items()
+    ]
+    got = by_node(decide(wanted, PolicyState(), cfg, T0)[0])
+    # Below avoid's enter threshold, yet wanted there: the first two take the budget, the third
+    # falls to watch (its risk reaches it), each with the other policy's reason.
+    assert (got["a"].tier, got["b"].tier, got["c"].tier) == ("avoid", "avoid", "watch")
+    assert got["a"].reason.startswith("job cost on a")
+    assert "job cost on c" in got["c"].reason and "avoid's alarm budget of 2 nodes per day is used" in got["c"].reason

@@ -80,6 +80,23 @@ def test_risk_divides_out_the_class_weight():
     assert predictions.loc[predictions["gpu_uuid"] == "a", "risk"].item() == pytest.approx(0.1)
 
 
+def test_the_served_risk_is_the_calibrated_one_in_the_models_order():
+    from dataclasses import replace
+
+    from models.calibration import Calibration
+
+    # An isotonic map that puts 0.5 and 0.7 at the same risk: the model's order still ranks them.
+    flat = Calibration("isotonic", {"x": [-3.0, -0.5, 1.0], "y": [0.05, 0.3, 0.3]}, T0, T0, 10, 2)
+    model = replace(fake_model(), calibration=flat)
+    predictions = score_latest(model, hand_frame())
+    assert predictions["gpu_uuid"].tolist() == ["d", "a", "b", "c"]
+    np.testing.assert_allclose(predictions["risk"], flat.apply(np.array([0.7, 0.5, 0.2, 0.1])))
+    assert predictions["risk"].iloc[0] == predictions["risk"].iloc[1] == pytest.approx(0.3)
+    node = dict(zip(predictions["gpu_uuid"], predictions["node_risk"], strict=True))
+    risk = dict(zip(predictions["gpu_uuid"], predictions["risk"], strict=True))
+    assert node["a"] == pytest.approx(1 - (1 - risk["a"]) * (1 - risk["b"]))  # from the calibrated risks
+
+
 def test_node_risks_one_row_per_node_highest_first():
     nodes = node_risks(score_latest(fake_model(), hand_frame()))
     assert nodes[["node", "n_gpus"]].values.tolist() == [["n2", 2], ["n1", 2]]

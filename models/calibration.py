@@ -1,0 +1,262 @@
+"""Calibrated risk: a monotone map from a model's odds-corrected probability to the observed
+failure rate, fitted on a slice of labelled rows that comes after the model's training window,
+and the figures that say how well a probability is calibrated.
+
+Why a map at all. `TrainedModel.predict_risk` already divides out the class weight and the
+negative subsampling (`models.estimators.prior_correction`), so its output has the right base
+rate on average, but not in the tails: trees fit on a few hundred failures are over-confident
+at the top and under-confident at the bottom. Publish tiers compare risk with absolute
+thresholds, so the map is fitted on rows the model never trained on (a *later* slice: the
+model's as-of time is moved back by the slice, see `models.train.calibration_bounds`).
+
+Methods (`METHODS`):
+
+- `platt`: logistic regression on the logit of the odds-corrected risk (two parameters: a
+  slope, which corrects over- or under-confidence, and an offset). Strictly increasing, so it
+  keeps the model's order and gives an alarm threshold every volume; stable with a few dozen
+  failures in the slice.
+- `isotonic`: the pool-adjacent-violators fit (scikit-learn), interpolated linearly between
+  the centres of its blocks, so that it is increasing between the first and the last block
+  instead of a staircase (rows of one block would otherwise share one risk). Needs more
+  failures than Platt; below the first and above the last centre it is flat.
+
+The slice may hold a sample of its healthy rows (drawn at a share r, as training draws them):
+each drawn healthy row then weighs 1/r (`fit_calibration`'s `negative_fraction`), so the map
+is fitted to the slice's true base rate.
+
+Figures (`reliability`): Brier score, expected calibration error over ten equal-width bins of
+risk (the usual definition; with a rare event most rows are in the first bin), and a
+reliability table over log-spaced bins with the observed rate's 95% Wilson interval;
+`high_risk_check` compares the mean predicted and observed rate among rows at or above a risk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ingest.errors import InputError
+
+METHODS = ("platt", "isotonic")
+DEFAULT_METHOD = "platt"
+_EPS = 1e-12
+
+RELIABILITY_EDGES = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.8, 1.0)
+"""Bins of the reliability table: log-spaced where most rows are, then the publish tiers' range."""
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(np.asarray(p, dtype=np.float64), _EPS, 1.0 - _EPS)
+    return np.log(p) - np.log1p(-p)
+
+
+def _expit(z: np.ndarray) -> np.ndarray:
+    return np.asarray(0.5 * (1.0 + np.tanh(0.5 * np.asarray(z, dtype=np.float64))), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted calibration map and where it came from (its provenance, `provenance()`)."""
+
+    method: str
+    params: dict[str, Any]
+    """platt: {"slope", "offset"} on the logit; isotonic: {"x", "y"}, the block centres (lists)."""
+    slice_start: pd.Timestamp
+    slice_end: pd.Timestamp
+    """The labelled rows the map was fitted on: slice_start <= ts < slice_end."""
+    n_rows: int
+    n_positives: int
+    negative_fraction: float = 1.0
+    """Share of the slice's healthy rows that were drawn (each weighed 1 / negative_fraction)."""
+    mean_risk_before: float | None = None
+    """Weighted mean odds-corrected risk on the slice, and (below) the observed failure rate."""
+    observed_rate: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self, risk: Any) -> np.ndarray:
+        """The calibrated probability of each odds-corrected risk."""
+        p = np.asarray(risk, dtype=np.float64)
+        if self.method == "platt":
+            return _expit(self.params["slope"] * _logit(p) + self.params["offset"])
+        x, y = np.asarray(self.params["x"]), np.asarray(self.params["y"])
+        return np.asarray(np.interp(_logit(p), x, y), dtype=np.float64)
+
+    def provenance(self) -> dict[str, Any]:
+        """JSON-ready: method, slice, rows, positives, the draw, and the map's parameters."""
+        return {
+            "method": self.method,
+            "slice_start": self.slice_start.isoformat(),
+            "slice_end": self.slice_end.isoformat(),
+            "n_rows": self.n_rows,
+            "n_positives": self.n_positives,
+            "negative_fraction": self.negative_fraction,
+            "mean_risk_before": self.mean_risk_before,
+            "observed_rate": self.observed_rate,
+            "params": {k: (list(v) if isinstance(v, list | tuple | np.ndarray) else v) for k, v in self.params.items()},
+        }
+
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise InputError(f"calibration method: expected one of {list(METHODS)}, got {method!r}")
+    return method
+
+
+def fit_calibration(
+    risk: Any,
+    y: Any,
+    method: str = DEFAULT_METHOD,
+    *,
+    slice_start: pd.Timestamp,
+    slice_end: pd.Timestamp,
+    negative_fraction: float = 1.0,
+    where: str = "calibration slice",
+) -> Calibration:
+    """Fit `method` (`METHODS`) mapping odds-corrected `risk` to the labels `y` (0/1) of the
+    slice [slice_start, slice_end). Healthy rows weigh 1 / `negative_fraction` (the share of
+    them drawn). InputError naming `where` when the slice has no failure or no healthy row."""
+    check_method(method)
+    p = np.asarray(risk, dtype=np.float64)
+    labels = np.asarray(y, dtype=np.float64)
+    if p.shape != labels.shape:
+        raise InputError(f"{where}: expected one risk per label, got {p.shape} and {labels.shape}")
+    if not 0.0 < negative_fraction <= 1.0:
+        raise InputError(f"{where}: negative_fraction expected a share in (0, 1], got {negative_fraction!r}")
+    keep = ~np.isnan(labels) & np.isfinite(p)
+    p, labels = p[keep], labels[keep]
+    n_pos = int((labels == 1).sum())
+    if n_pos == 0 or n_pos == len(labels):
+        raise InputError(
+            f"{where} {slice_start} .. {slice_end}: {len(labels)} labelled rows with {n_pos} failures; "
+            "expected failing and healthy rows to calibrate on (a longer calibration_window)"
+        )
+    weight = np.where(labels == 1, 1.0, 1.0 / negative_fraction)
+    z = _logit(p)
+    params = _platt(z, labels, weight) if method == "platt" else _isotonic(z, labels, weight)
+    return Calibration(
+        method=method,
+        params=params,
+        slice_start=slice_start,
+        slice_end=slice_end,
+        n_rows=len(labels),
+        n_positives=n_pos,
+        negative_fraction=float(negative_fraction),
+        mean_risk_before=float(np.average(p, weights=weight)),
+        observed_rate=float(np.average(labels, weights=weight)),
+    )
+
+
+def _platt(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
+    from sklearn.linear_model import LogisticRegression
+
+    # Almost no penalty: two parameters on thousands of rows need none, and a strong one would
+    # pull the slope towards zero (every GPU the same risk).
+    fit = LogisticRegression(C=1e6, max_iter=1000).fit(z.reshape(-1, 1), y.astype(int), sample_weight=weight)
+    return {"slope": float(fit.coef_[0, 0]), "offset": float(fit.intercept_[0])}
+
+
+def _isotonic(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
+    from sklearn.isotonic import IsotonicRegression
+
+    fitted = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip").fit_transform(z, y, sample_weight=weight)
+    # The blocks of the fit are its runs of equal values; each is represented by its centre.
+    blocks = pd.DataFrame({"value": fitted, "zw": z * weight, "w": weight}).groupby("value", sort=True).sum()
+    centres = (blocks["zw"] / blocks["w"]).to_numpy()
+    return {"x": centres.tolist(), "y": blocks.index.to_numpy(dtype=np.float64).tolist()}
+
+
+# -- how well a probability is calibrated --------------------------------------------------------
+
+
+def wilson_interval(positives: float, n: float, level: float = 0.95) -> tuple[float | None, float | None]:
+    """The Wilson score interval of a binomial rate (None, None without rows)."""
+    if n <= 0:
+        return None, None
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + level / 2.0))
+    rate = positives / n
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def expected_calibration_error(y: Any, p: Any, bins: int = 10) -> float:
+    """Sum over `bins` equal-width bins of risk of |mean risk - failure rate| x share of rows."""
+    y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    if len(y) == 0:
+        return math.nan
+    which = np.minimum((p * bins).astype(np.int64), bins - 1)
+    n = np.bincount(which, minlength=bins)
+    gap = np.abs(np.bincount(which, weights=p, minlength=bins) - np.bincount(which, weights=y, minlength=bins))
+    return float(gap.sum() / n.sum())
+
+
+def reliability(y: Any, p: Any, edges: tuple[float, ...] = RELIABILITY_EDGES) -> dict[str, Any]:
+    """Brier score, expected calibration error (`expected_calibration_error`) and the
+    reliability table (per bin of `edges`: rows, failures, mean risk, observed rate and its
+    95% Wilson interval) of risks `p` against labels `y` (NaN labels are left out)."""
+    y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    keep = ~np.isnan(y)
+    y, p = y[keep], p[keep]
+    which = np.clip(np.searchsorted(np.asarray(edges), p, side="right") - 1, 0, len(edges) - 2)
+    table = []
+    for b in range(len(edges) - 1):
+        mask = which == b
+        n = int(mask.sum())
+        pos = float(y[mask].sum())
+        low, high = wilson_interval(pos, n)
+        table.append(
+            {
+                "low": edges[b],
+                "high": edges[b + 1],
+                "n_rows": n,
+                "n_positives": int(pos),
+                "mean_risk": float(p[mask].mean()) if n else None,
+                "observed_rate": pos / n if n else None,
+                "observed_ci": [low, high],
+            }
+        )
+    return {
+        "n_rows": len(y),
+        "n_positives": int(y.sum()),
+        "mean_risk": float(p.mean()) if len(p) else None,
+        "observed_rate": float(y.mean()) if len(y) else None,
+        "brier": float(np.mean((p - y) ** 2)) if len(y) else None,
+        "ece": _finite(expected_calibration_error(y, p)),
+        "bins": table,
+    }
+
+
+HIGH_RISK = 0.5
+HIGH_RISK_TOLERANCE = 0.1
+
+
+def high_risk_check(y: Any, p: Any, level: float = HIGH_RISK, tolerance: float = HIGH_RISK_TOLERANCE) -> dict[str, Any]:
+    """Among rows with risk >= `level`: how many, their mean risk, the observed failure rate
+    with its 95% Wilson interval, and a verdict: `within` (|observed - mean risk| <=
+    `tolerance`), `outside`, or `too few rows` when the interval is wider than the tolerance
+    on either side (the rows cannot tell whether it is within)."""
+    y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    keep = ~np.isnan(y) & (p >= level)
+    n = int(keep.sum())
+    pos = float(y[keep].sum())
+    low, high = wilson_interval(pos, n)
+    out: dict[str, Any] = {"level": level, "tolerance": tolerance, "n_rows": n, "n_positives": int(pos)}
+    if n == 0:
+        return {**out, "mean_risk": None, "observed_rate": None, "observed_ci": [None, None], "verdict": "no rows"}
+    mean, rate = float(p[keep].mean()), pos / n
+    assert low is not None and high is not None
+    if high - rate > tolerance or rate - low > tolerance:
+        verdict = "too few rows"
+    else:
+        verdict = "within" if abs(rate - mean) <= tolerance else "outside"
+    return {**out, "mean_risk": mean, "observed_rate": rate, "observed_ci": [low, high], "verdict": verdict}
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else value

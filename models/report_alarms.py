@@ -1,0 +1,310 @@
+"""The decision sections of the walk-forward report (`models.report`): alarms at the operating
+points, the paper's ensemble at equal alarm volume, lead time per failure mode, calibration on
+the test period, the seeds; and their plots (reliability diagram, precision against volume).
+Pure functions of `metrics.json`'s figures (`models.comparison.evaluate_walk_forward`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.alarms import LEAD_TIMES_H
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ci(pair: Any, scale: float = 100.0, digits: int = 1) -> str:
+    if not pair or pair[0] is None:
+        return "-"
+    return f"[{scale * pair[0]:.{digits}f}, {scale * pair[1]:.{digits}f}]"
+
+
+def _risk(value: Any) -> str:
+    if value is None:
+        return "none fits"
+    return f"{value:.3g}"
+
+
+def budget_key(budget: float) -> str:
+    return f"{budget:g}"
+
+
+def _thresholded(metrics: dict[str, Any]) -> list[str]:
+    """The rows of an alarm table: the contenders, then the thresholded baselines."""
+    names = [c["name"] for c in metrics["contenders"]]
+    return names + [
+        b
+        for b in ("heuristic", "random")
+        if b in metrics["alarms"]["by_budget"][budget_key(metrics["alarms"]["budgets"][0])]
+    ]
+
+
+def _alarm_row(name: str, point: dict[str, Any]) -> str:
+    before = point["alarmed_before_h"]["24"]
+    threshold = "own flags" if point["budget"] is None else _risk(point["threshold"])
+    return (
+        f"| {name} | {threshold} | {_num(point['validation_rate'], 2)} | "
+        f"{_num(point['alarms_per_1000_gpu_days'], 2)} {_ci(point['alarms_per_1000_gpu_days_ci'], 1.0, 2)} | "
+        f"{point['n_alarms']} | {_pct(point['precision'])} {_ci(point['precision_ci'])} | "
+        f"{_pct(point['precision_long'])} | {_pct(point['precision_gpu_day'])} | "
+        f"{_pct(point['recall'])} ({point['n_caught']}/{point['n_failures']}) {_ci(point['recall_ci'])} | "
+        f"{_num(point['lead_time_h_median'])} {_ci(point['lead_time_h_median_ci'], 1.0)} | {_pct(before['share'])} |"
+    )
+
+
+ALARM_HEADER = [
+    "| configuration | threshold | alarms /1k GPU-days, validation | test [95% CI] | alarms | precision "
+    "(fails within the horizon) [CI] | within 72 h | per GPU-day | failure recall [CI] | median lead h [CI] | "
+    "alarmed >= 24 h ahead |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+]
+
+
+def alarm_sections(metrics: dict[str, Any]) -> list[str]:
+    """Markdown: the operating points, the ensemble at equal volume, lead time per mode."""
+    alarms = metrics["alarms"]
+    rules, validation = alarms["rules"], alarms["validation"]
+    quiet = rules["quiet_period_h"]
+    lines = [
+        "## Alarms at operating points chosen before the test period",
+        "",
+        "An alarm is a GPU's first grid time at or above the threshold; it is re-armed when the risk falls back "
+        + ("" if quiet is None else f"or, while it stays above, after {quiet:g} h ")
+        + f"(a gap in its rows also ends its time above). Alarm precision: alarms whose GPU fails within the "
+        f"{rules['horizon_h']:g} h label horizon (and within {rules['long_horizon_h']:g} h: early correct alarms); "
+        "per GPU-day: a GPU alarmed on a day counts once. Failure recall: failures with an alarm of their GPU "
+        f"in the {rules['lookback_h']:g} h before; lead time from the first such alarm, not capped by the label "
+        f"horizon. Each threshold (calibrated risk for the contenders) is the lowest whose alarm volume on the "
+        f"validation slice {validation['start']} .. {validation['end']} ({_num(validation['gpu_days'], 0)} GPU-days, "
+        "before the test period, scored by each contender's first model) stays within the budget; the test period "
+        "only judges it. Intervals: percentile bootstrap over days (alarms and failures by the day they fall on), "
+        "over failures for the lead time.",
+        "",
+    ]
+    for budget in alarms["budgets"]:
+        row = alarms["by_budget"][budget_key(budget)]
+        lines += [f"### Budget {budget:g} alarms per 1,000 GPUs per day", "", *ALARM_HEADER]
+        lines += [_alarm_row(name, row[name]) for name in _thresholded(metrics) if name in row]
+        lines.append("")
+    if alarms["natural"]:
+        lines += [
+            "### At their own volume",
+            "",
+            "Scorers that flag rather than score, at the volume their flags give (no threshold): the rule baseline "
+            "and the paper's parallel intersection (a GPU in every member's top K, never topped up to K).",
+            "",
+            *ALARM_HEADER,
+            *[_alarm_row(name, point) for name, point in alarms["natural"].items()],
+            "",
+        ]
+    lines += equal_volume_section(metrics)
+    lines += mode_lead_section(metrics)
+    return lines
+
+
+def equal_volume_section(metrics: dict[str, Any]) -> list[str]:
+    """The paper's ensemble at its own volume against each single model cut to that volume."""
+    equal = metrics["alarms"]["equal_volume"]
+    if not equal:
+        return []
+    lines = [
+        "## The paper's parallel ensemble at equal alarm volume",
+        "",
+        "The intersection raises fewer alarms than K per grid time, so its precision rises as its recall falls; "
+        "any single model cut to the same volume moves the same way. Each single model's threshold is chosen on "
+        "the validation slice for the ensemble's validation volume; differences are ensemble minus single, with "
+        "paired bootstrap intervals over the test days.",
+        "",
+    ]
+    verdicts = metrics["claims"].get("ensemble_at_equal_volume", {})
+    for name, entry in equal.items():
+        e = entry["ensemble"]
+        lines += [
+            f"### {name}: {_num(entry['volume'], 2)} alarms per 1,000 GPU-days on validation",
+            "",
+            "| configuration | alarms /1k GPU-days, test | alarms | precision [CI] | failure recall [CI] | "
+            "precision difference [95% CI] | recall difference [95% CI] |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {name} (intersection) | {_num(e['alarms_per_1000_gpu_days'], 2)} | {e['n_alarms']} | "
+            f"{_pct(e['precision'])} {_ci(e['precision_ci'])} | {_pct(e['recall'])} ({e['n_caught']}/{e['n_failures']}) | "
+            "| |",
+        ]
+        for single, s in entry["singles"].items():
+            lines.append(
+                f"| {single} at the same volume | {_num(s['alarms_per_1000_gpu_days'], 2)} | {s['n_alarms']} | "
+                f"{_pct(s['precision'])} {_ci(s['precision_ci'])} | {_pct(s['recall'])} ({s['n_caught']}/{s['n_failures']}) | "
+                f"{_points(s['precision_difference'])} {_ci(s['precision_difference_ci'])} | "
+                f"{_points(s['recall_difference'])} {_ci(s['recall_difference_ci'])} |"
+            )
+        verdict = verdicts.get(name, "not shown")
+        lines += ["", f"Verdict: {_verdict_text(name, verdict)}", ""]
+    return lines
+
+
+def _points(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:+.1f} pts"
+
+
+def _verdict_text(name: str, verdict: str) -> str:
+    if verdict == "holds":
+        return (
+            f"the paper's ensemble gain **holds** at equal alarm volume: {name}'s alarm precision beats every "
+            "single model cut to its volume, each 95% interval of the difference above zero."
+        )
+    if verdict == "reversed":
+        return (
+            f"the paper's ensemble gain **does not hold**: at {name}'s volume at least one single model is more "
+            "precise, with the 95% interval of the difference below zero."
+        )
+    return (
+        f"the paper's ensemble gain is **not shown** at equal alarm volume: the 95% intervals of the differences "
+        f"between {name} and the single models include zero (too few alarms here to tell them apart)."
+    )
+
+
+def mode_lead_section(metrics: dict[str, Any]) -> list[str]:
+    """Per failure mode, the primary contender's share of failures alarmed at least 1/6/24/72 h
+    before, at the largest budget (the most alarms: the one where a mode has a chance)."""
+    budget = budget_key(max(metrics["alarms"]["budgets"]))
+    primary = metrics["primary"]
+    point = metrics["alarms"]["by_budget"][budget][primary]
+    heads = " | ".join(f"alarmed >= {h} h ahead" for h in LEAD_TIMES_H)
+    lines = [
+        f"## Lead time per failure mode ({primary}, {budget} alarms per 1,000 GPUs per day)",
+        "",
+        "Share of the failures with an alarm at least that long before, among the failures at least that long "
+        "after the start of the test period (only those could have had one).",
+        "",
+        f"| failure mode | failures | caught | median lead h | {heads} |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in LEAD_TIMES_H) + " |",
+    ]
+    for mode, m in {**point["by_mode"], "all": {**point, "n_failures": point["n_failures"]}}.items():
+        shares = " | ".join(
+            f"{_pct(m['alarmed_before_h'][str(h)]['share'])} of {m['alarmed_before_h'][str(h)]['n_failures']}"
+            for h in LEAD_TIMES_H
+        )
+        lines.append(f"| {mode} | {m['n_failures']} | {m['n_caught']} | {_num(m['lead_time_h_median'])} | {shares} |")
+    return [*lines, ""]
+
+
+def calibration_section(metrics: dict[str, Any]) -> list[str]:
+    """Calibration on the test period, per contender, with the primary's reliability table."""
+    plan = metrics["plan"]
+    figures = metrics["calibration"]
+    lines = [
+        "## Calibration on the test period",
+        "",
+        f"Every model is calibrated ({plan.get('calibration', '-')}) on the {plan.get('calibration_window', '-')} of "
+        "settled labels before its retraining time, after its training window (it is trained as of the slice's "
+        "start, so the slice is rows it never saw); the odds factor of class weighting and negative subsampling is "
+        "divided out first. ECE: expected calibration error over ten equal-width bins of risk (with a rare event "
+        "most rows fall in the first bin, so it is small even for a poor score: the table below shows the tails). "
+        "High risk: rows with calibrated risk >= 0.5, their mean risk and observed failure rate within the "
+        "horizon (95% Wilson interval); the verdict says whether they agree within 0.1, or that there are too "
+        "few rows to tell.",
+        "",
+        "| configuration | ECE, uncalibrated -> calibrated | Brier | mean risk / observed rate | rows >= 0.5 | "
+        "mean risk there | observed [95% CI] | verdict |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, f in figures.items():
+        h = f["high_risk"]
+        lines.append(
+            f"| {name} | {_num(f['uncalibrated']['ece'], 4)} -> {_num(f['ece'], 4)} | {_num(f['brier'], 5)} | "
+            f"{_num(f['mean_risk'], 4)} / {_num(f['observed_rate'], 4)} | {h['n_rows']} | {_num(h['mean_risk'], 3)} | "
+            f"{_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | {h['verdict']} |"
+        )
+    primary = metrics["primary"]
+    lines += [
+        "",
+        f"Reliability of {primary} (`reliability.png`):",
+        "",
+        "| calibrated risk | rows | failures | mean risk | observed rate [95% CI] |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for b in figures[primary]["bins"]:
+        if b["n_rows"]:
+            lines.append(
+                f"| {b['low']:g} - {b['high']:g} | {b['n_rows']:,} | {b['n_positives']} | {b['mean_risk']:.4f} | "
+                f"{b['observed_rate']:.4f} {_ci(b['observed_ci'], 1.0, 4)} |"
+            )
+    return [*lines, ""]
+
+
+def seeds_section(metrics: dict[str, Any]) -> list[str]:
+    """Mean and range over seeds of the headline figures, when the comparison ran several."""
+    seeds = metrics.get("seeds")
+    if not seeds:
+        return []
+    budget = budget_key(metrics["alarm_headline_budget"])
+    lines = [
+        f"## Over seeds {', '.join(str(s) for s in seeds['seeds'])}",
+        "",
+        f"Mean [min, max] over the seeds (each seed draws every fit's negatives anew); alarms at {budget} per "
+        "1,000 GPUs per day. The tables above are the first seed's.",
+        "",
+        "| configuration | ROC-AUC | alarm precision | within 72 h | failure recall | ECE |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def cell(entry: dict[str, Any], pct: bool) -> str:
+        if entry["mean"] is None:
+            return "-"
+        scale, digits = (100.0, 1) if pct else (1.0, 3)
+        suffix = "%" if pct else ""
+        return (
+            f"{scale * entry['mean']:.{digits}f}{suffix} "
+            f"[{scale * entry['min']:.{digits}f}, {scale * entry['max']:.{digits}f}]"
+        )
+
+    for name, s in seeds["summary"].items():
+        lines.append(
+            f"| {name} | {cell(s['roc_auc'], False)} | {cell(s['alarm_precision'], True)} | "
+            f"{cell(s['alarm_precision_long'], True)} | {cell(s['alarm_recall'], True)} | {cell(s['ece'], False)} |"
+        )
+    return [*lines, ""]
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+
+def plot_reliability(metrics: dict[str, Any], ax: Any) -> None:
+    """Observed failure rate against mean risk per bin, log scales, for the primary contender."""
+    primary = metrics["primary"]
+    bins = [b for b in metrics["calibration"][primary]["bins"] if b["n_rows"] and b["mean_risk"]]
+    floor = 1e-5
+    x = [max(b["mean_risk"], floor) for b in bins]
+    y = [max(b["observed_rate"], floor) for b in bins]
+    low = [max(yv - max(b["observed_ci"][0], floor), 0.0) for yv, b in zip(y, bins, strict=True)]
+    high = [max(max(b["observed_ci"][1], floor) - yv, 0.0) for yv, b in zip(y, bins, strict=True)]
+    ax.errorbar(x, y, yerr=[low, high], fmt="o", label=f"{primary}, calibrated")
+    ax.plot([floor, 1.0], [floor, 1.0], color="grey", linestyle="--", label="perfect calibration")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("mean calibrated risk in the bin")
+    ax.set_ylabel("observed failure rate (95% Wilson interval)")
+    ax.legend(fontsize=7)
+
+
+def plot_alarm_precision(metrics: dict[str, Any], ax: Any) -> None:
+    """Alarm precision against test alarm volume, one line per scorer over the budgets."""
+    alarms = metrics["alarms"]
+    for name in _thresholded(metrics):
+        points = [alarms["by_budget"][budget_key(b)].get(name) for b in alarms["budgets"]]
+        points = [p for p in points if p is not None and p["precision"] is not None]
+        ax.plot(
+            [p["alarms_per_1000_gpu_days"] for p in points], [p["precision"] for p in points], marker="o", label=name
+        )
+    for name, p in alarms["natural"].items():
+        if p["precision"] is not None:
+            ax.scatter(
+                [p["alarms_per_1000_gpu_days"]], [p["precision"]], marker="*", s=120, label=f"{name} (own volume)"
+            )
+    ax.set_xlabel("alarms per 1,000 GPUs per day (test)")
+    ax.set_ylabel("alarm precision")
+    ax.legend(fontsize=6, ncol=2)

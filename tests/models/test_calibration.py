@@ -1,0 +1,211 @@
+"""Calibrated risk: the maps, the figures that judge them, and calibrated models (trained before
+their calibration slice, saved and loaded with it; older folders without one still load)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ingest.errors import InputError
+from models.calibration import (
+    expected_calibration_error,
+    fit_calibration,
+    high_risk_check,
+    reliability,
+    wilson_interval,
+)
+from models.train import (
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TrainOptions,
+    UncalibratedModelWarning,
+    calibration_bounds,
+    load_model,
+    save_model,
+    settled_until,
+    train_model,
+)
+from tests.models import ONE_THREAD, demo_frame
+
+START, END = pd.Timestamp("2026-01-01", tz="UTC"), pd.Timestamp("2026-01-08", tz="UTC")
+
+
+def rare_event(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """True probabilities skewed towards zero, as GPU failures are, and labels drawn from them."""
+    rng = np.random.default_rng(seed)
+    p = np.clip(rng.beta(0.3, 30.0, n) * 3.0, 0.0, 1.0)
+    return p, (rng.random(n) < p).astype(float)
+
+
+def logit(p):
+    p = np.clip(p, 1e-12, 1 - 1e-12)
+    return np.log(p / (1 - p))
+
+
+def distorted(p):
+    """An over-confident model: twice the true log-odds, shifted."""
+    return 1.0 / (1.0 + np.exp(-(2.0 * logit(p) + 1.0)))
+
+
+def test_a_perfectly_calibrated_score_has_an_ece_near_zero_and_a_distorted_one_does_not():
+    p, y = rare_event(400_000, seed=1)
+    assert expected_calibration_error(y, p) < 0.002
+    # (Small in absolute terms even for a bad score: with a rare event most rows are in the
+    # first bin, where every error is small; the reliability table shows more.)
+    assert expected_calibration_error(y, distorted(p)) > 0.01
+    figures = reliability(y, p)
+    assert figures["ece"] < 0.002 and figures["n_rows"] == len(y)
+    # Every populated bin's observed rate is within its interval of the mean risk there.
+    for b in figures["bins"]:
+        if b["n_rows"] > 1000:
+            low, high = b["observed_ci"]
+            assert low - 0.01 <= b["mean_risk"] <= high + 0.01
+    assert figures["brier"] < reliability(y, distorted(p))["brier"]
+
+
+@pytest.mark.parametrize("method", ["platt", "isotonic"])
+def test_a_calibration_fitted_on_one_slice_undoes_the_distortion_on_another(method):
+    p, y = rare_event(200_000, seed=2)
+    calibration = fit_calibration(distorted(p), y, method, slice_start=START, slice_end=END)
+    fresh_p, fresh_y = rare_event(200_000, seed=3)
+    calibrated = calibration.apply(distorted(fresh_p))
+    assert expected_calibration_error(fresh_y, calibrated) < 0.003
+    assert np.all(np.diff(calibrated[np.argsort(distorted(fresh_p))]) >= 0)  # monotone
+    if method == "platt":
+        assert calibration.params["slope"] == pytest.approx(0.5, abs=0.05)
+        assert calibration.params["offset"] == pytest.approx(-0.5, abs=0.15)
+    provenance = calibration.provenance()
+    assert provenance["method"] == method and provenance["n_rows"] == len(y)
+    assert provenance["n_positives"] == int(y.sum()) and provenance["slice_start"] == START.isoformat()
+    json.dumps(provenance)  # JSON-ready
+
+
+def test_isotonic_is_interpolated_between_its_blocks_not_a_staircase():
+    p, y = rare_event(100_000, seed=4)
+    calibration = fit_calibration(p, y, "isotonic", slice_start=START, slice_end=END)
+    x = np.linspace(0.02, 0.08, 200)  # inside the range of the blocks
+    assert len(np.unique(calibration.apply(x))) > 100
+
+
+def test_a_slice_with_drawn_healthy_rows_is_weighed_back_to_its_base_rate():
+    p, y = rare_event(300_000, seed=5)
+    rng = np.random.default_rng(0)
+    keep = (y == 1) | (rng.random(len(y)) < 0.1)
+    weighed = fit_calibration(p[keep], y[keep], "platt", slice_start=START, slice_end=END, negative_fraction=0.1)
+    unweighed = fit_calibration(p[keep], y[keep], "platt", slice_start=START, slice_end=END)
+    assert weighed.observed_rate == pytest.approx(y.mean(), rel=0.05)
+    assert expected_calibration_error(y, weighed.apply(p)) < 0.003
+    assert expected_calibration_error(y, unweighed.apply(p)) > 0.02
+
+
+def test_calibration_refuses_a_slice_without_failures_and_an_unknown_method():
+    with pytest.raises(InputError, match=r"calibration slice .* 0 failures"):
+        fit_calibration(np.full(10, 0.1), np.zeros(10), slice_start=START, slice_end=END)
+    with pytest.raises(InputError, match="calibration method"):
+        fit_calibration(np.full(10, 0.1), np.arange(10) % 2, "beta", slice_start=START, slice_end=END)
+    with pytest.raises(InputError, match="one risk per label"):
+        fit_calibration(np.full(3, 0.1), np.array([0, 1]), slice_start=START, slice_end=END)
+
+
+def test_wilson_interval_by_hand():
+    low, high = wilson_interval(5, 10)
+    assert low == pytest.approx(0.2366, abs=1e-3) and high == pytest.approx(0.7634, abs=1e-3)
+    assert wilson_interval(0, 0) == (None, None)
+
+
+def test_high_risk_check_says_within_outside_or_too_few():
+    rng = np.random.default_rng(0)
+    p = np.full(2000, 0.7)
+    assert high_risk_check((rng.random(2000) < 0.7).astype(float), p)["verdict"] == "within"
+    assert high_risk_check((rng.random(2000) < 0.4).astype(float), p)["verdict"] == "outside"
+    few = high_risk_check(np.array([1.0, 0.0, 1.0]), np.array([0.6, 0.9, 0.7]))
+    assert few["verdict"] == "too few rows" and few["n_rows"] == 3
+    assert few["mean_risk"] == pytest.approx(0.7333, abs=1e-3)
+    assert high_risk_check(np.zeros(3), np.full(3, 0.1))["verdict"] == "no rows"
+
+
+# -- calibrated models ------------------------------------------------------------------------
+
+HORIZON = "12h"
+CALIBRATED = dict(
+    kind="lightgbm",
+    train_window="4d",
+    horizon=HORIZON,
+    params=ONE_THREAD,
+    calibration="platt",
+    calibration_window="2d",
+)
+
+
+def calibrated_model():
+    return train_model(demo_frame(), TrainOptions(**CALIBRATED))
+
+
+def test_a_calibrated_model_is_trained_before_its_slice_and_calibrated_on_it():
+    frame = demo_frame()
+    model = calibrated_model()
+    settled = settled_until(frame, HORIZON)
+    start, end = calibration_bounds(settled, TrainOptions(**CALIBRATED))
+    assert end - start == pd.Timedelta(days=2) and start < end <= settled + pd.Timedelta("1h")
+    # The fit's last label (ts + horizon) ends before the slice begins.
+    assert model.train_end + pd.Timedelta(HORIZON) < start
+    info = model.calibration_info()
+    assert info["slice_start"] == start.isoformat() and info["slice_end"] == end.isoformat()
+    part = frame[(frame["ts"] >= start) & (frame["ts"] < end) & frame["label"].notna()]
+    assert info["n_positives"] == int((part["label"] == 1).sum()) > 0
+    # The served risk is the calibrated one, in the model's order.
+    probe = part.head(3000)
+    raw, risk = model.predict_uncalibrated_risk(probe), model.predict_risk(probe)
+    np.testing.assert_allclose(risk, model.calibration.apply(raw))
+    order = np.argsort(raw, kind="stable")
+    assert np.all(np.diff(risk[order]) >= -1e-15)
+    # With as_of, nothing at or after as_of - horizon is used.
+    as_of = pd.Timestamp("2026-01-09T00:00Z")
+    earlier = train_model(frame, TrainOptions(**CALIBRATED, as_of=as_of))
+    assert pd.Timestamp(earlier.calibration_info()["slice_end"]) == as_of - pd.Timedelta(HORIZON)
+
+
+def test_a_calibrated_model_saves_and_loads_with_its_calibration(tmp_path):
+    model = calibrated_model()
+    folder = save_model(model, tmp_path / "model")
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    assert meta["format_version"] == FORMAT_VERSION == 2
+    assert meta["calibrated"] is True and meta["calibration"]["method"] == "platt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a calibrated model loads without a warning
+        loaded = load_model(folder)
+    probe = demo_frame().tail(1000)
+    np.testing.assert_array_equal(loaded.predict_risk(probe), model.predict_risk(probe))
+    assert loaded.version == model.version
+
+
+def test_a_model_folder_without_calibration_loads_uncalibrated_with_a_warning(tmp_path):
+    # A model as saved before models carried a calibration: no such attribute, format 1.
+    model = train_model(demo_frame(), TrainOptions(kind="logistic", train_window="3d", horizon=HORIZON))
+    del model.__dict__["calibration"]
+    folder = save_model(model, tmp_path / "old")
+    meta = json.loads((folder / METADATA_FILE).read_text())
+    meta["format_version"] = 1
+    for key in ("calibrated", "calibration"):
+        meta.pop(key)
+    (folder / METADATA_FILE).write_text(json.dumps(meta))
+    with pytest.warns(UncalibratedModelWarning, match=r"no calibration \(format 1\).*served uncalibrated"):
+        loaded = load_model(folder)
+    assert not loaded.calibrated and loaded.calibration_info() is None
+    probe = demo_frame().tail(500)
+    np.testing.assert_array_equal(loaded.predict_risk(probe), loaded.predict_uncalibrated_risk(probe))
+    assert loaded.metadata()["calibrated"] is False
+
+
+def test_a_calibration_slice_without_failures_is_a_clear_error():
+    frame = demo_frame()
+    settled = settled_until(frame, HORIZON)
+    start, end = calibration_bounds(settled, TrainOptions(**CALIBRATED))
+    in_slice = (frame["ts"] >= start) & (frame["ts"] < end)
+    healthy = frame.loc[~(in_slice & (frame["label"] == 1))]
+    with pytest.raises(InputError, match=r"calibration slice .* 0 failures.*calibration_window"):
+        train_model(healthy, TrainOptions(**CALIBRATED))
