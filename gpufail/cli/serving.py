@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpufail.cli.options import data_option, data_root, settings_of
+from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
 from ingest.errors import GpufailError
 
 if TYPE_CHECKING:
@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     type=click.Path(file_okay=False),
     help="A model folder written by `gpufail train`.",
 )
+@json_option
 @click.pass_context
-def score(ctx: click.Context, data: str | None, model_path: str) -> None:
+def score(ctx: click.Context, data: str | None, model_path: str, as_json: bool) -> None:
     """Score every GPU's latest grid time: the predictions snapshot of that grid time and model
     version (scoring them again replaces it). Refused when the features were built with other
     settings than the model's."""
@@ -38,11 +39,23 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     scored = score_store(Store.open(root), model)
     predictions = scored.predictions
     top = predictions.nsmallest(3, "rank")
-    riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
+    facts = {
+        "command": "score",
+        "gpus": len(predictions),
+        "ts": predictions["ts"].max(),
+        "model_version": model.version,
+        "riskiest": [
+            {"node": r.node, "gpu_index": r.gpu_index, "gpu_uuid": r.gpu_uuid, "risk": r.risk} for r in top.itertuples()
+        ],
+        "replaced": scored.replaced,
+        "snapshot": scored.path,
+    }
+    riskiest = ", ".join(f"{r['node']}/{r['gpu_index']} {r['risk']:.2f}" for r in facts["riskiest"])
     again = "; replaced the earlier snapshot of this grid time and model" if scored.replaced else ""
-    click.echo(
-        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest}"
-        f"{again} -> {scored.path}"
+    report(
+        as_json,
+        f"scored {len(predictions):,} GPUs at {facts['ts']:%Y-%m-%d %H:%M}; riskiest: {riskiest}{again} -> {scored.path}",
+        facts,
     )
 
 
@@ -76,6 +89,7 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     help="Seconds to wait for another publish run on this data root to finish (default 60), then refuse.",
 )
 @click.option("--quiet", is_flag=True, help="Print only the summary line.")
+@json_option
 @click.pass_context
 def publish(
     ctx: click.Context,
@@ -87,6 +101,7 @@ def publish(
     adopt: tuple[str, ...],
     lock_wait: float | None,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Turn the newest predictions snapshot into risk tiers through the action policy
     (hysteresis, cooldown, circuit breaker), apply them to the scheduler unless in dry run, and
@@ -114,8 +129,12 @@ def publish(
     if adopt:
         if target != "slurm":
             raise click.UsageError("--adopt goes with --to slurm (only Slurm drains can be orphaned)")
-        for line in adopt_drains(store, options.publisher, list(adopt), lock_wait_s=wait):
-            click.echo(f"publish (slurm): {line}")
+        lines = adopt_drains(store, options.publisher, list(adopt), lock_wait_s=wait)
+        report(
+            as_json,
+            "\n".join(f"publish (slurm): {line}" for line in lines),
+            {"command": "publish --adopt", "target": target, "nodes": list(adopt), "results": lines},
+        )
         return
     if reset_breaker:
         with publish_lock(store, wait):
@@ -123,7 +142,18 @@ def publish(
             was = state.breaker
             write_policy_state(store, name, closed_breaker(state))
         status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
-        click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
+        report(
+            as_json,
+            f"publish ({target}): circuit breaker reset; it {status} -> {where}",
+            {
+                "command": "publish --reset-breaker",
+                "target": target,
+                "was_open": was.tripped,
+                "tripped_at": was.tripped_at if was.tripped else None,
+                "reason": was.reason if was.tripped else None,
+                "state": where,
+            },
+        )
         return
     snapshot = newest_snapshot(store)
     if snapshot is None:
@@ -131,28 +161,73 @@ def publish(
     outcome, path = publish_latest(store, snapshot.frame, options, lock_wait_s=wait)
     for notice in outcome.notices:
         click.echo(f"publish ({target}): note: {notice}", err=True)
-    if not quiet:
-        for row in outcome.rows:
-            if row.action != "keep" or row.result != "unchanged":
-                click.echo(
-                    f"  {row.node:<14} risk {row.risk:.3f}  {row.previous_tier} -> {row.tier:<15} {row.action:<13} {row.result}"
-                )
-    counts = Counter(r.action for r in outcome.rows)
-    tiers = Counter(r.tier for r in outcome.rows if r.tier != "none")
-    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[mode]
-    breaker = (
-        "; circuit breaker OPEN"
-        if outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in outcome.rows)
-        else ""
+    facts = publish_facts(outcome, snapshot.key, target, mode, path)
+    lines = [] if quiet else [_decision_line(d) for d in facts["decisions"]]
+    report(as_json, "\n".join([*lines, publish_line(facts)]), facts)
+
+
+NOT_ACTED = ("skip", "breaker_held", "cooldown_held")
+"""Decisions that leave a node as it is for a reason the operator should see (an operator's
+drain, a node the scheduler does not know, the cooldown, the circuit breaker)."""
+
+
+def publish_facts(outcome: Any, key: Any, target: str, mode: str, audit_path: str) -> dict[str, Any]:
+    """`gpufail publish --json`: the run's counts, and each decision that changed something or
+    left a node alone for a reason (`NOT_ACTED`), with that reason."""
+    rows = outcome.rows
+    decisions = [
+        {
+            "node": r.node,
+            "cluster": r.cluster,
+            "risk": r.risk,
+            "previous_tier": r.previous_tier,
+            "tier": r.tier,
+            "action": r.action,
+            "result": r.result,
+            "reason": r.reason,
+        }
+        for r in rows
+        if r.action != "keep" or r.result != "unchanged"
+    ]
+    return {
+        "command": "publish",
+        "mode": mode,
+        "target": target,
+        "snapshot": {"ts": key.ts, "model_version": key.model_version},
+        "nodes": len(rows),
+        "actions": dict(sorted(Counter(r.action for r in rows).items())),
+        "tiers": dict(sorted(Counter(r.tier for r in rows if r.tier != "none").items())),
+        "breaker_open": outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in rows),
+        "scheduler_error": outcome.scheduler_error or None,
+        "decisions": decisions,
+        "not_acted": [
+            {k: d[k] for k in ("node", "cluster", "action", "reason")} for d in decisions if d["action"] in NOT_ACTED
+        ],
+        "audit": audit_path,
+    }
+
+
+def _decision_line(d: dict[str, Any]) -> str:
+    why = f"  ({d['reason']})" if d["action"] in NOT_ACTED else ""
+    return (
+        f"  {d['node']:<14} risk {d['risk']:.3f}  {d['previous_tier']} -> {d['tier']:<15} {d['action']:<13} "
+        f"{d['result']}{why}"
     )
-    unreachable = f"; scheduler unreachable: {outcome.scheduler_error}" if outcome.scheduler_error else ""
-    click.echo(
-        f"publish ({label}, {target}): {len(outcome.rows)} nodes of the snapshot at "
-        f"{snapshot.key.ts:%Y-%m-%d %H:%M}Z (model {snapshot.key.model_version}); "
-        + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+
+
+def publish_line(f: dict[str, Any]) -> str:
+    """The summary line of `gpufail publish`, from the facts its `--json` prints."""
+    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[f["mode"]]
+    breaker = "; circuit breaker OPEN" if f["breaker_open"] else ""
+    unreachable = f"; scheduler unreachable: {f['scheduler_error']}" if f["scheduler_error"] else ""
+    snap = f["snapshot"]
+    return (
+        f"publish ({label}, {f['target']}): {f['nodes']} nodes of the snapshot at "
+        f"{snap['ts']:%Y-%m-%d %H:%M}Z (model {snap['model_version']}); "
+        + ", ".join(f"{n} {a}" for a, n in f["actions"].items())
         + "; tiers: "
-        + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")
-        + f"{breaker}{unreachable} -> {path}"
+        + (", ".join(f"{n} {t}" for t, n in f["tiers"].items()) or "none")
+        + f"{breaker}{unreachable} -> {f['audit']}"
     )
 
 
