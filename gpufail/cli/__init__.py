@@ -43,6 +43,7 @@ for command in (
     models.evaluate,
     models.summary,
     serving.score,
+    serving.at_risk,
     serving.publish,
     serving.serve,
     operations.nightly,

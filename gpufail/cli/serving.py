@@ -290,3 +290,106 @@ def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[A
         backoff_s=ml.backoff.total_seconds(),
     )
     return create_app(options, source), f"the champion of {ml.model_name!r} at {ml.tracking_uri}"
+
+
+@click.command("at-risk")
+@data_option
+@click.option(
+    "--url",
+    default=None,
+    help="Ask a running `gpufail serve` at this base URL instead of reading the data root, with the token in "
+    "the [serve] read_token_env (else admin_token_env) variable.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="How many GPUs, riskiest first."
+)
+@json_option
+@click.pass_context
+def at_risk(ctx: click.Context, data: str | None, url: str | None, limit: int, as_json: bool) -> None:
+    """The riskiest GPUs: node, GPU, risk, tier and the features that drive it, from the newest
+    predictions snapshot of the data root (`gpufail score`), or from a server with --url."""
+    from serving.web.views import EXPLAINED
+
+    settings = settings_of(ctx)
+    if url is not None:
+        if data is not None:
+            raise click.UsageError("--url and --data: give one (the server reads its own data root)")
+        answer = _server_at_risk(settings, url, limit, EXPLAINED)
+        source = url
+    else:
+        from ingest.store import Store
+        from serving.at_risk import snapshot_at_risk
+
+        store = Store.open(data_root(ctx, data))
+        answer = snapshot_at_risk(store, settings.publish.policy_config(), top=limit, top_features=EXPLAINED)
+        source = answer.pop("source")
+    report(as_json, at_risk_table(answer, source), {"command": "at-risk", "source": source, **answer})
+
+
+def _server_at_risk(settings: Settings, url: str, limit: int, top_features: int) -> dict[str, Any]:
+    """`GET /v1/gpus/at-risk` of the server at `url`; a one-line error when it does not answer."""
+    import os
+
+    import httpx
+
+    cfg = settings.serve
+    token = os.environ.get(cfg.read_token_env) or os.environ.get(cfg.admin_token_env)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    endpoint = url.rstrip("/") + "/v1/gpus/at-risk"
+    try:
+        response = httpx.get(endpoint, params={"top": limit, "top_features": top_features}, headers=headers, timeout=60)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise GpufailError(
+            f"--url {url}: no answer from {endpoint} ({exc}); expected a running `gpufail serve`"
+        ) from None
+    if response.status_code != 200:
+        try:
+            detail = str(response.json().get("detail", ""))
+        except ValueError:
+            detail = response.text[:200]
+        hint = f"; set {cfg.read_token_env} to a read token" if response.status_code in (401, 403) and not token else ""
+        raise GpufailError(
+            f"--url {url}: {endpoint} answered HTTP {response.status_code} {' '.join(detail.split())}{hint}"
+        )
+    try:
+        answer: dict[str, Any] = response.json()
+        answer["gpus"]
+    except (ValueError, KeyError, TypeError):
+        raise GpufailError(
+            f"--url {url}: {endpoint} did not answer an at-risk object; is it a `gpufail serve`?"
+        ) from None
+    return answer
+
+
+def at_risk_table(answer: dict[str, Any], source: str) -> str:
+    """The terminal table of `gpufail at-risk`, from the API's at-risk object."""
+    from serving.web.views import fmt_value
+
+    gpus = answer["gpus"]
+    head = (
+        f"at-risk: the {len(gpus)} riskiest of {answer['n_gpus']:,} GPUs at {answer['ts']} "
+        f"(model {answer['model_version']}) from {source}"
+    )
+    rows = [("rank", "node", "gpu", "risk", "tier", "node risk", "top features (value)")]
+    for g in gpus:
+        features = ", ".join(f"{e['feature']}={fmt_value(e['value'])}" for e in g["top_features"])
+        rows.append(
+            (
+                str(g["rank"]),
+                g["node"],
+                str(g["gpu_index"]),
+                f"{g['risk']:.3f}",
+                g["tier"],
+                f"{g['node_risk']:.3f}",
+                features,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    right = {0, 2, 3, 5}
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r[:-1], widths, strict=True)))
+        + "  "
+        + r[-1]
+        for r in rows
+    ]
+    return "\n".join([head, *(line.rstrip() for line in lines)])
