@@ -771,12 +771,14 @@ LOCAL_CONFIG = "gpufail.toml"
 
 
 def find_config(
-    path: str | Path | None, environ: Mapping[str, str], *, cwd: Path | None = None, system: Path = SYSTEM_CONFIG
+    path: str | Path | None, environ: Mapping[str, str], *, cwd: Path | None = None, system: Path | None = None
 ) -> tuple[Path | None, str]:
     """The configuration file to read and how it was found, first match wins: `--config`
     (`path`), then `$GPUFAIL_CONFIG`, then `./gpufail.toml`, then `system`; (None, "defaults")
     when there is none. A file named by `--config` or `$GPUFAIL_CONFIG` must exist; the other
-    two are read only where they exist."""
+    two are read only where they exist. `system` defaults to `SYSTEM_CONFIG`, looked up at
+    the call (tests point it at a folder of their own)."""
+    system = SYSTEM_CONFIG if system is None else system
     if path:
         return Path(path), "--config"
     if environ.get("GPUFAIL_CONFIG"):
@@ -794,7 +796,7 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     *,
     cwd: Path | None = None,
-    system: Path = SYSTEM_CONFIG,
+    system: Path | None = None,
 ) -> Settings:
     """Read the configuration file (if any, `find_config`) and the environment into one
     Settings object.
@@ -811,7 +813,7 @@ def load_settings_and_origins(
     environ: Mapping[str, str] | None = None,
     *,
     cwd: Path | None = None,
-    system: Path = SYSTEM_CONFIG,
+    system: Path | None = None,
 ) -> tuple[Settings, _Origins]:
     """`load_settings`, and where each setting came from (for `gpufail config show`)."""
     environ = os.environ if environ is None else environ
