@@ -359,3 +359,26 @@ def test_at_risk_from_a_server_uses_the_read_token(tmp_path):
         server.stop()
     gone = CliRunner().invoke(cli, ["at-risk", "--url", server.url])
     assert "no answer from" in str(gone.exception)
+
+
+def test_shell_completion_completes_the_new_commands():
+    """docs/cli.md: `_GPUFAIL_COMPLETE=bash_source gpufail` gives the script; the script asks
+    the same variable with `bash_complete` for the words."""
+    import os
+    import subprocess
+    import sys
+
+    gpufail_bin = Path(sys.executable).parent / "gpufail"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    script = subprocess.run(
+        [gpufail_bin], env={**env, "_GPUFAIL_COMPLETE": "bash_source"}, capture_output=True, text=True, timeout=60
+    )
+    assert script.returncode == 0 and "_gpufail_completion()" in script.stdout
+    words = subprocess.run(
+        [gpufail_bin],
+        env={**env, "_GPUFAIL_COMPLETE": "bash_complete", "COMP_WORDS": "gpufail config ", "COMP_CWORD": "2"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert words.stdout.split() == ["plain,show"]
