@@ -39,26 +39,27 @@ def snapshot_at_risk(store: Store, tiers: PolicyConfig, *, top: int, top_feature
     node_risk = chosen["node_risk"].to_numpy(dtype=np.float64)
     names = _top_feature_names(chosen, top_features)
     values = _feature_values(store, snapshot.key.ts, chosen["gpu_uuid"].tolist(), names)
+    records: list[dict[Any, Any]] = chosen.to_dict("records")
     gpus = [
         {
-            "gpu_uuid": str(row.gpu_uuid),
-            "cluster": str(row.cluster),
-            "node": str(row.node),
-            "gpu_index": int(row.gpu_index),
-            "ts": pd.Timestamp(row.ts).isoformat(),
-            "risk": float(row.risk),
+            "gpu_uuid": str(row["gpu_uuid"]),
+            "cluster": str(row["cluster"]),
+            "node": str(row["node"]),
+            "gpu_index": int(row["gpu_index"]),
+            "ts": pd.Timestamp(row["ts"]).isoformat(),
+            "risk": float(row["risk"]),
             "rank": i + 1,
-            "fleet_rank": int(row.rank),
+            "fleet_rank": int(row["rank"]),
             "tier": str(tier),
-            "node_risk": float(row.node_risk),
+            "node_risk": float(row["node_risk"]),
             "node_tier": str(node_tier),
             "top_features": [
-                {"feature": f, "value": values.get((str(row.gpu_uuid), f)), "contribution": None} for f in features
+                {"feature": f, "value": values.get((str(row["gpu_uuid"]), f)), "contribution": None} for f in features
             ],
-            "model_version": str(row.model_version),
+            "model_version": str(row["model_version"]),
         }
         for i, (row, tier, node_tier, features) in enumerate(
-            zip(chosen.itertuples(), tiers.entered_tiers(risk), tiers.entered_tiers(node_risk), names, strict=True)
+            zip(records, tiers.entered_tiers(risk), tiers.entered_tiers(node_risk), names, strict=True)
         )
     ]
     return {

@@ -171,7 +171,7 @@ NOT_ACTED = ("skip", "breaker_held", "cooldown_held")
 drain, a node the scheduler does not know, the cooldown, the circuit breaker)."""
 
 
-def publish_facts(outcome: Any, key: Any, target: str, mode: str, audit_path: str) -> dict[str, Any]:
+def publish_facts(outcome: Any, key: Any, target: str, mode: str, audit_path: str | None) -> dict[str, Any]:
     """`gpufail publish --json`: the run's counts, and each decision that changed something or
     left a node alone for a reason (`NOT_ACTED`), with that reason."""
     rows = outcome.rows
