@@ -2,8 +2,9 @@
 
 Precedence, highest first: environment (`GPUFAIL_<TABLE>__<KEY>`, e.g.
 `GPUFAIL_LABELS__HORIZON=12h`), the TOML file (the first of `--config`, `$GPUFAIL_CONFIG`,
-`./gpufail.toml`, `/etc/gpufail/gpufail.toml`: `find_config`), the defaults below. `gpufail.example.toml` at the repository root documents every key; a test
-keeps it identical to these defaults.
+`./gpufail.toml`, `/etc/gpufail/gpufail.toml`: `find_config`), the defaults below.
+`gpufail.example.toml` at the repository root documents every key; a test keeps it identical
+to these defaults.
 
 Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
 nothing here runs at import time, and no other package imports this module. `Settings` turns
