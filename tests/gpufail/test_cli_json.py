@@ -382,3 +382,48 @@ def test_shell_completion_completes_the_new_commands():
         timeout=60,
     )
     assert words.stdout.split() == ["plain,show"]
+
+
+def test_at_risk_refuses_a_url_with_a_data_root_and_a_server_that_is_not_gpufail(tmp_path):
+    import http.server
+    import threading
+
+    both = CliRunner().invoke(cli, ["at-risk", "--url", "http://127.0.0.1:9", "--data", str(tmp_path)])
+    assert both.exit_code == 2 and "--url and --data: give one" in both.output
+
+    class NotGpufail(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotGpufail)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        result = CliRunner().invoke(cli, ["at-risk", "--url", url])
+        assert "did not answer an at-risk object" in str(result.exception)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_snapshot_at_risk_wants_at_least_one_gpu(scored):
+    from gpufail.config import PublishSettings
+    from ingest.errors import InputError
+    from serving.at_risk import snapshot_at_risk
+
+    tiers = PublishSettings().policy_config()
+    with pytest.raises(InputError, match="top: expected at least 1 GPU, got 0"):
+        snapshot_at_risk(Store.open(str(scored / "data")), tiers, top=0)
+
+
+def test_features_json_with_the_dictionary_on_stdout_is_refused():
+    result = CliRunner().invoke(cli, ["features", "--dictionary", "-", "--json"])
+    assert result.exit_code == 2 and "--json needs --dictionary FILE" in result.output

@@ -127,3 +127,9 @@ def test_the_cli_falls_back_to_the_system_file(places):
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[0] == f"config file: {places['system']} (system)"
     assert f'cluster = "system"  # file {places["system"]}' in result.stdout.splitlines()
+
+
+def test_a_url_that_cannot_be_parsed_is_masked_whole():
+    from gpufail.config_show import masked
+
+    assert masked("mlflow", "tracking_uri", "http://user:pw@[::1") == MASK
