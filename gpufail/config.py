@@ -1,9 +1,10 @@
 """Configuration: one TOML file with a table per stage, overridable by environment variables.
 
 Precedence, highest first: environment (`GPUFAIL_<TABLE>__<KEY>`, e.g.
-`GPUFAIL_LABELS__HORIZON=12h`), the TOML file given with `--config` (or `GPUFAIL_CONFIG`),
-the defaults below. `gpufail.example.toml` at the repository root documents every key; a test
-keeps it identical to these defaults.
+`GPUFAIL_LABELS__HORIZON=12h`), the TOML file (the first of `--config`, `$GPUFAIL_CONFIG`,
+`./gpufail.toml`, `/etc/gpufail/gpufail.toml`: `find_config`), the defaults below.
+`gpufail.example.toml` at the repository root documents every key; a test keeps it identical
+to these defaults.
 
 Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
 nothing here runs at import time, and no other package imports this module. `Settings` turns
@@ -834,22 +835,72 @@ SECRET_ENV_SUFFIXES = ("_TOKEN", "_SECRET")
 that settings refer to by name; they are not `GPUFAIL_<TABLE>__<KEY>` overrides."""
 
 
-def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the configuration file (if any) and the environment into one Settings object.
+SYSTEM_CONFIG = Path("/etc/gpufail/gpufail.toml")
+"""The configuration file of the machine, read when no other is named or found (docs/cli.md)."""
+LOCAL_CONFIG = "gpufail.toml"
+"""The configuration file of the current directory, read before the machine's."""
+
+
+def find_config(
+    path: str | Path | None, environ: Mapping[str, str], *, cwd: Path | None = None, system: Path | None = None
+) -> tuple[Path | None, str]:
+    """The configuration file to read and how it was found, first match wins: `--config`
+    (`path`), then `$GPUFAIL_CONFIG`, then `./gpufail.toml`, then `system`; (None, "defaults")
+    when there is none. A file named by `--config` or `$GPUFAIL_CONFIG` must exist; the other
+    two are read only where they exist. `system` defaults to `SYSTEM_CONFIG`, looked up at
+    the call (tests point it at a folder of their own)."""
+    system = SYSTEM_CONFIG if system is None else system
+    if path:
+        return Path(path), "--config"
+    if environ.get("GPUFAIL_CONFIG"):
+        return Path(environ["GPUFAIL_CONFIG"]), "GPUFAIL_CONFIG"
+    local = (Path.cwd() if cwd is None else cwd) / LOCAL_CONFIG
+    if local.is_file():
+        return local, "current directory"
+    if system.is_file():
+        return system, "system"
+    return None, "defaults"
+
+
+def load_settings(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+    system: Path | None = None,
+) -> Settings:
+    """Read the configuration file (if any, `find_config`) and the environment into one
+    Settings object.
 
     Every value is checked here, before any command runs: types, ranges, units, and that the
     grid, the windows and the horizon fit together. An error is one line naming the file or
     environment variable, the table and key, what was received and what was expected.
     """
+    return load_settings_and_origins(path, environ, cwd=cwd, system=system)[0]
+
+
+def load_settings_and_origins(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+    system: Path | None = None,
+) -> tuple[Settings, _Origins]:
+    """`load_settings`, and where each setting came from (for `gpufail config show`)."""
     environ = os.environ if environ is None else environ
-    named_by = "" if path else " (GPUFAIL_CONFIG)"
-    path = path or environ.get("GPUFAIL_CONFIG")
-    data = _read_file(Path(path), f"config file {path}{named_by}") if path else {}
-    origins = _Origins(str(path) if path else None, {(t, k) for t, v in data.items() if isinstance(v, dict) for k in v})
+    found, how = find_config(path, environ, cwd=cwd, system=system)
+    named_by = " (GPUFAIL_CONFIG)" if how == "GPUFAIL_CONFIG" else ""
+    data = _read_file(found, f"config file {found}{named_by}") if found else {}
+    origins = _Origins(
+        str(found) if found else None, {(t, k) for t, v in data.items() if isinstance(v, dict) for k in v}
+    )
+    origins.found_by = how
     for name, table, key, value in _env_overrides(environ):
         section = data.setdefault(table, {})
         if not isinstance(section, dict):
-            raise ConfigError(_printable(f"config file {path}: [{table}] must be a table (it is overridden by {name})"))
+            raise ConfigError(
+                _printable(f"config file {found}: [{table}] must be a table (it is overridden by {name})")
+            )
         section[key] = value
         origins.env[(table, key)] = name
     try:
@@ -859,7 +910,7 @@ def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | N
     problems = _inconsistencies(settings, origins)
     if problems:
         raise ConfigError(_printable("; ".join(problems)))
-    return settings
+    return settings, origins
 
 
 def _read_file(path: Path, where: str) -> dict[str, Any]:
@@ -932,6 +983,8 @@ class _Origins:
         self.path = path
         self.file_keys = file_keys
         self.env: dict[tuple[str, str], str] = {}
+        self.found_by = "defaults"
+        """How the file was found (`find_config`)."""
 
     def set_in(self, table: str, key: str) -> str:
         """` (set in config file c.toml)`, ` (set in environment variable ...)`, or nothing for a default."""

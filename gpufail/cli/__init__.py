@@ -24,7 +24,8 @@ from ingest.errors import GpufailError
     "config_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="TOML configuration file (default: $GPUFAIL_CONFIG, else built-in defaults).",
+    help="TOML configuration file (default: $GPUFAIL_CONFIG, else ./gpufail.toml, else /etc/gpufail/gpufail.toml, "
+    "else built-in defaults; `gpufail config show` says which).",
 )
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None) -> None:
@@ -43,11 +44,13 @@ for command in (
     models.evaluate,
     models.summary,
     serving.score,
+    serving.at_risk,
     serving.publish,
     serving.serve,
     operations.nightly,
     operations.mlflow_command,
     operations.bench,
+    operations.config,
 ):
     cli.add_command(command)
 

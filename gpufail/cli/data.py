@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gpufail.cli.options import data_option, data_root, settings_of, when
+from gpufail.cli.options import data_option, data_root, json_option, progress_echo, report, settings_of, when
 from ingest.errors import GpufailError
 
 
@@ -58,6 +58,7 @@ def ingest() -> None:
 @click.option(
     "--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw."
 )
+@json_option
 @click.argument("files", nargs=-1, type=click.Path())
 @click.pass_context
 def ingest_kernel_log(
@@ -66,6 +67,7 @@ def ingest_kernel_log(
     node: str | None,
     boot_time: str | None,
     tz: str | None,
+    as_json: bool,
     files: tuple[str, ...],
 ) -> None:
     """Parse NVRM/Xid kernel-log lines into the xid_events dataset.
@@ -94,15 +96,18 @@ def ingest_kernel_log(
         tz=tz,
         workers=settings.ingest_workers(),
     )
-    click.echo(f"kernel-log: {summary}")
+    report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
 
 
 @ingest.command("dcgm-exporter")
 @data_option
 @click.option("--node", default=None, help="Node name (default: each GPU's Hostname label).")
+@json_option
 @click.argument("sources", nargs=-1, required=True)
 @click.pass_context
-def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None, sources: tuple[str, ...]) -> None:
+def ingest_dcgm_exporter(
+    ctx: click.Context, data: str | None, node: str | None, as_json: bool, sources: tuple[str, ...]
+) -> None:
     """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
 
     SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
@@ -121,7 +126,16 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
     for table in tables:
         store.write("telemetry", table)
     rows = sum(table.num_rows for table in tables)
-    click.echo(f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}")
+    report(
+        as_json,
+        f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}",
+        {
+            "command": "ingest dcgm-exporter",
+            "samples": rows,
+            "scrapes": len(sources),
+            "dataset": store.path("telemetry"),
+        },
+    )
 
 
 @ingest.command("nvidia-smi")
@@ -130,6 +144,7 @@ def ingest_dcgm_exporter(ctx: click.Context, data: str | None, node: str | None,
 @click.option("--time", "time_", default=None, help="Capture time (ISO) for output with no timestamp of its own.")
 @click.option("--tz", default=None, help="Time zone of nvidia-smi's local-time stamps (default: UTC).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@json_option
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.pass_context
 def ingest_nvidia_smi(
@@ -139,6 +154,7 @@ def ingest_nvidia_smi(
     time_: str | None,
     tz: str | None,
     quiet: bool,
+    as_json: bool,
     files: tuple[str, ...],
 ) -> None:
     """Import saved nvidia-smi output into the telemetry dataset.
@@ -160,15 +176,16 @@ def ingest_nvidia_smi(
         )
     except ValueError as exc:  # an unknown --tz
         raise click.BadParameter(str(exc), param_hint="'--tz'") from None
-    click.echo(f"nvidia-smi: {summary.line()}")
+    report(as_json, f"nvidia-smi: {summary.line()}", {"command": "ingest nvidia-smi", **vars(summary)})
 
 
 @ingest.command("table")
 @data_option
 @click.option("--map", "mapping_file", required=True, type=click.Path(dir_okay=False), help="TOML mapping file.")
+@json_option
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.pass_context
-def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: str) -> None:
+def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_json: bool, file: str) -> None:
     """Import another system's telemetry (CSV or Parquet), and optionally its failure and
     repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
     from ingest.store import Store
@@ -183,7 +200,7 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: 
         mapping_path=Path(mapping_file),
         cluster=settings_of(ctx).ingest.cluster,
     )
-    click.echo(f"table: {summary.line()}")
+    report(as_json, f"table: {summary.line()}", {"command": "ingest table", **vars(summary)})
 
 
 @click.command()
@@ -198,6 +215,7 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, file: 
     default=None,
     help='Serve /metrics, /healthz, /readyz on host:port; "" for none (default: [collect] listen).',
 )
+@json_option
 @click.pass_context
 def collect(
     ctx: click.Context,
@@ -208,6 +226,7 @@ def collect(
     max_runs: int | None,
     node: str | None,
     listen: str | None,
+    as_json: bool,
 ) -> None:
     """Run the live collectors (NVML, kernel log, dcgm-exporter) into the store until SIGTERM
     or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
@@ -223,9 +242,18 @@ def collect(
     options = settings_of(ctx).collect_options(node=node, sources=sources, interval=every, listen=listen)
     store = Store.create(data_root(ctx, data))
     with stop_on_signals(StopFlag()) as stop:
-        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=click.echo)
-    click.echo(f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}")
+        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=progress_echo(as_json))
     failed = summary.every_source_failed()
+    report(
+        as_json,
+        f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}",
+        {
+            "command": "collect",
+            "node": options.node,
+            **vars(summary),
+            "failed_sources": [{"source": n, "error": e} for n, e in failed],
+        },
+    )
     if failed:
         for name, error in failed:
             click.echo(f"collect: {name} failed: {error}", err=True)

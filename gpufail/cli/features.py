@@ -6,7 +6,16 @@ from pathlib import Path
 
 import click
 
-from gpufail.cli.options import dask_client, data_option, data_root, quiet_option, settings_of, when
+from gpufail.cli.options import (
+    dask_client,
+    data_option,
+    data_root,
+    json_option,
+    quiet_option,
+    report,
+    settings_of,
+    when,
+)
 from ingest.errors import GpufailError
 
 
@@ -23,6 +32,7 @@ from ingest.errors import GpufailError
     type=click.Path(dir_okay=False, writable=True),
     help="Write the feature dictionary (name, meaning, unit, window) as Markdown to this file ('-': stdout) and build nothing.",
 )
+@json_option
 @click.pass_context
 def features(
     ctx: click.Context,
@@ -32,6 +42,7 @@ def features(
     overwrite: bool,
     quiet: bool,
     dictionary_path: str | None,
+    as_json: bool,
 ) -> None:
     """Build sliding-window features and labels into the features dataset, with the [features]
     and [labels] settings (the dataset records them; a build with other settings rebuilds every
@@ -43,11 +54,17 @@ def features(
 
         text = dictionary_markdown(spec)
         if dictionary_path == "-":
+            if as_json:
+                raise click.UsageError("--json needs --dictionary FILE (with '-' the Markdown itself is stdout)")
             click.echo(text, nl=False)
         else:
             Path(dictionary_path).parent.mkdir(parents=True, exist_ok=True)
             Path(dictionary_path).write_text(text)
-            click.echo(f"feature dictionary -> {dictionary_path}")
+            report(
+                as_json,
+                f"feature dictionary -> {dictionary_path}",
+                {"command": "features --dictionary", "path": dictionary_path},
+            )
         return
     from ingest.store import Store
 
@@ -76,4 +93,4 @@ def features(
 
         options = settings.build_options(progress=not quiet)
         summary = build_features_from_store(store, spec, options, start=first, end=last, overwrite=overwrite)
-    click.echo(str(summary))
+    report(as_json, str(summary), {"command": "features", **vars(summary)})

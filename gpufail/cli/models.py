@@ -7,7 +7,16 @@ from typing import Any
 
 import click
 
-from gpufail.cli.options import dask_client, data_option, data_root, finite, quiet_option, settings_of
+from gpufail.cli.options import (
+    dask_client,
+    data_option,
+    data_root,
+    finite,
+    json_option,
+    quiet_option,
+    report,
+    settings_of,
+)
 from ingest.errors import GpufailError
 
 
@@ -94,8 +103,11 @@ def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
     help="Length of the walk-forward test period at the end of the data (default: [evaluate] test_days).",
 )
 @quiet_option
+@json_option
 @click.pass_context
-def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: float | None, quiet: bool) -> None:
+def evaluate(
+    ctx: click.Context, data: str | None, report_dir: str, test_days: float | None, quiet: bool, as_json: bool
+) -> None:
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
     from ingest.store import Store
@@ -128,37 +140,89 @@ def evaluate(ctx: click.Context, data: str | None, report_dir: str, test_days: f
         metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
     else:
         metrics = evaluate_walk_forward(frame, contenders, plan, **options)
-    report, _ = write_walk_forward_report(metrics, report_dir)
-    scores, claims = metrics["scores"], metrics["claims"]
-    click.echo(
-        f"precision@{metrics['top_k']} (daily mean): best {claims['best']} "
-        f"{claims['best_precision']:.3f}, random {scores['random']['by_k'][metrics['top_k']]['precision_daily_mean']:.3f}, "
-        + (f"rule {claims['rule_precision']:.3f}, " if "rule_precision" in claims else "")
-        + f"oracle {claims['oracle_precision']:.3f}; "
-        + _alarm_lines(metrics)[0]
-        + f" -> {report}"
+    metrics_path, report_path = write_walk_forward_report(metrics, report_dir)
+    facts = evaluate_facts(metrics, metrics_path, report_path)
+    report(as_json, evaluate_line(facts), facts)
+
+
+def evaluate_facts(metrics: dict[str, Any], metrics_path: Path, report_path: Path) -> dict[str, Any]:
+    """`gpufail evaluate --json`: the headline precisions at the top-k (daily mean), the primary
+    model's alarms at the headline budget, and the files."""
+    k, scores, claims = metrics["top_k"], metrics["scores"], metrics["claims"]
+    return {
+        "command": "evaluate",
+        "top_k": k,
+        "best": claims["best"],
+        "best_precision": claims["best_precision"],
+        "random_precision": scores["random"]["by_k"][k]["precision_daily_mean"],
+        "rule_precision": claims.get("rule_precision"),
+        "oracle_precision": claims["oracle_precision"],
+        "alarms": alarm_facts(metrics),
+        "metrics": str(metrics_path),
+        "report": str(report_path),
+    }
+
+
+def evaluate_line(f: dict[str, Any]) -> str:
+    return (
+        f"precision@{f['top_k']} (daily mean): best {f['best']} {f['best_precision']:.3f}, "
+        f"random {f['random_precision']:.3f}, "
+        + (f"rule {f['rule_precision']:.3f}, " if f["rule_precision"] is not None else "")
+        + f"oracle {f['oracle_precision']:.3f}; "
+        + (alarm_lines(f["alarms"])[0] + " " if f["alarms"] is not None else "")
+        + f"-> {f['metrics']}"
     )
 
 
-def _alarm_lines(metrics: dict[str, Any]) -> list[str]:
-    """What `gpufail evaluate` and `gpufail summary` say of the primary contender's alarms at
-    the headline budget, and of its calibrated risk."""
+def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The primary contender's alarms at the headline budget and its calibrated risk, as
+    `gpufail evaluate` and `gpufail summary` report them (None for a report written before
+    alarms were scored)."""
+    if "alarms" not in metrics:
+        return None
     budget = metrics["alarm_headline_budget"]
     name = metrics["primary"]
     point = metrics["alarms"]["by_budget"][f"{budget:g}"][name]
     calibration = metrics["calibration"][name]
-    high = calibration["high_risk"]
+    return {
+        "model": name,
+        "budget_per_1000_gpus_per_day": budget,
+        "long_horizon_h": metrics["alarms"]["rules"]["long_horizon_h"],
+        **{
+            key: point[key]
+            for key in (
+                "n_alarms",
+                "alarms_per_1000_gpu_days",
+                "precision",
+                "precision_long",
+                "recall",
+                "n_caught",
+                "n_failures",
+                "lead_time_h_median",
+            )
+        },
+        "calibration": {
+            "ece": calibration["ece"],
+            "brier": calibration["brier"],
+            "high_risk": calibration["high_risk"],
+        },
+        "ensemble_at_equal_volume": metrics["claims"].get("ensemble_at_equal_volume", {}),
+    }
+
+
+def alarm_lines(f: dict[str, Any]) -> list[str]:
+    """The lines of `alarm_facts`."""
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{100 * value:.1f}%"
 
-    lead = point["lead_time_h_median"]
+    lead, calibration = f["lead_time_h_median"], f["calibration"]
+    high = calibration["high_risk"]
     lines = [
-        f"{name} at {budget:g} alarms per 1,000 GPUs per day (threshold chosen before the test): "
-        f"{point['n_alarms']} alarms ({point['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), precision "
-        f"{pct(point['precision'])} within the horizon, {pct(point['precision_long'])} within "
-        f"{metrics['alarms']['rules']['long_horizon_h']:g} h, recall {pct(point['recall'])} "
-        f"({point['n_caught']} of {point['n_failures']} failures)"
+        f"{f['model']} at {f['budget_per_1000_gpus_per_day']:g} alarms per 1,000 GPUs per day (threshold chosen "
+        f"before the test): {f['n_alarms']} alarms ({f['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), "
+        f"precision {pct(f['precision'])} within the horizon, {pct(f['precision_long'])} within "
+        f"{f['long_horizon_h']:g} h, recall {pct(f['recall'])} ({f['n_caught']} of {f['n_failures']} failures)"
         + ("" if lead is None else f", median lead {lead:.1f} h"),
         f"calibrated risk on the test period: ECE {calibration['ece']:.4f}, Brier {calibration['brier']:.5f}; "
         f"rows at risk >= {high['level']:g}: {high['n_rows']}"
@@ -168,8 +232,9 @@ def _alarm_lines(metrics: dict[str, Any]) -> list[str]:
             else f", predicted {high['mean_risk']:.2f}, observed {high['observed_rate']:.2f} ({high['verdict']})"
         ),
     ]
-    verdicts = metrics["claims"].get("ensemble_at_equal_volume", {})
-    lines += [f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in verdicts.items()]
+    lines += [
+        f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in f["ensemble_at_equal_volume"].items()
+    ]
     return lines
 
 
@@ -182,8 +247,9 @@ def _alarm_lines(metrics: dict[str, Any]) -> list[str]:
     type=click.Path(file_okay=False),
     help="The folder `gpufail evaluate` wrote.",
 )
+@json_option
 @click.pass_context
-def summary(ctx: click.Context, data: str | None, report_dir: str) -> None:
+def summary(ctx: click.Context, data: str | None, report_dir: str, as_json: bool) -> None:
     """Print what the pipeline found and where its outputs are."""
     import json
 
@@ -195,33 +261,46 @@ def summary(ctx: click.Context, data: str | None, report_dir: str) -> None:
     if not metrics_path.exists():
         raise GpufailError(f"{metrics_path}: not found; run `gpufail evaluate --report {report_dir}` first")
     metrics = json.loads(metrics_path.read_text())
-    lines = [f"gpufail summary for {root}"]
-    if store.exists("failures"):
-        lines.append(f"  simulated failures (ground truth): {store.read('failures', columns=['ts']).num_rows}")
     xids = store.read("xid_events", columns=["xid", "repeat_count"])
-    lines.append(
-        f"  XID incidents parsed from kernel logs: {xids.num_rows:,} (from {sum(xids['repeat_count'].to_pylist()):,} lines)"
-    )
-    lines.extend("  " + line for line in _metric_lines(metrics))
-    lines.append(
-        f"  outputs: features {store.path('features')}, predictions {store.path('predictions')}, actions {store.path('actions')}, report {metrics_path.parent / 'report.md'}"
-    )
-    click.echo("\n".join(lines))
-
-
-def _metric_lines(metrics: dict[str, Any]) -> list[str]:
     k = metrics["top_k"]
-    scores = metrics["scores"]
-    model = scores["model"]
-    others = ", ".join(f"{name} {s['precision_at_k_pooled']:.3f}" for name, s in scores.items() if name != "model")
-    lines = [
-        f"held-out test period: {metrics['test']['start']} to {metrics['test']['end']} ({metrics['test']['n_gpus']} GPUs)",
+    model = metrics["scores"]["model"]
+    facts = {
+        "command": "summary",
+        "data": root,
+        "failures": store.read("failures", columns=["ts"]).num_rows if store.exists("failures") else None,
+        "xid_incidents": xids.num_rows,
+        "xid_lines": sum(xids["repeat_count"].to_pylist()),
+        "test": {key: metrics["test"][key] for key in ("start", "end", "n_gpus")},
+        "top_k": k,
+        "precision_at_k": {name: s["precision_at_k_pooled"] for name, s in metrics["scores"].items()},
+        "caught_at_k": model["n_caught_at_k"],
+        "episodes": model["n_episodes"],
+        "lead_time_h_median_at_k": model["lead_time_h_median_at_k"],
+        "alarms": alarm_facts(metrics),
+        "outputs": {
+            "features": store.path("features"),
+            "predictions": store.path("predictions"),
+            "actions": store.path("actions"),
+            "report": str(metrics_path.parent / "report.md"),
+        },
+    }
+    report(as_json, summary_text(facts), facts)
+
+
+def summary_text(f: dict[str, Any]) -> str:
+    """`gpufail summary`'s lines, from the facts its `--json` prints."""
+    k, test, precision, out = f["top_k"], f["test"], f["precision_at_k"], f["outputs"]
+    others = ", ".join(f"{name} {p:.3f}" for name, p in precision.items() if name != "model")
+    lines = [f"gpufail summary for {f['data']}"]
+    if f["failures"] is not None:
+        lines.append(f"  simulated failures (ground truth): {f['failures']}")
+    lines += [
+        f"  XID incidents parsed from kernel logs: {f['xid_incidents']:,} (from {f['xid_lines']:,} lines)",
+        f"  held-out test period: {test['start']} to {test['end']} ({test['n_gpus']} GPUs)",
+        *("  " + line for line in (alarm_lines(f["alarms"]) if f["alarms"] is not None else [])),
+        f"  ranking, precision@{k}: model {precision['model']:.3f} ({others})",
+        f"  failures caught in the top {k} before they happened: {f['caught_at_k']} of {f['episodes']}"
+        + (f", median lead {lead:.1f} h" if (lead := f["lead_time_h_median_at_k"]) is not None else ""),
+        f"  outputs: features {out['features']}, predictions {out['predictions']}, actions {out['actions']}, report {out['report']}",
     ]
-    if "alarms" in metrics:  # reports written before alarms were scored have none
-        lines += _alarm_lines(metrics)
-    return [
-        *lines,
-        f"ranking, precision@{k}: model {model['precision_at_k_pooled']:.3f} ({others})",
-        f"failures caught in the top {k} before they happened: {model['n_caught_at_k']} of {model['n_episodes']}"
-        + (f", median lead {lead:.1f} h" if (lead := model["lead_time_h_median_at_k"]) is not None else ""),
-    ]
+    return "\n".join(lines)

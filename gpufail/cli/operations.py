@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import click
 
-from gpufail.cli.options import data_option, data_root, settings_of
+from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
 
 
 @click.command()
@@ -86,3 +87,38 @@ def bench(out: str, paper: bool, days: int | None, work: str | None) -> None:
         with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as tmp:
             report = run_paper_bench(Path(out), Path(tmp), days=days) if paper else run_bench(Path(out), Path(tmp))
     click.echo(report.read_text())
+
+
+@click.group()
+def config() -> None:
+    """The configuration in effect (file discovery: docs/cli.md)."""
+
+
+@config.command("show")
+@json_option
+@click.pass_context
+def config_show(ctx: click.Context, as_json: bool) -> None:
+    """Print every setting in effect and where it came from (a file, an environment variable or
+    the default), with secrets masked."""
+    import os
+
+    from gpufail.config import load_settings_and_origins
+    from gpufail.config_show import effective_settings
+
+    settings, origins = load_settings_and_origins(ctx.find_root().params.get("config_path"), os.environ)
+    rows = effective_settings(settings, origins, os.environ)
+    facts = {
+        "command": "config show",
+        "file": origins.path,
+        "found_by": origins.found_by,
+        "settings": [vars(r) for r in rows],
+    }
+    lines = [f"config file: {origins.path or 'none'} ({origins.found_by})"]
+    table = None
+    for r in rows:
+        if r.table != table:
+            lines.append(f"[{r.table}]")
+            table = r.table
+        note = f"  ; {r.note}" if r.note else ""
+        lines.append(f"{r.key} = {json.dumps(r.value)}  # {r.source}{note}")
+    report(as_json, "\n".join(lines), facts)

@@ -67,3 +67,60 @@ def dask_client(settings: Settings) -> Any:
     return client_of(
         d.scheduler, n_workers=d.n_workers, threads_per_worker=d.threads_per_worker, connect_timeout=d.connect_timeout
     )
+
+
+def json_option(f: F) -> F:
+    """`--json`: print the command's one JSON object (docs/cli.md) instead of its text summary."""
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of the text (docs/cli.md)."
+    )(f)
+
+
+def report(as_json: bool, text: str, facts: Any) -> None:
+    """Print a command's result: `text` for people, or `facts` as one JSON object for scripts.
+    Both come from the same summary, so they cannot tell different stories."""
+    if as_json:
+        import json
+
+        click.echo(json.dumps(jsonable(facts), sort_keys=True, allow_nan=False))
+    else:
+        click.echo(text)
+
+
+def progress_echo(as_json: bool) -> Callable[[str], None]:
+    """Where a command's progress lines go: stdout for people, stderr under `--json` (stdout
+    then holds only the JSON object)."""
+    return (lambda line: click.echo(line, err=True)) if as_json else click.echo
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as plain JSON types: dataclasses as objects of their fields, times in ISO 8601,
+    paths as strings, tuples and sets as lists, non-finite numbers as null."""
+    import dataclasses
+    from datetime import date, timedelta
+    from pathlib import PurePath
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value) if isinstance(value, set | frozenset) else value
+        return [jsonable(v) for v in items]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, PurePath):
+        return str(value)
+    if hasattr(value, "item"):  # numpy and pandas scalars
+        return jsonable(value.item())
+    if hasattr(value, "isoformat"):  # pandas Timestamp
+        return value.isoformat()
+    return str(value)

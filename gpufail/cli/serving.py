@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpufail.cli.options import data_option, data_root, settings_of
+from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
 from ingest.errors import GpufailError
 
 if TYPE_CHECKING:
@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     type=click.Path(file_okay=False),
     help="A model folder written by `gpufail train`.",
 )
+@json_option
 @click.pass_context
-def score(ctx: click.Context, data: str | None, model_path: str) -> None:
+def score(ctx: click.Context, data: str | None, model_path: str, as_json: bool) -> None:
     """Score every GPU's latest grid time: the predictions snapshot of that grid time and model
     version (scoring them again replaces it). Refused when the features were built with other
     settings than the model's."""
@@ -38,11 +39,23 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     scored = score_store(Store.open(root), model)
     predictions = scored.predictions
     top = predictions.nsmallest(3, "rank")
-    riskiest = ", ".join(f"{r.node}/{r.gpu_index} {r.risk:.2f}" for r in top.itertuples())
+    facts = {
+        "command": "score",
+        "gpus": len(predictions),
+        "ts": predictions["ts"].max(),
+        "model_version": model.version,
+        "riskiest": [
+            {"node": r.node, "gpu_index": r.gpu_index, "gpu_uuid": r.gpu_uuid, "risk": r.risk} for r in top.itertuples()
+        ],
+        "replaced": scored.replaced,
+        "snapshot": scored.path,
+    }
+    riskiest = ", ".join(f"{r['node']}/{r['gpu_index']} {r['risk']:.2f}" for r in facts["riskiest"])
     again = "; replaced the earlier snapshot of this grid time and model" if scored.replaced else ""
-    click.echo(
-        f"scored {len(predictions):,} GPUs at {predictions['ts'].max():%Y-%m-%d %H:%M}; riskiest: {riskiest}"
-        f"{again} -> {scored.path}"
+    report(
+        as_json,
+        f"scored {len(predictions):,} GPUs at {facts['ts']:%Y-%m-%d %H:%M}; riskiest: {riskiest}{again} -> {scored.path}",
+        facts,
     )
 
 
@@ -76,6 +89,7 @@ def score(ctx: click.Context, data: str | None, model_path: str) -> None:
     help="Seconds to wait for another publish run on this data root to finish (default 60), then refuse.",
 )
 @click.option("--quiet", is_flag=True, help="Print only the summary line.")
+@json_option
 @click.pass_context
 def publish(
     ctx: click.Context,
@@ -87,6 +101,7 @@ def publish(
     adopt: tuple[str, ...],
     lock_wait: float | None,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Turn the newest predictions snapshot into risk tiers through the action policy
     (hysteresis, cooldown, circuit breaker), apply them to the scheduler unless in dry run, and
@@ -112,13 +127,28 @@ def publish(
     if adopt:
         if target != "slurm":
             raise click.UsageError("--adopt goes with --to slurm (only Slurm drains can be orphaned)")
-        for line in adopt_drains(store, options.publisher, list(adopt), lock_wait_s=wait):
-            click.echo(f"publish (slurm): {line}")
+        lines = adopt_drains(store, options.publisher, list(adopt), lock_wait_s=wait)
+        report(
+            as_json,
+            "\n".join(f"publish (slurm): {line}" for line in lines),
+            {"command": "publish --adopt", "target": target, "nodes": list(adopt), "results": lines},
+        )
         return
     if reset_breaker:
         was = update_policy_state(store, name, closed_breaker, wait).breaker
         status = f"was open since {was.tripped_at:%Y-%m-%d %H:%M}Z ({was.reason})" if was.tripped else "was closed"
-        click.echo(f"publish ({target}): circuit breaker reset; it {status} -> {where}")
+        report(
+            as_json,
+            f"publish ({target}): circuit breaker reset; it {status} -> {where}",
+            {
+                "command": "publish --reset-breaker",
+                "target": target,
+                "was_open": was.tripped,
+                "tripped_at": was.tripped_at if was.tripped else None,
+                "reason": was.reason if was.tripped else None,
+                "state": where,
+            },
+        )
         return
     snapshot = newest_snapshot(store)
     if snapshot is None:
@@ -126,28 +156,73 @@ def publish(
     outcome, path = publish_latest(store, snapshot.frame, options, lock_wait_s=wait)
     for notice in outcome.notices:
         click.echo(f"publish ({target}): note: {notice}", err=True)
-    if not quiet:
-        for row in outcome.rows:
-            if row.action != "keep" or row.result != "unchanged":
-                click.echo(
-                    f"  {row.node:<14} risk {row.risk:.3f}  {row.previous_tier} -> {row.tier:<15} {row.action:<13} {row.result}"
-                )
-    counts = Counter(r.action for r in outcome.rows)
-    tiers = Counter(r.tier for r in outcome.rows if r.tier != "none")
-    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[mode]
-    breaker = (
-        "; circuit breaker OPEN"
-        if outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in outcome.rows)
-        else ""
+    facts = publish_facts(outcome, snapshot.key, target, mode, path)
+    lines = [] if quiet else [_decision_line(d) for d in facts["decisions"]]
+    report(as_json, "\n".join([*lines, publish_line(facts)]), facts)
+
+
+NOT_ACTED = ("skip", "breaker_held", "cooldown_held")
+"""Decisions that leave a node as it is for a reason the operator should see (an operator's
+drain, a node the scheduler does not know, the cooldown, the circuit breaker)."""
+
+
+def publish_facts(outcome: Any, key: Any, target: str, mode: str, audit_path: str | None) -> dict[str, Any]:
+    """`gpufail publish --json`: the run's counts, and each decision that changed something or
+    left a node alone for a reason (`NOT_ACTED`), with that reason."""
+    rows = outcome.rows
+    decisions = [
+        {
+            "node": r.node,
+            "cluster": r.cluster,
+            "risk": r.risk,
+            "previous_tier": r.previous_tier,
+            "tier": r.tier,
+            "action": r.action,
+            "result": r.result,
+            "reason": r.reason,
+        }
+        for r in rows
+        if r.action != "keep" or r.result != "unchanged"
+    ]
+    return {
+        "command": "publish",
+        "mode": mode,
+        "target": target,
+        "snapshot": {"ts": key.ts, "model_version": key.model_version},
+        "nodes": len(rows),
+        "actions": dict(sorted(Counter(r.action for r in rows).items())),
+        "tiers": dict(sorted(Counter(r.tier for r in rows if r.tier != "none").items())),
+        "breaker_open": outcome.state.breaker.tripped or any(r.action == "breaker_held" for r in rows),
+        "scheduler_error": outcome.scheduler_error or None,
+        "decisions": decisions,
+        "not_acted": [
+            {k: d[k] for k in ("node", "cluster", "action", "reason")} for d in decisions if d["action"] in NOT_ACTED
+        ],
+        "audit": audit_path,
+    }
+
+
+def _decision_line(d: dict[str, Any]) -> str:
+    why = f"  ({d['reason']})" if d["action"] in NOT_ACTED else ""
+    return (
+        f"  {d['node']:<14} risk {d['risk']:.3f}  {d['previous_tier']} -> {d['tier']:<15} {d['action']:<13} "
+        f"{d['result']}{why}"
     )
-    unreachable = f"; scheduler unreachable: {outcome.scheduler_error}" if outcome.scheduler_error else ""
-    click.echo(
-        f"publish ({label}, {target}): {len(outcome.rows)} nodes of the snapshot at "
-        f"{snapshot.key.ts:%Y-%m-%d %H:%M}Z (model {snapshot.key.model_version}); "
-        + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+
+
+def publish_line(f: dict[str, Any]) -> str:
+    """The summary line of `gpufail publish`, from the facts its `--json` prints."""
+    label = {"dry-run": "dry run", "shadow": "shadow", "live": "live"}[f["mode"]]
+    breaker = "; circuit breaker OPEN" if f["breaker_open"] else ""
+    unreachable = f"; scheduler unreachable: {f['scheduler_error']}" if f["scheduler_error"] else ""
+    snap = f["snapshot"]
+    return (
+        f"publish ({label}, {f['target']}): {f['nodes']} nodes of the snapshot at "
+        f"{snap['ts']:%Y-%m-%d %H:%M}Z (model {snap['model_version']}); "
+        + ", ".join(f"{n} {a}" for a, n in f["actions"].items())
         + "; tiers: "
-        + (", ".join(f"{n} {t}" for t, n in sorted(tiers.items())) or "none")
-        + f"{breaker}{unreachable} -> {path}"
+        + (", ".join(f"{n} {t}" for t, n in f["tiers"].items()) or "none")
+        + f"{breaker}{unreachable} -> {f['audit']}"
     )
 
 
@@ -210,3 +285,106 @@ def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[A
         backoff_s=ml.backoff.total_seconds(),
     )
     return create_app(options, source), f"the champion of {ml.model_name!r} at {ml.tracking_uri}"
+
+
+@click.command("at-risk")
+@data_option
+@click.option(
+    "--url",
+    default=None,
+    help="Ask a running `gpufail serve` at this base URL instead of reading the data root, with the token in "
+    "the [serve] read_token_env (else admin_token_env) variable.",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=20, show_default=True, help="How many GPUs, riskiest first."
+)
+@json_option
+@click.pass_context
+def at_risk(ctx: click.Context, data: str | None, url: str | None, limit: int, as_json: bool) -> None:
+    """The riskiest GPUs: node, GPU, risk, tier and the features that drive it, from the newest
+    predictions snapshot of the data root (`gpufail score`), or from a server with --url."""
+    from serving.web.views import EXPLAINED
+
+    settings = settings_of(ctx)
+    if url is not None:
+        if data is not None:
+            raise click.UsageError("--url and --data: give one (the server reads its own data root)")
+        answer = _server_at_risk(settings, url, limit, EXPLAINED)
+        source = url
+    else:
+        from ingest.store import Store
+        from serving.at_risk import snapshot_at_risk
+
+        store = Store.open(data_root(ctx, data))
+        answer = snapshot_at_risk(store, settings.publish.policy_config(), top=limit, top_features=EXPLAINED)
+        source = answer.pop("source")
+    report(as_json, at_risk_table(answer, source), {"command": "at-risk", "source": source, **answer})
+
+
+def _server_at_risk(settings: Settings, url: str, limit: int, top_features: int) -> dict[str, Any]:
+    """`GET /v1/gpus/at-risk` of the server at `url`; a one-line error when it does not answer."""
+    import os
+
+    import httpx
+
+    cfg = settings.serve
+    token = os.environ.get(cfg.read_token_env) or os.environ.get(cfg.admin_token_env)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    endpoint = url.rstrip("/") + "/v1/gpus/at-risk"
+    try:
+        response = httpx.get(endpoint, params={"top": limit, "top_features": top_features}, headers=headers, timeout=60)
+    except (httpx.HTTPError, ValueError) as exc:
+        raise GpufailError(
+            f"--url {url}: no answer from {endpoint} ({exc}); expected a running `gpufail serve`"
+        ) from None
+    if response.status_code != 200:
+        try:
+            detail = str(response.json().get("detail", ""))
+        except ValueError:
+            detail = response.text[:200]
+        hint = f"; set {cfg.read_token_env} to a read token" if response.status_code in (401, 403) and not token else ""
+        raise GpufailError(
+            f"--url {url}: {endpoint} answered HTTP {response.status_code} {' '.join(detail.split())}{hint}"
+        )
+    try:
+        answer: dict[str, Any] = response.json()
+        answer["gpus"]
+    except (ValueError, KeyError, TypeError):
+        raise GpufailError(
+            f"--url {url}: {endpoint} did not answer an at-risk object; is it a `gpufail serve`?"
+        ) from None
+    return answer
+
+
+def at_risk_table(answer: dict[str, Any], source: str) -> str:
+    """The terminal table of `gpufail at-risk`, from the API's at-risk object."""
+    from serving.web.views import fmt_value
+
+    gpus = answer["gpus"]
+    head = (
+        f"at-risk: the {len(gpus)} riskiest of {answer['n_gpus']:,} GPUs at {answer['ts']} "
+        f"(model {answer['model_version']}) from {source}"
+    )
+    rows = [("rank", "node", "gpu", "risk", "tier", "node risk", "top features (value)")]
+    for g in gpus:
+        features = ", ".join(f"{e['feature']}={fmt_value(e['value'])}" for e in g["top_features"])
+        rows.append(
+            (
+                str(g["rank"]),
+                g["node"],
+                str(g["gpu_index"]),
+                f"{g['risk']:.3f}",
+                g["tier"],
+                f"{g['node_risk']:.3f}",
+                features,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    right = {0, 2, 3, 5}
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r[:-1], widths, strict=True)))
+        + "  "
+        + r[-1]
+        for r in rows
+    ]
+    return "\n".join([head, *(line.rstrip() for line in lines)])
