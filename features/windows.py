@@ -62,7 +62,7 @@ from ingest.schema import metric_catalogue
 GPU = "gpu_uuid"
 HOUR_US = 3_600_000_000
 # polars 2 runs lazy queries on the streaming engine by default; for these in-memory frames the
-# in-memory engine was ~2x faster (features.bench, 1M rows).
+# in-memory engine was ~2x faster (benchmarks.feature_build, 1M rows).
 ENGINE: Literal["in-memory"] = "in-memory"
 
 # Identity columns carried per bucket (the latest value in the bucket).

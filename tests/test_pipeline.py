@@ -4,20 +4,18 @@ simulate -> ingest kernel-log -> features -> train -> evaluate -> score -> publi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import polars as pl
 import pytest
 
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail
 
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 
-
-def gpufail(*args: str) -> str:
-    result = subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, timeout=600)
+def run(*args: str) -> str:
+    """`gpufail ARGS`, which must succeed; its output."""
+    result = gpufail(*args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -28,16 +26,14 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     out = tmp_path / "out"
     simulate(data, "demo", seed=3, progress=False, nodes=12, days=24, sample_interval_s=900, acceleration=80.0)
 
-    assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
-    assert "features:" in gpufail("features", "--data", str(data), "--quiet")
-    assert "trained lightgbm" in gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
+    assert "0 rejected lines" in run("ingest", "kernel-log", "--data", str(data))
+    assert "features:" in run("features", "--data", str(data), "--quiet")
+    assert "trained lightgbm" in run("train", "--data", str(data), "--model-out", str(out / "model"))
     assert_train_reads_its_window_and_fits_what_all_history_gives(data, out / "model")
-    assert "precision@10" in gpufail(
-        "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6"
-    )
-    scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
-    published = gpufail("publish", "--data", str(data), "--dry-run")
-    summary = gpufail("summary", "--data", str(data), "--report", str(out / "report"))
+    assert "precision@10" in run("evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6")
+    scored = run("score", "--data", str(data), "--model", str(out / "model"))
+    published = run("publish", "--data", str(data), "--dry-run")
+    summary = run("summary", "--data", str(data), "--report", str(out / "report"))
 
     store = Store.open(str(data))
     predictions = pl.from_arrow(store.read_owned("predictions"))
@@ -62,12 +58,10 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
 def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):
     data = tmp_path / "fleet"
     simulate(data, "demo", seed=1, progress=False, nodes=2, days=2, sample_interval_s=3600)
-    result = subprocess.run(
-        [*GPUFAIL, "train", "--data", str(data), "--model-out", str(tmp_path / "m")], capture_output=True, text=True
-    )
+    result = gpufail("train", "--data", str(data), "--model-out", str(tmp_path / "m"))
     assert result.returncode == 2
     assert "the features dataset is empty; run `gpufail features" in result.stderr
-    result = subprocess.run([*GPUFAIL, "publish", "--data", str(data), "--dry-run"], capture_output=True, text=True)
+    result = gpufail("publish", "--data", str(data), "--dry-run")
     assert result.returncode == 2
     assert "no predictions; run `gpufail score` first" in result.stderr
 

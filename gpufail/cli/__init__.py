@@ -11,6 +11,7 @@ cause (`GpufailError`) print as one line and exit with status 2.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import click
 
@@ -47,14 +48,15 @@ for command in (
     serving.serve,
     operations.nightly,
     operations.mlflow_command,
-    operations.bench,
 ):
     cli.add_command(command)
 
 
-def main() -> None:
+def main(args: Sequence[str] | None = None) -> None:
+    """Run `gpufail ARGS` (default: this process's command line). An error exits with one line on
+    stderr: status 2 for bad input (`GpufailError`, click's usage errors), 130 when aborted."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(args=None if args is None else list(args), prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
         click.echo(f"gpufail: error: {exc}", err=True)
         sys.exit(2)

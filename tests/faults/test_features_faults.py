@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import read_features
 from ingest.store import Store
 

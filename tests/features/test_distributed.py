@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import FeaturesExistError, build_features, feature_files, read_features
 from features.distributed import build_features_distributed
 from features.shards import node_groups

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.schema import feature_columns
 from features.spec import FeatureSpec

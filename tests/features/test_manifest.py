@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
 from features.manifest import recorded_spec
 from features.spec import FeatureSpec, FeatureSpecMismatch

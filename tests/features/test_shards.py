@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features

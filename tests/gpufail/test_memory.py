@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from features.bench import synthetic_telemetry, synthetic_xids
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import build_features, features_shape, write_features
 from gpufail.memory import EVALUATE_BYTES_PER_VALUE, available_bytes, check_evaluate_fits
 from ingest.errors import InputError

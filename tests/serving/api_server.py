@@ -39,7 +39,7 @@ SPEC = FeatureSpec(lost_after=None)
 @cache
 def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(telemetry, xid_events, features) of a 24-GPU, 60-hour fleet (5-minute samples)."""
-    from features.bench import synthetic_telemetry, synthetic_xids
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
     from features.build import build_features
 
     tel = synthetic_telemetry(N_GPUS, HOURS, interval=timedelta(minutes=5), start=START, seed=11)
