@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import read_features
 from ingest.store import Store
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 pytestmark = pytest.mark.slow
 

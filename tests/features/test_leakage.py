@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.schema import feature_columns
 from features.spec import FeatureSpec
 from ingest.xid_catalog import default_failure_xids
 from tests.features import T0, H
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 WINDOWS = [H, 6 * H, 24 * H]
 

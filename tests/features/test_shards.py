@@ -10,7 +10,6 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
@@ -19,6 +18,7 @@ from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
 from ingest.store import Store
 from tests.features import T0, H, store_of
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 WINDOWS = [H, 6 * H, 24 * H]
 

@@ -55,10 +55,10 @@ def test_the_cli_reports_an_unreachable_scheduler(tmp_path):
 def test_features_and_train_run_on_the_configured_cluster(tmp_path):
     import polars as pl
 
-    from tests.synthetic import synthetic_telemetry, synthetic_xids
     from features.build import read_features
     from ingest.store import Store
     from tests.features import T0
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
 
     tel = synthetic_telemetry(16, 72, seed=3, start=T0)
     store = Store.create(str(tmp_path / "data"))

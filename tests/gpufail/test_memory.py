@@ -6,11 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.synthetic import synthetic_telemetry, synthetic_xids
 from features.build import build_features, features_shape, write_features
 from gpufail.memory import EVALUATE_BYTES_PER_VALUE, available_bytes, check_evaluate_fits
 from ingest.errors import InputError
 from ingest.store import Store
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 GB = 10**9
 

@@ -39,8 +39,8 @@ SPEC = FeatureSpec(lost_after=None)
 @cache
 def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(telemetry, xid_events, features) of a 24-GPU, 60-hour fleet (5-minute samples)."""
-    from tests.synthetic import synthetic_telemetry, synthetic_xids
     from features.build import build_features
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
 
     tel = synthetic_telemetry(N_GPUS, HOURS, interval=timedelta(minutes=5), start=START, seed=11)
     # Only XIDs that are not failures, so every GPU stays in service to the last grid time.
