@@ -8,7 +8,6 @@ clean build, every file must read, and the manifest must name exactly the files 
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from polars.testing import assert_frame_equal
 
 from features.build import read_features
 from ingest.store import Store
+from tests.cli import gpufail, gpufail_env
 from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 pytestmark = pytest.mark.slow
@@ -69,18 +69,6 @@ main()
 """
 
 
-def features_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """`gpufail ARGS` in this process; returns the exit status."""
-    from gpufail.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    try:
-        main()
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
-
-
 @pytest.fixture(scope="module")
 def telemetry_store(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fleet") / "data"
@@ -110,11 +98,9 @@ def clean(telemetry_store, tmp_path_factory) -> tuple[pl.DataFrame, int]:
         return write
 
     with pytest.MonkeyPatch.context() as mp:
-        for name, value in ENV.items():
-            mp.setenv(name, value)
         mp.setattr(features.build, "write_features", counted(features.build.write_features))
         mp.setattr(FeatureManifest, "_save", counted(FeatureManifest._save))
-        assert features_cli(["features", "--data", str(root), "--quiet"], mp) == 0
+        assert gpufail("features", "--data", str(root), "--quiet", env=ENV).returncode == 0
     return read_features(Store.open(str(root))), 2 * calls[0]
 
 
@@ -131,11 +117,11 @@ def test_the_points_are_those_of_a_clean_build(clean):
 
 
 @pytest.mark.parametrize("kill_at", kill_points())
-def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telemetry_store, tmp_path, monkeypatch):
+def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telemetry_store, tmp_path):
     expected, _ = clean
     root = tmp_path / "data"
     shutil.copytree(telemetry_store, root)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")} | ENV | {"KILL_AT": str(kill_at)}
+    env = gpufail_env(ENV | {"KILL_AT": str(kill_at)})
     killed = subprocess.run(
         [sys.executable, "-c", _CHILD, "features", "--data", str(root), "--quiet"],
         env=env,
@@ -145,11 +131,7 @@ def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telem
     )
     assert killed.returncode == -9, killed.stderr
 
-    for name in [n for n in os.environ if n.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
-    assert features_cli(["features", "--data", str(root), "--quiet"], monkeypatch) == 0
+    assert gpufail("features", "--data", str(root), "--quiet", env=ENV).returncode == 0
 
     store = Store.open(str(root))
     rows = read_features(store)
@@ -161,4 +143,4 @@ def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(kill_at, clean, telem
     listed = {f for day in store.read_state("features")["days"].values() for f in day["files"]}
     assert {str(Path(f).relative_to(store.path("features"))) for f in files} == listed
     # A second rerun has nothing left to do and says what is there.
-    assert features_cli(["features", "--data", str(root), "--quiet"], monkeypatch) == 2
+    assert gpufail("features", "--data", str(root), "--quiet", env=ENV).returncode == 2

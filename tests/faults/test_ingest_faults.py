@@ -6,7 +6,6 @@ stray file, and any failure is one line naming the path, never a traceback."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -23,6 +22,7 @@ import pytest
 
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail, gpufail_env
 from tests.faults.mounts import fill_leaving, free_bytes, remount, tmpfs
 
 SEED = 20260105
@@ -111,25 +111,7 @@ def run_child(root: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
 
 
 def child_env(kill_at: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
-    return {**env, "FAULT_BATCH": str(BATCH), "FAULT_KILL_AT": str(kill_at)}
-
-
-def gpufail(*args: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
-    """Run the `gpufail` command line in this process: (exit status, stdout, stderr)."""
-    from gpufail.cli import main
-
-    for name in [k for k in os.environ if k.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    capsys.readouterr()
-    try:
-        main()
-        status = 0
-    except SystemExit as exc:
-        status = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+    return gpufail_env({"FAULT_BATCH": str(BATCH), "FAULT_KILL_AT": str(kill_at)})
 
 
 def xid_rows(root: Path) -> pl.DataFrame:
@@ -163,8 +145,6 @@ def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rng = random.Random(SEED)
     points = sorted(rng.sample(range(1, clean.ops + 1), KILLS))
@@ -184,7 +164,8 @@ def test_kill_9_at_random_points_then_a_rerun_gives_the_rows_of_a_clean_run(
     with ThreadPoolExecutor(max_workers=2) as pool:
         roots = list(pool.map(kill, range(KILLS)))
     for kill_at, root in zip(points, roots, strict=True):
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("ingest", "kernel-log", "--data", str(root))
+        status, _, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, f"kill point {kill_at}: {err}"
         assert_same_rows(root, clean.rows)
         assert_whole_and_tidy(root)
@@ -196,8 +177,6 @@ def test_kill_9_from_outside_while_files_are_being_written(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # As an operator would: SIGKILL at a moment, not at a chosen operation.
     rng = random.Random(SEED + 1)
@@ -212,7 +191,8 @@ def test_kill_9_from_outside_while_files_are_being_written(
         time.sleep(rng.uniform(0, 0.2))
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("ingest", "kernel-log", "--data", str(root))
+        status, _, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, err
         assert_same_rows(root, clean.rows)
         assert_whole_and_tidy(root)
@@ -222,7 +202,6 @@ def test_a_full_disk_then_space_freed_and_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import ingest.kernel_log_ingest as module
@@ -233,35 +212,32 @@ def test_a_full_disk_then_space_freed_and_a_rerun_gives_the_rows_of_a_clean_run(
         # What a clean run adds to the disk, in the file system's own accounting.
         root = copy_root(fleet, disk / "root")
         before = free_bytes(disk)
-        assert gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+        assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
         needed = before - free_bytes(disk)
         for fraction in (0.0, 0.15, 0.35, 0.55, 0.75, 0.95):
             shutil.rmtree(root)
             root = copy_root(fleet, disk / "root")
             filler = fill_leaving(disk, int(needed * fraction))
-            status, _, err = gpufail(
-                "ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch
-            )
+            ran = gpufail("ingest", "kernel-log", "--data", str(root))
+            status, _, err = ran.returncode, ran.stdout, ran.stderr
             assert status == 2, f"{fraction:.0%} of the space needed: {err}"
             assert_one_line_error(err, root, "No space left on device")
             assert "free space there and run again" in err
             filler.unlink()
-            status, _, err = gpufail(
-                "ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch
-            )
+            ran = gpufail("ingest", "kernel-log", "--data", str(root))
+            status, _, err = ran.returncode, ran.stdout, ran.stderr
             assert status == 0, err
             assert_same_rows(root, clean.rows)
             assert_whole_and_tidy(root)
 
 
-def test_a_read_only_store_is_one_line_naming_the_path(
-    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_read_only_store_is_one_line_naming_the_path(fleet: Path, tmp_path: Path) -> None:
     source_bytes = sum(p.stat().st_size for p in fleet.rglob("*") if p.is_file())
     with tmpfs(tmp_path / "disk", source_bytes + (4 << 20)) as disk:
         root = copy_root(fleet, disk / "root")
         remount(disk, "ro")
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("ingest", "kernel-log", "--data", str(root))
+        status, _, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 2
         assert_one_line_error(err, root, "Read-only file system")
         remount(disk, "rw")
@@ -271,17 +247,16 @@ def test_a_copied_or_moved_data_root_re_reads_nothing(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first = copy_root(fleet, tmp_path / "first")
-    assert gpufail("ingest", "kernel-log", "--data", str(first), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+    assert gpufail("ingest", "kernel-log", "--data", str(first)).returncode == 0
     copied = copy_root(first, tmp_path / "copied")
     moved = tmp_path / "elsewhere" / "moved"
     moved.parent.mkdir()
     first.rename(moved)
     for root in (copied, moved):
-        status, out, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("ingest", "kernel-log", "--data", str(root))
+        status, out, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, err
         assert "-> 0 incidents" in out
         assert_same_rows(root, clean.rows)
@@ -291,15 +266,14 @@ def test_a_state_of_the_old_format_is_understood_in_place_and_in_a_copy(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     root = copy_root(fleet, tmp_path / "root")
-    assert gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
     write_version_1_state(root)
     copied = copy_root(root, tmp_path / "copied")
     for where in (root, copied):
-        status, out, err = gpufail("ingest", "kernel-log", "--data", str(where), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("ingest", "kernel-log", "--data", str(where))
+        status, out, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, err
         assert "-> 0 incidents" in out
         assert_same_rows(where, clean.rows)
