@@ -5,7 +5,6 @@ Makefile, CI and the Dockerfile install from the one lock."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -14,15 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cli import GPUFAIL, gpufail_env
 from tests.deploy.installs import as_installed, closure
 
 ROOT = Path(__file__).parents[2]
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 XID_LINE = "2026-01-01T00:00:00+00:00 gpu-node-017 kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus.\n"
 
 
 def run(cmd, env, **kwargs):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_") and k != "PYTHONPATH"}
+    base = {k: v for k, v in gpufail_env().items() if k != "PYTHONPATH"}
     return subprocess.run(cmd, env=base | env, capture_output=True, text=True, timeout=300, **kwargs)
 
 

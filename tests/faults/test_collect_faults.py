@@ -9,11 +9,9 @@ twice; after the last run it must equal the clean run, row for row."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -23,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.store import Store
+from tests.cli import GPUFAIL, gpufail_env
 
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 SEED = 25
 KILLS = 12
 LINES = 8_000
@@ -63,7 +61,7 @@ def collect_command(root: Path) -> list[str]:
 
 
 def environment(log: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env = gpufail_env()
     env.update(
         GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
         GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),

@@ -24,6 +24,7 @@ from ingest.simulator.run import simulate
 from ingest.store import Store
 from models.registry import Registry, load_champion
 from models.train import TrainOptions
+from tests.cli import GPUFAIL, gpufail, gpufail_env
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -319,22 +320,18 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
         "GPUFAIL_NIGHTLY__PRECISION_FLOOR": "0.0",
         "GPUFAIL_NIGHTLY__PARAMS": '{"n_estimators": 20}',
     }
-    import os
-
-    env = {**os.environ, **env_base}
-    cmd = [sys.executable, "-c", "from gpufail.cli import main; main()", "nightly", "--data", str(data), "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    args = ["nightly", "--data", str(data), "--quiet"]
+    done = gpufail(*args, env=env_base)
     assert done.returncode == 0, done.stderr
     assert "promoted" in done.stdout and "scored" in done.stdout
     actions = pl.from_arrow(Store.open(str(data)).read_owned("actions"))
     assert actions["dry_run"].all()
 
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS))  # no new day: already complete
-    assert "already complete" in subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
+    assert "already complete" in gpufail(*args, env=env_base).stdout
 
     (data / "telemetry" / f"date={first_day(fleet) + timedelta(days=FLEET_DAYS)}").mkdir()  # a new, empty day
-    down = {**env, "GPUFAIL_MLFLOW__TRACKING_URI": "http://127.0.0.1:9"}
-    failed = subprocess.run(cmd, capture_output=True, text=True, env=down, timeout=600)
+    failed = gpufail(*args, env=env_base | {"GPUFAIL_MLFLOW__TRACKING_URI": "http://127.0.0.1:9"})
     assert failed.returncode == 2
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("gpufail: error: nightly ") and "unreachable" in last
@@ -356,7 +353,6 @@ main()
 
 
 def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server, fleet, tmp_path):
-    import os
 
     from mlflow.entities import LoggedModelStatus
 
@@ -365,15 +361,17 @@ def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server
     experiment = f"test-nightly-{name}"
     data = tmp_path / "data"
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")} | {
-        "GPUFAIL_MLFLOW__TRACKING_URI": url,
-        "GPUFAIL_MLFLOW__MODEL_NAME": name,
-        "GPUFAIL_MLFLOW__EXPERIMENT": experiment,
-        "GPUFAIL_MLFLOW__RETRIES": "0",
-        "GPUFAIL_MODEL__TRAIN_WINDOW": "10d",
-        "GPUFAIL_NIGHTLY__PRECISION_FLOOR": "0.0",
-        "GPUFAIL_NIGHTLY__PARAMS": '{"n_estimators": 20}',
-    }
+    env = gpufail_env(
+        {
+            "GPUFAIL_MLFLOW__TRACKING_URI": url,
+            "GPUFAIL_MLFLOW__MODEL_NAME": name,
+            "GPUFAIL_MLFLOW__EXPERIMENT": experiment,
+            "GPUFAIL_MLFLOW__RETRIES": "0",
+            "GPUFAIL_MODEL__TRAIN_WINDOW": "10d",
+            "GPUFAIL_NIGHTLY__PRECISION_FLOOR": "0.0",
+            "GPUFAIL_NIGHTLY__PARAMS": '{"n_estimators": 20}',
+        }
+    )
     args = ["nightly", "--data", str(data), "--quiet"]
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_WHILE_LOGGING_THE_MODEL, *args],
@@ -388,7 +386,7 @@ def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server
     state = Store.open(str(data)).read_state("nightly")
     assert "register" not in state["steps"] and state["register_run_id"] == stuck.info.run_id
 
-    cmd = [sys.executable, "-c", "from gpufail.cli import main; main()", *args]
+    cmd = [*GPUFAIL, *args]
     resumed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert f"register: finished MLflow run {stuck.info.run_id}, left RUNNING by an interrupted run" in resumed.stdout

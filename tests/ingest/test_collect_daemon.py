@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -35,13 +34,13 @@ from ingest.collect.daemon import (
 )
 from ingest.errors import InputError, StoreError
 from ingest.store import Store
+from tests.cli import GPUFAIL, gpufail_env
 from tests.conftest import make_rows
 from tests.fake_nvml.build import NoCompiler, build_fake_nvml
 from tests.fake_nvml.scenario import scenario_from_capture
 from tests.fakes import FakeClock
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 SCRAPE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
 
 
@@ -353,7 +352,7 @@ def syslog_line(i: int) -> str:
 
 
 def collect_env(log: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env = gpufail_env()
     env.update(
         GPUFAIL_COLLECT__KERNEL_LOG_SOURCE="files",
         GPUFAIL_COLLECT__KERNEL_LOG_PATHS=json.dumps([str(log)]),

@@ -5,7 +5,6 @@ store (built once per session through the real CLI), within a time budget."""
 from __future__ import annotations
 
 import base64
-import os
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from nbclient.exceptions import CellExecutionError
 from gpufail.cli import cli
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail_env
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -123,7 +123,7 @@ def small_store(tmp_path_factory) -> tuple[Path, Path]:
 def _execute(notebook: nbformat.NotebookNode, data: Path, config: Path | None) -> None:
     """Run `notebook` in a fresh kernel of this interpreter, from the notebooks folder, with
     the data root and configuration in its environment (not in this process's)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env = gpufail_env()
     env["GPUFAIL_STORE__ROOT"] = str(data)
     if config is not None:
         env["GPUFAIL_CONFIG"] = str(config)
