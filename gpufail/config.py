@@ -5,7 +5,7 @@ Precedence, highest first: environment (`GPUFAIL_<TABLE>__<KEY>`, e.g.
 the defaults below. `gpufail.example.toml` at the repository root documents every key; a test
 keeps it identical to these defaults.
 
-Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
+Settings are read once, in the CLI, and passed down as plain values:
 nothing here runs at import time, and no other package imports this module. `Settings` turns
 its tables into the option objects the packages take (`feature_spec`, `build_options`,
 `train_options`, `publish_options`, `serve_options`, `nightly_options`, ...), so that the

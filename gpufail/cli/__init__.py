@@ -1,7 +1,7 @@
 """`gpufail`: the one command-line tool. Cron, the Makefile and people use the same commands.
 
-Each command reads its inputs, calls one function, writes, and prints a one-line summary
-(CONVENTIONS.md 9). The commands live in one module per group (`data`: bring data in;
+Each command reads its inputs, calls one function, writes, and prints a one-line summary:
+cron, the Makefile and people use the same commands. The commands live in one module per group (`data`: bring data in;
 `features`; `models`: train and judge; `serving`: score and act; `operations`: the nightly job
 and tools), and take their option objects from the settings (`gpufail.config.Settings`). Heavy
 libraries are imported inside the commands so `gpufail --help` stays fast. Errors a user can

@@ -1,6 +1,6 @@
 """No leakage: appending telemetry or XID events after time t never changes a feature at t.
 
-The most important property of the feature builder (ARCHITECTURE.md "Time"): a model trained on
+The most important property of the feature builder (docs/features.md): a model trained on
 features that peeked past t looks good offline and fails in production. Each test builds once on
 the data up to t0 and once on everything, and compares the feature columns of every row with
 ts <= t0 exactly (labels may differ: they are about the future by definition). The last test
