@@ -195,10 +195,12 @@ def build(root: Path, n_gpus: int, days: int) -> tuple[Any, float]:
     write_history(store, Snapshot(served, latest, fleet), days)
 
     class Fixed:
-        """A model or features source that always has the same one (nothing to reload)."""
+        """A model or features source that always has the same one (nothing to reload), from
+        the data root (which messages name)."""
 
         def __init__(self, value: Any) -> None:
             self.value = value
+            self.root = str(root)
 
         def fingerprint(self) -> str:
             return "bench"
