@@ -10,14 +10,12 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from click.testing import CliRunner
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from gpufail.cli import cli
 from ingest.simulator.run import simulate
 from ingest.store import Store
-from tests.cli import gpufail_env
+from tests.cli import gpufail, gpufail_env
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -105,7 +103,6 @@ def small_store(tmp_path_factory) -> tuple[Path, Path]:
     data, config = base / "fleet", base / "gpufail.toml"
     config.write_text(CONFIG)
     simulate(data, "demo", seed=3, progress=False, **FLEET)
-    runner = CliRunner()
     steps = [
         ["ingest", "kernel-log"],
         ["features", "--quiet"],
@@ -115,8 +112,8 @@ def small_store(tmp_path_factory) -> tuple[Path, Path]:
         ["publish", "--to", "log", "--dry-run"],
     ]
     for step in steps:
-        result = runner.invoke(cli, ["--config", str(config), *step, "--data", str(data)])
-        assert result.exit_code == 0, f"gpufail {' '.join(step)}: {result.output}\n{result.exception!r}"
+        result = gpufail("--config", str(config), *step, "--data", str(data))
+        assert result.returncode == 0, f"gpufail {' '.join(step)}: {result.stderr}"
     return data, config
 
 

@@ -14,6 +14,7 @@ from serving.locking import LockBusy, exclusive_lock
 from serving.predictions import newest_snapshot, write_snapshot
 from serving.publish import read_audit
 from serving.publishing import publish_latest, publish_lock_path, publish_mode
+from tests.cli import gpufail
 from tests.serving.test_predictions import scored
 
 SETTINGS = load_settings(None, environ={}).publish
@@ -128,9 +129,6 @@ def _raise(*args, **kwargs):
 
 
 def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_record_of_the_last_run(store):
-    from click.testing import CliRunner
-
-    from gpufail.cli import cli
     from serving.publishing import publish_lock
 
     _publish(store)
@@ -139,11 +137,10 @@ def test_reset_breaker_closes_it_under_the_lock_and_keeps_the_record_of_the_last
     store.write_state("publish-log", state)
     args = ["publish", "--data", store.root, "--to", "log", "--no-dry-run", "--reset-breaker", "--lock-wait", "0"]
     with publish_lock(store):
-        busy = CliRunner().invoke(cli, args)
-    assert busy.exit_code != 0 and "holds the lock" in str(busy.exception)
-    done = CliRunner().invoke(cli, args)
-    assert (
-        done.exit_code == 0 and "circuit breaker reset; it was open since 2026-01-06 00:00Z (too many)" in done.output
-    )
+        busy = gpufail(*args)
+    assert busy.returncode == 2 and "holds the lock" in busy.stderr
+    done = gpufail(*args)
+    assert done.returncode == 0, done.stderr
+    assert "circuit breaker reset; it was open since 2026-01-06 00:00Z (too many)" in done.stdout
     after = store.read_state("publish-log")
     assert after["breaker"]["tripped_at"] is None and after["audit"] == state["audit"] is not None
