@@ -34,7 +34,7 @@ from ingest.collect.daemon import (
 )
 from ingest.errors import InputError, StoreError
 from ingest.store import Store
-from tests.cli import GPUFAIL, gpufail_env
+from tests.cli import GPUFAIL, gpufail, gpufail_env
 from tests.conftest import make_rows
 from tests.fake_nvml.build import NoCompiler, build_fake_nvml
 from tests.fake_nvml.scenario import scenario_from_capture
@@ -521,12 +521,7 @@ def test_gpufail_collect_once_from_the_kernel_log_and_dcgm_exporter(tmp_path, ex
 
 
 def test_gpufail_collect_refuses_bad_arguments_in_one_line(tmp_path):
-    result = subprocess.run(
-        [*GPUFAIL, "collect", "--once", "--source", "smi", "--out", str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = gpufail("collect", "--once", "--source", "smi", "--out", str(tmp_path / "d"))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("gpufail: error: collector sources smi: unknown")
     assert len(result.stderr.strip().splitlines()) == 1
