@@ -163,6 +163,7 @@ def test_building_from_a_store_day_by_day_equals_building_in_memory(tmp_path, fl
     assert_frame_equal(read_features(store), stored, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
+@pytest.mark.slow
 def test_building_part_of_a_store(tmp_path, fleet):
     tel, events = fleet
     store = Store.create(str(tmp_path / "data"))
