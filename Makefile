@@ -12,7 +12,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint bench bench-paper lock clean mlflow notebooks serve
+.PHONY: help install demo test test-fast lint bench bench-paper lock clean mlflow notebooks serve
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -42,8 +42,11 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 		$(BIN)/gpufail publish --data $(DEMO_DATA) --to $$target --dry-run
 	$(BIN)/gpufail summary --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 
-test: $(STAMP) ## Run the test suite (no GPU, no ../shared needed)
+test: $(STAMP) ## Run the whole test suite, as CI does (no GPU, no ../shared needed)
 	$(BIN)/pytest -q
+
+test-fast: $(STAMP) ## The test suite without the tests marked slow (minutes less; `make test` before a merge)
+	$(BIN)/pytest -q -m "not slow"
 
 NOTEBOOKS_OUT ?= build/notebooks
 notebooks: $(STAMP) ## Run notebooks/*.ipynb on $(DEMO_DATA) (`make demo` first if needed) -> $(NOTEBOOKS_OUT)/*.html
@@ -63,10 +66,10 @@ serve: $(STAMP) ## Serve predictions on 127.0.0.1:8080 (the demo's model; SERVE_
 		$(BIN)/gpufail serve --data $(DEMO_DATA) $(if $(SERVE_MODEL),--model $(SERVE_MODEL))
 
 bench: $(STAMP) ## Time each demo stage (and peak memory) and the hot loops -> bench-results/
-	$(BIN)/gpufail bench --out bench-results
+	$(BIN)/python -m benchmarks --out bench-results
 
 bench-paper: $(STAMP) ## The paper preset (~31k GPUs, 120 days) stage by stage -> bench-results/bench-paper.md (PAPER_DAYS=30: shorter)
-	$(BIN)/gpufail bench --paper --out bench-results $(if $(PAPER_DAYS),--days $(PAPER_DAYS))
+	$(BIN)/python -m benchmarks --paper --out bench-results $(if $(PAPER_DAYS),--days $(PAPER_DAYS))
 
 lint: $(STAMP) ## ruff, mypy and the layer contract
 	$(BIN)/ruff check .

@@ -1,13 +1,13 @@
 """Resampling to the time grid and trailing-window features: pure functions of polars frames.
 
-Time (ARCHITECTURE.md "Time"). Scoring happens at grid times t (multiples of `grid` since the
+Time (docs/features.md). Scoring happens at grid times t (multiples of `grid` since the
 Unix epoch, UTC). The bucket labelled t holds the samples with `t - grid < ts <= t`: a sample
 exactly at t belongs to t, one at t + 1 us to t + grid. A window W at t is the `W / grid` buckets
 ending at t, i.e. the data in `(t - W, t]`. Nothing at t ever reads a timestamp after t, which is
 what `tests/features/test_leakage.py` checks.
 
-Pipeline (PERFORMANCE.md: aggregate raw samples to the grid first, then compute windows over
-buckets; that is ~60x fewer rows at one sample a minute):
+Pipeline (features are needed only at grid times, so aggregate raw samples to the grid first,
+then compute windows over buckets: ~60x fewer rows at one sample a minute):
 
 1. `hourly_aggregate` - raw samples -> one row per (gpu_uuid, bucket) with mergeable bucket
    statistics (count, mean, variance, max, min, last, counter increase, ...).
@@ -62,7 +62,7 @@ from ingest.schema import metric_catalogue
 GPU = "gpu_uuid"
 HOUR_US = 3_600_000_000
 # polars 2 runs lazy queries on the streaming engine by default; for these in-memory frames the
-# in-memory engine was ~2x faster (features.bench, 1M rows).
+# in-memory engine was ~2x faster (benchmarks.feature_build, 1M rows).
 ENGINE: Literal["in-memory"] = "in-memory"
 
 # Identity columns carried per bucket (the latest value in the bucket).
@@ -152,7 +152,7 @@ def grid_suffix(grid: timedelta) -> str:
 
 def _sorted_by_gpu_and_time(df: pl.DataFrame) -> pl.DataFrame:
     """`df` sorted by (gpu_uuid, ts) with a `_run` id per GPU. Telemetry is usually stored
-    sorted that way (PERFORMANCE.md), and checking is ~20x cheaper than sorting 30 columns."""
+    sorted that way (`ingest.store` writes it so), and checking is ~20x cheaper than sorting 30 columns."""
     df = df.with_columns(pl.col(GPU).rle_id().alias("_run"))
     run = pl.col("_run")
     ok = df.select(

@@ -9,12 +9,11 @@ def polars_allocator_settings(cores: int) -> str:
     Polars' own defaults hand freed memory back to the kernel within ~1.5 s (dirty 500 ms, muzzy
     1000 ms) and every allocation over 8 MiB at once, so the feature build, which allocates and
     frees columns of millions of values all the time, spent up to half its CPU time faulting
-    fresh pages in and zeroing them. On the 30-day paper store (`gpufail features`, 2 cores,
-    2026-11-25, README "Features and labels"): polars' defaults but oversize_threshold:0 399 s at
-    8.05 GB; freed pages kept 20 s as well 314 s at 9.67 GB (72M -> 23M page faults); the same with
-    one arena per core 311 s at 8.61 GB (the arenas reuse each other's pages less than threads
-    do their own arena's). One arena per core rather than jemalloc's four keeps that reuse on
-    bigger machines too."""
+    fresh pages in and zeroing them. Keeping freed pages 20 s cuts the page faults about threefold
+    and the build's time by about a fifth, for a higher peak; one arena per core takes back most
+    of that peak (the arenas reuse each other's pages less than threads do their own arena's) and,
+    rather than jemalloc's four, keeps that reuse on bigger machines too (docs/decisions.md; the
+    feature build's figures in docs/performance.md)."""
     return f"background_thread:true,oversize_threshold:0,dirty_decay_ms:20000,muzzy_decay_ms:0,narenas:{max(1, cores)}"
 
 

@@ -6,7 +6,7 @@ Precedence, highest first: environment (`GPUFAIL_<TABLE>__<KEY>`, e.g.
 `gpufail.example.toml` at the repository root documents every key; a test keeps it identical
 to these defaults.
 
-Settings are read once, in the CLI, and passed down as plain values (CONVENTIONS.md 8):
+Settings are read once, in the CLI, and passed down as plain values:
 nothing here runs at import time, and no other package imports this module. `Settings` turns
 its tables into the option objects the packages take (`feature_spec`, `build_options`,
 `train_options`, `walk_forward_plan`, `publish_options`, `serve_options`, `nightly_options`, ...), so that the
@@ -153,7 +153,7 @@ class ModelSettings(_Table):
     """...but at most this many healthy rows per failing row (`train` and `nightly`; a large
     number: no cap; `models.train.capped_negative_fraction`). On the paper fleet's 21-day
     window 10% of the healthy rows is ~70 per failing row; scored on the 3 days after it
-    (`python -m models.sample_bench`), 20 kept the hourly precision of the top 30 (0.552 against
+    (`python -m benchmarks.negative_caps`), 20 kept the hourly precision of the top 30 (0.552 against
     0.526 at 10%), lost ~0.02 of average precision (0.218 against 0.237, about one draw's
     noise) and retrained 2.6x faster. The demo's walk-forward evaluation draws ~15 per failing
     row (`[evaluate] negative_fraction` 0.05)."""

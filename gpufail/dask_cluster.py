@@ -1,7 +1,7 @@
 """The Dask client of a fleet-scale run: none (one machine), a LocalCluster, or a scheduler.
 
 The CLI opens it from the `[dask]` settings and passes it to `features.distributed` and
-`models.distributed`; nothing below the CLI creates clusters (CONVENTIONS.md 8: settings are
+`models.distributed`; nothing below the CLI creates clusters (settings are
 read once and passed down). A LocalCluster listens on 127.0.0.1 only and starts no dashboard,
 so a run on a laptop or a CI machine opens no port beyond loopback.
 """

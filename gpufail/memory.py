@@ -14,7 +14,7 @@ from ingest.errors import InputError
 EVALUATE_BYTES_PER_VALUE = 16
 """Memory per feature value while evaluate runs: a float32 (4 bytes) held about four times
 over (the polars frame, its pandas copy, the fit and scoring copies). Calibrated on the demo,
-whose 583k x 421 frame (0.98 GB) took evaluate to a 3.9 GB peak (`make bench`, 2026-11-22)."""
+whose 583k x 421 frame (0.98 GB) took evaluate to a 3.9 GB peak (`make bench`, docs/performance.md)."""
 
 _UNLIMITED = 1 << 60  # cgroup v1 writes a number near 2**63 for "no limit"
 

@@ -5,7 +5,7 @@ session with `start_server`. Any other tracking server is used by setting `[mlfl
 tracking_uri`; this module is then not involved.
 
 MLflow's file store refuses to run unless explicitly allowed, so the embedded default is
-SQLite (INFRA.md). Usage telemetry is switched off in the server's environment: these machines
+SQLite. Usage telemetry is switched off in the server's environment: these machines
 reach no network, and a user's machine should not report usage by surprise.
 """
 

@@ -1,6 +1,6 @@
 """XID events from kernel-log text, in every format the NVIDIA driver's lines reach us in.
 
-The driver prints one line per XID (DOMAIN.md 3):
+The driver prints one line per XID (docs/kernel-logs.md):
 
     NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
 

@@ -5,7 +5,7 @@ Read the lines of each file not ingested before, parse and deduplicate them
 (from the `telemetry` dataset of the same store, read once per run); then, in batches of
 files, write the rows and record how far each file was read.
 
-Never replay (DOMAIN.md 5, complaint 3). The state `_state/kernel_log_ingest.json` remembers,
+Never replay: old events replayed after a restart are a top complaint about existing tools. The state `_state/kernel_log_ingest.json` remembers,
 per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
 whose content is unchanged is skipped; a file that grew is read from where the last run
 stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped) is recognised by its

@@ -1,6 +1,6 @@
 """NVIDIA's XID catalogue and gpufail's grouping of XID codes into classes.
 
-Both are data files beside this module (CONVENTIONS.md 4): `xid_catalog.csv` is NVIDIA's
+Both are data files beside this module, not `if` chains: `xid_catalog.csv` is NVIDIA's
 table (mnemonic, description, recommended action), `xid_classes.csv` says which class a code
 belongs to and whether it ends a GPU's useful life by default. Which codes count as a failure
 is configuration (`[labels] failure_xids`); `default_failure_xids()` is its documented default.

@@ -1,5 +1,5 @@
-"""Parallel and cascade ensembles (Liu et al., DOMAIN.md 2), as scikit-learn estimators
-(CONVENTIONS.md 6: `__init__` stores parameters, `fit` validates and returns self, fitted parts
+"""Parallel and cascade ensembles (Liu et al., docs/evaluation.md), as scikit-learn estimators
+(`__init__` only stores parameters, `fit` validates and returns self, fitted parts
 end in `_`), so `clone`, pipelines and the save/load of `models.train` work on them.
 
 Both take the feature matrix of their members, optionally with one extra column,
@@ -8,7 +8,7 @@ Both take the feature matrix of their members, optionally with one extra column,
 - `ParallelEnsemble` ranks GPUs within each scoring time: many GPUs share a `ts`, and a GPU is
   compared only with the fleet at the same moment. Without the column, the rows passed to
   `predict_proba` are one scoring time.
-- `CascadeEnsemble` cuts its training rows into blocks of time (CONVENTIONS.md 7), so that
+- `CascadeEnsemble` cuts its training rows into blocks of time (`models.split`: many GPUs share a timestamp), so that
   its threshold and its second stage come from first-stage scores made out of fold. Without
   the column, rows are taken to be in time order.
 

@@ -1,5 +1,5 @@
 """Where a model comes from: a fingerprint of the datasets it was trained on and the version of
-the code that trained it, recorded with every training run (CONVENTIONS.md 10) so that a model
+the code that trained it, recorded with every training run (`models.registry`) so that a model
 can be traced back to its data and code."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MLflow model registry: the only link between training and serving (CONVENTIONS.md 10).
+"""The MLflow model registry: the only link between training and serving: serving loads by alias.
 
 A training run logs its parameters, data window, a fingerprint of the input datasets and the
 code version (`models.provenance`), the model libraries' versions, the metrics of the held-out

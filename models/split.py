@@ -1,4 +1,4 @@
-"""Time-based splits (CONVENTIONS.md 7).
+"""Time-based splits: by timestamp, never by row position.
 
 Many GPUs share each grid time, so a split by row position (scikit-learn's `TimeSeriesSplit`)
 would put one grid time on both sides. And a label at time t looks up to t + horizon into the

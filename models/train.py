@@ -13,7 +13,7 @@ divides out. The sample is drawn before the feature matrix is built, so a large 
 never materialised whole (the paper preset's 21-day window is ~18M rows).
 
 Pickles run code when loaded: load only model files you trust. They also break across
-library upgrades (DOMAIN.md 5, complaint 7), so `load_model` warns when the installed
+library upgrades (a known failure of other tools' pickled models), so `load_model` warns when the installed
 scikit-learn / LightGBM / XGBoost / numpy differ from the recorded ones.
 """
 

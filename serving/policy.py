@@ -28,7 +28,7 @@ Per node, on each call (`decide`):
   `breaker_max_fraction` of the fleet. Nodes are served riskiest first; when the budget runs
   out the breaker trips, and from then on no node is raised (tiers may still fall) until an
   operator resets it (`reset_breaker`). Mass drains after an XID flood or a bad model are the
-  top complaint about existing tools (DOMAIN.md 5).
+  top complaint about existing tools (NVSentinel, NHC).
 - **Unavailable nodes** (down, drained by an operator, unknown to the scheduler) are skipped:
   their tier is kept and they never use the breaker's budget.
 

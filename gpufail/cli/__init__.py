@@ -1,7 +1,7 @@
 """`gpufail`: the one command-line tool. Cron, the Makefile and people use the same commands.
 
-Each command reads its inputs, calls one function, writes, and prints a one-line summary
-(CONVENTIONS.md 9). The commands live in one module per group (`data`: bring data in;
+Each command reads its inputs, calls one function, writes, and prints a one-line summary:
+cron, the Makefile and people use the same commands. The commands live in one module per group (`data`: bring data in;
 `features`; `models`: train and judge; `serving`: score and act; `operations`: the nightly job
 and tools), and take their option objects from the settings (`gpufail.config.Settings`). Heavy
 libraries are imported inside the commands so `gpufail --help` stays fast. Errors a user can
@@ -11,6 +11,7 @@ cause (`GpufailError`) print as one line and exit with status 2.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import click
 
@@ -49,15 +50,16 @@ for command in (
     serving.serve,
     operations.nightly,
     operations.mlflow_command,
-    operations.bench,
     operations.config,
 ):
     cli.add_command(command)
 
 
-def main() -> None:
+def main(args: Sequence[str] | None = None) -> None:
+    """Run `gpufail ARGS` (default: this process's command line). An error exits with one line on
+    stderr: status 2 for bad input (`GpufailError`, click's usage errors), 130 when aborted."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(args=None if args is None else list(args), prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
         click.echo(f"gpufail: error: {exc}", err=True)
         sys.exit(2)

@@ -1,4 +1,4 @@
-"""Commands that run the system: the `nightly` job, the embedded `mlflow` server and `bench`."""
+"""Commands that run the system: the `nightly` job and the embedded `mlflow` server."""
 
 from __future__ import annotations
 
@@ -44,49 +44,6 @@ def mlflow_command(ctx: click.Context, home: str | None, port: int | None) -> No
     port = port or cfg.port
     click.echo(f"mlflow: serving {folder.resolve()} at {tracking_url(cfg.host, port)} (Ctrl-C stops it)")
     sys.exit(serve_forever(folder, host=cfg.host, port=port))
-
-
-@click.command()
-@click.option(
-    "--out",
-    default="bench-results",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Folder for bench.md and bench.json (bench-paper.md and bench-paper.json with --paper).",
-)
-@click.option(
-    "--paper",
-    is_flag=True,
-    help="Instead: the paper preset (~31k GPUs) end to end, stage by stage (tens of minutes, ~10 GB of disk a 100 days).",
-)
-@click.option(
-    "--days",
-    type=click.IntRange(min=10),
-    default=None,
-    help="With --paper: simulate this many days instead of the preset's 120.",
-)
-@click.option(
-    "--work",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="With --paper: keep the simulated store here (default: a temporary folder, removed after).",
-)
-def bench(out: str, paper: bool, days: int | None, work: str | None) -> None:
-    """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
-    --paper, the paper-scale pipeline."""
-    import tempfile
-
-    from gpufail.bench import run_bench
-    from gpufail.bench_paper import run_paper_bench
-
-    if not paper and (days is not None or work is not None):
-        raise click.UsageError("--days and --work go with --paper")
-    if paper and work is not None:
-        report = run_paper_bench(Path(out), Path(work), days=days)
-    else:
-        with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as tmp:
-            report = run_paper_bench(Path(out), Path(tmp), days=days) if paper else run_bench(Path(out), Path(tmp))
-    click.echo(report.read_text())
 
 
 @click.group()

@@ -4,7 +4,7 @@ A collector reads one source (NVML, the kernel log, a dcgm-exporter endpoint) on
 `collect()` and returns what it saw as Arrow tables keyed by the store dataset they belong to
 ("telemetry", "xid_events"). The daemon buffers those tables and flushes them to the store.
 
-Rules (CONVENTIONS.md 1-3):
+Rules:
 - "nothing to report" is an empty mapping or empty tables, never an error;
 - a vendor error (pynvml.NVMLError, an HTTP failure, an unreadable /dev/kmsg) is turned into
   one `CollectorError` at the collector boundary, with a message that says what failed and

@@ -5,7 +5,7 @@ The registry maps each source name to a factory, so the CLI and the config speak
 imported only when asked for.
 
 One tick calls every collector once. A collector that raises is recorded as a failed run
-(CONVENTIONS.md 2) and the others go on; every call, good or bad, becomes a `collector_runs`
+(collectors fail independently and say why) and the others go on; every call, good or bad, becomes a `collector_runs`
 row with its duration. A collector with a backlog (the kernel log after a flood or downtime)
 is read in pieces within the tick, the buffer flushed between them. Rows go to a
 `WriteBuffer`, flushed on its size/time policy through the store's journal `collect-<node>`

@@ -12,7 +12,7 @@ or interval boundary may take in lines up to two windows after its first, where 
 ingest would start a second row; every line is counted once either way), and floods cost
 memory per open incident, not per line.
 
-Never replay, never lose (DOMAIN.md 5): the collector stores nothing itself. Its `state()`
+Never replay, never lose: the collector stores nothing itself. Its `state()`
 (the source's cursor and the incidents still open) is committed by the daemon together with
 the rows it covers (the store's journal, `ingest.journal`), and handed back through
 `restore()` at the next start. Lines after the committed cursor are read again after a kill and give the same rows,

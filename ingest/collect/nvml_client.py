@@ -1,4 +1,4 @@
-"""The NVML calls the collector makes, behind a typed Protocol (CONVENTIONS.md 3).
+"""The NVML calls the collector makes, behind a typed Protocol, so that tests pass a fake and need no GPU.
 
 `PynvmlClient` is the real implementation over nvidia-ml-py (`import pynvml`); tests run it
 against a fake libnvidia-ml.so.1, and anything else that speaks this Protocol (a pure-Python

@@ -8,7 +8,7 @@ the per-device getters below. NVML's unit is turned into the column's unit by di
 `divisor` (mW -> W, bytes -> MiB, ns -> us). `zero_is_missing` marks readings where a 0 means
 "no sensor", as the dcgm-exporter path already treats them, so both sources agree.
 
-Kept as data (CONVENTIONS.md 4): a new counter is one CSV line, not new code.
+Kept as data: a new counter is one CSV line, not new code.
 """
 
 from __future__ import annotations

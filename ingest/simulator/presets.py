@@ -1,6 +1,6 @@
 """Simulator presets: every realism knob in one place, with where its value comes from.
 
-Calibration (DOMAIN.md section 1): Llama 3 saw about 1.2e-5 GPU-related failures per GPU-hour
+Calibration: Llama 3 saw about 1.2e-5 GPU-related failures per GPU-hour
 on 16,384 H100s. At that rate a 400-GPU fleet has about 7 failures in two months, too few to
 learn from, so each preset multiplies the hazard by an explicit `acceleration` factor; the
 simulator records the factor and the expected count in `simulation.json`, and tests check the

@@ -1,7 +1,7 @@
 """The Slurm publisher, through `scontrol` and `sinfo --json` run as subprocesses.
 
 Slurm 22.05 (Debian bookworm) has no `scontrol --json`, its slurmrestd cannot update nodes and
-there is no pyslurm for it, so the command-line tools are the interface (INFRA.md).
+there is no pyslurm for it, so the command-line tools are the interface.
 
 Tiers on a node:
 - `watch`: nothing (audit only);

@@ -5,7 +5,6 @@ Makefile, CI and the Dockerfile install from the one lock."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -14,15 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cli import GPUFAIL, gpufail_env
 from tests.deploy.installs import as_installed, closure
 
 ROOT = Path(__file__).parents[2]
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 XID_LINE = "2026-01-01T00:00:00+00:00 gpu-node-017 kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus.\n"
 
 
 def run(cmd, env, **kwargs):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_") and k != "PYTHONPATH"}
+    base = {k: v for k, v in gpufail_env().items() if k != "PYTHONPATH"}
     return subprocess.run(cmd, env=base | env, capture_output=True, text=True, timeout=300, **kwargs)
 
 
@@ -104,3 +103,25 @@ def test_make_ci_and_the_lock_cover_every_extra():
         closure(["collect", "serve", "train", "dev"]) - {canonicalize_name(n) for n in locked} - {"gpufail"}
     )
     assert missing == [], f"in pyproject.toml but not in requirements.lock (run make lock): {missing}"
+
+
+def test_the_wheel_holds_the_product_packages_and_no_benchmarks_or_tests(tmp_path):
+    """benchmarks/ and tests/ run from a checkout; the wheel (and so the images) leaves them out."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    skip = shutil.ignore_patterns("__pycache__", "fixtures", "*.egg-info")
+    for package in ("gpufail", "ingest", "features", "models", "serving", "benchmarks", "tests"):
+        shutil.copytree(ROOT / package, source / package, ignore=skip)
+    # Offline, with this environment's setuptools: the build backend the project names.
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    built = run([sys.executable, "-c", build, str(tmp_path / "dist")], {}, cwd=source)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = tmp_path / "dist" / built.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        top = {name.split("/")[0] for name in archive.namelist()}
+    assert top == {"gpufail", "ingest", "features", "models", "serving", "gpufail-0.1.0.dist-info"}

@@ -8,15 +8,13 @@ and the key at fault. A traceback here is an exception escaping `main`, which fa
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 from dataclasses import dataclass, field
 
 import pytest
 
-from gpufail.cli import main
 from ingest.store import Store
+from tests.cli import gpufail
 
 
 @dataclass(frozen=True)
@@ -285,23 +283,9 @@ ARGUMENTS = [
     Case("mlflow-port-zero", ["mlflow", "--port", "0"], ["'--port'"]),
     Case("nightly-root-missing", ["nightly", "--data", "{tmp}/missing"], ["missing' does not exist"]),
     Case("serve-port", ["serve", "--data", ROOT, "--port", "70000"], ["'--port'"]),
-    Case(
-        "bench-days-without-paper", ["bench", "--out", "{tmp}/b", "--days", "30"], ["--days and --work go with --paper"]
-    ),
-    Case("bench-paper-days", ["bench", "--out", "{tmp}/b", "--paper", "--days", "3"], ["'--days'"]),
 ]
 
 CASES = CONFIG_FILES + ENVIRONMENT + ARGUMENTS
-
-
-def run_main(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 def test_there_are_many_distinct_cases():
@@ -309,21 +293,19 @@ def test_there_are_many_distinct_cases():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_a_bad_input_is_refused_in_one_line_naming_it(case, tmp_path, monkeypatch, capsys):
+def test_a_bad_input_is_refused_in_one_line_naming_it(case, tmp_path):
     Store.create(str(tmp_path / "data"))
     (tmp_path / "k.log").write_text("")
     tmp = str(tmp_path)
-    for name in [n for n in os.environ if n.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    for name, value in case.env.items():
-        monkeypatch.setenv(name, value.replace("{tmp}", tmp))
+    env = {name: value.replace("{tmp}", tmp) for name, value in case.env.items()}
     args = [a.replace("{tmp}", tmp) for a in case.args]
     if case.config is not None:
         path = tmp_path / "gpufail.toml"
         (path.write_bytes if isinstance(case.config, bytes) else path.write_text)(case.config)
         args = ["--config", str(path), *args]
 
-    code, err = run_main(args, monkeypatch, capsys)
+    ran = gpufail(*args, env=env)
+    code, err = ran.returncode, ran.stderr
 
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0, err

@@ -23,10 +23,10 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import read_features
 from ingest.store import Store
 from tests.faults import kill_points
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 pytestmark = pytest.mark.slow
 

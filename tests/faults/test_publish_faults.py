@@ -18,6 +18,8 @@ from serving.publish import read_audit
 from serving.publishing import policy_journal
 from tests.faults import kill_points
 
+pytestmark = pytest.mark.slow
+
 SEED = 25
 KILLS = 12
 LIVE_LOG = ["--to", "log", "--no-dry-run", "--quiet"]

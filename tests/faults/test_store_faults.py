@@ -9,7 +9,6 @@ import io
 import os
 import random
 import shutil
-import sys
 from datetime import date
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from ingest.errors import StoreError
 from ingest.schema import xid_events_schema
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail
 from tests.conftest import make_rows
 from tests.faults.mounts import fill_leaving, remount, tmpfs
 
@@ -52,22 +52,6 @@ def telemetry_file(root: Path) -> Path:
     return sorted((root / "telemetry").rglob("*.parquet"))[1]
 
 
-def gpufail(*args: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
-    """Run the `gpufail` command line in this process: (exit status, stderr)."""
-    from gpufail.cli import main
-
-    for name in [k for k in os.environ if k.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    capsys.readouterr()
-    try:
-        main()
-        status = 0
-    except SystemExit as exc:
-        status = int(exc.code or 0)
-    return status, capsys.readouterr().err
-
-
 def assert_one_line_error(err: str, *names: str) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -93,14 +77,13 @@ def test_a_flipped_bit_anywhere_in_a_file_is_named_and_its_rows_never_used(fleet
         shutil.rmtree(root)
 
 
-def test_features_and_ingest_name_a_corrupt_telemetry_file_in_one_line(
-    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_features_and_ingest_name_a_corrupt_telemetry_file_in_one_line(fleet: Path, tmp_path: Path) -> None:
     root = copy_root(fleet, tmp_path / "root")
     bad = telemetry_file(root)
     flip_bit(bad, bad.stat().st_size // 2, 3)
     for command in (["features", "--quiet"], ["ingest", "kernel-log"]):
-        status, err = gpufail(*command, "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail(*command, "--data", str(root))
+        status, err = ran.returncode, ran.stderr
         assert status == 2, err
         assert_one_line_error(err, str(bad), "corrupt file")
     assert not (root / "features").exists() and not (root / "xid_events").exists()
@@ -131,7 +114,7 @@ def test_an_owned_dataset_file_that_is_corrupt_is_named(tmp_path: Path) -> None:
 
 
 def test_every_write_to_a_read_only_store_is_one_line_naming_the_path(
-    fleet: Path, tmp_path: Path, hours: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    fleet: Path, tmp_path: Path, hours: object
 ) -> None:
     with tmpfs(tmp_path / "disk", 64 << 20) as disk:
         root = copy_root(fleet, disk / "root")
@@ -151,7 +134,8 @@ def test_every_write_to_a_read_only_store_is_one_line_naming_the_path(
                 write()
             message = str(caught.value)
             assert "\n" not in message and str(disk) in message, (name, message)
-        status, err = gpufail("features", "--quiet", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = gpufail("features", "--quiet", "--data", str(root))
+        status, err = ran.returncode, ran.stderr
         assert status == 2
         assert_one_line_error(err, str(root), "Read-only file system")
         assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before

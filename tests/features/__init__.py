@@ -1,4 +1,4 @@
-"""Tiny hand-made frames for the features tests (CONVENTIONS.md 11: unit tests on in-memory data)."""
+"""Tiny hand-made frames for the features tests (unit tests on in-memory data)."""
 
 from __future__ import annotations
 

@@ -3,22 +3,20 @@ the `gpufail features` command's dictionary output and its user errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.dictionary import describe, dictionary_markdown, feature_dictionary
 from features.spec import FeatureSpec
 from ingest.store import Store
+from tests.cli import gpufail
 from tests.features import T0, H
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 DOC = Path(__file__).parents[2] / "docs" / "features.md"
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 
 
 def test_every_column_of_a_build_has_an_entry_with_a_unit_and_a_window():
@@ -49,19 +47,15 @@ def test_docs_features_md_is_the_generated_dictionary():
     assert DOC.read_text() == dictionary_markdown()
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, timeout=300)
-
-
 def test_cli_writes_the_dictionary_to_stdout_without_a_data_root():
-    result = run("features", "--dictionary", "-")
+    result = gpufail("features", "--dictionary", "-")
     assert result.returncode == 0, result.stderr
     assert result.stdout == dictionary_markdown()
 
 
 def test_cli_refuses_an_end_before_the_start_in_one_line(tmp_path):
     Store.create(str(tmp_path / "data"))
-    result = run("features", "--data", str(tmp_path / "data"), "--start", "2026-02-02", "--end", "2026-02-01")
+    result = gpufail("features", "--data", str(tmp_path / "data"), "--start", "2026-02-02", "--end", "2026-02-01")
     assert result.returncode == 2
     assert "--end 2026-02-01: expected a time after --start 2026-02-02" in result.stderr
     assert "Traceback" not in result.stderr
@@ -71,9 +65,9 @@ def test_cli_refuses_to_overwrite_features_without_overwrite_in_one_line(tmp_pat
     store = Store.create(str(tmp_path / "data"))
     tel = synthetic_telemetry(8, 30, seed=2, start=T0)
     store.write("telemetry", tel.to_arrow())
-    first = run("features", "--data", str(tmp_path / "data"), "--quiet")
+    first = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
     assert first.returncode == 0, first.stderr
-    again = run("features", "--data", str(tmp_path / "data"), "--quiet")
+    again = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
     assert again.returncode == 2
     assert "files already cover" in again.stderr and "--overwrite" in again.stderr
     assert "Traceback" not in again.stderr

@@ -7,7 +7,6 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import FeaturesExistError, build_features, feature_files, read_features
 from features.distributed import build_features_distributed
 from features.shards import node_groups
@@ -15,6 +14,7 @@ from features.spec import FeatureSpec
 from gpufail.dask_cluster import dask_client
 from ingest.store import Store
 from tests.features import T0, H, store_of
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 WINDOWS = [H, 6 * H, 24 * H]
 MOVED = "GPU-00000009"

@@ -1,6 +1,6 @@
 """No leakage: appending telemetry or XID events after time t never changes a feature at t.
 
-The most important property of the feature builder (ARCHITECTURE.md "Time"): a model trained on
+The most important property of the feature builder (docs/features.md): a model trained on
 features that peeked past t looks good offline and fails in production. Each test builds once on
 the data up to t0 and once on everything, and compares the feature columns of every row with
 ts <= t0 exactly (labels may differ: they are about the future by definition). The last test
@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import build_features
 from features.schema import feature_columns
 from features.spec import FeatureSpec
 from ingest.xid_catalog import default_failure_xids
 from tests.features import T0, H
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 WINDOWS = [H, 6 * H, 24 * H]
 

@@ -11,12 +11,12 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
 from features.manifest import recorded_spec
 from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import StoreError
 from ingest.store import Store
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 T0 = datetime(2026, 1, 5, tzinfo=UTC)
 H = timedelta(hours=1)

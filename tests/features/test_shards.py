@@ -3,14 +3,17 @@ that wait on disk between days."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import itertools
+import threading
+from collections.abc import Callable
+from datetime import date, timedelta
+from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
@@ -19,6 +22,7 @@ from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
 from ingest.store import Store
 from tests.features import T0, H, store_of
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 WINDOWS = [H, 6 * H, 24 * H]
 
@@ -125,56 +129,88 @@ def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, wo
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
-def test_a_failed_build_leaves_no_scratch_files_behind(tmp_path, fleet, monkeypatch):
-    tel, events = fleet
-    store = Store.create(str(tmp_path / "data"))
-    store.write("telemetry", tel.to_arrow())
-    store.write("xid_events", events.to_arrow())
-    import features.build as build
+def on_telemetry_read(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> None:
+    """Call `hook(first day)` at each read of a block's telemetry through the store's public
+    reader (the whole-dataset scan for presence passes no day), before the read itself."""
+    real = store.dataset
 
-    calls = {"n": 0}
-    real = build._read_telemetry
+    def dataset(name: str, first_day: date | None = None, last_day: date | None = None):  # type: ignore[no-untyped-def]
+        if name == "telemetry" and first_day is not None:
+            hook(first_day)
+        return real(name, first_day, last_day)
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError("disk went away")
-        return real(*args, **kwargs)
+    monkeypatch.setattr(store, "dataset", dataset)
 
-    monkeypatch.setattr(build, "_read_telemetry", failing)
+
+def on_features_write(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> list[date]:
+    """Call `hook(day)` before each features file the build writes through the store; returns
+    the days of the calls, in order."""
+    real = store.write_owned
+    calls: list[date] = []
+    lock = threading.Lock()
+
+    def write_owned(dataset: str, day: date, table, **options):  # type: ignore[no-untyped-def]
+        if dataset == "features":
+            with lock:
+                calls.append(day)
+            hook(day)
+        return real(dataset, day, table, **options)
+
+    monkeypatch.setattr(store, "write_owned", write_owned)
+    return calls
+
+
+def fail_at_call(number: int, error: Exception) -> Callable[[date], None]:
+    """A hook that raises `error` at its `number`-th call (counting from 1) and only then."""
+    count = itertools.count(1)
+    lock = threading.Lock()
+
+    def hook(_: date) -> None:
+        with lock:
+            n = next(count)
+        if n == number:
+            raise error
+
+    return hook
+
+
+def new_threads(before: set[threading.Thread]) -> list[str]:
+    """Threads started since `before` that still run and would keep the process from exiting
+    (not daemons, such as a progress bar's monitor)."""
+    return [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+
+
+def scratch_left(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.startswith("gpufail-buckets-")]
+
+
+def test_a_failed_read_fails_the_build_and_leaves_no_scratch_files_behind(tmp_path, fleet, monkeypatch):
+    store = store_of(tmp_path, fleet)
+    # The third block's read fails, after two blocks wrote their shards' buckets to scratch.
+    on_telemetry_read(monkeypatch, store, fail_at_call(3, OSError("disk went away")))
+    before = set(threading.enumerate())
     with pytest.raises(OSError, match="disk went away"):
         build_features_from_store(
             store,
             FeatureSpec(windows=WINDOWS),
-            BuildOptions(max_buckets_in_memory=0, progress=False, scratch=str(tmp_path)),
+            BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
         )
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+    assert not scratch_left(tmp_path)
+    assert not new_threads(before)
 
 
 def test_a_shard_that_fails_on_a_worker_fails_the_build_and_removes_the_scratch_files(tmp_path, fleet, monkeypatch):
-    tel, events = fleet
-    store = Store.create(str(tmp_path / "data"))
-    store.write("telemetry", tel.to_arrow())
-    store.write("xid_events", events.to_arrow())
-    import features.build as build
-
-    real = build.write_features
-    calls = {"n": 0}
-
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("No space left on device")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(build, "write_features", failing)
+    store = store_of(tmp_path, fleet)
+    on_features_write(monkeypatch, store, fail_at_call(2, OSError("No space left on device")))
+    before = set(threading.enumerate())
     with pytest.raises(OSError, match="No space left"):
         build_features_from_store(
             store,
             FeatureSpec(windows=WINDOWS),
             BuildOptions(max_buckets_in_memory=400, progress=False, scratch=str(tmp_path), workers=2),
         )
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+    assert not scratch_left(tmp_path)
+    assert not new_threads(before)
     # What was written is whole: every visible file reads.
     for path in feature_files(store):
         pq.read_metadata(path)
@@ -246,39 +282,38 @@ def test_a_block_without_telemetry_builds_the_rows_of_an_all_history_build(tmp_p
 
 
 @pytest.mark.parametrize("read_ahead", [True, False])
-def test_the_next_blocks_days_are_read_while_a_block_is_built_and_the_rows_are_the_same(
+def test_the_next_blocks_days_are_read_while_a_block_is_written_and_the_rows_are_the_same(
     tmp_path, fleet, monkeypatch, read_ahead
 ):
-    import threading
-
-    import features.build as build
-
     store = store_of(tmp_path, fleet)
+    events: list[tuple[str, date]] = []
+    second_day = (T0 + 24 * H).date()
     second_day_read = threading.Event()
-    seen: dict[str, bool] = {}
-    real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
 
-    def reading(store, start, end, **kwargs):
-        frame = real_read(store, start, end, **kwargs)
-        if start == T0 + 24 * H:
+    def read(day: date) -> None:
+        events.append(("read", day))
+        if day == second_day:
             second_day_read.set()
-        return frame
 
-    def parts(*args, **kwargs):
-        if kwargs["emit_start"] == T0 and "first block" not in seen:
-            # The first block (day one) waits a little for the second day to be read beside it.
-            seen["first block"] = second_day_read.wait(timeout=5 if read_ahead else 0.5)
-        return real_parts(*args, **kwargs)
+    def write(day: date) -> None:
+        if read_ahead and day == T0.date():
+            # With read-ahead the first block's writes can wait for the second day's read, which
+            # runs beside them (the timeout only bounds a failure).
+            assert second_day_read.wait(timeout=120), "the next block was not read beside the first"
+        events.append(("write", day))
 
-    monkeypatch.setattr(build, "_read_telemetry", reading)
-    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
+    on_telemetry_read(monkeypatch, store, read)
+    on_features_write(monkeypatch, store, write)
     summary = build_features_from_store(
         store,
         FeatureSpec(windows=WINDOWS),
         BuildOptions(max_buckets_in_memory=0, block_days=1, read_ahead=read_ahead, progress=False),
     )
     assert summary.blocks == 3
-    assert seen["first block"] is read_ahead
+    first_write = events.index(("write", T0.date()))
+    second_read = events.index(("read", second_day))
+    # Without read-ahead the second day is read only once the first block is written.
+    assert (second_read < first_write) is read_ahead
     expected = build_features(*fleet, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
@@ -300,124 +335,81 @@ def test_one_shard_in_memory_only_when_the_read_ahead_fits_beside_it(tmp_path, f
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
-def _build_threads() -> list[str]:
-    """The store build's own threads still alive: the block builder's and the shards' writers'."""
-    import threading
-
-    return [t.name for t in threading.enumerate() if t.name.startswith(("features-block", "features-write"))]
-
-
 def test_a_failed_read_stops_the_block_being_built_beside_it(tmp_path, fleet, monkeypatch):
-    import threading
-
-    import features.build as build
-
     store = store_of(tmp_path, fleet)
+    second_day = (T0 + 24 * H).date()
     read_failed = threading.Event()
-    real_read, real_parts = build._read_telemetry, build.iter_features_from_buckets
 
-    def reading(store, start, end, **kwargs):
-        if start == T0 + 24 * H:
+    first_write = threading.Event()
+
+    def read(day: date) -> None:
+        if day == second_day:
+            # The read beside the first block fails once that block (four shards of one node, a
+            # file each) is being written (the timeouts only bound a failure).
+            assert first_write.wait(timeout=120)
             read_failed.set()
             raise OSError("disk went away")
-        return real_read(store, start, end, **kwargs)
 
-    def parts(*args, **kwargs):
-        read_failed.wait(timeout=5)  # the first block is still being built when the read fails
-        return real_parts(*args, **kwargs)
+    def write(day: date) -> None:
+        first_write.set()
+        assert read_failed.wait(timeout=120)
 
-    monkeypatch.setattr(build, "_read_telemetry", reading)
-    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
+    on_telemetry_read(monkeypatch, store, read)
+    writes = on_features_write(monkeypatch, store, write)
+    before = set(threading.enumerate())
     with pytest.raises(OSError, match="disk went away"):
         build_features_from_store(
             store,
             FeatureSpec(windows=WINDOWS),
             BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
         )
-    # The block stopped at its first part instead of finishing: nothing of it was written.
-    assert feature_files(store) == []
-    assert not _build_threads()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+    # The block stopped at the next shard's first part instead of finishing its four shards.
+    assert 1 <= len(writes) < 4 and set(writes) == {T0.date()}
+    assert not new_threads(before)
+    assert not scratch_left(tmp_path)
 
 
 def test_a_block_that_fails_while_the_next_days_are_read_fails_the_build(tmp_path, fleet, monkeypatch):
-    import features.build as build
-
     store = store_of(tmp_path, fleet)
-
-    def failing(*args, **kwargs):
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(build, "write_features", failing)
+    on_features_write(monkeypatch, store, fail_at_call(1, OSError("No space left on device")))
+    before = set(threading.enumerate())
     with pytest.raises(OSError, match="No space left"):
         build_features_from_store(
             store,
             FeatureSpec(windows=WINDOWS),
             BuildOptions(max_buckets_in_memory=0, block_days=1, progress=False, scratch=str(tmp_path)),
         )
-    assert not _build_threads()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpufail-buckets-")]
+    assert not new_threads(before)
+    assert not scratch_left(tmp_path)
 
 
 @pytest.mark.parametrize("write_ahead", [True, False])
-def test_a_flush_is_written_while_the_next_part_is_computed_and_the_rows_are_the_same(
-    tmp_path, fleet, monkeypatch, write_ahead
-):
-    import threading
-
-    import features.build as build
-
+def test_rows_written_beside_the_next_part_are_those_written_in_turn(tmp_path, fleet, write_ahead):
     store = store_of(tmp_path, fleet)
-    second_part = threading.Event()
-    seen: dict[str, bool] = {}
-    real_parts, real_write = build.iter_features_from_buckets, build.write_features
-
-    def parts(*args, **kwargs):
-        for i, frame in enumerate(real_parts(*args, **kwargs)):
-            if i == 1:
-                second_part.set()
-            yield frame
-
-    def writing(*args, **kwargs):
-        if "first write" not in seen:
-            # The first flush's write waits a little for the next part to be computed beside it.
-            seen["first write"] = second_part.wait(timeout=5 if write_ahead else 0.5)
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(build, "iter_features_from_buckets", parts)
-    monkeypatch.setattr(build, "write_features", writing)
     # Parts of about two GPUs, each flushed on its own: eight flushes a block.
     build_features_from_store(
         store,
         FeatureSpec(windows=WINDOWS),
         BuildOptions(rows_per_part=2 * 72, flush_rows=1, write_ahead=write_ahead, progress=False),
     )
-    assert seen["first write"] is write_ahead
-    assert not _build_threads()
     expected = build_features(*fleet, FeatureSpec(windows=WINDOWS)).sort("ts", "gpu_uuid")
     assert_frame_equal(read_features(store), expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
 
 
 def test_a_failed_write_stops_the_shard_at_its_next_flush(tmp_path, fleet, monkeypatch):
-    import features.build as build
-
     store = store_of(tmp_path, fleet)
-    real_write = build.write_features
-    calls = {"n": 0}
-
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("No space left on device")
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(build, "write_features", failing)
+    calls = on_features_write(monkeypatch, store, fail_at_call(2, OSError("No space left on device")))
+    before = set(threading.enumerate())
     with pytest.raises(OSError, match="No space left"):
+        # Blocks of a day, parts of about two GPUs, each flushed on its own: eight flushes of one
+        # file a block.
         build_features_from_store(
-            store, FeatureSpec(windows=WINDOWS), BuildOptions(rows_per_part=2 * 72, flush_rows=1, progress=False)
+            store,
+            FeatureSpec(windows=WINDOWS),
+            BuildOptions(rows_per_part=2 * 72, flush_rows=1, block_days=1, progress=False),
         )
-    # Eight flushes were due; the shard learnt of the failed second at the third and wrote no more.
-    assert calls["n"] == 2
-    assert not _build_threads()
+    # The second flush failed; the shard learnt of it at the third and wrote no more.
+    assert len(calls) == 2
+    assert not new_threads(before)
     for path in feature_files(store):  # what was written is whole
         pq.read_metadata(path)

@@ -1,22 +1,22 @@
-"""The CLI as a user meets it: a real subprocess, exit codes and one-line errors."""
-
-import subprocess
-import sys
+"""The CLI as a user meets it: exit codes and one-line errors (`gpufail.cli.main` in this
+process), and the command a shell runs (a child process)."""
 
 import pytest
 
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
-
-
-def run(*args, env=None):
-    return subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, env=env, timeout=120)
+from tests.cli import gpufail, gpufail_process
 
 
 def test_help_lists_the_commands():
-    result = run("--help")
+    result = gpufail("--help")
     assert result.returncode == 0
     for command in ("simulate", "ingest"):
         assert command in result.stdout
+
+
+def test_python_m_gpufail_cli_is_the_gpufail_command():
+    result = gpufail_process("simulate", "--preset", "huge", "--out", "x")
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpufail: error: simulator preset 'huge' does not exist")
 
 
 @pytest.mark.parametrize(
@@ -29,12 +29,10 @@ def test_help_lists_the_commands():
         (["--config", "{tmp}/missing.toml", "simulate", "--out", "{tmp}/x"], "missing.toml: not found"),
         (["ingest", "kernel-log", "--data", "{tmp}"], "is not a gpufail dataset"),
         (["simulate", "--out", "{tmp}/x", "--days", "0"], "Invalid value for '--days'"),
-        (["bench", "--out", "{tmp}/x", "--days", "30"], "--days and --work go with --paper"),
-        (["bench", "--out", "{tmp}/x", "--paper", "--days", "3"], "Invalid value for '--days'"),
     ],
 )
 def test_user_errors_are_one_line_with_exit_status_2_and_write_nothing(tmp_path, args, message):
-    result = run(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    result = gpufail(*[a.replace("{tmp}", str(tmp_path)) for a in args])
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -60,7 +58,7 @@ def test_a_cascade_model_gets_each_stage_its_own_parameters(tmp_path):
 def test_simulate_days_shortens_the_preset_and_keeps_the_fleet(tmp_path):
     import json
 
-    result = run("simulate", "--out", str(tmp_path / "x"), "--preset", "demo", "--days", "2", "--quiet")
+    result = gpufail("simulate", "--out", str(tmp_path / "x"), "--preset", "demo", "--days", "2", "--quiet")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "x" / "simulation.json").read_text())
     assert summary["days"] == summary["preset_parameters"]["days"] == 2

@@ -12,15 +12,7 @@ import pytest
 from gpufail.config import load_settings
 from gpufail.dask_cluster import ClusterError, dask_client
 from ingest.errors import ConfigError
-
-
-def run(*args: str, env: dict[str, str]):
-    """The CLI in this process (a subprocess would spend most of the test importing)."""
-    from click.testing import CliRunner
-
-    from gpufail.cli import cli
-
-    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=True)
+from tests.cli import gpufail
 
 
 def test_a_scheduler_that_does_not_answer_is_an_error_naming_it():
@@ -45,20 +37,20 @@ def test_the_cli_reports_an_unreachable_scheduler(tmp_path):
     from ingest.store import Store
 
     Store.create(str(tmp_path / "data"))
-    result = run("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
-    # A GpufailError, which `gpufail.cli.main` prints as one line with exit status 2.
-    assert isinstance(result.exception, ClusterError)
-    assert "no Dask scheduler answered" in str(result.exception)
+    result = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+    # A GpufailError (`ClusterError`), which `gpufail.cli.main` prints as one line with exit status 2.
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("gpufail: error: ") and "no Dask scheduler answered" in result.stderr
 
 
 @pytest.mark.slow
 def test_features_and_train_run_on_the_configured_cluster(tmp_path):
     import polars as pl
 
-    from features.bench import synthetic_telemetry, synthetic_xids
     from features.build import read_features
     from ingest.store import Store
     from tests.features import T0
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
 
     tel = synthetic_telemetry(16, 72, seed=3, start=T0)
     store = Store.create(str(tmp_path / "data"))
@@ -73,12 +65,12 @@ def test_features_and_train_run_on_the_configured_cluster(tmp_path):
             # The model is calibrated on the half day after its window (three days of data).
             "GPUFAIL_MODEL__CALIBRATION_WINDOW": "12h",
         }
-        result = run("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
-        assert result.exit_code == 0, result.output
-        assert result.output.startswith("features: ")
+        result = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("features: ")
         assert read_features(store).select(pl.col("gpu_uuid").n_unique()).item() == 16
-        result = run("train", "--data", str(tmp_path / "data"), "--model-out", str(tmp_path / "model"), env=env)
-        assert result.exit_code == 0, result.output
+        result = gpufail("train", "--data", str(tmp_path / "data"), "--model-out", str(tmp_path / "model"), env=env)
+        assert result.returncode == 0, result.stderr
     meta = json.loads(Path(tmp_path / "model" / "metadata.json").read_text())
     assert meta["kind"] == "lightgbm" and meta["n_positives"] > 0
     assert meta["calibrated"] and meta["calibration"]["n_positives"] > 0

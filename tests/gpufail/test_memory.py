@@ -1,16 +1,15 @@
 """`gpufail evaluate` refuses, before reading, a features dataset it cannot hold in memory."""
 
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from features.bench import synthetic_telemetry, synthetic_xids
 from features.build import build_features, features_shape, write_features
 from gpufail.memory import EVALUATE_BYTES_PER_VALUE, available_bytes, check_evaluate_fits
 from ingest.errors import InputError
 from ingest.store import Store
+from tests.cli import gpufail
+from tests.synthetic import synthetic_telemetry, synthetic_xids
 
 GB = 10**9
 
@@ -85,24 +84,7 @@ def test_evaluate_refuses_a_dataset_beyond_its_memory_budget(features_root, tmp_
     config = tmp_path / "gpufail.toml"
     config.write_text("[evaluate]\nmax_memory_gb = 0.0001\n")
     report = tmp_path / "report"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from gpufail.cli import main; main()",
-            "--config",
-            str(config),
-            "evaluate",
-            "--data",
-            store.path(),
-            "--report",
-            str(report),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = gpufail("--config", str(config), "evaluate", "--data", store.path(), "--report", str(report), "--quiet")
     assert result.returncode == 2, result.stderr
     assert (
         f"{store.path('features')}: evaluate holds the whole features dataset in memory, {frame.height:,} rows"

@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from gpufail.mlflow_server import free_port, is_healthy, tracking_url
-
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
+from tests.cli import GPUFAIL, gpufail_env
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -56,7 +54,7 @@ def alive(pid: int, started: str) -> bool:
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_ends_the_server_and_every_process_it_started(tmp_path, stop):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env = gpufail_env()
     cmd = [*GPUFAIL, "mlflow", "--home", str(tmp_path / "mlflow"), "--port", str(port)]
     cli = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     started: dict[int, str] = {}

@@ -11,28 +11,10 @@ from ingest.collect.base import Collector, CollectorError
 from ingest.collect.kernel_log import KernelLogCollector
 from ingest.collect.log_sources import Cursor, LogChunk
 from ingest.store import Store
+from tests.fakes import FakeClock
 
 T0 = datetime(2026, 4, 26, 23, 0, tzinfo=UTC)
 WINDOW = timedelta(minutes=5)
-
-
-class FakeClock:
-    def __init__(self, now: datetime = T0) -> None:
-        self.t = now
-        self.mono = 0.0
-
-    def now(self) -> datetime:
-        return self.t
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def sleep(self, seconds: float) -> None:
-        self.advance(seconds)
-
-    def advance(self, seconds: float) -> None:
-        self.t += timedelta(seconds=seconds)
-        self.mono += seconds
 
 
 class FakeLog:
@@ -79,12 +61,12 @@ def rows(collected) -> list[dict]:
 
 
 def test_it_is_a_collector():
-    assert isinstance(collector(Store.create("memory://kl-proto"), FakeLog(), FakeClock()), Collector)
+    assert isinstance(collector(Store.create("memory://kl-proto"), FakeLog(), FakeClock(T0)), Collector)
 
 
 def test_a_flood_spanning_several_intervals_is_one_incident_emitted_when_its_window_has_passed(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    log, clock = FakeLog(), FakeClock()
+    log, clock = FakeLog(), FakeClock(T0)
     c = collector(store, log, clock)
     emitted = []
     for _ in range(8):  # 8 intervals of 30 s, 100 identical lines each
@@ -103,7 +85,7 @@ def test_a_flood_spanning_several_intervals_is_one_incident_emitted_when_its_win
 
 def test_different_gpus_and_xids_are_different_incidents_and_drain_emits_the_open_ones(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    clock = FakeClock()
+    clock = FakeClock(T0)
     log = FakeLog([xid(T0), xid(T0, code=63), xid(T0, bus="0000:1b:00"), "an unrelated line"])
     c = collector(store, log, clock)
     assert rows(c.collect()) == []
@@ -126,7 +108,7 @@ def test_old_lines_are_emitted_at_once_and_untimed_ones_are_counted_not_written(
             "6,5,1000,-;NVRM: Xid (PCI:0000:9b:00): 79, GPU has fallen off the bus.",
         ]
     )
-    c = collector(store, log, FakeClock())
+    c = collector(store, log, FakeClock(T0))
     out = rows(c.collect())
     assert [r["ts"] for r in out] == [old, old + timedelta(minutes=10)]  # 10 min apart: two incidents
     assert c.untimed_records == 1  # a kmsg record without a boot time
@@ -134,7 +116,7 @@ def test_old_lines_are_emitted_at_once_and_untimed_ones_are_counted_not_written(
 
 def test_a_restart_resumes_from_the_committed_state_with_the_open_incident(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    clock = FakeClock()
+    clock = FakeClock(T0)
     log = FakeLog([xid(T0 + timedelta(seconds=i)) for i in range(50)] + [xid(T0 - timedelta(days=1), code=48)])
     first = collector(store, log, clock)
     written = first.collect()
@@ -158,14 +140,14 @@ def test_without_a_committed_state_it_resumes_from_an_earlier_gpufails_state_fil
     store = Store.create(str(tmp_path / "data"))
     log = FakeLog([xid(T0 - timedelta(days=1) + timedelta(minutes=10 * i)) for i in range(4)])
     store.write_state("collect_kernel_log-gpu-node-017", {"version": 1, "source": "fake", "cursor": {"next": 3}})
-    c = collector(store, log, FakeClock())
+    c = collector(store, log, FakeClock(T0))
     c.restore(None)
     assert len(rows(c.collect())) == 1 and log.reads == [{"next": 3}]
 
 
 def test_a_corrupt_committed_open_incident_is_one_collector_error(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    c = collector(store, FakeLog([]), FakeClock())
+    c = collector(store, FakeLog([]), FakeClock(T0))
     c.restore({"version": 1, "source": "fake", "cursor": {"next": 0}, "open": [{"ts": "yesterday"}]})
     with pytest.raises(CollectorError, match="unreadable open incident"):
         c.collect()
@@ -175,7 +157,7 @@ def test_a_backlog_larger_than_max_lines_is_read_over_several_calls(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     old = T0 - timedelta(days=1)
     log = FakeLog([xid(old + timedelta(minutes=10 * i)) for i in range(25)])
-    c = collector(store, log, FakeClock(), max_lines=10)
+    c = collector(store, log, FakeClock(T0), max_lines=10)
     counts = [len(rows(c.collect())) for _ in range(3)]
     counts.append(len(rows(c.drain())))
     assert sum(counts) == 25 and counts[0] <= 10
@@ -199,7 +181,7 @@ def flood_log() -> list[str]:
 def read_backlog(store: Store, read_lines: int, state: dict | None = None, stop_after: int | None = None):
     """Rows of reading flood_log() in pieces (then draining), optionally from a committed state
     and stopping after `stop_after` pieces; returns (rows, the collector)."""
-    c = collector(store, FakeLog(flood_log()), FakeClock(), max_lines=10_000, read_lines=read_lines)
+    c = collector(store, FakeLog(flood_log()), FakeClock(T0), max_lines=10_000, read_lines=read_lines)
     c.restore(state)
     out = rows(c.collect())
     pieces = 1
@@ -248,7 +230,7 @@ def test_resuming_from_a_state_taken_between_pieces_gives_the_rows_of_an_uninter
 def test_max_lines_bounds_one_interval_in_whole_pieces(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     log = FakeLog(flood_log())
-    c = collector(store, log, FakeClock(), max_lines=100, read_lines=30)
+    c = collector(store, log, FakeClock(T0), max_lines=100, read_lines=30)
     c.collect()
     calls = 1
     while c.backlog:

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import http.server
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from ingest.store import Store
+from tests.cli import gpufail
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 
 
 @pytest.fixture
@@ -38,12 +36,8 @@ def exporter():
     server.shutdown()
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, timeout=120)
-
-
 def test_scraping_a_live_exporter_writes_its_gpu_into_telemetry(tmp_path, exporter):
-    result = run("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), exporter)
+    result = gpufail("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), exporter)
     assert result.returncode == 0, result.stderr
     assert "1 GPU samples from 1 scrape(s)" in result.stdout
     table = Store.open(str(tmp_path / "root")).read("telemetry")
@@ -59,13 +53,13 @@ def test_an_unreachable_exporter_is_named_and_nothing_is_written(tmp_path, expor
     with socket.socket() as sock:  # a loopback port nothing listens on
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/metrics"
-    result = run("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), exporter, dead)
+    result = gpufail("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), exporter, dead)
     assert result.returncode == 2
     assert f"dcgm-exporter scrape {dead}: cannot fetch" in result.stderr
     assert not (tmp_path / "root").exists()  # not even an empty data root
 
 
 def test_a_missing_scrape_file_is_named(tmp_path):
-    result = run("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), str(tmp_path / "nope.prom"))
+    result = gpufail("ingest", "dcgm-exporter", "--data", str(tmp_path / "root"), str(tmp_path / "nope.prom"))
     assert result.returncode == 2
     assert "nope.prom: cannot read" in result.stderr

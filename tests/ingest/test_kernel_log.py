@@ -31,7 +31,6 @@ from ingest.kernel_log import (
     parse_line,
     parse_lines,
 )
-from ingest.kernel_log_bench import bench_parse
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kernel_log"
 BOOT = datetime(2026, 3, 1, 8, 0, tzinfo=UTC)
@@ -739,8 +738,3 @@ def test_real_gsp_timeout_log_gets_the_banner_uuid_and_splits_at_the_window() ->
     # 16:24:18, :24, :30 and 16:27:12 fold; 16:30:13 is 5 min 55 s after the first line
     assert [i.repeat_count for i in incidents] == [4, 1]
     assert incidents[1].ts == datetime(2025, 2, 23, 16, 30, 13, tzinfo=UTC)
-
-
-def test_bench_runs() -> None:
-    # Only that the benchmark works; its figure is for humans (python -m ingest.kernel_log_bench).
-    assert bench_parse(2_000, "journal", repeat=1) > 0

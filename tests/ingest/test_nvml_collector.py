@@ -21,7 +21,6 @@ from ingest.collect.nvml import NvmlCollector
 from ingest.collect.nvml_client import NVML_ERROR_GPU_IS_LOST, NvmlCallError, PynvmlClient
 from ingest.collect.nvml_metrics import nvml_sources, parse_nvml_sources
 from ingest.schema import metric_columns, schema_for
-from tests.fake_nvml.build import NoCompiler
 from tests.fake_nvml.scenario import field_id, scenario_from_capture
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "nvml"
@@ -547,36 +546,3 @@ def test_collects_every_gpu_of_this_machine() -> None:
         query = ["nvidia-smi", f"--id={first['gpu_uuid']}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
         smi_used = float(subprocess.run(query, capture_output=True, text=True, check=True).stdout)
         assert abs(first["fb_used_mib"] - smi_used) < 256, (first["fb_used_mib"], smi_used)
-
-
-# ---- the benchmark's own path ----
-
-
-def test_the_benchmark_runs_the_collector_on_eight_fake_h100s(tmp_path: Path) -> None:
-    from ingest.collect.nvml_bench import run_with_library
-    from tests.fake_nvml.bench_node import fake_h100_node
-
-    try:
-        library_dir, env = fake_h100_node(tmp_path)
-    except NoCompiler as exc:
-        pytest.skip(f"fake libnvidia-ml.so.1 not built: {exc}")
-    figures = run_with_library(library_dir, collections=3, env=env)
-    assert figures["gpus"] == 8 and figures["collections"] == 3
-    assert figures["us_per_gpu_sample"] > 0
-    assert figures["us_per_collect"] == pytest.approx(figures["us_per_gpu_sample"] * 8, rel=0.05)
-
-
-def test_the_daemon_benchmark_flushes_every_tick_of_eight_fake_h100s(tmp_path: Path) -> None:
-    from ingest.collect.nvml_bench import run_with_library
-    from tests.fake_nvml.bench_node import fake_h100_node
-
-    try:
-        library_dir, env = fake_h100_node(tmp_path)
-    except NoCompiler as exc:
-        pytest.skip(f"fake libnvidia-ml.so.1 not built: {exc}")
-    # 60 ticks of 10 s = 10 simulated minutes: two 5-minute flushes plus the final one
-    figures = run_with_library(library_dir, env=env, daemon_ticks=60)
-    assert figures["ticks"] == 60 and figures["interval_s"] == 10.0
-    assert figures["telemetry_rows"] == (10 + 60) * 8  # warm-up ticks included, none lost
-    assert figures["flushes"] >= 2
-    assert figures["cpu_ms_per_tick"] > 0 and figures["peak_rss_mb"] > 0

@@ -4,8 +4,6 @@ through `gpufail ingest table`, goes through `gpufail features` and gives labell
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -13,16 +11,12 @@ import polars as pl
 
 from features.build import read_features
 from ingest.store import Store
+from tests.cli import gpufail
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "table_import"
-GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 START = datetime(2026, 5, 1, tzinfo=UTC)
 FAILED_AT = START + timedelta(days=2, hours=12)
 STEP = timedelta(minutes=10)
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GPUFAIL, *args], capture_output=True, text=True, timeout=300)
 
 
 def write_export(folder: Path) -> None:
@@ -76,13 +70,13 @@ def test_an_imported_export_goes_through_features_with_the_failing_gpu_labelled(
     export = tmp_path / "export"
     write_export(export)
     root = str(tmp_path / "root")
-    imported = run(
+    imported = gpufail(
         "ingest", "table", str(export / "telemetry.csv"), "--map", str(export / "mapping.toml"), "--data", root
     )
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.startswith("table: ") and "1 failures, 1 repairs" in imported.stdout
 
-    built = run("features", "--data", root, "--quiet")
+    built = gpufail("features", "--data", root, "--quiet")
     assert built.returncode == 0, built.stderr
 
     features = read_features(Store.open(root))

@@ -4,7 +4,7 @@ Debian's slurm-wlm 22.05 and munge (installed by `.ci/run`, or `apt-get install 
 munge` by hand). One slurmctld and one `slurmd -N gpuNNN` per node, all on 127.0.0.1 with
 ports picked free at start, every file (config, spool, state, logs, pid files, placeholder GPU
 devices) in a temporary folder, so a test run leaves nothing behind and two runs do not clash.
-The recipe follows /work/shared/design/INFRA.md (Slurm section): gres.conf with AutoDetect=off
+The recipe: gres.conf with AutoDetect=off
 and placeholder character devices (a GPU declared by count alone makes the node INVAL),
 `SlurmdParameters=config_overrides` so the nodes report the configured hardware, munged run as
 the munge user, accounting off.

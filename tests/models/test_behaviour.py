@@ -1,4 +1,4 @@
-"""Behavioural tests on trained models (CONVENTIONS.md 11)."""
+"""Behavioural tests on trained models: properties a trained model must have, whatever its data."""
 
 import numpy as np
 import pandas as pd

@@ -115,7 +115,7 @@ def test_heuristic_baseline_sums_xid_counts_and_ecc_increases():
 
 @pytest.mark.slow
 def test_lightgbm_ranks_well_at_1_to_1000_and_the_trap_parameters_do_not():
-    """PERFORMANCE.md: LightGBM with default regularisation was useless at 1:1000 imbalance."""
+    """LightGBM with default regularisation was useless at 1:1000 imbalance (docs/evaluation.md)."""
     frame = make_synthetic_frame(n_gpus=1000, fail_fraction=0.02, seed=0)
     labelled = frame["label"].dropna()
     assert 0.0005 < (labelled == 1).mean() < 0.002

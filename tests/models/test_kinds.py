@@ -41,7 +41,7 @@ def test_every_kind_fits_and_scores_with_nan_and_unseen_categories(kind):
     assert proba[X["gpu_model"] == "H100"].mean() > proba[X["gpu_model"] == "A100"].mean()
     unseen = X.head(5).assign(gpu_model="B200", driver="999")
     assert np.all(np.isfinite(model.predict_proba(unseen)[:, 1]))
-    # clone gives an unfitted copy with the same parameters (CONVENTIONS.md 6).
+    # clone gives an unfitted copy with the same parameters (the scikit-learn estimator contract).
     fresh = clone(model)
     assert type(fresh) is type(model) and sorted(fresh.get_params()) == sorted(model.get_params())
     if "model" in model.get_params():

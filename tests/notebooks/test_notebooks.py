@@ -5,19 +5,17 @@ store (built once per session through the real CLI), within a time budget."""
 from __future__ import annotations
 
 import base64
-import os
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
-from click.testing import CliRunner
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
-from gpufail.cli import cli
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail, gpufail_env
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -105,7 +103,6 @@ def small_store(tmp_path_factory) -> tuple[Path, Path]:
     data, config = base / "fleet", base / "gpufail.toml"
     config.write_text(CONFIG)
     simulate(data, "demo", seed=3, progress=False, **FLEET)
-    runner = CliRunner()
     steps = [
         ["ingest", "kernel-log"],
         ["features", "--quiet"],
@@ -115,15 +112,15 @@ def small_store(tmp_path_factory) -> tuple[Path, Path]:
         ["publish", "--to", "log", "--dry-run"],
     ]
     for step in steps:
-        result = runner.invoke(cli, ["--config", str(config), *step, "--data", str(data)])
-        assert result.exit_code == 0, f"gpufail {' '.join(step)}: {result.output}\n{result.exception!r}"
+        result = gpufail("--config", str(config), *step, "--data", str(data))
+        assert result.returncode == 0, f"gpufail {' '.join(step)}: {result.stderr}"
     return data, config
 
 
 def _execute(notebook: nbformat.NotebookNode, data: Path, config: Path | None) -> None:
     """Run `notebook` in a fresh kernel of this interpreter, from the notebooks folder, with
     the data root and configuration in its environment (not in this process's)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")}
+    env = gpufail_env()
     env["GPUFAIL_STORE__ROOT"] = str(data)
     if config is not None:
         env["GPUFAIL_CONFIG"] = str(config)

@@ -9,7 +9,6 @@ not noise); the model is a real LightGBM with TreeSHAP explanations.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import numpy as np
 import polars as pl
 
 from features.spec import FeatureSpec
+from tests.cli import gpufail_env
 
 START = datetime(2026, 3, 2, tzinfo=UTC)
 HOURS = 60
@@ -39,8 +39,8 @@ SPEC = FeatureSpec(lost_after=None)
 @cache
 def fleet() -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     """(telemetry, xid_events, features) of a 24-GPU, 60-hour fleet (5-minute samples)."""
-    from features.bench import synthetic_telemetry, synthetic_xids
     from features.build import build_features
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
 
     tel = synthetic_telemetry(N_GPUS, HOURS, interval=timedelta(minutes=5), start=START, seed=11)
     # Only XIDs that are not failures, so every GPU stays in service to the last grid time.
@@ -140,11 +140,13 @@ def start_server(
     args = [sys.executable, "-c", _CHILD, "--config", str(config), "serve", "--data", str(data), "--port", str(port)]
     if model is not None:
         args += ["--model", str(model)]
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFAIL_")} | {
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "1",
-        **(env or {}),
-    }
+    child_env = gpufail_env(
+        {
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "DO_NOT_TRACK": "1",
+            **(env or {}),
+        }
+    )
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env)
     server = Server(f"http://127.0.0.1:{port}", process, log)

@@ -3,14 +3,12 @@ configuration of `gpufail serve`."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from gpufail.config import Settings, load_settings
 from ingest.errors import ConfigError
-from tests.serving.api_server import _CHILD, READ_TOKEN, serve_test_fleet, trained_model
+from tests.cli import gpufail
+from tests.serving.api_server import READ_TOKEN, serve_test_fleet, trained_model
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +72,7 @@ def test_without_an_admin_token_admin_endpoints_refuse_everyone(server):
 def test_serve_refuses_to_start_with_protected_reads_and_no_token(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text("[serve]\nread_requires_token = true\n")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _CHILD,
-            "--config",
-            str(config),
-            "serve",
-            "--data",
-            str(tmp_path),
-            "--model",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env={"PATH": "/usr/bin:/bin", "MLFLOW_DISABLE_TELEMETRY": "true"},
-        timeout=300,
-    )
+    result = gpufail("--config", str(config), "serve", "--data", str(tmp_path), "--model", str(tmp_path))
     assert result.returncode == 2
     assert "read_requires_token is true, but neither GPUFAIL_SERVE_READ_TOKEN nor GPUFAIL_SERVE_ADMIN_TOKEN" in (
         result.stderr

@@ -2,20 +2,21 @@
 
 `bench_nvml_collector` times `NvmlCollector.collect()` against whatever libnvidia-ml.so.1 this
 process loads: the real one on a GPU node, or the fake from tests/fake_nvml (8 H100s from a
-real capture) through `run_with_library`, which runs the benchmark in a child process whose
-dynamic loader finds that library first (LD_LIBRARY_PATH), so pynvml loads it the normal way.
+real capture: `bench_fake_h100_node`) through `run_with_library`, which runs the benchmark in a
+child process whose dynamic loader finds that library first (LD_LIBRARY_PATH), so pynvml loads
+it the normal way.
 
 Against the fake, the figure is the collector's own cost (pynvml's ctypes calls, unit
 conversion, Arrow tables), since the fake answers at once; on real hardware the driver's time
 is added.
 
-    python -m ingest.collect.nvml_bench --collections 2000
+    python -m benchmarks.nvml_collector --collections 2000
 
 `bench_daemon` measures the whole daemon in steady state (NVML collector, write buffer, a
 Parquet flush every 5 minutes) on a simulated clock that advances only when the daemon sleeps:
 CPU per tick and peak memory, hence the share of a core it takes at a given interval.
 
-    python -m ingest.collect.nvml_bench --daemon-ticks 1440
+    python -m benchmarks.nvml_collector --daemon-ticks 1440
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
+from benchmarks import CHECKOUT
 from ingest.collect.daemon import Daemon
 from ingest.collect.nvml import NvmlCollector
 from ingest.store import Store
+from tests.fakes import FakeClock
 
 
 def bench_nvml_collector(collections: int = 2000, *, warmup: int = 20) -> dict[str, float]:
@@ -61,33 +64,13 @@ def bench_nvml_collector(collections: int = 2000, *, warmup: int = 20) -> dict[s
     }
 
 
-class SimulatedClock:
-    """Wall and monotonic time that move only when the daemon sleeps, so the benchmark runs hours
-    of 10-second ticks in seconds and measures only the daemon's own work."""
-
-    def __init__(self) -> None:
-        self._now = datetime(2026, 1, 1, tzinfo=UTC)
-        self._mono = 0.0
-
-    def now(self) -> datetime:
-        return self._now
-
-    def monotonic(self) -> float:
-        return self._mono
-
-    def sleep(self, seconds: float) -> None:
-        seconds = max(seconds, 0.0)
-        self._now += timedelta(seconds=seconds)
-        self._mono += seconds
-
-
 def bench_daemon(ticks: int = 1440, *, interval_s: float = 10.0) -> dict[str, float]:
     """Run the daemon with the NVML collector for `ticks` intervals (1440 x 10 s = 4 h, 48
     flushes at the default 5-minute flush interval) into a temporary store; CPU per tick, the
     share of one core that makes at `interval_s`, and the process's peak RSS."""
     with tempfile.TemporaryDirectory(prefix="gpufail-daemon-bench-") as root:
         store = Store.create(root)
-        clock = SimulatedClock()
+        clock = FakeClock()
         collector = NvmlCollector("bench", "bench-node", clock=clock)
 
         def daemon() -> Daemon:
@@ -145,14 +128,36 @@ def run_with_library(
     `env` adds variables (the fake library reads its scenario from FAKE_NVML_CONFIG)."""
     child_env = {**os.environ, **(env or {})}
     child_env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(library_dir), os.environ.get("LD_LIBRARY_PATH")]))
-    command = [sys.executable, "-m", "ingest.collect.nvml_bench", "--collections", str(collections), "--json"]
+    command = [sys.executable, "-m", "benchmarks.nvml_collector", "--collections", str(collections), "--json"]
     if daemon_ticks:
         command += ["--daemon-ticks", str(daemon_ticks)]
-    result = subprocess.run(command, env=child_env, capture_output=True, text=True)
+    result = subprocess.run(command, env=child_env, capture_output=True, text=True, cwd=CHECKOUT)
     if result.returncode != 0:
         raise RuntimeError(f"nvml bench failed: {' '.join(command)}\n{result.stderr[-2000:]}")
     figures: dict[str, float] = json.loads(result.stdout.strip().splitlines()[-1])
     return figures
+
+
+def bench_fake_h100_node(collections: int = 2000) -> dict[str, float]:
+    """`bench_nvml_collector` against the fake 8 x H100 node, built in a temporary folder.
+
+    Raises `NoCompiler` where no C compiler exists."""
+    from tests.fake_nvml.h100_node import fake_h100_node
+
+    with tempfile.TemporaryDirectory(prefix="gpufail-fake-nvml-") as work:
+        library_dir, env = fake_h100_node(Path(work))
+        return run_with_library(library_dir, collections, env=env)
+
+
+def bench_fake_h100_daemon(ticks: int = 1440) -> dict[str, float]:
+    """`bench_daemon` against the fake 8 x H100 node (10-s interval).
+
+    Raises `NoCompiler` where no C compiler exists."""
+    from tests.fake_nvml.h100_node import fake_h100_node
+
+    with tempfile.TemporaryDirectory(prefix="gpufail-fake-nvml-") as work:
+        library_dir, env = fake_h100_node(Path(work))
+        return run_with_library(library_dir, env=env, daemon_ticks=ticks)
 
 
 def main(argv: list[str] | None = None) -> None:

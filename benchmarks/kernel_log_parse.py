@@ -1,8 +1,8 @@
-"""Parse-speed benchmark for `ingest.kernel_log` (a benchmark, not a test: CONVENTIONS.md 13).
+"""Parse-speed benchmark for `ingest.kernel_log` (a measurement, not a test).
 
-    .venv/bin/python -m ingest.kernel_log_bench            # 1,000,000 lines, every format
-    .venv/bin/python -m ingest.kernel_log_bench 200000 dmesg_iso
-    .venv/bin/python -m ingest.kernel_log_bench 200000 --parse-only
+    .venv/bin/python -m benchmarks.kernel_log_parse            # 1,000,000 lines, every format
+    .venv/bin/python -m benchmarks.kernel_log_parse 200000 dmesg_iso
+    .venv/bin/python -m benchmarks.kernel_log_parse 200000 --parse-only
 
 The input is the worst case for the parser: an XID flood in which every line is an Xid line of
 one of 8 GPUs (real floods are 13/45/95 repeated for hours), with one unrelated kernel line in

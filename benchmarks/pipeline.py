@@ -1,9 +1,9 @@
-"""`gpufail bench`: measure the demo pipeline stage by stage, and the hot loops on their own.
+"""`make bench`: measure the demo pipeline stage by stage, and the hot loops on their own.
 
 Each pipeline stage runs as its own process (the same `gpufail` command a user runs), so its
-wall time and peak memory are its own. The machine is shared and noisy (PERFORMANCE.md: the
-same run varied up to 2x minutes apart): compare figures from one run, and rerun before
-trusting a small difference. Results go to `bench.md` (a table) and `bench.json`.
+wall time and peak memory are its own. On a shared machine the same run can vary up to 2x
+minutes apart (docs/performance.md): compare figures from one run, and rerun before trusting a
+small difference. Results go to `bench.md` (a table) and `bench.json`.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ _KERNEL_LOG_FORMAT_KEY = "kernel_log_parse_lines_per_s."
 
 def micro_benchmarks() -> dict[str, float]:
     """The hot loops alone, in this process: parse speed and in-memory feature building."""
-    from features.bench import bench_build, bench_compare
-    from ingest.kernel_log_bench import bench_formats
-    from models.explain_bench import bench_explain
+    from benchmarks.explain import bench_explain
+    from benchmarks.feature_build import bench_build, bench_compare
+    from benchmarks.kernel_log_parse import bench_formats
 
     parse = bench_formats(1_000_000, repeat=2)  # CPU lines/s per log format
     build = bench_build(n_gpus=128, hours=130, repeat=2)
@@ -107,15 +107,10 @@ def micro_benchmarks() -> dict[str, float]:
 
 def nvml_collector_micro() -> dict[str, float]:
     """The NVML collector against the fake libnvidia-ml.so.1 (8 x H100) in tests/fake_nvml; empty
-    where that is absent (an installed gpufail has no tests/) or no C compiler can build it."""
-    checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "tests" / "fake_nvml").is_dir() and str(checkout) not in sys.path:
-        sys.path.append(str(checkout))  # the console script's path has the packages, not tests/
-    try:
-        from tests.fake_nvml.bench_node import bench_fake_h100_daemon, bench_fake_h100_node
-        from tests.fake_nvml.build import NoCompiler
-    except ImportError:
-        return {}
+    where no C compiler can build it."""
+    from benchmarks.nvml_collector import bench_fake_h100_daemon, bench_fake_h100_node
+    from tests.fake_nvml.build import NoCompiler
+
     try:
         figures = bench_fake_h100_node(collections=2000)
         daemon = bench_fake_h100_daemon(ticks=1440)
@@ -133,7 +128,7 @@ def nvml_collector_micro() -> dict[str, float]:
 
 def write_results(out: Path, stages: list[StageResult], micro: dict[str, float], rows: dict[str, int]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"
+    machine = f"{platform.machine()}, {cores()} cores, Python {platform.python_version()}"
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# gpufail bench ({when}; {machine})",
@@ -147,7 +142,7 @@ def write_results(out: Path, stages: list[StageResult], micro: dict[str, float],
         lines.append(f"| {s.stage} | {s.seconds:.1f} | {s.peak_rss_mb:.0f} | {_throughput(s, rows)} |")
     total = sum(s.seconds for s in stages)
     lines += ["", f"Total: {total:.0f} s.", "", "Hot loops alone:", ""]
-    from ingest.kernel_log_bench import describe
+    from benchmarks.kernel_log_parse import describe
 
     per_format = {
         k.removeprefix(_KERNEL_LOG_FORMAT_KEY): v for k, v in micro.items() if k.startswith(_KERNEL_LOG_FORMAT_KEY)
@@ -201,20 +196,18 @@ def _throughput(stage: StageResult, rows: dict[str, int]) -> str:
     return ""
 
 
-def _cores() -> int:
-    import os
-
+def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
 def run_bench(out: Path, work: Path) -> Path:
-    print("gpufail bench: demo pipeline", file=sys.stderr)
+    print("bench: demo pipeline", file=sys.stderr)
     stages = demo_pipeline(work)
     summary = json.loads((work / "demo-data" / "simulation.json").read_text())
     rows = {"telemetry": summary["telemetry_rows"], "kernel_log_lines": summary["kernel_log_lines"]}
-    print("gpufail bench: hot loops", file=sys.stderr)
+    print("bench: hot loops", file=sys.stderr)
     micro = micro_benchmarks()
-    print("gpufail bench: REST endpoint", file=sys.stderr)
+    print("bench: REST endpoint", file=sys.stderr)
     micro.update(api_benchmark(work))
     return write_results(out, stages, micro, rows)
 
@@ -223,9 +216,9 @@ _API_KEY = "api_"
 
 
 def api_benchmark(work: Path) -> dict[str, float]:
-    """The REST endpoint under load (`serving.api_bench`: server and load generator in their own
+    """The REST endpoint under load (`benchmarks.api_load`: server and load generator in their own
     processes) on the demo's features and model, flattened as api_<request>_<figure>."""
-    from serving.api_bench import run_api_bench
+    from benchmarks.api_load import run_api_bench
 
     figures = run_api_bench(str(work / "demo-data"), str(work / "out" / "model"), n_gpus=1000, seconds=10.0)
     flat: dict[str, float] = {}
@@ -238,7 +231,7 @@ def api_benchmark(work: Path) -> dict[str, float]:
 
 
 def _api_lines(micro: dict[str, float]) -> list[str]:
-    from serving.api_bench import markdown_lines
+    from benchmarks.api_load import markdown_lines
 
     figures: dict[str, object] = {}
     for key, value in micro.items():

@@ -1,7 +1,7 @@
-"""What the store's checksums cost (a benchmark, not a test: CONVENTIONS.md 13).
+"""What the store's checksums cost (a measurement, not a test).
 
-    .venv/bin/python -m ingest.store_bench demo-data            # its whole telemetry
-    .venv/bin/python -m ingest.store_bench demo-data --days 10
+    .venv/bin/python -m benchmarks.store_checksums demo-data            # its whole telemetry
+    .venv/bin/python -m benchmarks.store_checksums demo-data --days 10
 
 The telemetry of the given data root is first rewritten by this gpufail's store into a
 temporary one, so that every file carries both checksums (files written before them have
@@ -36,7 +36,7 @@ REPEATS = 3
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ingest.store_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store_checksums", description=__doc__.split("\n")[0])
     parser.add_argument("data", help="a data root with telemetry (e.g. `make demo`'s demo-data)")
     parser.add_argument("--days", type=int, default=None, help="only the first DAYS days of telemetry")
     args = parser.parse_args(argv)

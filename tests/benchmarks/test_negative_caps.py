@@ -1,10 +1,10 @@
-"""`models.sample_bench`: the cap comparison behind `[model] max_negatives_per_positive`."""
+"""`benchmarks.negative_caps`: the cap comparison behind `[model] max_negatives_per_positive`."""
 
 from __future__ import annotations
 
 import pytest
 
-from models.sample_bench import compare_caps, main
+from benchmarks.negative_caps import compare_caps, main
 from tests.models import demo_features_store
 
 

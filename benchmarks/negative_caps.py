@@ -1,15 +1,15 @@
 """How many healthy rows a retrain needs: train on a store's window at several caps on the
 negatives per positive, score the days after it, compare.
 
-    python -m models.sample_bench --data DATA --as-of 2026-01-30T00:00Z --test-days 3 \
+    python -m benchmarks.negative_caps --data DATA --as-of 2026-01-30T00:00Z --test-days 3 \
         --caps 20 33 none --threads 2
 
 Each fit is `train_model_from_store` (the retrain `gpufail train` and the nightly job run),
 trained to `as_of` minus the horizon; the test rows are the labelled rows of the `test_days`
 from `as_of` on, which no fit has seen. Reported per cap: the negative share drawn, the rows,
 seconds to read and fit, average precision over the test rows and the mean over test hours
-of the precision of the top `top` GPUs. The README's figure for `[model]
-max_negatives_per_positive` comes from this on the 30-day paper store.
+of the precision of the top `top` GPUs. The default of `[model]
+max_negatives_per_positive` was chosen from this on the 30-day paper store (docs/performance.md).
 """
 
 from __future__ import annotations

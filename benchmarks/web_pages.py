@@ -1,6 +1,6 @@
 """Benchmark of the operator's pages (`serving.web`) on a large synthetic fleet.
 
-    python -m serving.web_bench [--gpus 30000] [--days 28] [--repeat 20] [--json FILE]
+    python -m benchmarks.web_pages [--gpus 30000] [--days 28] [--repeat 20] [--json FILE]
 
 Builds, in a temporary store:
 
@@ -40,26 +40,19 @@ TARGET_MS = 300.0
 
 
 def _tiers() -> Any:
-    from serving.policy import PolicyConfig, Tier
+    """The action policy of the default [publish] settings."""
+    from gpufail.config import PublishSettings
 
-    # The [publish] tiers' defaults (gpufail.config, a layer above this one).
-    return PolicyConfig(
-        tiers=(
-            Tier("watch", 0.2, 0.1),
-            Tier("avoid", 0.35, 0.25),
-            Tier("drain_after_job", 0.5, 0.35),
-            Tier("drain_now", 0.8, 0.6),
-        )
-    )
+    return PublishSettings().policy_config()
 
 
 def seed_features(hours: int = 36, seed: int = 0) -> Any:
     """Window features of `SEED_GPUS` GPUs over `hours`, with a learnable label (hot GPUs fail)."""
     import polars as pl
 
-    from features.bench import synthetic_telemetry, synthetic_xids
     from features.build import build_features
     from features.spec import FeatureSpec
+    from tests.synthetic import synthetic_telemetry, synthetic_xids
 
     start = datetime(2026, 3, 1, tzinfo=UTC)
     tel = synthetic_telemetry(SEED_GPUS, hours, interval=timedelta(minutes=5), start=start, seed=seed)
@@ -202,7 +195,8 @@ def build(root: Path, n_gpus: int, days: int) -> tuple[Any, float]:
     write_history(store, Snapshot(served, latest, fleet), days)
 
     class Fixed:
-        """A model or features source that always has the same one (nothing to reload)."""
+        """A model or features source that always has the same one (nothing to reload), from
+        the data root (which messages name)."""
 
         def __init__(self, value: Any) -> None:
             self.value = value

@@ -1,4 +1,4 @@
-"""`python -m serving.web_bench` runs end to end on a small fleet (its figures are not
+"""`python -m benchmarks.web_pages` runs end to end on a small fleet (its figures are not
 asserted: speed is measured by running the benchmark, not by tests)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from serving import web_bench
+from benchmarks import web_pages
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Using `httpx`")]
 
 
 def test_the_benchmark_times_every_page_of_a_small_fleet(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert web_bench.main(["--gpus", "96", "--days", "3", "--repeat", "2", "--json", str(out)]) == 0
+    assert web_pages.main(["--gpus", "96", "--days", "3", "--repeat", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["gpus"] == 96 and result["nodes"] == 12 and result["days"] == 3
     assert set(result["pages"]) == {"fleet", "fleet_filtered", "fleet_sorted_by_node", "node", "actions"}
@@ -27,5 +27,5 @@ def test_the_benchmark_times_every_page_of_a_small_fleet(tmp_path, capsys):
 
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit) as exit_:
-        web_bench.main(["--gpus", "4"])
+        web_pages.main(["--gpus", "4"])
     assert exit_.value.code == 2

@@ -1,9 +1,9 @@
-"""The job map benchmark (serving/jobs_bench.py) runs, on a small fleet, and builds what it says."""
+"""The job map benchmark (benchmarks/jobs.py) runs, on a small fleet, and builds what it says."""
 
 import json
 
+from benchmarks.jobs import fleet_jobs, main, squeue_text
 from serving.jobs import slurm_job_map
-from serving.jobs_bench import fleet_jobs, main, squeue_text
 
 
 def test_the_generated_squeue_text_reads_as_the_jobs_it_was_built_from():

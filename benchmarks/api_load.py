@@ -1,7 +1,7 @@
 """Load benchmark of the REST endpoint: a real `gpufail serve` (one uvicorn worker) in one
 process, a load generator in another, over loopback.
 
-    python -m serving.api_bench --data DATA --model MODEL_FOLDER [--gpus 1000] [--seconds 10]
+    python -m benchmarks.api_load --data DATA --model MODEL_FOLDER [--gpus 1000] [--seconds 10]
 
 The fleet is DATA's newest features, copied under new GPU and node names until it has at least
 `--gpus` GPUs, in a temporary store. The generator sends one request at a time on one
@@ -13,7 +13,7 @@ client's own overhead) for each scenario:
 - `at_risk`: GET /v1/gpus/at-risk?top=10 (3 top features);
 - `predict_features_100`: 100 GPUs with all their feature values in the body (the slower path).
 
-`gpufail bench` runs it on the demo it builds; the figures land in bench.md / bench.json.
+`make bench` runs it on the demo it builds; the figures land in bench.md / bench.json.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import CHECKOUT
+
 TARGETS_MS = {"predict_1": 10.0, "predict_1000": 100.0, "at_risk": 5.0}
 """p99 targets of issue 7."""
-
-_SERVE = "import sys\nfrom gpufail.cli import main\nsys.argv = ['gpufail', *sys.argv[1:]]\nmain()\n"
 
 
 def bench_store(data: str, out: Path, n_gpus: int) -> int:
@@ -81,7 +81,7 @@ def start_server(data: Path, model: str, max_gpus: int, log: Path) -> tuple[subp
         "GPUFAIL_SERVE__MAX_BODY_BYTES": str(20_000_000),
         "MLFLOW_DISABLE_TELEMETRY": "true",
     }
-    args = [sys.executable, "-c", _SERVE, "serve", "--data", str(data), "--model", model, "--port", str(port)]
+    args = [sys.executable, "-m", "gpufail.cli", "serve", "--data", str(data), "--model", model, "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen([*args, "--no-access-log"], stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}"
@@ -237,7 +237,7 @@ def run_api_bench(
                 [
                     sys.executable,
                     "-m",
-                    "serving.api_bench",
+                    "benchmarks.api_load",
                     "--generate",
                     url,
                     "--server-pid",
@@ -250,6 +250,7 @@ def run_api_bench(
                 capture_output=True,
                 text=True,
                 env={**os.environ, "GPUFAIL_API_BENCH_DATA": str(store)},
+                cwd=CHECKOUT,
                 timeout=3600,
             )
             if generator.returncode != 0:
@@ -268,7 +269,7 @@ def run_api_bench(
 def markdown_lines(figures: dict[str, Any]) -> list[str]:
     """bench.md lines for the REST figures."""
     lines = [
-        f"REST endpoint (`python -m serving.api_bench`; one uvicorn worker, {figures['n_gpus']:,} GPUs, one "
+        f"REST endpoint (`python -m benchmarks.api_load`; one uvicorn worker, {figures['n_gpus']:,} GPUs, one "
         f"connection, load generator in another process; ready {figures['server_start_to_ready_s']} s after start):",
         "",
         "| request | req/s | p50 ms | p99 ms | p99 target | server CPU ms/request |",

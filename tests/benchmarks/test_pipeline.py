@@ -1,13 +1,17 @@
-"""`gpufail bench`'s stage runner reports each stage's own peak memory."""
+"""`python -m benchmarks` (`make bench`): its stage runner reports each stage's own peak memory,
+the paper report, and its arguments."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
-from gpufail.bench import StageResult, run_stage
-from gpufail.bench_paper import write_paper_results
+from benchmarks.paper import write_paper_results
+from benchmarks.pipeline import StageResult, run_stage
 
 
 def test_a_stage_reports_its_own_peak_memory_not_the_bench_process_size():
@@ -54,8 +58,6 @@ def test_the_paper_report_gives_each_stage_and_the_feature_rates(tmp_path):
 def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_path):
     import os
 
-    import pytest
-
     # The setting reaches the child: its configuration refuses the preset it names.
     with pytest.raises(
         RuntimeError,
@@ -63,3 +65,36 @@ def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_p
     ):
         run_stage("simulate", ["simulate", "--out", str(tmp_path / "x")], {"GPUFAIL_SIMULATE__PRESET": "huge"})
     assert "GPUFAIL_SIMULATE__PRESET" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--out", "{tmp}/x", "--days", "30"], "--days and --work go with --paper"),
+        (["--out", "{tmp}/x", "--paper", "--days", "3"], "Invalid value for '--days'"),
+    ],
+)
+def test_bad_arguments_are_refused_and_nothing_is_written(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from benchmarks.__main__ import main
+
+    result = CliRunner().invoke(main, [a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_python_m_benchmarks_answers_from_the_checkout():
+    """`make bench` runs `python -m benchmarks` from the repository root."""
+    from benchmarks import CHECKOUT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=CHECKOUT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--paper" in result.stdout and "Usage: python -m benchmarks" in result.stdout

@@ -1,6 +1,6 @@
-"""Speed of `models.explain.explain` (a measurement, not a test; CONVENTIONS 13).
+"""Speed of `models.explain.explain` (a measurement, not a test).
 
-    .venv/bin/python -m models.explain_bench --rows 1000 --features 411
+    .venv/bin/python -m benchmarks.explain --rows 1000 --features 411
 
 trains a LightGBM model with the default parameters on a synthetic feature frame as wide as
 the demo's (random features, one of them a planted precursor, about 1% positives) and prints

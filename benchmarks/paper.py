@@ -1,8 +1,8 @@
-"""`gpufail bench --paper`: the pipeline at the reference paper's scale, stage by stage.
+"""`make bench-paper`: the pipeline at the reference paper's scale, stage by stage.
 
 The `paper` simulator preset is ~31k GPUs (3,750 nodes of 8, plus 5% added during the period)
 at one sample every 15 minutes for 120 days: ~350M telemetry rows, ~10 GB of Parquet. Each
-stage is the `gpufail` command a user runs, in its own process (`gpufail.bench.run_stage`), so
+stage is the `gpufail` command a user runs, in its own process (`benchmarks.pipeline.run_stage`), so
 its wall time and peak memory are its own:
 
 1. simulate the fleet (`--days` shortens the period; the fleet keeps its size);
@@ -27,7 +27,7 @@ from dataclasses import asdict
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
-from gpufail.bench import StageResult, run_stage
+from benchmarks.pipeline import StageResult, cores, run_stage
 
 _ROWS_READ = re.compile(r"from ([\d,]+) telemetry rows")
 _FEATURE_ROWS = re.compile(r"features: ([\d,]+) rows")
@@ -74,10 +74,8 @@ def _count(pattern: re.Pattern[str], text: str) -> int | None:
 
 
 def write_paper_results(out: Path, stages: list[StageResult], simulation: dict[str, object]) -> Path:
-    from gpufail.bench import _cores
-
     out.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}"
+    machine = f"{platform.machine()}, {cores()} cores, Python {platform.python_version()}"
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = int(simulation["telemetry_rows"])  # type: ignore[call-overload]
     lines = [
@@ -113,7 +111,7 @@ def write_paper_results(out: Path, stages: list[StageResult], simulation: dict[s
 
 
 def run_paper_bench(out: Path, work: Path, *, days: int | None = None) -> Path:
-    print(f"gpufail bench --paper: the paper preset in {work}", file=sys.stderr)
+    print(f"bench --paper: the paper preset in {work}", file=sys.stderr)
     work.mkdir(parents=True, exist_ok=True)
     stages, simulation = paper_pipeline(work, days)
     return write_paper_results(out, stages, simulation)

@@ -1,7 +1,7 @@
 """Benchmark of the job map and the cost policy on a large fleet (issue 29's target: reading the
 job map of 4,000 nodes and 20,000 jobs and deciding takes under 5 s).
 
-    python -m serving.jobs_bench [--nodes 4000] [--jobs 20000] [--repeat 3] [--json FILE]
+    python -m benchmarks.jobs [--nodes 4000] [--jobs 20000] [--repeat 3] [--json FILE]
 
 Builds `squeue --json` text as Slurm 22.05 prints it (every field of a job record, indented as
 squeue indents it; the record is the one of tests/fixtures/slurm/squeue-22.05.json) for a

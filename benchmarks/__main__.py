@@ -1,0 +1,54 @@
+"""`python -m benchmarks`: the demo pipeline stage by stage and the hot loops (`make bench`), or the
+paper-scale pipeline (`make bench-paper`)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import click
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--out",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for bench.md and bench.json (bench-paper.md and bench-paper.json with --paper).",
+)
+@click.option(
+    "--paper",
+    is_flag=True,
+    help="Instead: the paper preset (~31k GPUs) end to end, stage by stage (tens of minutes, ~10 GB of disk a 100 days).",
+)
+@click.option(
+    "--days",
+    type=click.IntRange(min=10),
+    default=None,
+    help="With --paper: simulate this many days instead of the preset's 120.",
+)
+@click.option(
+    "--work",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --paper: keep the simulated store here (default: a temporary folder, removed after).",
+)
+def main(out: str, paper: bool, days: int | None, work: str | None) -> None:
+    """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
+    --paper, the paper-scale pipeline."""
+    from benchmarks.paper import run_paper_bench
+    from benchmarks.pipeline import run_bench
+
+    if not paper and (days is not None or work is not None):
+        raise click.UsageError("--days and --work go with --paper")
+    if paper and work is not None:
+        report = run_paper_bench(Path(out), Path(work), days=days)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as tmp:
+            report = run_paper_bench(Path(out), Path(tmp), days=days) if paper else run_bench(Path(out), Path(tmp))
+    click.echo(report.read_text())
+
+
+if __name__ == "__main__":
+    main(prog_name="python -m benchmarks")
