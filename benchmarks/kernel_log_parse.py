@@ -1,4 +1,4 @@
-"""Parse-speed benchmark for `ingest.kernel_log` (a measurement, not a test).
+"""Parse-speed benchmark for `ingest.kernel_log_parser` (a measurement, not a test).
 
     .venv/bin/python -m benchmarks.kernel_log_parse            # 1,000,000 lines, every format
     .venv/bin/python -m benchmarks.kernel_log_parse 200000 dmesg_iso
@@ -22,7 +22,7 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 
-from ingest.kernel_log import deduplicate, parse_lines
+from ingest.kernel_log_parser import deduplicate, parse_lines
 from ingest.simulator.kernel_log_writer import format_message
 from ingest.simulator.presets import LOG_FORMATS
 

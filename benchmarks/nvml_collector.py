@@ -34,7 +34,7 @@ from pathlib import Path
 
 from benchmarks import CHECKOUT
 from ingest.collect.daemon import Daemon
-from ingest.collect.nvml import NvmlCollector
+from ingest.collect.nvml_collector import NvmlCollector
 from ingest.store import Store
 from tests.fakes import FakeClock
 

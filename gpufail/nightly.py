@@ -382,7 +382,7 @@ class _Job:
     # -- the steps -----------------------------------------------------------------------------
 
     def _ingest(self) -> dict[str, Any]:
-        from ingest.kernel_log_ingest import ingest_kernel_logs
+        from ingest.kernel_log_import import ingest_kernel_logs
 
         folder = Path(self.store.path("raw", "kernel-log"))
         paths = sorted(p for p in folder.glob("*") if p.is_file()) if self.store.fs.exists(str(folder)) else []

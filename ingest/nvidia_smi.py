@@ -39,7 +39,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from ingest.errors import InputError
-from ingest.kernel_log import resolve_tz
+from ingest.kernel_log_parser import resolve_tz
 from ingest.schema import Metric, metric_catalogue, normalise_pci_bus_id, telemetry_schema
 from ingest.store import Store
 

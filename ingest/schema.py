@@ -6,7 +6,7 @@ Two datasets, both hive-partitioned by `date=YYYY-MM-DD` (the UTC date of `ts`):
   metric from the metric catalogue (`metrics.csv`); every metric column carries its unit in
   its name, and a missing reading is a null, never a sentinel value.
 - `xid_events`: one row per distinct XID incident; a flood of identical lines becomes one
-  row with `repeat_count` (see `ingest.kernel_log`).
+  row with `repeat_count` (see `ingest.kernel_log_parser`).
 
 `SCHEMA_VERSION` changes whenever a column is added, removed or retyped, so a store written by
 another version is refused with a clear message instead of being read wrong.

@@ -75,7 +75,7 @@ def ingest_kernel_log(
     FILES (plain, rotated or gzip-compressed) default to everything under DATA/raw/kernel-log/
     (what `gpufail simulate` writes). Files already ingested are skipped; a grown file is read
     from where the last run stopped."""
-    from ingest.kernel_log_ingest import ingest_kernel_logs
+    from ingest.kernel_log_import import ingest_kernel_logs
     from ingest.store import Store
 
     settings = settings_of(ctx)
@@ -111,7 +111,7 @@ def ingest_dcgm_exporter(
     """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
 
     SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
-    from ingest.dcgm_exporter import fetch_scrape, parse_scrape
+    from ingest.dcgm_scrape import fetch_scrape, parse_scrape
     from ingest.store import Store
 
     settings = settings_of(ctx)

@@ -98,13 +98,13 @@ CollectorFactory = Callable[[Store, CollectOptions, Clock], Collector]
 def _nvml(store: Store, options: CollectOptions, clock: Clock) -> Collector:
     # Imported here: the module loads the vendor library, which a node without NVIDIA
     # drivers (or a CI runner) does not have.
-    from ingest.collect.nvml import NvmlCollector
+    from ingest.collect.nvml_collector import NvmlCollector
 
     return NvmlCollector(options.cluster, options.node, clock=clock)  # type: ignore[no-any-return]
 
 
 def _kernel_log(store: Store, options: CollectOptions, clock: Clock) -> Collector:
-    from ingest.collect.kernel_log import KernelLogCollector
+    from ingest.collect.kernel_log_collector import KernelLogCollector
 
     return KernelLogCollector(
         store,
@@ -122,7 +122,7 @@ def _kernel_log(store: Store, options: CollectOptions, clock: Clock) -> Collecto
 
 
 def _dcgm_exporter(store: Store, options: CollectOptions, clock: Clock) -> Collector:
-    from ingest.collect.dcgm_exporter import DcgmExporterCollector
+    from ingest.collect.dcgm_exporter_collector import DcgmExporterCollector
 
     if not options.dcgm_exporter_url:
         raise InputError(

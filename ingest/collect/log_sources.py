@@ -6,7 +6,7 @@ after `cursor` (None: from the start of what the source still holds), at most `m
 them, and the cursor after them. A cursor is a small JSON-able dict that the collector stores
 in the data root once the events it covers are flushed; the source never stores anything.
 
-Every line handed out is in a form `ingest.kernel_log` parses (a kmsg record, or a journal
+Every line handed out is in a form `ingest.kernel_log_parser` parses (a kmsg record, or a journal
 entry rewritten as `<ISO time> <message>`), so the one parser serves the batch and live paths.
 Failures to read become one `CollectorError` naming the source.
 """

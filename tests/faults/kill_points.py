@@ -41,7 +41,7 @@ PRELOAD = [
     "gpufail.config",
     "serving.publishing",
     "ingest.collect.daemon",
-    "ingest.kernel_log_ingest",
+    "ingest.kernel_log_import",
     "features.build",
     "models.explain",
     "models.train",

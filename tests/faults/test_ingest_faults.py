@@ -35,9 +35,9 @@ BATCH = 3
 
 def small_batches() -> None:
     """In the killed runs' process: commit `BATCH` log files at a time."""
-    import ingest.kernel_log_ingest
+    import ingest.kernel_log_import
 
-    ingest.kernel_log_ingest.COMMIT_FILES = BATCH
+    ingest.kernel_log_import.COMMIT_FILES = BATCH
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def test_a_full_disk_then_space_freed_and_a_rerun_gives_the_rows_of_a_clean_run(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import ingest.kernel_log_ingest as module
+    import ingest.kernel_log_import as module
 
     monkeypatch.setattr(module, "COMMIT_FILES", BATCH)
     source_bytes = sum(p.stat().st_size for p in fleet.rglob("*") if p.is_file())

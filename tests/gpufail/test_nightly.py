@@ -22,7 +22,7 @@ import pytest
 
 from features.build import BuildOptions
 from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, retrain_reach, run_nightly
-from ingest.kernel_log_ingest import ingest_kernel_logs
+from ingest.kernel_log_import import ingest_kernel_logs
 from ingest.simulator.run import simulate
 from ingest.store import Store
 from models.registry import Registry, load_champion

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.collect.daemon import Daemon
-from ingest.collect.kernel_log import KernelLogCollector
+from ingest.collect.kernel_log_collector import KernelLogCollector
 from ingest.errors import StoreError
 from ingest.store import Store
 from tests.conftest import make_rows

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ingest.collect.base import Collector, CollectorError
-from ingest.collect.dcgm_exporter import DcgmExporterCollector
-from ingest.dcgm_exporter import parse_scrape
+from ingest.collect.dcgm_exporter_collector import DcgmExporterCollector
+from ingest.dcgm_scrape import parse_scrape
 
 SCRAPES = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter"
 NOW = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ingest.collect.base import Collector, CollectorError
-from ingest.collect.kernel_log import KernelLogCollector
+from ingest.collect.kernel_log_collector import KernelLogCollector
 from ingest.collect.log_sources import Cursor, LogChunk
 from ingest.store import Store
 from tests.fakes import FakeClock

@@ -12,7 +12,7 @@ import pytest
 
 from ingest.collect.base import CollectorError
 from ingest.collect.log_sources import FileSource, JournalSource, KmsgSource
-from ingest.kernel_log import parse_lines
+from ingest.kernel_log_parser import parse_lines
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "collect"
 BOOT = datetime(2026, 4, 26, 22, 12, tzinfo=UTC)

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ingest.collect.base import CollectorError, SystemClock
 from ingest.collect.daemon import Daemon, StopFlag
-from ingest.collect.kernel_log import KernelLogCollector
+from ingest.collect.kernel_log_collector import KernelLogCollector
 from ingest.collect.log_sources import Cursor, LogChunk
-from ingest.collect.nvml import NvmlCollector
+from ingest.collect.nvml_collector import NvmlCollector
 from ingest.collect.observe import DaemonMetrics, Health, ObservabilityServer, parse_listen
 from ingest.errors import InputError, StoreError
 from ingest.store import Store

@@ -1,4 +1,4 @@
-"""Floods through `ingest.kernel_log`: every line of a flood keeps its own time and fields
+"""Floods through `ingest.kernel_log_parser`: every line of a flood keeps its own time and fields
 while the parser reads most of them from its line cache, and `deduplicate` folds them as its
 docstring says.
 
@@ -15,8 +15,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from ingest import kernel_log
-from ingest.kernel_log import ParseStats, XidIncident, XidRecord, deduplicate, parse_line, parse_lines
+from ingest import kernel_log_parser as kernel_log
+from ingest.kernel_log_parser import ParseStats, XidIncident, XidRecord, deduplicate, parse_line, parse_lines
 
 BOOT = datetime(2025, 1, 20, 0, 0, 0, 250_000, tzinfo=UTC)  # not on a whole second, on purpose
 REFERENCE = datetime(2025, 6, 1, tzinfo=UTC)

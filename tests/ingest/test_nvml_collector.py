@@ -17,8 +17,8 @@ import pyarrow as pa
 import pytest
 
 from ingest.collect.base import Collector, CollectorError
-from ingest.collect.nvml import NvmlCollector
 from ingest.collect.nvml_client import NVML_ERROR_GPU_IS_LOST, NvmlCallError, PynvmlClient
+from ingest.collect.nvml_collector import NvmlCollector
 from ingest.collect.nvml_metrics import nvml_sources, parse_nvml_sources
 from ingest.schema import metric_columns, schema_for
 from tests.fake_nvml.scenario import field_id, scenario_from_capture
@@ -459,7 +459,7 @@ def test_no_nvml_library_is_one_clear_collector_error() -> None:
         pytest.skip("this machine has a working libnvidia-ml.so.1")
     script = (
         "from ingest.collect.base import CollectorError\n"
-        "from ingest.collect.nvml import NvmlCollector\n"
+        "from ingest.collect.nvml_collector import NvmlCollector\n"
         "try:\n"
         "    NvmlCollector('c', 'n1').collect()\n"
         "except CollectorError as exc:\n"
@@ -520,7 +520,7 @@ def test_collects_every_gpu_of_this_machine() -> None:
     # In its own process: this one may have loaded the fake library under the same name.
     script = (
         "import json\n"
-        "from ingest.collect.nvml import NvmlCollector\n"
+        "from ingest.collect.nvml_collector import NvmlCollector\n"
         "c = NvmlCollector('real', 'this-node')\n"
         "outs = [c.collect(), c.collect()]\n"
         "c.close()\n"

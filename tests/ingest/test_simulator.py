@@ -328,7 +328,7 @@ def test_the_real_parser_recovers_every_simulated_failure_from_the_kernel_logs(s
     import shutil
     from datetime import timedelta
 
-    from ingest.kernel_log_ingest import ingest_kernel_logs
+    from ingest.kernel_log_import import ingest_kernel_logs
 
     out, summary, _, failures = sim
     copy = tmp_path / "fleet"

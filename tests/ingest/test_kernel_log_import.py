@@ -1,4 +1,4 @@
-"""End-to-end tests of `ingest.kernel_log_ingest` on a temporary store: mapping bus ids to GPUs
+"""End-to-end tests of `ingest.kernel_log_import` on a temporary store: mapping bus ids to GPUs
 (including a GPU replaced mid-log), never replaying a file, reading only appended lines,
 rotated and gzipped files, and bad input."""
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from ingest.errors import InputError, StoreError
-from ingest.kernel_log_ingest import STATE_NAME, IngestSummary, ingest_kernel_logs, node_from_filename
+from ingest.kernel_log_import import STATE_NAME, IngestSummary, ingest_kernel_logs, node_from_filename
 from ingest.schema import telemetry_schema
 from ingest.store import Store
 
@@ -350,7 +350,7 @@ def test_node_from_filename(name: str, node: str) -> None:
 def test_files_are_committed_in_batches_and_a_failed_batch_is_read_again(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ingest.kernel_log_ingest as module
+    import ingest.kernel_log_import as module
 
     # Five node logs, two per batch: three writes (one file each, all events on one date), not five.
     logs = [write(tmp_path / f"node-{i}.log", xid_line(hours(2 + i), BUS_B, 94)) for i in range(5)]
@@ -391,7 +391,7 @@ def _many_logs(folder: Path) -> list[Path]:
 def test_parsing_on_worker_processes_gives_the_rows_and_summary_of_one_process(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ingest.kernel_log_ingest as module
+    import ingest.kernel_log_import as module
 
     monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)  # these few kilobytes go to the workers too
     pools: list[int] = []
@@ -429,7 +429,7 @@ def _corrupt_gzip(path: Path) -> Path:
 def test_a_corrupt_gzip_is_an_input_error_naming_it_and_nothing_is_ingested(
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
 ) -> None:
-    import ingest.kernel_log_ingest as module
+    import ingest.kernel_log_import as module
 
     monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
     logs = _many_logs(tmp_path / "logs")

@@ -1,7 +1,7 @@
 """The dcgm-exporter collector: scrape one `/metrics` endpoint per call -> `telemetry` rows.
 
 The scrape is fetched and parsed by the same code as `gpufail ingest dcgm-exporter`
-(`ingest.dcgm_exporter`). Every way a scrape can fail (endpoint down, timeout, an HTML login
+(`ingest.dcgm_scrape`). Every way a scrape can fail (endpoint down, timeout, an HTML login
 or error page, text that is not Prometheus exposition) is one `CollectorError` for this call;
 the daemon records it and the next interval simply scrapes again.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
-from ingest.dcgm_exporter import fetch_scrape, parse_scrape_detailed
+from ingest.dcgm_scrape import fetch_scrape, parse_scrape_detailed
 from ingest.errors import InputError
 
 # dcgm-exporter answers in milliseconds; a scrape slower than this would delay every other

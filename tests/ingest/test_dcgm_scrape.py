@@ -4,7 +4,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ingest.dcgm_exporter import parse_scrape, parse_scrape_detailed
+from ingest.dcgm_scrape import parse_scrape, parse_scrape_detailed
 from ingest.errors import InputError
 from ingest.schema import metric_columns, telemetry_schema
 from ingest.store import Store
@@ -173,7 +173,7 @@ def test_a_memory_temperature_of_zero_means_no_sensor_and_becomes_null():
     # Real T4 and L4 scrapes report DCGM_FI_DEV_MEMORY_TEMP 0: GDDR6 boards have no HBM sensor.
     from datetime import UTC, datetime
 
-    from ingest.dcgm_exporter import parse_scrape
+    from ingest.dcgm_scrape import parse_scrape
 
     scrape = (
         "# TYPE DCGM_FI_DEV_MEMORY_TEMP gauge\n"

@@ -1,4 +1,4 @@
-"""Unit tests of `ingest.kernel_log`: parsing every real log format and Xid line shape,
+"""Unit tests of `ingest.kernel_log_parser`: parsing every real log format and Xid line shape,
 context lines, the off-the-bus message, rejected lines, bounded messages, year inference, time
 zones and deduplication. Floods (the parser's line cache, folding) are in
 `test_kernel_log_floods.py`.
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.kernel_log import (
+from ingest.kernel_log_parser import (
     MAX_MESSAGE_CHARS,
     MONTH_ABBREVIATIONS,
     OFF_BUS_MESSAGE,

@@ -11,7 +11,7 @@ into a UTC time where that is possible, and parses the NVRM payload: the code is
 integer, whatever follows it (a comma, a space, key=value fields; see `_XID_HEAD`).
 
 Everything here is a pure function of text and of the times the caller passes in (boot time,
-reference time, time zone): no files, no clock. `ingest.kernel_log_ingest` does the I/O.
+reference time, time zone): no files, no clock. `ingest.kernel_log_import` does the I/O.
 
 Two things are not one-line-one-event:
 - `NVRM: GPU at PCI:0000:0b:00: GPU-<uuid>` banners say which GPU sits at a bus id; later

@@ -1,7 +1,7 @@
 """`gpufail ingest kernel-log`: kernel-log files -> the `xid_events` dataset.
 
 Read the lines of each file not ingested before, parse and deduplicate them
-(`ingest.kernel_log`); map every incident's PCI bus id to the GPU that sat there at that time
+(`ingest.kernel_log_parser`); map every incident's PCI bus id to the GPU that sat there at that time
 (from the `telemetry` dataset of the same store, read once per run); then, in batches of
 files, write the rows and record how far each file was read.
 
@@ -40,7 +40,7 @@ from typing import IO, Any
 import pyarrow as pa
 
 from ingest.errors import InputError, StoreError
-from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
+from ingest.kernel_log_parser import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
 from ingest.schema import TIMESTAMP, xid_events_schema
 from ingest.store import Store
 from ingest.xid_gpus import map_to_gpus

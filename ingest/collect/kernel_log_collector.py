@@ -1,7 +1,7 @@
 """The live kernel-log collector: new XID lines from a `LogSource` -> `xid_events` rows.
 
 Each `collect()` reads one piece of the lines written since the last call (at most
-`read_lines`), parses it with the batch parser (`ingest.kernel_log`) and folds floods with its
+`read_lines`), parses it with the batch parser (`ingest.kernel_log_parser`) and folds floods with its
 `deduplicate`. While the source holds more, `backlog` is true and the daemon flushes what came
 back and calls again, up to `max_lines` lines per interval; so a large backlog never sits in
 memory whole. An incident stays open in memory until no later line can join it: until its
@@ -29,8 +29,8 @@ import pyarrow as pa
 
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
 from ingest.collect.log_sources import Cursor, LogSource
-from ingest.kernel_log import ParseStats, XidIncident, deduplicate, parse_lines
-from ingest.kernel_log_ingest import events_table
+from ingest.kernel_log_import import events_table
+from ingest.kernel_log_parser import ParseStats, XidIncident, deduplicate, parse_lines
 from ingest.store import Store
 
 # Where gpufail before the daemon's commit record kept this collector's state; read once when
