@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -20,6 +20,7 @@ from features.peers import model_medians, peer_features
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
+from ingest.journal import Staging
 from ingest.store import Store
 from tests.features import T0, H, store_of
 from tests.synthetic import synthetic_telemetry, synthetic_xids
@@ -130,33 +131,34 @@ def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, wo
 
 
 def on_telemetry_read(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> None:
-    """Call `hook(first day)` at each read of a block's telemetry through the store's public
-    reader (the whole-dataset scan for presence passes no day), before the read itself."""
-    real = store.dataset
+    """Call `hook(first day)` at each read of a block's telemetry through the store's one read
+    path (`Store.scan`; the whole-dataset scan for presence passes no start), before the read."""
+    real = store.scan
 
-    def dataset(name: str, first_day: date | None = None, last_day: date | None = None):  # type: ignore[no-untyped-def]
-        if name == "telemetry" and first_day is not None:
-            hook(first_day)
-        return real(name, first_day, last_day)
+    def scan(name: str, start: datetime | None = None, end: datetime | None = None, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "telemetry" and start is not None:
+            hook(start.date())
+        return real(name, start, end, *args, **kwargs)
 
-    monkeypatch.setattr(store, "dataset", dataset)
+    monkeypatch.setattr(store, "scan", scan)
 
 
 def on_features_write(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> list[date]:
-    """Call `hook(day)` before each features file the build writes through the store; returns
-    the days of the calls, in order."""
-    real = store.write_owned
+    """Call `hook(day)` before each features file the build writes (to its journal's staging,
+    where a build's files wait for the manifest's commit); returns the days of the calls, in
+    order."""
+    real = Staging.write_owned
     calls: list[date] = []
     lock = threading.Lock()
 
-    def write_owned(dataset: str, day: date, table, **options):  # type: ignore[no-untyped-def]
-        if dataset == "features":
+    def write_owned(self: Staging, dataset: str, day: date, table, **options):  # type: ignore[no-untyped-def]
+        if dataset == "features" and self.store.root == store.root:
             with lock:
                 calls.append(day)
             hook(day)
-        return real(dataset, day, table, **options)
+        return real(self, dataset, day, table, **options)
 
-    monkeypatch.setattr(store, "write_owned", write_owned)
+    monkeypatch.setattr(Staging, "write_owned", write_owned)
     return calls
 
 
