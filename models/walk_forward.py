@@ -365,8 +365,13 @@ def _execute(tasks: Iterator[_FitTask], n_tasks: int, jobs: int, progress: bool)
             from joblib import Parallel, delayed
 
             # Fresh worker processes (loky), not fork: a forked child of a process that has
-            # already run OpenMP (LightGBM, XGBoost) can hang.
-            parallel = Parallel(n_jobs=jobs, backend="loky", return_as="generator", pre_dispatch="2*n_jobs")
+            # already run OpenMP (LightGBM, XGBoost) can hang. No memmapping (max_nbytes=None):
+            # joblib would write every task's rows to a file in /dev/shm (RAM) and keep it until
+            # the last fit, which for a demo's 108 fits filled 17 GB and got the run killed; a
+            # task's arrays are instead pickled to its worker and freed when it is done.
+            parallel = Parallel(
+                n_jobs=jobs, backend="loky", return_as="generator", pre_dispatch="2*n_jobs", max_nbytes=None
+            )
             for outcome in parallel(delayed(_run_fit)(task) for task in tasks):
                 outcomes.append(outcome)
                 bar.update()
