@@ -20,6 +20,7 @@ from features.peers import model_medians, peer_features
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
+from ingest.journal import Staging
 from ingest.store import Store
 from tests.features import T0, H, store_of
 from tests.synthetic import synthetic_telemetry, synthetic_xids
@@ -131,32 +132,34 @@ def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, wo
 
 def on_telemetry_read(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> None:
     """Call `hook(first day)` at each read of a block's telemetry through the store's public
-    reader (the whole-dataset scan for presence passes no day), before the read itself."""
-    real = store.dataset
+    file listing (`Store.files`, which every read goes through; the whole-dataset scan for presence
+    passes no day), before the read itself."""
+    real = store.files
 
-    def dataset(name: str, first_day: date | None = None, last_day: date | None = None):  # type: ignore[no-untyped-def]
+    def files(name: str, first_day: date | None = None, last_day: date | None = None, **kwargs):  # type: ignore[no-untyped-def]
         if name == "telemetry" and first_day is not None:
             hook(first_day)
-        return real(name, first_day, last_day)
+        return real(name, first_day, last_day, **kwargs)
 
-    monkeypatch.setattr(store, "dataset", dataset)
+    monkeypatch.setattr(store, "files", files)
 
 
 def on_features_write(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> list[date]:
-    """Call `hook(day)` before each features file the build writes through the store; returns
+    """Call `hook(day)` before each features file the build writes into the store's features
+    journal (a build's files are staged there until its commit, `Staging.write_owned`); returns
     the days of the calls, in order."""
-    real = store.write_owned
+    real = Staging.write_owned
     calls: list[date] = []
     lock = threading.Lock()
 
-    def write_owned(dataset: str, day: date, table, **options):  # type: ignore[no-untyped-def]
-        if dataset == "features":
+    def write_owned(self: Staging, dataset: str, day: date, table, **options):  # type: ignore[no-untyped-def]
+        if dataset == "features" and self.store.root == store.root:
             with lock:
                 calls.append(day)
             hook(day)
-        return real(dataset, day, table, **options)
+        return real(self, dataset, day, table, **options)
 
-    monkeypatch.setattr(store, "write_owned", write_owned)
+    monkeypatch.setattr(Staging, "write_owned", write_owned)
     return calls
 
 
