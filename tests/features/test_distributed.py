@@ -7,8 +7,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import FeaturesExistError, build_features, feature_files, read_features
+from features.build import build_features
+from features.dataset import feature_files, read_features
 from features.distributed import build_features_distributed
+from features.plan import FeaturesExistError
 from features.shards import node_groups
 from features.spec import FeatureSpec
 from gpufail.dask_cluster import dask_client

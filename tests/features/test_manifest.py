@@ -11,8 +11,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
+from features.dataset import read_features
 from features.manifest import recorded_spec
+from features.plan import FeaturesExistError
+from features.runner import BuildOptions, build_features_from_store
 from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import StoreError
 from ingest.store import Store

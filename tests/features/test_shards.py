@@ -14,9 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
+from features.build import build_features
+from features.dataset import feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
+from features.runner import BuildOptions, build_features_from_store
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
