@@ -236,7 +236,9 @@ def finish_days(
     """Every piece wrote its files for `days` (staged, `FeatureManifest.staging`): the days are
     complete, and the files they replace go, in one commit; `summary` counts the files."""
     replaced = [name for day in days for name in plan.replaced.get(day, [])]
+    # The names the files take at the commit, from the staging that wrote them (the next
+    # commit's staging hides its files under another name).
+    visible = [manifest.staging().visible(path) for path in written]
     manifest.complete(days, written, data_end, replaced=replaced)
-    staging = manifest.staging()
-    summary.files_written += [staging.visible(path) for path in written]
+    summary.files_written += visible
     summary.files_replaced += len(replaced)

@@ -59,6 +59,7 @@ def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fl
     assert summary.rows == stored.height == expected.height
     assert summary.gpus == 24 and summary.blocks == 2 * 3
     assert summary.positives == int((expected["label"] == 1).sum())
+    assert sorted(summary.files_written) == feature_files(store)  # as they are once committed
     assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
     # The fleet median of each GPU model is taken over every partition, so the model deltas are
     # exact (a partition's own median differs: it sees 8 or 16 of the 24 GPUs).
