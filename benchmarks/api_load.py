@@ -44,7 +44,7 @@ def bench_store(data: str, out: Path, n_gpus: int) -> int:
 
     import polars as pl
 
-    from features.build import FEATURES_DATASET, read_features, write_features
+    from features.dataset import FEATURES_DATASET, read_features, write_features
     from ingest.store import Store
 
     source = Store.open(data)

@@ -115,7 +115,7 @@ def bench_store(
     import shutil
     import tempfile
 
-    from features.build import BuildOptions, build_features_from_store
+    from features.runner import BuildOptions, build_features_from_store
     from ingest.store import Store
 
     root = tempfile.mkdtemp(prefix="gpufail-features-bench-")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from features.build import read_features
+from features.dataset import read_features
 from ingest.store import Store
 from models.split import as_utc
 from models.train import TrainOptions

@@ -1,134 +1,43 @@
-"""Compose the feature frame, in memory (`build_features`) or over a store (`build_features_from_store`).
-
-`build_features` is a pure function of two frames. `build_features_from_store` is the I/O edge:
-it reads telemetry in (time block x chunk of nodes) pieces with enough lookback that every
-emitted row equals what an all-history build would give, builds, and writes the `features`
-dataset (hive-partitioned by UTC date, files written once and atomically, like `ingest.store`).
+"""The pure feature build: a telemetry frame (and XID events) in, the feature frame out
+(`build_features`), or from grid buckets already aggregated (`features_from_buckets`,
+`iter_features_from_buckets`, which the store runners call: `features.runner`,
+`features.distributed`). No I/O here: the features dataset is `features.dataset`, the store's
+inputs `features.inputs`, a build over a store `features.plan` and its runners.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.dataset as ds
 
-from features.labels import (
-    GPU,
-    combine_presence,
-    episodes_for,
-    gpu_presence,
-    label_rows,
-    resolve_xid_gpus,
-)
-from features.manifest import DATASET as FEATURES_DATASET
-from features.manifest import BuildPlan, FeatureManifest, holding_manifest, settle_time
-from features.peers import PEER_METRICS, model_medians, peer_features
-from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, sample_keys
+from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
+from features.labels import GPU, episodes_for, label_rows, resolve_xid_gpus
+from features.peers import PEER_METRICS, peer_features
 from features.schema import (
     FEATURE_DTYPE,
-    FEATURES_SCHEMA_VERSION,
     ID_COLUMNS,
     ID_DTYPES,
     LABEL_COLUMNS,
     LABEL_DTYPES,
     TS_DTYPE,
-    validate_features,
     window_label,
 )
-from features.shards import SHARD, ShardedBuckets, shard_map
-from features.spec import DEFAULT_GRID, FeatureSpec
+from features.spec import FeatureSpec
 from features.windows import (
     BUCKET_ID_COLUMNS,
     ENGINE,
     dense_grid,
-    grid_floor,
     grid_suffix,
     grid_time,
     hourly_aggregate,
     window_features,
 )
-from features.xids import drop_cross_source_duplicates, xid_features
-from ingest.errors import StoreError
-from ingest.journal import Staging
+from features.xids import xid_features
 from ingest.schema import metric_catalogue
-from ingest.store import Store
-
-# Feature files of different dates written at once (`write_features`).
-WRITE_THREADS = min(4, os.cpu_count() or 1)
-
-
-class _Stopped(Exception):
-    """A block's build was told to stop because the build failed elsewhere."""
-
-
-class FeaturesExistError(StoreError, FileExistsError):
-    """The features dataset already has files for the dates a build would write."""
-
-
-_XID_DEFAULTS: dict[str, pl.DataType] = {
-    "cluster": pl.String(),
-    "node": pl.String(),
-    "pci_bus_id": pl.String(),
-    "gpu_index": pl.Int16(),
-    GPU: pl.String(),
-}
-
-
-def _as_frame(data: pl.DataFrame | pa.Table) -> pl.DataFrame:
-    frame = data if isinstance(data, pl.DataFrame) else pl.from_arrow(data)
-    assert isinstance(frame, pl.DataFrame)
-    return frame
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-
-
-def _normalise_ts(frame: pl.DataFrame, columns: Sequence[str], what: str) -> pl.DataFrame:
-    fixes = []
-    for c in columns:
-        if c not in frame.columns:
-            continue
-        dtype = frame.schema[c]
-        if not isinstance(dtype, pl.Datetime):
-            raise TypeError(f"{what}.{c}: expected a UTC datetime column, got {dtype}")
-        if dtype != TS_DTYPE:
-            # A naive timestamp is taken as UTC, which is what every gpufail writer stores.
-            e = pl.col(c) if dtype.time_zone is None else pl.col(c).dt.convert_time_zone("UTC")
-            e = e.dt.cast_time_unit("us")
-            fixes.append(e.dt.replace_time_zone("UTC") if dtype.time_zone is None else e)
-    return frame.with_columns(fixes) if fixes else frame
-
-
-def read_xid_events(store: Store) -> pl.DataFrame:
-    """The store's XID events as the labels and features take them; none (a fleet without kernel
-    logs or NVML events yet) is an empty frame of the same columns."""
-    if store.exists("xid_events"):
-        return _prepare_xids(_as_frame(store.read("xid_events")))
-    return _prepare_xids(pl.DataFrame(schema={"ts": TS_DTYPE, "xid": pl.Int32()}))
-
-
-def _prepare_xids(xid_events: pl.DataFrame) -> pl.DataFrame:
-    missing = [c for c in ("ts", "xid") if c not in xid_events.columns]
-    if missing:
-        raise ValueError(f"xid_events: missing required columns {missing}; got {xid_events.columns}")
-    xid = _normalise_ts(xid_events, ["ts", "last_ts"], "xid_events")
-    extra = [pl.lit(None, dtype=t).alias(c) for c, t in _XID_DEFAULTS.items() if c not in xid.columns]
-    if "last_ts" not in xid.columns:
-        extra.append(pl.col("ts").alias("last_ts"))
-    if "repeat_count" not in xid.columns:
-        extra.append(pl.lit(1, dtype=pl.Int32).alias("repeat_count"))
-    xid = xid.with_columns(extra) if extra else xid
-    return drop_cross_source_duplicates(xid)
 
 
 def _presence_from_buckets(hourly: pl.DataFrame, grid: timedelta) -> pl.DataFrame:
@@ -147,6 +56,22 @@ def _presence_from_buckets(hourly: pl.DataFrame, grid: timedelta) -> pl.DataFram
         )
         .sort(GPU, "first_ts")
         .collect(engine=ENGINE)
+    )
+
+
+def failure_episodes(
+    xid: pl.DataFrame, presence: pl.DataFrame, spec: FeatureSpec, *, data_end: datetime, repairs: pl.DataFrame | None
+) -> pl.DataFrame:
+    """The failure episodes (`labels.episodes_for`) of the XID events resolved to GPUs (`xid`)
+    with the settings of `spec`."""
+    return episodes_for(
+        xid,
+        presence,
+        failure_xids=spec.failure_xids,
+        merge_window=spec.merge_window,
+        data_end=data_end,
+        lost_after=spec.lost_after,
+        repairs=repairs,
     )
 
 
@@ -191,7 +116,7 @@ def build_features(
     episodes. `emit_start` / `emit_end` keep only rows with emit_start <= t < emit_end.
     """
     spec = spec or FeatureSpec()
-    tel = _normalise_ts(_as_frame(telemetry), ["ts"], "telemetry")
+    tel = normalise_ts(as_frame(telemetry), ["ts"], "telemetry")
     missing = [c for c in ("ts", GPU) if c not in tel.columns]
     if missing:
         raise ValueError(f"telemetry: missing required columns {missing}; got {tel.columns}")
@@ -257,22 +182,14 @@ def iter_features_from_buckets(
     buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own."""
     spec = spec or FeatureSpec()
     grid, max_silence = spec.grid, spec.max_silence
-    data_end = _utc(data_end)
-    xid = _prepare_xids(_as_frame(xid_events))
-    fixes = _prepare_repairs(repairs)
+    data_end = utc(data_end)
+    xid = prepare_xids(as_frame(xid_events))
+    fixes = prepare_repairs(repairs)
     if presence is None:
         presence = _presence_from_buckets(hourly, grid)
     xid = resolve_xid_gpus(xid, presence)
     if episodes is None:
-        episodes = episodes_for(
-            xid,
-            presence,
-            failure_xids=spec.failure_xids,
-            merge_window=spec.merge_window,
-            data_end=data_end,
-            lost_after=spec.lost_after,
-            repairs=fixes,
-        )
+        episodes = failure_episodes(xid, presence, spec, data_end=data_end, repairs=fixes)
     first_seen = presence.group_by(GPU).agg(pl.col("first_ts").min())
     # A GPU seen before the frame's first bucket gets grid rows from there on, as in a build
     # over all history (`dense_grid`'s `starts`).
@@ -305,9 +222,9 @@ def iter_features_from_buckets(
     ts = narrow["ts"]
     emit = pl.repeat(True, narrow.height, eager=True)
     if emit_start is not None:
-        emit &= ts >= _utc(emit_start)
+        emit &= ts >= utc(emit_start)
     if emit_end is not None:
-        emit &= ts < _utc(emit_end)
+        emit &= ts < utc(emit_end)
     facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=spec.horizon, data_end=data_end, repairs=fixes)
     silent = narrow.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
     keep = emit & facts["in_service"] & ~silent.fill_null(True)
@@ -426,675 +343,3 @@ def _gpu_slices(gpus: pl.Series, rows_per_chunk: int | None) -> list[tuple[int, 
         length += n
     slices.append((offset, length))
     return slices
-
-
-def _prepare_repairs(repairs: pl.DataFrame | pa.Table | None) -> pl.DataFrame | None:
-    if repairs is None:
-        return None
-    frame = _as_frame(repairs)
-    missing = [c for c in ("ts", "old_gpu_uuid") if c not in frame.columns]
-    if missing:
-        raise ValueError(f"repairs: missing required columns {missing}; got {frame.columns}")
-    return _normalise_ts(frame, ["ts"], "repairs")
-
-
-# -- the features dataset -----------------------------------------------------------------------
-
-
-def _metadata() -> dict[bytes, bytes]:
-    return {
-        b"gpufail.dataset": FEATURES_DATASET.encode(),
-        b"gpufail.features_schema_version": str(FEATURES_SCHEMA_VERSION).encode(),
-        b"gpufail.presampled_fraction": str(PRESAMPLED_FRACTION).encode(),
-    }
-
-
-def write_features(target: Store | Staging, table: pl.DataFrame, *, threads: int = WRITE_THREADS) -> list[str]:
-    """Write a feature frame to the store's `features` dataset: one new file per UTC date of
-    `ts`. To a `Staging` of the features journal (a build: the files stay hidden until the
-    manifest commits them), or appended to a `Store` (its files visible at once, each whole).
-    The frame is validated first. Returns the paths written.
-
-    Each file is two row groups: the rows a retrain draws at up to `PRESAMPLED_FRACTION` of
-    the negatives (and every positive) first, then the rest, each group in (gpu_uuid, ts) order
-    with statistics on label and `_sample_key`, so that a retrain's filter skips the rest by
-    its statistics. Censored rows go by their key as if negative, so that no key in the rest is
-    low. The files of different dates are written by `threads` threads at once: pyarrow's
-    Parquet writer encodes one file on one core, and encoding is most of writing."""
-    validate_features(table)
-    if table.height == 0:
-        return []
-    if not _sorted_by_gpu_then_time(table):
-        table = table.sort(GPU, "ts")
-    keys = sample_keys(table[GPU], table["ts"])
-    rest = pl.Series("_rest", ~drawn(table["label"].fill_null(0).to_numpy(), keys, PRESAMPLED_FRACTION))
-    table = table.with_columns(pl.Series(SAMPLE_KEY, keys))
-    day = table["ts"].dt.date()
-    # Each file's two groups are filtered out of the frame, which keeps its (gpu_uuid, ts) order:
-    # a masked copy per group costs about one copy of the frame, where sorting the rows into file
-    # order and gathering every column (rechunked first) cost two, the gather a random one. Each
-    # thread filters its own date's groups, so no more than `threads` dates are copied at once.
-    # Dictionary-encoding only the string columns: trying it on 280 float columns made
-    # writing 2.5x slower for no gain.
-    dictionary = [c for c in ID_COLUMNS if table.schema[c] == pl.String]
-    metadata = _metadata()
-
-    def write_one(one_day: date) -> str:
-        on_day = day == one_day
-        # Two groups in every file, the first for the drawn rows, even when one is empty.
-        groups = [table.filter(on_day & ~rest), table.filter(on_day & rest)]
-        pieces = [g.to_arrow(compat_level=pl.CompatLevel.oldest()) for g in groups]
-        return target.write_owned(
-            FEATURES_DATASET,
-            one_day,
-            [p.replace_schema_metadata({**(p.schema.metadata or {}), **metadata}) for p in pieces],
-            use_dictionary=dictionary,
-            # Statistics only where a reader filters (time, GPU, place, the training draw):
-            # min/max of 400 float columns cost ~15% of writing and no reader uses them.
-            write_statistics=[*ID_COLUMNS, "label", SAMPLE_KEY],
-        )
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        futures = [pool.submit(write_one, one_day) for one_day in day.unique().sort()]
-        # Every write finishes (each file is whole or absent) before the first error is raised.
-        return [f.result() for f in futures]
-
-
-def _sorted_by_gpu_then_time(frame: pl.DataFrame) -> bool:
-    """Whether the rows are in (gpu_uuid, ts) order (a store build's flush always is)."""
-    if frame.height < 2:
-        return True
-    gpu, ts = frame[GPU], frame["ts"]
-    earlier_gpu, earlier_ts = gpu.slice(0, frame.height - 1), ts.slice(0, frame.height - 1)
-    later_gpu, later_ts = gpu.slice(1), ts.slice(1)
-    return bool(((earlier_gpu < later_gpu) | ((earlier_gpu == later_gpu) & (earlier_ts < later_ts))).all())
-
-
-def feature_files(
-    store: Store, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
-) -> list[str]:
-    """Part files of the features dataset dated within [first_day, last_day] that readers see
-    (the committed ones, `Store.files`); `verify` (for readers of their rows): each file's
-    checksum checked first (`Store.verify`)."""
-    return store.files(FEATURES_DATASET, first_day, last_day, verify=verify)
-
-
-def features_shape(store: Store) -> tuple[int, int]:
-    """(rows, columns) of the whole features dataset, from the files' Parquet footers: nothing
-    but the footers is read, so a caller can tell what reading it all would take."""
-    files = feature_files(store)
-    if not files:
-        return 0, 0
-    dataset = ds.dataset(files, format="parquet", filesystem=store.fs)
-    rows = sum(fragment.metadata.num_rows for fragment in dataset.get_fragments())
-    return rows, len(dataset.schema)
-
-
-def read_features(
-    store: Store,
-    start: datetime | None = None,
-    end: datetime | None = None,
-    columns: Sequence[str] | None = None,
-) -> pl.DataFrame:
-    """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
-    the date partitions overlapping the range are opened. A file that does not read is named."""
-    frame = store.collect(scan_features(store, start, end, columns), FEATURES_DATASET, start, end)
-    return _sorted_column_by_column(frame, ["ts", GPU])
-
-
-def scan_features(
-    store: Store,
-    start: datetime | None = None,
-    end: datetime | None = None,
-    columns: Sequence[str] | None = None,
-    where: pl.Expr | None = None,
-) -> pl.LazyFrame:
-    """`read_features` as a polars LazyFrame in file order (rows matching `where`, which may
-    use the stored training key), for readers that take a range a few grid times at a time (a
-    held-out window is 2.2M rows x 420 columns on the paper fleet). Files written before the
-    stored training key (SAMPLE_KEY) lack it: a later file's column the first file lacks is
-    left out rather than an error. Collect it with `Store.collect` to have a file that does
-    not read named."""
-    frame = store.scan(FEATURES_DATASET, start, end, where=where, schema={**ID_DTYPES, **LABEL_DTYPES})
-    if columns is None:
-        names = store.collect(frame.head(0), FEATURES_DATASET, start, end).columns
-        return frame.select([c for c in names if c != SAMPLE_KEY])
-    return frame.select(list(dict.fromkeys(["ts", GPU, *columns])))
-
-
-def read_newest_grid_time(store: Store) -> pl.DataFrame:
-    """The feature rows of the newest grid time (what scoring the fleet as it is now needs),
-    sorted by gpu_uuid; empty when there are no features. Only the newest day's files are
-    opened, and of them only these rows are decoded past the time column: reading the whole
-    day (750k rows x 420 columns on the paper fleet) to keep one hour in 24 was most of the
-    nightly scoring step's memory."""
-    days = store.dates(FEATURES_DATASET)
-    if not days:
-        return scan_features(store).collect()
-    start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
-    day = scan_features(store, start=start)
-    newest = store.collect(day.select(pl.col("ts").max()), FEATURES_DATASET, start).item()
-    rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, start)
-    return _sorted_column_by_column(rows, ["ts", GPU])
-
-
-def _sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
-    """`frame.sort(by)`, gathering one column at a time and letting go of each source column as
-    it goes: sorting the 3-day held-out window of the paper fleet (4 GB) whole peaked at 12 GB
-    and took 12.7 s; this way 4.9 GB and 8.8 s. Each column is put in one piece first (a frame
-    read from many files is in many, and gathering from those was several times slower). A
-    narrow frame (the label keys of 20M rows) sorts faster whole: 5.0 s against 5.6 s."""
-    if frame.width <= 8:
-        return frame.sort(by)
-    # (pl.arg_sort_by on two columns took 100 s for 20M keys where sorting them took 4 s.)
-    order = frame.select(by).with_row_index("_row").sort(by)["_row"]
-    return pl.DataFrame([frame.drop_in_place(name).rechunk().gather(order) for name in list(frame.columns)])
-
-
-# -- building over a store ----------------------------------------------------------------------
-
-
-@dataclass
-class _ShardResult:
-    """What one shard of a block wrote."""
-
-    rows: int = 0
-    positives: int = 0
-    censored: int = 0
-    gpus: set[str] = field(default_factory=set)
-    files: list[str] = field(default_factory=list)
-
-    def add(self, frame: pl.DataFrame) -> None:
-        self.rows += frame.height
-        self.positives += int((frame["label"] == 1).sum())
-        self.censored += frame["label"].null_count()
-        self.gpus.update(frame[GPU].unique().to_list())
-
-    def add_to(self, summary: FeatureBuildSummary, gpus: set[str]) -> None:
-        summary.rows += self.rows
-        summary.positives += self.positives
-        summary.censored += self.censored
-        gpus.update(self.gpus)
-
-
-@dataclass
-class FeatureBuildSummary:
-    rows: int = 0
-    gpus: int = 0
-    positives: int = 0
-    censored: int = 0
-    telemetry_rows_read: int = 0
-    blocks: int = 0  # time blocks of days, each built shard by shard
-    shards: int = 0  # shards of whole nodes the fleet was built in
-    files_written: list[str] = field(default_factory=list)
-    files_replaced: int = 0
-    days_kept: int = 0  # complete and up to date already: not rebuilt
-    leftovers_removed: int = 0  # files of days an interrupted build left partial
-    start: datetime | None = None
-    end: datetime | None = None
-    data_end: datetime | None = None
-    seconds: float = 0.0
-
-    def __str__(self) -> str:
-        rate = self.telemetry_rows_read / self.seconds if self.seconds else 0.0
-        return (
-            f"features: {self.rows:,} rows for {self.gpus:,} GPUs ({self.positives:,} positive, {self.censored:,} censored) "
-            f"from {self.telemetry_rows_read:,} telemetry rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); "
-            f"{len(self.files_written)} files written, {self.files_replaced} replaced"
-            + (f"; {self.days_kept} days already built kept" if self.days_kept else "")
-            + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
-        )
-
-
-def plan_build(
-    manifest: FeatureManifest,
-    spec: FeatureSpec,
-    summary: FeatureBuildSummary,
-    start: datetime,
-    end: datetime,
-    *,
-    data_end: datetime,
-    overwrite: bool,
-) -> BuildPlan:
-    """The plan of a build of the whole days in [start, end) with `spec` (`FeatureManifest.use_spec`
-    and `plan`), after removing the files no build completed (counted in `summary`); a
-    `FeaturesExistError` when every day is built and up to date."""
-    manifest.use_spec(spec, start, end, overwrite=overwrite)
-    plan = manifest.plan(start, end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
-    manifest.remove(plan.partial)
-    summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
-    if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, start, end))
-    return plan
-
-
-def nothing_to_build(manifest: FeatureManifest, plan: BuildPlan, start: datetime, end: datetime) -> str:
-    """Every day asked for is built and up to date: say so, with the range the files cover."""
-    files = manifest.kept_files(plan.kept)
-    removed = f"; removed {len(plan.partial)} files an interrupted build left" if plan.partial else ""
-    return (
-        f"features: {files} files already cover {start.date()}..{(end - timedelta(days=1)).date()}, every day "
-        f"asked for, built from the data as it is now{removed}; pass overwrite=True (gpufail features "
-        "--overwrite) to rebuild them"
-    )
-
-
-def _day_start(moment: datetime) -> datetime:
-    m = _utc(moment)
-    return datetime(m.year, m.month, m.day, tzinfo=UTC)
-
-
-_ID_COLS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
-
-
-def _day_of(path: str) -> date:
-    return date.fromisoformat(path.rsplit("/date=", 1)[1].split("/", 1)[0])
-
-
-def _read_telemetry(
-    store: Store, start: datetime, end: datetime, *, nodes: tuple[str, str] | None = None
-) -> pl.DataFrame:
-    """Telemetry rows with start <= ts < end (and node in the closed range `nodes`)."""
-    where = None if nodes is None else pl.col("node").is_between(pl.lit(nodes[0]), pl.lit(nodes[1]))
-    # In one piece: the scan returns a column in as many chunks as it read row groups (142 for a
-    # paper fleet-day), and gathering rows from a chunked column was ~8x slower (2.2 s against
-    # 0.25 s for the day's frame, plus 0.25 s to rechunk it).
-    return store.collect(store.scan("telemetry", start, end, where=where), "telemetry", start, end).rechunk()
-
-
-def _scan_presence(store: Store) -> tuple[pl.DataFrame, set[date]]:
-    """GPU presence over all telemetry, and the days that have telemetry. The streaming engine
-    keeps this one pass over the whole history in bounded memory."""
-    days = set(store.dates("telemetry"))
-    if not days:
-        return combine_presence([]), days
-    return gpu_presence(store.scan("telemetry", columns=_ID_COLS), engine="streaming"), days
-
-
-def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
-    """The latest row of each GPU."""
-    return frame.filter(pl.col("ts") == pl.col("ts").max().over(GPU)).unique(GPU, keep="last", maintain_order=True)
-
-
-class _BucketStream:
-    """Raw telemetry, one UTC day at a time, turned into complete grid buckets.
-
-    The bucket labelled b holds the samples in (b - grid, b], so a day file's last partial
-    bucket also needs the next file's first instant: rows after the day's last complete bucket
-    are held back for the next day. The last sample of each GPU is carried too, as the baseline
-    of its counter increases and sample spacing (so a counter increase across midnight is
-    counted exactly as in an all-history build)."""
-
-    def __init__(self, grid: timedelta, max_gap: timedelta) -> None:
-        self.grid, self.max_gap = grid, max_gap
-        self.held: pl.DataFrame | None = None  # raw rows after the last complete bucket
-        self.context: pl.DataFrame | None = None  # the last aggregated sample per GPU
-        self.cut: datetime | None = None
-
-    def day(self, raw: pl.DataFrame, day_end: datetime) -> pl.DataFrame:
-        """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
-        cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
-        frames = [f for f in (self.held, raw) if f is not None and f.height]
-        # Not rechunked here: the day's rows come in one piece (`_read_telemetry`), and the
-        # concatenation with the context below makes one piece of everything once.
-        pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
-        is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
-        self.held = pending.filter(~is_now)
-        if not is_now.any():
-            return hourly_aggregate(pending.clear(), self.grid, max_gap=self.max_gap)
-        if self.context is None and len(frames) == 1:
-            merged = pending.filter(is_now)  # one file's rows: usually in (gpu, ts) order already
-        else:
-            # The context, the held rows and the day's rows together are out of order: their
-            # rows up to the cut are put in order by sorting two narrow keys and one gather
-            # (filtering, concatenating, then sorting the 36-column frame took 40% of
-            # aggregating a day). `hourly_aggregate` checks the order (a hash collision).
-            if self.context is not None:
-                pending = pl.concat(
-                    [self.context.select(pending.columns), pending], how="vertical_relaxed", rechunk=True
-                )
-                is_now = pl.concat([pl.repeat(True, self.context.height, eager=True), is_now])
-            order = (
-                pl.DataFrame({"_h": pending[GPU].hash(), "ts": pending["ts"], "_now": is_now})
-                .with_row_index("_i")
-                .filter("_now")
-                .sort("_h", "ts", maintain_order=True)["_i"]
-            )
-            merged = pending[order]
-        buckets = hourly_aggregate(merged, self.grid, max_gap=self.max_gap)
-        if self.cut is not None:
-            buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets
-        latest = _last_rows(merged)
-        self.context = latest.filter(pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE))
-        self.cut = cut
-        return buckets
-
-
-@dataclass(frozen=True, kw_only=True)
-class BuildOptions:
-    """How `build_features_from_store` runs: its memory bounds, threads and progress bar. None of
-    them changes a feature value (the settings that do are the `FeatureSpec`)."""
-
-    rows_per_chunk: int = 250_000
-    """Grid rows of whole GPUs whose window and XID features are computed at once."""
-    rows_per_part: int | None = 500_000
-    """Grid rows of whole GPUs whose wide bucket statistics are held at once (None: all)."""
-    max_buckets_in_memory: int = 4_000_000
-    """Grid buckets a shard of whole nodes holds: more, and the fleet is built in shards."""
-    block_days: int = 14
-    """Days built together: the lookback before them is read once per block."""
-    flush_rows: int = 300_000
-    """Finished rows written at once."""
-    workers: int = 1
-    """Shards of a block built at once, on threads (they share the memory bounds)."""
-    read_ahead: bool = True
-    """Read and aggregate the next block's days while a block is built."""
-    write_ahead: bool = True
-    """Write finished rows on a thread of their own while the next rows are computed."""
-    scratch: str | None = None
-    """Folder for the shards' temporary files (default: the system's temporary folder)."""
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_days < 1:
-            raise ValueError(f"block_days: expected at least 1, got {self.block_days}")
-        if self.workers < 1:
-            raise ValueError(f"workers: expected at least 1, got {self.workers}")
-
-
-@holding_manifest
-def build_features_from_store(
-    store: Store,
-    manifest: FeatureManifest,
-    spec: FeatureSpec | None = None,
-    options: BuildOptions | None = None,
-    *,
-    start: datetime | None = None,
-    end: datetime | None = None,
-    overwrite: bool = False,
-) -> FeatureBuildSummary:
-    """Build and write the `features` dataset with the settings of `spec` (default: the
-    default spec) for grid times in [start, end), widened to whole UTC days (so every date
-    partition is complete). Default: all telemetry in the store. `options` say how (memory
-    bounds, threads; `BuildOptions`).
-
-    Labels look as far past `end` as the store's data goes (the data end is the last telemetry
-    sample in the store), so building yesterday's features today labels them as well as today's
-    data allows; rows whose horizon is not yet observed are censored (null) and are filled by a
-    later rebuild.
-
-    Two passes, bounded memory. Pass 1 reads only identity columns (GPU presence: first/last
-    sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution, and the data end); XID
-    events and repair records are read whole (they are small) and give the failure episodes.
-    Pass 2 reads raw telemetry one day partition at a time, from the longest window before
-    `start` on, aggregates it to grid buckets once (`_BucketStream`), and computes the fleet
-    median per GPU model of each grid time (the one feature that needs the whole fleet). The
-    days are emitted in time blocks of `block_days`: a block's features need its buckets and
-    the trailing window before it. When the whole fleet's buckets for a block and its window
-    would exceed `max_buckets_in_memory` rows, the fleet is split into shards of whole nodes
-    (`features.shards`), whose buckets wait in temporary files and are built one shard at a
-    time. Within a shard, the wide columns exist for parts of whole GPUs of about
-    `rows_per_part` grid rows (`iter_features_from_buckets`; all at once when None), computed in
-    chunks of about `rows_per_chunk`; finished rows are written every `flush_rows`. Every row
-    equals what an all-history in-memory build gives (up to floating-point rounding).
-
-    With `read_ahead`, the next block's days are read and aggregated while a block is built
-    (on a thread of its own); with one shard in memory those buckets count against
-    `max_buckets_in_memory` too. With `write_ahead`, a shard's finished rows are written on a
-    thread of their own while it computes the next (one flush in flight). `workers` shards of
-    a block are built at once, on threads (polars, pyarrow and the compiled kernels release the
-    GIL); they share the memory budget, so each holds a shard of `max_buckets_in_memory /
-    workers` buckets and parts of `rows_per_part / workers` rows.
-
-    Days already built are kept (`features.manifest`): only the days no build completed (a
-    build killed half-way), and those whose labels the data has moved on from, are built; when
-    there are none, the build is refused unless `overwrite=True`, which rebuilds every day
-    asked for. A block's files stay hidden until its commit, which also removes the old files of
-    the days it rebuilt. The dataset records the spec it was built with (`features.manifest`);
-    a build with another spec is refused unless it rebuilds every day
-    (`FeatureManifest.use_spec`).
-    """
-    from tqdm.auto import tqdm
-
-    began = time.perf_counter()
-    spec = spec or FeatureSpec()
-    options = options or BuildOptions()
-    grid, max_silence, block_days = spec.grid, spec.max_silence, options.block_days
-    workers, rows_per_part, flush_rows = options.workers, options.rows_per_part, options.flush_rows
-    summary = FeatureBuildSummary()
-
-    # Pass 1: presence (identity columns only) over the whole store: labels and lost-GPU
-    # detection look past `end` as far as the data goes.
-    presence, day_rows = _scan_presence(store)
-    if presence.height == 0:
-        summary.seconds = time.perf_counter() - began
-        return summary
-    data_end = _utc(presence["last_ts"].max())  # type: ignore[arg-type]
-    summary.data_end = data_end
-
-    xid = resolve_xid_gpus(read_xid_events(store), presence)
-    repairs = _prepare_repairs(store.read("repairs")) if store.exists("repairs") else None
-    episodes = episodes_for(
-        xid,
-        presence,
-        failure_xids=spec.failure_xids,
-        merge_window=spec.merge_window,
-        data_end=data_end,
-        lost_after=spec.lost_after,
-        repairs=repairs,
-    )
-
-    # The emitted range, in whole UTC days, within the data.
-    first_data = _utc(presence["first_ts"].min())  # type: ignore[arg-type]
-    emit_start = _day_start(max(_utc(start), first_data) if start is not None else first_data)
-    last = min(_utc(end) - timedelta(microseconds=1), data_end) if end is not None else data_end
-    emit_end = _day_start(last) + timedelta(days=1)
-    if emit_end <= emit_start:
-        summary.seconds = time.perf_counter() - began
-        return summary
-    summary.start, summary.end = emit_start, emit_end
-
-    # What is complete stays (a build killed half-way left some days partial: those are rebuilt).
-    plan = plan_build(manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite)
-
-    # Buckets a row at t needs: the longest window, and the GPU's last bucket while it is silent.
-    lookback = max(max(spec.windows), max_silence + grid)
-    one_day = timedelta(days=1)
-    # A shard carries a block and its trailing window (plus the day a window's start falls in).
-    carried_days = block_days + -(-lookback // one_day) + 1
-    per_day = one_day // grid
-    # The workers share the memory budget: each builds a shard and a part of a share of it.
-    budget = options.max_buckets_in_memory // workers
-    shards = shard_map(presence, gpu_buckets=carried_days * per_day, max_buckets=budget)
-    ahead_days = carried_days + (block_days if options.read_ahead else 0)
-    if shards[SHARD].n_unique() <= 1 and presence[GPU].n_unique() * ahead_days * per_day > budget:
-        # One shard keeps its buckets in memory, and the next block's days, read while a block
-        # is built, come on top: when both do not fit, the buckets wait on disk in shards.
-        shards = shard_map(presence, gpu_buckets=ahead_days * per_day, max_buckets=budget)
-    if rows_per_part is not None:
-        rows_per_part = max(1, rows_per_part // workers)
-    gpus: set[str] = set()
-
-    stop = threading.Event()  # set when the build fails: the block being built stops too
-
-    def build_shard(
-        shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None, staging: Staging
-    ) -> _ShardResult:
-        """One shard's rows of a block, written in flushes of about `flush_rows` (hidden until
-        the block's commit)."""
-        result = _ShardResult()
-        hourly = buckets.take(shard, block_start - lookback, block_end)
-        if hourly is None:
-            return result
-        parts = iter_features_from_buckets(
-            hourly,
-            xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
-            spec,
-            data_end=data_end,
-            repairs=repairs,
-            presence=presence,
-            episodes=episodes,
-            emit_start=block_start,
-            emit_end=block_end,
-            rows_per_chunk=options.rows_per_chunk,
-            rows_per_part=rows_per_part,
-            model_medians=fleet,
-        )
-        del hourly  # the generator holds the shard's buckets only while it runs
-        pending: list[pl.DataFrame] = []
-        # A flush is written on a thread of its own while the next part is computed: the shard
-        # waited on its writes for a third of its time, with a core often idle (`write_ahead`).
-        # One flush at a time is written, so at most two flushes are held.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-write") as writer:
-            writing: Future[list[str]] | None = None
-
-            def wait_for_write() -> None:
-                nonlocal writing
-                if writing is not None:
-                    result.files += writing.result()  # a failed write stops the shard here
-                    writing = None
-
-            def flush() -> None:
-                nonlocal writing, pending
-                frame = pl.concat(pending, how="vertical")
-                pending = []
-                wait_for_write()
-                writing = writer.submit(write_features, staging, frame)
-                if not options.write_ahead:
-                    wait_for_write()
-
-            for frame in parts:
-                if stop.is_set():
-                    raise _Stopped
-                if frame.height == 0:
-                    continue
-                result.add(frame)
-                pending.append(frame)
-                if sum(f.height for f in pending) >= flush_rows:
-                    flush()
-            if pending:
-                flush()
-            wait_for_write()
-        return result
-
-    def emit(block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None) -> None:
-        summary.blocks += 1
-        label = f"block {block_start.date()}..{(block_end - one_day).date()}"
-        done = 0
-        bar.set_postfix_str(f"{label}, shards 0/{buckets.count}")
-        staging = manifest.staging()
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, buckets.count))) as pool:
-            futures = [
-                pool.submit(build_shard, shard, block_start, block_end, fleet, staging)
-                for shard in range(buckets.count)
-            ]
-            written: list[str] = []
-            try:
-                for future in as_completed(futures):
-                    result = future.result()
-                    result.add_to(summary, gpus)
-                    written += result.files
-                    done += 1
-                    bar.set_postfix_str(f"{label}, shards {done}/{buckets.count}")
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-        # Every shard wrote its files: the block's days are complete, and the files they replace
-        # go, in one commit.
-        block_days = [(block_start + i * one_day).date() for i in range((block_end - block_start) // one_day)]
-        replaced = [name for day in block_days for name in plan.replaced.get(day, [])]
-        manifest.complete(block_days, written, data_end, replaced=replaced)
-        summary.files_written += [staging.visible(path) for path in written]
-        summary.files_replaced += len(replaced)
-
-    # A block is built on a thread of its own while this one reads and aggregates the next
-    # block's days (`read_ahead`): reading was a quarter of the build, with the other core
-    # mostly idle (30-day paper store: 311 s at 8.6 GB without, 276 s at 11.5 GB with). One
-    # block is built at a time (its shards hold the memory budget), so the reading waits for
-    # the block before to finish before it hands over the next. Each run of consecutive days to
-    # build is read from its own lookback on, as a build of just those days: the same rows.
-    for emit_start, emit_end in plan.runs:
-        first_read = max(_day_start(emit_start - lookback), _day_start(first_data))
-        days = [first_read + i * one_day for i in range((emit_end - first_read) // one_day)]
-        days = [d for d in days if d.date() in day_rows or d >= emit_start]
-        # Blocks of at most `block_days`, as even as possible: a short last block would pay for a
-        # whole lookback to emit a day or two.
-        emit_days = (emit_end - emit_start) // one_day
-        n_blocks = -(-emit_days // block_days)
-        block_ends = {emit_start + (emit_days * (i + 1) // n_blocks) * one_day for i in range(n_blocks)}
-
-        buckets = ShardedBuckets(shards, scratch=options.scratch)
-        summary.shards = buckets.count
-        stream = _BucketStream(grid, max_silence)
-        medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
-        bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not options.progress)
-
-        building: Future[None] | None = None
-        emitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="features-block")
-        try:
-            block_start = emit_start
-            for day in days:
-                if building is not None and building.done():
-                    building.result()  # a failed block stops the reading at once
-                raw: pl.DataFrame | None
-                if day.date() in day_rows:
-                    raw = _read_telemetry(store, day, day + one_day)
-                else:
-                    # No telemetry that day: the last bucket held back from the day before is still
-                    # complete now, and the block ending today needs it.
-                    raw = None if stream.held is None else stream.held.clear()
-                if raw is not None:
-                    summary.telemetry_rows_read += raw.height
-                    day_buckets = stream.day(raw, day + one_day)
-                    del raw
-                    if day_buckets.height:
-                        medians.append(model_medians(day_buckets, grid))
-                        buckets.add(day.date(), day_buckets)
-                if day + one_day in block_ends:
-                    block_end = day + one_day
-                    # No buckets since the last block (a telemetry outage): no means to compare, so
-                    # the shards' own (empty) medians are the fleet's.
-                    fleet = (
-                        pl.concat(medians, how="vertical_relaxed").filter(
-                            pl.col("ts").is_between(
-                                pl.lit(block_start, dtype=TS_DTYPE), pl.lit(block_end, dtype=TS_DTYPE)
-                            )
-                        )
-                        if medians
-                        else None
-                    )
-                    medians = []
-                    if building is not None:
-                        building.result()
-                    # Keep only the trailing window this block needs.
-                    buckets.forget(block_start - lookback)
-                    building = emitter.submit(emit, block_start, block_end, fleet)
-                    if not options.read_ahead:
-                        building.result()
-                    block_start = block_end
-                bar.update(1)
-            if building is not None:
-                building.result()
-        except BaseException:
-            stop.set()  # the block being built stops at its next part; its files so far stay unlisted
-            raise
-        finally:
-            emitter.shutdown(wait=True)
-            bar.close()
-            buckets.close()
-    summary.gpus = len(gpus)
-    summary.seconds = time.perf_counter() - began
-    return summary
-
-
-def grid_times(start: datetime, end: datetime, grid: timedelta = DEFAULT_GRID) -> list[datetime]:
-    """Grid times t with start <= t < end (helper for callers that score on the grid)."""
-    t = grid_floor(_utc(start), grid)
-    if t < _utc(start):
-        t += grid
-    out = []
-    while t < _utc(end):
-        out.append(t)
-        t += grid
-    return out

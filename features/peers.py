@@ -24,6 +24,31 @@ from features.windows import ENGINE, GPU, grid_suffix
 PEER_METRICS = ("temp_gpu_c", "power_w")
 
 
+def model_column(frame: pl.DataFrame) -> pl.Expr:
+    """The frame's `gpu_model`, or a null one where the telemetry has none (all one model)."""
+    return pl.col("gpu_model") if "gpu_model" in frame.columns else pl.lit(None, dtype=pl.String).alias("gpu_model")
+
+
+def _model_delta(metric: str, sfx: str) -> pl.Expr:
+    """`<m>_model_delta_<g>` from the GPU's mean `_p_<m>` and the fleet's median `_model_<m>`."""
+    return (pl.col(f"_p_{metric}") - pl.col(f"_model_{metric}")).alias(f"{metric}_model_delta{sfx}")
+
+
+def model_deltas(means: pl.DataFrame, medians: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
+    """gpu_uuid, ts and the `<m>_model_delta_<g>` features of the rows of `means` (gpu_uuid,
+    ts, gpu_model and bucket means), against fleet medians made elsewhere (`model_medians`):
+    for a build whose pieces each see part of the fleet."""
+    sfx = grid_suffix(grid)
+    metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in means.columns]
+    return (
+        means.lazy()
+        .select(GPU, "ts", model_column(means), *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
+        .join(medians.lazy(), on=["gpu_model", "ts"], how="left", nulls_equal=True)
+        .select(GPU, "ts", *[_model_delta(m, sfx) for m in metrics])
+        .collect(engine=ENGINE)
+    )
+
+
 def model_medians(frame: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.DataFrame:
     """Per (gpu_model, ts): the median bucket mean of each peer metric over the GPUs of `frame`
     (bucket aggregates or a dense grid; a missing bucket's null mean does not count). Columns
@@ -31,10 +56,9 @@ def model_medians(frame: pl.DataFrame, grid: timedelta = DEFAULT_GRID) -> pl.Dat
     hands it to `peer_features`, so GPUs built in separate shards share one fleet median."""
     sfx = grid_suffix(grid)
     metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in frame.columns]
-    model = pl.col("gpu_model") if "gpu_model" in frame.columns else pl.lit(None, dtype=pl.String).alias("gpu_model")
     return (
         frame.lazy()
-        .select(model, "ts", *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
+        .select(model_column(frame), "ts", *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
         .group_by("gpu_model", "ts")
         .agg(pl.col(f"_p_{m}").median().alias(f"_model_{m}") for m in metrics)
         .collect(engine=ENGINE)
@@ -51,9 +75,9 @@ def peer_features(
     sfx = grid_suffix(grid)
     metrics = [m for m in PEER_METRICS if f"{m}_mean{sfx}" in dense.columns]
     keys = ["cluster", "node", "ts"]
-    has_model = "gpu_model" in dense.columns
-    model = pl.col("gpu_model") if has_model else pl.lit(None, dtype=pl.String).alias("gpu_model")
-    base = dense.lazy().select(*keys, GPU, model, *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics])
+    base = dense.lazy().select(
+        *keys, GPU, model_column(dense), *[pl.col(f"{m}_mean{sfx}").alias(f"_p_{m}") for m in metrics]
+    )
     if not metrics:
         return base.select(GPU, "ts").collect(engine=ENGINE)
     # The median of the *other* GPUs of the node at the same time, computed from each node-time's
@@ -77,7 +101,7 @@ def peer_features(
             GPU,
             "ts",
             *[(pl.col(f"_p_{m}") - pl.col(f"_node_{m}")).alias(f"{m}_node_delta{sfx}") for m in metrics],
-            *[(pl.col(f"_p_{m}") - pl.col(f"_model_{m}")).alias(f"{m}_model_delta{sfx}") for m in metrics],
+            *[_model_delta(m, sfx) for m in metrics],
         )
         .collect(engine=ENGINE)
     )

@@ -8,7 +8,7 @@ model (scoring, the REST endpoint, the nightly job) uses the model's spec and re
 built with another (`FeatureSpecMismatch`).
 
 What only changes how fast or in how much memory features are built (threads, block sizes,
-read-ahead) is not part of the spec (`features.build.BuildOptions`): it never changes a value.
+read-ahead) is not part of the spec (`features.runner.BuildOptions`): it never changes a value.
 
 A spec is written as a JSON object in the configuration's units (`to_json`, `from_json`) and
 named by a fingerprint of that object (`fingerprint`), stable across processes and versions as

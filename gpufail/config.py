@@ -50,7 +50,7 @@ from features.spec import (
 from ingest.errors import ConfigError
 
 if TYPE_CHECKING:
-    from features.build import BuildOptions
+    from features.runner import BuildOptions
     from gpufail.nightly import NightlyOptions
     from ingest.collect.daemon import CollectOptions
     from models.alarms import AlarmRules
@@ -651,7 +651,7 @@ class Settings(_Table):
 
     def build_options(self, *, progress: bool = True) -> BuildOptions:
         """How the single-machine feature build runs ([features] memory bounds and threads)."""
-        from features.build import BuildOptions
+        from features.runner import BuildOptions
 
         f = self.features
         return BuildOptions(

@@ -39,7 +39,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from features.build import BuildOptions
+from features.runner import BuildOptions
 from features.spec import FeatureSpec
 from ingest.errors import ConfigError, GpufailError
 from ingest.locking import exclusive_lock
@@ -280,7 +280,7 @@ class _Job:
         import polars as pl
         import pyarrow as pa
 
-        from features.build import FEATURES_DATASET
+        from features.dataset import FEATURES_DATASET
 
         if isinstance(exc, (pl.exceptions.PolarsError, pa.ArrowException)):
             days = self.store.dates(FEATURES_DATASET)
@@ -354,7 +354,7 @@ class _Job:
         """ts, gpu_uuid and label of the feature rows a retrain can reach (`retrain_reach`):
         where labels settle and where failures are, without the hundreds of feature columns.
         Reading every day's keys grew with the history (87M rows for the 120-day paper fleet)."""
-        from features.build import FEATURES_DATASET, read_features
+        from features.dataset import FEATURES_DATASET, read_features
 
         if self._keys is None:
             days = self.store.dates(FEATURES_DATASET)
@@ -370,7 +370,7 @@ class _Job:
         (2.3M rows x 420 columns) took the nightly job to 14 GB."""
         import polars as pl
 
-        from features.build import scan_features
+        from features.dataset import scan_features
 
         if self._holdout is None:
             train = self.state["steps"]["train"]
@@ -394,7 +394,8 @@ class _Job:
         return {"kernel_log": str(summary)}
 
     def _features(self) -> dict[str, Any]:
-        from features.build import FEATURES_DATASET, build_features_from_store
+        from features.dataset import FEATURES_DATASET
+        from features.runner import build_features_from_store
 
         spec = self.spec()
         built = self.store.dates(FEATURES_DATASET)

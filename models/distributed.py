@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import polars as pl
 
-from features.build import FEATURES_DATASET, read_features
+from features.dataset import FEATURES_DATASET, read_features
 from ingest.errors import InputError
 from ingest.store import Store
 from models.estimators import CategoryCodes, balanced_pos_weight, odds_factor

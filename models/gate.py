@@ -82,7 +82,7 @@ def _grid_time_chunks(frame: Any, rows: int) -> Iterable[Any]:
     the GPUs of a grid time against each other).
 
     A DataFrame's rows are numbered by their place in it (column `_ROW`). A LazyFrame
-    (`features.build.scan_features`) is read a piece at a time, each piece in (ts, gpu_uuid)
+    (`features.dataset.scan_features`) is read a piece at a time, each piece in (ts, gpu_uuid)
     order: the order `read_features` gives the same rows. A pandas frame is already in memory
     and comes whole."""
     import polars as pl

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime, time, timedelta
+from datetime import UTC, datetime, time
 
 import pandas as pd
 import polars as pl
-import pyarrow.parquet as pq
 
-from features.build import FEATURES_DATASET, feature_files, read_features, scan_features
+from features.dataset import FEATURES_DATASET, drawn_rows, has_sample_keys, label_counts, read_features, rows_at
 from features.manifest import recorded_spec
-from features.sample_key import SAMPLE_KEY, key_threshold
 from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
@@ -61,9 +59,8 @@ def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], optio
     """`sampled_training_rows` for the window [start, end) = `bounds` already found."""
     check_negative_fraction(options.negative_fraction)
     start, end = bounds
-    files = _window_files(store, start, end)
-    if files and options.seed == 0 and all(SAMPLE_KEY in _column_names(store, f) for f in files):
-        rows = _read_drawn_rows(store, start, end, options.negative_fraction)
+    if options.seed == 0 and has_sample_keys(store, start.to_pydatetime(), end.to_pydatetime()):
+        rows = drawn_rows(store, start.to_pydatetime(), end.to_pydatetime(), options.negative_fraction)
     else:
         rows = _read_sampled_days(store, options)
     if rows.height == 0:
@@ -96,37 +93,11 @@ def store_training_bounds(
     return training_bounds(settled, train_window=train_window, horizon=horizon, as_of=as_of)
 
 
-def _window_files(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> list[str]:
-    return (
-        []
-        if end <= start
-        else feature_files(store, start.date(), (end - timedelta(microseconds=1)).date(), verify=True)
-    )
-
-
-def _column_names(store: Store, path: str) -> list[str]:
-    with store.fs.open(path, "rb") as fh:
-        return pq.read_schema(fh).names
-
-
 def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) -> tuple[int, int]:
     """(negatives, positives) with start <= ts < end (`store_training_bounds`), from the
     `label` and `ts` columns alone, counted as they are decoded: no gpu_uuid, no sort (12 s ->
     ~1 s for the paper fleet's 15.5M-row window)."""
-    if end <= start:
-        return 0, 0
-    window = scan_features(store, start.to_pydatetime(), end.to_pydatetime(), ["label"])
-    counts = store.collect(window.group_by("label").len(), FEATURES_DATASET, start, end)
-    by_label = dict(zip(counts["label"].to_list(), counts["len"].to_list(), strict=True))
-    return int(by_label.get(0, 0)), int(by_label.get(1, 0))
-
-
-def _read_drawn_rows(store: Store, start: pd.Timestamp, end: pd.Timestamp, negative_fraction: float) -> pl.DataFrame:
-    """The drawn rows of [start, end) by the stored key: at a share up to PRESAMPLED_FRACTION
-    the reader skips every file's second row group by its statistics, ~90% of the bytes."""
-    drawn = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(negative_fraction)))
-    rows = scan_features(store, start.to_pydatetime(), end.to_pydatetime(), where=drawn)
-    return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)
+    return label_counts(store, start.to_pydatetime(), end.to_pydatetime())
 
 
 def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
@@ -146,22 +117,10 @@ def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
     for day in kept["ts"].dt.date().unique().sort().to_list():
         day_start = datetime.combine(day, time.min, tzinfo=UTC)
         wanted = kept.filter(pl.col("ts").dt.date() == day)
-        parts.append(_read_rows(store, day_start, wanted))
+        parts.append(rows_at(store, day_start, wanted))
     if not parts:
         return pl.DataFrame()
     return pl.concat(parts, how="vertical").sort(_KEYS)
-
-
-def _read_rows(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataFrame:
-    """The feature rows of one UTC day whose (ts, gpu_uuid) are in `wanted`. The day's files
-    are scanned with the keys' hash as the filter, so the reader drops the other rows as it
-    decodes (a hash collision only lets a row through to the exact semi-join): ~5x faster than
-    reading the day whole and sorting it, which a retrain did for each of its ~22 days (0.6 s
-    against 3.3 s for a day of the paper fleet)."""
-    day_end = day_start + timedelta(days=1)
-    hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
-    day = scan_features(store, day_start, day_end, where=pl.struct(_KEYS).hash().is_in(hashes.implode()))
-    return store.collect(day, FEATURES_DATASET, day_start, day_end).join(wanted, on=_KEYS, how="semi")
 
 
 def calibrated_from_store(

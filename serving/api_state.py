@@ -175,7 +175,7 @@ class FeatureStore:
         return Store.open(self.root)
 
     def fingerprint(self) -> str | None:
-        from features.build import FEATURES_DATASET
+        from features.dataset import FEATURES_DATASET
 
         store = self._store()
         days = store.dates(FEATURES_DATASET) if store.exists(FEATURES_DATASET) else []
@@ -185,7 +185,7 @@ class FeatureStore:
         return f"{days[-1]}:" + ",".join(sorted(files))
 
     def load(self) -> LatestFeatures:
-        from features.build import read_newest_grid_time
+        from features.dataset import read_newest_grid_time
         from features.manifest import recorded_spec
 
         store = self._store()

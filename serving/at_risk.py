@@ -84,7 +84,7 @@ def _feature_values(
     are left out (read as unknown)."""
     import polars as pl
 
-    from features.build import scan_features
+    from features.dataset import scan_features
 
     wanted = sorted({f for fs in names for f in fs})
     if not wanted or not store.dates("features"):

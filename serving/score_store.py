@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from features.build import read_newest_grid_time
+from features.dataset import read_newest_grid_time
 from features.manifest import recorded_spec
 from features.spec import FeatureSpec, require_spec
 from ingest.errors import InputError

@@ -81,7 +81,7 @@ def assert_train_reads_its_window_and_fits_what_all_history_gives(data, model_di
     history gives."""
     import numpy as np
 
-    from features.build import read_features
+    from features.dataset import read_features
     from gpufail.config import load_settings
     from models.train import load_model, train_model
 

@@ -89,7 +89,7 @@ def features(
                 overwrite=overwrite,
             )
     else:
-        from features.build import build_features_from_store
+        from features.runner import build_features_from_store
 
         options = settings.build_options(progress=not quiet)
         summary = build_features_from_store(store, spec, options, start=first, end=last, overwrite=overwrite)

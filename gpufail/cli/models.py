@@ -66,7 +66,7 @@ def _calibration_text(info: dict[str, Any] | None) -> str:
 
 def _load_features(root: str) -> Any:
     """The whole features dataset."""
-    from features.build import read_features
+    from features.dataset import read_features
     from ingest.store import Store
 
     store = Store.open(root)
@@ -78,7 +78,7 @@ def _load_features(root: str) -> Any:
 
 def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
     """Refuse before reading when the whole features dataset would not fit (`gpufail.memory`)."""
-    from features.build import FEATURES_DATASET, features_shape
+    from features.dataset import FEATURES_DATASET, features_shape
     from gpufail.memory import available_bytes, check_evaluate_fits
 
     rows, columns = features_shape(store)

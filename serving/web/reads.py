@@ -62,8 +62,8 @@ def node_features(
     store: Any, cluster: str, node: str, features: Sequence[str], start: datetime, end: datetime
 ) -> pl.DataFrame:
     """ts, gpu_uuid, gpu_index and `features` of the node's rows in the features dataset with
-    start <= ts < end (`features.build.scan_features`), sorted by (gpu_uuid, ts)."""
-    from features.build import scan_features
+    start <= ts < end (`features.dataset.scan_features`), sorted by (gpu_uuid, ts)."""
+    from features.dataset import scan_features
 
     if not store.files("features", start.date(), _last_day(end)):
         return _no_rows(features)

@@ -42,7 +42,7 @@ PRELOAD = [
     "serving.publishing",
     "ingest.collect.daemon",
     "ingest.kernel_log_import",
-    "features.build",
+    "features.runner",
     "models.explain",
     "models.train",
     "models.treeshap",

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import read_features
+from features.dataset import read_features
 from ingest.store import Store
 from tests.faults import kill_points
 from tests.synthetic import synthetic_telemetry, synthetic_xids

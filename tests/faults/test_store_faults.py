@@ -179,7 +179,7 @@ def test_permission_denied_is_one_line_naming_the_path(
 def test_a_corrupt_features_file_is_named_before_training_or_scoring_reads_it(tmp_path: Path) -> None:
     from datetime import UTC, datetime
 
-    from features.build import read_features
+    from features.dataset import read_features
 
     store = Store.create(str(tmp_path / "root"))
     rows = pa.table({"ts": pa.array([datetime(2026, 1, 5, tzinfo=UTC)], pa.timestamp("us", "UTC")), "gpu_uuid": ["a"]})

@@ -10,18 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import (
-    BuildOptions,
-    build_features,
-    build_features_from_store,
-    empty_features,
-    feature_files,
-    features_from_buckets,
-    iter_features_from_buckets,
-    read_features,
-    read_newest_grid_time,
-    write_features,
-)
+from features.build import build_features, empty_features, features_from_buckets, iter_features_from_buckets
+from features.dataset import feature_files, read_features, read_newest_grid_time, write_features
+from features.runner import BuildOptions, build_features_from_store
 from features.schema import (
     ID_COLUMNS,
     LABEL_COLUMNS,

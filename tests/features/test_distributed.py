@@ -7,8 +7,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import FeaturesExistError, build_features, feature_files, read_features
+from features.build import build_features
+from features.dataset import feature_files, read_features
 from features.distributed import build_features_distributed
+from features.plan import FeaturesExistError
 from features.shards import node_groups
 from features.spec import FeatureSpec
 from gpufail.dask_cluster import dask_client
@@ -57,6 +59,7 @@ def test_a_dask_build_writes_the_rows_of_an_in_memory_build(tmp_path, client, fl
     assert summary.rows == stored.height == expected.height
     assert summary.gpus == 24 and summary.blocks == 2 * 3
     assert summary.positives == int((expected["label"] == 1).sum())
+    assert sorted(summary.files_written) == feature_files(store)  # as they are once committed
     assert_frame_equal(stored, expected, check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
     # The fleet median of each GPU model is taken over every partition, so the model deltas are
     # exact (a partition's own median differs: it sees 8 or 16 of the 24 GPUs).

@@ -11,8 +11,10 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import BuildOptions, FeaturesExistError, build_features_from_store, read_features
+from features.dataset import read_features
 from features.manifest import recorded_spec
+from features.plan import FeaturesExistError
+from features.runner import BuildOptions, build_features_from_store
 from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import StoreError
 from ingest.store import Store
@@ -80,9 +82,11 @@ def test_new_data_builds_the_new_days_and_rebuilds_the_unsettled_ones(fleet, ful
 
 def test_a_build_of_some_days_then_of_all_builds_only_the_rest(fleet, full, tmp_path):
     store = store_with(tmp_path / "data", fleet)
-    build(store, start=T0 + 24 * H, end=T0 + 72 * H)
+    first = build(store, start=T0 + 24 * H, end=T0 + 72 * H)
     summary = build(store)
     assert summary.days_kept == 2 and summary.blocks == 2  # day 1 and day 4, each on its own
+    # The summaries name the files as they are once committed, block by block.
+    assert sorted(first.files_written + summary.files_written) == store.files("features")
     same_rows(store, full)
     with pytest.raises(FeaturesExistError) as refused:
         build(store)

@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from features.build import read_features, write_features
+from features.dataset import read_features, write_features
 from features.sample_key import SAMPLE_KEY, drawn, key_threshold, sample_keys
 from ingest.store import Store
 

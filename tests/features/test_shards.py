@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from datetime import date, datetime, timedelta
+from datetime import date, timedelta
 from pathlib import Path
 
 import polars as pl
@@ -14,9 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import BuildOptions, build_features, build_features_from_store, feature_files, read_features
+from features.build import build_features
+from features.dataset import feature_files, read_features
 from features.labels import gpu_presence
 from features.peers import model_medians, peer_features
+from features.runner import BuildOptions, build_features_from_store
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.spec import FeatureSpec
 from features.windows import dense_grid, hourly_aggregate
@@ -131,22 +133,23 @@ def test_a_sharded_build_in_blocks_equals_building_in_memory(tmp_path, fleet, wo
 
 
 def on_telemetry_read(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> None:
-    """Call `hook(first day)` at each read of a block's telemetry through the store's one read
-    path (`Store.scan`; the whole-dataset scan for presence passes no start), before the read."""
-    real = store.scan
+    """Call `hook(first day)` at each read of a block's telemetry through the store's public
+    file listing (`Store.files`, which every read goes through; the whole-dataset scan for presence
+    passes no day), before the read itself."""
+    real = store.files
 
-    def scan(name: str, start: datetime | None = None, end: datetime | None = None, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if name == "telemetry" and start is not None:
-            hook(start.date())
-        return real(name, start, end, *args, **kwargs)
+    def files(name: str, first_day: date | None = None, last_day: date | None = None, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "telemetry" and first_day is not None:
+            hook(first_day)
+        return real(name, first_day, last_day, **kwargs)
 
-    monkeypatch.setattr(store, "scan", scan)
+    monkeypatch.setattr(store, "files", files)
 
 
 def on_features_write(monkeypatch: pytest.MonkeyPatch, store: Store, hook: Callable[[date], None]) -> list[date]:
-    """Call `hook(day)` before each features file the build writes (to its journal's staging,
-    where a build's files wait for the manifest's commit); returns the days of the calls, in
-    order."""
+    """Call `hook(day)` before each features file the build writes into the store's features
+    journal (a build's files are staged there until its commit, `Staging.write_owned`); returns
+    the days of the calls, in order."""
     real = Staging.write_owned
     calls: list[date] = []
     lock = threading.Lock()

@@ -86,7 +86,7 @@ def test_ingest_kernel_log_json_counts_the_incidents_it_wrote(simulated, tmp_pat
 
 
 def test_features_json_counts_the_rows_it_built(simulated, tmp_path):
-    from features.build import read_features
+    from features.dataset import read_features
 
     data = shutil.copytree(simulated, tmp_path / "fleet")
     facts = one_object(gpufail("features", "--data", str(data), "--quiet", "--json"))
@@ -302,7 +302,7 @@ def test_publish_says_why_it_left_each_node_alone_and_quiet_stays_short(scored, 
 
 
 def test_at_risk_from_the_data_root_lists_the_riskiest_with_their_feature_values(scored):
-    from features.build import read_features
+    from features.dataset import read_features
     from serving.predictions import newest_snapshot
 
     data = str(scored / "data")

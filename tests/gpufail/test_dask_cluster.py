@@ -47,7 +47,7 @@ def test_the_cli_reports_an_unreachable_scheduler(tmp_path):
 def test_features_and_train_run_on_the_configured_cluster(tmp_path):
     import polars as pl
 
-    from features.build import read_features
+    from features.dataset import read_features
     from ingest.store import Store
     from tests.features import T0
     from tests.synthetic import synthetic_telemetry, synthetic_xids

@@ -4,7 +4,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from features.build import build_features, features_shape, write_features
+from features.build import build_features
+from features.dataset import features_shape, write_features
 from gpufail.memory import EVALUATE_BYTES_PER_VALUE, available_bytes, check_evaluate_fits
 from ingest.errors import InputError
 from ingest.store import Store

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from features.build import BuildOptions
+from features.runner import BuildOptions
 from gpufail.nightly import STEPS, NightlyError, NightlyOptions, job_lock, retrain_reach, run_nightly
 from ingest.kernel_log_import import ingest_kernel_logs
 from ingest.simulator.run import simulate
@@ -197,8 +197,8 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
 
 
 def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_another(mlflow_server, fleet, tmp_path):
-    from features.build import build_features_from_store
     from features.manifest import recorded_spec
+    from features.runner import build_features_from_store
     from features.spec import FeatureSpec
     from models.train import load_model
 
@@ -427,7 +427,7 @@ def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server
 
 
 def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
-    from features.build import build_features_from_store
+    from features.runner import build_features_from_store
 
     url, _ = mlflow_server
     data = tmp_path / "data"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from features.build import read_features
+from features.dataset import read_features
 from ingest.store import Store
 from tests.cli import gpufail
 

@@ -98,7 +98,7 @@ def demo_features_store(folder: str):
     """A store whose `features` dataset is `demo_frame()` in the stored types (10 dates)."""
     import polars as pl
 
-    from features.build import write_features
+    from features.dataset import write_features
     from features.schema import ID_COLUMNS, ID_DTYPES, LABEL_COLUMNS, LABEL_DTYPES
     from ingest.store import Store
 

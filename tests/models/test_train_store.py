@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from features.build import feature_files, read_features, write_features
+from features.dataset import feature_files, read_features, write_features
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold
 from features.spec import FeatureSpec, FeatureSpecMismatch
 from ingest.errors import InputError
@@ -135,7 +135,7 @@ def test_the_stored_key_path_never_reads_a_day_whole(store, monkeypatch):
     def no_day_reads(*args, **kwargs):
         raise AssertionError("the day-at-a-time path was taken")
 
-    monkeypatch.setattr(module, "_read_rows", no_day_reads)
+    monkeypatch.setattr(module, "rows_at", no_day_reads)
     monkeypatch.setattr(module, "training_sample", no_day_reads)
     rows = sampled_training_rows(store, sample_options(train_window="4d", horizon="12h", negative_fraction=0.05))
     assert rows["label"].sum() > 0
@@ -164,7 +164,7 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
     import models.train_store as module
 
     narrow_calls, wide_calls = [], []
-    real_narrow, real_wide = module.read_features, module._read_rows
+    real_narrow, real_wide = module.read_features, module.rows_at
 
     def narrow_spy(store, start=None, end=None, columns=None):
         narrow_calls.append((start, end, columns))
@@ -175,7 +175,7 @@ def test_the_wide_columns_are_read_one_day_at_a_time_for_days_with_sampled_rows(
         return real_wide(store, day_start, wanted)
 
     monkeypatch.setattr(module, "read_features", narrow_spy)
-    monkeypatch.setattr(module, "_read_rows", wide_spy)
+    monkeypatch.setattr(module, "rows_at", wide_spy)
     rows = sampled_training_rows(store, sample_options(train_window="4d", horizon="12h", negative_fraction=0.2, seed=3))
     # The newest day's times (where labels settle), then the keys only, up to the newest day.
     assert narrow_calls[1:] == [(narrow_calls[1][0], None, ["label"])]

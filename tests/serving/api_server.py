@@ -80,7 +80,7 @@ def _trained(seed: int) -> Any:
 
 
 def write_store(root: Path) -> Path:
-    from features.build import write_features
+    from features.dataset import write_features
     from ingest.store import Store
 
     store = Store.create(str(root))

@@ -131,7 +131,7 @@ def test_a_good_model_after_a_bad_one_is_served_and_clears_the_error(served):
 
 
 def test_new_features_are_picked_up(served):
-    from features.build import write_features
+    from features.dataset import write_features
     from ingest.store import Store
 
     srv, _, data = served
