@@ -28,16 +28,9 @@ LIVE_LOG = ["--to", "log", "--no-dry-run", "--quiet"]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A data root with features (200 GPUs on 25 nodes, 10 days) and a LightGBM model beside it."""
-    from models.train import TrainOptions, save_model, train_model
-    from tests.models import ONE_THREAD, demo_features_store, demo_frame
+    from tests.models import data_root_with_model
 
-    folder = tmp_path_factory.mktemp("base")
-    demo_features_store(str(folder / "data"))
-    model = train_model(
-        demo_frame(), TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
-    )
-    save_model(model, folder / "model")
-    return folder
+    return data_root_with_model(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")

@@ -38,28 +38,11 @@ from ingest.store import Store
 from tests.conftest import make_rows
 from tests.fake_nvml.build import NoCompiler, build_fake_nvml
 from tests.fake_nvml.scenario import scenario_from_capture
+from tests.fakes import FakeClock
 
 T0 = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 GPUFAIL = [sys.executable, "-c", "from gpufail.cli import main; main()"]
 SCRAPE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = T0
-        self.mono = 0.0
-        self.slept = 0.0
-
-    def now(self) -> datetime:
-        return self.t
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def sleep(self, seconds: float) -> None:
-        self.slept += seconds
-        self.t += timedelta(seconds=seconds)
-        self.mono += seconds
 
 
 class EightGpus:
@@ -139,7 +122,7 @@ def daemon(store: Store, collectors, clock: FakeClock, **kw) -> Daemon:
 
 
 def test_a_failing_collector_is_recorded_and_the_others_go_on(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     good = EightGpus(clock)
     down = Broken("dcgm-exporter", CollectorError("dcgm-exporter collector: http://x/metrics: cannot fetch"))
     buggy = Broken("buggy", ZeroDivisionError("division by zero"))
@@ -160,7 +143,7 @@ def test_a_failing_collector_is_recorded_and_the_others_go_on(tmp_path):
 
 
 def test_ticks_keep_the_interval_and_flushes_follow_the_time_policy_in_separate_files(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     lines: list[str] = []
     d = daemon(store, [EightGpus(clock)], clock, flush_interval=timedelta(minutes=1), report=lines.append)
     summary = d.run(max_ticks=13)  # 12 intervals of 10 s
@@ -172,7 +155,7 @@ def test_ticks_keep_the_interval_and_flushes_follow_the_time_policy_in_separate_
 
 
 def test_a_resumable_collectors_state_commits_with_the_rows_it_covers(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     source = Numbered(total=2_000, per_call=30)
     seen: list[tuple[int, int]] = []
 
@@ -195,14 +178,14 @@ def test_a_resumable_collectors_state_commits_with_the_rows_it_covers(tmp_path):
 
 
 def test_a_source_not_run_keeps_its_committed_position(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     daemon(store, [Numbered(total=10, per_call=10)], clock).run(max_ticks=1)
     daemon(store, [EightGpus(clock)], clock).run(max_ticks=1)
     assert store.read_state("collect-n1")["collectors"] == {"numbered": {"next": 10}}
 
 
 def test_a_stop_request_drains_flushes_and_returns(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     stop = StopFlag()
 
     class StopsAfterTwo(EightGpus):
@@ -217,7 +200,7 @@ def test_a_stop_request_drains_flushes_and_returns(tmp_path):
 
 
 def test_a_store_that_refuses_keeps_the_rows_for_the_next_flush(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     real_write = store.write_part
     failures = iter([True, False, False, False])
 
@@ -235,7 +218,7 @@ def test_a_store_that_refuses_keeps_the_rows_for_the_next_flush(tmp_path):
 
 
 def test_a_final_flush_that_fails_is_an_error(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
 
     def refuse(dataset, day, table, **options):
         raise StoreError("bucket unreachable")
@@ -265,7 +248,7 @@ class Refusing:
 
 
 def test_while_the_store_refuses_rows_are_held_reading_pauses_and_nothing_is_lost(tmp_path, monkeypatch):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     source = Numbered(total=5_000, per_call=40)
     lines: list[str] = []
     refusing = Refusing(monkeypatch)
@@ -290,7 +273,7 @@ def test_while_the_store_refuses_rows_are_held_reading_pauses_and_nothing_is_los
 
 
 def test_reading_resumes_when_the_store_takes_writes_again(tmp_path, monkeypatch):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     lines: list[str] = []
     refusing = Refusing(monkeypatch)
 
@@ -336,19 +319,19 @@ def options(**kw) -> CollectOptions:
 def test_collectors_that_cannot_be_built_are_named(tmp_path):
     store = Store.create(str(tmp_path / "d"))
     with pytest.raises(InputError, match="kernel_log_paths is empty"):
-        build_collectors(store, options(), FakeClock())
+        build_collectors(store, options(), FakeClock(T0))
     with pytest.raises(InputError, match="dcgm_exporter_url is empty"):
-        build_collectors(store, options(sources=("dcgm-exporter",)), FakeClock())
+        build_collectors(store, options(sources=("dcgm-exporter",)), FakeClock(T0))
 
     def missing(store, opts, clock):
         raise ImportError("No module named 'pynvml'")
 
     with pytest.raises(InputError, match="collector 'nvml': cannot be loaded .*pynvml"):
-        build_collectors(store, options(sources=("nvml",)), FakeClock(), {"nvml": missing})
+        build_collectors(store, options(sources=("nvml",)), FakeClock(T0), {"nvml": missing})
 
 
 def test_run_collect_once_with_a_registered_fake(tmp_path):
-    store, clock = Store.create(str(tmp_path / "d")), FakeClock()
+    store, clock = Store.create(str(tmp_path / "d")), FakeClock(T0)
     fakes: list[EightGpus] = []
 
     def factory(store, opts, clk):

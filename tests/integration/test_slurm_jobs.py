@@ -14,19 +14,15 @@ import pytest
 
 from serving.cost_policy import CostConfig, Hint
 from serving.jobs import expand_hostlist
-from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.policy import PolicyConfig, PolicyState
 from serving.publish import JobActions, publish
 from serving.publishers.slurm import STANDBY_RESERVATION, MemoryLedger, SlurmPublisher
 from serving.score import PREDICTION_SCHEMA
+from tests.tiers import FOUR_TIERS
 
 H = timedelta(hours=1)
 CONFIG = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     recovery_period=6 * H,
     breaker_max_nodes=4,
     breaker_max_fraction=0.0,

@@ -9,20 +9,16 @@ from click.testing import CliRunner
 
 from gpufail.cli import cli
 from ingest.store import Store
-from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.policy import PolicyConfig, PolicyState
 from serving.publish import publish
 from serving.publishers.slurm import MemoryLedger, SlurmPublisher
 from serving.score import PREDICTION_SCHEMA
+from tests.tiers import FOUR_TIERS
 
 T0 = datetime(2026, 1, 5, 12, tzinfo=UTC)
 H = timedelta(hours=1)
 CONFIG = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     recovery_period=6 * H,
     breaker_max_nodes=2,
     breaker_max_fraction=0.05,

@@ -112,3 +112,16 @@ def demo_features_store(folder: str):
     store = Store.create(folder)
     write_features(store, frame.sort("gpu_uuid", "ts"))
     return store
+
+
+def data_root_with_model(folder):  # type: ignore[no-untyped-def]
+    """`folder` holding `data/` (the features of `demo_features_store`: 200 GPUs on 25 nodes,
+    10 days) and `model/` (a one-thread LightGBM trained on them); returns `folder`."""
+    from models.train import TrainOptions, save_model, train_model
+
+    demo_features_store(str(folder / "data"))
+    model = train_model(
+        demo_frame(), TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD)
+    )
+    save_model(model, folder / "model")
+    return folder

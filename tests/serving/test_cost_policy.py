@@ -17,17 +17,13 @@ from serving.cost_policy import (
 )
 from serving.jobs import IDLE, Job, JobMap, NodeLoad
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, Tier
+from tests.tiers import FOUR_TIERS
 
 NOW = datetime(2026, 11, 26, 12, tzinfo=UTC)
 H = timedelta(hours=1)
 M = timedelta(minutes=1)
 TIERS = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     recovery_period=6 * H,
     cooldown=6 * H,
     breaker_max_nodes=3,

@@ -11,7 +11,7 @@ import pytest
 
 from serving.cost_policy import CostConfig, Hint
 from serving.jobs import JobMapUnreadable
-from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.policy import PolicyConfig, PolicyState
 from serving.publish import JobActions, publish
 from serving.publishers.kubernetes import (
     CHECKPOINT_REQUEST_ANNOTATION,
@@ -21,18 +21,14 @@ from serving.publishers.kubernetes import (
     placement_score,
 )
 from tests.serving.kube_emulator import node_api
+from tests.tiers import FOUR_TIERS
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 READY = {"status": {"conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}}
 NODES = {f"gpu00{i}": READY for i in range(1, 6)}
 NODES["gpu005"] = {**READY, "spec": {"unschedulable": True}}  # cordoned by an operator
 CONFIG = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     breaker_max_nodes=10,
 )
 

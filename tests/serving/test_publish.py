@@ -4,19 +4,15 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.policy import PolicyConfig, PolicyState
 from serving.publish import AUDIT_SCHEMA, append_audit, publish, read_audit, state_name
 from serving.publishers import Applied, NodeView, SchedulerUnavailable
 from serving.publishers.log import LogPublisher
+from tests.tiers import FOUR_TIERS
 
 NOW = datetime(2026, 1, 5, 12, tzinfo=UTC)
 CONFIG = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     breaker_max_nodes=10,
 )
 

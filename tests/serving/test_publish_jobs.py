@@ -10,20 +10,16 @@ import pytest
 from ingest.errors import InputError
 from serving.cost_policy import CostConfig
 from serving.jobs import Job, JobMap, JobMapUnreadable
-from serving.policy import PolicyConfig, PolicyState, Tier
+from serving.policy import PolicyConfig, PolicyState
 from serving.publish import JobActions, append_audit, publish, read_audit
 from serving.publishers import Applied, NodeView, SchedulerUnavailable
 from serving.publishers.log import LogPublisher
+from tests.tiers import FOUR_TIERS
 
 NOW = datetime(2026, 11, 26, 12, tzinfo=UTC)
 H = timedelta(hours=1)
 CONFIG = PolicyConfig(
-    tiers=(
-        Tier("watch", 0.2, 0.1),
-        Tier("avoid", 0.35, 0.25),
-        Tier("drain_after_job", 0.5, 0.35),
-        Tier("drain_now", 0.8, 0.6),
-    ),
+    tiers=FOUR_TIERS,
     breaker_max_nodes=10,
 )
 COST = CostConfig(false_drain=6 * H)
