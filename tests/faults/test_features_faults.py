@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,6 +24,7 @@ from polars.testing import assert_frame_equal
 
 from features.dataset import read_features
 from ingest.store import Store
+from tests.cli import gpufail
 from tests.faults import kill_points
 from tests.synthetic import synthetic_telemetry, synthetic_xids
 
@@ -49,23 +49,6 @@ ENV: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GPUFA
 
 def features_command(root: Path, *extra: str) -> list[str]:
     return ["features", "--data", str(root), "--quiet", *extra]
-
-
-def features_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """`gpufail ARGS` in this process, with `ENV`; returns the exit status."""
-    from gpufail.cli import main
-
-    for name, value in ENV.items():
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    try:
-        main()
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +108,7 @@ def killed_then_rerun(root: Path, kill: kill_points.Kill, expected: pl.DataFrame
     return status
 
 
-def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(built, telemetry_store, tmp_path, monkeypatch):
+def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(built, telemetry_store, tmp_path):
     _, expected, kills = built
 
     def trial(i: int) -> Path:
@@ -137,7 +120,7 @@ def test_a_rerun_after_kill_9_gives_exactly_the_clean_rows(built, telemetry_stor
     with ThreadPoolExecutor(max_workers=2) as pool:  # each trial is processes of its own
         roots = list(pool.map(trial, range(len(kills))))
     # A second rerun has nothing left to do and says what is there.
-    assert features_cli(features_command(roots[0]), monkeypatch) == 2
+    assert gpufail(*features_command(roots[0]), env=ENV).returncode == 2  # type: ignore[arg-type]
 
 
 def test_a_rebuild_killed_at_any_point_keeps_each_day_old_or_new_and_a_rerun_completes_it(built, tmp_path):

@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import Result, gpufail
 from tests.faults import kill_points
 from tests.faults.mounts import fill_leaving, free_bytes, remount, tmpfs
 
@@ -73,21 +73,9 @@ def copy_root(source: Path, target: Path) -> Path:
     return target
 
 
-def gpufail(*args: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
-    """Run the `gpufail` command line in this process: (exit status, stdout, stderr)."""
-    from gpufail.cli import main
-
-    for name in [k for k in os.environ if k.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setattr(sys, "argv", ["gpufail", *args])
-    capsys.readouterr()
-    try:
-        main()
-        status = 0
-    except SystemExit as exc:
-        status = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
+def ingest(root: Path) -> Result:
+    """`gpufail ingest kernel-log` of `root`'s logs, in this process."""
+    return gpufail(*ingest_command(root))
 
 
 def xid_rows(root: Path) -> pl.DataFrame:
@@ -120,8 +108,6 @@ def test_kill_9_at_write_boundaries_then_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rng = random.Random(SEED)
     # Every fourth trial is killed again while finishing what the first kill left.
@@ -142,7 +128,8 @@ def test_kill_9_at_write_boundaries_then_a_rerun_gives_the_rows_of_a_clean_run(
     with ThreadPoolExecutor(max_workers=2) as pool:
         roots = list(pool.map(kill, range(len(clean.kills))))
     for planned, root in zip(clean.kills, roots, strict=True):
-        status, _, err = gpufail(*ingest_command(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = ingest(root)
+        status, err = ran.returncode, ran.stderr
         assert status == 0, f"{planned}: {err}"
         assert_same_rows(root, clean.rows)
         assert_whole_and_tidy(root)
@@ -152,7 +139,6 @@ def test_a_full_disk_then_space_freed_and_a_rerun_gives_the_rows_of_a_clean_run(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import ingest.kernel_log_import as module
@@ -163,37 +149,33 @@ def test_a_full_disk_then_space_freed_and_a_rerun_gives_the_rows_of_a_clean_run(
         # What a clean run adds to the disk, in the file system's own accounting.
         root = copy_root(fleet, disk / "root")
         before = free_bytes(disk)
-        assert gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+        assert ingest(root).returncode == 0
         needed = before - free_bytes(disk)
         for fraction in (0.0, 0.15, 0.35, 0.55, 0.75, 0.95):
             shutil.rmtree(root)
             root = copy_root(fleet, disk / "root")
             filler = fill_leaving(disk, int(needed * fraction))
-            status, _, err = gpufail(
-                "ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch
-            )
+            ran = ingest(root)
+            status, err = ran.returncode, ran.stderr
             assert status == 2, f"{fraction:.0%} of the space needed: {err}"
             assert_one_line_error(err, root, "No space left on device")
             assert "free space there and run again" in err
             filler.unlink()
-            status, _, err = gpufail(
-                "ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch
-            )
+            ran = ingest(root)
+            status, err = ran.returncode, ran.stderr
             assert status == 0, err
             assert_same_rows(root, clean.rows)
             assert_whole_and_tidy(root)
 
 
-def test_a_read_only_store_is_one_line_naming_the_path(
-    fleet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_read_only_store_is_one_line_naming_the_path(fleet: Path, tmp_path: Path) -> None:
     source_bytes = sum(p.stat().st_size for p in fleet.rglob("*") if p.is_file())
     with tmpfs(tmp_path / "disk", source_bytes + (4 << 20)) as disk:
         root = copy_root(fleet, disk / "root")
         remount(disk, "ro")
-        status, _, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
-        assert status == 2
-        assert_one_line_error(err, root, "Read-only file system")
+        ran = ingest(root)
+        assert ran.returncode == 2
+        assert_one_line_error(ran.stderr, root, "Read-only file system")
         remount(disk, "rw")
 
 
@@ -201,17 +183,16 @@ def test_a_copied_or_moved_data_root_re_reads_nothing(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     first = copy_root(fleet, tmp_path / "first")
-    assert gpufail("ingest", "kernel-log", "--data", str(first), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+    assert ingest(first).returncode == 0
     copied = copy_root(first, tmp_path / "copied")
     moved = tmp_path / "elsewhere" / "moved"
     moved.parent.mkdir()
     first.rename(moved)
     for root in (copied, moved):
-        status, out, err = gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)
+        ran = ingest(root)
+        status, out, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, err
         assert "-> 0 incidents" in out
         assert_same_rows(root, clean.rows)
@@ -221,15 +202,14 @@ def test_a_state_of_the_old_format_is_understood_in_place_and_in_a_copy(
     fleet: Path,
     clean: CleanRun,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     root = copy_root(fleet, tmp_path / "root")
-    assert gpufail("ingest", "kernel-log", "--data", str(root), capsys=capsys, monkeypatch=monkeypatch)[0] == 0
+    assert ingest(root).returncode == 0
     write_version_1_state(root)
     copied = copy_root(root, tmp_path / "copied")
     for where in (root, copied):
-        status, out, err = gpufail("ingest", "kernel-log", "--data", str(where), capsys=capsys, monkeypatch=monkeypatch)
+        ran = ingest(where)
+        status, out, err = ran.returncode, ran.stdout, ran.stderr
         assert status == 0, err
         assert "-> 0 incidents" in out
         assert_same_rows(where, clean.rows)
