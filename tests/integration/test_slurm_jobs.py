@@ -104,6 +104,21 @@ def reservation(slurm) -> str:
     return next(w.split("=", 1)[1] for w in done.stdout.split() if w.startswith("Nodes="))
 
 
+def live_publish(slurm, risks, actions, *, via=None, state=None, now=None, **kwargs):  # type: ignore[no-untyped-def]
+    """One live publish run of `risks` (node -> risk) to `slurm` with `actions` (by default
+    through a fresh publisher, from no policy state, now)."""
+    return publish(
+        predictions(risks, slurm.nodes),
+        via or publisher(slurm),
+        CONFIG,
+        PolicyState() if state is None else state,
+        mode="live",
+        now=datetime.now(UTC) if now is None else now,
+        actions=actions,
+        **kwargs,
+    )
+
+
 def test_the_job_map_of_real_jobs(slurm, jobs):
     big = jobs.submit("-N2", "-w", "gpu003,gpu004", "--gres=gpu:8", "--comment=gpufail_checkpoint=2030-01-01T00:00:00Z")
     small = jobs.submit("-N1", "-w", "gpu005", "--gpus=3", "--time=30")
@@ -131,14 +146,8 @@ def test_the_cost_policy_tells_a_long_job_on_a_risky_node_to_checkpoint(slurm, j
     # Decided as if 110 minutes into the job, which reports no checkpoint: with the assumed one
     # every hour from its start, 16 GPUs x 50 minutes are at risk.
     later = datetime.now(UTC) + timedelta(minutes=110)
-    out = publish(
-        predictions({"gpu007": 0.3}, slurm.nodes),
-        publisher(slurm, ledger=ledger),
-        CONFIG,
-        PolicyState(),
-        mode="live",
-        now=later,
-        actions=JobActions(policy="cost", cost=COST),
+    out = live_publish(
+        slurm, {"gpu007": 0.3}, JobActions(policy="cost", cost=COST), via=publisher(slurm, ledger=ledger), now=later
     )
     rows = [r for r in out.rows if r.node == "gpu007"]
     decision = next(r for r in rows if r.action == "raise")
@@ -148,14 +157,13 @@ def test_the_cost_policy_tells_a_long_job_on_a_risky_node_to_checkpoint(slurm, j
     jobs.wait(lambda: (jobs.folder / f"checkpoint.{job}").exists(), "the job's checkpoint file")
     assert out.hinted == {job: later}
     # The next run (the job reported nothing) does not signal it again within the interval.
-    again = publish(
-        predictions({"gpu007": 0.3}, slurm.nodes),
-        publisher(slurm, ledger=ledger),
-        CONFIG,
-        out.state,
-        mode="live",
+    again = live_publish(
+        slurm,
+        {"gpu007": 0.3},
+        JobActions(policy="cost", cost=COST),
+        via=publisher(slurm, ledger=ledger),
+        state=out.state,
         now=later + timedelta(minutes=5),
-        actions=JobActions(policy="cost", cost=COST),
         hinted=out.hinted,
     )
     assert [r.action for r in again.rows if r.jobs == (job,) and r.action.startswith("checkpoint")] == [
@@ -165,15 +173,7 @@ def test_the_cost_policy_tells_a_long_job_on_a_risky_node_to_checkpoint(slurm, j
 
 def test_a_risky_nodes_job_is_drained_after_it_ends_and_an_idle_risky_node_at_once(slurm, jobs):
     job = jobs.submit("-N1", "-w", "gpu009", "--gres=gpu:8", "--time=5")
-    out = publish(
-        predictions({"gpu009": 0.9, "gpu010": 0.9}, slurm.nodes),
-        publisher(slurm),
-        CONFIG,
-        PolicyState(),
-        mode="live",
-        now=datetime.now(UTC),
-        actions=JobActions(policy="cost", cost=COST),
-    )
+    out = live_publish(slurm, {"gpu009": 0.9, "gpu010": 0.9}, JobActions(policy="cost", cost=COST))
     rows = {r.node: r for r in out.rows if r.action not in ("placement", "standby")}
     assert (rows["gpu009"].option, rows["gpu009"].tier) == ("drain_after_job", "drain_after_job")
     assert (rows["gpu010"].option, rows["gpu010"].tier) == ("drain_now", "drain_now")
@@ -198,15 +198,7 @@ def test_placement_weights_follow_risk_and_an_operators_weight_is_the_new_base(s
     actions = JobActions(placement_levels=4)
 
     def run(risks):
-        return publish(
-            predictions(risks, slurm.nodes),
-            publisher(slurm, ledger=ledger),
-            CONFIG,
-            PolicyState(),
-            mode="live",
-            now=datetime.now(UTC),
-            actions=actions,
-        )
+        return live_publish(slurm, risks, actions, via=publisher(slurm, ledger=ledger))
 
     out = run({"gpu011": 0.1, "gpu012": 0.3, "gpu013": 0.5})
     weights = {n: s["weight"] for n, s in slurm.node_states().items()}
@@ -232,15 +224,7 @@ def test_the_standby_reservation_is_created_and_refreshed_each_run(slurm, jobs):
     busy = jobs.submit("-N1", "-w", "gpu001", "--gres=gpu:8")
 
     def run(risks, standbys=2):
-        return publish(
-            predictions(risks, slurm.nodes),
-            publisher(slurm, ledger=ledger),
-            CONFIG,
-            PolicyState(),
-            mode="live",
-            now=datetime.now(UTC),
-            actions=JobActions(standby_nodes=standbys),
-        )
+        return live_publish(slurm, risks, JobActions(standby_nodes=standbys), via=publisher(slurm, ledger=ledger))
 
     base = {n: 0.01 for n in slurm.nodes}
     # gpu001 is the healthiest but runs a job: not a standby.
@@ -285,15 +269,7 @@ def test_a_standby_reservation_that_is_not_ours_is_left_alone(slurm):
         "Duration=infinite",
         "Users=root",
     )
-    out = publish(
-        predictions({}, slurm.nodes),
-        publisher(slurm),
-        CONFIG,
-        PolicyState(),
-        mode="live",
-        now=datetime.now(UTC),
-        actions=JobActions(standby_nodes=1),
-    )
+    out = live_publish(slurm, {}, JobActions(standby_nodes=1))
     row = next(r for r in out.rows if r.action == "standby")
     assert row.result.startswith(f"skipped: reservation {STANDBY_RESERVATION} (gpu016) is not recorded")
     assert reservation(slurm) == "gpu016"
@@ -323,14 +299,11 @@ def test_a_signal_to_a_job_that_has_ended_fails_its_hint(slurm, jobs):
 
 
 def test_an_unreadable_squeue_keeps_every_tier(slurm, tmp_path):
-    out = publish(
-        predictions({"gpu012": 0.99}, slurm.nodes),
-        publisher(slurm, bin_dir=tools(tmp_path / "bin", {"squeue": "--json"})),
-        CONFIG,
-        PolicyState(),
-        mode="live",
-        now=datetime.now(UTC),
-        actions=JobActions(policy="cost", cost=COST),
+    out = live_publish(
+        slurm,
+        {"gpu012": 0.99},
+        JobActions(policy="cost", cost=COST),
+        via=publisher(slurm, bin_dir=tools(tmp_path / "bin", {"squeue": "--json"})),
     )
     assert {r.action for r in out.rows} == {"keep"} and slurm.node_states()["gpu012"]["state_flags"] == []
     assert any("job map: slurm (squeue): no answer after 2 tries" in n and "squeue: refused" in n for n in out.notices)
