@@ -1,6 +1,6 @@
 """Alarm-level evaluation: what an operator receives from a score and a threshold.
 
-A ranking metric at a fixed K hides the operating point (DOMAIN.md 2b). Here a score becomes
+A ranking metric at a fixed K hides the operating point (docs/evaluation.md). Here a score becomes
 *alarms*: a GPU raises an alarm at the first grid time its score reaches the threshold (or its
 flag is set, for a rule or the paper's intersection); it is re-armed when its score falls back
 below the threshold, or, while it stays above, once `quiet_period` has passed since its last

@@ -1,8 +1,8 @@
 """The job map: which jobs run on which node, and what a failure of the node would cost them.
 
 A failure stops every job with a GPU on the node, and each of them loses the work of all its
-GPUs since its last checkpoint (MegaScale restarts a job from its last checkpoint; DOMAIN.md
-2b). Per node (`node_loads`):
+GPUs since its last checkpoint (MegaScale restarts a job from its last checkpoint;
+docs/actions.md). Per node (`node_loads`):
 
 - **blast radius**: the GPUs of the jobs on it (all their GPUs, on every node);
 - **work at risk**: GPU-hours since each job's last checkpoint, summed over those jobs;
