@@ -42,11 +42,16 @@ demo: $(STAMP) ## Run the whole pipeline on a simulated fleet (writes $(DEMO_DAT
 		$(BIN)/gpufail publish --data $(DEMO_DATA) --to $$target --dry-run
 	$(BIN)/gpufail summary --data $(DEMO_DATA) --report $(DEMO_OUT)/report
 
-test: $(STAMP) ## Run the whole test suite, as CI does (no GPU, no ../shared needed)
-	$(BIN)/pytest -q
+# Test processes: most tests wait on child processes and servers, so two workers keep both of
+# CI's two cores busy. Each worker starts its own MLflow server and Slurm controller when its
+# tests ask for one, so more workers cost memory as well as cores.
+TEST_WORKERS ?= 2
+
+test: $(STAMP) ## Run the whole test suite, as CI does (no GPU, no ../shared needed; TEST_WORKERS=1: one process)
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 test-fast: $(STAMP) ## The test suite without the tests marked slow (minutes less; `make test` before a merge)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 NOTEBOOKS_OUT ?= build/notebooks
 notebooks: $(STAMP) ## Run notebooks/*.ipynb on $(DEMO_DATA) (`make demo` first if needed) -> $(NOTEBOOKS_OUT)/*.html

@@ -12,6 +12,13 @@ from ingest.schema import schema_for
 T0 = datetime(2026, 1, 5, tzinfo=UTC)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked `slow` first (in their usual order, then the rest in theirs): with
+    several workers (`make test`), a minutes-long test left to the end of the order runs alone
+    while the other workers have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def make_rows(dataset: str, times: list[datetime], **values: object) -> pa.Table:
     """Rows of `dataset` at `times`: required columns get plain values, the rest nulls."""
     schema = schema_for(dataset)
