@@ -152,30 +152,31 @@ def jobcomp_node_failures(text: str, *, cluster: str, where: str) -> pl.DataFram
     return event_frame(rows)
 
 
-def scontrol_down_nodes(document: Mapping[str, Any], *, cluster: str, where: str) -> pl.DataFrame:
-    """Events of the nodes `scontrol show node --json` reports DOWN or FAIL, at the time their
-    reason was set. A drain gpufail made itself (reason starting with `gpufail`) is not a
-    failure, nor is a plain drain: an operator's drain is maintenance until they say otherwise."""
+def slurm_down_nodes(document: Mapping[str, Any], *, cluster: str, where: str) -> pl.DataFrame:
+    """Events of the nodes that `sinfo --json` (or a newer `scontrol show node --json`) reports
+    DOWN or FAIL, at the time their reason was set. A drain is not a failure: gpufail drains
+    nodes itself, and an operator's drain is maintenance until they set the node DOWN."""
     nodes = document.get("nodes")
     if not isinstance(nodes, list):
-        raise InputError(f"{where}: no 'nodes' list; expected the output of scontrol show node --json")
+        raise InputError(f"{where}: no 'nodes' list; expected the output of sinfo --json")
     rows = []
     for node in nodes:
-        words = _state_words(node.get("state"))
+        words = set(_state_words(node.get("state"))) | set(_state_words(node.get("state_flags")))
         reason = str(node.get("reason") or "")
-        if not ({"DOWN", "FAIL"} & set(words)) or reason.lower().startswith(GPUFAIL_REASON_PREFIX):
+        if not ({"DOWN", "FAIL"} & words) or reason.lower().startswith(GPUFAIL_REASON_PREFIX):
             continue
         since = _epoch(node.get("reason_changed_at")) or _epoch(node.get("last_busy"))
         if since is None:
             continue
         name = str(node.get("name") or node.get("hostname"))
+        state = "+".join(sorted(words & {"DOWN", "FAIL"}))
         rows.append(
             {
                 "ts": since,
                 "cluster": cluster,
                 "node": name,
                 "source": "slurm",
-                "reason": reason or "+".join(words),
+                "reason": f"node {state}: {reason}" if reason else f"node {state}",
                 "ref": "node",
             }
         )
@@ -210,3 +211,11 @@ def kubernetes_not_ready(nodes: Iterable[Mapping[str, Any]], *, cluster: str) ->
                 }
             )
     return event_frame(rows)
+
+
+def kubernetes_failure_events(api: Any, *, cluster: str) -> pl.DataFrame:
+    """`kubernetes_not_ready` of the nodes a `kubernetes.client.CoreV1Api` lists."""
+    from kubernetes.client import ApiClient
+
+    listed = api.list_node()
+    return kubernetes_not_ready([ApiClient().sanitize_for_serialization(n) for n in listed.items], cluster=cluster)
