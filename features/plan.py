@@ -46,7 +46,12 @@ SOURCE_WORDS = {
 
 
 class FeaturesExistError(StoreError, FileExistsError):
-    """The features dataset already has files for the dates a build would write."""
+    """The features dataset already has files for the dates a build would write: every day
+    asked for (`start` .. `last`, whole UTC days) is built and up to date (`files` files)."""
+
+    def __init__(self, message: str, *, files: int = 0, start: date | None = None, last: date | None = None) -> None:
+        super().__init__(message)
+        self.files, self.start, self.last = files, start, last
 
 
 @dataclass
@@ -271,7 +276,12 @@ def plan_build(
     manifest.remove(plan.partial)
     summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
     if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, start, end))
+        raise FeaturesExistError(
+            nothing_to_build(manifest, plan, start, end),
+            files=manifest.kept_files(plan.kept),
+            start=start.date(),
+            last=(end - ONE_DAY).date(),
+        )
     return plan
 
 
