@@ -95,7 +95,7 @@ def _require(frame: pl.DataFrame, columns: dict[str, str | None], path: Path, se
         if column is not None and column not in frame.columns:
             raise InputError(
                 f"data file {path}: no column {column!r} (mapping [{section}] {key}); "
-                f"its columns are {frame.columns[:20]}"
+                f"its columns are {[c for c in frame.columns if c != _ROW][:20]}"
             )
 
 

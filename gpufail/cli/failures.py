@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from gpufail.cli.options import data_option, data_root, json_option, report, settings_of, when
+from gpufail.cli.options import data_option, import_root, json_option, report, settings_of, when
 from ingest.errors import GpufailError
 
 
@@ -80,7 +80,6 @@ def ingest_slurm(
         slurm_down_nodes,
         write_failure_events,
     )
-    from ingest.store import Store
 
     settings = settings_of(ctx)
     cluster, publish = settings.ingest.cluster, settings.publish
@@ -112,8 +111,8 @@ def ingest_slurm(
     down = slurm_down_nodes(nodes_document, cluster=cluster, where=sinfo_json or "sinfo --json")
     import polars as pl
 
-    store = Store.create(data_root(ctx, data))
-    new = write_failure_events(store, pl.concat([jobs, down]))
+    with import_root(ctx, data, as_json) as store:
+        new = write_failure_events(store, pl.concat([jobs, down]))
     found = jobs.height + down.height
     report(
         as_json,
@@ -133,7 +132,6 @@ def ingest_kubernetes(ctx: click.Context, data: str | None, kubeconfig: str | No
     its last transition. They become failure events (source kubernetes); run it as often as
     nodes change (each transition is stored once)."""
     from ingest.failure_events import kubernetes_failure_events, write_failure_events
-    from ingest.store import Store
     from serving.publishers import SchedulerUnavailable
     from serving.publishers.kubernetes import kubernetes_api
 
@@ -147,7 +145,8 @@ def ingest_kubernetes(ctx: click.Context, data: str | None, kubeconfig: str | No
         if type(exc).__module__.startswith(("kubernetes", "urllib3")):
             raise GpufailError(f"kubernetes: cannot list nodes ({str(exc).splitlines()[0]})") from None
         raise
-    new = write_failure_events(Store.create(data_root(ctx, data)), events)
+    with import_root(ctx, data, as_json) as store:
+        new = write_failure_events(store, events)
     report(
         as_json,
         f"kubernetes: {events.height} nodes not Ready; {new} new failure events stored, {events.height - new} stored already",
