@@ -49,7 +49,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run(fleet: Path, *args: str):  # noqa: ANN201
+def run(fleet: Path, *args: str):
     return gpufail("--config", str(fleet.parent / "gpufail.toml"), *args)
 
 
