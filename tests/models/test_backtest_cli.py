@@ -107,3 +107,14 @@ def test_score_at_and_over_a_range_write_one_snapshot_per_grid_time(fleet: Path,
     assert outside.returncode == 2 and "no features at 2027-01-01 00:00 UTC" in outside.stderr
     both = gpufail("score", "--data", str(fleet), "--model", str(model), "--at", "2027-01-01", "--start", "2026-03-09")
     assert both.returncode == 2 and "give one or the other" in both.stderr
+
+
+def test_model_params_in_the_configuration_reach_the_trained_model(fleet: Path, tmp_path: Path) -> None:
+    from models.train import load_model
+
+    config = tmp_path / "gpufail.toml"
+    config.write_text(CONFIG + "params = { n_estimators = 7, num_leaves = 5 }\n")
+    result = gpufail("--config", str(config), "train", "--data", str(fleet), "--model-out", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    params = load_model(str(tmp_path / "m")).params
+    assert (params["n_estimators"], params["num_leaves"]) == (7, 5)
