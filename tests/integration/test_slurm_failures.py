@@ -50,7 +50,9 @@ def wait_for(check, timeout: float = 30.0):
 def test_a_node_fail_job_and_a_down_node_label_their_gpus_and_gpufails_own_drain_does_not(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    job = slurm.run("sbatch", "--parsable", "-N1", "-w", "gpu005", "--wrap", "sleep 300").stdout.strip()
+    job = slurm.run(
+        "sbatch", "--parsable", "-N1", "-w", "gpu005", "--output", str(tmp_path / "job.out"), "--wrap", "sleep 300"
+    ).stdout.strip()
     wait_for(lambda: slurm.jobs().get(job, {}).get("job_state") == "RUNNING")
     # Its job ends NODE_FAIL; the node's slurmd, alive, registers again and the node returns
     # (ReturnToService=2). A node with no job set DOWN stays down with its reason.
