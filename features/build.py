@@ -60,10 +60,16 @@ def _presence_from_buckets(hourly: pl.DataFrame, grid: timedelta) -> pl.DataFram
 
 
 def failure_episodes(
-    xid: pl.DataFrame, presence: pl.DataFrame, spec: FeatureSpec, *, data_end: datetime, repairs: pl.DataFrame | None
+    xid: pl.DataFrame,
+    presence: pl.DataFrame,
+    spec: FeatureSpec,
+    *,
+    data_end: datetime,
+    repairs: pl.DataFrame | None,
+    failure_events: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """The failure episodes (`labels.episodes_for`) of the XID events resolved to GPUs (`xid`)
-    with the settings of `spec`."""
+    """The failure episodes (`labels.episodes_for`) of the XID events resolved to GPUs (`xid`),
+    the repair records and the failure events, with the settings of `spec`."""
     return episodes_for(
         xid,
         presence,
@@ -72,6 +78,7 @@ def failure_episodes(
         data_end=data_end,
         lost_after=spec.lost_after,
         repairs=repairs,
+        failure_events=failure_events,
     )
 
 

@@ -159,6 +159,8 @@ def dictionary_markdown(spec: FeatureSpec | None = None) -> str:
         "one row per GPU per grid time t. A window w at t covers the data in (t - w, t]; no feature",
         "reads data after t. Features are Float32; empty means unknown (no reading in the window).",
         "Definitions in detail: the docstrings of the modules named in the family column.",
+        "Which failures make a label (failure XIDs, lost GPUs, repair records, imported failure",
+        "records, failures the scheduler saw) is in docs/feature-spec.md, *Label sources*.",
         "",
         "| name | family | meaning | unit | window |",
         "| --- | --- | --- | --- | --- |",

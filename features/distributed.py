@@ -54,6 +54,7 @@ from features.plan import (
     finish_days,
     lookback,
     plan_store_build,
+    silent_sources,
 )
 from features.schema import FEATURE_DTYPE, TS_DTYPE
 from features.shards import node_groups
@@ -130,6 +131,7 @@ def _finish(
     part: tuple[pl.DataFrame | None, pl.DataFrame | None, int],
     medians: pl.DataFrame | None,
     grid: timedelta,
+    facts: FleetFacts,
 ) -> tuple[Written, int]:
     """Make a partition's model deltas fleet-wide, write its files (hidden until the build
     commits them), and say what it wrote, and how many telemetry rows it read."""
@@ -147,7 +149,7 @@ def _finish(
             .with_columns(pl.col(c).cast(FEATURE_DTYPE) for c in names)
             .select(order)
         )
-    written.add(frame)
+    written.add(frame, facts.episodes)
     written.files = write_features(staging, frame)
     return written, rows_read
 
@@ -213,7 +215,8 @@ def build_features_distributed(
             means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
             medians = client.submit(_model_medians, means, spec.grid, priority=-2 * b + 1)
             results += [
-                client.submit(_finish, staging, p, medians, spec.grid, pure=False, priority=-2 * b + 1) for p in parts
+                client.submit(_finish, staging, p, medians, spec.grid, shared, pure=False, priority=-2 * b + 1)
+                for p in parts
             ]
         gpus: set[str] = set()
         files: list[str] = []
@@ -226,4 +229,5 @@ def build_features_distributed(
         # in one commit.
         built = [d.date() for run_start, run_end in plan.runs for d in days_in(run_start, run_end)]
         finish_days(manifest, plan, built, files, facts.data_end, summary)
+        summary.warnings += silent_sources(facts, summary)
     return summary.timed(began, gpus)

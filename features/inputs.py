@@ -16,6 +16,7 @@ import pyarrow as pa
 from features.labels import GPU, combine_presence, gpu_presence
 from features.schema import TS_DTYPE
 from features.xids import drop_cross_source_duplicates
+from ingest.schema import FAILURE_EVENT_KEY
 from ingest.store import Store
 
 PRESENCE_COLUMNS = ["ts", "cluster", "node", "gpu_index", "pci_bus_id", GPU]
@@ -86,6 +87,15 @@ def prepare_repairs(repairs: pl.DataFrame | pa.Table | None) -> pl.DataFrame | N
     if missing:
         raise ValueError(f"repairs: missing required columns {missing}; got {frame.columns}")
     return normalise_ts(frame, ["ts"], "repairs")
+
+
+def read_failure_events(store: Store) -> pl.DataFrame | None:
+    """The store's failure events (records, scheduler-seen failures; `features.labels` source 4),
+    once each; None when there are none."""
+    if not store.exists("failure_events"):
+        return None
+    events = normalise_ts(as_frame(store.read("failure_events")), ["ts", "end"], "failure_events")
+    return events.unique(FAILURE_EVENT_KEY, keep="first", maintain_order=True)
 
 
 def read_repairs(store: Store) -> pl.DataFrame | None:

@@ -22,6 +22,21 @@ A *failure episode* is when a GPU stops being usable. Two sources, XIDs first:
    repair) is evidence of a failure the first two sources missed. That episode starts just after
    the GPU's last sample, or at the repair time if the GPU kept reporting until then.
 
+4. Failure events (`event_episodes`, the `failure_events` dataset): failure records a fleet
+   imported (tickets, source `record`) and failures its scheduler saw (`slurm`: NODE_FAIL job
+   ends, nodes set DOWN; `kubernetes`: nodes NotReady). Each starts an episode at its time. An
+   event that names no GPU (a scheduler sees nodes) stands for every GPU of the node that was
+   reporting then (seen at or before it, and within `merge_window` before it): gpufail acts on
+   nodes, and a node that failed is a node the next run should have drained. An event is the
+   same failure as a failure-XID episode of its GPU - or, for a node-wide event, of any GPU of
+   its node - that starts within `merge_window` of it: the XID episode stays (XIDs date a
+   failure best, and a node failure explained by one GPU's XID does not blame its other GPUs),
+   and the event is dropped. Events of one GPU within `merge_window` of each other are one.
+   Failure events come before lost GPUs (an event within `lost_after` of the silence explains
+   it, as an XID does) and repair records (a repair after a recorded failure closes it).
+   An event with a known `end` (the node came back) returns its GPUs to service then
+   (`service_returns`); one without waits for a repair record, as after a failure XID.
+
 Labels (`attach_labels`):
 - after a failure episode starts, the GPU is out of service until a repair record that returns
   it (action `reseat`, `reset`, anything but `replace`) at or after the start: rows in between
@@ -51,7 +66,7 @@ EPISODE_SCHEMA = {
     GPU: pl.String(),
     "start": TS_DTYPE,
     "end": TS_DTYPE,
-    "source": pl.String(),  # "xid" | "lost" | "repair"
+    "source": pl.String(),  # "xid" | "lost" | "repair" | a failure event's: "record", "slurm", "kubernetes"
     "xids": pl.List(pl.Int32()),
     "n_events": pl.Int32(),
 }
@@ -209,35 +224,33 @@ def episodes_for(
     data_end: datetime,
     lost_after: timedelta | None = DEFAULT_LOST_AFTER,
     repairs: pl.DataFrame | None = None,
+    failure_events: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """All failure episodes: failure XIDs (events resolved to GPUs first), lost GPUs
+    """All failure episodes: failure XIDs (events resolved to GPUs first), failure events
+    (`failure_events`, the dataset of that name; module notes, source 4), lost GPUs
     (`lost_after=None` turns those off) and repairs of GPUs in service (`repairs`, the
     `repairs` dataset; none when omitted). Sorted by (gpu_uuid, start)."""
-    known = _xid_and_lost_episodes(xid_events, presence, failure_xids, merge_window, data_end, lost_after)
-    if repairs is None or repairs.height == 0:
-        return known
-    return pl.concat([known, repair_episodes(repairs, known, presence)]).sort(GPU, "start")
+    known = failure_episodes(resolve_xid_gpus(xid_events, presence), failure_xids, merge_window)
+    if failure_events is not None and failure_events.height:
+        known = pl.concat([known, event_episodes(failure_events, known, presence, merge_window)])
+    if lost_after is not None:
+        known = pl.concat([known, _unexplained_lost(presence, known, data_end, lost_after)])
+    known = known.sort(GPU, "start")
+    if repairs is not None and repairs.height:
+        known = pl.concat([known, repair_episodes(repairs, known, presence)]).sort(GPU, "start")
+    return known
 
 
-def _xid_and_lost_episodes(
-    xid_events: pl.DataFrame,
-    presence: pl.DataFrame,
-    failure_xids: Iterable[int],
-    merge_window: timedelta,
-    data_end: datetime,
-    lost_after: timedelta | None,
+def _unexplained_lost(
+    presence: pl.DataFrame, known: pl.DataFrame, data_end: datetime, lost_after: timedelta
 ) -> pl.DataFrame:
-    xid_eps = failure_episodes(resolve_xid_gpus(xid_events, presence), failure_xids, merge_window)
-    if lost_after is None:
-        return xid_eps
     lost = lost_gpu_episodes(presence, data_end, lost_after)
-    # A failure XID logged within `lost_after` of the GPU's last sample explains the silence
-    # and dates the failure: XIDs are the primary source.
-    explained = lost.join(xid_eps.select(GPU, pl.col("start").alias("_xid_start")), on=GPU, how="inner").filter(
-        pl.col("_xid_start") <= pl.col("start") + lost_after
+    # A failure XID (or failure event) within `lost_after` of the GPU's last sample explains the
+    # silence and dates the failure: those sources come first.
+    explained = lost.join(known.select(GPU, pl.col("start").alias("_known")), on=GPU, how="inner").filter(
+        pl.col("_known") <= pl.col("start") + lost_after
     )
-    lost = lost.join(explained.select(GPU).unique(), on=GPU, how="anti")
-    return pl.concat([xid_eps, lost]).sort(GPU, "start")
+    return lost.join(explained.select(GPU).unique(), on=GPU, how="anti")
 
 
 def _repair_times(repairs: pl.DataFrame | None, *, returns_only: bool = False) -> pl.DataFrame:
@@ -370,3 +383,99 @@ def label_rows(
         .alias("label"),
         pl.when(within).then(ttf_us / HOUR_US).cast(pl.Float32).alias("time_to_failure_h"),
     )
+
+
+EVENT_SOURCES = ("record", "slurm", "kubernetes")
+"""Episode sources that come from the `failure_events` dataset."""
+
+
+def _event_gpus(events: pl.DataFrame, presence: pl.DataFrame, tolerance: timedelta) -> pl.DataFrame:
+    """The events with one row per GPU they stand for (`_event` numbers the event): those that
+    name a GPU as they are, the others joined to the GPUs of their node (and slot, if given)
+    that were reporting then."""
+    events = events.with_row_index("_event")
+    named = events.filter(pl.col(GPU).is_not_null())
+    open_ = events.filter(pl.col(GPU).is_null()).drop(GPU)
+    slots = presence.select(
+        pl.col("cluster").alias("_cluster"), "node", pl.col("gpu_index").alias("_slot"), GPU, "first_ts", "last_ts"
+    )
+    joined = open_.join(slots, on="node", how="inner").filter(
+        (pl.col("cluster").is_null() | pl.col("_cluster").is_null() | (pl.col("cluster") == pl.col("_cluster")))
+        & (pl.col("gpu_index").is_null() | (pl.col("gpu_index") == pl.col("_slot")))
+        & (pl.col("first_ts") <= pl.col("ts"))
+        & (pl.col("last_ts") >= pl.col("ts") - tolerance)
+    )
+    joined = joined.select(named.columns)
+    return pl.concat([named, joined], how="vertical_relaxed").unique(["_event", GPU]).sort(GPU, "ts")
+
+
+def event_episodes(
+    events: pl.DataFrame, known: pl.DataFrame, presence: pl.DataFrame, tolerance: timedelta
+) -> pl.DataFrame:
+    """Failure episodes from failure events (module notes, source 4): `events` with `ts`,
+    `node`, `source` and optionally `cluster`, `gpu_index`, `gpu_uuid`, `end`, `xid`; `known`
+    the failure-XID episodes; `presence` from `gpu_presence`."""
+    optional = {"cluster": pl.String(), "gpu_index": pl.Int16(), GPU: pl.String(), "end": TS_DTYPE, "xid": pl.Int32()}
+    events = events.with_columns(pl.lit(None, dtype=t).alias(c) for c, t in optional.items() if c not in events.columns)
+    events = events.with_columns(
+        pl.col("ts").cast(TS_DTYPE), pl.col("end").cast(TS_DTYPE), pl.col("gpu_index").cast(pl.Int16)
+    )
+    per_gpu = _event_gpus(events, presence, tolerance)
+    starts = known.select(GPU, pl.col("start").cast(TS_DTYPE).alias("_known")).sort("_known")
+    # The same failure as a known episode of the GPU: within `tolerance` either way.
+    near = per_gpu.sort("ts").join_asof(
+        starts, left_on="ts", right_on="_known", by=GPU, strategy="nearest", tolerance=tolerance, check_sortedness=False
+    )
+    explained = near.filter(pl.col("_known").is_not_null()).select("_event").unique()
+    kept = per_gpu.join(explained, on="_event", how="anti").sort(GPU, "ts")
+    # Events of one GPU within `tolerance` of the previous one are the same failure.
+    gap = pl.col("ts") - pl.col("ts").shift(1).over(GPU)
+    kept = kept.filter(gap.is_null() | (gap > tolerance))
+    return (
+        kept.select(
+            GPU,
+            pl.col("ts").alias("start"),
+            pl.max_horizontal("ts", "end").alias("end"),
+            "source",
+            pl.when(pl.col("xid").is_null())
+            .then(pl.lit([], dtype=pl.List(pl.Int32)))
+            .otherwise(pl.concat_list(pl.col("xid").cast(pl.Int32)))
+            .alias("xids"),
+            pl.lit(1, dtype=pl.Int32).alias("n_events"),
+        )
+        .cast(EPISODE_SCHEMA)  # type: ignore[arg-type]
+        .sort(GPU, "start")
+    )
+
+
+def service_returns(episodes: pl.DataFrame) -> pl.DataFrame:
+    """Repair records (`repairs` columns `ts`, `old_gpu_uuid`, `action`) for the failure-event
+    episodes whose event said when the node was back: the GPU returns to service then."""
+    back = episodes.filter(pl.col("source").is_in(EVENT_SOURCES) & (pl.col("end") > pl.col("start")))
+    return back.select(pl.col("end").alias("ts"), pl.col(GPU).alias("old_gpu_uuid"), pl.lit("reset").alias("action"))
+
+
+def with_returns(repairs: pl.DataFrame | None, episodes: pl.DataFrame) -> pl.DataFrame | None:
+    """`repairs` and the `service_returns` of `episodes`, for `label_rows`."""
+    returns = service_returns(episodes)
+    if returns.height == 0:
+        return repairs
+    if repairs is None:
+        return returns
+    return pl.concat([repairs.select("ts", "old_gpu_uuid", "action"), returns], how="vertical_relaxed")
+
+
+def positives_by_source(frame: pl.DataFrame, episodes: pl.DataFrame) -> dict[str, int]:
+    """How many positive rows of a labelled feature frame each episode source explains (the
+    episode a positive row predicts starts `time_to_failure_h` after it)."""
+    positive = frame.filter(pl.col("label") == 1)
+    if positive.height == 0:
+        return {}
+    ahead_us = (pl.col("time_to_failure_h").cast(pl.Float64) * HOUR_US).round().cast(pl.Int64)
+    rows = positive.select(GPU, (pl.col("ts") + pl.duration(microseconds=ahead_us)).alias("_start")).sort("_start")
+    starts = episodes.select(GPU, pl.col("start").cast(TS_DTYPE).alias("_start"), "source").sort("_start")
+    # Float32 hours carry the start to well within a second over any horizon.
+    hit = rows.join_asof(
+        starts, on="_start", by=GPU, strategy="nearest", tolerance=timedelta(seconds=1), check_sortedness=False
+    )
+    return {str(s): int(n) for s, n in hit.group_by("source").len().iter_rows() if s is not None}

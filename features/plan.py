@@ -24,8 +24,8 @@ from typing import Any
 import polars as pl
 
 from features.build import failure_episodes
-from features.inputs import read_repairs, read_xid_events, utc
-from features.labels import GPU, resolve_xid_gpus
+from features.inputs import read_failure_events, read_repairs, read_xid_events, utc
+from features.labels import EVENT_SOURCES, GPU, positives_by_source, resolve_xid_gpus, with_returns
 from features.manifest import BuildPlan, FeatureManifest, settle_time
 from features.spec import FeatureSpec
 from ingest.errors import StoreError
@@ -34,8 +34,24 @@ from ingest.store import Store
 ONE_DAY = timedelta(days=1)
 
 
+SOURCE_WORDS = {
+    "xid": "failure XIDs",
+    "lost": "lost GPUs",
+    "repair": "repair records",
+    "record": "failure records",
+    "slurm": "the scheduler (Slurm)",
+    "kubernetes": "the scheduler (Kubernetes)",
+}
+"""How the features summary names each label source (`features.labels` episode sources)."""
+
+
 class FeaturesExistError(StoreError, FileExistsError):
-    """The features dataset already has files for the dates a build would write."""
+    """The features dataset already has files for the dates a build would write: every day
+    asked for (`start` .. `last`, whole UTC days) is built and up to date (`files` files)."""
+
+    def __init__(self, message: str, *, files: int = 0, start: date | None = None, last: date | None = None) -> None:
+        super().__init__(message)
+        self.files, self.start, self.last = files, start, last
 
 
 @dataclass
@@ -55,9 +71,29 @@ class FeatureBuildSummary:
     end: datetime | None = None
     data_end: datetime | None = None
     seconds: float = 0.0
+    positives_by_source: dict[str, int] = field(default_factory=dict)
+    """Positive rows per episode source (`labels.positives_by_source`)."""
+    warnings: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         rate = self.telemetry_rows_read / self.seconds if self.seconds else 0.0
+        return (
+            self._headline(rate)
+            + "".join(f"\n  {line}" for line in self.source_lines())
+            + "".join(f"\nwarning: {w}" for w in self.warnings)
+        )
+
+    def source_lines(self) -> list[str]:
+        """One line per label source that gave positive rows (none when no row is positive)."""
+        if not self.positives:
+            return []
+        return [
+            f"{self.positives_by_source[s]:,} positive from {SOURCE_WORDS[s]}"
+            for s in SOURCE_WORDS
+            if self.positives_by_source.get(s)
+        ]
+
+    def _headline(self, rate: float) -> str:
         return (
             f"features: {self.rows:,} rows for {self.gpus:,} GPUs ({self.positives:,} positive, {self.censored:,} censored) "
             f"from {self.telemetry_rows_read:,} telemetry rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); "
@@ -83,18 +119,42 @@ class Written:
     censored: int = 0
     gpus: set[str] = field(default_factory=set)
     files: list[str] = field(default_factory=list)
+    by_source: dict[str, int] = field(default_factory=dict)
 
-    def add(self, frame: pl.DataFrame) -> None:
+    def add(self, frame: pl.DataFrame, episodes: pl.DataFrame) -> None:
         self.rows += frame.height
         self.positives += int((frame["label"] == 1).sum())
         self.censored += frame["label"].null_count()
         self.gpus.update(frame[GPU].unique().to_list())
+        for source, n in positives_by_source(frame, episodes).items():
+            self.by_source[source] = self.by_source.get(source, 0) + n
 
     def add_to(self, summary: FeatureBuildSummary, gpus: set[str]) -> None:
         summary.rows += self.rows
         summary.positives += self.positives
         summary.censored += self.censored
+        for source, n in self.by_source.items():
+            summary.positives_by_source[source] = summary.positives_by_source.get(source, 0) + n
         gpus.update(self.gpus)
+
+
+def silent_sources(facts: FleetFacts, summary: FeatureBuildSummary) -> list[str]:
+    """A warning for each failure-event source the store holds that gave no positive row:
+    its events name GPUs or nodes without telemetry, fall outside the built range, or are all
+    the same failures as XIDs (then the XIDs' rows are the positives)."""
+    warnings = []
+    for source in EVENT_SOURCES:
+        n = facts.events_by_source.get(source, 0)
+        if n and not summary.positives_by_source.get(source):
+            kept = int((facts.episodes["source"] == source).sum())
+            why = (
+                f"{kept} failure episodes from them, but no built row lies within the horizon before one"
+                if kept
+                else "none became a failure episode: each names a node or GPU with no telemetry at its time, "
+                "or is the same failure as a failure XID or repair of its GPU (whose rows are the positives)"
+            )
+            warnings.append(f"failure_events: {n} events from source {source!r} gave no positive label; {why}")
+    return warnings
 
 
 def lookback(spec: FeatureSpec) -> timedelta:
@@ -122,12 +182,16 @@ class FleetFacts:
     xid: pl.DataFrame
     """The XID events, resolved to GPUs."""
     repairs: pl.DataFrame | None
+    """Repair records, and the returns to service of failure events that know when the node
+    was back (`labels.with_returns`)."""
     episodes: pl.DataFrame
     """Failure episodes (`labels.episodes_for`)."""
     data_end: datetime
     """The last telemetry sample in the store."""
     first_data: datetime
     """The first telemetry sample in the store."""
+    events_by_source: dict[str, int] = field(default_factory=dict)
+    """Failure events in the store per source (`failure_events`), before deduplication."""
 
     def build_inputs(self) -> dict[str, Any]:
         """The facts as `features.build.iter_features_from_buckets` takes them, for a piece of
@@ -145,9 +209,11 @@ def fleet_facts(store: Store, spec: FeatureSpec, presence: pl.DataFrame) -> Flee
     data_end = utc(presence["last_ts"].max())  # type: ignore[arg-type]
     xid = resolve_xid_gpus(read_xid_events(store), presence)
     repairs = read_repairs(store)
-    episodes = failure_episodes(xid, presence, spec, data_end=data_end, repairs=repairs)
+    events = read_failure_events(store)
+    episodes = failure_episodes(xid, presence, spec, data_end=data_end, repairs=repairs, failure_events=events)
     first_data = utc(presence["first_ts"].min())  # type: ignore[arg-type]
-    return FleetFacts(presence, xid, repairs, episodes, data_end, first_data)
+    by_source = {} if events is None else {str(s): int(n) for s, n in events.group_by("source").len().iter_rows()}
+    return FleetFacts(presence, xid, with_returns(repairs, episodes), episodes, data_end, first_data, by_source)
 
 
 def emit_range(facts: FleetFacts, start: datetime | None, end: datetime | None) -> tuple[datetime, datetime] | None:
@@ -210,7 +276,12 @@ def plan_build(
     manifest.remove(plan.partial)
     summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
     if not plan.runs:
-        raise FeaturesExistError(nothing_to_build(manifest, plan, start, end))
+        raise FeaturesExistError(
+            nothing_to_build(manifest, plan, start, end),
+            files=manifest.kept_files(plan.kept),
+            start=start.date(),
+            last=(end - ONE_DAY).date(),
+        )
     return plan
 
 

@@ -33,6 +33,7 @@ from features.plan import (
     finish_days,
     lookback,
     plan_store_build,
+    silent_sources,
 )
 from features.schema import TS_DTYPE
 from features.shards import SHARD, ShardedBuckets, shard_map
@@ -272,7 +273,7 @@ def build_features_from_store(
                     raise _Stopped
                 if frame.height == 0:
                     continue
-                result.add(frame)
+                result.add(frame, facts.episodes)
                 pending.append(frame)
                 if sum(f.height for f in pending) >= flush_rows:
                     flush()
@@ -383,4 +384,5 @@ def build_features_from_store(
             emitter.shutdown(wait=True)
             bar.close()
             buckets.close()
+    summary.warnings += silent_sources(facts, summary)
     return summary.timed(began, gpus)

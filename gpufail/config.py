@@ -141,6 +141,10 @@ _DEFAULT_MEMBERS: list[SingleKind] = ["lightgbm", "xgboost", "logistic"]
 
 class ModelSettings(_Table):
     kind: ModelKind = "lightgbm"
+    params: dict[str, Any] = Field(default_factory=dict)
+    """The model's parameters on top of its kind's defaults (`models/kinds.py` DEFAULT_PARAMS,
+    e.g. n_estimators, learning_rate, num_leaves for lightgbm; ENSEMBLE_DEFAULTS for parallel
+    and cascade), as `gpufail train` and `nightly` fit it; they win over the keys below."""
     train_window: PositiveDuration = timedelta(days=21)
     top_k: int = Field(default=10, gt=0)
     """Precision is reported over the K highest-risk GPUs at each grid time."""
@@ -668,9 +672,9 @@ class Settings(_Table):
         """The [model] kind's parameters for `models.kinds` (threads, ensemble members, cascade stages)."""
         m = self.model
         if m.kind == "parallel":
-            return {"n_jobs": m.threads, "members": list(m.members), "combine": m.combine, "top_k": m.top_k}
-        if m.kind == "cascade":
-            return {
+            base = {"n_jobs": m.threads, "members": list(m.members), "combine": m.combine, "top_k": m.top_k}
+        elif m.kind == "cascade":
+            base = {
                 "n_jobs": m.threads,
                 "first": m.cascade_first,
                 "second": m.cascade_second,
@@ -678,7 +682,9 @@ class Settings(_Table):
                 "second_params": dict(m.cascade_second_params),
                 "target_recall": m.cascade_recall,
             }
-        return {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
+        else:
+            base = {"n_jobs": m.threads} if m.kind in ("lightgbm", "xgboost", "random_forest") else {}
+        return {**base, **m.params}
 
     def train_options(self) -> TrainOptions:
         """`gpufail train`'s options for `models.train` (and its store and Dask forms): the

@@ -76,6 +76,7 @@ class IngestSummary:
     incidents: int = 0  # rows written to xid_events
     rejected: int = 0  # malformed Xid lines and non-text lines
     untimed: int = 0  # XID records whose stamp could not be placed in time (not written)
+    placed: int = 0  # XID lines with no stamp at all, placed at the capture time given
     unmapped: int = 0  # incidents written with no gpu_index (bus id not found in telemetry)
     unmapped_bus_ids: list[str] = field(default_factory=list)  # "node pci_bus_id"
     skipped_files: list[str] = field(default_factory=list)  # already ingested, unchanged
@@ -88,8 +89,13 @@ class IngestSummary:
             f"{self.untimed:,} untimed XID lines, {self.unmapped:,} unmapped incidents, "
             f"{len(self.skipped_files)} files unchanged"
         )
+        if self.placed:
+            text += f"; {self.placed:,} unstamped XID lines placed at the capture time (--time)"
         if self.untimed:
-            text += " (untimed: kmsg and [uptime] stamps need the boot time)"
+            text += (
+                " (untimed: kmsg and [uptime] stamps need the boot time (--boot-time), "
+                "lines with no stamp the capture time (--time))"
+            )
         if self.rejected_examples:
             text += f" (first rejected: {self.rejected_examples[0]})"
         return text
@@ -101,6 +107,7 @@ class IngestSummary:
         self.xid_lines += part.xid_lines
         self.rejected += part.rejected
         self.untimed += part.untimed
+        self.placed += part.placed
         room = MAX_REJECTED_REPORTED - len(self.rejected_examples)
         self.rejected_examples += part.rejected_examples[: max(0, room)]
 
@@ -116,11 +123,14 @@ def ingest_kernel_logs(
     tz: str | tzinfo | None = None,
     reference_time: datetime | None = None,
     workers: int = 1,
+    capture_time: datetime | None = None,
 ) -> IngestSummary:
     """Ingest kernel-log files (plain or gzip) into `xid_events`; see the module docstring.
 
     - node: the node of lines whose format has no host field (default: the file name stem).
     - boot_time: places `/dev/kmsg` and `[uptime]` stamps; without it their XIDs are untimed.
+    - capture_time: places lines with no stamp at all (plain dmesg payloads, `journalctl -o
+      cat`); without it their XIDs are untimed.
     - tz: time zone of naive stamps (`dmesg -T`, journal short); UTC by default.
     - reference_time: for year-less journal stamps; default: each file's modification time.
     - workers: processes parsing files at once (a fleet's node logs are independent); the rows
@@ -150,7 +160,7 @@ def ingest_kernel_logs(
                 todo.append(_FileToParse(path, compressed, stat, scan))
         # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
         # read once per run rather than once per file; then commit batch by batch.
-        options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time)
+        options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time, capture_time)
         parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
         tables = [p.table for p in parsed if p.table is not None]
         sizes = [t.num_rows for t in tables]
@@ -203,6 +213,7 @@ class _ParseOptions:
     boot_time: datetime | None
     tz: tzinfo
     reference_time: datetime | None
+    capture_time: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +264,7 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
                 tz=options.tz,
                 stats=stats,
                 first_line_no=scan.lines + 1,
+                capture_time=options.capture_time,
             )
             incidents = list(deduplicate(records, options.dedup_window, node=default_node))
             end = reader.offset
@@ -268,6 +280,10 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
     timed = [i for i in incidents if i.ts is not None]
     untimed = sum(i.repeat_count for i in incidents if i.ts is None)
     summary.untimed += untimed
+    if options.capture_time is not None:
+        # Only a line with no stamp of its own takes the capture time to the microsecond.
+        placed_at = options.capture_time.astimezone(UTC)
+        summary.placed += sum(i.repeat_count for i in timed if i.ts == placed_at)
     if untimed and not timed:
         # Nothing could be placed in time (kmsg or uptime stamps without a boot time): leave the
         # file unread, so that a run given the boot time ingests it in full.

@@ -148,10 +148,17 @@ class _TimeContext:
     boot_time: datetime | None
     reference_time: datetime | None
     tz: tzinfo
+    capture_time: datetime | None = None
 
 
 def _ts_none(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
     return None
+
+
+def _ts_capture(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
+    # A line with no stamp at all (a plain dmesg payload, `journalctl -o cat`): the time it
+    # was captured, when the user gives it.
+    return ctx.capture_time
 
 
 def _ts_kmsg(m: re.Match[str], ctx: _TimeContext) -> datetime | None:
@@ -291,7 +298,7 @@ def _prefix(
 # holds one format, so the first try usually matches. No two of them match the same text, so
 # the order changes speed only.
 PREFIXES: tuple[_Prefix, ...] = (
-    _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_none),
+    _prefix("bare", r"\s*(?:<\d+>)?\s*", _ts_capture),
     _prefix(
         "kmsg",
         r"(?P<pri>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;",
@@ -515,12 +522,14 @@ class KernelLogParser:
         boot_time: datetime | None = None,
         reference_time: datetime | None = None,
         tz: str | tzinfo | None = None,
+        capture_time: datetime | None = None,
     ) -> None:
         self._ctx = _TimeContext(
             # In UTC, so that uptime and kmsg records are in UTC like the others.
             boot_time=_aware(boot_time).astimezone(UTC) if boot_time is not None else None,
             reference_time=_aware(reference_time) if reference_time is not None else None,
             tz=resolve_tz(tz),
+            capture_time=_aware(capture_time).astimezone(UTC) if capture_time is not None else None,
         )
         self.stats = ParseStats()
         self._prefixes = list(PREFIXES)
@@ -792,9 +801,12 @@ def parse_lines(
     tz: str | tzinfo | None = None,
     stats: ParseStats | None = None,
     first_line_no: int = 1,
+    capture_time: datetime | None = None,
 ) -> Iterator[XidRecord]:
     """XID records from a stream of log lines, in log order.
 
+    - `capture_time`: when lines with no stamp at all were captured (plain `dmesg` payloads,
+      `journalctl -o cat`); without it those records have `ts=None`.
     - `boot_time`: wall-clock time of boot, to place `/dev/kmsg` and `[uptime]` stamps; without
       it those records have `ts=None`.
     - `reference_time`: a time at or after the log's last line (e.g. the file's mtime), to give
@@ -803,7 +815,7 @@ def parse_lines(
     - `stats`: filled in as the stream is consumed (lines, records, rejected lines, messages
       cut to `MAX_MESSAGE_CHARS`).
     """
-    parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz)
+    parser = KernelLogParser(boot_time=boot_time, reference_time=reference_time, tz=tz, capture_time=capture_time)
     if stats is not None:
         parser.stats = stats
     return ParsedLines(parser, lines, first_line_no)

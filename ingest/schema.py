@@ -124,7 +124,7 @@ def xid_events_schema() -> pa.Schema:
     return XID_EVENTS_SCHEMA.with_metadata(_metadata("xid_events"))
 
 
-# Ground truth written only by the simulator, so that evaluation and tests can compare what
+# Ground truth written only by the simulator (never a label source), so that evaluation and tests can compare what
 # the pipeline infers (labels from XIDs and gaps) with what really happened.
 FAILURES_SCHEMA = pa.schema(
     [
@@ -140,6 +140,30 @@ FAILURES_SCHEMA = pa.schema(
         pa.field("precursor_strength", pa.float32()),
     ]
 )
+
+# Failures seen by someone other than the GPU's own log, one row per event, all label sources
+# beside the XIDs (`features.labels`): `source` is "record" (a ticket or failure record imported
+# by `gpufail ingest table` or `gpufail ingest failures`), "slurm" (a NODE_FAIL job end, a node
+# set DOWN with a reason) or "kubernetes" (a node's Ready condition gone False/Unknown).
+# A scheduler sees nodes, not GPUs: `gpu_uuid` (and `gpu_index`) may be null, and such a row
+# stands for every GPU of the node. `end`: when the node or GPU was back in service, if known.
+FAILURE_EVENT_SOURCES = ("record", "slurm", "kubernetes")
+FAILURE_EVENTS_SCHEMA = pa.schema(
+    [
+        pa.field("ts", TIMESTAMP, nullable=False),
+        pa.field("cluster", pa.string(), nullable=False),
+        pa.field("node", pa.string(), nullable=False),
+        pa.field("gpu_index", pa.int16()),
+        pa.field("gpu_uuid", pa.string()),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("reason", pa.string()),
+        pa.field("ref", pa.string()),  # the ticket, job or object it came from
+        pa.field("xid", pa.int32()),
+        pa.field("end", TIMESTAMP),
+    ]
+)
+FAILURE_EVENT_KEY = ["ts", "cluster", "node", "gpu_uuid", "source", "ref"]
+"""What makes a failure event the same event again (an import run twice adds nothing)."""
 
 # Operator records: a failed GPU is replaced (new UUID in the same slot) or returned to service.
 REPAIRS_SCHEMA = pa.schema(
@@ -169,7 +193,7 @@ COLLECTOR_RUNS_SCHEMA = pa.schema(
     ]
 )
 
-DatasetName = Literal["telemetry", "xid_events", "failures", "repairs", "collector_runs"]
+DatasetName = Literal["telemetry", "xid_events", "failures", "failure_events", "repairs", "collector_runs"]
 
 
 def schema_for(dataset: str) -> pa.Schema:
@@ -178,6 +202,7 @@ def schema_for(dataset: str) -> pa.Schema:
         "telemetry": telemetry_schema(),
         "xid_events": xid_events_schema(),
         "failures": FAILURES_SCHEMA.with_metadata(_metadata("failures")),
+        "failure_events": FAILURE_EVENTS_SCHEMA.with_metadata(_metadata("failure_events")),
         "repairs": REPAIRS_SCHEMA.with_metadata(_metadata("repairs")),
         "collector_runs": COLLECTOR_RUNS_SCHEMA.with_metadata(_metadata("collector_runs")),
     }

@@ -147,6 +147,30 @@ class Store:
         )
         return store
 
+    @classmethod
+    @contextmanager
+    def for_import(cls, root: str) -> Iterator[tuple[Store, bool]]:
+        """The data root an import writes to, and whether this call created it (it was absent or
+        empty, `create`). If the import fails, a root created here is removed again, marker
+        and all: a failed first import leaves nothing behind to be mistaken for a dataset."""
+        fs, path = fsspec.core.url_to_fs(root)
+        path = path.rstrip("/")
+        with guarded("open the data root", path):
+            absent = not fs.exists(path)
+            existed = not absent and fs.exists(f"{path}/{MARKER}")
+        store = cls.create(root)
+        try:
+            yield store, not existed
+        except BaseException:
+            if not existed:
+                with guarded("remove the data root the failed import created", path):
+                    if absent:
+                        fs.rm(path, recursive=True)
+                    else:
+                        for entry in fs.ls(path, detail=False):
+                            fs.rm(entry, recursive=True)
+            raise
+
     # -- paths -----------------------------------------------------------------------------
 
     def path(self, *parts: str) -> str:

@@ -3,8 +3,8 @@
 A fleet that already keeps its GPU history elsewhere (a metrics warehouse, a ticket system)
 exports it as a table and writes a small TOML mapping (`ingest.table_mapping`): which column
 is the GPU, the node, the time, and each metric; optionally which rows or which other file are
-failures and repairs. `import_table` then writes our `telemetry`, `failures` and `repairs`
-datasets, and the rest of the pipeline (`gpufail features`, ...) runs on them unchanged.
+failures and repairs. `import_table` then writes our `telemetry`, `failure_events` (source
+`record`, a label source like the failure XIDs) and `repairs` datasets, and the rest of the pipeline (`gpufail features`, ...) runs on them unchanged.
 
 Rows that cannot be used are skipped and counted with their reason and an example place
 (file, row, column): a time that does not parse or is implausible, no GPU id, a GPU that
@@ -24,7 +24,8 @@ import polars as pl
 import pyarrow as pa
 
 from ingest.errors import InputError
-from ingest.schema import FAILURES_SCHEMA, REPAIRS_SCHEMA, metric_catalogue, normalise_pci_bus_id
+from ingest.failure_events import write_failure_events
+from ingest.schema import REPAIRS_SCHEMA, metric_catalogue, normalise_pci_bus_id
 from ingest.store import Store
 from ingest.table_mapping import (
     EventMapping,
@@ -94,7 +95,7 @@ def _require(frame: pl.DataFrame, columns: dict[str, str | None], path: Path, se
         if column is not None and column not in frame.columns:
             raise InputError(
                 f"data file {path}: no column {column!r} (mapping [{section}] {key}); "
-                f"its columns are {frame.columns[:20]}"
+                f"its columns are {[c for c in frame.columns if c != _ROW][:20]}"
             )
 
 
@@ -343,15 +344,15 @@ def failure_rows(
         pl.col("node"),
         pl.col("gpu_index"),
         pl.col("gpu_uuid"),
-        pl.col("gpu_model").fill_null("unknown"),
-        (_text(spec.mode).fill_null("unknown") if spec.mode else pl.lit("unknown")).alias("mode"),
+        pl.lit("record").alias("source"),
+        (_text(spec.mode) if spec.mode else pl.lit(None, pl.String)).alias("reason"),
+        pl.lit(None, pl.String).alias("ref"),
         (
             pl.col(spec.xid).cast(pl.String).str.strip_chars().cast(pl.Int32, strict=False)
             if spec.xid
             else pl.lit(None, pl.Int32)
         ).alias("xid"),
-        pl.lit(None, _UTC_US).alias("precursor_start"),
-        pl.lit(None, pl.Float32).alias("precursor_strength"),
+        pl.lit(None, _UTC_US).alias("end"),
     )
 
 
@@ -425,7 +426,7 @@ def import_table(
     if telemetry.height:
         store.write("telemetry", telemetry.to_arrow())
     if failures is not None and failures.height:
-        store.write("failures", failures.to_arrow().cast(FAILURES_SCHEMA))
+        write_failure_events(store, failures)
     if repairs is not None and repairs.height:
         store.write("repairs", repairs.to_arrow().cast(REPAIRS_SCHEMA))
     summary.telemetry_rows = telemetry.height

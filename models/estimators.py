@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy.special import expit
 from sklearn.base import BaseEstimator, ClassifierMixin, TransformerMixin
 from sklearn.compose import ColumnTransformer, make_column_selector
 from sklearn.impute import SimpleImputer
@@ -220,7 +221,9 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         return np.asarray(X @ self.coef_[0] + self.intercept_[0], dtype=np.float64)
 
     def predict_proba(self, X: Any) -> np.ndarray:
-        p = 1.0 / (1.0 + np.exp(-self.decision_function(X)))
+        # expit, not 1 / (1 + exp(-z)): exp overflows (a RuntimeWarning) for z below about -709,
+        # which an unscaled counter feature of a scored row reaches easily.
+        p = expit(self.decision_function(X))
         return np.column_stack([1.0 - p, p])
 
     def predict(self, X: Any) -> np.ndarray:

@@ -10,12 +10,14 @@ with a one-line message naming both specs and the settings they differ in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 
-from features.dataset import read_newest_grid_time
+from features.dataset import FEATURES_DATASET, read_features, read_newest_grid_time
 from features.manifest import recorded_spec
 from features.spec import FeatureSpec, require_spec
+from features.windows import grid_floor
 from ingest.errors import InputError
 from ingest.store import Store
 from models.train import TrainedModel
@@ -49,14 +51,26 @@ class ScoredFleet:
     """How many files of an earlier snapshot of the same grid time and model version it replaced."""
 
 
-def score_store(store: Store, model: TrainedModel, *, top_features: int = TOP_FEATURES) -> ScoredFleet:
+def score_store(
+    store: Store, model: TrainedModel, *, top_features: int = TOP_FEATURES, at: datetime | None = None
+) -> ScoredFleet:
     """Score every GPU's latest grid time in the store's features with `model` and write the
     predictions snapshot of that grid time and model version (scoring them again replaces it).
+    With `at`: the GPUs' rows at the grid time `at` falls in (a backtest), instead.
 
-    Only the newest grid time is read: GPUs that failed or left earlier have no row there (the
+    Only one grid time is read: GPUs that failed or left earlier have no row there (the
     feature grid is dense for every GPU still in service)."""
     check_model_spec(model, recorded_spec(store), store.root)
-    frame = read_newest_grid_time(store)
+    if at is None:
+        frame = read_newest_grid_time(store)
+    else:
+        moment = grid_floor(at, model.feature_spec.grid)
+        frame = read_features(store, start=moment, end=moment + timedelta(microseconds=1))
+        if frame.height == 0:
+            raise InputError(
+                f"{store.root}: no features at {moment:%Y-%m-%d %H:%M} UTC (--at {at.isoformat()}); "
+                f"{_built_days(store)}"
+            )
     if frame.height == 0:
         raise InputError(
             f"{store.root}: the features dataset is empty; run `gpufail features --data {store.root}` first"
@@ -64,3 +78,44 @@ def score_store(store: Store, model: TrainedModel, *, top_features: int = TOP_FE
     predictions = score_latest(model, frame, top_features=top_features)
     path, replaced = write_snapshot(store, predictions)
     return ScoredFleet(predictions, path, replaced)
+
+
+@dataclass(frozen=True)
+class ScoredRange:
+    grid_times: int
+    rows: int
+    replaced: int
+    first: datetime
+    last: datetime
+
+
+def score_range(
+    store: Store, model: TrainedModel, start: datetime, end: datetime, *, top_features: int = TOP_FEATURES
+) -> ScoredRange:
+    """Score every grid time in [start, end) that has features, one predictions snapshot each
+    (as `score_store` at that time writes it): a backtest of the days after a training cut-off.
+    Read one UTC day at a time."""
+    check_model_spec(model, recorded_spec(store), store.root)
+    grid_times = rows = replaced = 0
+    first = last = None
+    for day in store.dates(FEATURES_DATASET, start, end):
+        day_start = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
+        frame = read_features(store, start=max(start, day_start), end=min(end, day_start + timedelta(days=1)))
+        for (ts,), rows_at_ts in frame.group_by("ts", maintain_order=True):
+            predictions = score_latest(model, rows_at_ts, top_features=top_features)
+            replaced += write_snapshot(store, predictions)[1]
+            grid_times, rows = grid_times + 1, rows + len(predictions)
+            first = first or ts
+            last = ts
+    if first is None or last is None:
+        raise InputError(
+            f"{store.root}: no features in {start:%Y-%m-%d %H:%M}..{end:%Y-%m-%d %H:%M} UTC; {_built_days(store)}"
+        )
+    return ScoredRange(grid_times, rows, replaced, first, last)
+
+
+def _built_days(store: Store) -> str:
+    days = store.dates(FEATURES_DATASET)
+    if not days:
+        return f"the features dataset is empty; run `gpufail features --data {store.root}` first"
+    return f"features are built for {days[0]}..{days[-1]}"

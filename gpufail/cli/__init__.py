@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import click
 
-from gpufail.cli import data, features, models, operations, serving
+from gpufail.cli import data, failures, features, models, operations, serving
 from ingest.errors import GpufailError
 
 
@@ -53,6 +53,8 @@ for command in (
     operations.config,
 ):
     cli.add_command(command)
+data.ingest.add_command(failures.ingest_slurm)
+data.ingest.add_command(failures.ingest_kubernetes)
 
 
 def main(args: Sequence[str] | None = None) -> None:

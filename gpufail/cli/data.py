@@ -7,7 +7,16 @@ from pathlib import Path
 
 import click
 
-from gpufail.cli.options import data_option, data_root, json_option, progress_echo, report, settings_of, when
+from gpufail.cli.options import (
+    data_option,
+    data_root,
+    import_root,
+    json_option,
+    progress_echo,
+    report,
+    settings_of,
+    when,
+)
 from ingest.errors import GpufailError
 
 
@@ -58,6 +67,12 @@ def ingest() -> None:
 @click.option(
     "--tz", default=None, help="Time zone of naive stamps such as `dmesg -T` (default: UTC), e.g. Europe/Warsaw."
 )
+@click.option(
+    "--time",
+    "capture_time",
+    default=None,
+    help="When lines with no stamp at all were captured (ISO, UTC): plain dmesg payloads, journalctl -o cat.",
+)
 @json_option
 @click.argument("files", nargs=-1, type=click.Path())
 @click.pass_context
@@ -67,6 +82,7 @@ def ingest_kernel_log(
     node: str | None,
     boot_time: str | None,
     tz: str | None,
+    capture_time: str | None,
     as_json: bool,
     files: tuple[str, ...],
 ) -> None:
@@ -74,16 +90,31 @@ def ingest_kernel_log(
 
     FILES (plain, rotated or gzip-compressed) default to everything under DATA/raw/kernel-log/
     (what `gpufail simulate` writes). Files already ingested are skipped; a grown file is read
-    from where the last run stopped."""
+    from where the last run stopped. Given FILES, a new (absent or empty) data root is created."""
     from ingest.kernel_log_import import ingest_kernel_logs
     from ingest.store import Store
 
     settings = settings_of(ctx)
     root = data_root(ctx, data)
+    booted, captured = when(boot_time, "'--boot-time'"), when(capture_time, "'--time'")
+    if files:
+        # Given files can start a new data root (someone holding only kernel logs).
+        with import_root(ctx, data, as_json) as store:
+            summary = ingest_kernel_logs(
+                store,
+                [Path(f) for f in files],
+                cluster=settings.ingest.cluster,
+                dedup_window=settings.ingest.xid_dedup_window,
+                node=node,
+                boot_time=booted,
+                tz=tz,
+                workers=settings.ingest_workers(),
+                capture_time=captured,
+            )
+        report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
+        return
     store = Store.open(root)
-    paths = [Path(f) for f in files] or sorted(
-        p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file()
-    )
+    paths = sorted(p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file())
     if not paths:
         raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
     summary = ingest_kernel_logs(
@@ -92,9 +123,10 @@ def ingest_kernel_log(
         cluster=settings.ingest.cluster,
         dedup_window=settings.ingest.xid_dedup_window,
         node=node,
-        boot_time=when(boot_time, "'--boot-time'"),
+        boot_time=booted,
         tz=tz,
         workers=settings.ingest_workers(),
+        capture_time=captured,
     )
     report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
 
@@ -112,7 +144,6 @@ def ingest_dcgm_exporter(
 
     SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
     from ingest.dcgm_scrape import fetch_scrape, parse_scrape
-    from ingest.store import Store
 
     settings = settings_of(ctx)
     # Parse every source before touching the store, so one bad source writes nothing at all.
@@ -122,9 +153,9 @@ def ingest_dcgm_exporter(
         )
         for source in sources
     ]
-    store = Store.create(data_root(ctx, data))
-    for table in tables:
-        store.write("telemetry", table)
+    with import_root(ctx, data, as_json) as store:
+        for table in tables:
+            store.write("telemetry", table)
     rows = sum(table.num_rows for table in tables)
     report(
         as_json,
@@ -162,18 +193,18 @@ def ingest_nvidia_smi(
     FILES hold `nvidia-smi --query-gpu=timestamp,uuid,... --format=csv` output (with its
     header; looped runs and `nounits` are fine) or `nvidia-smi -q -x` XML, plain or gzip."""
     from ingest.nvidia_smi import import_nvidia_smi
-    from ingest.store import Store
 
     try:
-        summary = import_nvidia_smi(
-            Store.create(data_root(ctx, data)),
-            [Path(f) for f in files],
-            cluster=settings_of(ctx).ingest.cluster,
-            node=node,
-            time=when(time_, "'--time'"),
-            tz=tz,
-            progress=not quiet,
-        )
+        with import_root(ctx, data, as_json) as store:
+            summary = import_nvidia_smi(
+                store,
+                [Path(f) for f in files],
+                cluster=settings_of(ctx).ingest.cluster,
+                node=node,
+                time=when(time_, "'--time'"),
+                tz=tz,
+                progress=not quiet,
+            )
     except ValueError as exc:  # an unknown --tz
         raise click.BadParameter(str(exc), param_hint="'--tz'") from None
     report(as_json, f"nvidia-smi: {summary.line()}", {"command": "ingest nvidia-smi", **vars(summary)})
@@ -188,18 +219,14 @@ def ingest_nvidia_smi(
 def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_json: bool, file: str) -> None:
     """Import another system's telemetry (CSV or Parquet), and optionally its failure and
     repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
-    from ingest.store import Store
     from ingest.table_import import import_table
     from ingest.table_mapping import load_mapping
 
     mapping = load_mapping(Path(mapping_file))
-    summary = import_table(
-        Store.create(data_root(ctx, data)),
-        Path(file),
-        mapping,
-        mapping_path=Path(mapping_file),
-        cluster=settings_of(ctx).ingest.cluster,
-    )
+    with import_root(ctx, data, as_json) as store:
+        summary = import_table(
+            store, Path(file), mapping, mapping_path=Path(mapping_file), cluster=settings_of(ctx).ingest.cluster
+        )
     report(as_json, f"table: {summary.line()}", {"command": "ingest table", **vars(summary)})
 
 

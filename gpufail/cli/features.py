@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -17,6 +18,14 @@ from gpufail.cli.options import (
     when,
 )
 from ingest.errors import GpufailError
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from features.plan import FeatureBuildSummary
+    from features.spec import FeatureSpec
+    from gpufail.config import Settings
+    from ingest.store import Store
 
 
 @click.command()
@@ -46,7 +55,11 @@ def features(
 ) -> None:
     """Build sliding-window features and labels into the features dataset, with the [features]
     and [labels] settings (the dataset records them; a build with other settings rebuilds every
-    day with --overwrite, or is refused)."""
+    day with --overwrite, or is refused).
+
+    By default it builds what is missing: days not built yet, and days whose labels the data
+    added since can now settle. Run again with nothing new, it builds nothing and says so.
+    --overwrite rebuilds every day of --start/--end (default: all of them)."""
     settings = settings_of(ctx)
     spec = settings.feature_spec()
     if dictionary_path is not None:
@@ -66,12 +79,39 @@ def features(
                 {"command": "features --dictionary", "path": dictionary_path},
             )
         return
+    from features.plan import FeaturesExistError
     from ingest.store import Store
 
     first, last = when(start, "'--start'"), when(end, "'--end'")
     if first is not None and last is not None and last <= first:
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
     store = Store.open(data_root(ctx, data))
+    try:
+        summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
+    except FeaturesExistError as done:
+        asked = "" if first is None and last is None else " asked for"
+        report(
+            as_json,
+            f"features: up to date: {done.files} files cover {done.start}..{done.last}, every day{asked}, built from "
+            "the data as it is now; nothing to build (gpufail features --overwrite rebuilds them, "
+            "--start/--end a range of them)",
+            {"command": "features", "up_to_date": True, "files": done.files, "start": done.start, "last": done.last},
+        )
+        return
+    report(as_json, str(summary), {"command": "features", "up_to_date": False, **vars(summary)})
+
+
+def _build(
+    settings: Settings,
+    store: Store,
+    spec: FeatureSpec,
+    first: datetime | None,
+    last: datetime | None,
+    *,
+    overwrite: bool,
+    quiet: bool,
+) -> FeatureBuildSummary:
+    """The build of [first, last) with the settings' runner: Dask when [dask] scheduler is set."""
     if settings.dask.scheduler:
         # [dask] scheduler set: the same features, built in partitions on the cluster.
         from features.distributed import build_features_distributed
@@ -93,4 +133,4 @@ def features(
 
         options = settings.build_options(progress=not quiet)
         summary = build_features_from_store(store, spec, options, start=first, end=last, overwrite=overwrite)
-    report(as_json, str(summary), {"command": "features", **vars(summary)})
+    return summary

@@ -16,6 +16,7 @@ from gpufail.cli.options import (
     quiet_option,
     report,
     settings_of,
+    when,
 )
 from ingest.errors import GpufailError
 
@@ -25,15 +26,27 @@ from ingest.errors import GpufailError
 @click.option(
     "--model-out", required=True, type=click.Path(file_okay=False), help="Folder to write the trained model into."
 )
+@click.option(
+    "--until",
+    default=None,
+    help="Training cut-off (ISO, UTC): train as of this time, on rows whose labels look no further "
+    "(the window ends a horizon before it), for a backtest on the time after it.",
+)
 @click.pass_context
-def train(ctx: click.Context, data: str | None, model_out: str) -> None:
-    """Train the configured model on the most recent training window."""
+def train(ctx: click.Context, data: str | None, model_out: str, until: str | None) -> None:
+    """Train the configured model on the most recent training window (with --until: the one
+    that ends a horizon before the cut-off)."""
+    from dataclasses import replace
+
     from ingest.store import Store
     from models.train import save_model
 
     settings = settings_of(ctx)
     # The model carries the spec the features record (a different configured one is refused).
     options = settings.train_options()
+    cutoff = when(until, "'--until'")
+    if cutoff is not None:
+        options = replace(options, as_of=cutoff)
     store = Store.open(data_root(ctx, data))
     if settings.dask.scheduler:
         # [dask] scheduler set: lightgbm.dask / xgboost.dask; the workers read the features.

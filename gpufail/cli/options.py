@@ -4,7 +4,8 @@ the parsing of option values that click does not do for us."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -12,6 +13,7 @@ import click
 
 if TYPE_CHECKING:
     from gpufail.config import Settings
+    from ingest.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,6 +38,20 @@ def quiet_option(f: F) -> F:
 def data_root(ctx: click.Context, data: str | None) -> str:
     """`--data`, else the [store] root."""
     return data or settings_of(ctx).store.root
+
+
+@contextmanager
+def import_root(ctx: click.Context, data: str | None, as_json: bool) -> Iterator[Store]:
+    """The data root an `ingest` command writes to: created when absent or empty (and said so
+    on stderr, once the import worked: stdout keeps the summary), and removed again when the
+    import into it fails."""
+    from ingest.store import Store
+
+    root = data_root(ctx, data)
+    with Store.for_import(root) as (store, created):
+        yield store
+    if created:
+        click.echo(f"created data root {root}", err=True)
 
 
 def when(text: str | None, option: str) -> datetime | None:

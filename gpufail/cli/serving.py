@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
+from gpufail.cli.options import data_option, data_root, json_option, report, settings_of, when
 from ingest.errors import GpufailError
 
 if TYPE_CHECKING:
@@ -24,19 +24,48 @@ if TYPE_CHECKING:
     type=click.Path(file_okay=False),
     help="A model folder written by `gpufail train`.",
 )
+@click.option("--at", default=None, help="Score the grid time this time falls in (ISO, UTC) instead of the newest.")
+@click.option("--start", default=None, help="With --end: score every grid time from this one (ISO, UTC).")
+@click.option("--end", default=None, help="With --start: the end of the range to score, exclusive (ISO, UTC).")
 @json_option
 @click.pass_context
-def score(ctx: click.Context, data: str | None, model_path: str, as_json: bool) -> None:
+def score(
+    ctx: click.Context,
+    data: str | None,
+    model_path: str,
+    at: str | None,
+    start: str | None,
+    end: str | None,
+    as_json: bool,
+) -> None:
     """Score every GPU's latest grid time: the predictions snapshot of that grid time and model
     version (scoring them again replaces it). Refused when the features were built with other
-    settings than the model's."""
+    settings than the model's. A backtest scores another grid time (--at) or every grid time
+    of a range (--start/--end), one snapshot each."""
     from ingest.store import Store
     from models.train import load_model
-    from serving.score_store import score_store
+    from serving.score_store import score_range, score_store
 
     root = data_root(ctx, data)
+    first, last, moment = when(start, "'--start'"), when(end, "'--end'"), when(at, "'--at'")
+    if moment is not None and (first is not None or last is not None):
+        raise click.UsageError("--at scores one grid time; --start/--end a range: give one or the other")
+    if (first is None) != (last is None):
+        raise click.UsageError("--start and --end go together (the range [start, end) to score)")
     model = load_model(model_path)
-    scored = score_store(Store.open(root), model)
+    if first is not None and last is not None:
+        if last <= first:
+            raise GpufailError(f"--end {end}: expected a time after --start {start}")
+        done = score_range(Store.open(root), model, first, last)
+        report(
+            as_json,
+            f"scored {done.grid_times:,} grid times ({done.rows:,} GPU rows) from {done.first:%Y-%m-%d %H:%M} "
+            f"to {done.last:%Y-%m-%d %H:%M} with model {model.version} into predictions"
+            + (f"; replaced {done.replaced} earlier snapshot files" if done.replaced else ""),
+            {"command": "score", "model_version": model.version, **vars(done)},
+        )
+        return
+    scored = score_store(Store.open(root), model, at=moment)
     predictions = scored.predictions
     top = predictions.nsmallest(3, "rank")
     facts = {

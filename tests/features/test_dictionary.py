@@ -3,6 +3,7 @@ the `gpufail features` command's dictionary output and its user errors."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,13 +62,48 @@ def test_cli_refuses_an_end_before_the_start_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_cli_refuses_to_overwrite_features_without_overwrite_in_one_line(tmp_path):
+def test_cli_builds_what_is_missing_and_with_nothing_new_says_it_is_up_to_date(tmp_path):
     store = Store.create(str(tmp_path / "data"))
-    tel = synthetic_telemetry(8, 30, seed=2, start=T0)
-    store.write("telemetry", tel.to_arrow())
+    store.write("telemetry", synthetic_telemetry(8, 30, seed=2, start=T0).to_arrow())
     first = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
     assert first.returncode == 0, first.stderr
     again = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
-    assert again.returncode == 2
-    assert "files already cover" in again.stderr and "--overwrite" in again.stderr
-    assert "Traceback" not in again.stderr
+    assert again.returncode == 0, again.stderr
+    days = f"{T0.date()}..{(T0 + timedelta(hours=30)).date()}"
+    assert again.stdout.startswith(f"features: up to date: 2 files cover {days}, every day, built from the data")
+    assert "gpufail features --overwrite rebuilds them" in again.stdout and "overwrite=True" not in again.stdout
+
+    # Two more days of telemetry: the next run builds them, and rebuilds the days whose
+    # censored labels they settle, without --start.
+    store.write("telemetry", synthetic_telemetry(8, 48, seed=3, start=T0 + timedelta(hours=31)).to_arrow())
+    more = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", "--json")
+    assert more.returncode == 0, more.stderr
+    facts = json.loads(more.stdout)
+    assert facts["up_to_date"] is False and facts["start"].startswith(str(T0.date()))
+    assert (len(facts["files_written"]), facts["files_replaced"]) == (4, 2)
+
+    ranged = gpufail(
+        "features",
+        "--data",
+        str(tmp_path / "data"),
+        "--quiet",
+        "--start",
+        str(T0.date()),
+        "--end",
+        str((T0 + timedelta(days=1)).date()),
+    )
+    assert ranged.returncode == 0 and ranged.stdout.startswith(
+        f"features: up to date: 1 files cover {T0.date()}..{T0.date()}, every day asked for"
+    )
+    rebuilt = gpufail(
+        "features",
+        "--data",
+        str(tmp_path / "data"),
+        "--quiet",
+        "--overwrite",
+        "--start",
+        str(T0.date()),
+        "--end",
+        str((T0 + timedelta(days=1)).date()),
+    )
+    assert rebuilt.returncode == 0 and "1 files written, 1 replaced" in rebuilt.stdout

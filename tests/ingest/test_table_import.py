@@ -60,8 +60,8 @@ def test_the_example_mapping_imports_its_telemetry_failure_and_repair(tmp_path: 
     assert first["power_w"] == pytest.approx(251.0)  # 251000 mW
     assert first["fb_used_mib"] == pytest.approx(20480.0)  # 21474836480 bytes
     assert rows[-1]["temp_gpu_c"] is None  # an empty cell is a missing reading
-    [failure] = store.read("failures").to_pylist()
-    assert (failure["gpu_index"], failure["mode"], failure["gpu_model"]) == (1, "double-bit ECC", "A100-SXM4-40GB")
+    [failure] = store.read("failure_events").to_pylist()
+    assert (failure["gpu_index"], failure["reason"], failure["source"]) == (1, "double-bit ECC", "record")
     [repair] = store.read("repairs").to_pylist()
     assert (repair["action"], repair["new_gpu_uuid"]) == ("replace", "1650000000199")
 
@@ -91,7 +91,7 @@ def test_epoch_times_a_single_node_file_and_an_event_file_inheriting_the_time_un
     store, _ = run_import(tmp_path, "gpu,t,temp,mw,dbe\ng1,1777636800000,50,300000,2\n", mapping)
     [row] = store.read("telemetry").to_pylist()
     assert (row["node"], row["ts"], row["ecc_dbe_volatile_total"]) == ("n7", datetime(2026, 5, 1, 12, tzinfo=UTC), 2)
-    assert store.read("failures")["ts"].to_pylist() == [datetime(2026, 5, 1, 13, tzinfo=UTC)]
+    assert store.read("failure_events")["ts"].to_pylist() == [datetime(2026, 5, 1, 13, tzinfo=UTC)]
 
 
 def test_bad_rows_are_skipped_and_counted_with_their_place_and_the_good_ones_kept(tmp_path: Path) -> None:
@@ -142,8 +142,8 @@ def test_failures_flagged_in_the_telemetry_file_itself(tmp_path: Path) -> None:
         "n,g1,2026-05-01T10:05:00,40,,,gpu_fail,79,00000000:3B:00.0\n"
     )
     store, _ = run_import(tmp_path, data, mapping)
-    [failure] = store.read("failures").to_pylist()
-    assert (failure["ts"].minute, failure["xid"], failure["mode"]) == (5, 79, "unknown")
+    [failure] = store.read("failure_events").to_pylist()
+    assert (failure["ts"].minute, failure["xid"], failure["reason"]) == (5, 79, None)
     assert store.read("telemetry")["pci_bus_id"].to_pylist() == ["0000:3b:00"] * 2
 
 

@@ -19,9 +19,10 @@ FAILED_AT = START + timedelta(days=2, hours=12)
 STEP = timedelta(minutes=10)
 
 
-def write_export(folder: Path) -> None:
+def write_export(folder: Path, *, replaced: bool = True) -> None:
     """Two nodes of four GPUs over four days, in the example mapping's column names. One GPU's
-    double-bit ECC count rises, it stops reporting, a ticket is opened and it is replaced."""
+    double-bit ECC count rises, it stops reporting, a ticket is opened and it is replaced
+    (`replaced=False`: it keeps reporting after the ticket, as a GPU still in the node does)."""
     folder.mkdir()
     columns = [
         "host",
@@ -44,7 +45,7 @@ def write_export(folder: Path) -> None:
             for host in ("node-a", "node-b"):
                 for slot in range(4):
                     serial = f"SN-{host[-1]}-{slot}"
-                    if serial == failing and moment >= FAILED_AT:
+                    if replaced and serial == failing and moment >= FAILED_AT:
                         if moment < FAILED_AT + timedelta(hours=20):
                             continue  # out of the node until it is replaced
                         serial = replacement
@@ -87,3 +88,42 @@ def test_an_imported_export_goes_through_features_with_the_failing_gpu_labelled(
     assert before.height > 0 and before["label"].to_list() == [1] * before.height
     healthy = features.filter(pl.col("gpu_uuid") == "SN-b-1", pl.col("ts") < START + timedelta(days=2))
     assert healthy["label"].to_list() == [0] * healthy.height
+
+
+def test_failure_records_alone_label_the_rows_before_them_and_have_their_own_summary_line(tmp_path: Path) -> None:
+    """The GPU keeps reporting and no repair is mapped: the ticket is the only evidence."""
+    export = tmp_path / "export"
+    write_export(export, replaced=False)
+    mapping = (EXAMPLE / "mapping.toml").read_text()
+    (export / "mapping.toml").write_text(mapping[: mapping.index("[repairs]")])
+    root = str(tmp_path / "root")
+    imported = gpufail(
+        "ingest", "table", str(export / "telemetry.csv"), "--map", str(export / "mapping.toml"), "--data", root
+    )
+    assert imported.returncode == 0, imported.stderr
+
+    built = gpufail("features", "--data", root, "--quiet")
+    assert built.returncode == 0, built.stderr
+    features = read_features(Store.open(root))
+    positive = features.filter(pl.col("label") == 1)
+    assert set(positive["gpu_uuid"]) == {"SN-a-2"}
+    assert positive["ts"].max() < FAILED_AT and positive["ts"].min() >= FAILED_AT - timedelta(hours=24)
+    assert f"{positive.height} positive from failure records" in built.stdout
+    assert "warning" not in built.stdout
+
+
+def test_failure_records_that_label_nothing_are_warned_about(tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    write_export(export)
+    mapping = (EXAMPLE / "mapping.toml").read_text()
+    (export / "mapping.toml").write_text(mapping[: mapping.index("[repairs]")])
+    # The ticket was opened before the export's first sample: no row lies before it.
+    (export / "tickets.csv").write_text("device_serial,opened_at,category\nSN-a-2,2026-04-30 23:00:00,ECC\n")
+    root = str(tmp_path / "root")
+    imported = gpufail(
+        "ingest", "table", str(export / "telemetry.csv"), "--map", str(export / "mapping.toml"), "--data", root
+    )
+    assert imported.returncode == 0, imported.stderr
+    built = gpufail("features", "--data", root, "--quiet")
+    assert built.returncode == 0, built.stderr
+    assert "warning: failure_events: 1 events from source 'record' gave no positive label" in built.stdout

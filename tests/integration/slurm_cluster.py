@@ -84,6 +84,11 @@ class SlurmCluster:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
         return done
 
+    @property
+    def jobcomp(self) -> Path:
+        """The job-completion record (`jobcomp/filetxt`): one line per job that ended."""
+        return self.folder / "jobcomp.txt"
+
     def jobs(self) -> dict[str, dict[str, object]]:
         """Job id -> its `squeue --json` record, for the jobs that are pending or running."""
         answer = json.loads(self.run("squeue", "--json").stdout)
@@ -196,6 +201,10 @@ def _write_config(folder: Path, ctld_port: int, node_ports: list[int]) -> Path:
                 "TaskPlugin=task/none",
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
+                # No slurmdbd here: job ends (NODE_FAIL among them) are read from the
+                # job-completion record instead of `sacct`.
+                "JobCompType=jobcomp/filetxt",
+                f"JobCompLoc={folder}/jobcomp.txt",
                 "SchedulerType=sched/backfill",
                 "SelectType=select/cons_tres",
                 "ReturnToService=2",

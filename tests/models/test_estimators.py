@@ -161,3 +161,17 @@ def _expected_failures(estimator: object) -> dict[str, str]:
 def test_the_ensembles_and_custom_estimators_keep_the_scikit_learn_contract(estimator, check):
     check(estimator)
     assert get_tags(estimator).classifier_tags.multi_class is False  # binary: "fails" or not
+
+
+def test_sign_constrained_logistic_gives_extreme_rows_a_risk_without_an_overflow_warning():
+    import warnings
+
+    rng = np.random.default_rng(2)
+    X = pd.DataFrame({"a": rng.normal(size=500), "b": rng.normal(size=500)})
+    y = (X["a"] + rng.normal(0, 0.5, 500) > 0).astype(int)
+    model = SignConstrainedLogistic().fit(X, y)
+    extreme = pd.DataFrame({"a": [-1e6, 1e6], "b": [0.0, 0.0]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        p = model.predict_proba(extreme)[:, 1]
+    assert p[0] == pytest.approx(0.0) and p[1] == pytest.approx(1.0)
