@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ingest.simulator.presets import LLAMA3_GPU_FAILURES_PER_GPU_HOUR, LOG_FORMATS, Preset
 
@@ -74,6 +75,13 @@ class FleetPlan:
     strength: np.ndarray  # 0 for silent failures
     repair_h: np.ndarray  # when the replacement arrives (+inf when none)
     replaced_by: np.ndarray  # index of the replacement GPU, or -1
+
+    def timestamps(self, hours: np.ndarray, missing: np.ndarray | None = None) -> pa.Array:
+        """Hours since the period start -> UTC timestamps; `missing` marks nulls."""
+        start = np.datetime64(self.preset.start.isoformat(), "us")
+        finite = np.where(np.isfinite(hours), hours, 0)
+        values = start + (finite * 3_600_000_000).astype("timedelta64[us]")
+        return pa.array(values, type=pa.timestamp("us", tz="UTC"), mask=missing)
 
     def driver_at(self, node: np.ndarray, t_h: np.ndarray) -> np.ndarray:
         """True where the node already runs the new driver at time t."""
@@ -223,6 +231,7 @@ def _plan_gpus(
     slot_frailty = np.asarray(rows["frailty"]) * node_frailty[slot_node]
     slot_bad = np.asarray(rows["bad"], dtype=bool)
     pending_until = np.full(n_slots, np.inf)  # a failed slot waits for its replacement
+    failed_in = np.full(n_slots, -1)  # the failed board a waiting slot held (its occupant is -1)
     failures: list[tuple[int, float, int]] = []  # (gpu, time, mode)
     replacements: list[tuple[int, int, float]] = []  # (old gpu, new gpu, time)
     onset = preset.bad_batch_onset_fraction * hours
@@ -232,7 +241,7 @@ def _plan_gpus(
         if len(arriving):
             arrive_at = pending_until[arriving]
             new = install(arriving, arrive_at, False)
-            for old, nw, t in zip(occupant[arriving], new, arrive_at, strict=True):
+            for old, nw, t in zip(failed_in[arriving], new, arrive_at, strict=True):
                 replacements.append((int(old), int(nw), float(t)))
             occupant[arriving] = new
             slot_frailty[arriving] = np.asarray(rows["frailty"][-len(new) :]) * node_frailty[slot_node[arriving]]
@@ -257,6 +266,7 @@ def _plan_gpus(
         for g, t, m in zip(gpu[fails], when, chosen, strict=True):
             failures.append((int(g), float(t), int(m)))
         pending_until[failed_slots] = when + rng.uniform(*preset.repair_hours, len(failed_slots))
+        failed_in[failed_slots] = occupant[failed_slots]
         occupant[failed_slots] = -1
 
     n = len(rows["node"])
