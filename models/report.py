@@ -17,6 +17,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from models.report_replay import replay_section
 from models.report_alarms import (
     alarm_sections,
     calibration_section,
@@ -213,6 +214,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
         "",
         *(alarm_sections(metrics) if "alarms" in metrics else []),
         *(calibration_section(metrics) if "calibration" in metrics else []),
+        *replay_section(metrics),
         *seeds_section(metrics),
         f"## Ranking at K = {k}",
         "",

@@ -102,11 +102,24 @@ def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
     default=None,
     help="Length of the walk-forward test period at the end of the data (default: [evaluate] test_days).",
 )
+@click.option(
+    "--policy",
+    "replay_policies",
+    is_flag=True,
+    help="Also replay the test period through the action policies with the jobs of DATA/jobs/trace.parquet: "
+    "GPU-hours lost with no action, the rule, the tiers and the cost policy (docs/actions.md).",
+)
 @quiet_option
 @json_option
 @click.pass_context
 def evaluate(
-    ctx: click.Context, data: str | None, report_dir: str, test_days: float | None, quiet: bool, as_json: bool
+    ctx: click.Context,
+    data: str | None,
+    report_dir: str,
+    test_days: float | None,
+    replay_policies: bool,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
@@ -134,6 +147,8 @@ def evaluate(
         "alarm_rules": settings.alarm_rules(),
         "budgets": tuple(cfg.alarm_budgets),
     }
+    if replay_policies:
+        options["replay"] = _policy_replay(store, root, settings, plan.horizon)
     if cfg.seeds:
         from models.comparison import evaluate_seeds
 
@@ -143,6 +158,25 @@ def evaluate(
     metrics_path, report_path = write_walk_forward_report(metrics, report_dir)
     facts = evaluate_facts(metrics, metrics_path, report_path)
     report(as_json, evaluate_line(facts), facts)
+
+
+def _policy_replay(store: Any, root: str, settings: Any, horizon: Any) -> Any:
+    """`--policy`: the replay hook over the data root's job trace, failures and repairs, with the
+    [publish] tiers and [publish.cost] prices (at the model's label horizon: what its risk means)."""
+    from dataclasses import replace
+
+    import pandas as pd
+
+    from serving.replay import evaluation_replay, read_trace
+
+    trace = read_trace(str(Path(root) / "jobs" / "trace.parquet"))
+    if not store.exists("failures"):
+        raise GpufailError(f"{root}: evaluate --policy needs the failures dataset (the GPUs that failed, and when)")
+    failures = store.read("failures", columns=["ts", "node"]).to_pandas()
+    repairs = store.read("repairs", columns=["ts", "node"]).to_pandas() if store.exists("repairs") else None
+    actions = settings.publish.job_actions()
+    cost = replace(actions.cost, horizon=pd.Timedelta(horizon).to_pytimedelta())
+    return evaluation_replay(trace, failures, repairs, settings.publish.policy_config(), cost)
 
 
 def evaluate_facts(metrics: dict[str, Any], metrics_path: Path, report_path: Path) -> dict[str, Any]:

@@ -210,7 +210,7 @@ def plan_jobs(plan: FleetPlan, seed: int, mix: JobMix | None = None) -> JobTrace
         if spot is None:
             return False
         job = len(trace.job_gpus)
-        start = t + rng.uniform(0, STEP_H)
+        start = t
         trace.job_gpus.append(gpus)
         trace.job_start_h.append(start)
         trace.job_end_by_h.append(start + float(np.ceil(hours * rng.uniform(1.0, 2.0))))
@@ -224,23 +224,26 @@ def plan_jobs(plan: FleetPlan, seed: int, mix: JobMix | None = None) -> JobTrace
     steps = int(plan.hours / STEP_H)
     for step in range(steps + 1):
         t = step * STEP_H
-        while e < len(events) and events[e][0] <= t:
+        # Node events and job ends up to t, in time order (a job that ends before a failure
+        # of its node is not hit by it).
+        while (e < len(events) and events[e][0] <= t) or (ends and ends[0][0] <= t):
+            if ends and (e >= len(events) or ends[0][0] <= events[e][0]):
+                when, job = heapq.heappop(ends)
+                for row in sorted(job_rows.get(job, ())):
+                    close(row, when, "done")
+                continue
             when, _, kind, node = events[e]
             e += 1
             if kind == "fail":
+                dead[node] += 1  # first, so the node's jobs do not restart on it
                 interrupt(node, when, "failure")
-                dead[node] += 1
             elif kind == "repair":
                 dead[node] = max(dead[node] - 1, 0)
             elif kind == "down":
-                interrupt(node, when, "maintenance")
                 down[node] += 1
+                interrupt(node, when, "maintenance")
             else:
                 down[node] = max(down[node] - 1, 0)
-        while ends and ends[0][0] <= t:
-            when, job = heapq.heappop(ends)
-            for row in sorted(job_rows.get(job, ())):
-                close(row, when, "done")
         if step == steps:
             break
         capacity = int(available(t).sum()) * per_node
