@@ -46,7 +46,8 @@ from ingest.errors import InputError
 from serving.cost_policy import CostConfig
 from serving.cost_policy import decide as decide_cost
 from serving.jobs import Job, JobMap
-from serving.policy import PolicyConfig, PolicyState, NodeRisk, reset_breaker
+from serving.policy import PolicyConfig, PolicyState, reset_breaker
+from serving.publish import node_inputs
 from serving.policy import decide as decide_tiers
 
 POLICIES = ("none", "rule", "tiers", "cost")
@@ -177,7 +178,7 @@ def replay(
     breaker_reset_after: timedelta = timedelta(hours=24),
 ) -> dict[str, Any]:
     """GPU-hours each policy of `POLICIES` loses over the grid times of `rows` (columns ts,
-    cluster, node; `risk` the calibrated GPU risk of each row, `rule_flags` the rule's flags or
+    cluster, node, gpu_uuid, gpu_index; `risk` the calibrated GPU risk of each row, `rule_flags` the rule's flags or
     None to leave the rule out). `failures`: ts, node of every GPU failure; `repairs`: ts, node."""
     if len(rows) != len(risk) or (rule_flags is not None and len(rule_flags) != len(rows)):
         raise InputError(f"replay: expected one risk per row, got {len(risk)} risks for {len(rows)} rows")
@@ -186,10 +187,9 @@ def replay(
     ts = _hours(rows["ts"])
     times = np.unique(ts)
     step = float(np.min(np.diff(times))) if len(times) > 1 else 1.0
-    node_of = rows["node"].astype(str).to_numpy(dtype=object)
-    cluster_of = rows["cluster"].astype(str).to_numpy(dtype=object) if "cluster" in rows else np.full(len(rows), "")
-    log_survival = np.log1p(-np.clip(np.asarray(risk, dtype=np.float64), 0.0, 1.0 - 1e-15))
-    flagged = None if rule_flags is None else np.asarray(rule_flags, dtype=bool)
+    scored = rows[["cluster", "node", "gpu_uuid", "gpu_index"]].assign(risk=np.asarray(risk, dtype=np.float64))
+    flagged = None if rule_flags is None else np.asarray(rule_flags, dtype=np.float64)
+    first_tier = policy.tiers[0].enter
     fail_t = _hours(failures["ts"]) if len(failures) else np.zeros(0)
     fail_node = failures["node"].astype(str).to_numpy(dtype=object) if len(failures) else np.zeros(0, dtype=object)
     in_period = (fail_t >= times[0]) & (fail_t < times[-1] + step)
@@ -200,13 +200,14 @@ def replay(
     repair_node = (
         repairs["node"].astype(str).to_numpy(dtype=object) if repairs is not None and len(repairs) else np.zeros(0)
     )
-    fleet = int(pd.unique(node_of).size)
+    fleet = int(rows["node"].nunique())
     horizon_h = cost.horizon.total_seconds() / 3600
     hang_restart = (cost.hang_time + cost.restart_time).total_seconds() / 3600
     restart_h = cost.restart_time.total_seconds() / 3600
     checkpoint_h = cost.checkpoint_time.total_seconds() / 3600
     runs = {name: _Run(name) for name in POLICIES if name != "rule" or flagged is not None}
     by_time = pd.Series(np.arange(len(rows))).groupby(ts).indices
+    job_index = {j: i for i, j in enumerate(trace.job_ids)}
 
     def exposed(run: _Run, node: str, t: float) -> np.ndarray:
         on = np.flatnonzero((trace.node == node) & (trace.start <= t) & (trace.end >= t))
@@ -216,39 +217,33 @@ def replay(
     for h in times:
         idx = by_time[h]
         now = _time(h)
-        per_node = pd.DataFrame({"cluster": cluster_of[idx], "node": node_of[idx], "ls": log_survival[idx]})
-        if flagged is not None:
-            per_node["flag"] = flagged[idx]
-        grouped = per_node.groupby(["cluster", "node"], sort=True)
-        node_ls = grouped["ls"].sum()
-        node_flag = grouped["flag"].any() if flagged is not None else None
-        last_repair = {
-            n: _time(float(repair_t[(repair_node == n) & (repair_t <= h)].max()))
-            for n in set(repair_node[repair_t <= h])
+        at_h = scored.iloc[idx]
+        repaired = {
+            (c, n): _time(float(repair_t[(repair_node == n) & (repair_t <= h)].max()))
+            for c, n in set(zip(at_h["cluster"].astype(str), at_h["node"].astype(str), strict=True))
+            if ((repair_node == n) & (repair_t <= h)).any()
         }
+        model_nodes = node_inputs(at_h, flag_threshold=first_tier, repairs=repaired)
+        rule_nodes = (
+            None
+            if flagged is None
+            else node_inputs(at_h.assign(risk=flagged[idx]), flag_threshold=first_tier, repairs=repaired)
+        )
         running = np.flatnonzero((trace.start <= h) & (trace.end > h))
         for run in runs.values():
             if run.name == "none":
                 continue
             if run.state.breaker.tripped and now - run.state.breaker.tripped_at >= breaker_reset_after:
                 run.state = reset_breaker(run.state)
-            nodes = [
-                NodeRisk(
-                    key=f"{c}/{n}",
-                    cluster=c,
-                    node=n,
-                    risk=float(node_flag[(c, n)]) if run.name == "rule" else float(-np.expm1(node_ls[(c, n)])),
-                    repaired_at=last_repair.get(n),
-                )
-                for c, n in node_ls.index
-            ]
+            nodes = rule_nodes if run.name == "rule" else model_nodes
+            assert nodes is not None
             tripped = run.state.breaker.tripped
             if run.name == "cost":
                 live = np.array([r for r in running if r not in run.moved], dtype=np.int64)
                 outcome = decide_cost(
                     nodes,
                     job_map_at(trace, live, h, run.extra),
-                    dict.fromkeys(node_ls.index.get_level_values("node"), gpus_per_node),
+                    {n.node: gpus_per_node for n in nodes},
                     cost,
                     run.state,
                     run.hinted,
@@ -258,9 +253,8 @@ def replay(
                 )
                 decisions = [d.decision for d in outcome.decisions]
                 run.state, run.hinted = outcome.state, outcome.hinted
-                ids = {j: i for i, j in enumerate(trace.job_ids)}
                 for hint in outcome.hints:
-                    j = ids[hint.job.id]
+                    j = job_index[hint.job.id]
                     run.extra[j] = h
                     run.figures["checkpoint_gpu_h"] += trace.job_gpus[j] * checkpoint_h
                     run.figures["hints"] += 1

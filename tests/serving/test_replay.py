@@ -56,7 +56,7 @@ def trace(jobs: list[dict]) -> Trace:
 
 def grid(nodes: list[str], hours: int, risk: dict[tuple[str, int], float] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
     """One GPU row per node per hour; `risk[(node, hour)]` where not 0."""
-    rows = [{"ts": at(h), "cluster": "c", "node": n, "gpu_uuid": f"GPU-{n}"} for h in range(hours) for n in nodes]
+    rows = [{"ts": at(h), "cluster": "c", "node": n, "gpu_uuid": f"GPU-{n}", "gpu_index": 0} for h in range(hours) for n in nodes]
     frame = pd.DataFrame(rows)
     risks = np.array([(risk or {}).get((r["node"], int((r["ts"] - at(0)) / pd.Timedelta(hours=1))), 0.0) for r in rows])
     return frame, risks
