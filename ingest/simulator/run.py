@@ -207,6 +207,8 @@ def ground_truth_gpus(plan: FleetPlan) -> pa.Table:
             "bad_batch": plan.gpu_bad_batch,
             "benign_sbe_noise": plan.gpu_benign_sbe,
             "benign_nvlink_noise": plan.gpu_benign_nvlink,
+            "fail_slow_since": plan.timestamps(plan.slow_onset_h, missing=~np.isfinite(plan.slow_onset_h)),
+            "fail_slow_deficit": plan.slow_deficit.astype(np.float32),
         }
     )
 
