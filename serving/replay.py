@@ -47,12 +47,22 @@ from serving.cost_policy import CostConfig
 from serving.cost_policy import decide as decide_cost
 from serving.jobs import Job, JobMap
 from serving.policy import PolicyConfig, PolicyState, reset_breaker
-from serving.publish import node_inputs
 from serving.policy import decide as decide_tiers
+from serving.publish import node_inputs
 
 POLICIES = ("none", "rule", "tiers", "cost")
 DRAINS = frozenset({"drain_now", "drain_after_job"})
-TRACE_COLUMNS = ("job_id", "node", "gpus", "start", "end", "job_gpus", "job_start", "job_end_by", "checkpoint_interval_s")
+TRACE_COLUMNS = (
+    "job_id",
+    "node",
+    "gpus",
+    "start",
+    "end",
+    "job_gpus",
+    "job_start",
+    "job_end_by",
+    "checkpoint_interval_s",
+)
 _H = 3600e6  # microseconds per hour
 
 
@@ -343,9 +353,9 @@ def replay(
         "policies": out,
         "start": _time(times[0]).isoformat(),
         "end": _time(end).isoformat(),
-        "hours": int(len(times)),
-        "failures": int(len(fail_t)),
-        "jobs": int(len(np.unique(trace.job[(trace.end > times[0]) & (trace.start < end)]))),
+        "hours": len(times),
+        "failures": len(fail_t),
+        "jobs": len(np.unique(trace.job[(trace.end > times[0]) & (trace.start < end)])),
         "breaker_reset_after_h": breaker_reset_after.total_seconds() / 3600,
     }
 

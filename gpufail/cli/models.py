@@ -149,6 +149,12 @@ def evaluate(
     }
     if replay_policies:
         options["replay"] = _policy_replay(store, root, settings, plan.horizon)
+    truth = Path(root) / "ground_truth" / "gpus.parquet"
+    if "://" not in root and truth.exists():
+        import pyarrow.parquet as pq
+
+        if "fail_slow_since" in pq.read_schema(truth).names:
+            options["fail_slow_truth"] = pq.read_table(truth, columns=["gpu_uuid", "fail_slow_since"]).to_pandas()
     if cfg.seeds:
         from models.comparison import evaluate_seeds
 

@@ -54,9 +54,15 @@ def trace(jobs: list[dict]) -> Trace:
     return Trace.from_frame(pd.DataFrame(rows, columns=list(TRACE_COLUMNS)))
 
 
-def grid(nodes: list[str], hours: int, risk: dict[tuple[str, int], float] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+def grid(
+    nodes: list[str], hours: int, risk: dict[tuple[str, int], float] | None = None
+) -> tuple[pd.DataFrame, np.ndarray]:
     """One GPU row per node per hour; `risk[(node, hour)]` where not 0."""
-    rows = [{"ts": at(h), "cluster": "c", "node": n, "gpu_uuid": f"GPU-{n}", "gpu_index": 0} for h in range(hours) for n in nodes]
+    rows = [
+        {"ts": at(h), "cluster": "c", "node": n, "gpu_uuid": f"GPU-{n}", "gpu_index": 0}
+        for h in range(hours)
+        for n in nodes
+    ]
     frame = pd.DataFrame(rows)
     risks = np.array([(risk or {}).get((r["node"], int((r["ts"] - at(0)) / pd.Timedelta(hours=1))), 0.0) for r in rows])
     return frame, risks
@@ -84,7 +90,7 @@ def test_a_64_gpu_job_whose_node_fails_3_h_after_its_checkpoint_loses_192_gpu_ho
 
 
 def test_a_failure_on_an_idle_node_or_after_the_job_costs_no_job_anything():
-    rows, risk = grid(NODES + ["idle"], 12)
+    rows, risk = grid([*NODES, "idle"], 12)
     out = replay(rows, risk, None, trace([GANG]), failures(("idle", 5.0)), TIERS, NO_OVERHEAD)
     assert out["policies"]["none"]["failure_gpu_h"] == 0
     short = {**GANG, "end": 6}
