@@ -27,8 +27,8 @@ def replay_section(metrics: dict[str, Any]) -> list[str]:
         "with the production decision code (serving/policy.py, serving/cost_policy.py). GPU-hours:",
         "",
         "| policy | failures | drain restarts | drained (of which false) | checkpoints (hints) | avoid (priced) "
-        "| total | saved vs none |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| slowness | total | saved vs none |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, label in REPLAY_POLICIES.items():
         p = policies.get(name)
@@ -38,14 +38,16 @@ def replay_section(metrics: dict[str, Any]) -> list[str]:
             f"| {label} | {p['failure_gpu_h']:,.0f} ({p['failures_hitting_jobs']:.0f} hit jobs) "
             f"| {p['drain_restart_gpu_h']:,.0f} | {p['drained_gpu_h']:,.0f} ({p['false_drain_gpu_h']:,.0f}; "
             f"{p['drains']:.0f} drains, {p['false_drains']:.0f} false) | {p['checkpoint_gpu_h']:,.0f} "
-            f"({p['hints']:.0f}) | {p['avoid_gpu_h']:,.0f} | {p['total_gpu_h']:,.0f} | {p['saved_gpu_h']:,.0f} |"
+            f"({p['hints']:.0f}) | {p['avoid_gpu_h']:,.0f} | {p.get('slow_gpu_h', 0.0):,.0f} | {p['total_gpu_h']:,.0f} "
+            f"| {p['saved_gpu_h']:,.0f} |"
         )
     lines += [
         "",
         "Failures: the work since each hit job's last checkpoint plus its hang and restart, on all its GPUs. "
         "Drain restarts: the jobs a drain-now moved (their work since the checkpoint and a restart). Drained: "
         "node GPU-hours out of service (false: the node did not fail during the drain or within the horizon "
-        f"after it began). A tripped circuit breaker is reset after {replay['breaker_reset_after_h']:g} h. "
+        f"after it began). Slowness: what the jobs lost to fail-slow GPUs (known only on a simulated fleet; "
+        f"a job steps at its slowest GPU's pace). A tripped circuit breaker is reset after {replay['breaker_reset_after_h']:g} h. "
         "How the replay counts: docs/actions.md.",
         "",
     ]

@@ -169,6 +169,7 @@ class _Run:
                 "drains",
                 "false_drains",
                 "breaker_trips",
+                "slow_gpu_h",
             ),
             0.0,
         )
@@ -186,10 +187,15 @@ def replay(
     repairs: pd.DataFrame | None = None,
     gpus_per_node: int = 8,
     breaker_reset_after: timedelta = timedelta(hours=24),
+    slow: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """GPU-hours each policy of `POLICIES` loses over the grid times of `rows` (columns ts,
     cluster, node, gpu_uuid, gpu_index; `risk` the calibrated GPU risk of each row, `rule_flags` the rule's flags or
-    None to leave the rule out). `failures`: ts, node of every GPU failure; `repairs`: ts, node."""
+    None to leave the rule out). `failures`: ts, node of every GPU failure; `repairs`: ts, node.
+    `slow`: node, since, until (null: to the end) and deficit of every fail-slow GPU, when known
+    (the simulator's truth): each policy's `slow_gpu_h` is then what its jobs lost to them (a
+    synchronous job steps at its slowest GPU's pace: its GPUs x the hours x the deficit; a job
+    holding part of the node is on the slow board with the chance of its share of the node)."""
     if len(rows) != len(risk) or (rule_flags is not None and len(rule_flags) != len(rows)):
         raise InputError(f"replay: expected one risk per row, got {len(risk)} risks for {len(rows)} rows")
     if len(rows) == 0:
@@ -223,6 +229,14 @@ def replay(
         on = np.flatnonzero((trace.node == node) & (trace.start <= t) & (trace.end >= t))
         return np.array([r for r in on if r not in run.moved], dtype=np.int64)
 
+    if slow is not None and len(slow):
+        slow_node = slow["node"].astype(str).to_numpy(dtype=object)
+        slow_since = _hours(slow["since"])
+        until = pd.to_datetime(slow["until"], utc=True)
+        slow_until = np.where(until.isna(), np.inf, _hours(until.fillna(pd.Timestamp(0, tz="UTC"))))
+        slow_deficit = slow["deficit"].to_numpy(dtype=np.float64)
+    else:
+        slow_node, slow_since, slow_until, slow_deficit = (np.zeros(0),) * 4
     f = 0
     for h in times:
         idx = by_time[h]
@@ -297,7 +311,20 @@ def replay(
         while f < len(fail_t) and fail_t[f] < h + step:
             ending_fails.append((fail_t[f], fail_node[f]))
             f += 1
+        now_slow = (slow_since <= h) & (slow_until > h)
+        slow_at = (
+            pd.Series(slow_deficit[now_slow]).groupby(slow_node[now_slow]).max().to_dict() if now_slow.any() else {}
+        )
         for run in runs.values():
+            if slow_at:
+                lost: dict[int, float] = {}
+                for r in running:
+                    d = slow_at.get(trace.node[r])
+                    if d is None or r in run.moved:
+                        continue
+                    j = int(trace.job[r])
+                    lost[j] = max(lost.get(j, 0.0), d * min(trace.gpus[r] / gpus_per_node, 1.0))
+                run.figures["slow_gpu_h"] += sum(trace.job_gpus[j] * step * d for j, d in lost.items())
             for r in starting:
                 tier = run.tier.get(trace.node[r], "none")
                 multi = trace.job_gpus[trace.job[r]] > trace.gpus[r]
@@ -344,6 +371,7 @@ def replay(
             + fig["drained_gpu_h"]
             + fig["checkpoint_gpu_h"]
             + fig["avoid_gpu_h"]
+            + fig["slow_gpu_h"]
         )
         out[run.name] = {k: float(v) for k, v in fig.items()}
     baseline = out["none"]["total_gpu_h"]
@@ -367,12 +395,13 @@ def evaluation_replay(
     policy: PolicyConfig,
     cost: CostConfig,
     gpus_per_node: int = 8,
+    slow: pd.DataFrame | None = None,
 ) -> Any:
     """The `replay` hook of `models.comparison.evaluate_walk_forward` (`gpufail evaluate
     --policy`): the replay of the test rows with the primary contender's calibrated risk."""
 
     def run(test: pd.DataFrame, risk: np.ndarray, rule: np.ndarray | None) -> dict[str, Any]:
-        return replay(test, risk, rule, trace, failures, policy, cost, repairs, gpus_per_node)
+        return replay(test, risk, rule, trace, failures, policy, cost, repairs, gpus_per_node, slow=slow)
 
     return run
 

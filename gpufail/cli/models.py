@@ -182,7 +182,19 @@ def _policy_replay(store: Any, root: str, settings: Any, horizon: Any) -> Any:
     repairs = store.read("repairs", columns=["ts", "node"]).to_pandas() if store.exists("repairs") else None
     actions = settings.publish.job_actions()
     cost = replace(actions.cost, horizon=pd.Timedelta(horizon).to_pytimedelta())
-    return evaluation_replay(trace, failures, repairs, settings.publish.policy_config(), cost)
+    return evaluation_replay(trace, failures, repairs, settings.publish.policy_config(), cost, slow=_slow_truth(root))
+
+
+def _slow_truth(root: str) -> Any:
+    """The simulator's fail-slow GPUs (node, since, until, deficit), or None where unknown."""
+    import pyarrow.parquet as pq
+
+    path = Path(root) / "ground_truth" / "gpus.parquet"
+    if "://" in root or not path.exists() or "fail_slow_since" not in pq.read_schema(path).names:
+        return None
+    gpus = pq.read_table(path, columns=["node", "failed", "fail_slow_since", "fail_slow_deficit"]).to_pandas()
+    gpus = gpus[gpus["fail_slow_since"].notna()]
+    return gpus.rename(columns={"fail_slow_since": "since", "failed": "until", "fail_slow_deficit": "deficit"})
 
 
 def evaluate_facts(metrics: dict[str, Any], metrics_path: Path, report_path: Path) -> dict[str, Any]:

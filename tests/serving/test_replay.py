@@ -175,3 +175,23 @@ def test_bad_inputs_are_refused_with_one_line(tmp_path):
     pq.write_table(pa.table({"job_id": ["a"], "node": ["n0"]}), good)
     with pytest.raises(InputError, match=f"{good}: missing columns"):
         read_trace(str(good))
+
+
+def test_a_job_steps_at_its_slowest_gpu_and_loses_its_share_to_a_straggler():
+    rows, risk = grid([*NODES, "solo"], 12)
+    small = {"id": "small", "nodes": {"solo": 2}, "start": 0, "end": 12, "interval": 1}
+    slow = pd.DataFrame(
+        {
+            "node": ["n2", "n4", "solo"],
+            "since": [at(2), at(6), at(0)],
+            "until": [at(8), None, None],
+            "deficit": [0.1, 0.2, 0.4],
+        }
+    )
+    out = replay(rows, risk, None, trace([GANG, small]), failures(), TIERS, NO_OVERHEAD, slow=slow)
+    none = out["policies"]["none"]
+    # The gang job (64 GPUs): 0.1 from 02:00, then 0.2 (its slowest) from 06:00 to the end at 12:00;
+    # the 2-GPU job holds a quarter of its node: on the slow board with a chance of 1/4.
+    gang = 64 * (4 * 0.1 + 6 * 0.2)
+    assert none["slow_gpu_h"] == pytest.approx(gang + 2 * 12 * 0.4 * 2 / 8)
+    assert none["total_gpu_h"] == pytest.approx(none["slow_gpu_h"])
