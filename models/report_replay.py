@@ -41,6 +41,18 @@ def replay_section(metrics: dict[str, Any]) -> list[str]:
             f"({p['hints']:.0f}) | {p['avoid_gpu_h']:,.0f} | {p.get('slow_gpu_h', 0.0):,.0f} | {p['total_gpu_h']:,.0f} "
             f"| {p['saved_gpu_h']:,.0f} |"
         )
+    against = replay.get("cost_against", {})
+    if against:
+        lines += [
+            "",
+            "The cost policy against each other policy (its total minus theirs; negative: it lost less), with a "
+            "95% bootstrap interval over days: "
+            + "; ".join(
+                f"{REPLAY_POLICIES[o]} {d['difference_gpu_h']:+,.0f} GPU-h [{d['ci95'][0]:+,.0f}, {d['ci95'][1]:+,.0f}]"
+                for o, d in against.items()
+            )
+            + ".",
+        ]
     lines += [
         "",
         "Failures: the work since each hit job's last checkpoint plus its hang and restart, on all its GPUs. "

@@ -154,6 +154,8 @@ class _Run:
     moved: set[int] = field(default_factory=set)  # placements the policy kept off or took off their node
     episode: dict[str, list[float]] = field(default_factory=dict)  # node -> [entered, out GPU-h]
     episodes: list[tuple[str, float, float, float]] = field(default_factory=list)  # node, entered, left, GPU-h
+    daily: dict[int, float] = field(default_factory=dict)  # day of the period -> GPU-h spent in it
+    spent: float = 0.0
     figures: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
             (
@@ -353,6 +355,10 @@ def replay(
                     continue  # its job still runs
                 out = gpus_per_node * (min(failed.min(), h + step) - h if len(failed) else step)
                 run.episode[node][1] += out
+            total = _spent(run)
+            day = int((h - times[0]) // 24)
+            run.daily[day] = run.daily.get(day, 0.0) + total - run.spent
+            run.spent = total
     end = times[-1] + step
     out: dict[str, Any] = {}
     for run in runs.values():
@@ -377,14 +383,42 @@ def replay(
     baseline = out["none"]["total_gpu_h"]
     for figures in out.values():
         figures["saved_gpu_h"] = baseline - figures["total_gpu_h"]
+    days = int((end - times[0] - 1e-9) // 24) + 1
+    daily = {name: [run.daily.get(d, 0.0) for d in range(days)] for name, run in runs.items()}
     return {
         "policies": out,
+        "daily_total_gpu_h": daily,
+        "cost_against": {
+            other: _paired_day_ci(daily["cost"], daily[other]) for other in ("none", "rule", "tiers") if other in daily
+        },
         "start": _time(times[0]).isoformat(),
         "end": _time(end).isoformat(),
         "hours": len(times),
         "failures": len(fail_t),
         "jobs": len(np.unique(trace.job[(trace.end > times[0]) & (trace.start < end)])),
         "breaker_reset_after_h": breaker_reset_after.total_seconds() / 3600,
+    }
+
+
+_COSTS = ("failure_gpu_h", "drain_restart_gpu_h", "checkpoint_gpu_h", "avoid_gpu_h", "slow_gpu_h")
+
+
+def _spent(run: _Run) -> float:
+    """GPU-hours the run has spent so far (drained hours of open and closed drains included)."""
+    drained = sum(e[3] for e in run.episodes) + sum(e[1] for e in run.episode.values())
+    return sum(run.figures[k] for k in _COSTS) + drained
+
+
+def _paired_day_ci(a: list[float], b: list[float], samples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The total of a - b over the period, and a 95% percentile bootstrap interval of it with the
+    days resampled (the same days for both: paired). Actions reach across days (a drain lasts a
+    day or more), so the interval is a rough one."""
+    diff = np.asarray(a) - np.asarray(b)
+    draws = np.random.default_rng(seed).integers(0, len(diff), (samples, len(diff)))
+    totals = diff[draws].sum(axis=1)
+    return {
+        "difference_gpu_h": float(diff.sum()),
+        "ci95": [float(np.percentile(totals, 2.5)), float(np.percentile(totals, 97.5))],
     }
 
 

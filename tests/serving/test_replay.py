@@ -195,3 +195,16 @@ def test_a_job_steps_at_its_slowest_gpu_and_loses_its_share_to_a_straggler():
     gang = 64 * (4 * 0.1 + 6 * 0.2)
     assert none["slow_gpu_h"] == pytest.approx(gang + 2 * 12 * 0.4 * 2 / 8)
     assert none["total_gpu_h"] == pytest.approx(none["slow_gpu_h"])
+
+
+def test_the_days_add_up_to_the_totals_and_the_cost_policy_is_compared_day_by_day():
+    risk_at = {("n3", h): 0.95 for h in range(5, 40)}
+    rows, risk = grid(NODES, 48, risk_at)
+    out = replay(rows, risk, None, trace([GANG]), failures(("n3", 30.0)), TIERS, NO_OVERHEAD)
+    for name, days in out["daily_total_gpu_h"].items():
+        assert len(days) == 2
+        assert sum(days) == pytest.approx(out["policies"][name]["total_gpu_h"])
+    against = out["cost_against"]["tiers"]
+    expected = out["policies"]["cost"]["total_gpu_h"] - out["policies"]["tiers"]["total_gpu_h"]
+    assert against["difference_gpu_h"] == pytest.approx(expected)
+    assert against["ci95"][0] <= expected <= against["ci95"][1]
