@@ -57,8 +57,17 @@ def fail_slow_report(
         "n_gpus_alarmed": int(alarms["gpu_uuid"].nunique()),
         "alarms_per_1000_gpu_days": float(1000 * len(alarms) / gpu_days) if gpu_days else None,
         "top": [
-            {"gpu_uuid": str(r.gpu_uuid), "node": str(r.node), "first_alarm": r.ts.isoformat(), "score": float(r.score)}
-            for r in alarms.sort_values("score", ascending=False).drop_duplicates("gpu_uuid").head(10).itertuples()
+            {
+                "gpu_uuid": str(gpu),
+                "node": str(r["node"]),
+                "first_alarm": pd.Timestamp(r["first_alarm"]).isoformat(),
+                "score": float(r["score"]),
+            }
+            for gpu, r in alarms.groupby("gpu_uuid")
+            .agg(node=("node", "first"), first_alarm=("ts", "min"), score=("score", "max"))
+            .sort_values("score", ascending=False)
+            .head(10)
+            .iterrows()
         ],
     }
     if truth is None:

@@ -259,7 +259,8 @@ def replay(
         for run in runs.values():
             if run.name == "none":
                 continue
-            if run.state.breaker.tripped and now - run.state.breaker.tripped_at >= breaker_reset_after:
+            tripped_at = run.state.breaker.tripped_at
+            if tripped_at is not None and now - tripped_at >= breaker_reset_after:
                 run.state = reset_breaker(run.state)
             nodes = rule_nodes if run.name == "rule" else model_nodes
             assert nodes is not None
@@ -305,8 +306,8 @@ def replay(
                     run.episode[d.node] = [h, 0.0]
                     run.figures["drains"] += 1
                 elif after not in DRAINS and before in DRAINS:
-                    entered, out = run.episode.pop(d.node)
-                    run.episodes.append((d.node, entered, h, out))
+                    entered, gpu_h = run.episode.pop(d.node)
+                    run.episodes.append((d.node, entered, h, gpu_h))
         # The hour until the next grid time: placements that start, failures, time out of service.
         starting = np.flatnonzero((trace.start >= h) & (trace.start < h + step))
         ending_fails = []
@@ -319,14 +320,14 @@ def replay(
         )
         for run in runs.values():
             if slow_at:
-                lost: dict[int, float] = {}
+                slowest: dict[int, float] = {}
                 for r in running:
-                    d = slow_at.get(trace.node[r])
-                    if d is None or r in run.moved:
+                    deficit = slow_at.get(trace.node[r])
+                    if deficit is None or r in run.moved:
                         continue
                     j = int(trace.job[r])
-                    lost[j] = max(lost.get(j, 0.0), d * min(trace.gpus[r] / gpus_per_node, 1.0))
-                run.figures["slow_gpu_h"] += sum(trace.job_gpus[j] * step * d for j, d in lost.items())
+                    slowest[j] = max(slowest.get(j, 0.0), deficit * min(trace.gpus[r] / gpus_per_node, 1.0))
+                run.figures["slow_gpu_h"] += sum(trace.job_gpus[j] * step * x for j, x in slowest.items())
             for r in starting:
                 tier = run.tier.get(trace.node[r], "none")
                 multi = trace.job_gpus[trace.job[r]] > trace.gpus[r]
@@ -353,8 +354,7 @@ def replay(
                     continue  # failed during the drain: down for repair anyway
                 if tier == "drain_after_job" and len(exposed(run, node, h)):
                     continue  # its job still runs
-                out = gpus_per_node * (min(failed.min(), h + step) - h if len(failed) else step)
-                run.episode[node][1] += out
+                run.episode[node][1] += gpus_per_node * (min(failed.min(), h + step) - h if len(failed) else step)
             total = _spent(run)
             day = int((h - times[0]) // 24)
             run.daily[day] = run.daily.get(day, 0.0) + total - run.spent
