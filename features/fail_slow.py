@@ -16,7 +16,7 @@ Per row of a features frame (each GPU at each grid time; the window statistics c
 
 | feature | meaning |
 | --- | --- |
-| `sm_clock_node_deficit_<w>` | 1 - its `sm_clock_mhz_mean_<w>` / the median of its node's other GPUs' |
+| `sm_clock_node_deficit_<w>` | 1 - its `sm_clock_mhz_mean_<w>` / the median of its node's other loaded GPUs' (loaded GPUs only) |
 | `power_per_util_node_deficit_<w>` | 1 - its power per utilisation point over `<w>` / the median of its node's other GPUs' (loaded GPUs only) |
 | `sm_clock_model_deficit_<w>` | 1 - its `sm_clock_mhz_max_<w>` / the median of the loaded GPUs of its model at that time |
 | `fail_slow_score_<w>` | the smaller of the node and model clock deficits (both must agree); the one there is when the other has no peers |
@@ -89,6 +89,9 @@ def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFra
     ts = pd.to_datetime(df["ts"], utc=True)
     node_group = pd.MultiIndex.from_arrays([ts, df["cluster"].astype(str), df["node"].astype(str)])
     node_id = pd.factorize(node_group)[0] + 1  # 0 is "no group" for median_of_others
+    # Only loaded boards compare: an idle board beside a busy job (a fresh replacement, a GPU
+    # the job does not use) runs at its idle clock, and is not slow.
+    clock_mean = np.where(loaded, clock_mean, np.nan)
     node_clock = median_of_others(node_id, clock_mean)
     node_power = median_of_others(node_id, per_util)
 

@@ -79,6 +79,9 @@ def test_node_and_model_peers_must_agree():
     rows.append(
         {**rows[0], "node": "idle", "gpu_uuid": "idle0", "util_gpu_pct_mean_24h": 0.5, "util_gpu_pct_max_24h": 1.0}
     )
+    # An idle board beside a busy job (a fresh replacement, one the job does not use) is not slow.
+    rows.append({**rows[0], "gpu_uuid": "a-idle", "sm_clock_mhz_mean_24h": 345.0, "sm_clock_mhz_max_24h": 345.0,
+                 "util_gpu_pct_mean_24h": 0.1, "util_gpu_pct_max_24h": 0.2})  # fmt: skip
     out = pd.DataFrame(rows).join(fail_slow_features(pd.DataFrame(rows))).set_index("gpu_uuid")
     assert out.loc["a7", "sm_clock_node_deficit_24h"] == pytest.approx(0.1)
     assert out.loc["a7", "power_per_util_node_deficit_24h"] == pytest.approx(0.1)
@@ -88,6 +91,8 @@ def test_node_and_model_peers_must_agree():
     assert out.loc["b0", "fail_slow_score_24h"] == pytest.approx(0.0)
     # An idle board has no model peers' clock to compare with and no node peers: no score.
     assert np.isnan(out.loc["idle0", "fail_slow_score_24h"])
+    assert np.isnan(out.loc["a-idle", "fail_slow_score_24h"])
+    assert out.loc["a7", "sm_clock_node_deficit_24h"] == pytest.approx(0.1)  # the idle board is no peer
 
 
 def test_a_frame_without_the_window_is_refused_in_one_line():
