@@ -21,7 +21,7 @@ and reports the mean and range of the headline figures."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from models.evaluate import (
     rule_columns,
     rule_flags,
 )
+from models.fail_slow import fail_slow_report, has_fail_slow_inputs
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
 from models.operating_points import alarm_comparison, ensemble_verdict
@@ -59,13 +60,19 @@ def evaluate_walk_forward(
     progress: bool = False,
     alarm_rules: AlarmRules | None = None,
     budgets: Sequence[float] = DEFAULT_BUDGETS,
+    replay: Callable[[pd.DataFrame, np.ndarray, np.ndarray | None], dict[str, Any]] | None = None,
+    fail_slow_truth: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """Run the walk-forward comparison and return every figure of its report (JSON-ready):
     the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
     a reason when the frame lacks its columns), `heuristic` and `oracle`, scored on the same
     test rows; `model` repeats the primary contender (the first `auto` one, else the first).
     Alarms follow `alarm_rules` (default: `AlarmRules` at the plan's horizon) at each of
-    `budgets` (alarms per 1,000 GPUs per day)."""
+    `budgets` (alarms per 1,000 GPUs per day). With `replay` (`serving.replay.evaluation_replay`),
+    `replay` holds what it makes of the test rows, the primary contender's calibrated risk and
+    the rule's flags (None without the rule). `fail_slow` holds the fail-slow alarm class
+    (`models.fail_slow`) when the features have its inputs, judged against `fail_slow_truth`
+    (gpu_uuid, fail_slow_since) when given."""
     if not budgets:
         raise InputError("alarm budgets: expected at least one number of alarms per 1,000 GPUs per day, got none")
     specs = [str(s) for s in top_k]
@@ -117,7 +124,15 @@ def evaluate_walk_forward(
     y = labels(test).to_numpy()
     headline = 1.0 if 1.0 in [float(b) for b in budgets] else float(budgets[0])
     verdicts = ensemble_verdict(alarms["equal_volume"])
+    replayed = (
+        {}
+        if replay is None
+        else {"replay": {"model": primary, **replay(test, result.calibrated[primary], scores.get("rule"))}}
+    )
+    if has_fail_slow_inputs(test):
+        replayed["fail_slow"] = fail_slow_report(test, fail_slow_truth)
     return {
+        **replayed,
         "kind": "walk-forward",
         "top_k": specs[0],
         "top_k_specs": specs,

@@ -24,6 +24,8 @@ from models.report_alarms import (
     plot_reliability,
     seeds_section,
 )
+from models.report_fail_slow import fail_slow_section
+from models.report_replay import replay_section
 from models.train import write_file_atomic
 from models.walk_forward import BASELINES
 
@@ -213,6 +215,8 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
         "",
         *(alarm_sections(metrics) if "alarms" in metrics else []),
         *(calibration_section(metrics) if "calibration" in metrics else []),
+        *replay_section(metrics),
+        *fail_slow_section(metrics),
         *seeds_section(metrics),
         f"## Ranking at K = {k}",
         "",

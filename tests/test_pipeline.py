@@ -26,14 +26,19 @@ def gpufail(*args: str) -> str:
 def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     data = tmp_path / "fleet"
     out = tmp_path / "out"
-    simulate(data, "demo", seed=3, progress=False, nodes=12, days=24, sample_interval_s=900, acceleration=80.0)
+    simulate(
+        data, "demo", seed=3, progress=False, nodes=12, days=24, sample_interval_s=900, acceleration=80.0,
+        fail_slow_fraction=0.02,
+    )  # fmt: skip
 
     assert "0 rejected lines" in gpufail("ingest", "kernel-log", "--data", str(data))
     assert "features:" in gpufail("features", "--data", str(data), "--quiet")
     trained = gpufail("train", "--data", str(data), "--model-out", str(out / "model"))
     assert "trained lightgbm" in trained and "calibrated (platt) on " in trained
     assert_train_reads_its_window_and_fits_what_all_history_gives(data, out / "model")
-    evaluated = gpufail("evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6")
+    evaluated = gpufail(
+        "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6", "--policy"
+    )
     assert "precision@10" in evaluated
     assert "alarms per 1,000 GPUs per day (threshold chosen before the test)" in evaluated
     scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
@@ -57,6 +62,17 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     metrics = json.loads((out / "report" / "metrics.json").read_text())
     scores = metrics["scores"]
     assert scores["model"]["precision_at_k_pooled"] > scores["random"]["precision_at_k_pooled"]
+    # The replay of the action policies over the jobs the simulator ran, and the fail-slow class.
+    replayed = metrics["replay"]
+    assert set(replayed["policies"]) == {"none", "rule", "tiers", "cost"}
+    assert replayed["jobs"] > 0 and replayed["hours"] == 6 * 24
+    none = replayed["policies"]["none"]
+    assert none["drains"] == none["hints"] == none["drained_gpu_h"] == 0
+    assert none["failure_gpu_h"] > 0  # the failures of the period hit running jobs
+    report_md = (out / "report" / "report.md").read_text()
+    assert "## What the actions would have cost the jobs (replay)" in report_md
+    assert "## Fail-slow GPUs (stragglers)" in report_md
+    assert metrics["fail_slow"]["n_slow_gpus"] >= 1
     assert "simulated failures (ground truth)" in summary
     assert "calibrated risk on the test period: ECE " in summary
     assert f"{metrics['primary']} at {metrics['alarm_headline_budget']:g} alarms per 1,000 GPUs per day" in summary

@@ -29,9 +29,27 @@ from ingest.errors import GpufailError
 @click.option(
     "--days", type=click.IntRange(min=1), default=None, help="Simulate this many days instead of the preset's."
 )
+@click.option(
+    "--nodes", type=click.IntRange(min=1), default=None, help="Simulate this many nodes instead of the preset's."
+)
+@click.option(
+    "--fail-slow",
+    type=click.FloatRange(min=0, max=1),
+    default=None,
+    help="Share of GPUs that turn fail-slow (stragglers) at some point (default: the preset's, 0).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None, days: int | None, quiet: bool) -> None:
+def simulate(
+    ctx: click.Context,
+    out: str,
+    preset: str | None,
+    seed: int | None,
+    days: int | None,
+    nodes: int | None,
+    fail_slow: float | None,
+    quiet: bool,
+) -> None:
     """Simulate a GPU fleet: telemetry, kernel logs, repairs and ground truth."""
     from ingest.simulator.run import simulate as run_simulation
 
@@ -43,13 +61,17 @@ def simulate(ctx: click.Context, out: str, preset: str | None, seed: int | None,
         cfg.seed if seed is None else seed,
         progress=not quiet,
         cluster=settings.ingest.cluster,
-        **({} if days is None else {"days": days}),
+        **{
+            name: value
+            for name, value in (("days", days), ("nodes", nodes), ("fail_slow_fraction", fail_slow))
+            if value is not None
+        },
     )
     modes = ", ".join(f"{k} {v}" for k, v in summary.failures_by_mode.items())
     click.echo(
         f"simulated {summary.gpus} GPUs on {summary.nodes} nodes over {summary.days} days: "
         f"{summary.telemetry_rows:,} telemetry rows, {summary.kernel_log_lines:,} kernel-log lines, "
-        f"{summary.failures} failures ({modes}) in {summary.seconds:.1f}s -> {summary.out}"
+        f"{summary.failures} failures ({modes}), {summary.jobs:,} jobs in {summary.seconds:.1f}s -> {summary.out}"
     )
 
 

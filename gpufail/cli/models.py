@@ -115,11 +115,24 @@ def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
     default=None,
     help="Length of the walk-forward test period at the end of the data (default: [evaluate] test_days).",
 )
+@click.option(
+    "--policy",
+    "replay_policies",
+    is_flag=True,
+    help="Also replay the test period through the action policies with the jobs of DATA/jobs/trace.parquet: "
+    "GPU-hours lost with no action, the rule, the tiers and the cost policy (docs/actions.md).",
+)
 @quiet_option
 @json_option
 @click.pass_context
 def evaluate(
-    ctx: click.Context, data: str | None, report_dir: str, test_days: float | None, quiet: bool, as_json: bool
+    ctx: click.Context,
+    data: str | None,
+    report_dir: str,
+    test_days: float | None,
+    replay_policies: bool,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
@@ -147,6 +160,14 @@ def evaluate(
         "alarm_rules": settings.alarm_rules(),
         "budgets": tuple(cfg.alarm_budgets),
     }
+    if replay_policies:
+        options["replay"] = _policy_replay(store, root, settings, plan.horizon)
+    truth = Path(root) / "ground_truth" / "gpus.parquet"
+    if "://" not in root and truth.exists():
+        import pyarrow.parquet as pq
+
+        if "fail_slow_since" in pq.read_schema(truth).names:
+            options["fail_slow_truth"] = pq.read_table(truth, columns=["gpu_uuid", "fail_slow_since"]).to_pandas()
     if cfg.seeds:
         from models.comparison import evaluate_seeds
 
@@ -156,6 +177,37 @@ def evaluate(
     metrics_path, report_path = write_walk_forward_report(metrics, report_dir)
     facts = evaluate_facts(metrics, metrics_path, report_path)
     report(as_json, evaluate_line(facts), facts)
+
+
+def _policy_replay(store: Any, root: str, settings: Any, horizon: Any) -> Any:
+    """`--policy`: the replay hook over the data root's job trace, failures and repairs, with the
+    [publish] tiers and [publish.cost] prices (at the model's label horizon: what its risk means)."""
+    from dataclasses import replace
+
+    import pandas as pd
+
+    from serving.replay import evaluation_replay, read_trace
+
+    trace = read_trace(str(Path(root) / "jobs" / "trace.parquet"))
+    if not store.exists("failures"):
+        raise GpufailError(f"{root}: evaluate --policy needs the failures dataset (the GPUs that failed, and when)")
+    failures = store.read("failures", columns=["ts", "node"]).to_pandas()
+    repairs = store.read("repairs", columns=["ts", "node"]).to_pandas() if store.exists("repairs") else None
+    actions = settings.publish.job_actions()
+    cost = replace(actions.cost, horizon=pd.Timedelta(horizon).to_pytimedelta())
+    return evaluation_replay(trace, failures, repairs, settings.publish.policy_config(), cost, slow=_slow_truth(root))
+
+
+def _slow_truth(root: str) -> Any:
+    """The simulator's fail-slow GPUs (node, since, until, deficit), or None where unknown."""
+    import pyarrow.parquet as pq
+
+    path = Path(root) / "ground_truth" / "gpus.parquet"
+    if "://" in root or not path.exists() or "fail_slow_since" not in pq.read_schema(path).names:
+        return None
+    gpus = pq.read_table(path, columns=["node", "failed", "fail_slow_since", "fail_slow_deficit"]).to_pandas()
+    gpus = gpus[gpus["fail_slow_since"].notna()]
+    return gpus.rename(columns={"fail_slow_since": "since", "failed": "until", "fail_slow_deficit": "deficit"})
 
 
 def evaluate_facts(metrics: dict[str, Any], metrics_path: Path, report_path: Path) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from ingest.simulator.presets import LLAMA3_GPU_FAILURES_PER_GPU_HOUR, LOG_FORMATS, Preset
 
@@ -74,6 +75,20 @@ class FleetPlan:
     strength: np.ndarray  # 0 for silent failures
     repair_h: np.ndarray  # when the replacement arrives (+inf when none)
     replaced_by: np.ndarray  # index of the replacement GPU, or -1
+    slow_onset_h: np.ndarray  # when the board turns fail-slow (+inf: never)
+    slow_deficit: np.ndarray  # the share of its speed it loses then (0: none)
+
+    def slowdown(self, gpus: np.ndarray, t_h: np.ndarray) -> np.ndarray:
+        """(len(gpus), len(t_h)) the share of speed each board has lost at each time."""
+        on = t_h[None, :] >= self.slow_onset_h[gpus, None]
+        return np.where(on, self.slow_deficit[gpus, None], 0.0).astype(np.float32)
+
+    def timestamps(self, hours: np.ndarray, missing: np.ndarray | None = None) -> pa.Array:
+        """Hours since the period start -> UTC timestamps; `missing` marks nulls."""
+        start = np.datetime64(self.preset.start.isoformat(), "us")
+        finite = np.where(np.isfinite(hours), hours, 0)
+        values = start + (finite * 3_600_000_000).astype("timedelta64[us]")
+        return pa.array(values, type=pa.timestamp("us", tz="UTC"), mask=missing)
 
     def driver_at(self, node: np.ndarray, t_h: np.ndarray) -> np.ndarray:
         """True where the node already runs the new driver at time t."""
@@ -111,6 +126,8 @@ def plan_fleet(preset: Preset, seed: int, cluster: str = "default") -> FleetPlan
     down, reload, maintenance = _plan_maintenance(rng, preset, node_join_h, node_upgrade_h, samples)
 
     gpus = _plan_gpus(rng, preset, hours, node_model, node_join_h, node_frailty, node_upgrade_h, model_names)
+    # Its own stream: a fleet without fail-slow boards is the same as before the mode existed.
+    gpus |= _plan_fail_slow(np.random.default_rng([seed, 73]), preset, hours, gpus["gpu_start_h"], gpus["gpu_end_h"])
     return FleetPlan(
         preset=preset,
         cluster=cluster,
@@ -130,6 +147,22 @@ def plan_fleet(preset: Preset, seed: int, cluster: str = "default") -> FleetPlan
         maintenance=maintenance,
         **gpus,
     )
+
+
+def _plan_fail_slow(
+    rng: np.random.Generator, preset: Preset, hours: int, start_h: np.ndarray, end_h: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Which boards turn fail-slow, when (uniformly within their time in the period) and by how much."""
+    n = len(start_h)
+    onset = np.full(n, np.inf)
+    deficit = np.zeros(n)
+    if preset.fail_slow_fraction <= 0:
+        return {"slow_onset_h": onset, "slow_deficit": deficit}
+    chosen = np.flatnonzero(rng.random(n) < preset.fail_slow_fraction)
+    lo, hi = start_h[chosen], np.minimum(end_h[chosen], hours)
+    onset[chosen] = lo + rng.random(len(chosen)) * np.maximum(hi - lo, 0)
+    deficit[chosen] = rng.uniform(*preset.fail_slow_deficit, len(chosen))
+    return {"slow_onset_h": onset, "slow_deficit": deficit}
 
 
 def _unit_mean_lognormal(rng: np.random.Generator, sigma: float, n: int) -> np.ndarray:
@@ -223,6 +256,7 @@ def _plan_gpus(
     slot_frailty = np.asarray(rows["frailty"]) * node_frailty[slot_node]
     slot_bad = np.asarray(rows["bad"], dtype=bool)
     pending_until = np.full(n_slots, np.inf)  # a failed slot waits for its replacement
+    failed_in = np.full(n_slots, -1)  # the failed board a waiting slot held (its occupant is -1)
     failures: list[tuple[int, float, int]] = []  # (gpu, time, mode)
     replacements: list[tuple[int, int, float]] = []  # (old gpu, new gpu, time)
     onset = preset.bad_batch_onset_fraction * hours
@@ -232,7 +266,7 @@ def _plan_gpus(
         if len(arriving):
             arrive_at = pending_until[arriving]
             new = install(arriving, arrive_at, False)
-            for old, nw, t in zip(occupant[arriving], new, arrive_at, strict=True):
+            for old, nw, t in zip(failed_in[arriving], new, arrive_at, strict=True):
                 replacements.append((int(old), int(nw), float(t)))
             occupant[arriving] = new
             slot_frailty[arriving] = np.asarray(rows["frailty"][-len(new) :]) * node_frailty[slot_node[arriving]]
@@ -257,6 +291,7 @@ def _plan_gpus(
         for g, t, m in zip(gpu[fails], when, chosen, strict=True):
             failures.append((int(g), float(t), int(m)))
         pending_until[failed_slots] = when + rng.uniform(*preset.repair_hours, len(failed_slots))
+        failed_in[failed_slots] = occupant[failed_slots]
         occupant[failed_slots] = -1
 
     n = len(rows["node"])

@@ -121,6 +121,10 @@ class Preset:
     sample_drop_probability: float = 0.003
     sensor_blank_probability: float = 0.002
     repair_hours: tuple[float, float] = (12.0, 72.0)
+    # Fail-slow GPUs (stragglers): this share of boards loses a fraction of its speed (SM clock,
+    # and the power it draws for its utilisation) from a moment on, and keeps it; 0: none.
+    fail_slow_fraction: float = 0.0
+    fail_slow_deficit: tuple[float, float] = (0.05, 0.3)
     failure_modes: tuple[FailureMode, ...] = field(default=FAILURE_MODES)
 
     @property

@@ -6,6 +6,8 @@ Output (under `--out`):
     repairs/                            operator records: failed boards replaced
     failures/                           ground truth: when each GPU failed, how, with what warning
     ground_truth/gpus.parquet           every board's slot, lifetime and latent health
+    jobs/trace.parquet                  the jobs the fleet ran: one row per job and node
+                                        (`ingest.simulator.jobs`; the replay reads it)
     simulation.json                     preset, seed, calibration and counts
 
 Everything is written into a hidden sibling folder first and renamed into place at the end,
@@ -31,6 +33,7 @@ from tqdm import tqdm
 
 from ingest.errors import InputError
 from ingest.simulator.fleet import FleetPlan, plan_fleet
+from ingest.simulator.jobs import plan_jobs, trace_table
 from ingest.simulator.kernel_log_writer import KernelLogWriter
 from ingest.simulator.presets import Preset, get_preset
 from ingest.simulator.telemetry import CounterState, render_day
@@ -51,6 +54,8 @@ class SimulationSummary:
     expected_failures: float
     failures_by_mode: dict[str, int]
     seconds: float
+    jobs: int = 0
+    job_placements: int = 0
 
 
 def simulate(
@@ -122,6 +127,9 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool, cluste
     store.write("repairs", ground_truth_repairs(plan))
     (root / "ground_truth").mkdir()
     pq.write_table(ground_truth_gpus(plan), root / "ground_truth" / "gpus.parquet")
+    trace = plan_jobs(plan, seed)
+    (root / "jobs").mkdir()
+    pq.write_table(trace_table(plan, trace), root / "jobs" / "trace.parquet")
     modes = [m.name for m in preset.failure_modes]
     by_mode = {
         name: int(count)
@@ -142,26 +150,20 @@ def _simulate_into(root: Path, preset: Preset, seed: int, progress: bool, cluste
         expected_failures=round(preset.expected_failures, 1),
         failures_by_mode=by_mode,
         seconds=round(time.perf_counter() - started, 2),
+        jobs=len(trace.job_gpus),
+        job_placements=len(trace.node),
     )
-
-
-def _hours_to_ts(plan: FleetPlan, hours: np.ndarray, missing: np.ndarray | None = None) -> pa.Array:
-    """Hours since the period start -> UTC timestamps; `missing` marks nulls."""
-    start = np.datetime64(plan.preset.start.isoformat(), "us")
-    finite = np.where(np.isfinite(hours), hours, 0)
-    values = start + (finite * 3_600_000_000).astype("timedelta64[us]")
-    return pa.array(values, type=pa.timestamp("us", tz="UTC"), mask=missing)
 
 
 def ground_truth_failures(plan: FleetPlan) -> pa.Table:
     gpus = np.flatnonzero(plan.fail_mode >= 0)
     end = plan.gpu_end_h[gpus]
     has_lead = plan.lead_h[gpus] > 0
-    precursor_start = _hours_to_ts(plan, end - plan.lead_h[gpus], missing=~has_lead)
+    precursor_start = plan.timestamps(end - plan.lead_h[gpus], missing=~has_lead)
     xid = plan.fail_xid[gpus]
     return pa.table(
         {
-            "ts": _hours_to_ts(plan, end),
+            "ts": plan.timestamps(end),
             "cluster": [plan.cluster] * len(gpus),
             "node": [plan.node_names[n] for n in plan.gpu_node[gpus]],
             "gpu_index": plan.gpu_slot[gpus].astype(np.int16),
@@ -179,7 +181,7 @@ def ground_truth_repairs(plan: FleetPlan) -> pa.Table:
     old = np.flatnonzero(np.isfinite(plan.repair_h))
     return pa.table(
         {
-            "ts": _hours_to_ts(plan, plan.repair_h[old]),
+            "ts": plan.timestamps(plan.repair_h[old]),
             "cluster": [plan.cluster] * len(old),
             "node": [plan.node_names[n] for n in plan.gpu_node[old]],
             "gpu_index": plan.gpu_slot[old].astype(np.int16),
@@ -198,13 +200,15 @@ def ground_truth_gpus(plan: FleetPlan) -> pa.Table:
             "node": [plan.node_names[n] for n in plan.gpu_node],
             "gpu_index": plan.gpu_slot.astype(np.int16),
             "gpu_model": [plan.model_names[plan.node_model[n]] for n in plan.gpu_node],
-            "installed": _hours_to_ts(plan, plan.gpu_start_h),
-            "failed": _hours_to_ts(plan, plan.gpu_end_h, missing=~np.isfinite(plan.gpu_end_h)),
+            "installed": plan.timestamps(plan.gpu_start_h),
+            "failed": plan.timestamps(plan.gpu_end_h, missing=~np.isfinite(plan.gpu_end_h)),
             "failure_mode": [modes[m] if m >= 0 else None for m in plan.fail_mode],
             "frailty": plan.gpu_frailty.astype(np.float32),
             "bad_batch": plan.gpu_bad_batch,
             "benign_sbe_noise": plan.gpu_benign_sbe,
             "benign_nvlink_noise": plan.gpu_benign_nvlink,
+            "fail_slow_since": plan.timestamps(plan.slow_onset_h, missing=~np.isfinite(plan.slow_onset_h)),
+            "fail_slow_deficit": plan.slow_deficit.astype(np.float32),
         }
     )
 

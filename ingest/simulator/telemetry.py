@@ -125,7 +125,10 @@ def render_day(plan: FleetPlan, day: int, state: CounterState, rng: np.random.Ge
 
     util = np.where(busy, np.clip(level + 4 * noise(shape), 0, 100), np.clip(0.5 + 0.5 * noise(shape), 0, 100))
     new_driver = plan.driver_at(node[:, None], t_h[None, :])
-    power = idle + (0.95 * tdp - idle) * (util / 100) * plan.gpu_efficiency[gpus, None]
+    # A fail-slow board runs its share of the job at a lower clock and draws less power for
+    # the same utilisation (the job keeps it busy while the others wait for it).
+    slow = np.where(busy, plan.slowdown(gpus, t_h), 0.0)
+    power = idle + (0.95 * tdp - idle) * (util / 100) * plan.gpu_efficiency[gpus, None] * (1 - slow)
     power = power * (1 + 0.12 * therm) + therm * 0.06 * tdp * np.abs(noise(shape))
     power = power * np.where(new_driver, preset.new_driver_power_bias, 1.0) + 0.01 * tdp * noise(shape)
     power = np.clip(power, 0.8 * idle, tdp)
@@ -140,7 +143,7 @@ def render_day(plan: FleetPlan, day: int, state: CounterState, rng: np.random.Ge
     hot = temp > THROTTLE_TEMP_C
     capped = power > 0.97 * tdp
     sm_max = np.array([m.sm_clock_mhz for m in models], dtype=np.float32)[:, None]
-    sm_clock = np.where(busy, sm_max - np.abs(30 * noise(shape)), 345.0) * np.where(hot, 0.85, 1.0)
+    sm_clock = np.where(busy, sm_max * (1 - slow) - np.abs(30 * noise(shape)), 345.0) * np.where(hot, 0.85, 1.0)
     reasons = (
         np.where(busy, 0, GPU_IDLE) | np.where(capped, SW_POWER_CAP, 0) | np.where(hot, SW_THERMAL | HW_THERMAL, 0)
     )

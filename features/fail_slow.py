@@ -1,0 +1,116 @@
+"""Fail-slow (straggler) features: a GPU that keeps running slower than its peers at the same load.
+
+A fail-slow GPU does not crash; it runs its share of a synchronous job at a lower clock, and
+every other GPU of the job waits for it at each step. It shows as a **sustained** deficit
+against the GPUs that do the same work at the same time:
+
+- its **node peers** run the same job (the same load), so a lower 24 h mean SM clock, or less
+  power for the same utilisation, than the median of the node's other GPUs is the board's own;
+- its **model peers** (the fleet's GPUs of its model at the same time) tell a board slow from a
+  node that is slow as a whole (its cooling, its power feed): the board's highest SM clock over
+  the window against the model's median highest clock among GPUs that were loaded in it (the
+  highest clock of a loaded board is what it reaches under load, whatever its duty cycle).
+
+Per row of a features frame (each GPU at each grid time; the window statistics come from
+`features.windows`), with `<w>` the window (`24h` by default):
+
+| feature | meaning |
+| --- | --- |
+| `sm_clock_node_deficit_<w>` | 1 - its `sm_clock_mhz_mean_<w>` / the median of its node's other loaded GPUs' (loaded GPUs only) |
+| `power_per_util_node_deficit_<w>` | 1 - its power per utilisation point over `<w>` / the median of its node's other GPUs' (loaded GPUs only) |
+| `sm_clock_model_deficit_<w>` | 1 - its `sm_clock_mhz_max_<w>` / the median of the loaded GPUs of its model at that time |
+| `fail_slow_score_<w>` | the smaller of the node and model clock deficits (both must agree); the one there is when the other has no peers |
+
+Positive is slower than the peers. Null where the GPU (or every peer) has no reading, or was
+not loaded in the window. The deficits are relative, so GPU models with different clocks
+compare on one scale. They are computed from a whole grid time of the fleet at once (the
+model median needs every GPU of the model), as the walk-forward evaluation and scoring hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from features.peers import median_of_others
+from ingest.errors import InputError
+
+FAIL_SLOW_WINDOW = "24h"
+LOADED_UTIL_PCT = 20.0
+"""A GPU counts as loaded in the window when its mean utilisation reached this (power per
+utilisation point means nothing on an idle board)."""
+BUSY_UTIL_PCT = 50.0
+"""A GPU is a model peer when its utilisation reached this at some point of the window."""
+
+
+def fail_slow_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
+    """The features' names for `window`."""
+    return (
+        f"sm_clock_node_deficit_{window}",
+        f"power_per_util_node_deficit_{window}",
+        f"sm_clock_model_deficit_{window}",
+        f"fail_slow_score_{window}",
+    )
+
+
+def needed_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
+    return (
+        "ts",
+        "cluster",
+        "node",
+        f"sm_clock_mhz_mean_{window}",
+        f"sm_clock_mhz_max_{window}",
+        f"power_w_mean_{window}",
+        f"util_gpu_pct_mean_{window}",
+        f"util_gpu_pct_max_{window}",
+    )
+
+
+def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFrame:
+    """The fail-slow features (module notes) of each row of `frame` (pandas or polars), in its
+    row order, as a pandas frame of `fail_slow_columns(window)`."""
+    df = frame if isinstance(frame, pd.DataFrame) else frame.to_pandas()
+    missing = [c for c in needed_columns(window) if c not in df.columns]
+    if missing:
+        raise InputError(
+            f"fail-slow features: the features frame has no {missing}; expected the `{window}` window "
+            "statistics of sm_clock_mhz, power_w and util_gpu_pct (add the window to [features] windows)"
+        )
+
+    def values(column: str) -> np.ndarray:
+        return pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=np.float64)
+
+    clock_mean, clock_max = values(f"sm_clock_mhz_mean_{window}"), values(f"sm_clock_mhz_max_{window}")
+    util_mean, util_max = values(f"util_gpu_pct_mean_{window}"), values(f"util_gpu_pct_max_{window}")
+    loaded = util_mean >= LOADED_UTIL_PCT
+    per_util = np.where(loaded, values(f"power_w_mean_{window}") / np.where(loaded, util_mean, 1.0), np.nan)
+    ts = pd.to_datetime(df["ts"], utc=True)
+    node_group = pd.MultiIndex.from_arrays([ts, df["cluster"].astype(str), df["node"].astype(str)])
+    node_id = pd.factorize(node_group)[0] + 1  # 0 is "no group" for median_of_others
+    # Only loaded boards compare: an idle board beside a busy job (a fresh replacement, a GPU
+    # the job does not use) runs at its idle clock, and is not slow.
+    clock_mean = np.where(loaded, clock_mean, np.nan)
+    node_clock = median_of_others(node_id, clock_mean)
+    node_power = median_of_others(node_id, per_util)
+
+    busy = util_max >= BUSY_UTIL_PCT
+    model = df["gpu_model"].astype(str) if "gpu_model" in df.columns else pd.Series("", index=df.index)
+    model_key = pd.MultiIndex.from_arrays([ts, model.to_numpy()])
+    peer_max = pd.Series(np.where(busy, clock_max, np.nan)).groupby(pd.factorize(model_key)[0]).transform("median")
+    model_clock = np.where(busy, peer_max.to_numpy(), np.nan)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        node_deficit = 1.0 - clock_mean / node_clock
+        power_deficit = 1.0 - per_util / node_power
+        model_deficit = 1.0 - clock_max / model_clock
+    score = np.where(
+        np.isnan(node_deficit),
+        model_deficit,
+        np.where(np.isnan(model_deficit), node_deficit, np.fmin(node_deficit, model_deficit)),
+    )
+    names = fail_slow_columns(window)
+    return pd.DataFrame(
+        dict(zip(names, (node_deficit, power_deficit, model_deficit, score), strict=True)), index=df.index
+    )
