@@ -24,6 +24,7 @@ from models.report_alarms import (
     plot_reliability,
     seeds_section,
 )
+from models.report_drift import drift_section
 from models.train import write_file_atomic
 from models.walk_forward import BASELINES
 
@@ -214,6 +215,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
         *(alarm_sections(metrics) if "alarms" in metrics else []),
         *(calibration_section(metrics) if "calibration" in metrics else []),
         *seeds_section(metrics),
+        *drift_section(metrics),
         f"## Ranking at K = {k}",
         "",
         *_comparison_table(metrics, k),

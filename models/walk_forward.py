@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["static", "sliding", "auto"]
 MODES: tuple[str, ...] = ("static", "sliding", "auto")
-BASELINES: tuple[str, ...] = ("random", "rule", "heuristic", "oracle")
+BASELINES: tuple[str, ...] = ("random", "rule", "heuristic", "best_feature", "oracle")
 """The baselines the comparison (`models.comparison`) scores beside the contenders."""
 RESERVED_NAMES: tuple[str, ...] = (*BASELINES, "model")
 """Names no contender may take: the baselines', and `model`, the comparison's primary contender."""
