@@ -453,13 +453,13 @@ def paired_over_seeds(per_seed: dict[str, dict[str, dict[str, float | None]]]) -
         for base in (b for b in SEED_BASELINES if b in seeds[0]):
             out[name][base] = {}
             for figure in PAIRED_FIGURES:
-                diffs = np.array(
+                diffs = np.asarray(
                     [
-                        s[name][figure] - s[base][figure]  # type: ignore[operator]
+                        float(a) - float(b)
                         for s in seeds
-                        if s[name][figure] is not None and s[base][figure] is not None
+                        if (a := s[name][figure]) is not None and (b := s[base][figure]) is not None
                     ],
-                    dtype=float,
+                    dtype=np.float64,
                 )
                 out[name][base][figure] = {
                     "mean": float(diffs.mean()) if len(diffs) else None,

@@ -38,22 +38,34 @@ def driver_rollouts(frame: pd.DataFrame) -> list[dict[str, Any]]:
     at which half the rows first run them (None if they never reach half)."""
     if "driver" not in frame.columns or not len(frame):
         return []
-    ts = _utc(frame["ts"]).reset_index(drop=True)
-    driver = frame["driver"].astype("string").reset_index(drop=True)
-    first = ts.min()
-    known = set(driver[ts == first].dropna())
+    # Rows per (grid time, driver): a few thousand counts instead of a pass over every row per version.
+    counts = (
+        pd.DataFrame(
+            {
+                "ts": _utc(frame["ts"]).reset_index(drop=True),
+                "driver": frame["driver"].astype("string").reset_index(drop=True),
+            }
+        )
+        .groupby(["ts", "driver"], observed=True)
+        .size()
+        .unstack(fill_value=0)
+        .sort_index()
+    )
+    if counts.empty:
+        return []
+    share = counts.div(counts.sum(axis=1), axis=0)
+    known = set(counts.columns[counts.iloc[0].to_numpy() > 0])
     events = []
-    for version in sorted(set(driver.dropna()) - known):
-        on = (driver == version).fillna(False).to_numpy()
-        share = pd.Series(on).groupby(ts.to_numpy()).mean()
-        half = share.index[share.to_numpy() >= 0.5]
+    for version in sorted(set(counts.columns) - known):
+        on = share[version].to_numpy()
+        half = np.flatnonzero(on >= 0.5)
         events.append(
             {
                 "kind": "driver rollout",
                 "what": f"driver {version}",
-                "start": ts[on].min().isoformat(),
-                "half": _utc([half[0]])[0].isoformat() if len(half) else None,
-                "final_share": float(share.iloc[-1]),
+                "start": _utc([share.index[np.flatnonzero(on > 0)[0]]])[0].isoformat(),
+                "half": _utc([share.index[half[0]]])[0].isoformat() if len(half) else None,
+                "final_share": float(on[-1]),
             }
         )
     return events
@@ -64,7 +76,7 @@ def new_nodes(frame: pd.DataFrame) -> list[dict[str, Any]]:
     if "node" not in frame.columns or not len(frame):
         return []
     ts = _utc(frame["ts"]).reset_index(drop=True)
-    seen = ts.groupby(frame["node"].reset_index(drop=True).to_numpy()).min()
+    seen = ts.groupby(frame["node"].astype("string").reset_index(drop=True)).min()
     late = seen[seen >= ts.min() + pd.Timedelta(days=1)]
     events = []
     for day, nodes in late.groupby(late.dt.floor("D")):
@@ -87,7 +99,7 @@ def drift_events(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return sorted(driver_rollouts(frame) + new_nodes(frame), key=lambda e: e["start"])
 
 
-def _mean(values: list[float]) -> float | None:
+def _mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None and not math.isnan(v)]
     return float(np.mean(kept)) if kept else None
 
