@@ -250,6 +250,7 @@ def alarm_metrics(
             for mode in sorted(set(frame.modes))
             for mask in [(frame.modes == mode).to_numpy()]
         },
+        "by_day": {"alarms": by_day.astype(int).tolist(), "hits": hits_by_day.astype(int).tolist()},
         "_day_counts": {
             "alarms": by_day,
             "hits": hits_by_day,

@@ -10,6 +10,8 @@ figures of the report (`models.report`):
   calibrated risk;
 - the calibration on the test period: reliability table, Brier score, expected calibration
   error, and the rows at high risk (`models.calibration`);
+- the drift events the features show (a driver rollout, new nodes: `models.drift`), and for
+  those inside the test period each scorer's precision before and after;
 - the claims the report checks, each with a paired bootstrap confidence interval over days:
   the step from the best static single model to the best contender and to the best retrained
   ensemble (the paper's claim), the stability of daily precision, and whether the ensemble's
@@ -30,6 +32,7 @@ import pandas as pd
 from ingest.errors import InputError
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
 from models.calibration import high_risk_check, reliability
+from models.drift import before_after, drift_events
 from models.evaluate import (
     baseline_scores,
     bootstrap_ci,
@@ -40,6 +43,7 @@ from models.evaluate import (
     rule_flags,
 )
 from models.fail_slow import fail_slow_report, has_fail_slow_inputs
+from models.feature_baseline import choose_feature, feature_scores
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
 from models.operating_points import alarm_comparison, ensemble_verdict
@@ -95,6 +99,12 @@ def evaluate_walk_forward(
     else:
         rule_note = "the features have no hardware-XID or uncorrectable-ECC columns"
     scores["heuristic"] = baselines["heuristic"]
+    assert result.validation is not None
+    feature = choose_feature(result.validation)
+    extra = {}
+    if feature is not None:
+        scores["best_feature"] = feature_scores(test, feature)
+        extra["best_feature"] = (scores["best_feature"], feature_scores(result.validation, feature))
     scores["oracle"] = labels(test).to_numpy(dtype=np.float64)
     compared = compare_scores(
         test,
@@ -116,6 +126,7 @@ def evaluate_walk_forward(
         failure_modes=failures,
         samples=bootstrap_samples,
         seed=plan.seed,
+        extra_scorers=extra,
     )
     if "rule" in scores:
         compared["rule"]["flagged"] = _flag_metrics(test, scores["rule"])
@@ -123,6 +134,18 @@ def evaluate_walk_forward(
     compared["model"] = {**compared[primary], "name": primary}
     y = labels(test).to_numpy()
     headline = 1.0 if 1.0 in [float(b) for b in budgets] else float(budgets[0])
+    at_headline = alarms["by_budget"][f"{headline:g}"]
+    drift = before_after(
+        drift_events(frame),
+        result.test_start,
+        result.test_end,
+        {
+            name: [d["precision"] for d in s["by_k"][specs[0]]["daily"]]
+            for name, s in compared.items()
+            if name != "model"
+        },
+        {name: m["by_day"] for name, m in at_headline.items()},
+    )
     verdicts = ensemble_verdict(alarms["equal_volume"])
     replayed = (
         {}
@@ -179,6 +202,11 @@ def evaluate_walk_forward(
             "rule": rule_note
             or "flag a GPU with any hardware-class XID (memory, NVLink, bus, GSP) or any uncorrectable ECC error in the last 24 h",
             "heuristic": "sum of xid_count* and *ecc*increase* columns",
+            "best_feature": "no numeric feature separates the validation slice's classes"
+            if feature is None
+            else f"the single feature with the best ROC-AUC on the validation slice: {feature['feature']} "
+            f"({'higher' if feature['direction'] > 0 else 'lower'} is riskier; "
+            f"{feature['validation_roc_auc']:.3f} there)",
             "oracle": "ranks by the label itself: the ceiling",
         },
         "retrain_times": [t.isoformat() for t in result.retrain_times],
@@ -187,6 +215,7 @@ def evaluate_walk_forward(
         "alarms": alarms,
         "alarm_headline_budget": headline,
         "calibration": calibration_figures(y, result.scores, result.calibrated),
+        "drift": drift,
         "claims": {
             **claims(
                 compared,
@@ -384,24 +413,76 @@ SEED_FIGURES = (
 
 
 def headline_figures(metrics: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """Per contender, the `SEED_FIGURES` of one comparison: ROC-AUC and PR-AUC, daily
+    """Per contender and `SEED_BASELINES` baseline, the `SEED_FIGURES` of one comparison
+    (None where a scorer has none): ROC-AUC and PR-AUC, daily
     precision@K at the headline K, the alarms at the headline budget, the calibrated ECE."""
     k, budget = metrics["top_k"], f"{metrics['alarm_headline_budget']:g}"
+    at_budget = metrics["alarms"]["by_budget"][budget]
+    names = [c["name"] for c in metrics["contenders"]] + [b for b in SEED_BASELINES if b in metrics["scores"]]
     out = {}
-    for c in metrics["contenders"]:
-        name = c["name"]
-        score, alarm = metrics["scores"][name], metrics["alarms"]["by_budget"][budget][name]
+    for name in names:
+        score, alarm = metrics["scores"][name], at_budget.get(name, {})
         out[name] = {
             "roc_auc": score["roc_auc"],
             "pr_auc": score["pr_auc"],
             "precision_daily_mean": score["by_k"][k]["precision_daily_mean"],
-            "alarm_precision": alarm["precision"],
-            "alarm_precision_long": alarm["precision_long"],
-            "alarm_recall": alarm["recall"],
-            "alarms_per_1000_gpu_days": alarm["alarms_per_1000_gpu_days"],
-            "alarm_lead_time_h_median": alarm["lead_time_h_median"],
-            "ece": metrics["calibration"][name]["ece"],
+            "alarm_precision": alarm.get("precision"),
+            "alarm_precision_long": alarm.get("precision_long"),
+            "alarm_recall": alarm.get("recall"),
+            "alarms_per_1000_gpu_days": alarm.get("alarms_per_1000_gpu_days"),
+            "alarm_lead_time_h_median": alarm.get("lead_time_h_median"),
+            "ece": metrics["calibration"][name]["ece"] if name in metrics["calibration"] else None,
         }
+    return out
+
+
+SEED_BASELINES = ("rule", "heuristic", "best_feature")
+"""The baselines whose headline figures `evaluate_seeds` keeps beside the contenders' (the rule
+has no threshold, so no alarms at a budget: its ROC-AUC and precision@K only)."""
+
+PAIRED_FIGURES = ("roc_auc", "alarm_precision", "precision_daily_mean")
+"""The figures whose per-seed differences `paired_over_seeds` gives an interval."""
+
+
+def _t_interval(diffs: np.ndarray) -> list[float | None]:
+    """95% Student-t interval of the mean of `diffs` (one per seed)."""
+    if len(diffs) < 2:
+        return [None, None]
+    from scipy.stats import t
+
+    half = float(t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / math.sqrt(len(diffs)))
+    mean = float(diffs.mean())
+    return [mean - half, mean + half]
+
+
+def paired_over_seeds(per_seed: dict[str, dict[str, dict[str, float | None]]]) -> dict[str, Any]:
+    """Per contender and baseline it is measured against (`SEED_BASELINES`), per figure of
+    `PAIRED_FIGURES`: the difference contender - baseline within each seed (both scored on the
+    same fits' test rows), its mean, min and max over the seeds, and a 95% t interval of the
+    mean (seeds where either figure is missing are left out)."""
+    seeds = list(per_seed.values())
+    contenders = [n for n in seeds[0] if n not in SEED_BASELINES]
+    out: dict[str, Any] = {}
+    for name in contenders:
+        out[name] = {}
+        for base in (b for b in SEED_BASELINES if b in seeds[0]):
+            out[name][base] = {}
+            for figure in PAIRED_FIGURES:
+                diffs = np.asarray(
+                    [
+                        float(a) - float(b)
+                        for s in seeds
+                        if (a := s[name][figure]) is not None and (b := s[base][figure]) is not None
+                    ],
+                    dtype=np.float64,
+                )
+                out[name][base][figure] = {
+                    "mean": float(diffs.mean()) if len(diffs) else None,
+                    "min": float(diffs.min()) if len(diffs) else None,
+                    "max": float(diffs.max()) if len(diffs) else None,
+                    "ci": _t_interval(diffs),
+                    "n_seeds": len(diffs),
+                }
     return out
 
 
@@ -427,14 +508,22 @@ def evaluate_seeds(
         per_seed[str(seed)] = headline_figures(metrics)
     assert first is not None
     summary: dict[str, dict[str, dict[str, float | None]]] = {}
-    for c in contenders:
-        summary[c.name] = {}
+    for name in next(iter(per_seed.values())):
+        summary[name] = {}
         for figure in SEED_FIGURES:
-            values = [v for s in per_seed.values() if (v := s[c.name][figure]) is not None]
-            summary[c.name][figure] = {
+            values = [v for s in per_seed.values() if (v := s[name][figure]) is not None]
+            summary[name][figure] = {
                 "mean": float(np.mean(values)) if values else None,
                 "min": float(np.min(values)) if values else None,
                 "max": float(np.max(values)) if values else None,
                 "n_seeds": len(values),
             }
-    return {**first, "seeds": {"seeds": list(seeds), "per_seed": per_seed, "summary": summary}}
+    return {
+        **first,
+        "seeds": {
+            "seeds": list(seeds),
+            "per_seed": per_seed,
+            "summary": summary,
+            "paired": paired_over_seeds(per_seed),
+        },
+    }

@@ -47,10 +47,12 @@ def alarm_comparison(
     failure_modes: Any = None,
     samples: int = 1000,
     seed: int = 0,
+    extra_scorers: dict[str, tuple[Any, Any]] | None = None,
 ) -> dict[str, Any]:
     """The `alarms` section of the comparison's metrics (see the module docstring).
     `history`: ts, gpu_uuid, label, time_to_failure_h of every row (the failures the data
-    knows, also after the test period, judge the long horizon)."""
+    knows, also after the test period, judge the long horizon). `extra_scorers`: more
+    baselines, name -> (test scores, validation scores), thresholded as the heuristic is."""
     known = failure_episodes(history)
     last = pd.to_datetime(history["ts"], utc=True).max()
     test = AlarmFrame(
@@ -58,7 +60,7 @@ def alarm_comparison(
     )
     assert result.validation is not None
     validation = AlarmFrame(result.validation, rules, failures=known, known_until=last)
-    scorers = _scorers(result, contenders, seed)
+    scorers = {**_scorers(result, contenders, seed), **(extra_scorers or {})}
 
     def at_threshold(name: str, threshold: float, budget: float | None, validation_rate: float) -> dict[str, Any]:
         test_scores, _ = scorers[name]

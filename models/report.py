@@ -24,6 +24,7 @@ from models.report_alarms import (
     plot_reliability,
     seeds_section,
 )
+from models.report_drift import drift_section
 from models.report_fail_slow import fail_slow_section
 from models.report_replay import replay_section
 from models.train import write_file_atomic
@@ -218,6 +219,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
         *replay_section(metrics),
         *fail_slow_section(metrics),
         *seeds_section(metrics),
+        *drift_section(metrics),
         f"## Ranking at K = {k}",
         "",
         *_comparison_table(metrics, k),

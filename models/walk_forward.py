@@ -32,7 +32,8 @@ combination (`models.ensemble.combine_probabilities`), which gives exactly what 
 The figures of the comparison (metrics, baselines, claims) are `models.comparison`'s.
 
 Speed: every fit sees all positive rows of its window but only a `negative_fraction` of the
-negative ones (the same rows for every fit: one uniform draw per row under the seed); the
+negative ones (the same rows for every fit: drawn by the hash of each row's (gpu_uuid, ts) under
+the seed, `features.sample_key`, as a served model's training rows are); the
 factor is recorded in the result. The fits are independent tasks, run in `jobs` processes.
 A retrain that cannot be done (a window without any failure) keeps the contender's previous
 model, as a production retrainer would, and says so in `fits`.
@@ -50,6 +51,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from features.sample_key import drawn, sample_keys
 from ingest.errors import GpufailError, InputError
 from models.calibration import DEFAULT_METHOD, Calibration, check_method, fit_calibration
 from models.ensemble import check_combination, combine_probabilities, intersection_flags
@@ -64,7 +66,7 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["static", "sliding", "auto"]
 MODES: tuple[str, ...] = ("static", "sliding", "auto")
-BASELINES: tuple[str, ...] = ("random", "rule", "heuristic", "oracle")
+BASELINES: tuple[str, ...] = ("random", "rule", "heuristic", "best_feature", "oracle")
 """The baselines the comparison (`models.comparison`) scores beside the contenders."""
 RESERVED_NAMES: tuple[str, ...] = (*BASELINES, "model")
 """Names no contender may take: the baselines', and `model`, the comparison's primary contender."""
@@ -242,8 +244,10 @@ class _Timeline:
             order = np.argsort(ns, kind="stable")
             self.frame, self.ns = frame.iloc[order].reset_index(drop=True), ns[order]
         label = labels(self.frame).to_numpy()
-        draw = np.random.default_rng(seed).random(len(self.frame))
-        self.trainable = (label == 1) | ((label == 0) & (draw < negative_fraction))
+        # The stored (gpu_uuid, ts) hash, as `gpufail train` draws: a row is drawn or not
+        # whatever else the frame holds and in whatever order (not its position in a stream).
+        keys = sample_keys(self.frame["gpu_uuid"], self.frame["ts"], seed)
+        self.trainable = drawn(label, keys, negative_fraction)
         self.labelled = ~np.isnan(label)
         times = np.unique(self.ns)
         self.step = pd.Timedelta(int(np.diff(times).min()) if len(times) > 1 else pd.Timedelta(hours=1).value)

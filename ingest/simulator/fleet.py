@@ -117,7 +117,7 @@ def plan_fleet(preset: Preset, seed: int, cluster: str = "default") -> FleetPlan
     formats = list(LOG_FORMATS)
     fmt_p = np.array(list(LOG_FORMATS.values()))
     node_log_format = [formats[i] for i in rng.choice(len(formats), size=n_nodes, p=fmt_p / fmt_p.sum())]
-    node_upgrade_h = preset.driver_upgrade_fraction * hours + rng.uniform(0, preset.driver_rollout_days * 24, n_nodes)
+    node_upgrade_h = preset.driver_upgrade_start_h + rng.uniform(0, preset.driver_rollout_days * 24, n_nodes)
     node_upgrade_h = np.maximum(node_upgrade_h, node_join_h)  # a node joining later is upgraded on arrival
     node_names = [f"gpu-node-{i + 1:04d}" for i in range(n_nodes)]
 

@@ -100,6 +100,12 @@ class Preset:
     driver_old: str = "535.183.01"
     driver_new: str = "550.127.05"
     driver_upgrade_fraction: float = 0.6
+    # When set, the rollout starts this many days before the end of the period instead, whatever
+    # its length: the demo and paper presets place it inside the walk-forward's test period (its
+    # last `[evaluate] test_days`, 14 by default, of settled labels), so the comparison sees a
+    # static model meet a driver it was never trained on (volatile counters reset on the reload,
+    # power readings shift, GSP and application XIDs rise) while the sliding ones retrain.
+    driver_upgrade_days_before_end: float | None = None
     driver_rollout_days: float = 5
     new_driver_gsp_multiplier: float = 3.0  # GSP firmware regressions after upgrades
     new_driver_power_bias: float = 1.03  # power readings shift by +3%
@@ -128,6 +134,13 @@ class Preset:
     failure_modes: tuple[FailureMode, ...] = field(default=FAILURE_MODES)
 
     @property
+    def driver_upgrade_start_h(self) -> float:
+        """Hours from the start of the period to the first node's driver upgrade."""
+        if self.driver_upgrade_days_before_end is not None:
+            return max(0.0, (self.days - self.driver_upgrade_days_before_end) * 24)
+        return self.driver_upgrade_fraction * self.days * 24
+
+    @property
     def samples_per_day(self) -> int:
         return 86400 // self.sample_interval_s
 
@@ -149,6 +162,7 @@ PRESETS = {
         start=date(2026, 1, 5),
         acceleration=20.0,
         model_mix={"Tesla V100-SXM2-32GB": 0.25, "NVIDIA A100-SXM4-80GB": 0.4, "NVIDIA H100 80GB HBM3": 0.35},
+        driver_upgrade_days_before_end=10,
     ),
     # The reference paper's scale: tens of thousands of GPUs, four months, ~350M rows.
     "paper": Preset(
@@ -165,6 +179,7 @@ PRESETS = {
         # period); smaller, rarer floods keep the logs near 1 GB and still exercise dedup.
         flood_probability=0.1,
         flood_lines=(20, 200),
+        driver_upgrade_days_before_end=10,
     ),
 }
 

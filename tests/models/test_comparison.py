@@ -19,7 +19,11 @@ def test_evaluate_walk_forward_reports_contenders_and_baselines():
     contenders = [Contender("lgb sliding", "lightgbm", "sliding", FAST), Contender("lr static", "logistic", "static")]
     metrics = evaluate_walk_forward(frame, contenders, PLAN, top_k=["5", "3%", "expected"], bootstrap_samples=50)
     scores = metrics["scores"]
-    assert set(scores) == {"lgb sliding", "lr static", "random", "heuristic", "oracle", "model"}
+    assert set(scores) == {"lgb sliding", "lr static", "random", "heuristic", "best_feature", "oracle", "model"}
+    # the best single feature, chosen on the validation slice, is the planted precursor
+    assert metrics["baselines"]["best_feature"].startswith(
+        f"the single feature with the best ROC-AUC on the validation slice: {PRECURSOR} (higher"
+    )
     assert "rule" not in scores and "no hardware-XID" in metrics["baselines"]["rule"]
     assert scores["model"]["name"] == "lgb sliding"  # no auto contender: the first one
     for name in ("lgb sliding", "lr static"):
@@ -90,6 +94,8 @@ def test_operating_points_are_chosen_without_the_test_period():
         for name, point in before["alarms"]["by_budget"][budget].items():
             again = after["alarms"]["by_budget"][budget][name]
             assert (point["threshold"], point["validation_rate"]) == (again["threshold"], again["validation_rate"])
+    assert "best_feature" in before["alarms"]["by_budget"]["60"]
+    assert before["baselines"]["best_feature"] == after["baselines"]["best_feature"]
     assert before["alarms"]["natural"]["par sliding"]["validation_rate"] == pytest.approx(
         after["alarms"]["natural"]["par sliding"]["validation_rate"]
     )
@@ -144,6 +150,36 @@ def test_evaluate_seeds_reports_mean_and_range_over_seeds():
         values = [out["seeds"]["per_seed"][s][name]["roc_auc"] for s in ("0", "1")]
         assert auc["min"] == min(values) and auc["max"] == max(values)
         assert auc["mean"] == pytest.approx(sum(values) / 2) and auc["n_seeds"] == 2
+    # each contender against each baseline, paired by seed
+    paired = out["seeds"]["paired"]["lgb sliding"]["best_feature"]["roc_auc"]
+    diffs = [
+        out["seeds"]["per_seed"][s]["lgb sliding"]["roc_auc"] - out["seeds"]["per_seed"][s]["best_feature"]["roc_auc"]
+        for s in ("0", "1")
+    ]
+    assert paired["mean"] == pytest.approx(sum(diffs) / 2) and paired["n_seeds"] == 2
+    assert paired["ci"][0] <= paired["mean"] <= paired["ci"][1]
     assert out["plan"]["seed"] == 0  # the first seed's figures in full
     with pytest.raises(InputError, match="distinct seeds"):
         evaluate_seeds(small_frame(), contenders, PLAN, [1, 1])
+
+
+def test_paired_differences_over_seeds_give_a_t_interval_of_the_per_seed_differences():
+    from models.comparison import paired_over_seeds
+
+    def seed(model_auc, feature_auc, model_precision):
+        figures = {"roc_auc": None, "alarm_precision": None, "precision_daily_mean": None}
+        return {
+            "m": {**figures, "roc_auc": model_auc, "alarm_precision": model_precision},
+            "best_feature": {**figures, "roc_auc": feature_auc, "alarm_precision": 0.2},
+        }
+
+    paired = paired_over_seeds({"0": seed(0.80, 0.70, 0.5), "1": seed(0.82, 0.70, 0.3), "2": seed(0.84, 0.70, None)})
+    auc = paired["m"]["best_feature"]["roc_auc"]
+    # differences 0.10, 0.12, 0.14: mean 0.12, sd 0.02, t(0.975, 2) = 4.303
+    assert auc["mean"] == pytest.approx(0.12) and (auc["min"], auc["max"]) == (pytest.approx(0.10), pytest.approx(0.14))
+    half = 4.302653 * 0.02 / 3**0.5
+    assert auc["ci"] == [pytest.approx(0.12 - half), pytest.approx(0.12 + half)]
+    # a seed without a figure is left out of that figure's pairs
+    assert paired["m"]["best_feature"]["alarm_precision"]["n_seeds"] == 2
+    assert paired["m"]["best_feature"]["precision_daily_mean"]["mean"] is None
+    assert set(paired) == {"m"}

@@ -125,3 +125,25 @@ def test_a_failed_write_leaves_the_previous_report_in_place(tmp_path, monkeypatc
         raise AssertionError("the broken write did not fail")
     assert (out / METRICS_FILE).read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_the_report_names_a_driver_rollout_inside_the_test_period_and_splits_precision_at_it(tmp_path):
+    frame = fleet_frame()
+    rollout = frame["ts"].max() - pd.Timedelta(days=2)  # the test period is the last 3 settled days
+    frame["driver"] = frame["driver"].where(frame["ts"] < rollout, "560.10")
+    out = evaluate_walk_forward(frame, CONTENDERS[:2], PLAN, top_k=["5"], bootstrap_samples=20, budgets=BUDGETS)
+    (event,) = out["drift"]
+    assert event["what"] == "driver 560.10" and event["in_test"] and event["day"] in (0, 1)
+    assert set(event["scorers"]) >= {"lgb static", "lr sliding", "rule", "heuristic", "best_feature"}
+    _, md_path = write_walk_forward_report(out, tmp_path)
+    text = md_path.read_text()
+    assert "## Drift in the test period" in text
+    assert f"- driver 560.10 (driver rollout) from {rollout.isoformat()[:16].replace('T', ' ')}" in text
+    assert f"inside the test period (day {event['day'] + 1} of {out['test']['n_days']})" in text
+    static = event["scorers"]["lgb static"]["precision_at_k"]
+    assert f"| lgb static | static | {100 * static['before']:.1f}% | {100 * static['after']:.1f}% |" in text
+    # without the rollout: no event, and the report says so
+    assert (
+        "The features show no driver rollout and no new nodes."
+        in write_walk_forward_report(metrics(), tmp_path / "plain")[1].read_text()
+    )

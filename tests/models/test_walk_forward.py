@@ -317,3 +317,33 @@ def test_auto_scores_validation_days_with_each_windows_own_walk_forward_models()
     for f in auto:
         assert set(f.validation) == {"1d", "3d"} and all(v is not None for v in f.validation.values())
         assert f.validation[f.train_window] == max(f.validation.values())  # margin 0: the best (PR-AUC breaks ties)
+
+
+# -- the negative draw: the stored (GPU, time) hash, as training draws ---------------------------
+
+
+def _pool_keys(frame: pd.DataFrame, seed: int = 0) -> set[tuple[str, pd.Timestamp]]:
+    from models.walk_forward import _Timeline
+
+    timeline = _Timeline(frame, 0.3, seed)
+    ts = pd.to_datetime(frame["ts"], utc=True)
+    pool = timeline.training_pool(None, ts.max() + pd.Timedelta(hours=1), ts.min())
+    return set(zip(pool["gpu_uuid"], pd.to_datetime(pool["ts"], utc=True), strict=True))
+
+
+def test_the_walk_forward_draws_the_same_negatives_whatever_the_order_or_the_other_rows():
+    frame = small_frame()
+    drawn = _pool_keys(frame)
+    # reordered: the same rows drawn
+    assert _pool_keys(frame.sample(frac=1.0, random_state=5)) == drawn
+    # filtered (half the GPUs gone): the other GPUs keep exactly their drawn rows
+    kept_gpus = set(frame["gpu_uuid"].unique()[::2])
+    filtered = frame[frame["gpu_uuid"].isin(kept_gpus)]
+    assert _pool_keys(filtered) == {k for k in drawn if k[0] in kept_gpus}
+    # and they are the rows `gpufail train` draws at the same share and seed
+    from models.train import sample_negatives
+
+    trained = sample_negatives(frame[frame["label"].notna()], 0.3, seed=0)
+    assert {(g, t) for g, t in zip(trained["gpu_uuid"], pd.to_datetime(trained["ts"], utc=True), strict=True)} == drawn
+    # another seed draws other negatives
+    assert _pool_keys(frame, seed=1) != drawn
