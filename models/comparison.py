@@ -53,6 +53,16 @@ PAPER_PRECISION = (0.463, 0.840)
 """Liu et al.: precision at the top of the ranking, best single model -> sliding ensembles."""
 
 
+def covered_days(times: pd.Series) -> int:
+    """Days a test period covers: from its first grid time to one grid step past its last (a
+    daily grid's 7 grid times are 7 days, not the 6 between the first and the last)."""
+    unique = np.sort(times.unique())
+    if len(unique) == 0:
+        return 0
+    step = np.diff(unique).min() if len(unique) > 1 else np.timedelta64(1, "h")
+    return math.ceil((unique[-1] - unique[0] + step) / np.timedelta64(1, "D"))
+
+
 def evaluate_walk_forward(
     frame: Any,
     contenders: Sequence[Contender],
@@ -165,7 +175,7 @@ def evaluate_walk_forward(
         "test": {
             "start": result.test_start.isoformat(),
             "end": result.test_end.isoformat(),
-            "n_days": math.ceil((result.test_end - result.test_start) / pd.Timedelta(days=1)),
+            "n_days": covered_days(test["ts"]),
             "n_rows": len(test),
             "n_positives": int(np.nansum(y)),
             "n_gpus": int(test["gpu_uuid"].nunique()),

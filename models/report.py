@@ -60,6 +60,19 @@ def _rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     return rows + [(b, "baseline") for b in BASELINES if b in metrics["scores"]]
 
 
+def _baselines_text(metrics: dict[str, Any]) -> list[str]:
+    """What each baseline is, and why one is missing from the tables (the rule needs XID or ECC
+    columns that another system's export may not have)."""
+    what = metrics.get("baselines", {})
+    lines = ["Baselines:", ""]
+    for name in BASELINES:
+        if name not in what:
+            continue
+        scored = name in metrics["scores"]
+        lines.append(f"- {name}: {what[name]}" if scored else f"- {name}: not scored: {what[name]}")
+    return [*lines, ""] if len(lines) > 2 else []
+
+
 def _comparison_table(metrics: dict[str, Any], k: str) -> list[str]:
     lines = [
         "| configuration | model, training | precision@K daily mean | 95% CI | daily std | per GPU-day | recall@K | 95% CI | median lead h | PR-AUC |",
@@ -234,6 +247,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[str]) -> str:
         "tables above are not). Confidence intervals: percentile "
         f"bootstrap over days ({plan['bootstrap_samples']} resamples, seed {plan['seed']}).",
         "",
+        *_baselines_text(metrics),
         "## Targets",
         "",
         *_claims_text(metrics),

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from models.comparison import claims, evaluate_walk_forward
+from models.comparison import claims, covered_days, evaluate_walk_forward
 from models.walk_forward import Contender
 from tests.models import PRECURSOR
 from tests.models.walk_forward_cases import FAST, PLAN, small_frame
@@ -183,3 +183,16 @@ def test_paired_differences_over_seeds_give_a_t_interval_of_the_per_seed_differe
     assert paired["m"]["best_feature"]["alarm_precision"]["n_seeds"] == 2
     assert paired["m"]["best_feature"]["precision_daily_mean"]["mean"] is None
     assert set(paired) == {"m"}
+
+
+@pytest.mark.parametrize(
+    ("times", "days"),
+    [
+        (pd.date_range("2026-01-01", periods=7, freq="D", tz="UTC"), 7),  # a daily grid: 7 days, not 6
+        (pd.date_range("2026-01-01", periods=14 * 24, freq="h", tz="UTC"), 14),
+        (pd.date_range("2026-01-01 12:00", periods=3, freq="h", tz="UTC"), 1),
+        (pd.DatetimeIndex([], tz="UTC"), 0),
+    ],
+)
+def test_the_test_period_counts_the_days_its_grid_times_cover(times, days):
+    assert covered_days(pd.Series(times).sample(frac=1.0, random_state=0)) == days

@@ -10,7 +10,7 @@ from functools import cache
 import pandas as pd
 
 from models.comparison import evaluate_walk_forward
-from models.report import METRICS_FILE, PLOTS, REPORT_FILE, metrics_json, write_walk_forward_report
+from models.report import METRICS_FILE, PLOTS, REPORT_FILE, _baselines_text, metrics_json, write_walk_forward_report
 from models.walk_forward import Contender, WalkForwardPlan
 from tests.models import ONE_THREAD, make_synthetic_frame
 
@@ -147,3 +147,20 @@ def test_the_report_names_a_driver_rollout_inside_the_test_period_and_splits_pre
         "The features show no driver rollout and no new nodes."
         in write_walk_forward_report(metrics(), tmp_path / "plain")[1].read_text()
     )
+
+
+def test_a_baseline_that_could_not_be_scored_is_named_with_the_reason():
+    # An export without XID or ECC columns has no rule baseline; the report says so instead of
+    # leaving the row out silently.
+    metrics = {
+        "scores": {"random": {}, "heuristic": {}},
+        "baselines": {
+            "random": "uniform scores (fixed seed)",
+            "rule": "the features have no hardware-XID or uncorrectable-ECC columns",
+            "heuristic": "sum of xid_count* and *ecc*increase* columns",
+        },
+    }
+    lines = _baselines_text(metrics)
+    assert "- rule: not scored: the features have no hardware-XID or uncorrectable-ECC columns" in lines
+    assert "- random: uniform scores (fixed seed)" in lines
+    assert _baselines_text({"scores": {}, "baselines": {}}) == []
