@@ -58,6 +58,9 @@ def test_a_node_fail_job_and_a_down_node_label_their_gpus_and_gpufails_own_drain
     # (ReturnToService=2). A node with no job set DOWN stays down with its reason.
     slurm.scontrol("update", "NodeName=gpu005", "State=DOWN", "Reason=Xid 79 on the node")
     wait_for(lambda: f"JobId={job} " in slurm.jobcomp.read_text() if slurm.jobcomp.exists() else False)
+    # The return is asynchronous (the next registration of its slurmd): wait for it, or on a
+    # loaded machine the import can still see gpu005 down.
+    wait_for(lambda: slurm.node_states()["gpu005"]["state"] != "down", timeout=120)
     slurm.scontrol("update", "NodeName=gpu007", "State=DOWN", "Reason=GPU fell off the bus")
     slurm.scontrol("update", "NodeName=gpu006", "State=DRAIN", "Reason=gpufail: drain_now (risk 0.9)")
 
