@@ -221,9 +221,12 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_jso
     repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
     from ingest.table_import import import_table
     from ingest.table_mapping import load_mapping
+    from ingest.user_metrics import record_metrics
 
-    mapping = load_mapping(Path(mapping_file))
     with import_root(ctx, data, as_json) as store:
+        # The mapping may name the user's metrics: the root's and the configuration's.
+        record_metrics(store, settings_of(ctx).user_metrics())
+        mapping = load_mapping(Path(mapping_file))
         summary = import_table(
             store, Path(file), mapping, mapping_path=Path(mapping_file), cluster=settings_of(ctx).ingest.cluster
         )
