@@ -50,10 +50,10 @@ from features.spec import (
 from ingest.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ingest.schema import Metric
     from features.runner import BuildOptions
     from gpufail.nightly import NightlyOptions
     from ingest.collect.daemon import CollectOptions
+    from ingest.schema import Metric
     from models.alarms import AlarmRules
     from models.train import TrainOptions
     from models.walk_forward import WalkForwardPlan
@@ -119,7 +119,9 @@ def _metric_names(value: dict[str, MetricSettings]) -> dict[str, MetricSettings]
     ours = {m.column for m in builtin_metrics()} | {f.name for f in TELEMETRY_ID_FIELDS}
     for name in value:
         if not _METRIC_NAME.match(name):
-            raise ValueError(f"expected a metric name of lower-case letters, digits and _ (a column name), got {name!r}")
+            raise ValueError(
+                f"expected a metric name of lower-case letters, digits and _ (a column name), got {name!r}"
+            )
         if name in ours:
             raise ValueError(f"expected a name that is not gpufail's own column (ingest/metrics.csv), got {name!r}")
     return value

@@ -26,6 +26,12 @@ def outside_range(value: pl.Expr, metric: Metric) -> pl.Expr | None:
     return test
 
 
+def in_range(value: float, metric: Metric) -> bool:
+    """Whether one reading lies within `metric`'s valid range (`outside_range` for a frame)."""
+    low, high = metric.valid_min, metric.valid_max
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
 def describe_range(metric: Metric) -> str:
     """`[0, 100]`, `[0, ...)`, `(..., 5]`."""
     low = "(..." if metric.valid_min is None else f"[{metric.valid_min:g}"

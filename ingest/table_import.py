@@ -68,13 +68,12 @@ class TableImportSummary:
         if self.bad_cells:
             text += f", {self.bad_cells:,} metric cells that were not numbers left missing"
         if self.out_of_range:
-            text += f", {sum(self.out_of_range.values()):,} readings outside their metric's valid range left missing (" + (
-                ", ".join(
-                    f"{metric} {n:,}, e.g. {self.examples[f'out of range {metric}']}"
-                    for metric, n in self.out_of_range.most_common()
-                )
-                + ")"
+            per_metric = ", ".join(
+                f"{metric} {n:,}, e.g. {self.examples[f'out of range {metric}']}"
+                for metric, n in self.out_of_range.most_common()
             )
+            total = sum(self.out_of_range.values())
+            text += f", {total:,} readings outside their metric's valid range left missing ({per_metric})"
         if self.skipped:
             text += "; skipped " + ", ".join(
                 f"{n:,} {reason} (e.g. {self.examples[reason]})" for reason, n in self.skipped.most_common()
@@ -227,7 +226,7 @@ def telemetry_rows(
             summary.examples.setdefault(
                 "metric cells that are not numbers", f"{path} row {first[_ROW][0]}, column {source.column!r}"
             )
-        number = _within_range(frame, number, raw, metric, source.column, path, summary)
+        number = _within_range(frame, number, metric, source.column, path, summary)
         if pa.types.is_integer(metric.arrow_type):
             columns.append(number.round().cast(pl.Int64).alias(metric.column))
         else:
@@ -242,7 +241,7 @@ def telemetry_rows(
 
 
 def _within_range(
-    frame: pl.DataFrame, number: pl.Expr, raw: pl.Expr, metric: Metric, column: str, path: Path, summary: TableImportSummary
+    frame: pl.DataFrame, number: pl.Expr, metric: Metric, column: str, path: Path, summary: TableImportSummary
 ) -> pl.Expr:
     """`number` with readings outside the metric's valid range made null, counted per metric."""
     outside = outside_range(number, metric)

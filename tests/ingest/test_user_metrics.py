@@ -133,9 +133,10 @@ def test_a_redefinition_with_another_kind_or_unit_is_refused_in_one_line(tmp_pat
     redefined = CONFIG.replace('kind = "gauge"\nunit = "rpm"', 'kind = "gauge"\nunit = "percent"')
     result = ingest(data, mapping, root, config(tmp_path, redefined))
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [
-        result.stderr.strip()
-    ] and "[metrics.fan_rpm]: the data root" in result.stderr
+    assert (
+        result.stderr.strip().splitlines() == [result.stderr.strip()]
+        and "[metrics.fan_rpm]: the data root" in result.stderr
+    )
     assert "records it as a gauge in 'rpm', the configuration says a gauge in 'percent'" in result.stderr
     store = Store.open(root)
     assert store.read("telemetry").num_rows == before
@@ -161,7 +162,10 @@ def test_a_range_or_description_may_change_and_the_newest_is_recorded(tmp_path: 
             "[metrics] fan_rpm.kind: Input should be 'gauge', 'counter', 'flag' or 'bitmask', got 'gaugeish'",
         ),
         ('[metrics.fan_rpm]\nkind = "gauge"\n', "[metrics] fan_rpm.unit: Field required"),
-        ('[metrics.fan_rpm]\nkind = "gauge"\nunit = "rpm"\nmin = 10\nmax = 1\n', "[metrics] fan_rpm: min 10 is above max 1"),
+        (
+            '[metrics.fan_rpm]\nkind = "gauge"\nunit = "rpm"\nmin = 10\nmax = 1\n',
+            "[metrics] fan_rpm: min 10 is above max 1",
+        ),
         (
             '[metrics.temp_gpu_c]\nkind = "gauge"\nunit = "C"\n',
             "[metrics]: expected a name that is not gpufail's own column (ingest/metrics.csv), got 'temp_gpu_c'",
@@ -229,3 +233,50 @@ def test_a_user_bitmask_gets_an_any_bit_fraction(tmp_path: Path) -> None:
 
     assert bitmask_groups("my_fault_bits") == {"any": -1}
     assert "any" not in bitmask_groups("clock_event_reasons")
+
+
+DCGM_SCRAPE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
+DCGM_CONFIG = """
+[metrics.tensor_active]
+kind = "gauge"
+unit = "ratio"
+min = 0
+max = 1
+dcgm_field = "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"
+
+[metrics.fb_free_mib]
+kind = "gauge"
+unit = "MiB"
+max = 1000
+dcgm_field = "DCGM_FI_DEV_FB_FREE"
+
+[metrics.nvlink_bandwidth]
+kind = "counter"
+unit = "bytes"
+dcgm_field = "DCGM_FI_PROF_NVLINK_TX_BYTES"
+"""
+
+
+def test_dcgm_exporter_stores_extra_fields_in_user_metrics_and_checks_their_range(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    result = gpufail("ingest", "dcgm-exporter", "--data", root, str(DCGM_SCRAPE), env=config(tmp_path, DCGM_CONFIG))
+    assert result.returncode == 0, result.stderr
+    assert "1 readings outside their metric's valid range left missing (fb_free_mib 1)" in result.stdout
+    use_user_metrics(())
+    row = Store.open(root).read("telemetry").to_pylist()[0]
+    assert row["tensor_active"] == pytest.approx(0.005822)
+    assert row["fb_free_mib"] is None  # 9791 MiB is above the declared 1000
+    assert row["nvlink_bandwidth"] is None  # a T4 has no NVLink: the scrape has no such series
+    assert row["temp_gpu_c"] == 74.0  # gpufail's own fields are unchanged
+
+
+def test_the_dcgm_exporter_collector_counts_out_of_range_readings(tmp_path: Path) -> None:
+    from ingest.collect.dcgm_exporter_collector import DcgmExporterCollector
+
+    use_user_metrics((user_metric("fb_free_mib", "gauge", "MiB", valid_max=1000, dcgm_field="DCGM_FI_DEV_FB_FREE"),))
+    collector = DcgmExporterCollector(
+        "http://exporter/metrics", cluster="c", node="n1", fetch=lambda _url, _timeout: DCGM_SCRAPE.read_text()
+    )
+    collected = collector.collect()
+    assert collected["telemetry"]["fb_free_mib"].to_pylist() == [None]
+    assert collector.out_of_range == {"fb_free_mib": 1}
