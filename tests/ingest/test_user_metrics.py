@@ -34,6 +34,16 @@ max = 20000
 kind = "counter"
 unit = "sectors"
 min = 0
+
+[metrics.fault_bits]
+kind = "bitmask"
+unit = "bitmask"
+
+[metrics.degraded]
+kind = "flag"
+unit = "bool"
+min = 0
+max = 1
 """
 
 MAPPING = """
@@ -46,6 +56,8 @@ temp_gpu_c = "temp"
 util_mem_pct = "mem_util"
 fan_rpm = "fan"
 smart_5_raw = "smart5"
+fault_bits = "faults"
+degraded = "degraded"
 """
 
 # One GPU, a sample every 30 minutes from 00:30 to 04:00. The fan reading at 03:30 (99999 rpm)
@@ -54,14 +66,16 @@ smart_5_raw = "smart5"
 FAN = [1000, 1200, 1400, 1600, 1800, 2000, 99999, 2400]
 SMART = [0, 0, 1, 1, 2, 2, 3, 3]
 MEM_UTIL = ["10", "4294967295", "10", "10", "10", "10", "10", "10"]
+FAULTS = [0, 0, 1, 0, 4, 0, 0, 0]
+DEGRADED = [0, 0, 0, 0, 0, 1, 0, 0]
 
 
 def write_export(folder: Path) -> tuple[Path, Path]:
     folder.mkdir(exist_ok=True)
-    lines = ["serial,host,at,temp,mem_util,fan,smart5"]
-    for i, (fan, smart, util) in enumerate(zip(FAN, SMART, MEM_UTIL, strict=True)):
+    lines = ["serial,host,at,temp,mem_util,fan,smart5,faults,degraded"]
+    for i, (fan, smart, util, faults, degraded) in enumerate(zip(FAN, SMART, MEM_UTIL, FAULTS, DEGRADED, strict=True)):
         at = START + timedelta(minutes=30 * (i + 1))
-        lines.append(f"GPU-1,n1,{at:%Y-%m-%d %H:%M:%S},50,{util},{fan},{smart}")
+        lines.append(f"GPU-1,n1,{at:%Y-%m-%d %H:%M:%S},50,{util},{fan},{smart},{faults},{degraded}")
     data = folder / "telemetry.csv"
     data.write_text("\n".join(lines) + "\n")
     mapping = folder / "mapping.toml"
@@ -93,7 +107,7 @@ def test_a_user_metric_goes_from_a_table_import_to_window_features(tmp_path: Pat
     without_metrics = config(tmp_path, CONFIG[: CONFIG.index("[metrics.fan_rpm]")])
     built = gpufail("features", "--data", root, "--quiet", env=without_metrics)
     assert built.returncode == 0, built.stderr
-    assert [m.column for m in user_metrics()] == ["fan_rpm", "smart_5_raw"]
+    assert [m.column for m in user_metrics()] == ["fan_rpm", "smart_5_raw", "fault_bits", "degraded"]
 
     stored = Store.open(root).read("telemetry").to_pydict()
     assert stored["fan_rpm"] == [1000, 1200, 1400, 1600, 1800, 2000, None, 2400]
@@ -108,19 +122,23 @@ def test_a_user_metric_goes_from_a_table_import_to_window_features(tmp_path: Pat
     assert three["fan_rpm_slope_3h"] == pytest.approx(400)
     assert three["fan_rpm_mean_1h"] == pytest.approx(1900)
     assert three["smart_5_raw_increase_3h"] == 2
+    assert three["fault_bits_any_frac_3h"] == pytest.approx(2 / 6)  # 1 and 4 among six samples
+    assert (three["degraded_max_1h"], three["degraded_max_3h"]) == (1, 1)
     four = at[START + timedelta(hours=4)]
     # (01:00, 04:00]: the out-of-range 99999 is a missing reading, not a value.
     assert four["fan_rpm_mean_3h"] == pytest.approx((1400 + 1600 + 1800 + 2000 + 2400) / 5)
     assert four["fan_rpm_max_3h"] == 2400
     assert four["fan_rpm_mean_1h"] == pytest.approx(2400)
     assert four["smart_5_raw_increase_3h"] == 3 and four["smart_5_raw_increase_1h"] == 1
+    assert four["fault_bits_any_frac_1h"] == 0 and four["fault_bits_any_frac_3h"] == pytest.approx(2 / 6)
+    assert (four["degraded_max_1h"], four["degraded_max_3h"]) == (0, 1)
 
 
 def test_a_mapping_naming_an_undeclared_metric_says_how_to_declare_it(tmp_path: Path) -> None:
     data, mapping = write_export(tmp_path / "export")
     result = ingest(data, mapping, str(tmp_path / "root"), config(tmp_path, "[features]\ngrid = '1h'\n"))
     assert result.returncode != 0
-    assert "unknown telemetry columns ['fan_rpm', 'smart_5_raw']" in result.stderr
+    assert "unknown telemetry columns ['degraded', 'fan_rpm', 'fault_bits', 'smart_5_raw']" in result.stderr
     assert "[metrics.<name>]" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "root").exists()  # the failed first import left nothing behind
 
@@ -140,7 +158,7 @@ def test_a_redefinition_with_another_kind_or_unit_is_refused_in_one_line(tmp_pat
     assert "records it as a gauge in 'rpm', the configuration says a gauge in 'percent'" in result.stderr
     store = Store.open(root)
     assert store.read("telemetry").num_rows == before
-    assert [(m.column, m.unit) for m in recorded_metrics(store)] == [("fan_rpm", "rpm"), ("smart_5_raw", "sectors")]
+    assert [(m.column, m.unit) for m in recorded_metrics(store)][:2] == [("fan_rpm", "rpm"), ("smart_5_raw", "sectors")]
 
     store = Store.open(root)
     with pytest.raises(InputError, match=r"\[metrics.smart_5_raw\]: .* records it as a counter .* says a gauge"):
@@ -192,10 +210,12 @@ def test_telemetry_written_before_a_metric_was_declared_reads_it_as_missing(tmp_
     data, mapping = write_export(tmp_path / "export")
     root = str(tmp_path / "root")
     plain_mapping = tmp_path / "plain.toml"
-    plain_mapping.write_text(MAPPING.replace('fan_rpm = "fan"\nsmart_5_raw = "smart5"\n', ""))
+    plain_mapping.write_text(MAPPING[: MAPPING.index("fan_rpm")])
     assert ingest(data, plain_mapping, root, config(tmp_path, "")).returncode == 0
     later = tmp_path / "later.csv"
-    later.write_text("serial,host,at,temp,mem_util,fan,smart5\nGPU-1,n1,2026-05-01 05:00:00,50,10,3000,4\n")
+    later.write_text(
+        "serial,host,at,temp,mem_util,fan,smart5,faults,degraded\nGPU-1,n1,2026-05-01 05:00:00,50,10,3000,4,0,0\n"
+    )
     assert ingest(later, mapping, root, config(tmp_path)).returncode == 0
 
     use_user_metrics(())
@@ -280,3 +300,18 @@ def test_the_dcgm_exporter_collector_counts_out_of_range_readings(tmp_path: Path
     collected = collector.collect()
     assert collected["telemetry"]["fb_free_mib"].to_pylist() == [None]
     assert collector.out_of_range == {"fb_free_mib": 1}
+
+
+def test_the_feature_dictionary_describes_user_metric_features_with_their_unit() -> None:
+    from features.dictionary import describe
+
+    use_user_metrics(
+        (
+            user_metric("smart_5_raw", "counter", "sectors", description="Reallocated sectors"),
+            user_metric("fault_bits", "bitmask", "bitmask"),
+        )
+    )
+    doc = describe("smart_5_raw_increase_24h")
+    assert (doc.unit, doc.window) == ("sectors", "24h") and "reallocated sectors" in doc.meaning
+    assert describe("smart_5_raw_rate_6h").unit == "sectors/h"
+    assert "any bit set" in describe("fault_bits_any_frac_1h").meaning
