@@ -315,3 +315,23 @@ def test_the_feature_dictionary_describes_user_metric_features_with_their_unit()
     assert (doc.unit, doc.window) == ("sectors", "24h") and "reallocated sectors" in doc.meaning
     assert describe("smart_5_raw_rate_6h").unit == "sectors/h"
     assert "any bit set" in describe("fault_bits_any_frac_1h").meaning
+
+
+def test_gpufail_own_metrics_have_ranges_too_and_a_sentinel_is_not_stored(tmp_path: Path) -> None:
+    from ingest.table_import import import_table
+    from ingest.table_mapping import load_mapping
+
+    mapping = tmp_path / "map.toml"
+    mapping.write_text(MAPPING[: MAPPING.index("fan_rpm")])
+    data = tmp_path / "data.csv"
+    data.write_text(
+        "serial,host,at,temp,mem_util\n"
+        "GPU-1,n1,2026-05-01 00:10:00,-300,4294967295\n"
+        "GPU-1,n1,2026-05-01 00:20:00,55,100\n"
+    )
+    store = Store.create(str(tmp_path / "root"))
+    summary = import_table(store, data, load_mapping(mapping), mapping_path=mapping, cluster="c", now=START)
+    assert summary.out_of_range == {"temp_gpu_c": 1, "util_mem_pct": 1}
+    rows = store.read("telemetry").sort_by("ts").to_pydict()
+    assert rows["util_mem_pct"] == [None, 100] and rows["temp_gpu_c"] == [None, 55]
+    assert "valid [-40, 150]" in summary.line() and "valid [0, 100]" in summary.line()
