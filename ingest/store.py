@@ -84,6 +84,14 @@ class Store:
         self.fs = fs
         self._path = path.rstrip("/")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A store sent to another process (a Dask worker of the feature build) brings the root's
+        # metric catalogue with it: the worker reads telemetry with the user's metric columns.
+        self.__dict__.update(state)
+        from ingest.user_metrics import use_recorded_metrics
+
+        use_recorded_metrics(self)
+
     @property
     def is_local(self) -> bool:
         """Whether the root is on the local filesystem (readers then use polars on the files,

@@ -335,3 +335,15 @@ def test_gpufail_own_metrics_have_ranges_too_and_a_sentinel_is_not_stored(tmp_pa
     rows = store.read("telemetry").sort_by("ts").to_pydict()
     assert rows["util_mem_pct"] == [None, 100] and rows["temp_gpu_c"] == [None, 55]
     assert "valid [-40, 150]" in summary.line() and "valid [0, 100]" in summary.line()
+
+
+def test_a_store_sent_to_another_process_brings_the_roots_metrics(tmp_path: Path) -> None:
+    """Dask workers of the feature build get the store pickled; they must read its user columns."""
+    import pickle
+
+    store = Store.create(str(tmp_path / "root"))
+    record_metrics(store, (user_metric("fan_rpm", "gauge", "rpm"),))
+    sent = pickle.dumps(store)
+    use_user_metrics(())
+    received = pickle.loads(sent)
+    assert [m.column for m in user_metrics()] == ["fan_rpm"] and received.root == store.root
