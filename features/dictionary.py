@@ -17,7 +17,7 @@ from datetime import timedelta
 from features.peers import PEER_METRICS
 from features.schema import ID_COLUMNS, LABEL_COLUMNS, feature_columns, window_label
 from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, FeatureSpec
-from features.windows import BITMASK_GROUPS
+from features.windows import bitmask_groups
 from features.xids import BURST_MIN
 from ingest.schema import TELEMETRY_ID_FIELDS, metric_catalogue
 from ingest.xid_catalog import XID_CLASSES
@@ -110,9 +110,10 @@ def describe(name: str, grid: timedelta = DEFAULT_GRID, windows: Sequence[timede
         if metric.kind == "flag" and (m := re.fullmatch(rf"max_({win})", rest)) is not None:
             return FeatureDoc(name, "features.windows", f"1 if raised at any sample: {what}", "0/1", m[1])
         if metric.kind == "bitmask":
-            for group, mask in BITMASK_GROUPS.get(c, {}).items():
+            for group, mask in bitmask_groups(c).items():
                 if (m := re.fullmatch(rf"{group}_frac_({win})", rest)) is not None:
-                    meaning = f"fraction of samples with any bit of {mask:#x} ({group}) set in: {what}"
+                    bits = "any bit" if mask == -1 else f"any bit of {mask:#x} ({group})"
+                    meaning = f"fraction of samples with {bits} set in: {what}"
                     return FeatureDoc(name, "features.windows", meaning, "fraction", m[1])
     classes = "|".join(XID_CLASSES)
     if (m := re.fullmatch(rf"xid_({classes})_count_({win})", name)) is not None:

@@ -117,6 +117,12 @@ def grid_floor(moment: datetime, grid: timedelta) -> datetime:
     return pl.Series([(epoch_us // g) * g]).cast(TS_DTYPE)[0]
 
 
+def bitmask_groups(column: str) -> dict[str, int]:
+    """The named bit groups of a bitmask metric: NVML's for its own; for one of the user's
+    (`[metrics.<name>]`, whose bits gpufail cannot name) one group, `any`: any bit set."""
+    return BITMASK_GROUPS.get(column, {"any": -1})
+
+
 def present_metrics(columns: Sequence[str]) -> dict[str, list[str]]:
     """Catalogue metric columns present in a frame, by kind, in catalogue order. Features are
     built for the metrics a frame has, so a frame from a collector that lacks a metric (or a test
@@ -205,7 +211,7 @@ def hourly_aggregate(
         pl.when(prev_ok).then((ts_us - ts_us.shift(1)) / 1e6).alias("_dt_s"),
     ]
     for b in kinds["bitmask"]:
-        for group, mask in BITMASK_GROUPS.get(b, {}).items():
+        for group, mask in bitmask_groups(b).items():
             sample_cols.append(((pl.col(b) & mask) != 0).cast(pl.Int32).alias(f"_bm_{b}_{group}"))
 
     df = df.lazy().with_columns(sample_cols).collect(engine=ENGINE)
@@ -233,7 +239,7 @@ def hourly_aggregate(
     for f in kinds["flag"]:
         out.append(runs.integers(df[f], buckets)["max"].alias(f"{f}_max{sfx}"))
     for b in kinds["bitmask"]:
-        groups = BITMASK_GROUPS.get(b, {})
+        groups = bitmask_groups(b)
         if groups:
             out.append(runs.integers(df[b], buckets)["count"].alias(f"{b}_count{sfx}"))
         for group in groups:
@@ -426,7 +432,7 @@ def window_features(
         sums.add(f"{c}_inc", increase)
         sums.add(f"{c}_readings", increase.is_not_null())
     for b in kinds["bitmask"]:
-        groups = BITMASK_GROUPS.get(b, {})
+        groups = bitmask_groups(b)
         if groups:
             sums.add(f"{b}_n", pl.col(f"{b}_count{sfx}"))
         for group in groups:
@@ -520,7 +526,7 @@ def window_features(
     for f in kinds["flag"]:
         out += [pl.col(f"_{f}_mx_{wl}").alias(f"{f}_max_{wl}") for wl in labels]
     for b in kinds["bitmask"]:
-        for group in BITMASK_GROUPS.get(b, {}):
+        for group in bitmask_groups(b):
             for wl in labels:
                 nb = pl.col(f"_{b}_n_{wl}")
                 out.append(pl.when(nb > 0).then(pl.col(f"_{b}_{group}_{wl}") / nb).alias(f"{b}_{group}_frac_{wl}"))

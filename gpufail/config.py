@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from features.runner import BuildOptions
     from gpufail.nightly import NightlyOptions
     from ingest.collect.daemon import CollectOptions
+    from ingest.schema import Metric
     from models.alarms import AlarmRules
     from models.train import TrainOptions
     from models.walk_forward import WalkForwardPlan
@@ -83,6 +84,47 @@ class _Table(BaseModel):
     # A misspelt key must fail loudly rather than silently fall back to a default.
     # NaN and infinity are refused too: `holdout_days = inf` ended in an OverflowError.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+_METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class MetricSettings(_Table):
+    """One metric of the user's (`[metrics.<name>]`): a telemetry column gpufail does not
+    collect itself, stored, imported and turned into window features by its kind like its own
+    (`ingest.user_metrics`)."""
+
+    kind: Literal["gauge", "counter", "flag", "bitmask"]
+    """gauge: a level (mean/std/min/max/slope over windows); counter: a cumulative count (its
+    increases); flag: 0/1 (whether it was set); bitmask: bits (how often each changed)."""
+    unit: NonEmpty
+    min: float | None = None
+    """Smallest valid reading; an import counts a smaller one and stores it as missing."""
+    max: float | None = None
+    """Largest valid reading (likewise)."""
+    description: str = ""
+    dcgm_field: str | None = Field(default=None, pattern=r"^DCGM_FI_[A-Z0-9_]+$")
+    """The dcgm-exporter field (`DCGM_FI_PROF_SM_ACTIVE`) `gpufail ingest dcgm-exporter` stores in it."""
+
+    @model_validator(mode="after")
+    def _range(self) -> MetricSettings:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min:g} is above max {self.max:g}; expected min <= max")
+        return self
+
+
+def _metric_names(value: dict[str, MetricSettings]) -> dict[str, MetricSettings]:
+    from ingest.schema import TELEMETRY_ID_FIELDS, builtin_metrics
+
+    ours = {m.column for m in builtin_metrics()} | {f.name for f in TELEMETRY_ID_FIELDS}
+    for name in value:
+        if not _METRIC_NAME.match(name):
+            raise ValueError(
+                f"expected a metric name of lower-case letters, digits and _ (a column name), got {name!r}"
+            )
+        if name in ours:
+            raise ValueError(f"expected a name that is not gpufail's own column (ingest/metrics.csv), got {name!r}")
+    return value
 
 
 class StoreSettings(_Table):
@@ -639,6 +681,25 @@ class Settings(_Table):
     nightly: NightlySettings = NightlySettings()
     dask: DaskSettings = DaskSettings()
     serve: ServeSettings = ServeSettings()
+    metrics: Annotated[dict[str, MetricSettings], AfterValidator(_metric_names)] = Field(default_factory=dict)
+    """The user's own metrics, by column name (`[metrics.<name>]`)."""
+
+    def user_metrics(self) -> tuple[Metric, ...]:
+        """The `[metrics]` tables as catalogue entries (`ingest.user_metrics.record_metrics`)."""
+        from ingest.user_metrics import user_metric
+
+        return tuple(
+            user_metric(
+                name,
+                m.kind,
+                m.unit,
+                valid_min=m.min,
+                valid_max=m.max,
+                description=m.description,
+                dcgm_field=m.dcgm_field,
+            )
+            for name, m in self.metrics.items()
+        )
 
     def feature_spec(self) -> FeatureSpec:
         """The settings that shape features ([features] and [labels]) as one spec."""

@@ -21,6 +21,7 @@ import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
 from ingest.errors import InputError
+from ingest.metric_ranges import in_range
 from ingest.schema import Metric, metric_catalogue, normalise_pci_bus_id, telemetry_schema
 
 # dcgm-exporter prints DCGM's int64 "blank" sentinels (DCGM_INT64_BLANK = 0x7ffffffffffffff0 and
@@ -50,6 +51,8 @@ class ScrapeParse:
     samples_without_gpu: int = 0
     # readings that were a DCGM blank sentinel or NaN and became nulls
     blank_values: int = 0
+    # per column, readings outside the metric's valid range (`ingest.metric_ranges`), now nulls
+    out_of_range: Counter[str] = field(default_factory=Counter)
 
 
 @cache
@@ -60,13 +63,24 @@ def dcgm_field_ids() -> dict[str, int]:
 
 
 @cache
-def _metric_by_name() -> dict[str, Metric]:
-    by_field_id = {m.dcgm_field_id: m for m in metric_catalogue()}
-    return {
+def _metric_by_name(catalogue: tuple[Metric, ...]) -> dict[str, Metric]:
+    """DCGM field name -> our metric: gpufail's own by field id; a user metric by the field
+    name it declares (`dcgm_field`), and that field's other names when DCGM renamed it. A field
+    gpufail already stores stays in gpufail's column."""
+    by_field_id = {m.dcgm_field_id: m for m in catalogue if not m.user}
+    by_name = {
         name: by_field_id[field_id]
         for name, field_id in dcgm_field_ids().items()
         if field_id in by_field_id and name not in IGNORED_METRICS
     }
+    for metric in catalogue:
+        if metric.dcgm_field is None:
+            continue
+        field_id = dcgm_field_ids().get(metric.dcgm_field)
+        aliases = [n for n, i in dcgm_field_ids().items() if field_id is not None and i == field_id]
+        for name in {metric.dcgm_field, *aliases}:
+            by_name.setdefault(name, metric)
+    return by_name
 
 
 def parse_scrape(
@@ -89,7 +103,7 @@ def parse_scrape_detailed(
         raise ValueError(f"now={now!r} is naive; expected a timezone-aware datetime (UTC)")
     ts = now.astimezone(UTC)
     result = ScrapeParse(table=telemetry_schema().empty_table())
-    metric_by_name = _metric_by_name()
+    metric_by_name = _metric_by_name(metric_catalogue())
     rows: dict[tuple[int, str], dict[str, object]] = {}
 
     for name, family_name, labels, value in _samples(text, source):
@@ -109,6 +123,9 @@ def parse_scrape_detailed(
         reading = _reading(value, metric)
         if reading is None:
             result.blank_values += 1
+        elif not in_range(reading, metric):
+            result.out_of_range[metric.column] += 1
+            reading = None
         # A MIG instance or a repeated scrape can repeat a GPU-level series: the first reading wins.
         if row.get(metric.column) is None:
             row[metric.column] = reading

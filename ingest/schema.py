@@ -22,6 +22,8 @@ from typing import Literal
 
 import pyarrow as pa
 
+from ingest.errors import InputError
+
 SCHEMA_VERSION = 1
 
 MetricKind = Literal["gauge", "counter", "flag", "bitmask"]
@@ -40,18 +42,54 @@ class Metric:
     nvml_field: str
     dcgm_field_id: int
     description: str
+    valid_min: float | None = None
+    valid_max: float | None = None
+    """The range a reading can physically have; an import counts a value outside it and stores
+    it as a missing reading (`ingest.metric_ranges`). None: unbounded on that side."""
+    user: bool = False
+    dcgm_field: str | None = None
+    """A user metric's dcgm-exporter field name (`DCGM_FI_PROF_SM_ACTIVE`), if it comes from there."""
+    """Declared by the user (`[metrics.<name>]`, recorded in the data root), not in `metrics.csv`."""
 
 
 _ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.int64()}
 
 
-@cache
 def metric_catalogue() -> tuple[Metric, ...]:
-    """The metrics gpufail collects, read from the packaged `metrics.csv`.
+    """The metrics of this process: gpufail's own (`builtin_metrics`, from the packaged
+    `metrics.csv`) followed by the user's (`use_user_metrics`). This is the one place the
+    user's metrics extend the catalogue: the telemetry schema, the importers and the feature
+    windows all ask here, so a user metric is stored, imported and turned into features like a
+    built-in one of its kind.
 
     Kept as data so that a new counter is a one-line change and so that features can ask
     which columns are gauges and which are counters instead of hard-coding names.
     """
+    return builtin_metrics() + _user_metrics
+
+
+def user_metrics() -> tuple[Metric, ...]:
+    """The user's metrics in use (those of the data root opened last, `ingest.user_metrics`)."""
+    return _user_metrics
+
+
+def use_user_metrics(metrics: tuple[Metric, ...]) -> None:
+    """Make `metrics` the user's part of the catalogue (replacing any before). The process
+    follows one data root at a time: `Store.open` calls this with what the root records."""
+    global _user_metrics
+    builtin = {m.column for m in builtin_metrics()} | {f.name for f in TELEMETRY_ID_FIELDS}
+    clash = sorted(m.column for m in metrics if m.column in builtin)
+    if clash:
+        raise InputError(f"[metrics] {', '.join(clash)}: gpufail's own column; give your metric another name")
+    _user_metrics = tuple(metrics)
+
+
+_user_metrics: tuple[Metric, ...] = ()
+
+
+@cache
+def builtin_metrics() -> tuple[Metric, ...]:
+    """gpufail's own metrics, read from the packaged `metrics.csv`."""
     text = resources.files("ingest").joinpath("metrics.csv").read_text()
     metrics = []
     for line_no, row in enumerate(csv.DictReader(text.splitlines()), start=2):
@@ -66,6 +104,8 @@ def metric_catalogue() -> tuple[Metric, ...]:
                 nvml_field=row["nvml_field"],
                 dcgm_field_id=int(row["dcgm_field_id"]),
                 description=row["description"],
+                valid_min=float(row["valid_min"]) if row["valid_min"] else None,
+                valid_max=float(row["valid_max"]) if row["valid_max"] else None,
             )
         )
     return tuple(metrics)
@@ -90,10 +130,20 @@ TELEMETRY_ID_FIELDS = [
 ]
 
 
-@cache
 def telemetry_schema() -> pa.Schema:
-    metric_fields = [pa.field(m.column, m.arrow_type) for m in metric_catalogue()]
+    return _telemetry_schema(metric_catalogue())
+
+
+@cache
+def _telemetry_schema(catalogue: tuple[Metric, ...]) -> pa.Schema:
+    metric_fields = [pa.field(m.column, m.arrow_type) for m in catalogue]
     return pa.schema(TELEMETRY_ID_FIELDS + metric_fields, metadata=_metadata("telemetry"))
+
+
+def optional_columns(dataset: str) -> frozenset[str]:
+    """Columns of `dataset` a file may lack, read as nulls: the user's metrics, since a metric
+    declared after telemetry was written has no column in the older files."""
+    return frozenset(m.column for m in _user_metrics) if dataset == "telemetry" else frozenset()
 
 
 XID_EVENTS_SCHEMA = pa.schema(

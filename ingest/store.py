@@ -50,7 +50,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ingest.errors import StoreError
-from ingest.schema import SCHEMA_VERSION, TIMESTAMP, schema_for
+from ingest.schema import SCHEMA_VERSION, TIMESTAMP, optional_columns, schema_for
 
 if TYPE_CHECKING:
     import polars as pl  # imported where used: a collector may be installed without it
@@ -83,6 +83,14 @@ class Store:
         self.root = root
         self.fs = fs
         self._path = path.rstrip("/")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A store sent to another process (a Dask worker of the feature build) brings the root's
+        # metric catalogue with it: the worker reads telemetry with the user's metric columns.
+        self.__dict__.update(state)
+        from ingest.user_metrics import use_recorded_metrics
+
+        use_recorded_metrics(self)
 
     @property
     def is_local(self) -> bool:
@@ -120,7 +128,11 @@ class Store:
             raise StoreError(
                 f"data root {root!r} has schema version {version}; this gpufail reads version {SCHEMA_VERSION}"
             )
-        return cls(root, fs, path)
+        from ingest.user_metrics import use_recorded_metrics
+
+        store = cls(root, fs, path)
+        use_recorded_metrics(store)
+        return store
 
     @classmethod
     def create(cls, root: str) -> Store:
@@ -457,7 +469,18 @@ class Store:
         elif self.is_local:
             if expected is not None:
                 self._check_schemas(dataset, files, expected)
-            frame = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
+            if optional_columns(dataset):
+                # Older files lack a metric declared later: read it as nulls, by the store schema
+                # (without one polars takes the first file's columns and drops the others' extra ones).
+                frame = pl.scan_parquet(
+                    files,
+                    hive_partitioning=False,
+                    extra_columns="ignore",
+                    schema=pl.from_arrow(expected.empty_table()).schema,  # type: ignore[union-attr]
+                    missing_columns="insert",
+                )
+            else:
+                frame = pl.scan_parquet(files, hive_partitioning=False, extra_columns="ignore")
         else:
             frame = pl.scan_pyarrow_dataset(self._pyarrow_dataset(dataset, files, expected))
         ts = pl.Datetime("us", "UTC")
@@ -503,8 +526,9 @@ class Store:
     def _check_schemas(self, dataset: str, files: list[str], expected: pa.Schema) -> None:
         """Refuse a file of `dataset` whose columns are not the dataset's schema, by path."""
         found = ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        optional = optional_columns(dataset)
         for fragment in found.get_fragments():
-            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}")
+            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}", optional)
 
     def _pyarrow_dataset(self, dataset: str, files: list[str], expected: pa.Schema | None) -> ds.Dataset:
         if expected is not None:
@@ -653,10 +677,14 @@ def split_by_day(table: pa.Table) -> Iterator[tuple[str, pa.Table]]:
         yield day, table.filter(pc.equal(days, day))
 
 
-def _check_physical(physical: pa.Schema, expected: pa.Schema, where: str) -> None:
+def _check_physical(
+    physical: pa.Schema, expected: pa.Schema, where: str, optional: frozenset[str] = frozenset()
+) -> None:
     problems = []
     for field in expected:
         if field.name not in physical.names:
+            if field.name in optional:
+                continue
             problems.append(f"missing column {field.name!r} ({field.type})")
         elif not physical.field(field.name).type.equals(field.type):
             problems.append(f"column {field.name!r} is {physical.field(field.name).type}, expected {field.type}")

@@ -9,7 +9,8 @@ failures and repairs. `import_table` then writes our `telemetry`, `failure_event
 Rows that cannot be used are skipped and counted with their reason and an example place
 (file, row, column): a time that does not parse or is implausible, no GPU id, a GPU that
 already has a sample at that time. A metric cell that is not a number becomes a missing
-reading, also counted. A mapping that names a column the file lacks is an `InputError`.
+reading, also counted, and so does a reading outside its metric's valid range
+(`ingest.metric_ranges`), counted per metric. A mapping that names a column the file lacks is an `InputError`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import pyarrow as pa
 
 from ingest.errors import InputError
 from ingest.failure_events import write_failure_events
-from ingest.schema import REPAIRS_SCHEMA, metric_catalogue, normalise_pci_bus_id
+from ingest.metric_ranges import describe_range, outside_range
+from ingest.schema import REPAIRS_SCHEMA, Metric, metric_catalogue, normalise_pci_bus_id
 from ingest.store import Store
 from ingest.table_mapping import (
     EventMapping,
@@ -51,6 +53,8 @@ class TableImportSummary:
     failures: int = 0
     repairs: int = 0
     bad_cells: int = 0  # metric cells that were not numbers, now missing readings
+    out_of_range: Counter[str] = field(default_factory=Counter)
+    """Per metric, readings outside its valid range (`ingest.metric_ranges`), now missing readings."""
     skipped: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> first place
 
@@ -63,6 +67,13 @@ class TableImportSummary:
         text = f"{self.telemetry_rows:,} telemetry rows, {self.failures} failures, {self.repairs} repairs"
         if self.bad_cells:
             text += f", {self.bad_cells:,} metric cells that were not numbers left missing"
+        if self.out_of_range:
+            per_metric = ", ".join(
+                f"{metric} {n:,}, e.g. {self.examples[f'out of range {metric}']}"
+                for metric, n in self.out_of_range.most_common()
+            )
+            total = sum(self.out_of_range.values())
+            text += f", {total:,} readings outside their metric's valid range left missing ({per_metric})"
         if self.skipped:
             text += "; skipped " + ", ".join(
                 f"{n:,} {reason} (e.g. {self.examples[reason]})" for reason, n in self.skipped.most_common()
@@ -215,6 +226,7 @@ def telemetry_rows(
             summary.examples.setdefault(
                 "metric cells that are not numbers", f"{path} row {first[_ROW][0]}, column {source.column!r}"
             )
+        number = _within_range(frame, number, metric, source.column, path, summary)
         if pa.types.is_integer(metric.arrow_type):
             columns.append(number.round().cast(pl.Int64).alias(metric.column))
         else:
@@ -226,6 +238,23 @@ def telemetry_rows(
     rows = rows.sort(["gpu_uuid", "ts", _ROW]).unique(["gpu_uuid", "ts"], keep="first", maintain_order=True)
     summary.skip("rows repeating a GPU's time (clock jump or duplicate)", before - rows.height, f"{path}")
     return rows.drop(_ROW).sort(["ts", "node", "gpu_index"])
+
+
+def _within_range(
+    frame: pl.DataFrame, number: pl.Expr, metric: Metric, column: str, path: Path, summary: TableImportSummary
+) -> pl.Expr:
+    """`number` with readings outside the metric's valid range made null, counted per metric."""
+    outside = outside_range(number, metric)
+    if outside is None:
+        return number
+    found = frame.filter(outside)
+    if found.height:
+        summary.out_of_range[metric.column] += found.height
+        summary.examples.setdefault(
+            f"out of range {metric.column}",
+            f"{found[0, column]} at {path} row {found[_ROW][0]}, column {column!r}, valid {describe_range(metric)}",
+        )
+    return pl.when(outside).then(None).otherwise(number)
 
 
 def _text(column: str) -> pl.Expr:

@@ -91,7 +91,10 @@ class TelemetryMapping(TimeColumns):
         ours = set(metric_columns())
         unknown = sorted(set(value) - ours)
         if unknown:
-            raise ValueError(f"unknown telemetry columns {unknown}; expected names from ingest/metrics.csv")
+            raise ValueError(
+                f"unknown telemetry columns {unknown}; expected names from ingest/metrics.csv "
+                "or your own metrics, declared as [metrics.<name>] tables in the configuration"
+            )
         return value
 
     @model_validator(mode="after")

@@ -19,6 +19,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def _no_user_metrics_between_tests():
+    """The user's metrics are the process's (the data root opened last): a test that opened a
+    root with some must not leave them to the next test."""
+    from ingest.schema import use_user_metrics
+
+    yield
+    use_user_metrics(())
+
+
 def make_rows(dataset: str, times: list[datetime], **values: object) -> pa.Table:
     """Rows of `dataset` at `times`: required columns get plain values, the rest nulls."""
     schema = schema_for(dataset)

@@ -165,28 +165,39 @@ def ingest_dcgm_exporter(
     """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
 
     SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
-    from ingest.dcgm_scrape import fetch_scrape, parse_scrape
+    from collections import Counter
+
+    from ingest.dcgm_scrape import fetch_scrape, parse_scrape_detailed
+    from ingest.user_metrics import record_metrics
 
     settings = settings_of(ctx)
-    # Parse every source before touching the store, so one bad source writes nothing at all.
-    tables = [
-        parse_scrape(
-            fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
-        )
-        for source in sources
-    ]
     with import_root(ctx, data, as_json) as store:
-        for table in tables:
-            store.write("telemetry", table)
-    rows = sum(table.num_rows for table in tables)
+        # Extra DCGM fields go to the user's metrics that name them: the root's and the configuration's.
+        record_metrics(store, settings.user_metrics())
+        # Parse every source before writing, so one bad source writes no rows at all.
+        parsed = [
+            parse_scrape_detailed(
+                fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
+            )
+            for source in sources
+        ]
+        for scrape in parsed:
+            store.write("telemetry", scrape.table)
+    rows = sum(scrape.table.num_rows for scrape in parsed)
+    out_of_range: Counter[str] = sum((scrape.out_of_range for scrape in parsed), Counter())
+    text = f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}"
+    if out_of_range:
+        per_metric = ", ".join(f"{metric} {n}" for metric, n in out_of_range.most_common())
+        text += f"; {out_of_range.total()} readings outside their metric's valid range left missing ({per_metric})"
     report(
         as_json,
-        f"dcgm-exporter: {rows} GPU samples from {len(sources)} scrape(s) -> {store.path('telemetry')}",
+        text,
         {
             "command": "ingest dcgm-exporter",
             "samples": rows,
             "scrapes": len(sources),
             "dataset": store.path("telemetry"),
+            "out_of_range": dict(out_of_range),
         },
     )
 
@@ -243,9 +254,12 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_jso
     repair records, as the mapping file says (see examples/table_import/mapping.toml)."""
     from ingest.table_import import import_table
     from ingest.table_mapping import load_mapping
+    from ingest.user_metrics import record_metrics
 
-    mapping = load_mapping(Path(mapping_file))
     with import_root(ctx, data, as_json) as store:
+        # The mapping may name the user's metrics: the root's and the configuration's.
+        record_metrics(store, settings_of(ctx).user_metrics())
+        mapping = load_mapping(Path(mapping_file))
         summary = import_table(
             store, Path(file), mapping, mapping_path=Path(mapping_file), cluster=settings_of(ctx).ingest.cluster
         )
@@ -283,6 +297,7 @@ def collect(
     from gpufail.config import parse_duration
     from ingest.collect.daemon import StopFlag, run_collect, stop_on_signals
     from ingest.store import Store
+    from ingest.user_metrics import record_metrics
 
     try:
         every = parse_duration(interval) if interval is not None else None
@@ -290,6 +305,8 @@ def collect(
         raise GpufailError(f"--interval: {exc}") from None
     options = settings_of(ctx).collect_options(node=node, sources=sources, interval=every, listen=listen)
     store = Store.create(data_root(ctx, data))
+    # The collectors store the user's metrics they can read (extra dcgm-exporter fields).
+    record_metrics(store, settings_of(ctx).user_metrics())
     with stop_on_signals(StopFlag()) as stop:
         summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=progress_echo(as_json))
     failed = summary.every_source_failed()

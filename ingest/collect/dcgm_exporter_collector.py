@@ -8,6 +8,7 @@ the daemon records it and the next interval simply scrapes again.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
@@ -43,6 +44,8 @@ class DcgmExporterCollector:
         self.timeout_s = timeout_s
         self._fetch = fetch
         self.blank_values = 0
+        self.out_of_range: Counter[str] = Counter()
+        """Per column, readings outside the metric's valid range, stored as missing."""
 
     def collect(self) -> Collected:
         now = self.clock.now()
@@ -57,6 +60,7 @@ class DcgmExporterCollector:
         except InputError as exc:
             raise CollectorError(f"dcgm-exporter collector: {exc}") from None
         self.blank_values += parsed.blank_values
+        self.out_of_range += parsed.out_of_range
         return {"telemetry": parsed.table}
 
     def close(self) -> None:
