@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from ingest.errors import InputError, StoreError
+from ingest.journal import lock_path
+from ingest.locking import exclusive_lock
 from ingest.schema import Metric, MetricKind, use_user_metrics
 
 if TYPE_CHECKING:
@@ -114,7 +116,20 @@ def use_recorded_metrics(store: Store) -> None:
 def record_metrics(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, ...]:
     """Add the `declared` metrics to the root's record and use the result; refuse, in one
     line naming the metric, a name the root already records with another kind or unit.
-    Returns the metrics now recorded. Called by an importer before it writes rows."""
+    Returns the metrics now recorded. Called by an importer before it writes rows.
+
+    The read, merge and write hold the record's lock: two imports declaring different metrics at
+    once must both end up recorded, not the second overwriting the first."""
+    where = f"metric record of {store.root}"
+    with exclusive_lock(lock_path(store, STATE_NAME), where, wait_s=RECORD_LOCK_WAIT_S, error=StoreError):
+        return _merge_and_record(store, declared)
+
+
+RECORD_LOCK_WAIT_S = 60.0
+"""How long an import waits for another one updating the metric record (a read and a small write)."""
+
+
+def _merge_and_record(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, ...]:
     recorded = {m.column: m for m in recorded_metrics(store)}
     merged = dict(recorded)
     for metric in declared:

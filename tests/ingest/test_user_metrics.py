@@ -172,6 +172,27 @@ def test_a_range_or_description_may_change_and_the_newest_is_recorded(tmp_path: 
     assert [m.valid_max for m in recorded_metrics(Store.open(str(tmp_path / "root")))] == [20000]
 
 
+def test_two_imports_recording_metrics_at_once_take_turns(tmp_path: Path, monkeypatch) -> None:
+    # The record is read, merged and written under its lock, so a second import waits for the
+    # first instead of overwriting the metric it just recorded. Here the lock is held elsewhere
+    # and the wait is cut to nothing: the update is refused, in one line, and the record unchanged.
+    import ingest.user_metrics as module
+    from ingest.journal import lock_path
+    from ingest.locking import exclusive_lock
+
+    store = Store.create(str(tmp_path / "root"))
+    record_metrics(store, (user_metric("fan_rpm", "gauge", "rpm"),))
+    monkeypatch.setattr(module, "RECORD_LOCK_WAIT_S", 0.0)
+    held = exclusive_lock(lock_path(store, "metrics"), "another import")
+    refusal = r"another metric record of .* holds the lock .*metrics\.lock"
+    with held, pytest.raises(StoreError, match=refusal) as refused:
+        record_metrics(store, (user_metric("smart_5_raw", "counter", "sectors"),))
+    assert "\n" not in str(refused.value)
+    assert [m.column for m in recorded_metrics(store)] == ["fan_rpm"]
+    record_metrics(store, (user_metric("smart_5_raw", "counter", "sectors"),))
+    assert [m.column for m in recorded_metrics(store)] == ["fan_rpm", "smart_5_raw"]
+
+
 @pytest.mark.parametrize(
     ("table", "message"),
     [
