@@ -79,7 +79,9 @@ class CostConfig:
     horizon: timedelta = timedelta(hours=24)
     """The horizon of the node risk (the model's label horizon)."""
     checkpoint_interval: timedelta = timedelta(hours=1)
-    """Assumed for a job that reports no checkpoint; also the least time between two hints to one job."""
+    """How often the jobs checkpoint: assumed for a job that reports no checkpoint, and the interval of
+    one that reports only when it checkpointed (`serving.jobs.exposure`); also the least time
+    between two hints to one job."""
     checkpoint_time: timedelta = timedelta(minutes=5)
     """What one checkpoint stalls each GPU of the job."""
     restart_time: timedelta = timedelta(minutes=10)
