@@ -148,6 +148,10 @@ def option_costs(
 def job_losses(load: NodeLoad, horizon: float, hang_restart: float) -> tuple[float, float]:
     """`L` and `S` of the module: what the node's jobs lose on average if it fails at a time
     within the horizon (`horizon` hours), and how much of that a checkpoint now saves."""
+    if len(load.exposures) != len(load.jobs):
+        raise ValueError(
+            f"a NodeLoad of {len(load.jobs)} job(s) with {len(load.exposures)} exposures: build it with node_loads"
+        )
     loss = saved = 0.0
     for e in load.exposures:
         runs = min(e.to_end, horizon)

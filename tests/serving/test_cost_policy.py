@@ -16,7 +16,7 @@ from serving.cost_policy import (
     offered_options,
     option_costs,
 )
-from serving.jobs import IDLE, Job, JobMap, node_loads
+from serving.jobs import IDLE, Job, JobMap, NodeLoad, node_loads
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, Tier
 from tests.tiers import FOUR_TIERS
 
@@ -131,6 +131,12 @@ def test_a_job_ending_before_its_next_checkpoint_is_exposed_only_while_it_runs()
     new_work = (w * 4 / 8 + (1 - w)) * 64 * (2 + HANG_RESTART)  # new jobs: half of a 4 h interval
     assert costs["none"] == pytest.approx(p * (loss + new_work))
     assert costs["drain_after_job"] == pytest.approx(p * loss + (1 - p) * 8 * 6)
+
+
+def test_a_busy_load_without_its_jobs_exposures_is_refused():
+    # Pricing it would take its jobs' losses for nothing.
+    with pytest.raises(ValueError, match="1 job\\(s\\) with 0 exposures"):
+        option_costs(0.3, NodeLoad(jobs=("j",), used_gpus=8, blast_radius=8), 8, COST, ALL)
 
 
 def test_an_idle_node_prices_the_new_work_it_would_take():
