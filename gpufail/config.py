@@ -262,7 +262,8 @@ class CostSettings(_Table):
     horizon: PositiveDuration = timedelta(hours=24)
     """The horizon of the node risk: the [labels] horizon the model was trained with."""
     checkpoint_interval: PositiveDuration = timedelta(hours=1)
-    """Assumed for a job that reports no checkpoint; also the least time between two hints to a job."""
+    """How often the jobs checkpoint: assumed for a job that reports no checkpoint, and the interval of
+    one that reports only when it checkpointed; also the least time between two hints to a job."""
     checkpoint_time: Duration = timedelta(minutes=5)
     restart_time: Duration = timedelta(minutes=10)
     hang_time: Duration = timedelta(minutes=15)

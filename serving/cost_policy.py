@@ -2,28 +2,41 @@
 in GPU-hours is lowest, given the node's risk and the jobs on it. Pure: no I/O, no clock, so a
 replay can call `decide` on simulated fleets.
 
-Per node, from its risk `p` (the chance it fails within the horizon), its `NodeLoad`
-(`serving.jobs`) and its GPUs `n`, with the `CostConfig` times in hours:
+Per node, from its risk `p` (the chance it fails within the horizon `H`), its `NodeLoad`
+(`serving.jobs`) and its GPUs `n`, with the `CostConfig` times in hours. A failure within the
+horizon is taken to come at any time in it alike (uniformly: the calibrated risk says whether,
+not when). Each job `j` on the node (`serving.jobs.Exposure`) has `g_j` GPUs, `a_j` hours since
+its last checkpoint, its next periodic checkpoint in `r_j` hours, an interval `I_j`, and runs on
+for the share `q_j` of the horizon (its time left over `H`, at most 1). It checkpoints on its
+own schedule whatever the policy does (a hint is an extra checkpoint), so:
 
-- `L` = the loss if the node fails under its jobs: work at risk (GPU-hours since their last
-  checkpoints) plus every GPU of those jobs for `hang_time` (until the failure is noticed) and
-  `restart_time`. A failure is taken to come before the jobs' next checkpoint: the case where
-  acting matters.
-- `q` = the share of the horizon the jobs still run (their time limits; 1 without one, 0 idle).
+- `w_j` = min(r_j, q_j x H) / H: the share of the horizon before its next checkpoint (while it
+  runs). A failure then loses its GPUs x (a_j + the time since now: on average
+  min(r_j, q_j x H) / 2); a failure after it, about half an interval (I_j / 2).
+- `L` = what the node's jobs lose on average if it fails within the horizon: the sum over the
+  jobs of g_j x (w_j x (a_j + min(r_j, q_j x H) / 2) + (q_j - w_j) x I_j / 2 + q_j x (hang_time
+  + restart_time)).
+- `S` = what a checkpoint now saves of `L`: the sum of g_j x w_j x a_j (the work at risk, only
+  when the failure comes before the job's own next checkpoint).
+- `q` = the share of the horizon the node is busy (its last job's time left; 1 without a
+  limit, 0 idle).
 - `E` = what new jobs placed on the node would lose if it failed: `new_job_gpus` GPUs, each
   losing half a checkpoint interval, the hang and the restart; on the free GPUs while the jobs
-  run, on all of them after.
+  run, on all of them after (q x free/n + 1 - q times that).
 - `F` = the node's GPUs out of service for `false_drain` when a drain was for nothing.
 
 Expected cost of each option (GPU-hours; an option is offered only if its tier is enabled):
 
 | option | cost |
 | --- | --- |
-| `none` | p x (q x L + E) |
-| `checkpoint` (a job on the node) | GPUs of the jobs x checkpoint_time + the same, with the jobs' work at risk at 0 |
-| `avoid` | p x (q x L + avoid_share x E) + avoid_cost x n |
-| `drain_after_job` (a job on the node) | p x q x L + (1 - p) x F |
+| `none` | p x (L + E) |
+| `checkpoint` (a job on the node) | GPUs of the jobs x checkpoint_time + p x (L - S + E) |
+| `avoid` | p x (L + avoid_share x E) + avoid_cost x n |
+| `drain_after_job` (a job on the node) | p x L + (1 - p) x F |
 | `drain_now` | work at risk + GPUs of the jobs x restart_time + (1 - p) x F |
+
+`drain_now` restarts the jobs now, from their last checkpoints, for certain: today's work at
+risk, not the average loss of a failure later in the horizon.
 
 The cheapest wins (a tie goes to the weaker option). Its tier (`checkpoint` is `watch`: the jobs
 are told, the node stays) goes through `serving.policy.decide` as the node's wanted tier, so
@@ -66,7 +79,9 @@ class CostConfig:
     horizon: timedelta = timedelta(hours=24)
     """The horizon of the node risk (the model's label horizon)."""
     checkpoint_interval: timedelta = timedelta(hours=1)
-    """Assumed for a job that reports no checkpoint; also the least time between two hints to one job."""
+    """How often the jobs checkpoint: assumed for a job that reports no checkpoint, and the interval of
+    one that reports only when it checkpointed (`serving.jobs.exposure`); also the least time
+    between two hints to one job."""
     checkpoint_time: timedelta = timedelta(minutes=5)
     """What one checkpoint stalls each GPU of the job."""
     restart_time: timedelta = timedelta(minutes=10)
@@ -108,26 +123,43 @@ def option_costs(
 ) -> dict[str, float]:
     """The expected cost in GPU-hours of each offered option for one node (see the module)."""
     p = min(max(risk, 0.0), 1.0)
+    horizon = _hours(cost.horizon)
     restart, hang = _hours(cost.restart_time), _hours(cost.hang_time)
-    jobs_gpus = load.blast_radius
-    loss = load.work_at_risk + jobs_gpus * (hang + restart)
-    q = min(load.hours_to_end / _hours(cost.horizon), 1.0) if load.busy else 0.0
+    loss, saved = job_losses(load, horizon, hang + restart)
+    q = min(load.hours_to_end / horizon, 1.0) if load.busy else 0.0
     n = max(node_gpus, load.used_gpus, 1)
     per_new = cost.new_job_gpus * (_hours(cost.checkpoint_interval) / 2 + hang + restart)
     free = max(n - load.used_gpus, 0) / n
     new_work = q * free * per_new + (1 - q) * per_new
     false_drain = n * _hours(cost.false_drain)
-    out = {"none": p * (q * loss + new_work)}
+    jobs_gpus = load.blast_radius
+    out = {"none": p * (loss + new_work)}
     if load.busy and "checkpoint" in offered:
-        checkpointed = jobs_gpus * (hang + restart)
-        out["checkpoint"] = jobs_gpus * _hours(cost.checkpoint_time) + p * (q * checkpointed + new_work)
+        out["checkpoint"] = jobs_gpus * _hours(cost.checkpoint_time) + p * (loss - saved + new_work)
     if "avoid" in offered:
-        out["avoid"] = p * (q * loss + cost.avoid_share * new_work) + cost.avoid_cost * n
+        out["avoid"] = p * (loss + cost.avoid_share * new_work) + cost.avoid_cost * n
     if load.busy and "drain_after_job" in offered:
-        out["drain_after_job"] = p * q * loss + (1 - p) * false_drain
+        out["drain_after_job"] = p * loss + (1 - p) * false_drain
     if "drain_now" in offered:
         out["drain_now"] = load.work_at_risk + jobs_gpus * restart + (1 - p) * false_drain
     return out
+
+
+def job_losses(load: NodeLoad, horizon: float, hang_restart: float) -> tuple[float, float]:
+    """`L` and `S` of the module: what the node's jobs lose on average if it fails at a time
+    within the horizon (`horizon` hours), and how much of that a checkpoint now saves."""
+    if len(load.exposures) != len(load.jobs):
+        raise ValueError(
+            f"a NodeLoad of {len(load.jobs)} job(s) with {len(load.exposures)} exposures: build it with node_loads"
+        )
+    loss = saved = 0.0
+    for e in load.exposures:
+        runs = min(e.to_end, horizon)
+        before = min(e.to_checkpoint, runs)
+        w, q = before / horizon, runs / horizon
+        loss += e.gpus * (w * (e.since + before / 2) + (q - w) * e.interval / 2 + q * hang_restart)
+        saved += e.gpus * w * e.since
+    return loss, saved
 
 
 def cheapest(costs: Mapping[str, float]) -> str:

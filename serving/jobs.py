@@ -6,7 +6,9 @@ docs/actions.md). Per node (`node_loads`):
 
 - **blast radius**: the GPUs of the jobs on it (all their GPUs, on every node);
 - **work at risk**: GPU-hours since each job's last checkpoint, summed over those jobs;
-- when its jobs end (their time limits), and how many of its GPUs they use.
+- when its jobs end (their time limits), and how many of its GPUs they use;
+- per job, its `Exposure`: GPUs, hours since its last checkpoint, hours to its next one, hours
+  to its end (what the cost policy needs to price a failure later in the horizon).
 
 The last checkpoint is reported by the job (docs/actions.md):
 - Slurm: a `gpufail_checkpoint=<ISO time>` word in the job's comment, set at submission
@@ -15,6 +17,9 @@ The last checkpoint is reported by the job (docs/actions.md):
 - Kubernetes: the pod annotation `gpufail.io/checkpoint-at` (the newest of the job's pods);
 - a custom scheduler: `checkpoint_at` in the job document (`job_map_from_document`).
 A job that reports none is taken to checkpoint every `checkpoint_interval` from its start.
+A job reports when it checkpointed, not how often: its next checkpoint is taken to come one
+`checkpoint_interval` after its last; a job already past that (it checkpoints less often than
+configured) is taken to checkpoint within the next `checkpoint_interval` (`Exposure`).
 
 Readers take what the scheduler printed (`squeue --json`, the pod list, a JSON document) and
 never call it: the publishers do (`serving.publishers`). A record that cannot be read at all
@@ -105,6 +110,32 @@ class JobMap:
 
 
 @dataclass(frozen=True)
+class Exposure:
+    """One job on a node, as a failure of the node later in the horizon would find it."""
+
+    gpus: int
+    """All its GPUs (on every node)."""
+    since: float
+    """Hours since its last checkpoint."""
+    to_checkpoint: float
+    """Hours to its next periodic checkpoint."""
+    interval: float
+    """Hours between its periodic checkpoints."""
+    to_end: float
+    """Hours until its time limit ends it (inf: none)."""
+
+
+def exposure(job: Job, now: datetime, checkpoint_interval: timedelta) -> Exposure:
+    """The job's `Exposure` at `now`. Its interval is `checkpoint_interval` (a job reports when it
+    checkpointed, not how often); one past it is taken to checkpoint within the next interval."""
+    since, _ = job.hours_since_checkpoint(now, checkpoint_interval)
+    interval = checkpoint_interval.total_seconds() / 3600
+    to_checkpoint = interval - since if since < interval else interval
+    to_end = math.inf if job.end_by is None else max((job.end_by - now).total_seconds() / 3600, 0.0)
+    return Exposure(job.gpus, since, to_checkpoint, interval, to_end)
+
+
+@dataclass(frozen=True)
 class NodeLoad:
     """What runs on one node, for the cost policy."""
 
@@ -119,6 +150,8 @@ class NodeLoad:
     """Until the last of its jobs ends by its time limit (inf: one has none; 0: no job)."""
     assumed: tuple[str, ...] = ()
     """Jobs whose checkpoint is assumed (none reported)."""
+    exposures: tuple[Exposure, ...] = ()
+    """Each job's `Exposure`, in the order of `jobs`."""
 
     @property
     def busy(self) -> bool:
@@ -132,22 +165,22 @@ def node_loads(job_map: JobMap, now: datetime, checkpoint_interval: timedelta) -
     """Each node that runs a job -> its `NodeLoad` (nodes without a job are left out: `IDLE`)."""
     acc: dict[str, list[Any]] = {}
     for job in job_map.jobs:
-        hours, assumed = job.hours_since_checkpoint(now, checkpoint_interval)
-        gpus = job.gpus
-        left = math.inf if job.end_by is None else max((job.end_by - now).total_seconds() / 3600, 0.0)
+        exp = exposure(job, now, checkpoint_interval)
+        _, assumed = job.hours_since_checkpoint(now, checkpoint_interval)
         for node, on_node in job.gpus_on.items():
             a = acc.get(node)
             if a is None:
-                a = acc[node] = [[], 0, 0, 0.0, 0.0, []]
+                a = acc[node] = [[], 0, 0, 0.0, 0.0, [], []]
             a[0].append(job.id)
             a[1] += on_node
-            a[2] += gpus
-            a[3] += gpus * hours
-            a[4] = max(a[4], left)
+            a[2] += exp.gpus
+            a[3] += exp.gpus * exp.since
+            a[4] = max(a[4], exp.to_end)
             if assumed:
                 a[5].append(job.id)
+            a[6].append(exp)
     return {
-        node: NodeLoad(tuple(a[0]), a[1], a[2], a[3], a[4], tuple(a[5]))  # type: ignore[arg-type]
+        node: NodeLoad(tuple(a[0]), a[1], a[2], a[3], a[4], tuple(a[5]), tuple(a[6]))  # type: ignore[arg-type]
         for node, a in acc.items()
     }
 

@@ -141,11 +141,16 @@ def test_a_checkpoint_hint_reaches_the_job_as_its_signal(slurm, jobs):
 
 
 def test_the_cost_policy_tells_a_long_job_on_a_risky_node_to_checkpoint(slurm, jobs):
-    job = jobs.submit("-N2", "-w", "gpu007,gpu008", "--gres=gpu:8")
+    # The job reports one checkpoint, at its start (a report before the start counts from it).
+    job = jobs.submit(
+        "-N2", "-w", "gpu007,gpu008", "--gres=gpu:8", f"--comment=gpufail_checkpoint={datetime.now(UTC):%FT%TZ}"
+    )
     ledger = MemoryLedger()
-    # Decided as if 110 minutes into the job, which reports no checkpoint: with the assumed one
-    # every hour from its start, 16 GPUs x 50 minutes are at risk.
-    later = datetime.now(UTC) + timedelta(minutes=110)
+    # Decided as if 10 h into the job: 16 GPUs x 10 h at risk, and the job is past the assumed
+    # hourly interval, so its next checkpoint is taken to come within the hour. A hint then saves
+    # 0.3 x 160 x 1 / 24 = 2 GPU-h for 16 x 5 min = 1.3. (A job that checkpoints every hour on its
+    # own would get none: the hint saves its work only if the failure comes before its next one.)
+    later = datetime.now(UTC) + timedelta(hours=10)
     out = live_publish(
         slurm, {"gpu007": 0.3}, JobActions(policy="cost", cost=COST), via=publisher(slurm, ledger=ledger), now=later
     )

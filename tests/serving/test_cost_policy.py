@@ -1,6 +1,7 @@
 """The cost-aware policy (serving/cost_policy.py): prices, choices, and the tiered policy's
 safety rules (breaker, cooldown, recovery, unavailable nodes) kept."""
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -15,7 +16,7 @@ from serving.cost_policy import (
     offered_options,
     option_costs,
 )
-from serving.jobs import IDLE, Job, JobMap, NodeLoad
+from serving.jobs import IDLE, Job, JobMap, NodeLoad, node_loads
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, Tier
 from tests.tiers import FOUR_TIERS
 
@@ -47,7 +48,7 @@ def node(name, risk, **kw):
     return NodeRisk(key=f"c/{name}", cluster="c", node=name, risk=risk, gpus=(f"{name}-g0",), **kw)
 
 
-def big_job(nodes, *, hours_since_checkpoint=1.5, end_in=None, job_id="train"):
+def big_job(nodes, *, hours_since_checkpoint=9.5, end_in=None, job_id="train"):
     start = NOW - 10 * H
     return Job(
         job_id,
@@ -63,20 +64,79 @@ def run(nodes, jobs, state=None, hinted=None, config=TIERS, cost=COST, now=NOW, 
     return decide(nodes, jm, {n.node: 8 for n in nodes}, cost, state or PolicyState(), hinted or {}, config, now)
 
 
+def load_of(job, cost=COST, node="n1", now=NOW):
+    return node_loads(JobMap((job,)), now, cost.checkpoint_interval)[node]
+
+
+HANG_RESTART = 0.25 + 10 / 60
+
+
 def test_the_costs_of_each_option_follow_the_documented_formulas():
-    # A node running 8 of the 4,096 GPUs of a job 1.5 h after its checkpoint, no time limit.
-    load = NodeLoad(jobs=("train",), used_gpus=8, blast_radius=4096, work_at_risk=4096 * 1.5, hours_to_end=float("inf"))
+    # A node running 8 of the 4,096 GPUs of a job that reported its checkpoint 9.5 h ago, no time
+    # limit. It is past the 1 h interval: its next checkpoint is taken to come within the hour.
+    load = load_of(big_job([f"n{i}" for i in range(1, 513)], hours_since_checkpoint=9.5))
     p = 0.3
     costs = option_costs(p, load, 8, COST, ALL)
-    loss = 4096 * (1.5 + 0.25 + 10 / 60)  # work at risk, the hang and the restart, every GPU of the job
-    new_work = 64 * (0.5 + 0.25 + 10 / 60) * 0  # no free GPU while the job runs, and it runs all horizon
-    false_drain = 8 * 6
-    assert costs["none"] == pytest.approx(p * (loss + new_work))
-    assert costs["checkpoint"] == pytest.approx(4096 * 5 / 60 + p * 4096 * (0.25 + 10 / 60))
+    w = 1 / 24  # the share of the horizon before its next checkpoint
+    loss = 4096 * (w * (9.5 + 0.5) + (1 - w) * 0.5 + HANG_RESTART)
+    saved = 4096 * w * 9.5
+    false_drain = 8 * 6  # no new work: no free GPU while the job runs, and it runs all horizon
+    assert costs["none"] == pytest.approx(p * loss)
+    assert costs["checkpoint"] == pytest.approx(4096 * 5 / 60 + p * (loss - saved))
     assert costs["avoid"] == pytest.approx(p * loss + 0.5 * 8)
     assert costs["drain_after_job"] == pytest.approx(p * loss + (1 - p) * false_drain)
-    assert costs["drain_now"] == pytest.approx(4096 * 1.5 + 4096 * 10 / 60 + (1 - p) * false_drain)
-    assert cheapest(costs) == "checkpoint"
+    assert costs["drain_now"] == pytest.approx(4096 * 9.5 + 4096 * 10 / 60 + (1 - p) * false_drain)
+    assert cheapest(costs) == "checkpoint"  # saves 486 GPU-h for 341
+
+
+def test_a_job_fifteen_minutes_before_its_own_checkpoint_gets_no_hint():
+    # 64 GPUs, 45 min after its (assumed, hourly) checkpoint: a hint saves its 0.75 h only if the
+    # failure comes in the next 15 min, a chance of 0.3 x 0.25 / 24.
+    job = Job("j", {f"n{i}": 8 for i in range(1, 9)}, start=NOW - 45 * M)
+    costs = option_costs(0.3, load_of(job), 8, COST, ALL)
+    w = 0.25 / 24
+    loss = 64 * (w * (0.75 + 0.125) + (1 - w) * 0.5 + HANG_RESTART)
+    assert costs["none"] == pytest.approx(0.3 * loss)
+    assert costs["checkpoint"] - costs["none"] == pytest.approx(64 * 5 / 60 - 0.3 * 64 * 0.75 * w)
+    assert cheapest(costs) == "none"
+
+
+def test_a_hint_saves_the_work_at_risk_only_before_the_jobs_next_checkpoint():
+    # A 4,096-GPU job 3 h into its 4 h interval: the hint saves p x 4096 x 3 x min(1, 1/24).
+    four_hourly = replace(COST, checkpoint_interval=4 * H)
+    load = load_of(big_job([f"n{i}" for i in range(1, 513)], hours_since_checkpoint=3), four_hourly)
+    for p, best in ((0.5, "none"), (0.9, "checkpoint")):  # saves 256 or 461 GPU-h, for 341
+        costs = option_costs(p, load, 8, four_hourly, ALL)
+        assert costs["none"] - costs["checkpoint"] == pytest.approx(p * 4096 * 3 / 24 - 4096 * 5 / 60)
+        assert cheapest(costs) == best
+
+
+def test_a_failure_later_in_the_horizon_loses_about_half_an_interval():
+    # Just checkpointed (a = 0): doing nothing still risks, on average, half an interval of work
+    # of every GPU after the next checkpoint, not the work at risk now (0).
+    job = Job("j", {"n1": 8}, start=NOW - 10 * H, checkpoint_at=NOW)
+    costs = option_costs(0.2, load_of(job), 8, COST, ALL)
+    assert costs["none"] == pytest.approx(0.2 * 8 * ((1 / 24) * 0.5 + (23 / 24) * 0.5 + HANG_RESTART))
+    assert costs["drain_now"] == pytest.approx(8 * 10 / 60 + 0.8 * 8 * 6)  # nothing at risk: only a restart
+
+
+def test_a_job_ending_before_its_next_checkpoint_is_exposed_only_while_it_runs():
+    # 2 h into a 4 h interval, its time limit in 30 min; 4 of the node's 8 GPUs.
+    four_hourly = replace(COST, checkpoint_interval=4 * H)
+    job = Job("j", {"n1": 4}, start=NOW - 2 * H, end_by=NOW + 30 * M)
+    load = load_of(job, four_hourly)
+    p, w = 0.4, 0.5 / 24
+    costs = option_costs(p, load, 8, four_hourly, ALL)
+    loss = 4 * (w * (2 + 0.25) + w * HANG_RESTART)
+    new_work = (w * 4 / 8 + (1 - w)) * 64 * (2 + HANG_RESTART)  # new jobs: half of a 4 h interval
+    assert costs["none"] == pytest.approx(p * (loss + new_work))
+    assert costs["drain_after_job"] == pytest.approx(p * loss + (1 - p) * 8 * 6)
+
+
+def test_a_busy_load_without_its_jobs_exposures_is_refused():
+    # Pricing it would take its jobs' losses for nothing.
+    with pytest.raises(ValueError, match="1 job\\(s\\) with 0 exposures"):
+        option_costs(0.3, NodeLoad(jobs=("j",), used_gpus=8, blast_radius=8), 8, COST, ALL)
 
 
 def test_an_idle_node_prices_the_new_work_it_would_take():
@@ -99,7 +159,7 @@ def test_a_big_job_far_from_its_checkpoint_is_told_to_checkpoint_once():
     assert by_node["n1"].option == by_node["n2"].option == "checkpoint"
     assert by_node["n1"].decision.tier == "watch"  # told, and watched; the node stays in service
     assert [(h.job.id, h.nodes) for h in out.hints] == [("train", ("n1", "n2"))]
-    assert "16 GPUs, 1.50 h since its checkpoint" in out.hints[0].reason
+    assert "16 GPUs, 9.50 h since its checkpoint" in out.hints[0].reason
     assert out.hinted == {"train": NOW}
     assert "cheapest checkpoint" in by_node["n1"].decision.reason and "expected GPU-h" in by_node["n1"].decision.reason
 

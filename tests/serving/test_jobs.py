@@ -12,6 +12,7 @@ from serving.jobs import (
     JobMap,
     JobMapUnreadable,
     expand_hostlist,
+    exposure,
     job_map_from_document,
     kubernetes_job_map,
     node_loads,
@@ -82,6 +83,22 @@ def test_node_loads_give_blast_radius_and_work_at_risk():
     assert loads["gpu003"].hours_to_end == pytest.approx(0.0)  # its 90-minute limit is up
     assert loads["gpu004"].blast_radius == 0 and loads["gpu004"].work_at_risk == 0.0
     assert "gpu008" not in loads  # idle
+
+
+def test_a_jobs_exposure_gives_the_hours_to_its_next_checkpoint():
+    now = STARTED + 5 * H + 20 * timedelta(minutes=1)
+    # No report: hourly from the start, the last one 20 min ago, the next in 40.
+    assumed = exposure(Job("1", {"n": 8}, start=STARTED), now, H)
+    assert (assumed.gpus, assumed.interval, assumed.to_end) == (8, 1.0, float("inf"))
+    assert (assumed.since, assumed.to_checkpoint) == pytest.approx((1 / 3, 2 / 3))
+    # A report 20 min ago: its next one interval after it.
+    reported = exposure(Job("2", {"n": 4}, start=STARTED, checkpoint_at=now - 20 * timedelta(minutes=1)), now, 2 * H)
+    assert (reported.since, reported.to_checkpoint) == pytest.approx((1 / 3, 5 / 3))
+    # A report older than the interval (the job checkpoints less often): within the next interval.
+    late = exposure(Job("3", {"n": 4}, start=STARTED, checkpoint_at=STARTED, end_by=now + H / 2), now, H)
+    assert (late.since, late.to_checkpoint, late.to_end) == pytest.approx((16 / 3, 1.0, 0.5))
+    loads = node_loads(JobMap((Job("1", {"n": 8}, start=STARTED),)), now, H)
+    assert loads["n"].exposures == (assumed,)
 
 
 def test_a_reported_checkpoint_in_the_future_counts_as_now():

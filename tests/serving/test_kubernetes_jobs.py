@@ -57,7 +57,7 @@ def worker(name, node, gpus, owner="llm", annotations=None):
 def cluster():
     with node_api(NODES) as (core, emulator):
         core.create_namespaced_pod(
-            "ml", worker("llm-0", "gpu001", 8, annotations={"gpufail.io/checkpoint-at": "2026-11-26T11:00:00Z"})
+            "ml", worker("llm-0", "gpu001", 8, annotations={"gpufail.io/checkpoint-at": "2026-11-26T08:30:00Z"})
         )
         core.create_namespaced_pod("ml", worker("llm-1", "gpu002", 8))
         yield core, emulator
@@ -72,7 +72,7 @@ def test_the_job_map_is_read_from_the_running_pods(cluster):
     job_map = KubernetesPublisher(api, attempts=1).read_jobs()
     job = job_map.by_id()["ml/PyTorchJob/llm"]
     assert job.gpus_on == {"gpu001": 8, "gpu002": 8} and job.pods == ("ml/llm-0", "ml/llm-1")
-    assert job.checkpoint_at == datetime(2026, 11, 26, 11, tzinfo=UTC)
+    assert job.checkpoint_at == datetime(2026, 11, 26, 8, 30, tzinfo=UTC)
     assert ("list", "nodes") not in emulator.calls  # pods only
 
 
@@ -90,7 +90,7 @@ def test_a_checkpoint_hint_annotates_every_pod_of_the_job(cluster):
     # The job's own annotation is left as it was.
     assert (
         api.read_namespaced_pod("llm-0", "ml").metadata.annotations["gpufail.io/checkpoint-at"]
-        == "2026-11-26T11:00:00Z"
+        == "2026-11-26T08:30:00Z"
     )
 
 
@@ -135,7 +135,7 @@ def test_placement_scores_span_0_to_100():
 
 def test_the_cost_policy_through_kubernetes(cluster):
     api, _ = cluster
-    risks = {"gpu001": 0.3, "gpu002": 0.01, "gpu003": 0.95, "gpu004": 0.001, "gpu005": 0.001}
+    risks = {"gpu001": 0.75, "gpu002": 0.01, "gpu003": 0.95, "gpu004": 0.001, "gpu005": 0.001}
     rows = [("k", n, g, f"{n}-{g}", r if g == 0 else 0.0) for n, r in risks.items() for g in range(8)]
     frame = pd.DataFrame(rows, columns=["cluster", "node", "gpu_index", "gpu_uuid", "risk"])
     frame["model_version"] = "m"
@@ -149,7 +149,9 @@ def test_the_cost_policy_through_kubernetes(cluster):
         actions=JobActions(policy="cost", cost=CostConfig(), standby_nodes=1),
     )
     decided = {r.node: r for r in out.rows if r.action in ("raise", "keep", "skip")}
-    # llm-0 checkpointed an hour ago: 16 GPU-hours at risk on gpu001, so a hint; gpu003 is idle.
+    # llm-0 checkpointed 3.5 h ago, past the assumed hourly interval: its next checkpoint is taken
+    # to come within the hour, so a hint saves 0.75 x 16 x 3.5 h / 24 = 1.75 GPU-h for 1.33 on
+    # gpu001; gpu003 is idle.
     assert decided["gpu001"].option == "checkpoint" and decided["gpu003"].tier == "drain_now"
     assert api.read_node("gpu003").spec.unschedulable
     assert CHECKPOINT_REQUEST_ANNOTATION in api.read_namespaced_pod("llm-1", "ml").metadata.annotations

@@ -33,7 +33,9 @@ def fleet(node_risks):
     return frame
 
 
-TRAIN = Job("4242", {"busy1": 8, "busy2": 8}, start=NOW - 10 * H, checkpoint_at=NOW - 2 * H)
+# Its last checkpoint at its start, 10 h ago (it checkpoints far less often than the assumed hour):
+# at risk 0.3 a hint saves 16 x 10 h x 0.3 / 24 = 2 GPU-h for 16 x 5 min = 1.3.
+TRAIN = Job("4242", {"busy1": 8, "busy2": 8}, start=NOW - 10 * H, checkpoint_at=NOW - 10 * H)
 
 
 class JobScheduler:
@@ -87,14 +89,14 @@ def test_the_cost_policy_records_every_options_cost_and_the_jobs_in_the_audit(tm
     rows = rows_by(out)
     assert rows["busy1"].policy == "cost" and rows["busy1"].option == "checkpoint" and rows["busy1"].tier == "watch"
     assert rows["busy1"].jobs == ("4242",) and rows["busy1"].blast_radius == 16
-    assert rows["busy1"].work_at_risk == pytest.approx(16 * 2)
+    assert rows["busy1"].work_at_risk == pytest.approx(16 * 10)
     assert set(rows["busy1"].costs) == {"none", "checkpoint", "avoid", "drain_after_job", "drain_now"}
     assert rows["idle"].option == "drain_now" and rows["idle"].costs["checkpoint"] is None  # not offered: no job
     assert {(c.node, c.new) for c in scheduler.changes} == {("busy1", "watch"), ("idle", "drain_now")}
     # One hint for the job, as its own audit row, and the time kept as the policy's state.
     assert scheduler.hinted == ["4242"]
     hint = rows_by(out, "checkpoint")["busy1"]
-    assert hint.result == "signalled" and hint.jobs == ("4242",) and "16 GPUs, 2.00 h" in hint.reason
+    assert hint.result == "signalled" and hint.jobs == ("4242",) and "16 GPUs, 10.00 h" in hint.reason
     assert out.hinted == {"4242": NOW}
     # The audit file keeps the costs (a struct column) and the jobs.
     append_audit(out.rows, str(tmp_path / "actions"))

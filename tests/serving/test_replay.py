@@ -126,17 +126,18 @@ def test_a_drain_of_a_node_that_does_not_fail_is_false_and_its_gpus_out_of_servi
 
 def test_the_cost_policy_hints_a_checkpoint_and_the_failure_then_costs_less():
     nodes = [f"n{i}" for i in range(64)]
-    huge = {"id": "huge", "nodes": dict.fromkeys(nodes, 8), "start": 0, "end": 30, "interval": 4}
-    risk_at = {("n5", h): 0.3 for h in range(6, 12)}
+    # A 512-GPU job that checkpoints every 12 h: at 06:00, 6 h of work at risk on a node at 0.9.
+    huge = {"id": "huge", "nodes": dict.fromkeys(nodes, 8), "start": 0, "end": 30, "interval": 12}
+    risk_at = {("n5", h): 0.9 for h in range(6, 8)}
     rows, risk = grid(nodes, 12, risk_at)
     out = replay(rows, risk, None, trace([huge]), failures(("n5", 7.5)), TIERS, NO_OVERHEAD)
     none, cost = out["policies"]["none"], out["policies"]["cost"]
-    assert none["failure_gpu_h"] == pytest.approx(512 * 3.5)
-    # Told at 06:00 and again at 07:00 (a hint is repeated once the checkpoint interval, 1 h, has
-    # passed while the node stays risky); the failure at 07:30 costs the half hour since.
-    assert cost["failure_gpu_h"] == pytest.approx(512 * 0.5)
-    assert cost["hints"] >= 2
-    assert cost["checkpoint_gpu_h"] == pytest.approx(cost["hints"] * 512 * 5 / 60)
+    assert none["failure_gpu_h"] == pytest.approx(512 * 7.5)
+    # Told at 06:00 (saves 0.9 x 512 x 6 h / 24 for 43); at 07:00, 1 h after the hint, another
+    # would save 0.9 x 512 x 1 h / 24: not worth it. The failure at 07:30 costs the 1.5 h since.
+    assert cost["hints"] == 1
+    assert cost["failure_gpu_h"] == pytest.approx(512 * 1.5)
+    assert cost["checkpoint_gpu_h"] == pytest.approx(512 * 5 / 60)
     assert cost["total_gpu_h"] < none["total_gpu_h"]
     assert cost["drains"] == 0
 
