@@ -113,43 +113,36 @@ def ingest_kernel_log(
     FILES (plain, rotated or gzip-compressed) default to everything under DATA/raw/kernel-log/
     (what `gpufail simulate` writes). Files already ingested are skipped; a grown file is read
     from where the last run stopped. Given FILES, a new (absent or empty) data root is created."""
-    from ingest.kernel_log_import import ingest_kernel_logs
+    from ingest.kernel_log_import import IngestSummary, ingest_kernel_logs
     from ingest.store import Store
 
     settings = settings_of(ctx)
     root = data_root(ctx, data)
     booted, captured = when(boot_time, "'--boot-time'"), when(capture_time, "'--time'")
+
+    def ingest_into(store: Store, paths: list[Path]) -> IngestSummary:
+        return ingest_kernel_logs(
+            store,
+            paths,
+            cluster=settings.ingest.cluster,
+            dedup_window=settings.ingest.xid_dedup_window,
+            node=node,
+            boot_time=booted,
+            tz=tz,
+            workers=settings.ingest_workers(),
+            capture_time=captured,
+        )
+
     if files:
         # Given files can start a new data root (someone holding only kernel logs).
         with import_root(ctx, data, as_json) as store:
-            summary = ingest_kernel_logs(
-                store,
-                [Path(f) for f in files],
-                cluster=settings.ingest.cluster,
-                dedup_window=settings.ingest.xid_dedup_window,
-                node=node,
-                boot_time=booted,
-                tz=tz,
-                workers=settings.ingest_workers(),
-                capture_time=captured,
-            )
-        report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
-        return
-    store = Store.open(root)
-    paths = sorted(p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file())
-    if not paths:
-        raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
-    summary = ingest_kernel_logs(
-        store,
-        paths,
-        cluster=settings.ingest.cluster,
-        dedup_window=settings.ingest.xid_dedup_window,
-        node=node,
-        boot_time=booted,
-        tz=tz,
-        workers=settings.ingest_workers(),
-        capture_time=captured,
-    )
+            summary = ingest_into(store, [Path(f) for f in files])
+    else:
+        store = Store.open(root)
+        paths = sorted(p for p in Path(store.path("raw", "kernel-log")).glob("*") if p.is_file())
+        if not paths:
+            raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
+        summary = ingest_into(store, paths)
     report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
 
 
