@@ -16,6 +16,7 @@ before a metric was declared lack its column and read it as missing (`ingest.sch
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -24,6 +25,7 @@ from ingest.errors import InputError, StoreError
 from ingest.journal import lock_path
 from ingest.locking import exclusive_lock
 from ingest.schema import Metric, MetricKind, use_user_metrics
+from ingest.store import guarded
 
 if TYPE_CHECKING:
     from ingest.store import Store
@@ -118,15 +120,27 @@ def record_metrics(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, 
     line naming the metric, a name the root already records with another kind or unit.
     Returns the metrics now recorded. Called by an importer before it writes rows.
 
-    The read, merge and write hold the record's lock: two imports declaring different metrics at
-    once must both end up recorded, not the second overwriting the first."""
-    where = f"metric record of {store.root}"
-    with exclusive_lock(lock_path(store, STATE_NAME), where, wait_s=RECORD_LOCK_WAIT_S, error=StoreError):
+    A write holds the record's lock (read, merge and write again under it): two imports
+    declaring different metrics at once must both end up recorded, not the second overwriting
+    the first. Nothing new to record takes no lock and writes nothing, so a read-only data root
+    still works for everything it already records."""
+    if not _changes_record(store, declared):
+        return _merge_and_record(store, declared)
+    path = lock_path(store, STATE_NAME)
+    with ExitStack() as held:
+        with guarded("create the lock file", str(path)):
+            lock = exclusive_lock(path, f"metric record of {store.root}", wait_s=RECORD_LOCK_WAIT_S, error=StoreError)
+            held.enter_context(lock)
         return _merge_and_record(store, declared)
 
 
 RECORD_LOCK_WAIT_S = 60.0
 """How long an import waits for another one updating the metric record (a read and a small write)."""
+
+
+def _changes_record(store: Store, declared: tuple[Metric, ...]) -> bool:
+    recorded = {m.column: m for m in recorded_metrics(store)}
+    return any(recorded.get(metric.column) != metric for metric in declared)
 
 
 def _merge_and_record(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, ...]:

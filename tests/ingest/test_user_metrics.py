@@ -193,6 +193,27 @@ def test_two_imports_recording_metrics_at_once_take_turns(tmp_path: Path, monkey
     assert [m.column for m in recorded_metrics(store)] == ["fan_rpm", "smart_5_raw"]
 
 
+def test_nothing_new_to_record_takes_no_lock_and_a_lock_that_cannot_be_made_is_one_line(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # A read-only data root must keep working for what it records (the collector's start records
+    # the configured metrics every time); only a change needs the lock, and a lock file that
+    # cannot be created is a one-line store error naming it, not a traceback.
+    import ingest.user_metrics as module
+
+    store = Store.create(str(tmp_path / "root"))
+    record_metrics(store, (user_metric("fan_rpm", "gauge", "rpm"),))
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(module, "lock_path", lambda store, name: blocker / f"{name}.lock")
+    assert [m.column for m in record_metrics(store, ())] == ["fan_rpm"]
+    assert [m.column for m in record_metrics(store, (user_metric("fan_rpm", "gauge", "rpm"),))] == ["fan_rpm"]
+    with pytest.raises(StoreError, match=r"not-a-folder: could not create the lock file") as refused:
+        record_metrics(store, (user_metric("smart_5_raw", "counter", "sectors"),))
+    assert "\n" not in str(refused.value)
+    assert [m.column for m in recorded_metrics(store)] == ["fan_rpm"]
+
+
 @pytest.mark.parametrize(
     ("table", "message"),
     [
