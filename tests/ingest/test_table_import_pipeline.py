@@ -90,17 +90,26 @@ def test_an_imported_export_goes_through_features_with_the_failing_gpu_labelled(
     assert healthy["label"].to_list() == [0] * healthy.height
 
 
-def test_failure_records_alone_label_the_rows_before_them_and_have_their_own_summary_line(tmp_path: Path) -> None:
-    """The GPU keeps reporting and no repair is mapped: the ticket is the only evidence."""
+def import_without_repairs(tmp_path: Path, *, replaced: bool = True, tickets: str | None = None) -> str:
+    """Import the example export with its mapping cut before `[repairs]` (failure records are
+    then the only label evidence besides lost GPUs), optionally with other tickets; the root."""
     export = tmp_path / "export"
-    write_export(export, replaced=False)
+    write_export(export, replaced=replaced)
     mapping = (EXAMPLE / "mapping.toml").read_text()
     (export / "mapping.toml").write_text(mapping[: mapping.index("[repairs]")])
+    if tickets is not None:
+        (export / "tickets.csv").write_text(tickets)
     root = str(tmp_path / "root")
     imported = gpufail(
         "ingest", "table", str(export / "telemetry.csv"), "--map", str(export / "mapping.toml"), "--data", root
     )
     assert imported.returncode == 0, imported.stderr
+    return root
+
+
+def test_failure_records_alone_label_the_rows_before_them_and_have_their_own_summary_line(tmp_path: Path) -> None:
+    """The GPU keeps reporting and no repair is mapped: the ticket is the only evidence."""
+    root = import_without_repairs(tmp_path, replaced=False)
 
     built = gpufail("features", "--data", root, "--quiet")
     assert built.returncode == 0, built.stderr
@@ -113,17 +122,9 @@ def test_failure_records_alone_label_the_rows_before_them_and_have_their_own_sum
 
 
 def test_failure_records_that_label_nothing_are_warned_about(tmp_path: Path) -> None:
-    export = tmp_path / "export"
-    write_export(export)
-    mapping = (EXAMPLE / "mapping.toml").read_text()
-    (export / "mapping.toml").write_text(mapping[: mapping.index("[repairs]")])
     # The ticket was opened before the export's first sample: no row lies before it.
-    (export / "tickets.csv").write_text("device_serial,opened_at,category\nSN-a-2,2026-04-30 23:00:00,ECC\n")
-    root = str(tmp_path / "root")
-    imported = gpufail(
-        "ingest", "table", str(export / "telemetry.csv"), "--map", str(export / "mapping.toml"), "--data", root
-    )
-    assert imported.returncode == 0, imported.stderr
+    tickets = "device_serial,opened_at,category\nSN-a-2,2026-04-30 23:00:00,ECC\n"
+    root = import_without_repairs(tmp_path, tickets=tickets)
     built = gpufail("features", "--data", root, "--quiet")
     assert built.returncode == 0, built.stderr
     assert "warning: failure_events: 1 events from source 'record' gave no positive label" in built.stdout
