@@ -124,30 +124,32 @@ def record_metrics(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, 
     declaring different metrics at once must both end up recorded, not the second overwriting
     the first. Nothing new to record takes no lock and writes nothing, so a read-only data root
     still works for everything it already records."""
-    if not _changes_record(store, declared):
-        return _merge_and_record(store, declared)
+    recorded = recorded_metrics(store)
+    result = _merged(store, recorded, declared)
+    if result == recorded:
+        use_user_metrics(result)
+        return result
     path = lock_path(store, STATE_NAME)
     with ExitStack() as held:
         with guarded("create the lock file", str(path)):
             lock = exclusive_lock(path, f"metric record of {store.root}", wait_s=RECORD_LOCK_WAIT_S, error=StoreError)
             held.enter_context(lock)
-        return _merge_and_record(store, declared)
+        # Read again under the lock: another import may have recorded a metric meanwhile.
+        result = _merged(store, recorded_metrics(store), declared)
+        use_user_metrics(result)  # refuses a clash with gpufail's own columns before anything is written
+        store.write_state(STATE_NAME, {"metrics": [_to_json(m) for m in result]}, durable=True)
+        return result
 
 
 RECORD_LOCK_WAIT_S = 60.0
 """How long an import waits for another one updating the metric record (a read and a small write)."""
 
 
-def _changes_record(store: Store, declared: tuple[Metric, ...]) -> bool:
-    recorded = {m.column: m for m in recorded_metrics(store)}
-    return any(recorded.get(metric.column) != metric for metric in declared)
-
-
-def _merge_and_record(store: Store, declared: tuple[Metric, ...]) -> tuple[Metric, ...]:
-    recorded = {m.column: m for m in recorded_metrics(store)}
-    merged = dict(recorded)
+def _merged(store: Store, recorded: tuple[Metric, ...], declared: tuple[Metric, ...]) -> tuple[Metric, ...]:
+    """The record with `declared` added (a known name's range and description replaced)."""
+    merged = {m.column: m for m in recorded}
     for metric in declared:
-        old = recorded.get(metric.column)
+        old = merged.get(metric.column)
         if old is not None and (old.kind, old.unit) != (metric.kind, metric.unit):
             raise InputError(
                 f"[metrics.{metric.column}]: the data root {store.root} records it as a {old.kind} in "
@@ -155,8 +157,4 @@ def _merge_and_record(store: Store, declared: tuple[Metric, ...]) -> tuple[Metri
                 "keep their meaning, so give the new one another name (or use another data root)"
             )
         merged[metric.column] = metric
-    result = tuple(merged.values())
-    use_user_metrics(result)  # refuses a clash with gpufail's own columns before anything is written
-    if result != tuple(recorded.values()):
-        store.write_state(STATE_NAME, {"metrics": [_to_json(m) for m in result]}, durable=True)
-    return result
+    return tuple(merged.values())
