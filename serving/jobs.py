@@ -123,16 +123,18 @@ class Exposure:
     """Hours between its periodic checkpoints."""
     to_end: float
     """Hours until its time limit ends it (inf: none)."""
+    assumed: bool = False
+    """Whether its last checkpoint is assumed (none reported)."""
 
 
 def exposure(job: Job, now: datetime, checkpoint_interval: timedelta) -> Exposure:
     """The job's `Exposure` at `now`. Its interval is `checkpoint_interval` (a job reports when it
     checkpointed, not how often); one past it is taken to checkpoint within the next interval."""
-    since, _ = job.hours_since_checkpoint(now, checkpoint_interval)
+    since, assumed = job.hours_since_checkpoint(now, checkpoint_interval)
     interval = checkpoint_interval.total_seconds() / 3600
     to_checkpoint = interval - since if since < interval else interval
     to_end = math.inf if job.end_by is None else max((job.end_by - now).total_seconds() / 3600, 0.0)
-    return Exposure(job.gpus, since, to_checkpoint, interval, to_end)
+    return Exposure(job.gpus, since, to_checkpoint, interval, to_end, assumed)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,6 @@ def node_loads(job_map: JobMap, now: datetime, checkpoint_interval: timedelta) -
     acc: dict[str, list[Any]] = {}
     for job in job_map.jobs:
         exp = exposure(job, now, checkpoint_interval)
-        _, assumed = job.hours_since_checkpoint(now, checkpoint_interval)
         for node, on_node in job.gpus_on.items():
             a = acc.get(node)
             if a is None:
@@ -176,7 +177,7 @@ def node_loads(job_map: JobMap, now: datetime, checkpoint_interval: timedelta) -
             a[2] += exp.gpus
             a[3] += exp.gpus * exp.since
             a[4] = max(a[4], exp.to_end)
-            if assumed:
+            if exp.assumed:
                 a[5].append(job.id)
             a[6].append(exp)
     return {
