@@ -174,6 +174,35 @@ def threshold_for_budget(frame: AlarmFrame, scores: Any, budget: float) -> tuple
     return float(candidates[lo]), rate_at(lo)
 
 
+def tie_gap(scores: Any) -> float:
+    """Half the smallest gap between distinct finite values of `scores` (a scorer's validation
+    scores: the test period's must not move a threshold): the most a tie-break may add without
+    reordering two different scores there. 0 when there are fewer than two distinct values."""
+    values = np.unique(np.asarray(scores, dtype=np.float64))
+    values = values[np.isfinite(values)]
+    return float(np.diff(values).min() / 2.0) if len(values) > 1 else 0.0
+
+
+def untied(scores: Any, rows: pd.DataFrame, gap: float) -> np.ndarray:
+    """`scores` with ties broken by a hash of each row's (gpu_uuid, ts): a fraction of `gap`
+    (`tie_gap`) added, so rows with equal scores are ordered at random but reproducibly, and
+    rows with different scores keep their order. A count-valued score (the heuristic, a
+    counter feature) ties by the thousand at its top values; without this its threshold can
+    only take whole tie classes, and at a small budget it raised no alarm at all, which made it
+    impossible to compare at that budget. The hash is not the training draw's key (a seeded
+    pandas hash), so the order is unrelated to which rows a model trained on. On the test
+    period, two scores closer than the validation gap may swap: far below any figure's noise."""
+    values = np.asarray(scores, dtype=np.float64)
+    if gap <= 0 or len(values) == 0:
+        return values
+    hashed = pd.util.hash_pandas_object(rows[["gpu_uuid", "ts"]], index=False, hash_key=_TIE_HASH_KEY)
+    fraction = (hashed.to_numpy(dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return np.where(np.isfinite(values), values + gap * fraction, values)
+
+
+_TIE_HASH_KEY = "gpufail-ties-001"  # 16 bytes, as pandas' hash key must be
+
+
 def _pooled(per_day: np.ndarray) -> float:
     total = per_day[:, 1].sum()
     return float(per_day[:, 0].sum() / total) if total > 0 else math.nan

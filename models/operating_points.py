@@ -27,7 +27,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from models.alarms import AlarmFrame, AlarmRules, alarm_metrics, paired_difference_ci, threshold_for_budget
+from models.alarms import (
+    AlarmFrame,
+    AlarmRules,
+    alarm_metrics,
+    paired_difference_ci,
+    threshold_for_budget,
+    tie_gap,
+    untied,
+)
 from models.evaluate import failure_episodes, heuristic_scores, random_scores, rule_columns, rule_flags
 from models.kinds import SINGLE_KINDS
 from models.walk_forward import Contender, WalkForwardResult
@@ -60,7 +68,11 @@ def alarm_comparison(
     )
     assert result.validation is not None
     validation = AlarmFrame(result.validation, rules, failures=known, known_until=last)
-    scorers = {**_scorers(result, contenders, seed), **(extra_scorers or {})}
+    assert result.validation is not None
+    scorers = {
+        name: _untied(pair, result.test, result.validation)
+        for name, pair in {**_scorers(result, contenders, seed), **(extra_scorers or {})}.items()
+    }
 
     def at_threshold(name: str, threshold: float, budget: float | None, validation_rate: float) -> dict[str, Any]:
         test_scores, _ = scorers[name]
@@ -98,6 +110,8 @@ def alarm_comparison(
             pairs[single] = {**_public(cut), **_differences(natural[c.name], cut, samples, seed)}
         equal[c.name] = {"volume": volume, "ensemble": _public(natural[c.name]), "singles": pairs}
 
+    versus = _versus_baselines(by_budget, natural, contenders, validation, at_threshold, scorers, samples, seed)
+
     return {
         "rules": {
             "horizon_h": test.horizon / pd.Timedelta(hours=1),
@@ -116,11 +130,87 @@ def alarm_comparison(
         "by_budget": {b: {n: _public(m) for n, m in row.items()} for b, row in by_budget.items()},
         "natural": {n: _public(m) for n, m in natural.items()},
         "equal_volume": equal,
+        "versus_baselines": versus,
     }
+
+
+THRESHOLDED_BASELINES = ("heuristic", "best_feature")
+"""The baselines each contender is compared with at every budget (the rule, which flags, at its
+own volume)."""
+
+
+def _versus_baselines(
+    by_budget: dict[str, dict[str, Any]],
+    natural: dict[str, dict[str, Any]],
+    contenders: Sequence[Contender],
+    validation: AlarmFrame,
+    at_threshold: Any,
+    scorers: dict[str, tuple[Any, Any]],
+    samples: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Each contender minus each baseline, alarm precision and failure recall with paired
+    bootstrap intervals over the test days: at every budget against the thresholded baselines
+    (`THRESHOLDED_BASELINES`), and against the rule at the rule's own validation volume (each
+    contender's threshold chosen on the validation slice for that volume, as for the ensemble)."""
+    names = [c.name for c in contenders]
+    budgets = {
+        budget: {
+            baseline: {name: _differences(row[name], row[baseline], samples, seed) for name in names}
+            for baseline in THRESHOLDED_BASELINES
+            if baseline in row
+        }
+        for budget, row in by_budget.items()
+    }
+    out: dict[str, Any] = {"by_budget": budgets}
+    if "rule" in natural and natural["rule"]["validation_rate"] > 0:
+        volume = natural["rule"]["validation_rate"]
+        cut = {}
+        for name in names:
+            threshold, rate = threshold_for_budget(validation, scorers[name][1], volume)
+            point = at_threshold(name, threshold, volume, rate)
+            cut[name] = {**_public(point), **_differences(point, natural["rule"], samples, seed)}
+        out["rule"] = {"volume": volume, "contenders": cut}
+    return out
+
+
+def baseline_verdicts(versus: dict[str, Any]) -> dict[str, Any]:
+    """Per contender: for each baseline and budget (the rule: at its volume) whether the
+    contender's alarm precision is higher with the 95% interval of the difference above zero
+    (`beats`), lower with it below zero (`loses`), or neither (`not shown`); and `beats_all`:
+    it beats every baseline at every operating point."""
+
+    def verdict(entry: dict[str, Any]) -> str:
+        low, high = entry["precision_difference_ci"]
+        if low is not None and low > 0:
+            return "beats"
+        if high is not None and high < 0:
+            return "loses"
+        return "not shown"
+
+    out: dict[str, Any] = {}
+    for budget, baselines in versus["by_budget"].items():
+        for baseline, by_name in baselines.items():
+            for name, entry in by_name.items():
+                out.setdefault(name, {}).setdefault(baseline, {})[budget] = verdict(entry)
+    for name, entry in versus.get("rule", {}).get("contenders", {}).items():
+        out.setdefault(name, {})["rule"] = verdict(entry)
+    for by_baseline in out.values():
+        results = [v for b, v in by_baseline.items() if b == "rule"]
+        results += [v for b, per in by_baseline.items() if b != "rule" for v in per.values()]
+        by_baseline["beats_all"] = bool(results) and all(v == "beats" for v in results)
+    return out
 
 
 def _key(budget: float) -> str:
     return f"{budget:g}"
+
+
+def _untied(pair: tuple[Any, Any], test: pd.DataFrame, validation: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """A scorer's (test, validation) scores with their ties broken (`models.alarms.untied`), by
+    the gap of its validation scores."""
+    gap = tie_gap(pair[1])
+    return untied(pair[0], test, gap), untied(pair[1], validation, gap)
 
 
 def _scorers(result: WalkForwardResult, contenders: Sequence[Contender], seed: int) -> dict[str, tuple[Any, Any]]:
@@ -143,16 +233,17 @@ def _flags(result: WalkForwardResult, seed: int) -> dict[str, tuple[np.ndarray, 
     return out
 
 
-def _differences(ensemble: dict[str, Any], single: dict[str, Any], samples: int, seed: int) -> dict[str, Any]:
-    """Ensemble minus single: alarm precision and failure recall, with paired bootstrap
-    intervals over the test days."""
-    e, s = ensemble["_day_counts"], single["_day_counts"]
+def _differences(first: dict[str, Any], second: dict[str, Any], samples: int, seed: int) -> dict[str, Any]:
+    """First minus second operating point (the ensemble minus a single model, a contender minus
+    a baseline): alarm precision and failure recall, with paired bootstrap intervals over the
+    test days."""
+    e, s = first["_day_counts"], second["_day_counts"]
 
     def diff(a: Any, b: Any) -> float | None:
         return None if a is None or b is None else float(a - b)
 
     return {
-        "precision_difference": diff(ensemble["precision"], single["precision"]),
+        "precision_difference": diff(first["precision"], second["precision"]),
         "precision_difference_ci": list(
             paired_difference_ci(
                 np.column_stack([e["hits"], e["alarms"]]),
@@ -161,7 +252,7 @@ def _differences(ensemble: dict[str, Any], single: dict[str, Any], samples: int,
                 seed=seed,
             )
         ),
-        "recall_difference": diff(ensemble["recall"], single["recall"]),
+        "recall_difference": diff(first["recall"], second["recall"]),
         "recall_difference_ci": list(
             paired_difference_ci(
                 np.column_stack([e["caught"], e["failures"]]),

@@ -272,6 +272,7 @@ def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
             "high_risk": calibration["high_risk"],
         },
         "ensemble_at_equal_volume": metrics["claims"].get("ensemble_at_equal_volume", {}),
+        "versus_baselines": metrics["claims"].get("versus_baselines", {}).get(name),
     }
 
 
@@ -300,6 +301,19 @@ def alarm_lines(f: dict[str, Any]) -> list[str]:
     lines += [
         f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in f["ensemble_at_equal_volume"].items()
     ]
+    versus = f.get("versus_baselines")
+    if versus:
+        parts = [f"rule (at its volume): {versus['rule']}"] if "rule" in versus else []
+        parts += [
+            f"{baseline}: " + ", ".join(f"{budget} {v}" for budget, v in per.items())
+            for baseline, per in versus.items()
+            if baseline not in ("rule", "beats_all")
+        ]
+        lines.append(
+            f"{f['model']}'s alarm precision against the baselines (95% interval of the difference; by budget): "
+            + "; ".join(parts)
+            + (" - beats every one" if versus["beats_all"] else "")
+        )
     return lines
 
 

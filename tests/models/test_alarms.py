@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from models.alarms import AlarmFrame, AlarmRules, alarm_metrics, threshold_for_budget
+from models.alarms import AlarmFrame, AlarmRules, alarm_metrics, threshold_for_budget, tie_gap, untied
 from models.evaluate import episode_recall
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")
@@ -115,3 +115,30 @@ def test_the_budget_threshold_is_the_lowest_within_budget():
     assert threshold_for_budget(slice_, np.ones(len(frame)), 1.0) == (np.inf, 0.0)
     with pytest.raises(InputError, match="alarm budget"):
         threshold_for_budget(slice_, scores, 0)
+
+
+def test_broken_ties_let_a_count_valued_score_meet_a_small_budget_without_reordering_distinct_counts():
+    frame = fleet(100, 72, 24, {})
+    slice_ = AlarmFrame(frame, AlarmRules(horizon="24h"))
+    # A count: most rows 0, a fifth of them tied at 1, a few at 2 and 3.
+    counts = np.where(np.arange(len(frame)) % 5 == 0, 1.0, 0.0)
+    counts[::97] = 2.0
+    counts[::389] = 3.0
+    budget = 20.0
+    tied_threshold, _ = threshold_for_budget(slice_, counts, budget)
+    assert tied_threshold == np.inf  # the top tie class alone is over budget
+    gap = tie_gap(counts)
+    assert gap == 0.5
+    broken = untied(counts, frame, gap)
+    # Equal counts are now ordered, different counts keep their order, reproducibly.
+    assert len(np.unique(broken)) == len(broken)
+    order = np.argsort(broken, kind="stable")
+    assert np.all(np.diff(counts[order]) >= 0)
+    assert np.array_equal(broken, untied(counts, frame, gap))
+    threshold, rate = threshold_for_budget(slice_, broken, budget)
+    assert np.isfinite(threshold) and budget / 2 < rate <= budget
+    # The order among ties does not depend on the row order of the frame.
+    shuffled = frame.sample(frac=1.0, random_state=1)
+    again = untied(counts[shuffled.index.to_numpy()], shuffled, gap)
+    assert np.array_equal(again, broken[shuffled.index.to_numpy()])
+    assert tie_gap(np.array([4.0, 4.0, np.nan])) == 0.0

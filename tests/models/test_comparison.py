@@ -9,6 +9,7 @@ import pytest
 
 from ingest.errors import InputError
 from models.comparison import claims, covered_days, evaluate_walk_forward
+from models.operating_points import baseline_verdicts
 from models.walk_forward import Contender
 from tests.models import PRECURSOR
 from tests.models.walk_forward_cases import FAST, PLAN, small_frame
@@ -76,8 +77,14 @@ def alarm_run(frame):
     return evaluate_walk_forward(frame, ALARM_CONTENDERS, PLAN, top_k=["5"], bootstrap_samples=50, budgets=BUDGETS)
 
 
+def with_rule_column(frame):
+    """`frame` with an uncorrectable-ECC count the rule baseline flags on: raised by a strong
+    precursor reading (so the rule catches some failures, noisily)."""
+    return frame.assign(ecc_dbe_volatile_total_increase_24h=(frame[PRECURSOR] > 1.8).astype(float))
+
+
 def test_operating_points_are_chosen_without_the_test_period():
-    frame = small_frame()
+    frame = with_rule_column(small_frame())
     before = alarm_run(frame)
     # The same data with every failure of the test period erased and its precursor turned
     # around: the test's labels and scores change, nothing before it does.
@@ -89,7 +96,7 @@ def test_operating_points_are_chosen_without_the_test_period():
         time_to_failure_h=frame["time_to_failure_h"].mask(in_test),
         **{PRECURSOR: frame[PRECURSOR].mask(later, -frame[PRECURSOR])},
     )
-    after = alarm_run(erased)
+    after = alarm_run(with_rule_column(erased))
     for budget in ("60", "200"):
         for name, point in before["alarms"]["by_budget"][budget].items():
             again = after["alarms"]["by_budget"][budget][name]
@@ -99,13 +106,16 @@ def test_operating_points_are_chosen_without_the_test_period():
     assert before["alarms"]["natural"]["par sliding"]["validation_rate"] == pytest.approx(
         after["alarms"]["natural"]["par sliding"]["validation_rate"]
     )
+    for name, point in before["alarms"]["versus_baselines"]["rule"]["contenders"].items():
+        again = after["alarms"]["versus_baselines"]["rule"]["contenders"][name]
+        assert (point["threshold"], point["validation_rate"]) == (again["threshold"], again["validation_rate"])
     # ... while what they are judged on did change.
     assert after["alarms"]["by_budget"]["60"]["lgb sliding"]["n_failures"] == 0
     assert before["alarms"]["by_budget"]["60"]["lgb sliding"]["n_failures"] > 0
 
 
 def test_alarms_calibration_and_the_ensemble_at_equal_volume_are_reported():
-    metrics = alarm_run(small_frame())
+    metrics = alarm_run(with_rule_column(small_frame()))
     alarms = metrics["alarms"]
     assert alarms["budgets"] == list(BUDGETS) and metrics["alarm_headline_budget"] == 60.0
     assert pd.Timestamp(alarms["validation"]["end"]) < pd.Timestamp(metrics["test"]["start"])
@@ -125,6 +135,20 @@ def test_alarms_calibration_and_the_ensemble_at_equal_volume_are_reported():
         low, high = single["precision_difference_ci"]
         assert low <= single["precision_difference"] <= high
     assert metrics["claims"]["ensemble_at_equal_volume"]["par sliding"] in ("holds", "reversed", "not shown")
+    # Every contender against the thresholded baselines at every budget, and the rule at its volume.
+    versus = alarms["versus_baselines"]
+    for budget in ("60", "200"):
+        for baseline in ("heuristic", "best_feature"):
+            entry = versus["by_budget"][budget][baseline]["lgb sliding"]
+            mine, theirs = alarms["by_budget"][budget]["lgb sliding"], alarms["by_budget"][budget][baseline]
+            if mine["precision"] is not None and theirs["precision"] is not None:
+                assert entry["precision_difference"] == pytest.approx(mine["precision"] - theirs["precision"])
+    rule = versus["rule"]
+    assert rule["volume"] == alarms["natural"]["rule"]["validation_rate"] > 0
+    assert all(c["validation_rate"] <= rule["volume"] for c in rule["contenders"].values())
+    verdicts = metrics["claims"]["versus_baselines"]["lgb sliding"]
+    assert verdicts["rule"] in ("beats", "loses", "not shown")
+    assert set(verdicts["heuristic"]) == {"60", "200"}
     # Its ranking picks only flagged GPUs: never more than K = 5 per grid time, often fewer; so it
     # is no candidate for the best at K.
     assert metrics["scores"]["par sliding"]["by_k"]["5"]["picks_mean"] < 5
@@ -196,3 +220,35 @@ def test_paired_differences_over_seeds_give_a_t_interval_of_the_per_seed_differe
 )
 def test_the_test_period_counts_the_days_its_grid_times_cover(times, days):
     assert covered_days(pd.Series(times).sample(frac=1.0, random_state=0)) == days
+
+
+def test_a_contender_beats_the_baselines_only_where_every_interval_is_above_zero():
+    def entry(low, high):
+        return {
+            "precision_difference": None if low is None else (low + high) / 2,
+            "precision_difference_ci": [low, high],
+        }
+
+    versus = {
+        "by_budget": {
+            "1": {
+                "heuristic": {"a": entry(0.1, 0.5), "b": entry(0.1, 0.5)},
+                "best_feature": {"a": entry(0.2, 0.3), "b": entry(-0.1, 0.4)},
+            },
+            "5": {
+                "heuristic": {"a": entry(0.01, 0.2), "b": entry(-0.5, -0.1)},
+                "best_feature": {"a": entry(0.05, 0.1), "b": entry(None, None)},
+            },
+        },
+        "rule": {"contenders": {"a": entry(0.3, 0.6), "b": entry(0.3, 0.6)}},
+    }
+    verdicts = baseline_verdicts(versus)
+    assert verdicts["a"] == {
+        "heuristic": {"1": "beats", "5": "beats"},
+        "best_feature": {"1": "beats", "5": "beats"},
+        "rule": "beats",
+        "beats_all": True,
+    }
+    assert verdicts["b"]["heuristic"] == {"1": "beats", "5": "loses"}
+    assert verdicts["b"]["best_feature"] == {"1": "not shown", "5": "not shown"}
+    assert verdicts["b"]["beats_all"] is False
