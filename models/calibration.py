@@ -238,9 +238,10 @@ HIGH_RISK_TOLERANCE = 0.1
 
 def high_risk_check(y: Any, p: Any, level: float = HIGH_RISK, tolerance: float = HIGH_RISK_TOLERANCE) -> dict[str, Any]:
     """Among rows with risk >= `level`: how many, their mean risk, the observed failure rate
-    with its 95% Wilson interval, and a verdict: `within` (|observed - mean risk| <=
-    `tolerance`), `outside`, or `too few rows` when the interval is wider than the tolerance
-    on either side (the rows cannot tell whether it is within)."""
+    with its 95% Wilson interval, and a verdict: `outside` when the whole interval lies more than
+    `tolerance` from the mean risk (however few the rows, they show it); else `too few rows`
+    when the interval is wider than the tolerance on either side (the rows cannot tell); else
+    `within` (|observed - mean risk| <= `tolerance`) or `outside`."""
     y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
     keep = ~np.isnan(y) & (p >= level)
     n = int(keep.sum())
@@ -251,7 +252,9 @@ def high_risk_check(y: Any, p: Any, level: float = HIGH_RISK, tolerance: float =
         return {**out, "mean_risk": None, "observed_rate": None, "observed_ci": [None, None], "verdict": "no rows"}
     mean, rate = float(p[keep].mean()), pos / n
     assert low is not None and high is not None
-    if high - rate > tolerance or rate - low > tolerance:
+    if low > mean + tolerance or high < mean - tolerance:
+        verdict = "outside"
+    elif high - rate > tolerance or rate - low > tolerance:
         verdict = "too few rows"
     else:
         verdict = "within" if abs(rate - mean) <= tolerance else "outside"

@@ -124,6 +124,10 @@ def test_high_risk_check_says_within_outside_or_too_few():
     assert high_risk_check((rng.random(2000) < 0.4).astype(float), p)["verdict"] == "outside"
     few = high_risk_check(np.array([1.0, 0.0, 1.0]), np.array([0.6, 0.9, 0.7]))
     assert few["verdict"] == "too few rows" and few["n_rows"] == 3
+    # Few rows, but their interval lies wholly below the predicted risk: clearly outside.
+    over = high_risk_check(np.r_[np.ones(4), np.zeros(36)], np.full(40, 0.8))
+    assert over["observed_ci"][1] - over["observed_rate"] > 0.1  # wider than the tolerance
+    assert over["verdict"] == "outside"
     assert few["mean_risk"] == pytest.approx(0.7333, abs=1e-3)
     assert high_risk_check(np.zeros(3), np.full(3, 0.1))["verdict"] == "no rows"
 
