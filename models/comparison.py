@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from sklearn.metrics import roc_auc_score
 
 from ingest.errors import InputError
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
@@ -47,7 +48,7 @@ from models.feature_baseline import choose_feature, feature_scores
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
 from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict
-from models.walk_forward import Contender, WalkForwardPlan, duration_label, run_walk_forward
+from models.walk_forward import Contender, WalkForwardPlan, WalkForwardResult, duration_label, run_walk_forward
 
 PAPER_PRECISION = (0.463, 0.840)
 """Liu et al.: precision at the top of the ranking, best single model -> sliding ensembles."""
@@ -157,6 +158,10 @@ def evaluate_walk_forward(
         {name: m["by_day"] for name, m in at_headline.items()},
     )
     verdicts = ensemble_verdict(alarms["equal_volume"])
+    versus = baseline_verdicts(alarms["versus_baselines"])
+    chosen = chosen_on_validation(result, contenders)
+    if chosen is not None:
+        chosen["versus_baselines"] = versus.get(chosen["name"])
     replayed = (
         {}
         if replay is None
@@ -236,9 +241,33 @@ def evaluate_walk_forward(
                 own_volume=tuple(result.flags),
             ),
             "ensemble_at_equal_volume": verdicts,
-            "versus_baselines": baseline_verdicts(alarms["versus_baselines"]),
+            "versus_baselines": versus,
+            "chosen_on_validation": chosen,
         },
     }
+
+
+def chosen_on_validation(result: WalkForwardResult, contenders: Sequence[Contender]) -> dict[str, Any] | None:
+    """The contender with the highest ROC-AUC on the validation slice before the test period
+    (scored by each contender's first model, which never trained on it): "the best
+    configuration" as it could have been picked without the test period, so that the claim
+    that it beats the baselines is not a choice among contenders made on the test. None
+    without a validation slice that has both classes."""
+    if result.validation is None:
+        return None
+    y = labels(result.validation).to_numpy()
+    known = ~np.isnan(y)
+    if len(np.unique(y[known])) < 2:
+        return None
+    aucs = {
+        c.name: float(roc_auc_score(y[known], np.asarray(result.validation_calibrated[c.name])[known]))
+        for c in contenders
+        if c.name in result.validation_calibrated
+    }
+    if not aucs:
+        return None
+    best = max(aucs, key=lambda name: aucs[name])
+    return {"name": best, "validation_roc_auc": aucs}
 
 
 def calibration_figures(
@@ -503,20 +532,22 @@ def evaluate_seeds(
     """`evaluate_walk_forward` under each of `seeds` (the plan's seed: every fit's negative
     draw, the random baseline, the bootstrap): the first seed's metrics in full, with `seeds`
     holding each seed's headline figures (`headline_figures`) and, per contender and figure,
-    the mean, min and max over the seeds (figures a seed lacks are left out of its mean)."""
+    the mean, min and max over the seeds (figures a seed lacks are left out of its mean), and
+    each seed's configuration chosen on validation with its verdicts against the baselines."""
     if not seeds:
         raise InputError("seeds: expected at least one seed, got none")
     if len(set(seeds)) != len(seeds):
         raise InputError(f"seeds: expected distinct seeds, got {list(seeds)}")
     frame = to_pandas(frame)
     first: dict[str, Any] | None = None
-    per_seed = {}
+    per_seed, chosen = {}, {}
     for seed in seeds:
         metrics = evaluate_walk_forward(
             frame, contenders, WalkForwardPlan(**{**plan.__dict__, "seed": seed}), **options
         )
         first = first or metrics
         per_seed[str(seed)] = headline_figures(metrics)
+        chosen[str(seed)] = metrics["claims"]["chosen_on_validation"]
     assert first is not None
     summary: dict[str, dict[str, dict[str, float | None]]] = {}
     for name in next(iter(per_seed.values())):
@@ -536,5 +567,6 @@ def evaluate_seeds(
             "per_seed": per_seed,
             "summary": summary,
             "paired": paired_over_seeds(per_seed),
+            "chosen_on_validation": chosen,
         },
     }

@@ -171,9 +171,43 @@ def versus_baselines_section(metrics: dict[str, Any]) -> list[str]:
             if winners
             else "no contender beats every baseline at every operating point with the interval above zero "
             "(see the cells whose interval includes zero)."
+        )
+        + (
+            " With several contenders, one of them clearing every interval can be luck; the configuration chosen "
+            "before the test period is the claim that counts:"
+            if winners and len(names) > 1
+            else ""
+        ),
+        "",
+        *_chosen_lines(metrics["claims"].get("chosen_on_validation"), metrics.get("seeds")),
+    ]
+    return lines
+
+
+def _chosen_lines(chosen: dict[str, Any] | None, seeds: dict[str, Any] | None) -> list[str]:
+    """The configuration chosen on the validation slice and whether it beats every baseline;
+    over seeds, each seed's choice."""
+    if chosen is None:
+        return []
+    name, versus = chosen["name"], chosen.get("versus_baselines") or {}
+    auc = chosen["validation_roc_auc"][name]
+    lines = [
+        f"Chosen before the test period (the highest ROC-AUC on the validation slice, {auc:.3f}): **{name}**, which "
+        + (
+            "beats every baseline at every operating point."
+            if versus.get("beats_all")
+            else "does not beat every baseline at every operating point (the tables above say where not)."
         ),
         "",
     ]
+    if seeds and seeds.get("chosen_on_validation"):
+        per = seeds["chosen_on_validation"]
+        cells = [
+            f"seed {seed}: {c['name']} ({'beats all' if (c.get('versus_baselines') or {}).get('beats_all') else 'not all'})"
+            for seed, c in per.items()
+            if c is not None
+        ]
+        lines += ["Over the seeds: " + "; ".join(cells) + ".", ""]
     return lines
 
 

@@ -138,6 +138,7 @@ def evaluate(
     metrics.json and plots."""
     from ingest.store import Store
     from models.comparison import evaluate_walk_forward
+    from models.frame import to_pandas
     from models.report import write_walk_forward_report
     from models.walk_forward import Contender
 
@@ -146,7 +147,9 @@ def evaluate(
     root = data_root(ctx, data)
     store = Store.open(root)
     _check_evaluate_fits(store, cfg.max_memory_gb)
-    frame = _load_features(root)
+    # In pandas once, here, so the polars frame is let go before the walk-forward's copies
+    # (evaluate converts a polars frame itself, but the caller's reference would keep both).
+    frame = to_pandas(_load_features(root))
     failures = (
         store.read("failures", columns=["ts", "gpu_uuid", "mode"]).to_pandas() if store.exists("failures") else None
     )

@@ -106,6 +106,10 @@ def test_operating_points_are_chosen_without_the_test_period():
     assert before["alarms"]["natural"]["par sliding"]["validation_rate"] == pytest.approx(
         after["alarms"]["natural"]["par sliding"]["validation_rate"]
     )
+    chosen = before["claims"]["chosen_on_validation"]
+    assert chosen["name"] in {c.name for c in ALARM_CONTENDERS}
+    assert chosen == {**after["claims"]["chosen_on_validation"], "versus_baselines": chosen["versus_baselines"]}
+    assert chosen["validation_roc_auc"][chosen["name"]] == max(chosen["validation_roc_auc"].values())
     for name, point in before["alarms"]["versus_baselines"]["rule"]["contenders"].items():
         again = after["alarms"]["versus_baselines"]["rule"]["contenders"][name]
         assert (point["threshold"], point["validation_rate"]) == (again["threshold"], again["validation_rate"])
@@ -183,6 +187,8 @@ def test_evaluate_seeds_reports_mean_and_range_over_seeds():
     assert paired["mean"] == pytest.approx(sum(diffs) / 2) and paired["n_seeds"] == 2
     assert paired["ci"][0] <= paired["mean"] <= paired["ci"][1]
     assert out["plan"]["seed"] == 0  # the first seed's figures in full
+    assert out["seeds"]["chosen_on_validation"]["0"] == out["claims"]["chosen_on_validation"]
+    assert out["seeds"]["chosen_on_validation"]["1"]["name"] in ("lgb sliding", "lr sliding")
     with pytest.raises(InputError, match="distinct seeds"):
         evaluate_seeds(small_frame(), contenders, PLAN, [1, 1])
 

@@ -91,6 +91,12 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     assert "## Lead time per failure mode (lr auto, 200 alarms per 1,000 GPUs per day)" in text
     assert "## Calibration on the test period" in text and "Reliability of lr auto" in text
     assert "## The paper's parallel ensemble at equal alarm volume" not in text  # no parallel contender
+    # Every contender against the baselines, and the configuration chosen before the test.
+    assert "## Against the baselines, alarm by alarm" in text and "### Minus the heuristic" in text
+    assert "### Minus the rule, at its volume" in text
+    chosen = metrics()["claims"]["chosen_on_validation"]["name"]
+    assert "Chosen before the test period (the highest ROC-AUC on the validation slice, " in text
+    assert f"**{chosen}**, which " in text
     assert "## Failure modes (K = 5)" in text
     auto_fits = [f for f in metrics()["fits"] if f["contender"] == "lr auto"]
     assert len(auto_fits) == 3
