@@ -83,12 +83,15 @@ class FeatureManifest:
         self.days = days
         self.spec = spec
         """The spec the listed days were built with (None: not recorded, see the module notes)."""
-        self._base = self.store.path(DATASET) + "/"
+        # A journal of one dataset names its files relative to the dataset's folder (what the
+        # features manifest always did); of several, relative to the data root.
+        datasets = journal.datasets
+        self._base = (self.store.path(datasets[0]) if len(datasets) == 1 else self.store.path()) + "/"
 
     @classmethod
     def load(cls, journal: Journal) -> FeatureManifest:
         store = journal.store
-        where = store.path("_state", f"{MANIFEST}.json")
+        where = store.path("_state", f"{journal.name}.json")
         state = journal.state
         if state is None:
             # Written before the manifest existed: every day with files is taken as complete.
@@ -144,9 +147,10 @@ class FeatureManifest:
     def present(self, first: date | None = None, last: date | None = None) -> dict[date, list[str]]:
         """The visible feature files of each day in [first, last], by relative name."""
         found: dict[date, list[str]] = {}
-        for path in self.store.files(DATASET, first, last):
-            name = self.relative(path)
-            found.setdefault(date.fromisoformat(name.split("/", 1)[0].removeprefix("date=")), []).append(name)
+        for dataset in self.journal.datasets:
+            for path in self.store.files(dataset, first, last):
+                name = self.relative(path)
+                found.setdefault(_day_of(name), []).append(name)
         return found
 
     def relative(self, path: str) -> str:
@@ -207,7 +211,7 @@ class FeatureManifest:
         staging = self.staging()
         for path in written:
             name = self.relative(staging.visible(path))
-            day = date.fromisoformat(name.split("/", 1)[0].removeprefix("date="))
+            day = _day_of(name)
             if day in by_day:
                 by_day[day].append(name)
         for day, names in by_day.items():
@@ -232,13 +236,21 @@ class FeatureManifest:
         }
 
 
+def _day_of(name: str) -> date:
+    """The day of a file named relative to the manifest's base (its `date=` folder)."""
+    folder = next(part for part in name.split("/") if part.startswith("date="))
+    return date.fromisoformat(folder.removeprefix("date="))
+
+
 @contextmanager
-def open_manifest(store: Store) -> Iterator[FeatureManifest]:
-    """The manifest of the store's features, holding its journal (the lock: a second build of
-    the data root is refused) until the block ends. The files are not synced to disk before
-    their commit: a power cut that loses one leaves a file its checksum refuses, and a day is
-    rebuilt in minutes."""
-    with store.journal(MANIFEST, [DATASET], durable=False, holder="`gpufail features`") as journal:
+def open_manifest(
+    store: Store, name: str = MANIFEST, datasets: Sequence[str] = (DATASET,)
+) -> Iterator[FeatureManifest]:
+    """The manifest `name` of the store's `datasets` (default: the features'), holding its
+    journal (the lock: a second build of the data root is refused) until the block ends. The
+    files are not synced to disk before their commit: a power cut that loses one leaves a file
+    its checksum refuses, and a day is rebuilt in minutes."""
+    with store.journal(name, list(datasets), durable=False, holder="`gpufail features`") as journal:
         yield FeatureManifest.load(journal)
 
 
@@ -262,10 +274,11 @@ def settle_time(spec: FeatureSpec) -> timedelta:
     return spec.horizon + spec.merge_window + (spec.lost_after or timedelta(0))
 
 
-def recorded_spec(store: Store) -> FeatureSpec | None:
-    """The spec the store's features were built with, from the manifest (None: no manifest, or
-    one written before specs were recorded). Reads only; `FeatureManifest.load` may write."""
-    state = store.read_state(MANIFEST)
+def recorded_spec(store: Store, name: str = MANIFEST) -> FeatureSpec | None:
+    """The spec the store's features (or the datasets of manifest `name`) were built with, from
+    the manifest (None: no manifest, or one written before specs were recorded). Reads only;
+    `FeatureManifest.load` may write."""
+    state = store.read_state(name)
     if not isinstance(state, dict) or state.get("spec") is None:
         return None
-    return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{MANIFEST}.json')}: spec")
+    return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{name}.json')}: spec")

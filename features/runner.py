@@ -3,7 +3,7 @@
 threads of this process, bounded in memory. `features.distributed` runs the same plan on Dask.
 
 It reads telemetry one day partition at a time with enough lookback that every emitted row
-equals what an all-history build would give, turns it into grid buckets (`_BucketStream`),
+equals what an all-history build would give, turns it into grid buckets (`BucketStream`),
 builds each shard of a block with the pure build (`features.build.iter_features_from_buckets`)
 and writes the `features` dataset (`features.dataset.write_features`).
 """
@@ -52,7 +52,7 @@ def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.filter(pl.col("ts") == pl.col("ts").max().over(GPU)).unique(GPU, keep="last", maintain_order=True)
 
 
-class _BucketStream:
+class BucketStream:
     """Raw telemetry, one UTC day at a time, turned into complete grid buckets.
 
     The bucket labelled b holds the samples in (b - grid, b], so a day file's last partial
@@ -163,7 +163,7 @@ def build_features_from_store(
     sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution, and the data end); XID
     events and repair records are read whole (they are small) and give the failure episodes.
     Pass 2 reads raw telemetry one day partition at a time, from the longest window before
-    `start` on, aggregates it to grid buckets once (`_BucketStream`), and computes the fleet
+    `start` on, aggregates it to grid buckets once (`BucketStream`), and computes the fleet
     median per GPU model of each grid time (the one feature that needs the whole fleet). The
     days are emitted in time blocks of `block_days`: a block's features need its buckets and
     the trailing window before it. When the whole fleet's buckets for a block and its window
@@ -327,7 +327,7 @@ def build_features_from_store(
 
         buckets = ShardedBuckets(shards, scratch=options.scratch)
         summary.shards = buckets.count
-        stream = _BucketStream(grid, max_silence)
+        stream = BucketStream(grid, max_silence)
         medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
         bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not options.progress)
 

@@ -1,0 +1,211 @@
+"""The stored form of the features: per GPU-bucket aggregates, what cannot be recomputed cheaply.
+
+A feature row reads the buckets of the longest window before it (`features.plan.lookback`), and
+every window feature is a function of those buckets (`features.windows`); the labels, the XID
+features and the peer features need only small datasets and the buckets' means. So the store
+keeps the buckets (`features.windows.hourly_aggregate` of the raw telemetry: counts, means,
+variances, extremes, last readings, counter increases with resets handled, bitmask counts),
+and the window features are computed when asked (`features.on_demand`), for the rows asked.
+
+Two datasets, committed together by the journal `buckets` (`features.manifest`, as the features
+build commits its days: a day is whole or absent whatever point a build is killed at, complete
+days are kept, the spec is recorded):
+
+- `buckets`: one row per (gpu_uuid, grid time) with at least one sample, in the date partition
+  of its grid time. The bucket labelled t holds the samples in (t - grid, t], so a day's
+  buckets come from that day's telemetry and the last sample before it (the baseline of a
+  counter increase and of the sample spacing): they equal what the features build aggregates.
+- `bucket_presence`: `features.labels.gpu_presence` of each day's telemetry (where and when each
+  GPU reported, per slot). The fleet facts (labels, lost GPUs, XID resolution) are computed
+  from it and the small datasets, exactly as the features build computes them from telemetry.
+
+A day is built again once the data moves past it if it was built before its end (its telemetry
+was still arriving).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import polars as pl
+
+from features.inputs import read_telemetry, utc
+from features.labels import GPU, combine_presence, gpu_presence
+from features.manifest import FeatureManifest, open_manifest, recorded_spec
+from features.plan import ONE_DAY, FeatureBuildSummary, day_start, days_in, plan_build
+from features.runner import BucketStream
+from features.schema import TS_DTYPE
+from features.spec import FeatureSpec
+from ingest.journal import Staging
+from ingest.store import Store
+
+BUCKETS = "buckets"
+PRESENCE = "bucket_presence"
+MANIFEST = "buckets"
+"""The journal (and state, `_state/buckets.json`) that commits both datasets."""
+SCHEMA_VERSION = 1
+
+_METADATA = {b"gpufail.dataset": BUCKETS.encode(), b"gpufail.buckets_schema_version": str(SCHEMA_VERSION).encode()}
+
+
+@contextmanager
+def open_aggregates(store: Store) -> Iterator[FeatureManifest]:
+    """The manifest of the stored aggregates, holding its journal until the block ends."""
+    with open_manifest(store, MANIFEST, (BUCKETS, PRESENCE)) as manifest:
+        yield manifest
+
+
+def aggregates_spec(store: Store) -> FeatureSpec | None:
+    """The spec the stored aggregates were built with (None: none built)."""
+    return recorded_spec(store, MANIFEST)
+
+
+def has_aggregates(store: Store) -> bool:
+    """Whether the store has stored aggregates (a build completed at least one day)."""
+    return store.read_state(MANIFEST) is not None and bool(store.dates(PRESENCE) or store.dates(BUCKETS))
+
+
+def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> list[str]:
+    """One day's files (hidden until the manifest commits them): its buckets and its presence."""
+    written = []
+    for dataset, frame in ((BUCKETS, buckets), (PRESENCE, presence)):
+        if frame.height:
+            table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_METADATA})
+            # Statistics only where a reader filters: time, GPU, place.
+            written.append(
+                staging.write_owned(
+                    dataset,
+                    day.date(),
+                    table,
+                    write_statistics=[c for c in ("ts", GPU, "cluster", "node") if c in frame.columns],
+                )
+            )
+    return written
+
+
+def read_buckets(
+    store: Store,
+    after: datetime,
+    before: datetime,
+    *,
+    columns: Sequence[str] | None = None,
+    where: pl.Expr | None = None,
+) -> pl.DataFrame:
+    """Stored buckets with after < ts < before (and `where`), `columns` only (all when None)."""
+    start = utc(after) + timedelta(microseconds=1)
+    frame = store.scan(BUCKETS, start, utc(before), where=where, schema={GPU: pl.String(), "ts": TS_DTYPE})
+    if columns is not None:
+        frame = frame.select(list(columns))
+    return store.collect(frame, BUCKETS, start, utc(before)).rechunk()
+
+
+def read_presence(store: Store) -> pl.DataFrame:
+    """GPU presence over all the stored days (`labels.combine_presence` of each day's)."""
+    if not store.dates(PRESENCE):
+        return combine_presence([])
+    return combine_presence([store.collect(store.scan(PRESENCE), PRESENCE)])
+
+
+@dataclass
+class AggregatesSummary(FeatureBuildSummary):
+    """What a build of the stored aggregates did (`rows`: buckets written)."""
+
+    def _headline(self, rate: float) -> str:
+        return (
+            f"aggregates: {self.rows:,} buckets for {self.gpus:,} GPUs from {self.telemetry_rows_read:,} telemetry "
+            f"rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); {len(self.files_written)} files written, "
+            f"{self.files_replaced} replaced"
+            + (f"; {self.days_kept} days already built kept" if self.days_kept else "")
+            + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
+        )
+
+    def source_lines(self) -> list[str]:
+        return []
+
+
+def _telemetry_span(store: Store) -> tuple[list[datetime], datetime] | None:
+    """The days with telemetry and the data end (the last sample), read from the last day only."""
+    days = [day_start(datetime(d.year, d.month, d.day)) for d in store.dates("telemetry")]
+    if not days:
+        return None
+    last = days[-1]
+    data_end = store.collect(
+        store.scan("telemetry", last, last + ONE_DAY, columns=["ts"]).select(pl.col("ts").max()), "telemetry"
+    ).item()
+    return days, utc(data_end)
+
+
+def build_aggregates(
+    store: Store,
+    spec: FeatureSpec | None = None,
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> AggregatesSummary:
+    """Aggregate the store's telemetry to the stored buckets (and presence) for the whole UTC days
+    of [start, end) (default: all telemetry), with the grid and silence of `spec` (default: the
+    default spec), which the dataset records. Days already built are kept, as the features
+    build keeps its days (`features.manifest`): complete days stay unless `overwrite`, a day
+    built before its telemetry ended is built again once the data has moved on, and a build with
+    nothing to do is a `FeaturesExistError`. Each day is committed on its own, so a killed build
+    loses at most the day it was writing.
+
+    Each run of consecutive days is read from `max_silence` and one grid step before it, so that
+    its first buckets' counter increases and sample spacings have the sample before them."""
+    from tqdm.auto import tqdm
+
+    began = time.perf_counter()
+    spec = spec or FeatureSpec()
+    summary = AggregatesSummary()
+    span = _telemetry_span(store)
+    if span is None:
+        return summary.timed(began)
+    days_with_data, data_end = span
+    summary.data_end = data_end
+    emit_start = day_start(max(utc(start), days_with_data[0]) if start is not None else days_with_data[0])
+    last = min(utc(end) - timedelta(microseconds=1), data_end) if end is not None else data_end
+    emit_end = day_start(last) + ONE_DAY
+    if emit_start >= emit_end:
+        return summary.timed(began)
+    summary.start, summary.end = emit_start, emit_end
+    have = set(days_with_data)
+    gpus: set[str] = set()
+    with open_aggregates(store) as manifest:
+        plan = plan_build(
+            manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite, settle=timedelta(0)
+        )
+        for run_start, run_end in plan.runs:
+            first_read = max(day_start(run_start - spec.grid - spec.max_silence), days_with_data[0])
+            days = [d for d in days_in(first_read, run_end) if d in have or d >= run_start]
+            stream = BucketStream(spec.grid, spec.max_silence)
+            for day in tqdm(days, desc="features: aggregates", unit="day", disable=not progress):
+                raw: pl.DataFrame | None
+                if day in have:
+                    raw = read_telemetry(store, day, day + ONE_DAY)
+                else:
+                    # No telemetry that day: the bucket held back from the day before is complete now.
+                    raw = None if stream.held is None else stream.held.clear()
+                buckets = pl.DataFrame() if raw is None else stream.day(raw, day + ONE_DAY)
+                if day < run_start:
+                    continue  # read for the samples before the run's first bucket only
+                presence = gpu_presence(raw) if raw is not None and raw.height else pl.DataFrame()
+                if raw is not None:
+                    summary.telemetry_rows_read += raw.height
+                del raw
+                staging = manifest.staging()
+                written = write_day(staging, day, buckets, presence)
+                replaced = plan.replaced.get(day.date(), [])
+                manifest.complete([day.date()], written, data_end, replaced=replaced)
+                summary.rows += buckets.height
+                if buckets.height:
+                    gpus.update(buckets[GPU].unique().to_list())
+                summary.files_written += [staging.visible(p) for p in written]
+                summary.files_replaced += len(replaced)
+    return summary.timed(began, gpus)
