@@ -125,8 +125,8 @@ def on_demand_spec(store: Store) -> FeatureSpec:
     spec = aggregates_spec(store)
     if spec is None:
         raise InputError(
-            f"{store.root}: the features dataset is empty (no stored aggregates); run `gpufail features --data "
-            f"{store.root}` first"
+            f"{store.root}: no stored aggregates to compute features from; run `gpufail features --aggregates "
+            f"--data {store.root}` first"
         )
     state = store.read_state(MANIFEST) or {}
     built = set(state.get("days", {}))
@@ -134,7 +134,7 @@ def on_demand_spec(store: Store) -> FeatureSpec:
     if missing:
         raise InputError(
             f"{store.path(BUCKETS)}: the stored aggregates lack {len(missing)} days of telemetry "
-            f"({missing[0]}..{missing[-1]}); run `gpufail features --data {store.root}` to build them"
+            f"({missing[0]}..{missing[-1]}); run `gpufail features --aggregates --data {store.root}` to build them"
         )
     return spec
 
@@ -160,7 +160,7 @@ def iter_features_on_demand(
         raise InputError(
             f"{store.path(BUCKETS)}: the stored aggregates are on grid {recorded.grid} with silence "
             f"{recorded.max_silence}; features with grid {spec.grid} and silence {spec.max_silence} need "
-            "them rebuilt (gpufail features --overwrite)"
+            "them rebuilt (gpufail features --aggregates --overwrite)"
         )
     options = options or OnDemandOptions()
     facts = stored_fleet_facts(store, spec)

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 @click.option("--start", default=None, help="First grid time (ISO, UTC); default: the start of the telemetry.")
 @click.option("--end", default=None, help="End of the grid, exclusive (ISO, UTC); default: the end of the telemetry.")
 @click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
+@click.option(
+    "--aggregates",
+    is_flag=True,
+    help="Build the stored per GPU-hour aggregates (the buckets dataset) that features are computed from "
+    "on demand, instead of the features table.",
+)
 @quiet_option
 @click.option(
     "--dictionary",
@@ -49,6 +55,7 @@ def features(
     start: str | None,
     end: str | None,
     overwrite: bool,
+    aggregates: bool,
     quiet: bool,
     dictionary_path: str | None,
     as_json: bool,
@@ -59,7 +66,10 @@ def features(
 
     By default it builds what is missing: days not built yet, and days whose labels the data
     added since can now settle. Run again with nothing new, it builds nothing and says so.
-    --overwrite rebuilds every day of --start/--end (default: all of them)."""
+    --overwrite rebuilds every day of --start/--end (default: all of them).
+
+    --aggregates builds the stored aggregates instead: per GPU-hour bucket statistics, from which
+    `features.on_demand` computes any feature row when asked (docs/store.md)."""
     settings = settings_of(ctx)
     spec = settings.feature_spec()
     if dictionary_path is not None:
@@ -87,12 +97,17 @@ def features(
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
     store = Store.open(data_root(ctx, data))
     try:
-        summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
+        if aggregates:
+            from features.aggregates import build_aggregates
+
+            summary = build_aggregates(store, spec, start=first, end=last, overwrite=overwrite, progress=not quiet)
+        else:
+            summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
     except FeaturesExistError as done:
         asked = "" if first is None and last is None else " asked for"
         report(
             as_json,
-            f"features: up to date: {done.files} files cover {done.start}..{done.last}, every day{asked}, built from "
+            f"{'aggregates' if aggregates else 'features'}: up to date: {done.files} files cover {done.start}..{done.last}, every day{asked}, built from "
             "the data as it is now; nothing to build (gpufail features --overwrite rebuilds them, "
             "--start/--end a range of them)",
             {"command": "features", "up_to_date": True, "files": done.files, "start": done.start, "last": done.last},

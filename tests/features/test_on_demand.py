@@ -1,0 +1,167 @@
+"""Features computed on demand from the stored aggregates equal the materialised features.
+
+A simulated fleet with the demo preset's settings, and a slice of the paper preset's, each with
+its kernel logs ingested: the store build (`features.runner`) writes the features table, the
+aggregates build (`features.aggregates`) the buckets, and every column of every row computed on
+demand (`features.on_demand`) must equal the table's: identities and labels exactly, features to
+float32 tolerance. The on-demand side uses other time blocks and a bucket budget that splits
+the fleet into shards, so that equality does not hang on computing the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets
+from features.dataset import read_features
+from features.on_demand import OnDemandOptions, at_keys, drawn, features_on_demand, labelled
+from features.plan import FeaturesExistError
+from features.runner import BuildOptions, build_features_from_store
+from features.sample_key import SAMPLE_KEY, key_threshold
+from features.schema import ID_COLUMNS, LABEL_COLUMNS
+from features.spec import FeatureSpec
+from ingest.errors import InputError
+from ingest.simulator.run import simulate
+from ingest.store import Store
+from tests.cli import gpufail
+
+US = timedelta(microseconds=1)
+# Blocks and shards unlike the materialised build's (3-day blocks, the whole fleet at once).
+ON_DEMAND = OnDemandOptions(block_days=4, max_buckets_in_memory=20_000, rows_per_part=3_000, rows_per_chunk=1_000)
+
+FLEETS = {
+    # The demo preset's settings (5-minute samples in the demo; 15 here to keep it small).
+    "demo": {"nodes": 4, "days": 10, "sample_interval_s": 900, "acceleration": 80.0, "fail_slow_fraction": 0.05},
+    # The paper preset's (sample interval, model mix, late nodes, floods), on three nodes.
+    "paper": {"nodes": 3, "days": 9, "acceleration": 60.0},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FLEETS))
+def fleet(request, tmp_path_factory) -> tuple[Store, pl.DataFrame]:
+    """A store with both forms built, and its materialised features with their stored keys."""
+    root = tmp_path_factory.mktemp(request.param) / "data"
+    simulate(root, request.param, seed=5, progress=False, **FLEETS[request.param])
+    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
+    store = Store.open(str(root))
+    build_features_from_store(store, options=BuildOptions(block_days=3, progress=False))
+    build_aggregates(store)
+    columns = [*read_features(store).columns, SAMPLE_KEY]
+    materialised = read_features(store, columns=columns).select(columns)
+    assert materialised.height > 1000 and (materialised["label"] == 1).sum() > 0
+    return store, materialised
+
+
+def assert_same_rows(got: pl.DataFrame, expected: pl.DataFrame) -> None:
+    """Same columns, order and types; identities and labels equal; features to float32
+    tolerance. A standard deviation is a difference of sums of squares about the GPU's first
+    bucket mean in the computed frame, so its rounding scales with the metric's level (memory
+    used near 80,000 MiB): its tolerance is float32 rounding of the window's mean. The
+    materialised build with other blocks differs from itself the same way."""
+    assert got.columns == expected.columns
+    assert got.schema == expected.schema
+    assert got.height == expected.height
+    for name in (*ID_COLUMNS, "label", SAMPLE_KEY):
+        if name in got.columns:
+            assert got[name].equals(expected[name], check_names=True), name
+    for name in expected.columns:
+        if name in ID_COLUMNS or name in ("label", SAMPLE_KEY):
+            continue
+        x, y = expected[name].to_numpy().astype(np.float64), got[name].to_numpy().astype(np.float64)
+        assert (np.isnan(x) == np.isnan(y)).all(), f"{name}: unknown in one and not the other"
+        level = np.abs(x)
+        if "_std_" in name:
+            level = np.maximum(level, np.abs(expected[name.replace("_std_", "_mean_")].to_numpy().astype(np.float64)))
+        tolerance = 1e-4 + 4 * np.finfo(np.float32).eps * level
+        known = ~np.isnan(x)
+        worst = np.abs(x - y)[known] - tolerance[known]
+        assert worst.size == 0 or worst.max() <= 0, f"{name}: differs by more than float32 rounding"
+
+
+def test_every_row_on_demand_equals_the_materialised_row(fleet):
+    store, materialised = fleet
+    got = features_on_demand(store, sample_key=True, options=ON_DEMAND)
+    assert_same_rows(got, materialised)
+    assert got[LABEL_COLUMNS[1]].equals(materialised[LABEL_COLUMNS[1]])
+
+
+def test_the_training_draw_on_demand_is_the_materialised_draw(fleet):
+    store, materialised = fleet
+    for share in (0.1, 0.5):
+        expected = materialised.filter(
+            (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(share)))
+        )
+        got = features_on_demand(store, rows=drawn(share), sample_key=True, options=ON_DEMAND)
+        assert 0 < got.height < materialised.height
+        assert_same_rows(got, expected)
+
+
+def test_a_range_and_chosen_rows(fleet):
+    store, materialised = fleet
+    # A range that starts and ends within days, not at a block's edge.
+    start = materialised["ts"].min() + timedelta(days=2, hours=5)
+    end = start + timedelta(days=3, hours=7)
+    expected = materialised.filter(pl.col("ts").is_between(start, end, closed="left")).drop(SAMPLE_KEY)
+    assert_same_rows(features_on_demand(store, start, end, options=ON_DEMAND), expected)
+    wanted = expected.sample(200, seed=1).select("ts", "gpu_uuid")
+    chosen = features_on_demand(store, start, end, rows=at_keys(wanted))
+    assert_same_rows(chosen, expected.join(wanted, on=["ts", "gpu_uuid"], how="semi"))
+    censored = features_on_demand(store, start, end, rows=labelled())
+    assert_same_rows(censored, expected.filter(pl.col("label").is_not_null()))
+
+
+def test_the_newest_hour_on_demand(fleet):
+    store, materialised = fleet
+    newest = materialised["ts"].max()
+    got = features_on_demand(store, newest, newest + US)
+    assert_same_rows(got, materialised.filter(pl.col("ts") == newest).drop(SAMPLE_KEY))
+    assert features_on_demand(store, newest + timedelta(hours=1)).height == 0  # past the data: empty
+
+
+def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
+    store, materialised = fleet
+    root = tmp_path / "data"
+    shutil.copytree(store.root, root)
+    copy = Store.open(str(root))
+    shutil.rmtree(copy.path(BUCKETS))
+    shutil.rmtree(copy.path(PRESENCE))
+    (root / "_state" / "buckets.json").unlink()
+    middle = materialised["ts"].min() + timedelta(days=4)
+    first = build_aggregates(copy, end=middle)
+    second = build_aggregates(copy)
+    assert first.rows and second.rows and second.days_kept == (middle - materialised["ts"].min()).days
+    with pytest.raises(FeaturesExistError):
+        build_aggregates(copy)
+    everything = materialised["ts"].min() - timedelta(days=1), materialised["ts"].max() + timedelta(days=1)
+    assert read_buckets(copy, *everything).sort("gpu_uuid", "ts").equals(read_buckets(store, *everything).sort("gpu_uuid", "ts"))
+    assert_same_rows(features_on_demand(copy), materialised.drop(SAMPLE_KEY))
+
+
+def test_asking_without_aggregates_or_with_days_missing_is_an_input_error(fleet, tmp_path):
+    store, _ = fleet
+    root = tmp_path / "data"
+    shutil.copytree(store.root, root)
+    copy = Store.open(str(root))
+    shutil.rmtree(copy.path(BUCKETS))
+    shutil.rmtree(copy.path(PRESENCE))
+    (root / "_state" / "buckets.json").unlink()
+    with pytest.raises(InputError, match="no stored aggregates to compute features from; run `gpufail features --aggregates"):
+        features_on_demand(copy)
+    last = copy.dates("telemetry")[-1]
+    build_aggregates(copy, end=pl.datetime_range(last, last, eager=True).cast(pl.Datetime("us", "UTC"))[0])
+    with pytest.raises(InputError, match=rf"lack 1 days of telemetry \({last}..{last}\)"):
+        features_on_demand(copy)
+
+
+def test_features_of_another_grid_need_the_aggregates_rebuilt(fleet):
+    store, _ = fleet
+    with pytest.raises(InputError, match="grid 0:30:00"):
+        features_on_demand(store, spec=FeatureSpec(grid=timedelta(minutes=30), windows=[timedelta(hours=1)]))
+    with pytest.raises(ValueError, match="block_days: expected at least 1"):
+        OnDemandOptions(block_days=0)
