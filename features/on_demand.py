@@ -196,7 +196,9 @@ def features_on_demand(
     options: OnDemandOptions | None = None,
 ) -> pl.DataFrame:
     """`iter_features_on_demand` as one frame sorted by (ts, gpu_uuid) (`read_features`' order)."""
-    parts = list(iter_features_on_demand(store, start, end, spec=spec, rows=rows, sample_key=sample_key, options=options))
+    parts = list(
+        iter_features_on_demand(store, start, end, spec=spec, rows=rows, sample_key=sample_key, options=options)
+    )
     if not parts:
         from features.build import empty_features
 
@@ -234,7 +236,9 @@ def _block(
         means = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in names]
         wanted = [GPU, "ts", *(c for c in ("gpu_model",) if c in names), *means]
         fleet = read_buckets(store, start - timedelta(microseconds=1), end, columns=wanted)
-        medians = model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
+        medians = (
+            model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
+        )
     for shard in range(count):
         where = None
         nodes = None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 import polars as pl
 
@@ -102,7 +102,7 @@ class FeatureBuildSummary:
             + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
         )
 
-    def timed(self, began: float, gpus: set[str] | None = None) -> FeatureBuildSummary:
+    def timed(self, began: float, gpus: set[str] | None = None) -> Self:
         """This summary with the seconds since `began` (`time.perf_counter`) and the GPUs built."""
         if gpus is not None:
             self.gpus = len(gpus)

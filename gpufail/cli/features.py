@@ -96,6 +96,7 @@ def features(
     if first is not None and last is not None and last <= first:
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
     store = Store.open(data_root(ctx, data))
+    summary: FeatureBuildSummary
     try:
         if aggregates:
             from features.aggregates import build_aggregates

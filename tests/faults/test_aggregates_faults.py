@@ -91,7 +91,9 @@ def assert_clean_build(root: Path, expected: tuple[pl.DataFrame, pl.DataFrame]) 
     assert kill_points.hidden_files(root) == []
 
 
-def killed_then_rerun(root: Path, kill: kill_points.Kill, expected: tuple[pl.DataFrame, pl.DataFrame], *extra: str) -> None:
+def killed_then_rerun(
+    root: Path, kill: kill_points.Kill, expected: tuple[pl.DataFrame, pl.DataFrame], *extra: str
+) -> None:
     status, _ = kill_points.run(command(root, *extra), kill=kill, env=ENV)
     assert status == -signal.SIGKILL or (kill.after_s is not None and status == 0), kill
     assert_whole_days(root, expected)

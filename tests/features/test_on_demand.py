@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -139,7 +138,11 @@ def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
     with pytest.raises(FeaturesExistError):
         build_aggregates(copy)
     everything = materialised["ts"].min() - timedelta(days=1), materialised["ts"].max() + timedelta(days=1)
-    assert read_buckets(copy, *everything).sort("gpu_uuid", "ts").equals(read_buckets(store, *everything).sort("gpu_uuid", "ts"))
+    assert (
+        read_buckets(copy, *everything)
+        .sort("gpu_uuid", "ts")
+        .equals(read_buckets(store, *everything).sort("gpu_uuid", "ts"))
+    )
     assert_same_rows(features_on_demand(copy), materialised.drop(SAMPLE_KEY))
 
 
@@ -151,7 +154,9 @@ def test_asking_without_aggregates_or_with_days_missing_is_an_input_error(fleet,
     shutil.rmtree(copy.path(BUCKETS))
     shutil.rmtree(copy.path(PRESENCE))
     (root / "_state" / "buckets.json").unlink()
-    with pytest.raises(InputError, match="no stored aggregates to compute features from; run `gpufail features --aggregates"):
+    with pytest.raises(
+        InputError, match="no stored aggregates to compute features from; run `gpufail features --aggregates"
+    ):
         features_on_demand(copy)
     last = copy.dates("telemetry")[-1]
     build_aggregates(copy, end=pl.datetime_range(last, last, eager=True).cast(pl.Datetime("us", "UTC"))[0])
