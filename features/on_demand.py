@@ -36,11 +36,12 @@ from features.labels import GPU
 from features.peers import PEER_METRICS, model_column, model_medians
 from features.plan import ONE_DAY, FleetFacts, day_start, fleet_facts, lookback
 from features.sample_key import SAMPLE_KEY, key_threshold, sample_keys
-from features.schema import TS_DTYPE
+from features.schema import ID_COLUMNS, LABEL_COLUMNS, TS_DTYPE
 from features.shards import NODE, SHARD, shard_map
 from features.spec import FeatureSpec
-from features.windows import grid_floor, grid_suffix
+from features.windows import BUCKET_ID_COLUMNS, aggregated_metrics, grid_floor, grid_suffix
 from ingest.errors import InputError
+from ingest.schema import telemetry_schema
 from ingest.store import Store
 
 RowFilter = Callable[[pl.DataFrame], pl.Series]
@@ -147,13 +148,15 @@ def iter_features_on_demand(
     spec: FeatureSpec | None = None,
     rows: RowFilter | None = None,
     sample_key: bool = False,
+    labels_only: bool = False,
     options: OnDemandOptions | None = None,
 ) -> Iterator[pl.DataFrame]:
     """The feature rows (`features.schema`) with start <= ts < end (default: all the data) that
     `rows` keeps (default: all), computed from the stored aggregates, in parts of whole GPUs of
     one time block (each sorted by (gpu_uuid, ts)); with `sample_key`, each row's stored training
     key (`features.sample_key.SAMPLE_KEY`) too. `spec`: the spec to compute with (default: the
-    one the aggregates were built with; its grid and silence must be theirs)."""
+    one the aggregates were built with; its grid and silence must be theirs). `labels_only`: the
+    rows' identity columns and labels alone, from a few columns of the buckets."""
     recorded = on_demand_spec(store)
     spec = spec or recorded
     if (spec.grid, spec.max_silence) != (recorded.grid, recorded.max_silence):
@@ -178,7 +181,11 @@ def iter_features_on_demand(
     block_start = begin
     while block_start < finish:
         block_end = min(day_start(block_start) + step, finish)
-        for part in _block(store, spec, facts, block_start, block_end, back, rows, options):
+        if labels_only:
+            parts = _labels(store, spec, facts, block_start, block_end, back, rows)
+        else:
+            parts = _block(store, spec, facts, block_start, block_end, back, rows, options)
+        for part in parts:
             if sample_key:
                 part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
             yield part
@@ -193,25 +200,79 @@ def features_on_demand(
     spec: FeatureSpec | None = None,
     rows: RowFilter | None = None,
     sample_key: bool = False,
+    labels_only: bool = False,
     options: OnDemandOptions | None = None,
 ) -> pl.DataFrame:
     """`iter_features_on_demand` as one frame sorted by (ts, gpu_uuid) (`read_features`' order)."""
     parts = list(
-        iter_features_on_demand(store, start, end, spec=spec, rows=rows, sample_key=sample_key, options=options)
+        iter_features_on_demand(
+            store, start, end, spec=spec, rows=rows, sample_key=sample_key, labels_only=labels_only, options=options
+        )
     )
     if not parts:
-        from features.build import empty_features
-
-        frame = empty_features(list(_bucket_identity(store)), spec or on_demand_spec(store))
+        frame = empty_on_demand(store, spec)
+        if labels_only:
+            frame = frame.select(*ID_COLUMNS, *LABEL_COLUMNS)
         return frame.with_columns(pl.lit(None, dtype=pl.UInt32).alias(SAMPLE_KEY)) if sample_key else frame
     return pl.concat(parts, how="vertical").sort("ts", GPU)
 
 
-def _bucket_identity(store: Store) -> list[str]:
-    """The telemetry columns an empty result is shaped by: those the stored buckets came from."""
-    from ingest.schema import telemetry_schema
+def empty_on_demand(store: Store, spec: FeatureSpec | None = None) -> pl.DataFrame:
+    """A zero-row frame with the columns on-demand rows of this store have: those of a build over
+    the telemetry columns the buckets were aggregated from."""
+    from features.build import empty_features
 
-    return telemetry_schema().names
+    names = store.scan(BUCKETS).collect_schema().names() if store.dates(BUCKETS) else []
+    kinds = aggregated_metrics(names, (spec or on_demand_spec(store)).grid)
+    columns = [c for c in ID_COLUMNS if c in names] + [m for ms in kinds.values() for m in ms]
+    return empty_features(columns or telemetry_schema().names, spec or on_demand_spec(store))
+
+
+def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.DataFrame:
+    """The rows of the newest grid time that has rows (what scoring the fleet now needs): the
+    last grid time at or before the data end, or, when every GPU is out of service or silent
+    there, the one before (up to the longest lookback)."""
+    recorded = spec or on_demand_spec(store)
+    facts = stored_fleet_facts(store, recorded)
+    if facts is None:
+        return empty_on_demand(store, spec)
+    newest = grid_floor(facts.data_end, recorded.grid)
+    oldest = newest - lookback(recorded)
+    while newest >= oldest:
+        rows = features_on_demand(store, newest, newest + timedelta(microseconds=1), spec=spec)
+        if rows.height:
+            return rows
+        newest -= recorded.grid
+    return empty_on_demand(store, spec)
+
+
+_LABEL_BUCKET_COLUMNS = [GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS]
+
+
+def _labels(
+    store: Store,
+    spec: FeatureSpec,
+    facts: FleetFacts,
+    start: datetime,
+    end: datetime,
+    back: timedelta,
+    rows: RowFilter | None,
+) -> Iterator[pl.DataFrame]:
+    """One time block's identity columns and labels, from a few columns of its buckets."""
+    names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
+    hourly = read_buckets(store, start - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
+    if hourly.height == 0:
+        return
+    yield from iter_features_from_buckets(
+        hourly,
+        facts.xid.head(0),
+        spec,
+        **facts.build_inputs(),
+        emit_start=start,
+        emit_end=end,
+        rows=rows,
+        labels_only=True,
+    )
 
 
 def _block(

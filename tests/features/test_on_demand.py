@@ -19,7 +19,7 @@ import pytest
 
 from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets
 from features.dataset import read_features
-from features.on_demand import OnDemandOptions, at_keys, drawn, features_on_demand, labelled
+from features.on_demand import OnDemandOptions, at_keys, drawn, features_on_demand, labelled, newest_on_demand
 from features.plan import FeaturesExistError
 from features.runner import BuildOptions, build_features_from_store
 from features.sample_key import SAMPLE_KEY, key_threshold
@@ -115,12 +115,21 @@ def test_a_range_and_chosen_rows(fleet):
     assert_same_rows(censored, expected.filter(pl.col("label").is_not_null()))
 
 
+def test_labels_alone_on_demand(fleet):
+    store, materialised = fleet
+    got = features_on_demand(store, labels_only=True, options=ON_DEMAND)
+    assert got.columns == [*ID_COLUMNS, *LABEL_COLUMNS]
+    assert got.equals(materialised.select(*ID_COLUMNS, *LABEL_COLUMNS))
+
+
 def test_the_newest_hour_on_demand(fleet):
     store, materialised = fleet
     newest = materialised["ts"].max()
     got = features_on_demand(store, newest, newest + US)
     assert_same_rows(got, materialised.filter(pl.col("ts") == newest).drop(SAMPLE_KEY))
-    assert features_on_demand(store, newest + timedelta(hours=1)).height == 0  # past the data: empty
+    assert_same_rows(newest_on_demand(store), materialised.filter(pl.col("ts") == newest).drop(SAMPLE_KEY))
+    past = features_on_demand(store, newest + timedelta(hours=1))  # past the data: empty, the same columns
+    assert past.height == 0 and past.schema == got.schema
 
 
 def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
