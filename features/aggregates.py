@@ -33,11 +33,11 @@ from datetime import datetime, timedelta
 
 import polars as pl
 
+from features.bucket_stream import BucketStream
 from features.inputs import read_telemetry, utc
 from features.labels import GPU, combine_presence, gpu_presence
-from features.manifest import FeatureManifest, open_manifest, recorded_spec
+from features.manifest import AGGREGATES_MANIFEST, FeatureManifest, open_manifest, recorded_spec
 from features.plan import ONE_DAY, FeatureBuildSummary, day_start, days_in, plan_build
-from features.runner import BucketStream
 from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
 from ingest.journal import Staging
@@ -45,7 +45,7 @@ from ingest.store import Store
 
 BUCKETS = "buckets"
 PRESENCE = "bucket_presence"
-MANIFEST = "buckets"
+MANIFEST = AGGREGATES_MANIFEST
 """The journal (and state, `_state/buckets.json`) that commits both datasets."""
 SCHEMA_VERSION = 1
 
@@ -117,7 +117,8 @@ class AggregatesSummary(FeatureBuildSummary):
 
     def _headline(self, rate: float) -> str:
         return (
-            f"aggregates: {self.rows:,} buckets for {self.gpus:,} GPUs from {self.telemetry_rows_read:,} telemetry "
+            f"features: {self.rows:,} GPU-hour aggregates for {self.gpus:,} GPUs (features are computed from them "
+            f"when read) from {self.telemetry_rows_read:,} telemetry "
             f"rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); {len(self.files_written)} files written, "
             f"{self.files_replaced} replaced"
             + (f"; {self.days_kept} days already built kept" if self.days_kept else "")
@@ -140,6 +141,11 @@ def _telemetry_span(store: Store) -> tuple[list[datetime], datetime] | None:
     return days, utc(data_end)
 
 
+def _same_buckets(built: FeatureSpec, wanted: FeatureSpec) -> bool:
+    """Whether aggregates built with `built` are those `wanted` would build."""
+    return (built.grid, built.max_silence) == (wanted.grid, wanted.max_silence)
+
+
 def build_aggregates(
     store: Store,
     spec: FeatureSpec | None = None,
@@ -151,7 +157,9 @@ def build_aggregates(
 ) -> AggregatesSummary:
     """Aggregate the store's telemetry to the stored buckets (and presence) for the whole UTC days
     of [start, end) (default: all telemetry), with the grid and silence of `spec` (default: the
-    default spec), which the dataset records. Days already built are kept, as the features
+    default spec), which the dataset records: a spec of the same grid and silence is recorded
+    over the one there without building anything again (the buckets are the same; the features
+    computed from them follow the spec), another one needs `overwrite`. Days already built are kept, as the features
     build keeps its days (`features.manifest`): complete days stay unless `overwrite`, a day
     built before its telemetry ended is built again once the data has moved on, and a build with
     nothing to do is a `FeaturesExistError`. Each day is committed on its own, so a killed build
@@ -178,6 +186,10 @@ def build_aggregates(
     have = set(days_with_data)
     gpus: set[str] = set()
     with open_aggregates(store) as manifest:
+        if manifest.spec is not None and manifest.spec != spec and _same_buckets(manifest.spec, spec):
+            # The buckets depend on the grid and the silence alone: features of the new settings
+            # are computed from the same files, so the days stay and the spec is recorded.
+            manifest.record_spec(spec)
         plan = plan_build(
             manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite, settle=timedelta(0)
         )

@@ -44,6 +44,8 @@ from ingest.store import Store
 
 MANIFEST = "features"
 """The manifest's journal and state name: `_state/features.json`."""
+AGGREGATES_MANIFEST = "buckets"
+"""The stored aggregates' manifest (`features.aggregates`): `_state/buckets.json`."""
 DATASET = "features"
 VERSION = 1
 _DAY = timedelta(days=1)
@@ -218,6 +220,12 @@ class FeatureManifest:
             self.days[day] = DayRecord(tuple(sorted(names)), data_end)
         self.journal.commit(self._state(), staged=written, replaces=[self._base + name for name in replaced])
 
+    def record_spec(self, spec: FeatureSpec) -> None:
+        """Record `spec` as the one the listed days were built with, keeping them: for a caller
+        that knows the files are what `spec` builds (`features.aggregates`)."""
+        self.spec = spec
+        self._save()
+
     def _save(self) -> None:
         self.journal.commit(self._state())
 
@@ -274,10 +282,13 @@ def settle_time(spec: FeatureSpec) -> timedelta:
     return spec.horizon + spec.merge_window + (spec.lost_after or timedelta(0))
 
 
-def recorded_spec(store: Store, name: str = MANIFEST) -> FeatureSpec | None:
-    """The spec the store's features (or the datasets of manifest `name`) were built with, from
-    the manifest (None: no manifest, or one written before specs were recorded). Reads only;
-    `FeatureManifest.load` may write."""
+def recorded_spec(store: Store, name: str | None = None) -> FeatureSpec | None:
+    """The spec the store's features are computed with: the stored aggregates' when the store
+    has them (`features.aggregates`; its readers compute from them), else the features table's
+    (or the spec of manifest `name`), from the manifest (None: no manifest, or one written
+    before specs were recorded). Reads only; `FeatureManifest.load` may write."""
+    if name is None:
+        name = AGGREGATES_MANIFEST if store.read_state(AGGREGATES_MANIFEST) is not None else MANIFEST
     state = store.read_state(name)
     if not isinstance(state, dict) or state.get("spec") is None:
         return None

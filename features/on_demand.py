@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import polars as pl
 
@@ -43,6 +43,8 @@ from features.windows import BUCKET_ID_COLUMNS, aggregated_metrics, grid_floor, 
 from ingest.errors import InputError
 from ingest.schema import telemetry_schema
 from ingest.store import Store
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 RowFilter = Callable[[pl.DataFrame], pl.Series]
 """Given candidate rows (gpu_uuid, ts, label, time_to_failure_h), which of them to compute."""
@@ -126,7 +128,7 @@ def on_demand_spec(store: Store) -> FeatureSpec:
     spec = aggregates_spec(store)
     if spec is None:
         raise InputError(
-            f"{store.root}: no stored aggregates to compute features from; run `gpufail features --aggregates "
+            f"{store.root}: no stored aggregates to compute features from; run `gpufail features "
             f"--data {store.root}` first"
         )
     state = store.read_state(MANIFEST) or {}
@@ -135,7 +137,7 @@ def on_demand_spec(store: Store) -> FeatureSpec:
     if missing:
         raise InputError(
             f"{store.path(BUCKETS)}: the stored aggregates lack {len(missing)} days of telemetry "
-            f"({missing[0]}..{missing[-1]}); run `gpufail features --aggregates --data {store.root}` to build them"
+            f"({missing[0]}..{missing[-1]}); run `gpufail features --data {store.root}` to build them"
         )
     return spec
 
@@ -163,7 +165,7 @@ def iter_features_on_demand(
         raise InputError(
             f"{store.path(BUCKETS)}: the stored aggregates are on grid {recorded.grid} with silence "
             f"{recorded.max_silence}; features with grid {spec.grid} and silence {spec.max_silence} need "
-            "them rebuilt (gpufail features --aggregates --overwrite)"
+            "them rebuilt (gpufail features --overwrite)"
         )
     options = options or OnDemandOptions()
     facts = stored_fleet_facts(store, spec)
@@ -177,19 +179,23 @@ def iter_features_on_demand(
         return
     back = lookback(spec)
     step = options.block_days * ONE_DAY
-    # Blocks start at midnights, as the materialised build's do.
-    block_start = begin
+    # Blocks of `block_days` counted from the Unix epoch, whatever the range asked: a row's
+    # value (its float rounding: window sums run from the first bucket its block reads) is then
+    # the same in every query, so that a model trained on the rows of one read is the model of
+    # any other read of them.
+    block_start = _EPOCH + ((day_start(begin) - _EPOCH) // step) * step
     while block_start < finish:
-        block_end = min(day_start(block_start) + step, finish)
+        block = (block_start, block_start + step)
+        emit = (max(begin, block_start), min(finish, block[1]))
         if labels_only:
-            parts = _labels(store, spec, facts, block_start, block_end, back, rows)
+            parts = _labels(store, spec, facts, block, emit, back, rows)
         else:
-            parts = _block(store, spec, facts, block_start, block_end, back, rows, options)
+            parts = _block(store, spec, facts, block, emit, back, rows, options)
         for part in parts:
             if sample_key:
                 part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
             yield part
-        block_start = block_end
+        block_start = block[1]
 
 
 def features_on_demand(
@@ -253,14 +259,16 @@ def _labels(
     store: Store,
     spec: FeatureSpec,
     facts: FleetFacts,
-    start: datetime,
-    end: datetime,
+    block: tuple[datetime, datetime],
+    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
 ) -> Iterator[pl.DataFrame]:
-    """One time block's identity columns and labels, from a few columns of its buckets."""
-    names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
-    hourly = read_buckets(store, start - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
+    """The identity columns and labels of the rows of one time block in `emit`, from a few
+    columns of its buckets."""
+    start, end = emit
+    names = set(store.scan(BUCKETS, block[0] - back, end).collect_schema().names())
+    hourly = read_buckets(store, block[0] - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
     if hourly.height == 0:
         return
     yield from iter_features_from_buckets(
@@ -279,14 +287,16 @@ def _block(
     store: Store,
     spec: FeatureSpec,
     facts: FleetFacts,
-    start: datetime,
-    end: datetime,
+    block: tuple[datetime, datetime],
+    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
     options: OnDemandOptions,
 ) -> Iterator[pl.DataFrame]:
-    """One time block's parts: its buckets and lookback, shard by shard."""
-    carried = (end - start + back) // spec.grid
+    """The parts of the rows of one time block in `emit`: the block's buckets from its lookback
+    on, shard by shard (the shards are the block's, whatever `emit` is)."""
+    start, end = emit
+    carried = (block[1] - block[0] + back) // spec.grid
     shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=options.max_buckets_in_memory)
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
     medians = None
@@ -306,7 +316,7 @@ def _block(
         if count > 1:
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
-        hourly = read_buckets(store, start - back, end, where=where)
+        hourly = read_buckets(store, block[0] - back, end, where=where)
         if nodes is not None:
             hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
         if hourly.height == 0:

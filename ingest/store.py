@@ -781,13 +781,13 @@ def remedy(path: str) -> str:
     dataset = _dataset_of(path)
     if dataset == "features":
         day = _day_of(path)
-        return f"rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
-    if dataset in ("buckets", "bucket_presence"):
-        day = _day_of(path)
         return (
-            f"rebuild its day with gpufail features --aggregates --start {day} --end {day + timedelta(days=1)} "
+            f"rebuild its day with gpufail features --materialise --start {day} --end {day + timedelta(days=1)} "
             "--overwrite"
         )
+    if dataset in ("buckets", "bucket_presence"):
+        day = _day_of(path)
+        return f"rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
     if dataset == "predictions":
         return "move it away, then run `gpufail score` again"
     if dataset == "actions":

@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 @click.option("--end", default=None, help="End of the grid, exclusive (ISO, UTC); default: the end of the telemetry.")
 @click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
 @click.option(
-    "--aggregates",
+    "--materialise",
     is_flag=True,
-    help="Build the stored per GPU-hour aggregates (the buckets dataset) that features are computed from "
-    "on demand, instead of the features table.",
+    help="Write the whole features table (every feature of every GPU-hour, the `features` dataset) for "
+    "notebooks or export, instead of the stored aggregates the features are computed from.",
 )
 @quiet_option
 @click.option(
@@ -55,21 +55,24 @@ def features(
     start: str | None,
     end: str | None,
     overwrite: bool,
-    aggregates: bool,
+    materialise: bool,
     quiet: bool,
     dictionary_path: str | None,
     as_json: bool,
 ) -> None:
-    """Build sliding-window features and labels into the features dataset, with the [features]
-    and [labels] settings (the dataset records them; a build with other settings rebuilds every
-    day with --overwrite, or is refused).
+    """Prepare the store's features, with the [features] and [labels] settings (the store
+    records them): the per GPU-hour aggregates every feature row is computed from when training,
+    evaluation, scoring or serving asks for it (docs/store.md). Settings of another grid or
+    silence rebuild every day with --overwrite, or are refused; other settings are recorded and
+    apply at once.
 
-    By default it builds what is missing: days not built yet, and days whose labels the data
-    added since can now settle. Run again with nothing new, it builds nothing and says so.
-    --overwrite rebuilds every day of --start/--end (default: all of them).
+    By default it builds what is missing: days not built yet, and days built before their
+    telemetry ended. Run again with nothing new, it builds nothing and says so. --overwrite
+    rebuilds every day of --start/--end (default: all of them).
 
-    --aggregates builds the stored aggregates instead: per GPU-hour bucket statistics, from which
-    `features.on_demand` computes any feature row when asked (docs/store.md)."""
+    --materialise writes the whole features table instead (every feature of every GPU-hour, for
+    notebooks or export; on Dask when [dask] scheduler is set), keeping its days as above and
+    rebuilding those whose labels the data added since can now settle."""
     settings = settings_of(ctx)
     spec = settings.feature_spec()
     if dictionary_path is not None:
@@ -98,17 +101,17 @@ def features(
     store = Store.open(data_root(ctx, data))
     summary: FeatureBuildSummary
     try:
-        if aggregates:
+        if materialise:
+            summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
+        else:
             from features.aggregates import build_aggregates
 
             summary = build_aggregates(store, spec, start=first, end=last, overwrite=overwrite, progress=not quiet)
-        else:
-            summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
     except FeaturesExistError as done:
         asked = "" if first is None and last is None else " asked for"
         report(
             as_json,
-            f"{'aggregates' if aggregates else 'features'}: up to date: {done.files} files cover {done.start}..{done.last}, every day{asked}, built from "
+            f"features: up to date: {done.files} files cover {done.start}..{done.last}, every day{asked}, built from "
             "the data as it is now; nothing to build (gpufail features --overwrite rebuilds them, "
             "--start/--end a range of them)",
             {"command": "features", "up_to_date": True, "files": done.files, "start": done.start, "last": done.last},
@@ -127,7 +130,7 @@ def _build(
     overwrite: bool,
     quiet: bool,
 ) -> FeatureBuildSummary:
-    """The build of [first, last) with the settings' runner: Dask when [dask] scheduler is set."""
+    """The features table of [first, last) with the settings' runner: Dask when [dask] scheduler is set."""
     if settings.dask.scheduler:
         # [dask] scheduler set: the same features, built in partitions on the cluster.
         from features.distributed import build_features_distributed

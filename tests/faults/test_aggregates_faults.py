@@ -1,4 +1,4 @@
-"""`gpufail features --aggregates` killed with SIGKILL at its write boundaries and after random
+"""`gpufail features` (the stored aggregates) killed with SIGKILL at its write boundaries and after random
 delays (`tests.faults.kill_points`), then run again without --overwrite.
 
 Right after a kill, readers see each day's buckets and presence whole as a build completed
@@ -42,7 +42,7 @@ EVERYTHING = (T0 - timedelta(days=1), T0 + timedelta(days=10))
 
 
 def command(root: Path, *extra: str) -> list[str]:
-    return ["features", "--aggregates", "--data", str(root), "--quiet", *extra]
+    return ["features", "--data", str(root), "--quiet", *extra]
 
 
 def stored(root: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -114,7 +114,7 @@ def test_a_rerun_after_kill_9_gives_exactly_the_clean_aggregates(built, telemetr
     with ThreadPoolExecutor(max_workers=2) as pool:
         roots = list(pool.map(trial, range(len(kills))))
     again = gpufail(*command(roots[0]), env=ENV)  # type: ignore[arg-type]
-    assert again.returncode == 0 and again.stdout.startswith("aggregates: up to date: ")
+    assert again.returncode == 0 and again.stdout.startswith("features: up to date: ")
     # The features computed from a rerun's aggregates are the clean build's.
     assert_frame_equal(features_on_demand(Store.open(str(roots[0]))), features_on_demand(Store.open(str(clean_root))))
 

@@ -164,7 +164,7 @@ def test_asking_without_aggregates_or_with_days_missing_is_an_input_error(fleet,
     shutil.rmtree(copy.path(PRESENCE))
     (root / "_state" / "buckets.json").unlink()
     with pytest.raises(
-        InputError, match="no stored aggregates to compute features from; run `gpufail features --aggregates"
+        InputError, match="no stored aggregates to compute features from; run `gpufail features"
     ):
         features_on_demand(copy)
     last = copy.dates("telemetry")[-1]
