@@ -67,7 +67,7 @@ def demo_pipeline(work: Path) -> list[StageResult]:
         ("simulate", ["simulate", "--out", data, "--preset", "demo", "--quiet"]),
         ("ingest kernel-log", ["ingest", "kernel-log", "--data", data]),
         ("features", ["features", "--data", data, "--quiet"]),
-        ("features --aggregates", ["features", "--aggregates", "--data", data, "--quiet"]),
+        ("features --materialise", ["features", "--materialise", "--data", data, "--quiet"]),
         ("train", ["train", "--data", data, "--model-out", str(out / "model")]),
         ("evaluate", ["evaluate", "--data", data, "--report", str(out / "report")]),
         ("score", ["score", "--data", data, "--model", str(out / "model")]),
@@ -197,7 +197,7 @@ def _throughput(stage: StageResult, rows: dict[str, int]) -> str:
         return f"{rows['telemetry'] / stage.seconds:,.0f} telemetry rows/s"
     if stage.stage == "ingest kernel-log":
         return f"{rows['kernel_log_lines'] / stage.seconds:,.0f} log lines/s"
-    if stage.stage in ("features", "features --aggregates"):
+    if stage.stage in ("features", "features --materialise"):
         return f"{rows['telemetry'] / stage.seconds:,.0f} telemetry rows/s"
     return ""
 

@@ -37,7 +37,7 @@ from features.bucket_stream import BucketStream
 from features.inputs import read_telemetry, utc
 from features.labels import GPU, combine_presence, gpu_presence
 from features.manifest import AGGREGATES_MANIFEST, FeatureManifest, open_manifest, recorded_spec
-from features.plan import ONE_DAY, FeatureBuildSummary, day_start, days_in, plan_build
+from features.plan import ONE_DAY, FeatureBuildSummary, Written, day_start, days_in, plan_build, silent_sources
 from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
 from ingest.journal import Staging
@@ -113,20 +113,20 @@ def read_presence(store: Store) -> pl.DataFrame:
 
 @dataclass
 class AggregatesSummary(FeatureBuildSummary):
-    """What a build of the stored aggregates did (`rows`: buckets written)."""
+    """What a build of the stored aggregates did: `buckets` written, and the feature rows of the
+    days built as a reader gets them (`rows`, `positives`, `censored`, their label sources)."""
+
+    buckets: int = 0
 
     def _headline(self, rate: float) -> str:
         return (
-            f"features: {self.rows:,} GPU-hour aggregates for {self.gpus:,} GPUs (features are computed from them "
-            f"when read) from {self.telemetry_rows_read:,} telemetry "
-            f"rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); {len(self.files_written)} files written, "
-            f"{self.files_replaced} replaced"
+            f"features: {self.rows:,} rows for {self.gpus:,} GPUs ({self.positives:,} positive, {self.censored:,} "
+            f"censored), computed when read from {self.buckets:,} GPU-hour aggregates built from "
+            f"{self.telemetry_rows_read:,} telemetry rows in {self.seconds:.1f} s ({rate:,.0f} rows/s); "
+            f"{len(self.files_written)} files written, {self.files_replaced} replaced"
             + (f"; {self.days_kept} days already built kept" if self.days_kept else "")
             + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
         )
-
-    def source_lines(self) -> list[str]:
-        return []
 
 
 def _telemetry_span(store: Store) -> tuple[list[datetime], datetime] | None:
@@ -184,7 +184,6 @@ def build_aggregates(
         return summary.timed(began)
     summary.start, summary.end = emit_start, emit_end
     have = set(days_with_data)
-    gpus: set[str] = set()
     with open_aggregates(store) as manifest:
         if manifest.spec is not None and manifest.spec != spec and _same_buckets(manifest.spec, spec):
             # The buckets depend on the grid and the silence alone: features of the new settings
@@ -215,9 +214,35 @@ def build_aggregates(
                 written = write_day(staging, day, buckets, presence)
                 replaced = plan.replaced.get(day.date(), [])
                 manifest.complete([day.date()], written, data_end, replaced=replaced)
-                summary.rows += buckets.height
-                if buckets.height:
-                    gpus.update(buckets[GPU].unique().to_list())
+                summary.buckets += buckets.height
                 summary.files_written += [staging.visible(p) for p in written]
                 summary.files_replaced += len(replaced)
+        gpus = _count_labels(store, spec, plan.runs, summary)
     return summary.timed(began, gpus)
+
+
+def _count_labels(
+    store: Store, spec: FeatureSpec, runs: list[tuple[datetime, datetime]], summary: AggregatesSummary
+) -> set[str]:
+    """The feature rows of the days built, as readers get them, counted in `summary` with their
+    label sources and the warnings about sources that gave none; returns their GPUs. Labels
+    alone: a few bucket columns, no feature."""
+    from features.on_demand import features_on_demand, missing_days, stored_fleet_facts
+
+    missing = missing_days(store)
+    if missing:
+        summary.warnings.append(
+            f"{len(missing)} days of telemetry ({missing[0]}..{missing[-1]}) have no aggregates yet: no feature row "
+            "can be read until they are built (gpufail features without --start/--end)"
+        )
+        return set()
+    facts = stored_fleet_facts(store, spec)
+    if facts is None:
+        return set()
+    written = Written()
+    for run_start, run_end in runs:
+        written.add(features_on_demand(store, run_start, run_end, spec=spec, labels_only=True), facts.episodes)
+    gpus: set[str] = set()
+    written.add_to(summary, gpus)
+    summary.warnings += silent_sources(facts, summary)
+    return gpus

@@ -249,7 +249,10 @@ def iter_features_from_buckets(
     if labels_only:
         ids = narrow.filter(keep).select([c for c in ID_COLUMNS if c in narrow.columns])
         yield pl.concat([ids, facts.filter(keep).drop("in_service")], how="horizontal").select(
-            *[pl.col(c).cast(ID_DTYPES[c]) if c in ids.columns else pl.lit(None, dtype=ID_DTYPES[c]).alias(c) for c in ID_COLUMNS],
+            *[
+                pl.col(c).cast(ID_DTYPES[c]) if c in ids.columns else pl.lit(None, dtype=ID_DTYPES[c]).alias(c)
+                for c in ID_COLUMNS
+            ],
             *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
         )
         return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 
 import polars as pl
 
@@ -122,6 +122,12 @@ def stored_fleet_facts(store: Store, spec: FeatureSpec) -> FleetFacts | None:
     return facts
 
 
+def missing_days(store: Store) -> list[date]:
+    """The days of telemetry the stored aggregates have not built."""
+    built = set((store.read_state(MANIFEST) or {}).get("days", {}))
+    return [d for d in store.dates("telemetry") if d.isoformat() not in built]
+
+
 def on_demand_spec(store: Store) -> FeatureSpec:
     """The spec the stored aggregates were built with; an `InputError` when there are none, or
     when they miss days of the telemetry (the fleet facts need every day's presence)."""
@@ -131,9 +137,7 @@ def on_demand_spec(store: Store) -> FeatureSpec:
             f"{store.root}: no stored aggregates to compute features from; run `gpufail features "
             f"--data {store.root}` first"
         )
-    state = store.read_state(MANIFEST) or {}
-    built = set(state.get("days", {}))
-    missing = [d for d in store.dates("telemetry") if d.isoformat() not in built]
+    missing = missing_days(store)
     if missing:
         raise InputError(
             f"{store.path(BUCKETS)}: the stored aggregates lack {len(missing)} days of telemetry "

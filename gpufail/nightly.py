@@ -393,17 +393,15 @@ class _Job:
         return {"kernel_log": str(summary)}
 
     def _features(self) -> dict[str, Any]:
-        from features.aggregates import aggregates_spec, build_aggregates
+        from features.aggregates import build_aggregates
         from features.plan import FeaturesExistError
 
         spec = self.spec()
         # The stored aggregates: the new days, and those built before their telemetry ended.
-        # Labels are computed when read, so they settle without a rebuild; settings of another
-        # grid or silence need every day built again.
-        built = aggregates_spec(self.store)
-        rebuild = built is not None and (built.grid, built.max_silence) != (spec.grid, spec.max_silence)
+        # Labels are computed when read, so they settle without a rebuild. Aggregates of another
+        # grid or silence are refused (`build_aggregates`): someone built them on purpose.
         try:
-            summary = str(build_aggregates(self.store, spec, overwrite=rebuild))
+            summary = str(build_aggregates(self.store, spec))
         except FeaturesExistError as done:
             summary = f"aggregates: up to date: {done.files} files cover {done.start}..{done.last}"
         return {"features": summary, "feature_spec": spec.fingerprint}

@@ -143,7 +143,13 @@ def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
     middle = materialised["ts"].min() + timedelta(days=4)
     first = build_aggregates(copy, end=middle)
     second = build_aggregates(copy)
-    assert first.rows and second.rows and second.days_kept == (middle - materialised["ts"].min()).days
+    assert first.buckets and second.buckets and second.days_kept == (middle - materialised["ts"].min()).days
+    # Rows are counted once every day of telemetry has its aggregates: those of the days built.
+    assert (
+        first.rows == 0 and "days of telemetry" in first.warnings[0] and "have no aggregates yet" in first.warnings[0]
+    )
+    assert second.rows == materialised.filter(pl.col("ts") >= middle).height
+    assert second.positives == materialised.filter((pl.col("ts") >= middle) & (pl.col("label") == 1)).height
     with pytest.raises(FeaturesExistError):
         build_aggregates(copy)
     everything = materialised["ts"].min() - timedelta(days=1), materialised["ts"].max() + timedelta(days=1)
@@ -163,9 +169,7 @@ def test_asking_without_aggregates_or_with_days_missing_is_an_input_error(fleet,
     shutil.rmtree(copy.path(BUCKETS))
     shutil.rmtree(copy.path(PRESENCE))
     (root / "_state" / "buckets.json").unlink()
-    with pytest.raises(
-        InputError, match="no stored aggregates to compute features from; run `gpufail features"
-    ):
+    with pytest.raises(InputError, match="no stored aggregates to compute features from; run `gpufail features"):
         features_on_demand(copy)
     last = copy.dates("telemetry")[-1]
     build_aggregates(copy, end=pl.datetime_range(last, last, eager=True).cast(pl.Datetime("us", "UTC"))[0])
