@@ -168,7 +168,8 @@ def features_shape(store: Store) -> tuple[int, int]:
     """(rows, columns) of the whole features dataset, from the files' Parquet footers: nothing
     but the footers is read, so a caller can tell what reading it all would take."""
     if computed(store):
-        # Rows: the buckets (a GPU-hour with samples; the rows of silent hours come on top).
+        # Rows: the buckets, GPU-hours with samples: about the rows (silent hours add rows, a
+        # failed GPU's hours until its repair take some away), without computing any.
         buckets = store.files(BUCKETS)
         rows = sum(pq.read_metadata(p, filesystem=store.fs).num_rows for p in buckets) if buckets else 0
         return rows, on_demand.empty_on_demand(store).width

@@ -10,8 +10,9 @@ the fleet into shards, so that equality does not hang on computing the same way.
 
 from __future__ import annotations
 
+import json
 import shutil
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import polars as pl
@@ -31,6 +32,7 @@ from ingest.store import Store
 from tests.cli import gpufail
 
 US = timedelta(microseconds=1)
+FLEET_START = datetime(2026, 3, 2, tzinfo=UTC)
 # Blocks and shards unlike the materialised build's (3-day blocks, the whole fleet at once).
 ON_DEMAND = OnDemandOptions(block_days=4, max_buckets_in_memory=20_000, rows_per_part=3_000, rows_per_chunk=1_000)
 
@@ -186,3 +188,95 @@ def test_features_of_another_grid_need_the_aggregates_rebuilt(fleet):
         features_on_demand(store, spec=FeatureSpec(grid=timedelta(minutes=30), windows=[timedelta(hours=1)]))
     with pytest.raises(ValueError, match="block_days: expected at least 1"):
         OnDemandOptions(block_days=0)
+
+
+def test_the_readers_compute_what_the_table_holds(fleet):
+    from features.dataset import (
+        drawn_rows,
+        feature_days,
+        features_shape,
+        has_sample_keys,
+        label_counts,
+        read_newest_grid_time,
+        rows_at,
+        scan_features,
+    )
+
+    store, materialised = fleet
+    table = materialised.drop(SAMPLE_KEY)
+    first, last = materialised["ts"].min(), materialised["ts"].max()
+    assert_same_rows(read_features(store), table)
+    assert read_features(store, columns=["label"]).equals(materialised.select("ts", "gpu_uuid", "label"))
+    assert feature_days(store) == sorted(set(materialised["ts"].dt.date().to_list()))
+    assert label_counts(store, first, last + US) == (
+        int((materialised["label"] == 0).sum()),
+        int((materialised["label"] == 1).sum()),
+    )
+    assert has_sample_keys(store, first, last + US) and not has_sample_keys(
+        store, last + timedelta(days=1), last + timedelta(days=2)
+    )
+    draw = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(0.1)))
+    assert_same_rows(drawn_rows(store, first, last + US, 0.1), table.filter(materialised.select(draw).to_series()))
+    keyed = scan_features(store, first, first + timedelta(days=2), where=draw).collect()
+    assert_same_rows(
+        keyed, table.filter(materialised.select(draw).to_series() & (pl.col("ts") < first + timedelta(days=2)))
+    )
+    day = first + timedelta(days=3)
+    wanted = table.filter(pl.col("ts").is_between(day, day + timedelta(days=1), closed="left")).sample(50, seed=2)
+    assert_same_rows(rows_at(store, day, wanted.select("ts", "gpu_uuid")), wanted.sort("ts", "gpu_uuid"))
+    assert_same_rows(read_newest_grid_time(store), table.filter(pl.col("ts") == last))
+    rows, columns = features_shape(store)
+    # Rows: the GPU-hours with samples, about the feature rows (silent hours add rows, failed GPUs
+    # take some away), from the files' footers.
+    assert columns == table.width and abs(rows - table.height) <= 0.1 * table.height
+
+
+def test_a_spec_of_the_same_grid_is_recorded_and_another_grid_refused(fleet, tmp_path):
+    from features.aggregates import aggregates_spec
+    from features.spec import FeatureSpecMismatch
+
+    store, materialised = fleet
+    root = tmp_path / "data"
+    shutil.copytree(store.root, root)
+    copy = Store.open(str(root))
+    files = copy.files(BUCKETS)
+    shorter = FeatureSpec(windows=[timedelta(hours=1), timedelta(hours=6)], horizon=timedelta(hours=12))
+    with pytest.raises(FeaturesExistError):
+        build_aggregates(copy, shorter)  # nothing to build: the days stay, the spec is recorded
+    assert aggregates_spec(copy) == shorter and copy.files(BUCKETS) == files
+    frame = read_features(copy)
+    assert "temp_gpu_c_mean_7d" not in frame.columns and "temp_gpu_c_mean_6h" in frame.columns
+    assert frame.height == materialised.height
+    other = FeatureSpec(max_silence=timedelta(hours=12))
+    with pytest.raises(FeatureSpecMismatch, match="gpufail features --overwrite"):
+        build_aggregates(copy, other)
+    assert aggregates_spec(copy) == shorter and copy.files(BUCKETS) == files
+    rebuilt = build_aggregates(copy, other, overwrite=True)
+    # Every day built again; the old files go first (`FeatureManifest.use_spec`).
+    assert aggregates_spec(copy) == other and rebuilt.leftovers_removed == len(files) + len(store.files(PRESENCE))
+    assert not set(files) & set(copy.files(BUCKETS))
+
+
+def test_a_day_built_before_its_telemetry_ended_is_built_again(tmp_path):
+    from tests.synthetic import synthetic_telemetry
+
+    t0 = FLEET_START
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", synthetic_telemetry(8, 30, seed=2, start=t0).to_arrow())  # day 2 until 06:00
+    first = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
+    assert first.returncode == 0 and first.stdout.startswith("features: ")
+    store.write("telemetry", synthetic_telemetry(8, 48, seed=3, start=t0 + timedelta(hours=31)).to_arrow())
+    more = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", "--json")
+    facts = json.loads(more.stdout)
+    # Day 1 stays; day 2 (built at 06:00) is built again with days 3 and 4: two files a day.
+    assert facts["days_kept"] == 1 and (len(facts["files_written"]), facts["files_replaced"]) == (6, 2)
+    clean = tmp_path / "clean"
+    shutil.copytree(tmp_path / "data", clean)
+    again = gpufail("features", "--data", str(clean), "--quiet", "--overwrite")
+    assert again.returncode == 0
+    everything = (t0 - timedelta(days=1), t0 + timedelta(days=5))
+    assert (
+        read_buckets(store, *everything)
+        .sort("gpu_uuid", "ts")
+        .equals(read_buckets(Store.open(str(clean)), *everything).sort("gpu_uuid", "ts"))
+    )
