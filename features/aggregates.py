@@ -197,32 +197,61 @@ def build_aggregates(
     began = time.perf_counter()
     spec = spec or FeatureSpec()
     summary = AggregatesSummary()
+    with open_aggregates(store) as manifest:
+        planned = plan_aggregates(store, manifest, spec, summary, start=start, end=end, overwrite=overwrite)
+        if planned is None:
+            return summary.timed(began)
+        have = set(planned.days_with_data)
+        for run_start, run_end in planned.plan.runs:
+            first_read = max(day_start(run_start - spec.grid - spec.max_silence), planned.days_with_data[0])
+            days = [d for d in days_in(first_read, run_end) if d in have or d >= run_start]
+            _build_run(store, manifest, planned.plan, spec, days, have, run_start, planned.data_end, summary, progress)
+        gpus = count_built_rows(store, spec, planned.plan.runs, summary)
+    return summary.timed(began, gpus)
+
+
+@dataclass(frozen=True)
+class AggregatesPlan:
+    """What a build of the stored aggregates does (`plan_aggregates`)."""
+
+    plan: BuildPlan
+    days_with_data: list[datetime]
+    """The midnights of the days that have telemetry."""
+    data_end: datetime
+
+
+def plan_aggregates(
+    store: Store,
+    manifest: FeatureManifest,
+    spec: FeatureSpec,
+    summary: AggregatesSummary,
+    *,
+    start: datetime | None,
+    end: datetime | None,
+    overwrite: bool,
+) -> AggregatesPlan | None:
+    """The plan of a build of the whole UTC days of [start, end) (`build_aggregates`, or its Dask
+    runner `features.distributed.build_aggregates_distributed`); None when there is no telemetry
+    there. A spec of the same grid and silence as the recorded one is recorded first."""
     span = _telemetry_span(store)
     if span is None:
-        return summary.timed(began)
+        return None
     days_with_data, data_end = span
     summary.data_end = data_end
     emit_start = day_start(max(utc(start), days_with_data[0]) if start is not None else days_with_data[0])
     last = min(utc(end) - timedelta(microseconds=1), data_end) if end is not None else data_end
     emit_end = day_start(last) + ONE_DAY
     if emit_start >= emit_end:
-        return summary.timed(began)
+        return None
     summary.start, summary.end = emit_start, emit_end
-    have = set(days_with_data)
-    with open_aggregates(store) as manifest:
-        if manifest.spec is not None and manifest.spec != spec and _same_buckets(manifest.spec, spec):
-            # The buckets depend on the grid and the silence alone: features of the new settings
-            # are computed from the same files, so the days stay and the spec is recorded.
-            manifest.record_spec(spec)
-        plan = plan_build(
-            manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite, settle=timedelta(0)
-        )
-        for run_start, run_end in plan.runs:
-            first_read = max(day_start(run_start - spec.grid - spec.max_silence), days_with_data[0])
-            days = [d for d in days_in(first_read, run_end) if d in have or d >= run_start]
-            _build_run(store, manifest, plan, spec, days, have, run_start, data_end, summary, progress)
-        gpus = _count_labels(store, spec, plan.runs, summary)
-    return summary.timed(began, gpus)
+    if manifest.spec is not None and manifest.spec != spec and _same_buckets(manifest.spec, spec):
+        # The buckets depend on the grid and the silence alone: features of the new settings
+        # are computed from the same files, so the days stay and the spec is recorded.
+        manifest.record_spec(spec)
+    plan = plan_build(
+        manifest, spec, summary, emit_start, emit_end, data_end=data_end, overwrite=overwrite, settle=timedelta(0)
+    )
+    return AggregatesPlan(plan, days_with_data, data_end)
 
 
 def _build_run(
@@ -270,7 +299,7 @@ def _build_run(
             summary.files_replaced += len(replaced)
 
 
-def _count_labels(
+def count_built_rows(
     store: Store, spec: FeatureSpec, runs: list[tuple[datetime, datetime]], summary: AggregatesSummary
 ) -> set[str]:
     """The feature rows of the days built, as readers get them, counted in `summary` with their

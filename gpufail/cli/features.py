@@ -71,8 +71,8 @@ def features(
     rebuilds every day of --start/--end (default: all of them).
 
     --materialise writes the whole features table instead (every feature of every GPU-hour, for
-    notebooks or export; on Dask when [dask] scheduler is set), keeping its days as above and
-    rebuilding those whose labels the data added since can now settle."""
+    notebooks or export), keeping its days as above and rebuilding those whose labels the data
+    added since can now settle. Both run on Dask when [dask] scheduler is set."""
     settings = settings_of(ctx)
     spec = settings.feature_spec()
     if dictionary_path is not None:
@@ -104,9 +104,7 @@ def features(
         if materialise:
             summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
         else:
-            from features.aggregates import build_aggregates
-
-            summary = build_aggregates(store, spec, start=first, end=last, overwrite=overwrite, progress=not quiet)
+            summary = _aggregates(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
     except FeaturesExistError as done:
         asked = "" if first is None and last is None else " asked for"
         report(
@@ -118,6 +116,37 @@ def features(
         )
         return
     report(as_json, str(summary), {"command": "features", "up_to_date": False, **vars(summary)})
+
+
+def _aggregates(
+    settings: Settings,
+    store: Store,
+    spec: FeatureSpec,
+    first: datetime | None,
+    last: datetime | None,
+    *,
+    overwrite: bool,
+    quiet: bool,
+) -> FeatureBuildSummary:
+    """The stored aggregates of [first, last): on Dask when [dask] scheduler is set."""
+    if settings.dask.scheduler:
+        from features.distributed import build_aggregates_distributed
+
+        d = settings.dask
+        with dask_client(settings) as client:
+            return build_aggregates_distributed(
+                client,
+                store,
+                spec,
+                start=first,
+                end=last,
+                partition_nodes=d.partition_nodes,
+                partition_days=d.partition_days,
+                overwrite=overwrite,
+            )
+    from features.aggregates import build_aggregates
+
+    return build_aggregates(store, spec, start=first, end=last, overwrite=overwrite, progress=not quiet)
 
 
 def _build(
