@@ -310,7 +310,7 @@ def count_built_rows(
     missing = missing_days(store)
     if missing:
         summary.warnings.append(
-            f"{len(missing)} days of telemetry ({missing[0]}..{missing[-1]}) have no aggregates yet: no feature row "
+            f"{len(missing)} days of telemetry ({missing[0]}..{missing[-1]}) have no aggregates: no feature row "
             "can be read until they are built (gpufail features without --start/--end)"
         )
         return set()

@@ -123,14 +123,17 @@ def stored_fleet_facts(store: Store, spec: FeatureSpec) -> FleetFacts | None:
 
 
 def missing_days(store: Store) -> list[date]:
-    """The days of telemetry the stored aggregates have not built."""
-    built = set((store.read_state(MANIFEST) or {}).get("days", {}))
-    return [d for d in store.dates("telemetry") if d.isoformat() not in built]
+    """The days of telemetry before the newest built day that the stored aggregates have not
+    built (days after it are not built yet: the features are those of the data as it was)."""
+    built = {date.fromisoformat(d) for d in (store.read_state(MANIFEST) or {}).get("days", {})}
+    newest = max(built, default=None)
+    return [d for d in store.dates("telemetry") if newest is not None and d < newest and d not in built]
 
 
 def on_demand_spec(store: Store) -> FeatureSpec:
     """The spec the stored aggregates were built with; an `InputError` when there are none, or
-    when they miss days of the telemetry (the fleet facts need every day's presence)."""
+    when they miss days of the telemetry before their newest (the fleet facts need every day's
+    presence: a GPU's age, its failures)."""
     spec = aggregates_spec(store)
     if spec is None:
         raise InputError(

@@ -146,15 +146,13 @@ def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
     shutil.rmtree(copy.path(PRESENCE))
     (root / "_state" / "buckets.json").unlink()
     middle = materialised["ts"].min() + timedelta(days=4)
+    later = build_aggregates(copy, start=middle)
     first = build_aggregates(copy, end=middle)
-    second = build_aggregates(copy)
-    assert first.buckets and second.buckets and second.days_kept == (middle - materialised["ts"].min()).days
-    # Rows are counted once every day of telemetry has its aggregates: those of the days built.
-    assert (
-        first.rows == 0 and "days of telemetry" in first.warnings[0] and "have no aggregates yet" in first.warnings[0]
-    )
-    assert second.rows == materialised.filter(pl.col("ts") >= middle).height
-    assert second.positives == materialised.filter((pl.col("ts") >= middle) & (pl.col("label") == 1)).height
+    assert first.buckets and later.buckets and first.days_kept == 0
+    # Rows are counted once no day of telemetry before the newest built lacks its aggregates.
+    assert later.rows == 0 and "days of telemetry" in later.warnings[0] and "have no aggregates" in later.warnings[0]
+    assert first.rows == materialised.filter(pl.col("ts") < middle).height
+    assert first.positives == materialised.filter((pl.col("ts") < middle) & (pl.col("label") == 1)).height
     with pytest.raises(FeaturesExistError):
         build_aggregates(copy)
     everything = materialised["ts"].min() - timedelta(days=1), materialised["ts"].max() + timedelta(days=1)
@@ -168,18 +166,29 @@ def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):
 
 def test_asking_without_aggregates_or_with_days_missing_is_an_input_error(fleet, tmp_path):
     store, _ = fleet
-    root = tmp_path / "data"
-    shutil.copytree(store.root, root)
-    copy = Store.open(str(root))
-    shutil.rmtree(copy.path(BUCKETS))
-    shutil.rmtree(copy.path(PRESENCE))
-    (root / "_state" / "buckets.json").unlink()
-    with pytest.raises(InputError, match="no stored aggregates to compute features from; run `gpufail features"):
+
+    def without_aggregates(name: str) -> Store:
+        root = tmp_path / name
+        shutil.copytree(store.root, root)
+        copy = Store.open(str(root))
+        shutil.rmtree(copy.path(BUCKETS))
+        shutil.rmtree(copy.path(PRESENCE))
+        (root / "_state" / "buckets.json").unlink()
+        return copy
+
+    copy = without_aggregates("none")
+    with pytest.raises(InputError, match="no stored aggregates to compute features from; run `gpufail features --data"):
         features_on_demand(copy)
-    last = copy.dates("telemetry")[-1]
-    build_aggregates(copy, end=pl.datetime_range(last, last, eager=True).cast(pl.Datetime("us", "UTC"))[0])
-    with pytest.raises(InputError, match=rf"lack 1 days of telemetry \({last}..{last}\)"):
-        features_on_demand(copy)
+    days = copy.dates("telemetry")
+    newest = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
+    # Telemetry after the newest day built is data the features do not see yet, as with a table.
+    build_aggregates(copy, end=newest)
+    assert features_on_demand(copy)["ts"].max() < newest
+    # A day missing before it is refused: every GPU's age and its failures need every day.
+    holed = without_aggregates("holed")
+    build_aggregates(holed, start=datetime.combine(days[1], datetime.min.time(), tzinfo=UTC))
+    with pytest.raises(InputError, match=rf"lack 1 days of telemetry \({days[0]}..{days[0]}\)"):
+        features_on_demand(holed)
 
 
 def test_features_of_another_grid_need_the_aggregates_rebuilt(fleet):
