@@ -7,7 +7,7 @@ inputs `features.inputs`, a build over a store `features.plan` and its runners.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -170,6 +170,8 @@ def iter_features_from_buckets(
     rows_per_chunk: int | None = None,
     rows_per_part: int | None = None,
     model_medians: pl.DataFrame | None = None,
+    rows: Callable[[pl.DataFrame], pl.Series] | None = None,
+    labels_only: bool = False,
 ) -> Iterator[pl.DataFrame]:
     """The feature frame (`features.schema`) of the buckets' GPUs, in parts of whole GPUs, each
     a finished feature frame (sorted by (gpu_uuid, ts); at least one part, possibly empty).
@@ -186,7 +188,13 @@ def iter_features_from_buckets(
     be several GB.
 
     `model_medians` (`features.peers.model_medians` of the whole fleet) is given when the
-    buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own."""
+    buckets hold only a shard of the fleet; by default the fleet medians are the buckets' own.
+
+    `rows` narrows the rows emitted to those asked for (`features.on_demand`): given the
+    candidate rows' gpu_uuid, ts, label and time_to_failure_h, it returns which to keep. The
+    window features are then computed at those rows only. `labels_only`: one part of the
+    emitted rows' identity columns and labels, without any feature (the buckets need only
+    gpu_uuid, ts, last_sample_ts and the identity columns)."""
     spec = spec or FeatureSpec()
     grid, max_silence = spec.grid, spec.max_silence
     data_end = utc(data_end)
@@ -210,7 +218,7 @@ def iter_features_from_buckets(
         )
     )
 
-    whole = rows_per_part is None
+    whole = rows_per_part is None and not labels_only
     if whole:
         dense = dense_grid(hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
         narrow = dense
@@ -235,6 +243,19 @@ def iter_features_from_buckets(
     facts = label_rows(narrow.select(GPU, "ts"), episodes, horizon=spec.horizon, data_end=data_end, repairs=fixes)
     silent = narrow.select((pl.col("ts") - pl.col("last_sample_ts")) > max_silence).to_series()
     keep = emit & facts["in_service"] & ~silent.fill_null(True)
+    if rows is not None:
+        asked = rows(pl.concat([narrow.select(GPU, "ts"), facts.select(LABEL_COLUMNS)], how="horizontal"))
+        keep &= asked.fill_null(False)
+    if labels_only:
+        ids = narrow.filter(keep).select([c for c in ID_COLUMNS if c in narrow.columns])
+        yield pl.concat([ids, facts.filter(keep).drop("in_service")], how="horizontal").select(
+            *[
+                pl.col(c).cast(ID_DTYPES[c]) if c in ids.columns else pl.lit(None, dtype=ID_DTYPES[c]).alias(c)
+                for c in ID_COLUMNS
+            ],
+            *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
+        )
+        return
     peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
     facts = facts.filter(keep).drop("in_service")
     # Kept rows before each grid row: where a part's rows start in `peers` and `facts`.

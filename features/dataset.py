@@ -1,10 +1,18 @@
-"""The `features` dataset: its file format, its writer and its readers.
+"""The store's feature rows: their readers, and the `features` table's file format and writer.
 
-Files are hive-partitioned by UTC date, written once and atomically (`ingest.store`), each two
-row groups: the rows a retrain draws at up to `PRESAMPLED_FRACTION` of the negatives first, then
-the rest (`write_features`). The readers here are the only code that knows this layout: whole
-ranges (`read_features`, `scan_features`), the newest grid time (`read_newest_grid_time`), and
-the rows a retrain fits on (`drawn_rows`, `rows_at`, `has_sample_keys`, `label_counts`).
+Every consumer (training, evaluation, scoring, serving) reads feature rows through the readers
+here: whole ranges (`read_features`, `scan_features`), the newest grid time
+(`read_newest_grid_time`), and the rows a retrain fits on (`drawn_rows`, `rows_at`,
+`has_sample_keys`, `label_counts`). Where they come from is decided once per call
+(`computed`): a store with stored aggregates (`gpufail features`, `features.aggregates`) has
+them computed on demand (`features.on_demand`), for the rows asked only; a store with only the
+features table (`gpufail features --materialise`, a store written before the aggregates, a
+table written by `write_features`) has them read from it. Both give the same rows
+(`tests/features/test_on_demand.py`).
+
+The table's files are hive-partitioned by UTC date, written once and atomically
+(`ingest.store`), each two row groups: the rows a retrain draws at up to `PRESAMPLED_FRACTION`
+of the negatives first, then the rest (`write_features`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import polars as pl
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from features import on_demand
+from features.aggregates import BUCKETS, has_aggregates
 from features.labels import GPU
 from features.manifest import DATASET as FEATURES_DATASET
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold, sample_keys
@@ -25,6 +35,7 @@ from features.schema import (
     FEATURES_SCHEMA_VERSION,
     ID_COLUMNS,
     ID_DTYPES,
+    LABEL_COLUMNS,
     LABEL_DTYPES,
     TS_DTYPE,
     validate_features,
@@ -36,6 +47,43 @@ from ingest.store import Store
 WRITE_THREADS = min(4, os.cpu_count() or 1)
 
 _KEYS = ["ts", GPU]
+
+
+def computed(store: Store) -> bool:
+    """Whether the store's feature rows are computed on demand from its stored aggregates (it
+    has them), rather than read from the features table."""
+    return has_aggregates(store)
+
+
+def features_dataset(store: Store) -> str:
+    """The dataset the store's feature rows come from: its files change when the rows do, and a
+    file that does not read is one of its files."""
+    return BUCKETS if computed(store) else FEATURES_DATASET
+
+
+def feature_days(store: Store, start: datetime | None = None, end: datetime | None = None) -> list[date]:
+    """The UTC days with feature rows (within [start, end) when given), in order."""
+    return store.dates(features_dataset(store), start, end)
+
+
+def _on_demand(
+    store: Store,
+    start: datetime | None,
+    end: datetime | None,
+    columns: Sequence[str] | None,
+    *,
+    rows: on_demand.RowFilter | None = None,
+    where: pl.Expr | None = None,
+) -> pl.DataFrame:
+    """`read_features`' rows computed on demand: `columns` (all but the key when None); the
+    identity and label columns alone are computed without any feature."""
+    names = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
+    labels_only = names is not None and set(names) <= {*ID_COLUMNS, *LABEL_COLUMNS} and where is None
+    key = where is not None or (names is not None and SAMPLE_KEY in names)
+    frame = on_demand.features_on_demand(store, start, end, rows=rows, sample_key=key, labels_only=labels_only)
+    if where is not None:
+        frame = frame.filter(where)
+    return frame.select(names) if names is not None else frame.drop(SAMPLE_KEY, strict=False)
 
 
 def _metadata() -> dict[bytes, bytes]:
@@ -119,6 +167,12 @@ def feature_files(
 def features_shape(store: Store) -> tuple[int, int]:
     """(rows, columns) of the whole features dataset, from the files' Parquet footers: nothing
     but the footers is read, so a caller can tell what reading it all would take."""
+    if computed(store):
+        # Rows: the buckets, GPU-hours with samples: about the rows (silent hours add rows, a
+        # failed GPU's hours until its repair take some away), without computing any.
+        buckets = store.files(BUCKETS)
+        rows = sum(pq.read_metadata(p, filesystem=store.fs).num_rows for p in buckets) if buckets else 0
+        return rows, on_demand.empty_on_demand(store).width
     files = feature_files(store)
     if not files:
         return 0, 0
@@ -135,6 +189,8 @@ def read_features(
 ) -> pl.DataFrame:
     """Feature rows with start <= ts < end (all when omitted), sorted by (ts, gpu_uuid). Only
     the date partitions overlapping the range are opened. A file that does not read is named."""
+    if computed(store):
+        return _on_demand(store, start, end, columns)
     frame = store.collect(scan_features(store, start, end, columns), FEATURES_DATASET, start, end)
     return _sorted_column_by_column(frame, ["ts", GPU])
 
@@ -151,7 +207,9 @@ def scan_features(
     held-out window is 2.2M rows x 420 columns on the paper fleet). Files written before the
     stored training key (SAMPLE_KEY) lack it: a later file's column the first file lacks is
     left out rather than an error. Collect it with `Store.collect` to have a file that does
-    not read named."""
+    not read named. Computed on demand (`computed`), the range is computed when this is called."""
+    if computed(store):
+        return _on_demand(store, start, end, columns, where=where).lazy()
     frame = store.scan(FEATURES_DATASET, start, end, where=where, schema={**ID_DTYPES, **LABEL_DTYPES})
     if columns is None:
         names = store.collect(frame.head(0), FEATURES_DATASET, start, end).columns
@@ -165,6 +223,8 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     opened, and of them only these rows are decoded past the time column: reading the whole
     day (750k rows x 420 columns on the paper fleet) to keep one hour in 24 was most of the
     nightly scoring step's memory."""
+    if computed(store):
+        return on_demand.newest_on_demand(store)
     days = store.dates(FEATURES_DATASET)
     if not days:
         return scan_features(store).collect()
@@ -194,7 +254,10 @@ def _sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame
 def has_sample_keys(store: Store, start: datetime, end: datetime) -> bool:
     """Whether [start, end) has feature files and every one of them stores the training key
     (`features.sample_key`), so that `drawn_rows` can read the window; each file's checksum
-    is checked first. Files written before the key existed lack it."""
+    is checked first. Files written before the key existed lack it. Computed on demand, every
+    row has its key: whether [start, end) has rows."""
+    if computed(store):
+        return end > start and bool(feature_days(store, start, end))
     files = (
         []
         if end <= start
@@ -213,6 +276,9 @@ def label_counts(store: Store, start: datetime, end: datetime) -> tuple[int, int
     counted as they are decoded: no gpu_uuid, no sort."""
     if end <= start:
         return 0, 0
+    if computed(store):
+        labels = _on_demand(store, start, end, ["label"])["label"]
+        return int((labels == 0).sum()), int((labels == 1).sum())
     window = scan_features(store, start, end, ["label"])
     counts = store.collect(window.group_by("label").len(), FEATURES_DATASET, start, end)
     by_label = dict(zip(counts["label"].to_list(), counts["len"].to_list(), strict=True))
@@ -222,7 +288,10 @@ def label_counts(store: Store, start: datetime, end: datetime) -> tuple[int, int
 def drawn_rows(store: Store, start: datetime, end: datetime, negative_fraction: float) -> pl.DataFrame:
     """Every positive and the negatives drawn at `negative_fraction` by the stored key, with
     start <= ts < end, sorted by (ts, gpu_uuid). At a share up to PRESAMPLED_FRACTION the
-    reader skips every file's second row group by its statistics, ~90% of the bytes."""
+    reader skips every file's second row group by its statistics, ~90% of the bytes; computed
+    on demand, only those rows get features."""
+    if computed(store):
+        return _on_demand(store, start, end, None, rows=on_demand.drawn(negative_fraction))
     keep = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(negative_fraction)))
     rows = scan_features(store, start, end, where=keep)
     return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)
@@ -235,6 +304,8 @@ def rows_at(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataF
     reading the day whole and sorting it, which a retrain did for each of its ~22 days (0.6 s
     against 3.3 s for a day of the paper fleet)."""
     day_end = day_start + timedelta(days=1)
+    if computed(store):
+        return _on_demand(store, day_start, day_end, None, rows=on_demand.at_keys(wanted))
     hashes = wanted.select(pl.struct(_KEYS).hash().alias("_h"))["_h"]
     day = scan_features(store, day_start, day_end, where=pl.struct(_KEYS).hash().is_in(hashes.implode()))
     return store.collect(day, FEATURES_DATASET, day_start, day_end).join(wanted, on=_KEYS, how="semi")

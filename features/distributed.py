@@ -1,7 +1,8 @@
-"""The feature build on a Dask cluster: the `features` dataset of
-`features.runner.build_features_from_store`, computed in (node group x time block) partitions:
-the same plan (`features.plan`: fleet facts, emit range, lookback, the exists check, finish),
-run on Dask.
+"""The feature builds on a Dask cluster: the stored aggregates of `features.aggregates`
+(`build_aggregates_distributed`, at the end of this module), and the `features` table of
+`features.runner.build_features_from_store` (`build_features_distributed`), computed in
+(node group x time block) partitions: the same plan (`features.plan`: fleet facts, emit range,
+lookback, the exists check, finish), run on Dask.
 
 - **Node groups.** Whole nodes, about `partition_nodes` per group, because a GPU's node peer
   features compare it with the other GPUs of its node. Nodes that share a GPU uuid (a board
@@ -35,11 +36,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import polars as pl
 
+from features.aggregates import AggregatesSummary, count_built_rows, open_aggregates, plan_aggregates, write_day
 from features.build import features_from_buckets
 from features.dataset import write_features
 from features.inputs import read_day_presence, read_nodes
@@ -230,4 +232,91 @@ def build_features_distributed(
         built = [d.date() for run_start, run_end in plan.runs for d in days_in(run_start, run_end)]
         finish_days(manifest, plan, built, files, facts.data_end, summary)
         summary.warnings += silent_sources(facts, summary)
+    return summary.timed(began, gpus)
+
+
+# -- the stored aggregates --------------------------------------------------------------------
+
+
+def _aggregate_partition(
+    store: Store, nodes: pl.DataFrame, block: tuple[datetime, datetime], spec: FeatureSpec, staging: Staging
+) -> tuple[list[str], int, int]:
+    """The buckets of `nodes` labelled within `block`, one file per day (hidden until the build
+    commits them); the files, the buckets and the telemetry rows read. Read from `max_silence`
+    and one grid step before the block, so that its first buckets' counter increases and sample
+    spacings have the sample before them, as the single-machine build's stream gives them."""
+    start, end = block
+    tel = read_nodes(store, nodes, start - spec.grid - spec.max_silence, end)
+    if tel.height == 0:
+        return [], 0, 0
+    hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence).filter(
+        pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE), closed="left")
+    )
+    files: list[str] = []
+    dated = hourly.with_columns(pl.col("ts").dt.date().alias("_day"))
+    for (day,), buckets in dated.partition_by("_day", as_dict=True, include_key=False).items():
+        files += write_day(staging, datetime.combine(day, datetime.min.time(), tzinfo=UTC), buckets, pl.DataFrame())
+    return files, hourly.height, tel.height
+
+
+def _presence_of_day(store: Store, day: date, staging: Staging) -> list[str]:
+    """One day's GPU presence file (hidden until the build commits it)."""
+    presence = read_day_presence(store, day)
+    return write_day(staging, datetime.combine(day, datetime.min.time(), tzinfo=UTC), pl.DataFrame(), presence)
+
+
+def build_aggregates_distributed(
+    client: Any,
+    store: Store,
+    spec: FeatureSpec | None = None,
+    *,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    partition_nodes: int = 64,
+    partition_days: int = 14,
+    overwrite: bool = False,
+) -> AggregatesSummary:
+    """`features.aggregates.build_aggregates` on the Dask cluster of `client`: the same plan and
+    the same buckets and presence, computed in (node group x block of `partition_days`)
+    partitions that write their own files (a day's buckets are then a file per node group),
+    committed together once every partition has written."""
+    began = time.perf_counter()
+    spec = spec or FeatureSpec()
+    if partition_days < 1:
+        raise ValueError(f"partition_days: expected at least 1, got {partition_days}")
+    summary = AggregatesSummary()
+    with open_aggregates(store) as manifest:
+        planned = plan_aggregates(store, manifest, spec, summary, start=start, end=end, overwrite=overwrite)
+        if planned is None:
+            return summary.timed(began)
+        plan = planned.plan
+        groups = node_groups(_presence(client, store), partition_nodes)
+        staging = manifest.staging()
+        step = timedelta(days=partition_days)
+        blocks = [
+            (b, min(b + step, run_end))
+            for run_start, run_end in plan.runs
+            for b in (run_start + i * step for i in range(-(-(run_end - run_start) // step)))
+        ]
+        parts = [
+            client.submit(_aggregate_partition, store, nodes, block, spec, staging, pure=False)
+            for block in blocks
+            for nodes in groups
+        ]
+        have = set(store.dates("telemetry"))
+        built = [d.date() for run_start, run_end in plan.runs for d in days_in(run_start, run_end)]
+        presences = [client.submit(_presence_of_day, store, d, staging, pure=False) for d in built if d in have]
+        written: list[str] = []
+        for files, buckets, rows_read in client.gather(parts):
+            written += files
+            summary.buckets += buckets
+            summary.telemetry_rows_read += rows_read
+        for files in client.gather(presences):
+            written += files
+        summary.blocks = len(parts)
+        replaced = [name for day in built for name in plan.replaced.get(day, [])]
+        manifest.complete(built, written, planned.data_end, replaced=replaced)
+        summary.files_written += [staging.visible(p) for p in written]
+        summary.files_replaced += len(replaced)
+        gpus = count_built_rows(store, spec, plan.runs, summary)
     return summary.timed(began, gpus)

@@ -44,6 +44,8 @@ from ingest.store import Store
 
 MANIFEST = "features"
 """The manifest's journal and state name: `_state/features.json`."""
+AGGREGATES_MANIFEST = "buckets"
+"""The stored aggregates' manifest (`features.aggregates`): `_state/buckets.json`."""
 DATASET = "features"
 VERSION = 1
 _DAY = timedelta(days=1)
@@ -83,12 +85,15 @@ class FeatureManifest:
         self.days = days
         self.spec = spec
         """The spec the listed days were built with (None: not recorded, see the module notes)."""
-        self._base = self.store.path(DATASET) + "/"
+        # A journal of one dataset names its files relative to the dataset's folder (what the
+        # features manifest always did); of several, relative to the data root.
+        datasets = journal.datasets
+        self._base = (self.store.path(datasets[0]) if len(datasets) == 1 else self.store.path()) + "/"
 
     @classmethod
     def load(cls, journal: Journal) -> FeatureManifest:
         store = journal.store
-        where = store.path("_state", f"{MANIFEST}.json")
+        where = store.path("_state", f"{journal.name}.json")
         state = journal.state
         if state is None:
             # Written before the manifest existed: every day with files is taken as complete.
@@ -144,9 +149,10 @@ class FeatureManifest:
     def present(self, first: date | None = None, last: date | None = None) -> dict[date, list[str]]:
         """The visible feature files of each day in [first, last], by relative name."""
         found: dict[date, list[str]] = {}
-        for path in self.store.files(DATASET, first, last):
-            name = self.relative(path)
-            found.setdefault(date.fromisoformat(name.split("/", 1)[0].removeprefix("date=")), []).append(name)
+        for dataset in self.journal.datasets:
+            for path in self.store.files(dataset, first, last):
+                name = self.relative(path)
+                found.setdefault(_day_of(name), []).append(name)
         return found
 
     def relative(self, path: str) -> str:
@@ -207,12 +213,18 @@ class FeatureManifest:
         staging = self.staging()
         for path in written:
             name = self.relative(staging.visible(path))
-            day = date.fromisoformat(name.split("/", 1)[0].removeprefix("date="))
+            day = _day_of(name)
             if day in by_day:
                 by_day[day].append(name)
         for day, names in by_day.items():
             self.days[day] = DayRecord(tuple(sorted(names)), data_end)
         self.journal.commit(self._state(), staged=written, replaces=[self._base + name for name in replaced])
+
+    def record_spec(self, spec: FeatureSpec) -> None:
+        """Record `spec` as the one the listed days were built with, keeping them: for a caller
+        that knows the files are what `spec` builds (`features.aggregates`)."""
+        self.spec = spec
+        self._save()
 
     def _save(self) -> None:
         self.journal.commit(self._state())
@@ -232,13 +244,21 @@ class FeatureManifest:
         }
 
 
+def _day_of(name: str) -> date:
+    """The day of a file named relative to the manifest's base (its `date=` folder)."""
+    folder = next(part for part in name.split("/") if part.startswith("date="))
+    return date.fromisoformat(folder.removeprefix("date="))
+
+
 @contextmanager
-def open_manifest(store: Store) -> Iterator[FeatureManifest]:
-    """The manifest of the store's features, holding its journal (the lock: a second build of
-    the data root is refused) until the block ends. The files are not synced to disk before
-    their commit: a power cut that loses one leaves a file its checksum refuses, and a day is
-    rebuilt in minutes."""
-    with store.journal(MANIFEST, [DATASET], durable=False, holder="`gpufail features`") as journal:
+def open_manifest(
+    store: Store, name: str = MANIFEST, datasets: Sequence[str] = (DATASET,)
+) -> Iterator[FeatureManifest]:
+    """The manifest `name` of the store's `datasets` (default: the features'), holding its
+    journal (the lock: a second build of the data root is refused) until the block ends. The
+    files are not synced to disk before their commit: a power cut that loses one leaves a file
+    its checksum refuses, and a day is rebuilt in minutes."""
+    with store.journal(name, list(datasets), durable=False, holder="`gpufail features`") as journal:
         yield FeatureManifest.load(journal)
 
 
@@ -262,10 +282,14 @@ def settle_time(spec: FeatureSpec) -> timedelta:
     return spec.horizon + spec.merge_window + (spec.lost_after or timedelta(0))
 
 
-def recorded_spec(store: Store) -> FeatureSpec | None:
-    """The spec the store's features were built with, from the manifest (None: no manifest, or
-    one written before specs were recorded). Reads only; `FeatureManifest.load` may write."""
-    state = store.read_state(MANIFEST)
+def recorded_spec(store: Store, name: str | None = None) -> FeatureSpec | None:
+    """The spec the store's features are computed with: the stored aggregates' when the store
+    has them (`features.aggregates`; its readers compute from them), else the features table's
+    (or the spec of manifest `name`), from the manifest (None: no manifest, or one written
+    before specs were recorded). Reads only; `FeatureManifest.load` may write."""
+    if name is None:
+        name = AGGREGATES_MANIFEST if store.read_state(AGGREGATES_MANIFEST) is not None else MANIFEST
+    state = store.read_state(name)
     if not isinstance(state, dict) or state.get("spec") is None:
         return None
-    return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{MANIFEST}.json')}: spec")
+    return FeatureSpec.from_json(state["spec"], f"{store.path('_state', f'{name}.json')}: spec")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 import polars as pl
 
@@ -102,7 +102,7 @@ class FeatureBuildSummary:
             + (f"; {self.leftovers_removed} files of an interrupted build removed" if self.leftovers_removed else "")
         )
 
-    def timed(self, began: float, gpus: set[str] | None = None) -> FeatureBuildSummary:
+    def timed(self, began: float, gpus: set[str] | None = None) -> Self:
         """This summary with the seconds since `began` (`time.perf_counter`) and the GPUs built."""
         if gpus is not None:
             self.gpus = len(gpus)
@@ -267,12 +267,15 @@ def plan_build(
     *,
     data_end: datetime,
     overwrite: bool,
+    settle: timedelta | None = None,
 ) -> BuildPlan:
     """The plan of a build of the whole days in [start, end) with `spec` (`FeatureManifest.use_spec`
     and `plan`), after removing the files no build completed (counted in `summary`); a
-    `FeaturesExistError` when every day is built and up to date."""
+    `FeaturesExistError` when every day is built and up to date. `settle`: how long after a
+    grid time what is built for it can still change (default: the labels', `settle_time`)."""
     manifest.use_spec(spec, start, end, overwrite=overwrite)
-    plan = manifest.plan(start, end, data_end=data_end, settle=settle_time(spec), overwrite=overwrite)
+    settle = settle_time(spec) if settle is None else settle
+    plan = manifest.plan(start, end, data_end=data_end, settle=settle, overwrite=overwrite)
     manifest.remove(plan.partial)
     summary.leftovers_removed, summary.days_kept = len(plan.partial), len(plan.kept)
     if not plan.runs:

@@ -3,7 +3,7 @@
 threads of this process, bounded in memory. `features.distributed` runs the same plan on Dask.
 
 It reads telemetry one day partition at a time with enough lookback that every emitted row
-equals what an all-history build would give, turns it into grid buckets (`_BucketStream`),
+equals what an all-history build would give, turns it into grid buckets (`BucketStream`),
 builds each shard of a block with the pure build (`features.build.iter_features_from_buckets`)
 and writes the `features` dataset (`features.dataset.write_features`).
 """
@@ -14,10 +14,11 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import polars as pl
 
+from features.bucket_stream import BucketStream
 from features.build import iter_features_from_buckets
 from features.dataset import write_features
 from features.inputs import read_telemetry, scan_presence
@@ -38,72 +39,12 @@ from features.plan import (
 from features.schema import TS_DTYPE
 from features.shards import SHARD, ShardedBuckets, shard_map
 from features.spec import FeatureSpec
-from features.windows import grid_floor, hourly_aggregate
 from ingest.journal import Staging
 from ingest.store import Store
 
 
 class _Stopped(Exception):
     """A block's build was told to stop because the build failed elsewhere."""
-
-
-def _last_rows(frame: pl.DataFrame) -> pl.DataFrame:
-    """The latest row of each GPU."""
-    return frame.filter(pl.col("ts") == pl.col("ts").max().over(GPU)).unique(GPU, keep="last", maintain_order=True)
-
-
-class _BucketStream:
-    """Raw telemetry, one UTC day at a time, turned into complete grid buckets.
-
-    The bucket labelled b holds the samples in (b - grid, b], so a day file's last partial
-    bucket also needs the next file's first instant: rows after the day's last complete bucket
-    are held back for the next day. The last sample of each GPU is carried too, as the baseline
-    of its counter increases and sample spacing (so a counter increase across midnight is
-    counted exactly as in an all-history build)."""
-
-    def __init__(self, grid: timedelta, max_gap: timedelta) -> None:
-        self.grid, self.max_gap = grid, max_gap
-        self.held: pl.DataFrame | None = None  # raw rows after the last complete bucket
-        self.context: pl.DataFrame | None = None  # the last aggregated sample per GPU
-        self.cut: datetime | None = None
-
-    def day(self, raw: pl.DataFrame, day_end: datetime) -> pl.DataFrame:
-        """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
-        cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
-        frames = [f for f in (self.held, raw) if f is not None and f.height]
-        # Not rechunked here: the day's rows come in one piece (`inputs.read_telemetry`), and the
-        # concatenation with the context below makes one piece of everything once.
-        pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
-        is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
-        self.held = pending.filter(~is_now)
-        if not is_now.any():
-            return hourly_aggregate(pending.clear(), self.grid, max_gap=self.max_gap)
-        if self.context is None and len(frames) == 1:
-            merged = pending.filter(is_now)  # one file's rows: usually in (gpu, ts) order already
-        else:
-            # The context, the held rows and the day's rows together are out of order: their
-            # rows up to the cut are put in order by sorting two narrow keys and one gather
-            # (filtering, concatenating, then sorting the 36-column frame took 40% of
-            # aggregating a day). `hourly_aggregate` checks the order (a hash collision).
-            if self.context is not None:
-                pending = pl.concat(
-                    [self.context.select(pending.columns), pending], how="vertical_relaxed", rechunk=True
-                )
-                is_now = pl.concat([pl.repeat(True, self.context.height, eager=True), is_now])
-            order = (
-                pl.DataFrame({"_h": pending[GPU].hash(), "ts": pending["ts"], "_now": is_now})
-                .with_row_index("_i")
-                .filter("_now")
-                .sort("_h", "ts", maintain_order=True)["_i"]
-            )
-            merged = pending[order]
-        buckets = hourly_aggregate(merged, self.grid, max_gap=self.max_gap)
-        if self.cut is not None:
-            buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets
-        latest = _last_rows(merged)
-        self.context = latest.filter(pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE))
-        self.cut = cut
-        return buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +104,7 @@ def build_features_from_store(
     sample per GPU, for `gpu_age_h`, lost-GPU labels and XID resolution, and the data end); XID
     events and repair records are read whole (they are small) and give the failure episodes.
     Pass 2 reads raw telemetry one day partition at a time, from the longest window before
-    `start` on, aggregates it to grid buckets once (`_BucketStream`), and computes the fleet
+    `start` on, aggregates it to grid buckets once (`BucketStream`), and computes the fleet
     median per GPU model of each grid time (the one feature that needs the whole fleet). The
     days are emitted in time blocks of `block_days`: a block's features need its buckets and
     the trailing window before it. When the whole fleet's buckets for a block and its window
@@ -327,7 +268,7 @@ def build_features_from_store(
 
         buckets = ShardedBuckets(shards, scratch=options.scratch)
         summary.shards = buckets.count
-        stream = _BucketStream(grid, max_silence)
+        stream = BucketStream(grid, max_silence)
         medians: list[pl.DataFrame] = []  # the fleet median per GPU model of each grid time read
         bar = tqdm(total=len(days), desc="features: build", unit="day", disable=not options.progress)
 

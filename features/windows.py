@@ -405,9 +405,10 @@ def window_features(
     sums = WindowSums(sizes, labels)
     sums.add("n", pl.col(f"n_samples{sfx}"))
     # Slope: least squares of the bucket means on time. x is the bucket's position in hours from
-    # the frame's first grid time (the slope does not depend on where x starts; a small origin
-    # keeps x*x exact).
-    x = (pl.col("ts") - pl.col("ts").min()).dt.total_microseconds() / HOUR_US
+    # the GPU's first grid time in the frame (the slope does not depend on where x starts; a
+    # small origin keeps x*x exact, and one of the GPU's own keeps its rounding independent of
+    # which other GPUs share the frame).
+    x = (pl.col("ts") - pl.col("ts").min().over(GID)).dt.total_microseconds() / HOUR_US
     # Sums of squares run over the whole frame, so they are taken about a centre per GPU and
     # gauge (its first bucket mean in the frame): uncentred, a memory gauge near 80,000 MiB that
     # barely moves lost its standard deviation to rounding over a few weeks of running sums.

@@ -29,7 +29,6 @@ makes the options from the same settings).
 
 from __future__ import annotations
 
-import math
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -280,13 +279,13 @@ class _Job:
         import polars as pl
         import pyarrow as pa
 
-        from features.dataset import FEATURES_DATASET
+        from features.dataset import feature_days, features_dataset
 
         if isinstance(exc, (pl.exceptions.PolarsError, pa.ArrowException)):
-            days = self.store.dates(FEATURES_DATASET)
+            days = feature_days(self.store)
             # The spec known so far: naming the damaged file must not itself need the registry.
             reach = retrain_reach(days[-1], self.o, self._spec or self.o.feature_spec).date() if days else None
-            unreadable = self.store.unreadable(FEATURES_DATASET, reach)
+            unreadable = self.store.unreadable(features_dataset(self.store), reach)
             if unreadable is not None:
                 return f"{unreadable} ({message})"
         return message
@@ -354,10 +353,10 @@ class _Job:
         """ts, gpu_uuid and label of the feature rows a retrain can reach (`retrain_reach`):
         where labels settle and where failures are, without the hundreds of feature columns.
         Reading every day's keys grew with the history (87M rows for the 120-day paper fleet)."""
-        from features.dataset import FEATURES_DATASET, read_features
+        from features.dataset import feature_days, read_features
 
         if self._keys is None:
-            days = self.store.dates(FEATURES_DATASET)
+            days = feature_days(self.store)
             start = retrain_reach(days[-1], self.o, self.spec()) if days else None
             self._keys = read_features(self.store, start=start, columns=["label"])
             if self._keys.height == 0:
@@ -394,22 +393,18 @@ class _Job:
         return {"kernel_log": str(summary)}
 
     def _features(self) -> dict[str, Any]:
-        from features.dataset import FEATURES_DATASET
-        from features.runner import build_features_from_store
+        from features.aggregates import build_aggregates
+        from features.plan import FeaturesExistError
 
         spec = self.spec()
-        built = self.store.dates(FEATURES_DATASET)
-        start = None
-        if built:
-            # New data settles labels up to horizon + merge_window back: rebuild those days too.
-            back = math.ceil((spec.horizon + spec.merge_window) / timedelta(days=1))
-            start = datetime.combine(built[-1] - timedelta(days=back), datetime.min.time(), tzinfo=UTC)
-        summary = build_features_from_store(self.store, spec, self.o.build, start=start, overwrite=bool(built))
-        return {
-            "features": str(summary),
-            "from": None if start is None else start.isoformat(),
-            "feature_spec": spec.fingerprint,
-        }
+        # The stored aggregates: the new days, and those built before their telemetry ended.
+        # Labels are computed when read, so they settle without a rebuild. Aggregates of another
+        # grid or silence are refused (`build_aggregates`): someone built them on purpose.
+        try:
+            summary = str(build_aggregates(self.store, spec))
+        except FeaturesExistError as done:
+            summary = f"aggregates: up to date: {done.files} files cover {done.start}..{done.last}"
+        return {"features": summary, "feature_spec": spec.fingerprint}
 
     def _train(self) -> dict[str, Any]:
         import polars as pl

@@ -762,7 +762,13 @@ def _day_of(path: str) -> date:
 
 # What a file of each dataset is called in a message, and what to do when one is corrupt (a
 # dataset not listed is raw data: its source can be ingested again).
-_NOUNS = {"features": "feature file", "predictions": "predictions file", "actions": "audit file"}
+_NOUNS = {
+    "features": "feature file",
+    "buckets": "bucket aggregates file",
+    "bucket_presence": "bucket presence file",
+    "predictions": "predictions file",
+    "actions": "audit file",
+}
 
 
 def _dataset_of(path: str) -> str:
@@ -774,6 +780,12 @@ def remedy(path: str) -> str:
     """What to do about a corrupt or unreadable file of the store, by its dataset."""
     dataset = _dataset_of(path)
     if dataset == "features":
+        day = _day_of(path)
+        return (
+            f"rebuild its day with gpufail features --materialise --start {day} --end {day + timedelta(days=1)} "
+            "--overwrite"
+        )
+    if dataset in ("buckets", "bucket_presence"):
         day = _day_of(path)
         return f"rebuild its day with gpufail features --start {day} --end {day + timedelta(days=1)} --overwrite"
     if dataset == "predictions":

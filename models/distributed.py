@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import polars as pl
 
-from features.dataset import FEATURES_DATASET, read_features
+from features.dataset import feature_days, read_features
 from ingest.errors import InputError
 from ingest.store import Store
 from models.estimators import CategoryCodes, balanced_pos_weight, odds_factor
@@ -129,7 +129,7 @@ def _train_distributed(client: Any, store: Store, options: TrainOptions) -> Trai
     )
     options = options.drawn_from(*window_label_counts(store, *bounds))
     negative_fraction, where = options.negative_fraction, options.window_name
-    days = [d for d in store.dates(FEATURES_DATASET) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
+    days = [d for d in feature_days(store) if bounds[0].date() <= d <= (bounds[1] - _US).date()]
     if bounds[1] <= bounds[0] or not days:
         raise InputError(f"{where}: no feature rows in {bounds[0]} .. {bounds[1]}; widen train_window")
     # The input columns, from one (empty) read: the same for every date (the features schema).

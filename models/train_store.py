@@ -20,7 +20,7 @@ from datetime import UTC, datetime, time
 import pandas as pd
 import polars as pl
 
-from features.dataset import FEATURES_DATASET, drawn_rows, has_sample_keys, label_counts, read_features, rows_at
+from features.dataset import drawn_rows, feature_days, has_sample_keys, label_counts, read_features, rows_at
 from features.manifest import recorded_spec
 from features.spec import require_spec
 from ingest.errors import InputError
@@ -74,7 +74,7 @@ def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], optio
 def store_settled_until(store: Store, horizon: DurationLike) -> pd.Timestamp:
     """`models.train.settled_until` of the store's features, found from the last date
     partition alone (the data's last grid time), without reading the rest."""
-    days = store.dates(FEATURES_DATASET)
+    days = feature_days(store)
     if not days:
         raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
     newest = datetime.combine(days[-1], time.min, tzinfo=UTC)
@@ -103,7 +103,7 @@ def window_label_counts(store: Store, start: pd.Timestamp, end: pd.Timestamp) ->
 def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
     """The drawn rows, for files without the stored key (or another seed): the draw is made on
     three narrow columns of the window first, then each date file is read and cut to those rows."""
-    days = store.dates(FEATURES_DATASET)
+    days = feature_days(store)
     # The window ends at the last settled label (or before as_of - horizon when that is earlier),
     # which is within a horizon of the newest day: that day and horizon + train_window before
     # it hold every row the window can contain (and the rows that say where labels settle).

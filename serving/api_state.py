@@ -175,13 +175,13 @@ class FeatureStore:
         return Store.open(self.root)
 
     def fingerprint(self) -> str | None:
-        from features.dataset import FEATURES_DATASET
+        from features.dataset import feature_days, features_dataset
 
         store = self._store()
-        days = store.dates(FEATURES_DATASET) if store.exists(FEATURES_DATASET) else []
+        days = feature_days(store)
         if not days:
             return None
-        files = store.files(FEATURES_DATASET, days[-1], days[-1])
+        files = store.files(features_dataset(store), days[-1], days[-1])
         return f"{days[-1]}:" + ",".join(sorted(files))
 
     def load(self) -> LatestFeatures:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 
-from features.dataset import FEATURES_DATASET, read_features, read_newest_grid_time
+from features.dataset import feature_days, read_features, read_newest_grid_time
 from features.manifest import recorded_spec
 from features.spec import FeatureSpec, require_spec
 from features.windows import grid_floor
@@ -98,7 +98,7 @@ def score_range(
     check_model_spec(model, recorded_spec(store), store.root)
     grid_times = rows = replaced = 0
     first = last = None
-    for day in store.dates(FEATURES_DATASET, start, end):
+    for day in feature_days(store, start, end):
         day_start = datetime.combine(day, datetime.min.time(), tzinfo=UTC)
         frame = read_features(store, start=max(start, day_start), end=min(end, day_start + timedelta(days=1)))
         for (ts,), rows_at_ts in frame.group_by("ts", maintain_order=True):
@@ -115,7 +115,7 @@ def score_range(
 
 
 def _built_days(store: Store) -> str:
-    days = store.dates(FEATURES_DATASET)
+    days = feature_days(store)
     if not days:
         return f"the features dataset is empty; run `gpufail features --data {store.root}` first"
     return f"features are built for {days[0]}..{days[-1]}"

@@ -29,7 +29,7 @@ def test_a_daily_table_with_failure_records_goes_from_import_to_an_evaluated_bac
     positives = int(re.search(r"\(([\d,]+) positive", built)[1].replace(",", ""))  # type: ignore[index]
     assert positives > 0 and f"{positives:,} positive from failure records" in built
     assert "warning" not in built
-    assert run("features", "--data", str(root), "--quiet").startswith("features: up to date: 70 files cover")
+    assert run("features", "--data", str(root), "--quiet").startswith("features: up to date: 140 files cover")
 
     trained = run("train", "--data", str(root), "--model-out", str(model), "--until", "2026-02-19")
     assert re.search(r"to 2026-0[12]-\d\d", trained) and "2026-02-19" not in trained.split("calibrated")[0]

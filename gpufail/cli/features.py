@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 @click.option("--start", default=None, help="First grid time (ISO, UTC); default: the start of the telemetry.")
 @click.option("--end", default=None, help="End of the grid, exclusive (ISO, UTC); default: the end of the telemetry.")
 @click.option("--overwrite", is_flag=True, help="Rebuild days that already have features.")
+@click.option(
+    "--materialise",
+    is_flag=True,
+    help="Write the whole features table (every feature of every GPU-hour, the `features` dataset) for "
+    "notebooks or export, instead of the stored aggregates the features are computed from.",
+)
 @quiet_option
 @click.option(
     "--dictionary",
@@ -49,17 +55,24 @@ def features(
     start: str | None,
     end: str | None,
     overwrite: bool,
+    materialise: bool,
     quiet: bool,
     dictionary_path: str | None,
     as_json: bool,
 ) -> None:
-    """Build sliding-window features and labels into the features dataset, with the [features]
-    and [labels] settings (the dataset records them; a build with other settings rebuilds every
-    day with --overwrite, or is refused).
+    """Prepare the store's features, with the [features] and [labels] settings (the store
+    records them): the per GPU-hour aggregates every feature row is computed from when training,
+    evaluation, scoring or serving asks for it (docs/store.md). Settings of another grid or
+    silence rebuild every day with --overwrite, or are refused; other settings are recorded and
+    apply at once.
 
-    By default it builds what is missing: days not built yet, and days whose labels the data
-    added since can now settle. Run again with nothing new, it builds nothing and says so.
-    --overwrite rebuilds every day of --start/--end (default: all of them)."""
+    By default it builds what is missing: days not built yet, and days built before their
+    telemetry ended. Run again with nothing new, it builds nothing and says so. --overwrite
+    rebuilds every day of --start/--end (default: all of them).
+
+    --materialise writes the whole features table instead (every feature of every GPU-hour, for
+    notebooks or export), keeping its days as above and rebuilding those whose labels the data
+    added since can now settle. Both run on Dask when [dask] scheduler is set."""
     settings = settings_of(ctx)
     spec = settings.feature_spec()
     if dictionary_path is not None:
@@ -86,8 +99,12 @@ def features(
     if first is not None and last is not None and last <= first:
         raise GpufailError(f"--end {end}: expected a time after --start {start}")
     store = Store.open(data_root(ctx, data))
+    summary: FeatureBuildSummary
     try:
-        summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
+        if materialise:
+            summary = _build(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
+        else:
+            summary = _aggregates(settings, store, spec, first, last, overwrite=overwrite, quiet=quiet)
     except FeaturesExistError as done:
         asked = "" if first is None and last is None else " asked for"
         report(
@@ -101,6 +118,37 @@ def features(
     report(as_json, str(summary), {"command": "features", "up_to_date": False, **vars(summary)})
 
 
+def _aggregates(
+    settings: Settings,
+    store: Store,
+    spec: FeatureSpec,
+    first: datetime | None,
+    last: datetime | None,
+    *,
+    overwrite: bool,
+    quiet: bool,
+) -> FeatureBuildSummary:
+    """The stored aggregates of [first, last): on Dask when [dask] scheduler is set."""
+    if settings.dask.scheduler:
+        from features.distributed import build_aggregates_distributed
+
+        d = settings.dask
+        with dask_client(settings) as client:
+            return build_aggregates_distributed(
+                client,
+                store,
+                spec,
+                start=first,
+                end=last,
+                partition_nodes=d.partition_nodes,
+                partition_days=d.partition_days,
+                overwrite=overwrite,
+            )
+    from features.aggregates import build_aggregates
+
+    return build_aggregates(store, spec, start=first, end=last, overwrite=overwrite, progress=not quiet)
+
+
 def _build(
     settings: Settings,
     store: Store,
@@ -111,7 +159,7 @@ def _build(
     overwrite: bool,
     quiet: bool,
 ) -> FeatureBuildSummary:
-    """The build of [first, last) with the settings' runner: Dask when [dask] scheduler is set."""
+    """The features table of [first, last) with the settings' runner: Dask when [dask] scheduler is set."""
     if settings.dask.scheduler:
         # [dask] scheduler set: the same features, built in partitions on the cluster.
         from features.distributed import build_features_distributed

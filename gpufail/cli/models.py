@@ -91,12 +91,12 @@ def _load_features(root: str) -> Any:
 
 def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
     """Refuse before reading when the whole features dataset would not fit (`gpufail.memory`)."""
-    from features.dataset import FEATURES_DATASET, features_shape
+    from features.dataset import features_dataset, features_shape
     from gpufail.memory import available_bytes, check_evaluate_fits
 
     rows, columns = features_shape(store)
     budget = available_bytes() if max_memory_gb is None else int(max_memory_gb * 1e9)
-    check_evaluate_fits(store.path(FEATURES_DATASET), rows, columns, budget)
+    check_evaluate_fits(store.path(features_dataset(store)), rows, columns, budget)
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""`gpufail features` killed with SIGKILL at its write boundaries and after random delays
+"""`gpufail features --materialise` (the features table) killed with SIGKILL at its write boundaries and after random delays
 (`tests.faults.kill_points`), then run again without --overwrite.
 
 Right after a kill, readers (training, scoring, evaluation read through the store) see every
@@ -48,7 +48,7 @@ ENV: dict[str, str | None] = {k: None for k in os.environ if k.startswith("GPUFA
 
 
 def features_command(root: Path, *extra: str) -> list[str]:
-    return ["features", "--data", str(root), "--quiet", *extra]
+    return ["features", "--materialise", "--data", str(root), "--quiet", *extra]
 
 
 @pytest.fixture(scope="module")

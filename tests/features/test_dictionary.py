@@ -65,9 +65,9 @@ def test_cli_refuses_an_end_before_the_start_in_one_line(tmp_path):
 def test_cli_builds_what_is_missing_and_with_nothing_new_says_it_is_up_to_date(tmp_path):
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", synthetic_telemetry(8, 30, seed=2, start=T0).to_arrow())
-    first = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
+    first = gpufail("features", "--materialise", "--data", str(tmp_path / "data"), "--quiet")
     assert first.returncode == 0, first.stderr
-    again = gpufail("features", "--data", str(tmp_path / "data"), "--quiet")
+    again = gpufail("features", "--materialise", "--data", str(tmp_path / "data"), "--quiet")
     assert again.returncode == 0, again.stderr
     days = f"{T0.date()}..{(T0 + timedelta(hours=30)).date()}"
     assert again.stdout.startswith(f"features: up to date: 2 files cover {days}, every day, built from the data")
@@ -76,7 +76,7 @@ def test_cli_builds_what_is_missing_and_with_nothing_new_says_it_is_up_to_date(t
     # Two more days of telemetry: the next run builds them, and rebuilds the days whose
     # censored labels they settle, without --start.
     store.write("telemetry", synthetic_telemetry(8, 48, seed=3, start=T0 + timedelta(hours=31)).to_arrow())
-    more = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", "--json")
+    more = gpufail("features", "--materialise", "--data", str(tmp_path / "data"), "--quiet", "--json")
     assert more.returncode == 0, more.stderr
     facts = json.loads(more.stdout)
     assert facts["up_to_date"] is False and facts["start"].startswith(str(T0.date()))
@@ -84,6 +84,7 @@ def test_cli_builds_what_is_missing_and_with_nothing_new_says_it_is_up_to_date(t
 
     ranged = gpufail(
         "features",
+        "--materialise",
         "--data",
         str(tmp_path / "data"),
         "--quiet",
@@ -97,6 +98,7 @@ def test_cli_builds_what_is_missing_and_with_nothing_new_says_it_is_up_to_date(t
     )
     rebuilt = gpufail(
         "features",
+        "--materialise",
         "--data",
         str(tmp_path / "data"),
         "--quiet",

@@ -105,3 +105,28 @@ def test_a_store_without_xid_events_builds_as_on_one_machine(tmp_path, client, f
     assert summary.rows == stored.height == expected.height > 0
     assert summary.positives == int((expected["label"] == 1).sum()) > 0  # the lost GPU still fails
     assert_frame_equal(stored, expected.sort("ts", "gpu_uuid"), check_exact=False, rel_tol=1e-5, abs_tol=1e-4)
+
+
+def test_dask_aggregates_are_the_single_machine_ones(tmp_path, client, fleet):
+    from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets, read_presence
+    from features.distributed import build_aggregates_distributed
+    from features.on_demand import features_on_demand
+
+    local = store_of(tmp_path / "local", fleet)
+    build_aggregates(local, FeatureSpec(windows=WINDOWS))
+    store = store_of(tmp_path / "dask", fleet)
+    # One node group per partition and one-day blocks: every partition edge is exercised.
+    summary = build_aggregates_distributed(
+        client, store, FeatureSpec(windows=WINDOWS), partition_nodes=1, partition_days=1
+    )
+    span = (T0 - 24 * H, T0 + 96 * H)
+    expected = read_buckets(local, *span).sort("gpu_uuid", "ts")
+    assert read_buckets(store, *span).sort("gpu_uuid", "ts").equals(expected)
+    assert read_presence(store).equals(read_presence(local))
+    assert summary.buckets == expected.height and summary.rows > 0 and summary.blocks == 2 * 3
+    assert sorted(summary.files_written) == sorted(store.files(BUCKETS) + store.files(PRESENCE))
+    assert_frame_equal(features_on_demand(store), features_on_demand(local))
+    with pytest.raises(FeaturesExistError):
+        build_aggregates_distributed(client, store, FeatureSpec(windows=WINDOWS))
+    with pytest.raises(ValueError, match="partition_days: expected at least 1"):
+        build_aggregates_distributed(client, store, partition_days=0)

@@ -37,7 +37,7 @@ def test_the_cli_reports_an_unreachable_scheduler(tmp_path):
     from ingest.store import Store
 
     Store.create(str(tmp_path / "data"))
-    result = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+    result = gpufail("features", "--materialise", "--data", str(tmp_path / "data"), "--quiet", env=env)
     # A GpufailError (`ClusterError`), which `gpufail.cli.main` prints as one line with exit status 2.
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("gpufail: error: ") and "no Dask scheduler answered" in result.stderr
@@ -65,7 +65,7 @@ def test_features_and_train_run_on_the_configured_cluster(tmp_path):
             # The model is calibrated on the half day after its window (three days of data).
             "GPUFAIL_MODEL__CALIBRATION_WINDOW": "12h",
         }
-        result = gpufail("features", "--data", str(tmp_path / "data"), "--quiet", env=env)
+        result = gpufail("features", "--materialise", "--data", str(tmp_path / "data"), "--quiet", env=env)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("features: ")
         assert read_features(store).select(pl.col("gpu_uuid").n_unique()).item() == 16

@@ -190,15 +190,15 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
 
     # The retrain read the label keys from `retrain_reach` on, not the whole history, and its
     # window lies within them.
-    feature_days = store.dates("features")
+    feature_days = store.dates("buckets")
     reach = retrain_reach(feature_days[-1], opts, opts.feature_spec)
     assert reach > datetime.combine(feature_days[0], datetime.min.time(), tzinfo=UTC)
     assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
 
 
 def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_another(mlflow_server, fleet, tmp_path):
+    from features.aggregates import build_aggregates
     from features.manifest import recorded_spec
-    from features.runner import build_features_from_store
     from features.spec import FeatureSpec
     from models.train import load_model
 
@@ -228,8 +228,10 @@ def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_anoth
     assert recorded_spec(store) == champions
     assert load_model(second.results["train"]["model_dir"]).feature_spec == champions
 
-    # The features rebuilt by hand with today's settings: the champion cannot score them.
-    build_features_from_store(store, today, options(tmp_path, url, name).build, overwrite=True)
+    # The aggregates rebuilt by hand with today's settings and another silence: the night does not
+    # overwrite them, and the champion cannot score features computed with them.
+    today = replace(today, max_silence=timedelta(hours=12))
+    build_aggregates(store, today, overwrite=True)
     grow(fleet, data, start + timedelta(days=FLEET_DAYS - 1))
     with pytest.raises(NightlyError) as refused:
         run_nightly(str(data), options(tmp_path, url, name), publish=log_publish, report=lambda _: None)
@@ -427,20 +429,21 @@ def test_a_kill_during_register_is_finished_in_the_same_mlflow_run(mlflow_server
 
 
 def test_a_corrupt_feature_file_is_named(mlflow_server, fleet, tmp_path):
-    from features.runner import build_features_from_store
+    from features.aggregates import build_aggregates
 
     url, _ = mlflow_server
     data = tmp_path / "data"
     opts = options(tmp_path, url, f"nightly-{next(_names)}")
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 2))
     store = Store.open(str(data))
-    build_features_from_store(store, options=BuildOptions(progress=False))
-    # A day the retrain reads and the nightly does not rebuild, cut short (a copy that stopped).
-    damaged = store.files("features", first_day(fleet) + timedelta(days=FLEET_DAYS - 8))[0]
+    build_aggregates(store)
+    # A day the night reads and does not rebuild, cut short (a copy that stopped).
+    damaged = store.files("buckets", first_day(fleet) + timedelta(days=FLEET_DAYS - 8))[0]
     Path(damaged).write_bytes(Path(damaged).read_bytes()[:1000])
     grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
 
     with pytest.raises(NightlyError) as failure:
         run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
-    assert f"step train failed: {damaged}: corrupt file" in str(failure.value)
+    # The features step counts the labels of the day it builds, reading the week before it.
+    assert f"step features failed: {damaged}: corrupt file" in str(failure.value)
     assert "gpufail features --start" in str(failure.value)

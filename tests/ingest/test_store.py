@@ -251,5 +251,13 @@ def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_pa
         store.files("features", verify=True)
     assert str(refused.value).startswith(f"{path}: corrupt file (CRC-32 ")
     assert str(refused.value).endswith(
-        "its rows are not used. Rebuild its day with gpufail features --start 2026-01-05 --end 2026-01-06 --overwrite"
+        "its rows are not used. Rebuild its day with gpufail features --materialise --start 2026-01-05 --end 2026-01-06 "
+        "--overwrite"
+    )
+    buckets = Path(store.write_owned("buckets", day, pa.table({"ts": [1], "gpu_uuid": ["a"]})))
+    buckets.write_bytes(buckets.read_bytes()[:100])
+    with pytest.raises(StoreError) as refused:
+        store.files("buckets", verify=True)
+    assert str(refused.value).endswith(
+        "Rebuild its day with gpufail features --start 2026-01-05 --end 2026-01-06 --overwrite"
     )

@@ -1,0 +1,349 @@
+"""Feature rows computed when asked, from the stored aggregates (`features.aggregates`).
+
+One function serves every reader (`features_on_demand`, or `iter_features_on_demand` a part at a
+time): the rows with start <= ts < end, optionally only those a `rows` predicate keeps (the
+training draw, given (ts, gpu_uuid) keys). It runs the features build's own second half,
+`features.build.iter_features_from_buckets`, on the stored buckets of the range and the
+`lookback` before it, with the fleet facts the build uses (`features.plan.fleet_facts`: GPU
+presence, XID events resolved to GPUs, repairs, failure episodes), so a row equals the row a
+materialised build (`features.runner`) writes for it, up to float rounding: the window sums
+start at the first bucket read, which is the block's lookback in both.
+
+Memory stays bounded as in the build: the range is computed in time blocks of whole days
+(`block_days`), each block's fleet in shards of whole nodes when its buckets exceed
+`max_buckets_in_memory` (the fleet median per GPU model is computed from every GPU's bucket means
+first), and the wide columns for parts of whole GPUs (`rows_per_part`).
+
+Only the rows asked for get window features: the emitted rows, their labels and the peer
+features are decided on a narrow grid first, and the running sums are read at the kept rows
+(`features.rolling`), so the newest hour of a fleet costs one pass over its last week of
+buckets, and a 10% draw of a month a pass over the month.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+import polars as pl
+
+from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
+from features.build import iter_features_from_buckets
+from features.inputs import utc
+from features.labels import GPU
+from features.peers import PEER_METRICS, model_column, model_medians
+from features.plan import ONE_DAY, FleetFacts, day_start, fleet_facts, lookback
+from features.sample_key import SAMPLE_KEY, key_threshold, sample_keys
+from features.schema import ID_COLUMNS, LABEL_COLUMNS, TS_DTYPE
+from features.shards import NODE, SHARD, shard_map
+from features.spec import FeatureSpec
+from features.windows import BUCKET_ID_COLUMNS, aggregated_metrics, grid_floor, grid_suffix
+from ingest.errors import InputError
+from ingest.schema import telemetry_schema
+from ingest.store import Store
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+RowFilter = Callable[[pl.DataFrame], pl.Series]
+"""Given candidate rows (gpu_uuid, ts, label, time_to_failure_h), which of them to compute."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OnDemandOptions:
+    """How features are computed on demand: memory bounds only, never a value."""
+
+    block_days: int = 14
+    """Days computed together: their lookback is read once per block."""
+    max_buckets_in_memory: int = 4_000_000
+    """Buckets (a block and its lookback) of one shard of whole nodes held at once."""
+    rows_per_chunk: int = 250_000
+    rows_per_part: int | None = 500_000
+
+    def __post_init__(self) -> None:
+        if self.block_days < 1:
+            raise ValueError(f"block_days: expected at least 1, got {self.block_days}")
+
+
+def drawn(negative_fraction: float) -> RowFilter:
+    """The training draw: every positive, and the negatives whose stored key
+    (`features.sample_key`) is below the threshold of `negative_fraction`."""
+    threshold = key_threshold(negative_fraction)
+
+    def keep(rows: pl.DataFrame) -> pl.Series:
+        keys = pl.Series(sample_keys(rows[GPU], rows["ts"])).cast(pl.Int64)
+        label = rows["label"]
+        return ((label == 1) | ((label == 0) & (keys < threshold))).fill_null(False)
+
+    return keep
+
+
+def labelled() -> RowFilter:
+    """Rows with a label (censored rows left out)."""
+    return lambda rows: rows["label"].is_not_null()
+
+
+def at_keys(wanted: pl.DataFrame) -> RowFilter:
+    """The rows whose (ts, gpu_uuid) are in `wanted`."""
+    marked = wanted.select(GPU, pl.col("ts").cast(TS_DTYPE)).unique().with_columns(pl.lit(True).alias("_wanted"))
+
+    def keep(rows: pl.DataFrame) -> pl.Series:
+        found = rows.select(GPU, "ts").join(marked, on=[GPU, "ts"], how="left", maintain_order="left")
+        return found["_wanted"].fill_null(False)
+
+    return keep
+
+
+# -- fleet facts, once per state of the small datasets ---------------------------------------
+
+_FACTS: dict[tuple[object, ...], FleetFacts] = {}
+_FACTS_LOCK = threading.Lock()
+_FACTS_KEPT = 4
+
+
+def stored_fleet_facts(store: Store, spec: FeatureSpec) -> FleetFacts | None:
+    """`features.plan.fleet_facts` from the stored presence (None: nothing stored). Kept in
+    memory for the files they come from: files are written once and replaced, never changed,
+    so the same files give the same facts."""
+    sources = (PRESENCE, "xid_events", "repairs", "failure_events")
+    key = (store.root, spec.fingerprint, *(tuple(store.files(d)) for d in sources))
+    with _FACTS_LOCK:
+        if key in _FACTS:
+            return _FACTS[key]
+    presence = read_presence(store)
+    if presence.height == 0:
+        return None
+    facts = fleet_facts(store, spec, presence)
+    with _FACTS_LOCK:
+        while len(_FACTS) >= _FACTS_KEPT:
+            _FACTS.pop(next(iter(_FACTS)))
+        _FACTS[key] = facts
+    return facts
+
+
+def missing_days(store: Store) -> list[date]:
+    """The days of telemetry before the newest built day that the stored aggregates have not
+    built (days after it are not built yet: the features are those of the data as it was)."""
+    built = {date.fromisoformat(d) for d in (store.read_state(MANIFEST) or {}).get("days", {})}
+    newest = max(built, default=None)
+    return [d for d in store.dates("telemetry") if newest is not None and d < newest and d not in built]
+
+
+def on_demand_spec(store: Store) -> FeatureSpec:
+    """The spec the stored aggregates were built with; an `InputError` when there are none, or
+    when they miss days of the telemetry before their newest (the fleet facts need every day's
+    presence: a GPU's age, its failures)."""
+    spec = aggregates_spec(store)
+    if spec is None:
+        raise InputError(
+            f"{store.root}: no stored aggregates to compute features from; run `gpufail features "
+            f"--data {store.root}` first"
+        )
+    missing = missing_days(store)
+    if missing:
+        raise InputError(
+            f"{store.path(BUCKETS)}: the stored aggregates lack {len(missing)} days of telemetry "
+            f"({missing[0]}..{missing[-1]}); run `gpufail features --data {store.root}` to build them"
+        )
+    return spec
+
+
+def iter_features_on_demand(
+    store: Store,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    *,
+    spec: FeatureSpec | None = None,
+    rows: RowFilter | None = None,
+    sample_key: bool = False,
+    labels_only: bool = False,
+    options: OnDemandOptions | None = None,
+) -> Iterator[pl.DataFrame]:
+    """The feature rows (`features.schema`) with start <= ts < end (default: all the data) that
+    `rows` keeps (default: all), computed from the stored aggregates, in parts of whole GPUs of
+    one time block (each sorted by (gpu_uuid, ts)); with `sample_key`, each row's stored training
+    key (`features.sample_key.SAMPLE_KEY`) too. `spec`: the spec to compute with (default: the
+    one the aggregates were built with; its grid and silence must be theirs). `labels_only`: the
+    rows' identity columns and labels alone, from a few columns of the buckets."""
+    recorded = on_demand_spec(store)
+    spec = spec or recorded
+    if (spec.grid, spec.max_silence) != (recorded.grid, recorded.max_silence):
+        raise InputError(
+            f"{store.path(BUCKETS)}: the stored aggregates are on grid {recorded.grid} with silence "
+            f"{recorded.max_silence}; features with grid {spec.grid} and silence {spec.max_silence} need "
+            "them rebuilt (gpufail features --overwrite)"
+        )
+    options = options or OnDemandOptions()
+    facts = stored_fleet_facts(store, spec)
+    if facts is None:
+        return
+    first = day_start(facts.first_data)
+    last = grid_floor(facts.data_end, spec.grid) + timedelta(microseconds=1)
+    begin = max(utc(start), first) if start is not None else first
+    finish = min(utc(end), last) if end is not None else last
+    if begin >= finish:
+        return
+    back = lookback(spec)
+    step = options.block_days * ONE_DAY
+    # Blocks of `block_days` counted from the Unix epoch, whatever the range asked: a row's
+    # value (its float rounding: window sums run from the first bucket its block reads) is then
+    # the same in every query, so that a model trained on the rows of one read is the model of
+    # any other read of them.
+    block_start = _EPOCH + ((day_start(begin) - _EPOCH) // step) * step
+    while block_start < finish:
+        block = (block_start, block_start + step)
+        emit = (max(begin, block_start), min(finish, block[1]))
+        if labels_only:
+            parts = _labels(store, spec, facts, block, emit, back, rows)
+        else:
+            parts = _block(store, spec, facts, block, emit, back, rows, options)
+        for part in parts:
+            if sample_key:
+                part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
+            yield part
+        block_start = block[1]
+
+
+def features_on_demand(
+    store: Store,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    *,
+    spec: FeatureSpec | None = None,
+    rows: RowFilter | None = None,
+    sample_key: bool = False,
+    labels_only: bool = False,
+    options: OnDemandOptions | None = None,
+) -> pl.DataFrame:
+    """`iter_features_on_demand` as one frame sorted by (ts, gpu_uuid) (`read_features`' order)."""
+    parts = list(
+        iter_features_on_demand(
+            store, start, end, spec=spec, rows=rows, sample_key=sample_key, labels_only=labels_only, options=options
+        )
+    )
+    if not parts:
+        frame = empty_on_demand(store, spec)
+        if labels_only:
+            frame = frame.select(*ID_COLUMNS, *LABEL_COLUMNS)
+        return frame.with_columns(pl.lit(None, dtype=pl.UInt32).alias(SAMPLE_KEY)) if sample_key else frame
+    return pl.concat(parts, how="vertical").sort("ts", GPU)
+
+
+def empty_on_demand(store: Store, spec: FeatureSpec | None = None) -> pl.DataFrame:
+    """A zero-row frame with the columns on-demand rows of this store have: those of a build over
+    the telemetry columns the buckets were aggregated from."""
+    from features.build import empty_features
+
+    names = store.scan(BUCKETS).collect_schema().names() if store.dates(BUCKETS) else []
+    kinds = aggregated_metrics(names, (spec or on_demand_spec(store)).grid)
+    columns = [c for c in ID_COLUMNS if c in names] + [m for ms in kinds.values() for m in ms]
+    return empty_features(columns or telemetry_schema().names, spec or on_demand_spec(store))
+
+
+def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.DataFrame:
+    """The rows of the newest grid time that has rows (what scoring the fleet now needs): the
+    last grid time at or before the data end, or, when every GPU is out of service or silent
+    there, the one before (up to the longest lookback)."""
+    recorded = spec or on_demand_spec(store)
+    facts = stored_fleet_facts(store, recorded)
+    if facts is None:
+        return empty_on_demand(store, spec)
+    newest = grid_floor(facts.data_end, recorded.grid)
+    oldest = newest - lookback(recorded)
+    while newest >= oldest:
+        rows = features_on_demand(store, newest, newest + timedelta(microseconds=1), spec=spec)
+        if rows.height:
+            return rows
+        newest -= recorded.grid
+    return empty_on_demand(store, spec)
+
+
+_LABEL_BUCKET_COLUMNS = [GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS]
+
+
+def _labels(
+    store: Store,
+    spec: FeatureSpec,
+    facts: FleetFacts,
+    block: tuple[datetime, datetime],
+    emit: tuple[datetime, datetime],
+    back: timedelta,
+    rows: RowFilter | None,
+) -> Iterator[pl.DataFrame]:
+    """The identity columns and labels of the rows of one time block in `emit`, from a few
+    columns of its buckets."""
+    start, end = emit
+    names = set(store.scan(BUCKETS, block[0] - back, end).collect_schema().names())
+    hourly = read_buckets(store, block[0] - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
+    if hourly.height == 0:
+        return
+    yield from iter_features_from_buckets(
+        hourly,
+        facts.xid.head(0),
+        spec,
+        **facts.build_inputs(),
+        emit_start=start,
+        emit_end=end,
+        rows=rows,
+        labels_only=True,
+    )
+
+
+def _block(
+    store: Store,
+    spec: FeatureSpec,
+    facts: FleetFacts,
+    block: tuple[datetime, datetime],
+    emit: tuple[datetime, datetime],
+    back: timedelta,
+    rows: RowFilter | None,
+    options: OnDemandOptions,
+) -> Iterator[pl.DataFrame]:
+    """The parts of the rows of one time block in `emit`: the block's buckets from its lookback
+    on, shard by shard (the shards are the block's, whatever `emit` is)."""
+    start, end = emit
+    carried = (block[1] - block[0] + back) // spec.grid
+    shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=options.max_buckets_in_memory)
+    count = max(1, shards[SHARD].n_unique()) if shards.height else 1
+    medians = None
+    if count > 1:
+        # Every GPU's bucket means in the block: the fleet median per GPU model of each time.
+        sfx = grid_suffix(spec.grid)
+        names = store.scan(BUCKETS, start, end).collect_schema().names()
+        means = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in names]
+        wanted = [GPU, "ts", *(c for c in ("gpu_model",) if c in names), *means]
+        fleet = read_buckets(store, start - timedelta(microseconds=1), end, columns=wanted)
+        medians = (
+            model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
+        )
+    for shard in range(count):
+        where = None
+        nodes = None
+        if count > 1:
+            nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
+            where = pl.col("node").is_in(nodes["node"].unique().implode())
+        hourly = read_buckets(store, block[0] - back, end, where=where)
+        if nodes is not None:
+            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
+        if hourly.height == 0:
+            continue
+        if count == 1:
+            within = pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE))
+            in_block = hourly.filter(within)
+            medians = model_medians(in_block, spec.grid) if in_block.height else None
+        xid = facts.xid if count == 1 else facts.xid.join(hourly.select(GPU).unique(), on=GPU, how="semi")
+        for part in iter_features_from_buckets(
+            hourly,
+            xid,
+            spec,
+            **facts.build_inputs(),
+            emit_start=start,
+            emit_end=end,
+            rows_per_chunk=options.rows_per_chunk,
+            rows_per_part=options.rows_per_part,
+            model_medians=medians,
+            rows=rows,
+        ):
+            if part.height:
+                yield part
