@@ -48,7 +48,7 @@ def test_the_paper_report_gives_each_stage_and_the_feature_rates(tmp_path):
     report = write_paper_results(tmp_path, stages, simulation).read_text()
     assert "31,574 GPUs on 3,938 nodes over 30 days, 20,000,000 telemetry rows" in report
     assert "| simulate | 100.0 | 1,234 | 200,000 telemetry rows/s |" in report  # 1234.5 MB rounds to even
-    assert "80,000 telemetry rows/s read; 20,000 feature rows/s written" in report
+    assert "80,000 telemetry rows/s read; 20,000 feature rows/s (the rows readers compute)" in report
     assert "| nightly (the newest day) | 30.0 | 1,234 |  |" in report
     assert "Total: 180 s." in report
     data = json.loads((tmp_path / "bench-paper.json").read_text())
