@@ -75,6 +75,7 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     assert metrics["fail_slow"]["n_slow_gpus"] >= 1
     assert "simulated failures (ground truth)" in summary
     assert "calibrated risk on the test period: ECE " in summary
+    assert f"outputs: features {data / 'buckets'}, " in summary  # where the feature rows come from
     assert f"{metrics['primary']} at {metrics['alarm_headline_budget']:g} alarms per 1,000 GPUs per day" in summary
 
 

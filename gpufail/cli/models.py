@@ -335,6 +335,7 @@ def summary(ctx: click.Context, data: str | None, report_dir: str, as_json: bool
     """Print what the pipeline found and where its outputs are."""
     import json
 
+    from features.dataset import features_dataset
     from ingest.store import Store
 
     root = data_root(ctx, data)
@@ -360,7 +361,8 @@ def summary(ctx: click.Context, data: str | None, report_dir: str, as_json: bool
         "lead_time_h_median_at_k": model["lead_time_h_median_at_k"],
         "alarms": alarm_facts(metrics),
         "outputs": {
-            "features": store.path("features"),
+            # The dataset feature rows come from: the stored aggregates, or a materialised table.
+            "features": store.path(features_dataset(store)),
             "predictions": store.path("predictions"),
             "actions": store.path("actions"),
             "report": str(metrics_path.parent / "report.md"),
