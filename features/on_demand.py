@@ -235,10 +235,11 @@ def empty_on_demand(store: Store, spec: FeatureSpec | None = None) -> pl.DataFra
     the telemetry columns the buckets were aggregated from."""
     from features.build import empty_features
 
+    spec = spec or on_demand_spec(store)
     names = store.scan(BUCKETS).collect_schema().names() if store.dates(BUCKETS) else []
-    kinds = aggregated_metrics(names, (spec or on_demand_spec(store)).grid)
+    kinds = aggregated_metrics(names, spec.grid)
     columns = [c for c in ID_COLUMNS if c in names] + [m for ms in kinds.values() for m in ms]
-    return empty_features(columns or telemetry_schema().names, spec or on_demand_spec(store))
+    return empty_features(columns or telemetry_schema().names, spec)
 
 
 def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.DataFrame:
@@ -250,13 +251,16 @@ def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.Dat
     if facts is None:
         return empty_on_demand(store, spec)
     newest = grid_floor(facts.data_end, recorded.grid)
-    oldest = newest - lookback(recorded)
-    while newest >= oldest:
-        rows = features_on_demand(store, newest, newest + timedelta(microseconds=1), spec=spec)
-        if rows.height:
-            return rows
-        newest -= recorded.grid
-    return empty_on_demand(store, spec)
+    rows = features_on_demand(store, newest, newest + timedelta(microseconds=1), spec=spec)
+    if rows.height:
+        return rows
+    # No row there: the latest grid time with rows is found from the labels alone (a few bucket
+    # columns, one pass over the lookback) rather than by computing every earlier hour in turn.
+    span = features_on_demand(store, newest - lookback(recorded), newest, spec=spec, labels_only=True)
+    if span.height == 0:
+        return empty_on_demand(store, spec)
+    last: datetime = span["ts"].max()  # type: ignore[assignment]
+    return features_on_demand(store, last, last + timedelta(microseconds=1), spec=spec)
 
 
 _LABEL_BUCKET_COLUMNS = [GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS]

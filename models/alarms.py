@@ -183,9 +183,16 @@ def tie_gap(scores: Any) -> float:
     return float(np.diff(values).min() / 2.0) if len(values) > 1 else 0.0
 
 
-def untied(scores: Any, rows: pd.DataFrame, gap: float) -> np.ndarray:
-    """`scores` with ties broken by a hash of each row's (gpu_uuid, ts): a fraction of `gap`
-    (`tie_gap`) added, so rows with equal scores are ordered at random but reproducibly, and
+def tie_fractions(rows: pd.DataFrame) -> np.ndarray:
+    """Per row, a number in [0, 1) from a seeded hash of its (gpu_uuid, ts): the order `untied`
+    gives equal scores. Computed once per frame and shared by every scorer of it."""
+    hashed = pd.util.hash_pandas_object(rows[["gpu_uuid", "ts"]], index=False, hash_key=_TIE_HASH_KEY)
+    return (hashed.to_numpy(dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def untied(scores: Any, fractions: np.ndarray, gap: float) -> np.ndarray:
+    """`scores` with ties broken: `gap` (`tie_gap`) times each row's hash fraction
+    (`tie_fractions`) added, so rows with equal scores are ordered at random but reproducibly, and
     rows with different scores keep their order. A count-valued score (the heuristic, a
     counter feature) ties by the thousand at its top values; without this its threshold can
     only take whole tie classes, and at a small budget it raised no alarm at all, which made it
@@ -195,9 +202,7 @@ def untied(scores: Any, rows: pd.DataFrame, gap: float) -> np.ndarray:
     values = np.asarray(scores, dtype=np.float64)
     if gap <= 0 or len(values) == 0:
         return values
-    hashed = pd.util.hash_pandas_object(rows[["gpu_uuid", "ts"]], index=False, hash_key=_TIE_HASH_KEY)
-    fraction = (hashed.to_numpy(dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-    return np.where(np.isfinite(values), values + gap * fraction, values)
+    return np.where(np.isfinite(values), values + gap * fractions, values)
 
 
 _TIE_HASH_KEY = "gpufail-ties-001"  # 16 bytes, as pandas' hash key must be

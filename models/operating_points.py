@@ -33,6 +33,7 @@ from models.alarms import (
     alarm_metrics,
     paired_difference_ci,
     threshold_for_budget,
+    tie_fractions,
     tie_gap,
     untied,
 )
@@ -68,9 +69,9 @@ def alarm_comparison(
     )
     assert result.validation is not None
     validation = AlarmFrame(result.validation, rules, failures=known, known_until=last)
-    assert result.validation is not None
+    test_ties, validation_ties = tie_fractions(result.test), tie_fractions(result.validation)
     scorers = {
-        name: _untied(pair, result.test, result.validation)
+        name: _untied(pair, test_ties, validation_ties)
         for name, pair in {**_scorers(result, contenders, seed), **(extra_scorers or {})}.items()
     }
 
@@ -180,35 +181,42 @@ def baseline_verdicts(versus: dict[str, Any]) -> dict[str, Any]:
     (`beats`), lower with it below zero (`loses`), or neither (`not shown`); and `beats_all`:
     it beats every baseline at every operating point."""
 
-    def verdict(entry: dict[str, Any]) -> str:
-        low, high = entry["precision_difference_ci"]
-        if low is not None and low > 0:
-            return "beats"
-        if high is not None and high < 0:
-            return "loses"
-        return "not shown"
-
+    verdict = {"above": "beats", "below": "loses", None: "not shown"}
     out: dict[str, Any] = {}
+    every: dict[str, list[str]] = {}
     for budget, baselines in versus["by_budget"].items():
         for baseline, by_name in baselines.items():
             for name, entry in by_name.items():
-                out.setdefault(name, {}).setdefault(baseline, {})[budget] = verdict(entry)
+                v = verdict[_interval_side(entry)]
+                out.setdefault(name, {}).setdefault(baseline, {})[budget] = v
+                every.setdefault(name, []).append(v)
     for name, entry in versus.get("rule", {}).get("contenders", {}).items():
-        out.setdefault(name, {})["rule"] = verdict(entry)
-    for by_baseline in out.values():
-        results = [v for b, v in by_baseline.items() if b == "rule"]
-        results += [v for b, per in by_baseline.items() if b != "rule" for v in per.values()]
-        by_baseline["beats_all"] = bool(results) and all(v == "beats" for v in results)
+        v = verdict[_interval_side(entry)]
+        out.setdefault(name, {})["rule"] = v
+        every.setdefault(name, []).append(v)
+    for name, by_baseline in out.items():
+        by_baseline["beats_all"] = all(v == "beats" for v in every[name])
     return out
+
+
+def _interval_side(entry: dict[str, Any]) -> str | None:
+    """Where the 95% interval of a precision difference lies: wholly `above` zero, wholly
+    `below`, or neither (None, also when there is no interval)."""
+    low, high = entry["precision_difference_ci"]
+    if low is not None and low > 0:
+        return "above"
+    if high is not None and high < 0:
+        return "below"
+    return None
 
 
 def _key(budget: float) -> str:
     return f"{budget:g}"
 
 
-def _untied(pair: tuple[Any, Any], test: pd.DataFrame, validation: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """A scorer's (test, validation) scores with their ties broken (`models.alarms.untied`), by
-    the gap of its validation scores."""
+def _untied(pair: tuple[Any, Any], test: np.ndarray, validation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A scorer's (test, validation) scores with their ties broken (`models.alarms.untied`, each
+    frame's `tie_fractions`), by the gap of its validation scores."""
     gap = tie_gap(pair[1])
     return untied(pair[0], test, gap), untied(pair[1], validation, gap)
 
@@ -271,13 +279,11 @@ def ensemble_verdict(equal_volume: dict[str, Any]) -> dict[str, Any]:
     `not shown` otherwise (the intervals include no difference)."""
     out = {}
     for name, entry in equal_volume.items():
-        lows = [s["precision_difference_ci"][0] for s in entry["singles"].values()]
-        highs = [s["precision_difference_ci"][1] for s in entry["singles"].values()]
-        if lows and all(low is not None and low > 0 for low in lows):
-            verdict = "holds"
-        elif any(high is not None and high < 0 for high in highs):
-            verdict = "reversed"
+        sides = [_interval_side(single) for single in entry["singles"].values()]
+        if sides and all(side == "above" for side in sides):
+            out[name] = "holds"
+        elif "below" in sides:
+            out[name] = "reversed"
         else:
-            verdict = "not shown"
-        out[name] = verdict
+            out[name] = "not shown"
     return out

@@ -76,6 +76,7 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     assert "simulated failures (ground truth)" in summary
     assert "calibrated risk on the test period: ECE " in summary
     assert f"outputs: features {data / 'buckets'}, " in summary  # where the feature rows come from
+    assert "alarm precision against the baselines (95% interval of the difference; by budget): rule" in summary
     assert f"{metrics['primary']} at {metrics['alarm_headline_budget']:g} alarms per 1,000 GPUs per day" in summary
 
 

@@ -27,6 +27,7 @@ from features.sample_key import SAMPLE_KEY, key_threshold
 from features.schema import ID_COLUMNS, LABEL_COLUMNS
 from features.spec import FeatureSpec
 from ingest.errors import InputError
+from ingest.failure_events import event_frame, write_failure_events
 from ingest.simulator.run import simulate
 from ingest.store import Store
 from tests.cli import gpufail
@@ -135,6 +136,30 @@ def test_the_newest_hour_on_demand(fleet):
     assert_same_rows(newest_on_demand(store), materialised.filter(pl.col("ts") == newest).drop(SAMPLE_KEY))
     past = features_on_demand(store, newest + timedelta(hours=1))  # past the data: empty, the same columns
     assert past.height == 0 and past.schema == got.schema
+
+
+def test_the_newest_hour_when_no_gpu_is_in_service_at_the_last_grid_time(fleet, tmp_path):
+    store, materialised = fleet
+    copy = tmp_path / "data"
+    shutil.copytree(store.root, copy)
+    moved = Store.open(str(copy))
+    newest = materialised["ts"].max()
+    # Every node reported failed half an hour before the last grid time, none back: no GPU is in
+    # service there, so the newest rows are those of an earlier grid time.
+    nodes = materialised.select("cluster", "node").unique().rows()
+    write_failure_events(
+        moved,
+        event_frame(
+            {"ts": newest - timedelta(minutes=30), "cluster": c, "node": n, "source": "record", "ref": f"t-{n}"}
+            for c, n in nodes
+        ),
+    )
+    everything = features_on_demand(moved, newest - timedelta(days=2))
+    assert everything.height and everything["ts"].max() < newest
+    got = newest_on_demand(moved)
+    assert got.height and got["ts"].n_unique() == 1
+    assert got["ts"][0] == everything["ts"].max()
+    assert_same_rows(got, everything.filter(pl.col("ts") == got["ts"][0]))
 
 
 def test_aggregates_built_in_pieces_equal_one_build(fleet, tmp_path):

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from ingest.errors import InputError
-from models.alarms import AlarmFrame, AlarmRules, alarm_metrics, threshold_for_budget, tie_gap, untied
+from models.alarms import AlarmFrame, AlarmRules, alarm_metrics, threshold_for_budget, tie_fractions, tie_gap, untied
 from models.evaluate import episode_recall
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")
@@ -129,16 +129,16 @@ def test_broken_ties_let_a_count_valued_score_meet_a_small_budget_without_reorde
     assert tied_threshold == np.inf  # the top tie class alone is over budget
     gap = tie_gap(counts)
     assert gap == 0.5
-    broken = untied(counts, frame, gap)
+    broken = untied(counts, tie_fractions(frame), gap)
     # Equal counts are now ordered, different counts keep their order, reproducibly.
     assert len(np.unique(broken)) == len(broken)
     order = np.argsort(broken, kind="stable")
     assert np.all(np.diff(counts[order]) >= 0)
-    assert np.array_equal(broken, untied(counts, frame, gap))
+    assert np.array_equal(broken, untied(counts, tie_fractions(frame), gap))
     threshold, rate = threshold_for_budget(slice_, broken, budget)
     assert np.isfinite(threshold) and budget / 2 < rate <= budget
     # The order among ties does not depend on the row order of the frame.
     shuffled = frame.sample(frac=1.0, random_state=1)
-    again = untied(counts[shuffled.index.to_numpy()], shuffled, gap)
+    again = untied(counts[shuffled.index.to_numpy()], tie_fractions(shuffled), gap)
     assert np.array_equal(again, broken[shuffled.index.to_numpy()])
     assert tie_gap(np.array([4.0, 4.0, np.nan])) == 0.0
