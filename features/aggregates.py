@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -77,10 +77,11 @@ def _narrowed(buckets: pl.DataFrame) -> pl.DataFrame:
     stored in the sample's own type (Float32 for gpufail's gauges), which loses nothing and
     halves them; means and variances are computed, and stay Float64."""
     float32 = {m.column for m in metric_catalogue() if m.kind == "gauge" and m.arrow_type == pa.float32()}
+    schema = buckets.schema  # built anew on every access: once, not per column
     return buckets.with_columns(
         pl.col(c).cast(pl.Float32)
-        for c in buckets.columns
-        if buckets.schema[c] == pl.Float64 and c.rsplit("_", 2)[0] in float32 and c.rsplit("_", 2)[1] in _SAMPLED
+        for c, dtype in schema.items()
+        if dtype == pl.Float64 and c.rsplit("_", 2)[0] in float32 and c.rsplit("_", 2)[1] in _SAMPLED
     )
 
 
@@ -94,7 +95,8 @@ def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: 
         if frame.height:
             table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_METADATA})
-            floats = [c for c in frame.columns if frame.schema[c] in (pl.Float32, pl.Float64)]
+            schema = frame.schema
+            floats = [c for c, dtype in schema.items() if dtype in (pl.Float32, pl.Float64)]
             written.append(
                 staging.write_owned(
                     dataset,
@@ -105,7 +107,7 @@ def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: 
                     # dictionaries), for a file read many times and written once.
                     write_statistics=[c for c in ("ts", GPU, "cluster", "node") if c in frame.columns],
                     compression="zstd",
-                    use_dictionary=[c for c in frame.columns if frame.schema[c] == pl.String],
+                    use_dictionary=[c for c, dtype in schema.items() if dtype == pl.String],
                     use_byte_stream_split=floats,
                 )
             )
@@ -271,9 +273,26 @@ def _build_run(
     day's telemetry is read on a thread while a day is aggregated and written."""
     from tqdm.auto import tqdm
 
+    def commit(day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> None:
+        staging = manifest.staging()
+        written = write_day(staging, day, buckets, presence)
+        replaced = plan.replaced.get(day.date(), [])
+        manifest.complete([day.date()], written, data_end, replaced=replaced)
+        summary.buckets += buckets.height
+        summary.files_written += [staging.visible(p) for p in written]
+        summary.files_replaced += len(replaced)
+
     stream = BucketStream(spec.grid, spec.max_silence)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-read") as reader:
+    # Three stages overlap: the next day's telemetry is read on one thread and the day before's
+    # files encoded and committed on another (Parquet reading and writing run outside the GIL)
+    # while this one aggregates a day. Days are committed in order, one at a time, so a killed
+    # build still loses at most the day being written.
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-read") as reader,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-write") as writer,
+    ):
         reads = {d: reader.submit(read_telemetry, store, d, d + ONE_DAY) for d in days[:1] if d in have}
+        writing: Future[None] | None = None
         for i, day in enumerate(tqdm(days, desc="features: aggregates", unit="day", disable=not progress)):
             following = days[i + 1] if i + 1 < len(days) else None
             if following is not None and following in have:
@@ -290,13 +309,11 @@ def _build_run(
             presence = gpu_presence(raw) if raw is not None and raw.height else pl.DataFrame()
             summary.telemetry_rows_read += 0 if raw is None else raw.height
             del raw
-            staging = manifest.staging()
-            written = write_day(staging, day, buckets, presence)
-            replaced = plan.replaced.get(day.date(), [])
-            manifest.complete([day.date()], written, data_end, replaced=replaced)
-            summary.buckets += buckets.height
-            summary.files_written += [staging.visible(p) for p in written]
-            summary.files_replaced += len(replaced)
+            if writing is not None:
+                writing.result()  # the day before is committed (or its error raised) first
+            writing = writer.submit(commit, day, buckets, presence)
+        if writing is not None:
+            writing.result()
 
 
 def count_built_rows(

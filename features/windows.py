@@ -156,11 +156,16 @@ def grid_suffix(grid: timedelta) -> str:
 # -- 1. raw samples -> grid buckets -------------------------------------------------------------
 
 
-def _sorted_by_gpu_and_time(df: pl.DataFrame) -> pl.DataFrame:
-    """`df` sorted by (gpu_uuid, ts) with a `_run` id per GPU. Telemetry is usually stored
-    sorted that way (`ingest.store` writes it so), and checking is ~20x cheaper than sorting 30 columns."""
-    df = df.with_columns(pl.col(GPU).rle_id().alias("_run"))
-    run = pl.col("_run")
+RUN = "_run"
+"""The per-GPU run id `sorted_by_gpu_and_time` adds (0, 1, ... in row order)."""
+
+
+def sorted_by_gpu_and_time(df: pl.DataFrame) -> pl.DataFrame:
+    """`df` with each GPU's rows together and in time order (the GPUs in any order), with a
+    `RUN` id per GPU. Telemetry is usually stored that way (each day file GPU by GPU), and
+    checking is ~20x cheaper than sorting 30 columns."""
+    df = df.with_columns(pl.col(GPU).rle_id().alias(RUN))
+    run = pl.col(RUN)
     ok = df.select(
         (run.max() + 1 == pl.col(GPU).n_unique())
         & ((pl.col("ts").diff() >= timedelta(0)) | (run != run.shift(1))).all()
@@ -169,10 +174,10 @@ def _sorted_by_gpu_and_time(df: pl.DataFrame) -> pl.DataFrame:
         return df
     # Sorting on a 64-bit hash of the uuid is ~1.5x faster than on the string; a (practically
     # impossible) collision would interleave two GPUs, which the run count detects.
-    df = df.drop("_run").sort(pl.col(GPU).hash(), "ts").with_columns(pl.col(GPU).rle_id().alias("_run"))
-    if df.select(pl.col("_run").max() + 1 == pl.col(GPU).n_unique()).item():
+    df = df.drop(RUN).sort(pl.col(GPU).hash(), "ts").with_columns(pl.col(GPU).rle_id().alias(RUN))
+    if df.select(pl.col(RUN).max() + 1 == pl.col(GPU).n_unique()).item():
         return df
-    return df.drop("_run").sort([GPU, "ts"]).with_columns(pl.col(GPU).rle_id().alias("_run"))
+    return df.drop(RUN).sort([GPU, "ts"]).with_columns(pl.col(GPU).rle_id().alias(RUN))
 
 
 def hourly_aggregate(
@@ -199,8 +204,8 @@ def hourly_aggregate(
     sfx = grid_suffix(grid)
     gap_us = _us(max_gap)
 
-    df = _sorted_by_gpu_and_time(df)
-    run = pl.col("_run")
+    df = sorted_by_gpu_and_time(df)
+    run = pl.col(RUN)
     ts_us = pl.col("ts").dt.epoch("us")
     prev_ok = (run == run.shift(1)) & ((ts_us - ts_us.shift(1)) <= gap_us)
     sample_cols: list[pl.Expr] = [
@@ -216,7 +221,7 @@ def hourly_aggregate(
 
     df = df.lazy().with_columns(sample_cols).collect(engine=ENGINE)
     # Rows are sorted by (gpu, ts), so each bucket is a contiguous run of rows (`features.runs`).
-    buckets = runs.Runs.where_changed(df["_run"], df["_t"])
+    buckets = runs.Runs.where_changed(df[RUN], df["_t"])
     out: list[pl.Series] = [runs.first(df[GPU], buckets), runs.first(df["_t"], buckets).alias("ts")]
     out += [runs.last(df[c], buckets) for c in BUCKET_ID_COLUMNS if c in names]
     out += [
@@ -231,7 +236,7 @@ def hourly_aggregate(
     for g in kinds["gauge"]:
         stats = runs.gauge(df[g], buckets)
         out += [stats[s].alias(f"{g}_{s}{sfx}") for s in ("count", "mean", "max", "min", "last", "var")]
-    ts_all, gpu_all = df["ts"].dt.epoch("us").to_numpy(), df["_run"].to_numpy()
+    ts_all, gpu_all = df["ts"].dt.epoch("us").to_numpy(), df[RUN].to_numpy()
     for c in kinds["counter"]:
         # Null for a bucket without a reading: "no reading" stays apart from "no errors".
         stats = runs.counter(df[c], ts_all, gpu_all, buckets, gap_us)

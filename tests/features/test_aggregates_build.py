@@ -1,0 +1,76 @@
+"""The stored aggregates' build (`features.aggregates.build_aggregates`): day files in any row
+order give the same buckets, and a day whose files fail to write stops the build with the days
+before it committed and none after it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import polars as pl
+import pytest
+
+from features import aggregates
+from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets, read_presence
+from ingest.store import Store
+from tests.synthetic import synthetic_telemetry
+
+T0 = datetime(2026, 1, 5, tzinfo=UTC)
+EVERYTHING = (T0 - timedelta(days=1), T0 + timedelta(days=6))
+
+
+def _store(root, telemetry: pl.DataFrame) -> Store:
+    store = Store.create(str(root))
+    store.write("telemetry", telemetry.to_arrow())
+    return store
+
+
+@pytest.fixture(scope="module")
+def telemetry() -> pl.DataFrame:
+    # Four days at 15-minute samples: every day's first bucket needs the day before's last
+    # samples (held back) and each GPU's last reading (a counter's baseline).
+    return synthetic_telemetry(6, 96, interval=timedelta(minutes=15), gpus_per_node=3, start=T0, seed=4)
+
+
+@pytest.fixture(scope="module")
+def clean(telemetry, tmp_path_factory) -> tuple[pl.DataFrame, pl.DataFrame]:
+    store = _store(tmp_path_factory.mktemp("clean") / "data", telemetry)
+    build_aggregates(store)
+    return read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts"), read_presence(store)
+
+
+def test_day_files_in_any_row_order_give_the_same_buckets(telemetry, clean, tmp_path):
+    shuffled = telemetry.sample(fraction=1.0, shuffle=True, seed=9)
+    store = _store(tmp_path / "data", shuffled)
+    first_day = store.collect(store.scan("telemetry", T0, T0 + timedelta(days=1)), "telemetry")
+    assert first_day["gpu_uuid"].rle_id().max() + 1 != first_day["gpu_uuid"].n_unique()  # not GPU by GPU
+    build_aggregates(store)
+    assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
+    assert read_presence(store).equals(clean[1])
+
+
+def test_a_day_that_fails_to_write_stops_the_build_with_the_days_before_it_committed(
+    telemetry, clean, tmp_path, monkeypatch
+):
+    store = _store(tmp_path / "data", telemetry)
+    write_day = aggregates.write_day
+    failing = T0 + timedelta(days=2)
+
+    def fail_on_the_third_day(staging, day, buckets, presence):
+        if day == failing:
+            raise OSError(28, "No space left on device")
+        return write_day(staging, day, buckets, presence)
+
+    monkeypatch.setattr(aggregates, "write_day", fail_on_the_third_day)
+    with pytest.raises(OSError, match="No space left"):
+        build_aggregates(store)
+    built = sorted(Store.open(store.root).dates(BUCKETS))
+    assert built == [T0.date(), (T0 + timedelta(days=1)).date()]
+    assert sorted(store.dates(PRESENCE)) == built
+    kept = read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts")
+    assert kept.equals(clean[0].filter(pl.col("ts") < failing))
+
+    monkeypatch.setattr(aggregates, "write_day", write_day)
+    again = build_aggregates(store)
+    assert again.days_kept == 2
+    assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
+    assert read_presence(store).equals(clean[1])
