@@ -4,6 +4,7 @@ telemetry, so that both aggregate it exactly alike."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import polars as pl
@@ -30,6 +31,13 @@ class BucketStream:
 
     def day(self, raw: pl.DataFrame, day_end: datetime) -> pl.DataFrame:
         """Buckets completed by the raw rows of the day ending at `day_end` (exclusive)."""
+        return self.take(raw, day_end)()
+
+    def take(self, raw: pl.DataFrame, day_end: datetime) -> Callable[[], pl.DataFrame]:
+        """Take in the raw rows of the day ending at `day_end` (exclusive): the rows held back
+        and each GPU's last sample move on to the next day now, and the aggregation of the
+        buckets these rows complete is returned, to be run later on any thread, so that the
+        next day can be taken in while it runs."""
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         frames = [f for f in (self.held, raw) if f is not None and f.height]
         # Not rechunked here: the day's rows come in one piece (`inputs.read_telemetry`), and the
@@ -37,8 +45,10 @@ class BucketStream:
         pending = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else (frames[0] if frames else raw)
         is_now = pending.select(pl.col("ts") <= pl.lit(cut, dtype=TS_DTYPE)).to_series()
         self.held = pending.filter(~is_now)
+        grid, max_gap = self.grid, self.max_gap
         if not is_now.any():
-            return hourly_aggregate(pending.clear(), self.grid, max_gap=self.max_gap)
+            empty = pending.clear()
+            return lambda: hourly_aggregate(empty, grid, max_gap=max_gap)
         if self.context is None and len(frames) == 1:
             merged = pending.filter(is_now)  # one file's rows: usually in (gpu, ts) order already
         else:
@@ -61,10 +71,13 @@ class BucketStream:
         # In (gpu, ts) order from here on (a file out of order, or a hash collision, is sorted),
         # so each GPU's latest sample is its last row.
         merged = sorted_by_gpu_and_time(merged).drop(RUN)
-        buckets = hourly_aggregate(merged, self.grid, max_gap=self.max_gap)
-        if self.cut is not None:
-            buckets = buckets.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the context's buckets
+        after = self.cut  # the context's buckets, complete the day before, are left out
         latest = merged.filter(pl.col(GPU).is_last_distinct())
-        self.context = latest.filter(pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE))
+        self.context = latest.filter(pl.col("ts") > pl.lit(cut - max_gap, dtype=TS_DTYPE))
         self.cut = cut
-        return buckets
+
+        def aggregate() -> pl.DataFrame:
+            buckets = hourly_aggregate(merged, grid, max_gap=max_gap)
+            return buckets if after is None else buckets.filter(pl.col("ts") > pl.lit(after, dtype=TS_DTYPE))
+
+        return aggregate
