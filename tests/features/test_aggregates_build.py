@@ -8,14 +8,19 @@ from datetime import UTC, datetime, timedelta
 
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 
 from features import aggregates
 from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets, read_presence
+from features.bucket_stream import BucketStream
+from features.spec import DEFAULT_MAX_SILENCE
+from features.windows import hourly_aggregate
 from ingest.store import Store
 from tests.synthetic import synthetic_telemetry
 
 T0 = datetime(2026, 1, 5, tzinfo=UTC)
 EVERYTHING = (T0 - timedelta(days=1), T0 + timedelta(days=6))
+H = timedelta(hours=1)
 
 
 def _store(root, telemetry: pl.DataFrame) -> Store:
@@ -74,3 +79,25 @@ def test_a_day_that_fails_to_write_stops_the_build_with_the_days_before_it_commi
     assert again.days_kept == 2
     assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
     assert read_presence(store).equals(clean[1])
+
+
+@pytest.mark.parametrize("shard_rows", [1, 150, 10**9])
+def test_days_taken_in_shards_of_gpus_give_the_buckets_of_all_history_at_once(telemetry, shard_rows):
+    # One GPU silent on the second day (its held rows still complete a bucket), and the third
+    # day's rows out of order.
+    silent = telemetry["gpu_uuid"].unique().sort()[0]
+    second = (pl.col("ts") >= T0 + timedelta(days=1)) & (pl.col("ts") < T0 + timedelta(days=2))
+    fleet = telemetry.filter(~(second & (pl.col("gpu_uuid") == silent)))
+    stream = BucketStream(H, DEFAULT_MAX_SILENCE, shard_rows=shard_rows)
+    days = []
+    for n in range(4):
+        start = T0 + timedelta(days=n)
+        day = fleet.filter((pl.col("ts") >= start) & (pl.col("ts") < start + timedelta(days=1)))
+        days.append(
+            stream.day(day.sample(fraction=1.0, shuffle=True, seed=n) if n == 2 else day, start + timedelta(days=1))
+        )
+    streamed = pl.concat(days).sort("gpu_uuid", "ts")
+    at_once = hourly_aggregate(fleet, H).filter(pl.col("ts") < T0 + timedelta(days=4)).sort("gpu_uuid", "ts")
+    assert streamed.height == at_once.height > 0
+    assert_frame_equal(streamed, at_once, check_exact=False, rel_tol=1e-12, abs_tol=1e-9)
+    assert stream.held is not None and stream.held.height  # the last hour's rows, for the next day
