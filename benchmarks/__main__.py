@@ -34,7 +34,13 @@ import click
     default=None,
     help="With --paper: keep the simulated store here (default: a temporary folder, removed after).",
 )
-def main(out: str, paper: bool, days: int | None, work: str | None) -> None:
+@click.option(
+    "--reuse",
+    is_flag=True,
+    help="With --paper and --work: the store simulated and ingested in WORK before, without its aggregates; "
+    "the later stages only.",
+)
+def main(out: str, paper: bool, days: int | None, work: str | None, reuse: bool) -> None:
     """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
     --paper, the paper-scale pipeline."""
     from benchmarks.paper import run_paper_bench
@@ -42,8 +48,10 @@ def main(out: str, paper: bool, days: int | None, work: str | None) -> None:
 
     if not paper and (days is not None or work is not None):
         raise click.UsageError("--days and --work go with --paper")
+    if reuse and work is None:
+        raise click.UsageError("--reuse goes with --paper --work")
     if paper and work is not None:
-        report = run_paper_bench(Path(out), Path(work), days=days)
+        report = run_paper_bench(Path(out), Path(work), days=days, reuse=reuse)
     else:
         with tempfile.TemporaryDirectory(prefix="gpufail-bench-") as tmp:
             report = run_paper_bench(Path(out), Path(tmp), days=days) if paper else run_bench(Path(out), Path(tmp))

@@ -33,8 +33,10 @@ _ROWS_READ = re.compile(r"from ([\d,]+) telemetry rows")
 _FEATURE_ROWS = re.compile(r"features: ([\d,]+) rows")
 
 
-def paper_pipeline(work: Path, days: int | None) -> tuple[list[StageResult], dict[str, object]]:
-    """Run the stages (module notes) in `work`; returns their results and the simulation summary."""
+def paper_pipeline(work: Path, days: int | None, *, reuse: bool = False) -> tuple[list[StageResult], dict[str, object]]:
+    """Run the stages (module notes) in `work`; returns their results and the simulation summary.
+    With `reuse`, the store simulated and ingested there before is used as it is (stages 1-2 not
+    run): the later stages measured again on the same fleet. Its aggregates must not be built."""
     from gpufail.mlflow_server import start_server, stop_server
 
     data, model = str(work / "paper-data"), str(work / "model")
@@ -46,14 +48,19 @@ def paper_pipeline(work: Path, days: int | None) -> tuple[list[StageResult], dic
         print(f"  {name}: {results[-1].seconds:.1f} s, {results[-1].peak_rss_mb:.0f} MB", file=sys.stderr, flush=True)
         return results[-1]
 
-    stage(
-        "simulate",
-        ["simulate", "--out", data, "--preset", "paper", "--quiet", *(["--days", str(days)] if days else [])],
-    )
+    if reuse:
+        if not (Path(data) / "simulation.json").exists():
+            raise FileNotFoundError(f"{data}/simulation.json: no simulated store to reuse (run without --reuse first)")
+    else:
+        stage(
+            "simulate",
+            ["simulate", "--out", data, "--preset", "paper", "--quiet", *(["--days", str(days)] if days else [])],
+        )
     simulation = json.loads((Path(data) / "simulation.json").read_text())
     first = date.fromisoformat(str(simulation["preset_parameters"]["start"]))  # type: ignore[index]
     newest = first + timedelta(days=int(simulation["days"]) - 1)
-    stage("ingest kernel-log", ["ingest", "kernel-log", "--data", data])
+    if not reuse:
+        stage("ingest kernel-log", ["ingest", "kernel-log", "--data", data])
     stage("features (all days but the newest)", ["features", "--data", data, "--end", newest.isoformat(), "--quiet"])
     stage("train", ["train", "--data", data, "--model-out", model])
     stage("score", ["score", "--data", data, "--model", model])
@@ -110,8 +117,8 @@ def write_paper_results(out: Path, stages: list[StageResult], simulation: dict[s
     return out / "bench-paper.md"
 
 
-def run_paper_bench(out: Path, work: Path, *, days: int | None = None) -> Path:
+def run_paper_bench(out: Path, work: Path, *, days: int | None = None, reuse: bool = False) -> Path:
     print(f"bench --paper: the paper preset in {work}", file=sys.stderr)
     work.mkdir(parents=True, exist_ok=True)
-    stages, simulation = paper_pipeline(work, days)
+    stages, simulation = paper_pipeline(work, days, reuse=reuse)
     return write_paper_results(out, stages, simulation)

@@ -72,6 +72,7 @@ def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_p
     [
         (["--out", "{tmp}/x", "--days", "30"], "--days and --work go with --paper"),
         (["--out", "{tmp}/x", "--paper", "--days", "3"], "Invalid value for '--days'"),
+        (["--out", "{tmp}/x", "--paper", "--reuse"], "--reuse goes with --paper --work"),
     ],
 )
 def test_bad_arguments_are_refused_and_nothing_is_written(tmp_path, args, message):
@@ -98,3 +99,11 @@ def test_python_m_benchmarks_answers_from_the_checkout():
     )
     assert result.returncode == 0, result.stderr
     assert "--paper" in result.stdout and "Usage: python -m benchmarks" in result.stdout
+
+
+def test_reusing_a_work_folder_without_a_simulated_store_is_refused(tmp_path):
+    from benchmarks.paper import run_paper_bench
+
+    with pytest.raises(FileNotFoundError, match=r"paper-data/simulation.json: no simulated store to reuse"):
+        run_paper_bench(tmp_path / "out", tmp_path / "work", reuse=True)
+    assert not (tmp_path / "out").exists()
