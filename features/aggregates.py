@@ -269,8 +269,7 @@ def _build_run(
     progress: bool,
 ) -> None:
     """One run of consecutive days to build: telemetry read from `days[0]` (the days in `have`
-    have some), buckets written from `run_start` on, each day committed on its own. The next
-    day's telemetry is read on a thread while a day is aggregated and written."""
+    have some), buckets written from `run_start` on, each day committed on its own, in order."""
     from tqdm.auto import tqdm
 
     def commit(day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> None:
@@ -287,8 +286,7 @@ def _build_run(
     # files encoded and committed on another (Parquet reading and writing run outside the GIL)
     # while this one aggregates a day. Days are committed in order, one at a time, so a killed
     # build still loses at most the day being written. (Aggregating on a third thread as well
-    # was ~20% faster on two cores, but held a third day of telemetry: 1.7 GB more at the
-    # paper fleet's size.)
+    # was faster, but held a third day of telemetry in memory.)
     with (
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-read") as reader,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-write") as writer,
