@@ -44,30 +44,33 @@ class BucketStream:
         carried = [f for f in (self.context, self.held) if f is not None and f.height]
         before = pl.concat([f.select(raw.columns) for f in carried], how="vertical_relaxed") if carried else None
         raw = sorted_by_gpu_and_time(raw)  # usually a check: a day file holds its rows GPU by GPU
-        pieces: list[tuple[pl.DataFrame | None, pl.DataFrame]] = []
-        for start, length in _shards(raw[RUN], self.shard_rows):
-            part = raw.slice(start, length).drop(RUN)
-            ahead = None if before is None else before.join(part.select(GPU).unique(), on=GPU, how="semi")
-            pieces.append((ahead, part))
-        if before is not None:
-            # GPUs silent this day: their held rows still complete their first bucket.
-            silent = before.join(raw.select(GPU).unique(), on=GPU, how="anti")
-            if silent.height:
-                pieces.append((None, silent))
+        shards = _shards(raw[RUN], self.shard_rows)
         raw = raw.drop(RUN)
+        silent = None if before is None else before.join(raw.select(GPU).unique(), on=GPU, how="anti")
         later = pl.col("ts") > pl.lit(cut, dtype=TS_DTYPE)
         # Each GPU's last sample up to the cut: rows are in time order within a GPU.
         last_kept = ~later & ((pl.col(GPU) != pl.col(GPU).shift(-1)) | later.shift(-1)).fill_null(True)
         buckets, latest = [], []
-        for ahead, part in pieces:
-            if ahead is not None and ahead.height:
-                # The carried samples come before the part's rows in time, GPU by GPU, so a
-                # stable sort on the GPU alone puts them in (gpu, ts) order: a sort and a gather
-                # (sorting the 36-column rows on (gpu, ts) took 40% of aggregating a day).
-                merged = pl.concat([ahead, part], how="vertical_relaxed", rechunk=True)
-                merged = merged[merged.select(pl.arg_sort_by(pl.col(GPU).hash(), maintain_order=True)).to_series()]
+        # A shard at a time, and the GPUs silent this day last (their held rows still complete
+        # their first bucket): slicing the day's rows copies them, so only one shard's copies
+        # are alive at once.
+        for shard in [*shards, None]:
+            if shard is None:
+                if silent is None or silent.height == 0:
+                    continue
+                merged = silent
             else:
-                merged = part.rechunk()
+                part = raw.slice(*shard)
+                ahead = None if before is None else before.join(part.select(GPU).unique(), on=GPU, how="semi")
+                if ahead is not None and ahead.height:
+                    # The carried samples come before the part's rows in time, GPU by GPU, so a
+                    # stable sort on the GPU alone puts them in (gpu, ts) order: a sort and a
+                    # gather (sorting the rows on (gpu, ts) took 40% of aggregating a day).
+                    merged = pl.concat([ahead, part], how="vertical_relaxed", rechunk=True)
+                    del part
+                    merged = merged[merged.select(pl.arg_sort_by(pl.col(GPU).hash(), maintain_order=True)).to_series()]
+                else:
+                    merged = part.rechunk()
             # In (gpu, ts) order from here on (a file out of order, or a hash collision, is sorted).
             merged = sorted_by_gpu_and_time(merged).drop(RUN)
             done = hourly_aggregate(merged, self.grid, max_gap=self.max_gap).filter(~later)
@@ -75,6 +78,7 @@ class BucketStream:
                 done = done.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the day before's buckets
             buckets.append(done)
             latest.append(merged.filter(last_kept))
+            del merged
         self.held = raw.filter(later)
         recent = pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE)
         self.context = pl.concat(latest, how="vertical_relaxed").filter(recent) if latest else None
