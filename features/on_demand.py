@@ -6,8 +6,9 @@ training draw, given (ts, gpu_uuid) keys). It runs the features build's own seco
 `features.build.iter_features_from_buckets`, on the stored buckets of the range and the
 `lookback` before it, with the fleet facts the build uses (`features.plan.fleet_facts`: GPU
 presence, XID events resolved to GPUs, repairs, failure episodes), so a row equals the row a
-materialised build (`features.runner`) writes for it, up to float rounding: the window sums
-start at the first bucket read, which is the block's lookback in both.
+materialised build (`features.runner`) writes for it. A window's value depends on the buckets of
+the window alone, to the last bit (`features.rolling`), so a range reads only its own buckets and
+the lookback before it, and a row is the same in every query that computes it.
 
 Memory stays bounded as in the build: the range is computed in time blocks of whole days
 (`block_days`), each block's fleet in shards of whole nodes when its buckets exceed
@@ -25,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 
 import polars as pl
 
@@ -43,8 +44,6 @@ from features.windows import BUCKET_ID_COLUMNS, aggregated_metrics, grid_floor, 
 from ingest.errors import InputError
 from ingest.schema import telemetry_schema
 from ingest.store import Store
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 RowFilter = Callable[[pl.DataFrame], pl.Series]
 """Given candidate rows (gpu_uuid, ts, label, time_to_failure_h), which of them to compute."""
@@ -186,18 +185,15 @@ def iter_features_on_demand(
         return
     back = lookback(spec)
     step = options.block_days * ONE_DAY
-    # Blocks of `block_days` counted from the Unix epoch, whatever the range asked: a row's
-    # value (its float rounding: window sums run from the first bucket its block reads) is then
-    # the same in every query, so that a model trained on the rows of one read is the model of
-    # any other read of them.
-    block_start = _EPOCH + ((day_start(begin) - _EPOCH) // step) * step
+    # Blocks bound memory only: a row's value depends on the buckets of its windows alone
+    # (`features.rolling`), so any block, and any range, gives it to the last bit.
+    block_start = begin
     while block_start < finish:
-        block = (block_start, block_start + step)
-        emit = (max(begin, block_start), min(finish, block[1]))
+        block = (block_start, min(finish, block_start + step))
         if labels_only:
-            parts = _labels(store, spec, facts, block, emit, back, rows)
+            parts = _labels(store, spec, facts, block, back, rows)
         else:
-            parts = _block(store, spec, facts, block, emit, back, rows, options)
+            parts = _block(store, spec, facts, block, back, rows, options)
         for part in parts:
             if sample_key:
                 part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
@@ -271,15 +267,14 @@ def _labels(
     spec: FeatureSpec,
     facts: FleetFacts,
     block: tuple[datetime, datetime],
-    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
 ) -> Iterator[pl.DataFrame]:
-    """The identity columns and labels of the rows of one time block in `emit`, from a few
-    columns of its buckets."""
-    start, end = emit
-    names = set(store.scan(BUCKETS, block[0] - back, end).collect_schema().names())
-    hourly = read_buckets(store, block[0] - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
+    """The identity columns and labels of the rows of one time block, from a few columns of
+    its buckets and those of its lookback."""
+    start, end = block
+    names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
+    hourly = read_buckets(store, start - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
     if hourly.height == 0:
         return
     yield from iter_features_from_buckets(
@@ -299,15 +294,14 @@ def _block(
     spec: FeatureSpec,
     facts: FleetFacts,
     block: tuple[datetime, datetime],
-    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
     options: OnDemandOptions,
 ) -> Iterator[pl.DataFrame]:
-    """The parts of the rows of one time block in `emit`: the block's buckets from its lookback
-    on, shard by shard (the shards are the block's, whatever `emit` is)."""
-    start, end = emit
-    carried = (block[1] - block[0] + back) // spec.grid
+    """The parts of the rows of one time block: the block's buckets from its lookback on,
+    shard by shard."""
+    start, end = block
+    carried = (end - start + back) // spec.grid
     shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=options.max_buckets_in_memory)
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
     medians = None
@@ -327,7 +321,7 @@ def _block(
         if count > 1:
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
-        hourly = read_buckets(store, block[0] - back, end, where=where)
+        hourly = read_buckets(store, start - back, end, where=where)
         if nodes is not None:
             hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
         if hourly.height == 0:
