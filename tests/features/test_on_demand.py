@@ -314,3 +314,36 @@ def test_a_day_built_before_its_telemetry_ended_is_built_again(tmp_path):
         .sort("gpu_uuid", "ts")
         .equals(read_buckets(Store.open(str(clean)), *everything).sort("gpu_uuid", "ts"))
     )
+
+
+def test_a_row_has_the_same_bits_in_every_read(fleet):
+    """A window's value depends on its buckets alone (`features.rolling`): on demand with other
+    blocks and shards, over all days, a range or one hour, a row is the materialised row to the
+    last bit, so that a model fitted on one read's rows is the model of any other's."""
+    store, materialised = fleet
+    table = materialised.drop(SAMPLE_KEY)
+    assert features_on_demand(store, options=ON_DEMAND).equals(table)
+    newest = materialised["ts"].max()
+    for start in (newest, newest - timedelta(days=1, hours=7)):
+        assert features_on_demand(store, start, newest + US).equals(table.filter(pl.col("ts") >= start))
+
+
+def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
+    from features import on_demand
+    from features.plan import lookback
+
+    store, materialised = fleet
+    read: list[tuple[datetime, datetime]] = []
+    original = on_demand.read_buckets
+
+    def recorded(store, start, end, **options):
+        read.append((start, end))
+        return original(store, start, end, **options)
+
+    monkeypatch.setattr(on_demand, "read_buckets", recorded)
+    newest = materialised["ts"].max()
+    got = newest_on_demand(store)
+    assert got.height and got["ts"].max() == newest
+    spec = on_demand.on_demand_spec(store)
+    assert read and min(start for start, _ in read) == newest - lookback(spec)
+    assert max(end for _, end in read) == newest + US

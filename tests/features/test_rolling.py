@@ -171,14 +171,11 @@ def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
     k_max = max(SIZES)
     segments = gpu_segments(gpus)
     for cut in (1, 5, 17):
-        # Each GPU's frame starts `cut` rows later; its rows with a whole window in it compared.
-        frame = np.concatenate([np.arange(s + min(cut, e - s - 1), e) for s, e in zip(segments.starts, segments.ends)])
-        start = np.concatenate(
-            [
-                np.full(e - s - min(cut, e - s - 1), s + min(cut, e - s - 1))
-                for s, e in zip(segments.starts, segments.ends)
-            ]
-        )
+        # Each GPU's frame starts `cut` rows later (a GPU of fewer rows keeps its last); the rows
+        # with a whole window in the frame are compared.
+        firsts = [s + min(cut, e - s - 1) for s, e in zip(segments.starts, segments.ends, strict=True)]
+        frame = np.concatenate([np.arange(f, e) for f, e in zip(firsts, segments.ends, strict=True)])
+        start = np.concatenate([np.full(e - f, f) for f, e in zip(firsts, segments.ends, strict=True)])
         compared = frame >= start + k_max - 1
         for share in (1.0, 0.05):
             keep = compared & (np.random.default_rng(cut).random(len(frame)) < share)
