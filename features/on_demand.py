@@ -30,6 +30,7 @@ from datetime import date, datetime, timedelta
 
 import polars as pl
 
+from features import facts_cache
 from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
 from features.build import iter_features_from_buckets
 from features.inputs import utc
@@ -96,24 +97,30 @@ def at_keys(wanted: pl.DataFrame) -> RowFilter:
 
 # -- fleet facts, once per state of the small datasets ---------------------------------------
 
+FACT_SOURCES = (PRESENCE, "xid_events", "repairs", "failure_events")
+"""The datasets the fleet facts are computed from."""
 _FACTS: dict[tuple[object, ...], FleetFacts] = {}
 _FACTS_LOCK = threading.Lock()
 _FACTS_KEPT = 4
 
 
 def stored_fleet_facts(store: Store, spec: FeatureSpec) -> FleetFacts | None:
-    """`features.plan.fleet_facts` from the stored presence (None: nothing stored). Kept in
-    memory for the files they come from: files are written once and replaced, never changed,
-    so the same files give the same facts."""
-    sources = (PRESENCE, "xid_events", "repairs", "failure_events")
-    key = (store.root, spec.fingerprint, *(tuple(store.files(d)) for d in sources))
+    """`features.plan.fleet_facts` from the stored presence (None: nothing stored). Kept for the
+    files they come from (files are written once and replaced, never changed, so the same files
+    give the same facts): in memory, and on disk for the next process (`features.facts_cache`)."""
+    files = {d: store.files(d) for d in FACT_SOURCES}
+    key = (store.root, spec.fingerprint, *(tuple(f) for f in files.values()))
     with _FACTS_LOCK:
         if key in _FACTS:
             return _FACTS[key]
-    presence = read_presence(store)
-    if presence.height == 0:
-        return None
-    facts = fleet_facts(store, spec, presence)
+    disk_key = facts_cache.facts_key(store, spec, files)
+    facts = facts_cache.load_facts(store, disk_key)
+    if facts is None:
+        presence = read_presence(store)
+        if presence.height == 0:
+            return None
+        facts = fleet_facts(store, spec, presence)
+        facts_cache.save_facts(store, disk_key, facts)
     with _FACTS_LOCK:
         while len(_FACTS) >= _FACTS_KEPT:
             _FACTS.pop(next(iter(_FACTS)))
