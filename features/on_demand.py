@@ -11,7 +11,7 @@ the window alone, to the last bit (`features.rolling`), so a range reads only it
 the lookback before it, and a row is the same in every query that computes it.
 
 Memory stays bounded as in the build: the range is computed in time blocks of `block_days` days
-(`block_days`), each block's fleet in shards of whole nodes when its buckets exceed
+from its start, each block's fleet in shards of whole nodes when its buckets exceed
 `max_buckets_in_memory` (the fleet median per GPU model is computed from every GPU's bucket means
 first), and the wide columns for parts of whole GPUs (`rows_per_part`).
 
