@@ -54,15 +54,18 @@ RowFilter = Callable[[pl.DataFrame], pl.Series]
 class OnDemandOptions:
     """How features are computed on demand: memory bounds only, never a value."""
 
-    block_days: int = 14
-    """Days computed together: their lookback is read once per block."""
+    block_days: int | None = None
+    """Days computed together: their lookback is read once per block. None: the longest
+    whole days whose buckets, lookback included, the whole fleet holds within
+    `max_buckets_in_memory` (the range's files are then read once, without shards); when not
+    even a day fits, as long as the lookback (`block_length`)."""
     max_buckets_in_memory: int = 4_000_000
     """Buckets (a block and its lookback) of one shard of whole nodes held at once."""
     rows_per_chunk: int = 250_000
     rows_per_part: int | None = 500_000
 
     def __post_init__(self) -> None:
-        if self.block_days < 1:
+        if self.block_days is not None and self.block_days < 1:
             raise ValueError(f"block_days: expected at least 1, got {self.block_days}")
 
 
@@ -191,7 +194,7 @@ def iter_features_on_demand(
     if begin >= finish:
         return
     back = lookback(spec)
-    step = options.block_days * ONE_DAY
+    step = block_length(facts, spec, options)
     # Blocks bound memory only: a row's value depends on the buckets of its windows alone
     # (`features.rolling`), so any block, and any range, gives it to the last bit.
     block_start = begin
@@ -206,6 +209,21 @@ def iter_features_on_demand(
                 part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
             yield part
         block_start = block[1]
+
+
+def block_length(facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions) -> timedelta:
+    """How long the time blocks of a computation are (`OnDemandOptions.block_days`). A fleet
+    too large to hold even a day and its lookback is read in shards of whole nodes, each of
+    which decodes every file of its block: per day computed, (block + lookback)^2 / block
+    file-days, fewest with a block as long as the lookback."""
+    if options.block_days is not None:
+        return options.block_days * ONE_DAY
+    back = lookback(spec)
+    gpus = max(1, facts.presence[GPU].n_unique())
+    fits = (options.max_buckets_in_memory // gpus) * spec.grid - back
+    if fits >= ONE_DAY:
+        return (fits // ONE_DAY) * ONE_DAY
+    return max(ONE_DAY, -(-back // ONE_DAY) * ONE_DAY)
 
 
 def features_on_demand(
