@@ -39,7 +39,7 @@ the same bits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -255,13 +255,13 @@ class KeptRows:
         # allocating them per column made the kernel's first touch of each page a page fault.
         self.floats = [np.empty(self.n, np.float64) for _ in range(3)]
         self.counts = [np.empty(self.n, np.int64) for _ in range(2)]
-        self._pieces: dict[int, tuple[np.ndarray, ...]] = {}
+        self._pieces: dict[int, tuple[Any, ...]] = {}
         self._moments: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def pieces(self, k: int) -> tuple[np.ndarray, ...]:
+    def pieces(self, k: int) -> tuple[Any, ...]:
         """For windows of k rows: (head, tail, lo, hi, forward, count), each kept row's block
         start and window start, and the pieces to sum (`_pieces_kernel`). Every block's pieces
         when the kept rows' own would add more rows than two passes over the frame."""

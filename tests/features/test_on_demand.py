@@ -65,10 +65,9 @@ def fleet(request, tmp_path_factory) -> tuple[Store, pl.DataFrame]:
 
 def assert_same_rows(got: pl.DataFrame, expected: pl.DataFrame) -> None:
     """Same columns, order and types; identities and labels equal; features to float32
-    tolerance. A standard deviation is a difference of sums of squares about the GPU's first
-    bucket mean in the computed frame, so its rounding scales with the metric's level (memory
-    used near 80,000 MiB): its tolerance is float32 rounding of the window's mean. The
-    materialised build with other blocks differs from itself the same way."""
+    tolerance. A standard deviation is a difference of sums of squares, so its rounding scales
+    with the metric's level (memory used near 80,000 MiB): its tolerance is float32 rounding of
+    the window's mean. (Rows are equal to the bit as well: `test_a_row_has_the_same_bits_in_every_read`.)"""
     assert got.columns == expected.columns
     assert got.schema == expected.schema
     assert got.height == expected.height
