@@ -50,21 +50,25 @@ def cache_path(store: Store) -> str:
     return store.path("_cache", CACHE_FILE)
 
 
-def facts_key(store: Store, spec: FeatureSpec, files: dict[str, list[str]]) -> str:
+def facts_key(store: Store, spec: FeatureSpec, files: dict[str, list[str]]) -> str | None:
     """What the facts of `store` with `spec` are a function of: the spec, and the names and
-    sizes of the files they come from (`files`: per dataset, `Store.files`)."""
+    sizes of the files they come from (`files`: per dataset, `Store.files`). None when a file
+    is gone by the time its size is read (a writer replaced it): nothing is cached then."""
     digest = hashlib.sha256(f"{VERSION}\n{spec.fingerprint}\n".encode())
     for dataset in sorted(files):
         for path in files[dataset]:
-            size = os.path.getsize(path) if store.is_local else 0
+            try:
+                size = os.path.getsize(path) if store.is_local else 0
+            except OSError:
+                return None
             digest.update(f"{dataset}\t{os.path.relpath(path, store.path())}\t{size}\n".encode())
     return digest.hexdigest()
 
 
-def load_facts(store: Store, key: str) -> FleetFacts | None:
-    """The cached facts of `key`; None when the store is remote, or the file absent, stale or
-    unreadable in any way."""
-    if not store.is_local:
+def load_facts(store: Store, key: str | None) -> FleetFacts | None:
+    """The cached facts of `key`; None when there is no key, the store is remote, or the file
+    absent, stale or unreadable in any way."""
+    if key is None or not store.is_local:
         return None
     try:
         with open(cache_path(store), "rb") as fh:
@@ -74,10 +78,11 @@ def load_facts(store: Store, key: str) -> FleetFacts | None:
         return None
 
 
-def save_facts(store: Store, key: str, facts: FleetFacts) -> bool:
-    """Write the facts of `key` (replacing the cached ones) in one rename; False when the store
-    is remote or the file could not be written (a read-only root: readers compute the facts)."""
-    if not store.is_local:
+def save_facts(store: Store, key: str | None, facts: FleetFacts) -> bool:
+    """Write the facts of `key` (replacing the cached ones) in one rename; False when there is
+    no key, the store is remote, or the file could not be written (a read-only root: readers
+    compute the facts)."""
+    if key is None or not store.is_local:
         return False
     folder = store.path("_cache")
     tmp = os.path.join(folder, f"{_TEMPORARY}{os.getpid()}-{uuid.uuid4().hex}")

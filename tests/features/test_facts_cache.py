@@ -16,12 +16,14 @@ from features.plan import FleetFacts
 from ingest.failure_events import event_frame, write_failure_events
 from ingest.simulator.run import simulate
 from ingest.store import Store
+from tests.cli import gpufail
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("facts") / "data"
     simulate(root, "demo", seed=3, progress=False, nodes=2, days=4, sample_interval_s=900, acceleration=80.0)
+    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
     build_aggregates(Store.open(str(root)))
     return str(root)
 
@@ -64,6 +66,7 @@ def test_a_new_process_reads_the_facts_the_first_one_wrote(store, monkeypatch):
     spec = on_demand_spec(store)
     first = stored_fleet_facts(store, spec)
     assert first is not None and os.path.exists(facts_cache.cache_path(store))
+    assert first.xid.height > 0 and first.episodes.height > 0
     expected_rows = features_on_demand(store)
     on_demand._FACTS.clear()  # another process
     _computed_fleet_facts_forbidden(monkeypatch)
@@ -178,3 +181,19 @@ def test_a_cache_of_another_spec_is_not_used(store):
     assert _key(store, other) != _key(store, spec)
     assert facts_cache.load_facts(store, _key(store, other)) is None
     assert facts_cache.load_facts(store, _key(store, spec)) is not None
+
+
+def test_a_source_file_replaced_while_the_key_is_taken_leaves_the_facts_computed(store, monkeypatch):
+    spec = on_demand_spec(store)
+    real = os.path.getsize
+
+    def replaced(path):
+        if "bucket_presence" in str(path):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path)
+
+    monkeypatch.setattr(facts_cache.os.path, "getsize", replaced)
+    assert _key(store, spec) is None
+    facts = stored_fleet_facts(store, spec)
+    assert facts is not None and facts.presence.height > 0
+    assert not os.path.exists(facts_cache.cache_path(store))
