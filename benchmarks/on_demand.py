@@ -1,6 +1,12 @@
 """Features on demand against the materialised table, on one store (a measurement, not a test).
 
     .venv/bin/python -m benchmarks.on_demand --data DATA
+    .venv/bin/python -m benchmarks.on_demand --data DATA --serving
+
+`--serving` measures serving readiness alone, in fresh processes (`serving_readiness`): the
+features of the newest grid time computed on load, first with the fleet facts computed (and
+cached on disk, `features.facts_cache`), then as a replica that starts after it reads them;
+it needs only the stored aggregates, and writes only the fleet facts' cache file.
 
 DATA needs `gpufail features` (the stored aggregates) and `gpufail features --materialise` (the
 table); `make bench` runs this on the demo after its pipeline. Prints, from one run: the bytes
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -39,6 +47,7 @@ def bench_on_demand(data: str) -> dict[str, float]:
     from features import on_demand
     from features.aggregates import BUCKETS, PRESENCE
     from features.dataset import FEATURES_DATASET, computed, drawn_rows, read_features, read_newest_grid_time
+    from features.facts_cache import cache_path
     from features.sample_key import SAMPLE_KEY, key_threshold
     from ingest.store import Store
 
@@ -52,6 +61,9 @@ def bench_on_demand(data: str) -> dict[str, float]:
     newest_ts = table.select(pl.col("ts").max()).collect().item()
     table_s, newest = _seconds(lambda: table.filter(pl.col("ts") == newest_ts).collect())
     on_demand._FACTS.clear()  # serving readiness: a process that has computed nothing yet
+    cached = cache_path(store)
+    if os.path.exists(cached):
+        os.remove(cached)
     demand_s, got = _seconds(lambda: read_newest_grid_time(store))
     assert got.height == newest.height, (got.height, newest.height)
     figures |= {"newest_gpus": newest.height, "newest_table_s": table_s, "newest_on_demand_s": demand_s}
@@ -74,6 +86,46 @@ def bench_on_demand(data: str) -> dict[str, float]:
     return figures
 
 
+_NEWEST_CHILD = """
+import resource, sys, time
+began = time.perf_counter()
+from features.dataset import read_newest_grid_time
+from ingest.store import Store
+rows = read_newest_grid_time(Store.open(sys.argv[1]))
+seconds = time.perf_counter() - began
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(rows.height, rows.width, round(seconds, 2), round(peak_mb))
+"""
+
+
+def newest_in_a_fresh_process(data: str) -> dict[str, float]:
+    """`read_newest_grid_time` in a new interpreter: its rows and columns, the seconds from
+    the first import to the rows, and the process's peak memory (MB)."""
+    out = subprocess.run([sys.executable, "-c", _NEWEST_CHILD, data], capture_output=True, text=True, check=True)
+    rows, columns, seconds, peak_mb = out.stdout.split()[-4:]
+    return {"gpus": int(rows), "columns": int(columns), "seconds": float(seconds), "peak_mb": float(peak_mb)}
+
+
+def serving_readiness(data: str) -> dict[str, dict[str, float]]:
+    """The newest grid time in a fresh process twice: with no fleet facts cached (they are
+    computed and cached), then with them cached (a replica starting after another)."""
+    from features.facts_cache import cache_path
+    from ingest.store import Store
+
+    cached = cache_path(Store.open(data))
+    if os.path.exists(cached):
+        os.remove(cached)
+    return {"facts computed": newest_in_a_fresh_process(data), "facts cached": newest_in_a_fresh_process(data)}
+
+
+def serving_lines(figures: dict[str, dict[str, float]]) -> list[str]:
+    return [
+        f"- serving readiness, newest grid time in a fresh process ({f['gpus']:,.0f} GPUs x {f['columns']:,.0f} "
+        f"columns), {how}: {f['seconds']:.2f} s, peak {f['peak_mb'] / 1024:.2f} GB"
+        for how, f in figures.items()
+    ]
+
+
 def markdown_lines(f: dict[str, float]) -> list[str]:
     """The figures as bullet lines for bench.md."""
     ratio = f["features_bytes"] / f["aggregates_bytes"] if f["aggregates_bytes"] else float("nan")
@@ -92,7 +144,11 @@ def markdown_lines(f: dict[str, float]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--data", required=True, help="a store with the stored aggregates and the features table")
+    parser.add_argument("--serving", action="store_true", help="serving readiness alone (the aggregates suffice)")
     args = parser.parse_args()
+    if args.serving:
+        print("\n".join(serving_lines(serving_readiness(args.data))))
+        return
     print("\n".join(markdown_lines(bench_on_demand(args.data))))
 
 

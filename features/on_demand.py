@@ -6,11 +6,12 @@ training draw, given (ts, gpu_uuid) keys). It runs the features build's own seco
 `features.build.iter_features_from_buckets`, on the stored buckets of the range and the
 `lookback` before it, with the fleet facts the build uses (`features.plan.fleet_facts`: GPU
 presence, XID events resolved to GPUs, repairs, failure episodes), so a row equals the row a
-materialised build (`features.runner`) writes for it, up to float rounding: the window sums
-start at the first bucket read, which is the block's lookback in both.
+materialised build (`features.runner`) writes for it. A window's value depends on the buckets of
+the window alone, to the last bit (`features.rolling`), so a range reads only its own buckets and
+the lookback before it, and a row is the same in every query that computes it.
 
-Memory stays bounded as in the build: the range is computed in time blocks of whole days
-(`block_days`), each block's fleet in shards of whole nodes when its buckets exceed
+Memory stays bounded as in the build: the range is computed in time blocks of `block_days` days
+from its start, each block's fleet in shards of whole nodes when its buckets exceed
 `max_buckets_in_memory` (the fleet median per GPU model is computed from every GPU's bucket means
 first), and the wide columns for parts of whole GPUs (`rows_per_part`).
 
@@ -25,10 +26,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from datetime import date, datetime, timedelta
 
 import polars as pl
 
+from features import facts_cache
 from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
 from features.build import iter_features_from_buckets
 from features.inputs import utc
@@ -44,8 +46,6 @@ from ingest.errors import InputError
 from ingest.schema import telemetry_schema
 from ingest.store import Store
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
 RowFilter = Callable[[pl.DataFrame], pl.Series]
 """Given candidate rows (gpu_uuid, ts, label, time_to_failure_h), which of them to compute."""
 
@@ -54,15 +54,18 @@ RowFilter = Callable[[pl.DataFrame], pl.Series]
 class OnDemandOptions:
     """How features are computed on demand: memory bounds only, never a value."""
 
-    block_days: int = 14
-    """Days computed together: their lookback is read once per block."""
+    block_days: int | None = None
+    """Days computed together: their lookback is read once per block. None: the longest
+    whole days whose buckets, lookback included, the whole fleet holds within
+    `max_buckets_in_memory` (the range's files are then read once, without shards); when not
+    even a day fits, as long as the lookback (`block_length`)."""
     max_buckets_in_memory: int = 4_000_000
     """Buckets (a block and its lookback) of one shard of whole nodes held at once."""
     rows_per_chunk: int = 250_000
     rows_per_part: int | None = 500_000
 
     def __post_init__(self) -> None:
-        if self.block_days < 1:
+        if self.block_days is not None and self.block_days < 1:
             raise ValueError(f"block_days: expected at least 1, got {self.block_days}")
 
 
@@ -97,24 +100,30 @@ def at_keys(wanted: pl.DataFrame) -> RowFilter:
 
 # -- fleet facts, once per state of the small datasets ---------------------------------------
 
+FACT_SOURCES = (PRESENCE, "xid_events", "repairs", "failure_events")
+"""The datasets the fleet facts are computed from."""
 _FACTS: dict[tuple[object, ...], FleetFacts] = {}
 _FACTS_LOCK = threading.Lock()
 _FACTS_KEPT = 4
 
 
 def stored_fleet_facts(store: Store, spec: FeatureSpec) -> FleetFacts | None:
-    """`features.plan.fleet_facts` from the stored presence (None: nothing stored). Kept in
-    memory for the files they come from: files are written once and replaced, never changed,
-    so the same files give the same facts."""
-    sources = (PRESENCE, "xid_events", "repairs", "failure_events")
-    key = (store.root, spec.fingerprint, *(tuple(store.files(d)) for d in sources))
+    """`features.plan.fleet_facts` from the stored presence (None: nothing stored). Kept for the
+    files they come from (files are written once and replaced, never changed, so the same files
+    give the same facts): in memory, and on disk for the next process (`features.facts_cache`)."""
+    files = {d: store.files(d) for d in FACT_SOURCES}
+    key = (store.root, spec.fingerprint, *(tuple(f) for f in files.values()))
     with _FACTS_LOCK:
         if key in _FACTS:
             return _FACTS[key]
-    presence = read_presence(store)
-    if presence.height == 0:
-        return None
-    facts = fleet_facts(store, spec, presence)
+    disk_key = facts_cache.facts_key(store, spec, files)
+    facts = facts_cache.load_facts(store, disk_key)
+    if facts is None:
+        presence = read_presence(store)
+        if presence.height == 0:
+            return None
+        facts = fleet_facts(store, spec, presence)
+        facts_cache.save_facts(store, disk_key, facts)
     with _FACTS_LOCK:
         while len(_FACTS) >= _FACTS_KEPT:
             _FACTS.pop(next(iter(_FACTS)))
@@ -185,24 +194,36 @@ def iter_features_on_demand(
     if begin >= finish:
         return
     back = lookback(spec)
-    step = options.block_days * ONE_DAY
-    # Blocks of `block_days` counted from the Unix epoch, whatever the range asked: a row's
-    # value (its float rounding: window sums run from the first bucket its block reads) is then
-    # the same in every query, so that a model trained on the rows of one read is the model of
-    # any other read of them.
-    block_start = _EPOCH + ((day_start(begin) - _EPOCH) // step) * step
+    step = block_length(facts, spec, options)
+    # Blocks bound memory only: a row's value depends on the buckets of its windows alone
+    # (`features.rolling`), so any block, and any range, gives it to the last bit.
+    block_start = begin
     while block_start < finish:
-        block = (block_start, block_start + step)
-        emit = (max(begin, block_start), min(finish, block[1]))
+        block = (block_start, min(finish, block_start + step))
         if labels_only:
-            parts = _labels(store, spec, facts, block, emit, back, rows)
+            parts = _labels(store, spec, facts, block, back, rows)
         else:
-            parts = _block(store, spec, facts, block, emit, back, rows, options)
+            parts = _block(store, spec, facts, block, back, rows, options)
         for part in parts:
             if sample_key:
                 part = part.with_columns(pl.Series(SAMPLE_KEY, sample_keys(part[GPU], part["ts"])))
             yield part
         block_start = block[1]
+
+
+def block_length(facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions) -> timedelta:
+    """How long the time blocks of a computation are (`OnDemandOptions.block_days`). A fleet
+    too large to hold even a day and its lookback is read in shards of whole nodes, each of
+    which decodes every file of its block: per day computed, (block + lookback)^2 / block
+    file-days, fewest with a block as long as the lookback."""
+    if options.block_days is not None:
+        return options.block_days * ONE_DAY
+    back = lookback(spec)
+    gpus = max(1, facts.presence[GPU].n_unique())
+    fits = (options.max_buckets_in_memory // gpus) * spec.grid - back
+    if fits >= ONE_DAY:
+        return (fits // ONE_DAY) * ONE_DAY
+    return max(ONE_DAY, -(-back // ONE_DAY) * ONE_DAY)
 
 
 def features_on_demand(
@@ -271,15 +292,14 @@ def _labels(
     spec: FeatureSpec,
     facts: FleetFacts,
     block: tuple[datetime, datetime],
-    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
 ) -> Iterator[pl.DataFrame]:
-    """The identity columns and labels of the rows of one time block in `emit`, from a few
-    columns of its buckets."""
-    start, end = emit
-    names = set(store.scan(BUCKETS, block[0] - back, end).collect_schema().names())
-    hourly = read_buckets(store, block[0] - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
+    """The identity columns and labels of the rows of one time block, from a few columns of
+    its buckets and those of its lookback."""
+    start, end = block
+    names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
+    hourly = read_buckets(store, start - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
     if hourly.height == 0:
         return
     yield from iter_features_from_buckets(
@@ -299,15 +319,14 @@ def _block(
     spec: FeatureSpec,
     facts: FleetFacts,
     block: tuple[datetime, datetime],
-    emit: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
     options: OnDemandOptions,
 ) -> Iterator[pl.DataFrame]:
-    """The parts of the rows of one time block in `emit`: the block's buckets from its lookback
-    on, shard by shard (the shards are the block's, whatever `emit` is)."""
-    start, end = emit
-    carried = (block[1] - block[0] + back) // spec.grid
+    """The parts of the rows of one time block: the block's buckets from its lookback on,
+    shard by shard."""
+    start, end = block
+    carried = (end - start + back) // spec.grid
     shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=options.max_buckets_in_memory)
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
     medians = None
@@ -327,7 +346,7 @@ def _block(
         if count > 1:
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
-        hourly = read_buckets(store, block[0] - back, end, where=where)
+        hourly = read_buckets(store, start - back, end, where=where)
         if nodes is not None:
             hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
         if hourly.height == 0:

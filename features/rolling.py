@@ -1,4 +1,4 @@
-"""Trailing-window sums and extremes on a dense grid, computed only at the rows that are kept.
+"""Trailing-window sums, moments and extremes on a dense grid, computed only at the rows kept.
 
 On a dense grid (`features.windows.dense_grid`: every grid time of every GPU, sorted by
 (gpu_uuid, ts)) the window of k grid steps at a row is the last k rows of its GPU. A store
@@ -7,25 +7,39 @@ be looked back at: a one-day build keeps one row in eight, a block of 14 days ab
 three. Expressed in polars, the windows put every intermediate on every row: a running sum per
 quantity, its value k rows earlier per window, a rolling maximum per window (~500 float columns
 per row for the telemetry features), most of them thrown away by the row filter that followed.
-Here one compiled pass (numba) per column walks the rows once and writes each window's value
-at the kept rows only.
+Here one compiled pass (numba) per column walks the rows and writes each window's value at the
+kept rows only.
 
-Both reductions restart at each GPU: `segments` are the runs of rows of one GPU.
+Every reduction restarts at each GPU: `segments` are the runs of rows of one GPU.
 
-- `trailing_sums`: for window k, the running sum of the GPU's rows up to the row minus the
-  running sum k rows earlier (the sum itself while the GPU has fewer than k rows before it).
-  This is the arithmetic of the polars expression it replaced, to the last bit: rounding
-  depends only on the GPU's rows from its first in the frame, never on later data.
-- `trailing_extremes`: the largest (or smallest) reading among the last k rows, by the van
-  Herk / Gil-Werman scheme (prefix and suffix extremes within blocks of k rows: two passes per
-  window whatever k). Null readings are absent; NaN readings are skipped unless the window has
-  nothing else, as `features.runs` does within a bucket.
+A value depends on the rows of its window alone, to the last bit, whatever else the frame
+holds: a frame that starts a week earlier or later, or keeps other rows, gives the same value.
+That is what lets a reader compute any range from its lookback alone (`features.on_demand`).
+Sums are therefore not a running sum minus the running sum k rows earlier (whose rounding
+depends on where the frame starts) but the van Herk / Gil-Werman scheme with blocks of k grid
+steps aligned to the epoch (`KeptRows.steps`): the window ending at row i is the tail of the
+block before i's (summed from that block's end backwards) plus the head of i's block (summed
+from its start forwards), each summed in a fixed order over rows of the window only. Where few
+rows are kept (the newest hour of a week-long frame) each kept row's two pieces are summed
+alone (cost k), else every block's are (two passes): the same additions in the same order, so
+the same bits.
+
+- `trailing_sums`: the sum of a column over the window.
+- `gauge_moments`: a gauge's window mean, standard deviation and slope from its per-bucket
+  count, mean and variance. Each piece takes its deviations about a reading of its own (the
+  first mean met in its order of summation), so a steady large reading (a memory gauge near
+  80,000 MiB) keeps its small spread; the two pieces are then put on one centre and one time
+  origin (the older block's start).
+- `trailing_extremes`: the largest (or smallest) reading among the last k rows (prefix and
+  suffix extremes within blocks of k rows; exact, so any blocks do). Null readings are absent;
+  NaN readings are skipped unless the window has nothing else, as `features.runs` does within
+  a bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -49,22 +63,131 @@ def _segment_starts_of(rows, starts, ends, first):  # type: ignore[no-untyped-de
         first[r] = starts[seg]
 
 
-def _sums_kernel(values, starts, ends, rows, first, sizes, running, out):  # type: ignore[no-untyped-def]
-    for s in range(starts.shape[0]):
-        total = 0.0
-        for i in range(starts[s], ends[s]):
-            total += values[i]
-            running[i] = total
+def _pieces_kernel(steps, starts, ends, rows, first, k, dense, head, tail, lo, hi, forward):  # type: ignore[no-untyped-def]
+    # Per kept row r: head[r], the first row of its block (of k steps, epoch-aligned, within its
+    # GPU), and tail[r], the window's first row. Then the pieces to sum, each a range [lo, hi) of
+    # rows summed forwards (from a block's start) or backwards (from a block's end): every
+    # block's both ways when `dense`, else each kept row's own two. Returns how many.
     for r in range(rows.shape[0]):
         i = rows[r]
-        for w in range(sizes.shape[0]):
-            k = sizes[w]
-            if k == 1:
-                out[w, r] = values[i]
-            elif i - k >= first[r]:
-                out[w, r] = running[i] - running[i - k]
-            else:
-                out[w, r] = running[i]
+        head[r] = max(i - steps[i] % k, first[r])
+        tail[r] = max(i - k + 1, first[r])
+    count = 0
+    if dense:
+        for s in range(starts.shape[0]):
+            start = starts[s]
+            while start < ends[s]:
+                stop = min(start + k - steps[start] % k, ends[s])
+                lo[count], hi[count], forward[count] = start, stop, True
+                lo[count + 1], hi[count + 1], forward[count + 1] = start, stop, False
+                count += 2
+                start = stop
+    else:
+        for r in range(rows.shape[0]):
+            lo[count], hi[count], forward[count] = head[r], rows[r] + 1, True
+            count += 1
+            if tail[r] < head[r]:
+                lo[count], hi[count], forward[count] = tail[r], head[r], False
+                count += 1
+    return count
+
+
+def _sums_kernel(values, lo, hi, forward, count, rows, head, tail, ahead, behind, out):  # type: ignore[no-untyped-def]
+    # ahead[t]: the sum from t's piece start forwards to t; behind[t]: from its end back to t.
+    for p in range(count):
+        total = 0.0
+        if forward[p]:
+            for t in range(lo[p], hi[p]):
+                total += values[t]
+                ahead[t] = total
+        else:
+            for t in range(hi[p] - 1, lo[p] - 1, -1):
+                total += values[t]
+                behind[t] = total
+    for r in range(rows.shape[0]):
+        i = rows[r]
+        out[r] = behind[tail[r]] + ahead[i] if tail[r] < head[r] else ahead[i]
+
+
+def _moments_kernel(count, mean, m2, steps, k, lo, hi, forward, pieces, rows, head, tail, ahead, behind, out):  # type: ignore[no-untyped-def]
+    # Per row of a piece, from the piece's start (in its order of summation) to the row: the
+    # samples n, and about the piece's centre c (its first bucket mean met; NaN: none yet)
+    # s = sum of n * (mean - c), q = sum of squares about c; over buckets with a mean, with x the
+    # bucket's grid steps from its block's start: bn, bx, bxx, by = sum of (mean - c), bxy.
+    # Stored as rows 0..8 (n, s, q, bn, bx, bxx, by, bxy, c) of ahead / behind.
+    for p in range(pieces):
+        origin = steps[lo[p]] - steps[lo[p]] % k
+        if forward[p]:
+            first, stop, step = lo[p], hi[p], 1
+        else:
+            first, stop, step = hi[p] - 1, lo[p] - 1, -1
+        n = s = q = bn = bx = bxx = by = bxy = 0.0
+        c = np.nan
+        for t in range(first, stop, step):
+            n += count[t]
+            q += m2[t]
+            if not np.isnan(mean[t]):
+                if np.isnan(c):
+                    c = mean[t]
+                d = mean[t] - c
+                x = float(steps[t] - origin)
+                s += count[t] * d
+                q += count[t] * d * d
+                bn += 1.0
+                bx += x
+                bxx += x * x
+                by += d
+                bxy += x * d
+            target = ahead if forward[p] else behind
+            target[0, t], target[1, t], target[2, t], target[3, t] = n, s, q, bn
+            target[4, t], target[5, t], target[6, t], target[7, t], target[8, t] = bx, bxx, by, bxy, c
+    for r in range(rows.shape[0]):
+        i = rows[r]
+        n, s, q, bn, bx, bxx, by, bxy, c = (
+            ahead[0, i],
+            ahead[1, i],
+            ahead[2, i],
+            ahead[3, i],
+            ahead[4, i],
+            ahead[5, i],
+            ahead[6, i],
+            ahead[7, i],
+            ahead[8, i],
+        )
+        if tail[r] < head[r]:
+            # The older block's tail joins: both on one centre (the newer piece's when it has
+            # one) and one time origin (the older block's start, k steps before the newer's).
+            j = tail[r]
+            n0, s0, q0, bn0, bx0, bxx0, by0, bxy0, c0 = (
+                behind[0, j],
+                behind[1, j],
+                behind[2, j],
+                behind[3, j],
+                behind[4, j],
+                behind[5, j],
+                behind[6, j],
+                behind[7, j],
+                behind[8, j],
+            )
+            if np.isnan(c):
+                c = c0
+            shift = 0.0 if np.isnan(c0) else c0 - c
+            e = float(k)
+            bxy = bxy + e * by
+            bxx = bxx + 2.0 * e * bx + e * e * bn
+            bx = bx + e * bn
+            s = s + (s0 + shift * n0)
+            q = q + (q0 + 2.0 * shift * s0 + n0 * shift * shift)
+            by = by + (by0 + shift * bn0)
+            bxy = bxy + (bxy0 + shift * bx0)
+            bxx = bxx + bxx0
+            bx = bx + bx0
+            bn = bn + bn0
+            n = n + n0
+        out[0, r] = s / n + c if n > 0 else np.nan
+        out[1, r] = np.sqrt(max(q - s * s / n, 0.0) / (n - 1.0)) if n > 1 else np.nan
+        denominator = bn * bxx - bx * bx
+        out[2, r] = (bn * bxy - bx * by) / denominator if bn > 1 and denominator > 0 else np.nan
 
 
 def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind, numbers, nans, out, state):  # type: ignore[no-untyped-def]
@@ -113,21 +236,52 @@ def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind
 
 class KeptRows:
     """The rows of a dense grid that are kept (all when `keep` is None), with the first row of
-    each one's GPU: what both reductions need, worked out once per frame."""
+    each one's GPU: what every reduction needs, worked out once per frame.
 
-    def __init__(self, gpus: pl.Series, keep: pl.Series | None) -> None:
+    `steps` are the rows' grid times in grid steps since the epoch (consecutive within a GPU,
+    as on a dense grid): the sums' blocks are aligned to them, so that a value does not depend
+    on where the frame starts. Without them the row numbers stand in (for a frame on its own)."""
+
+    def __init__(self, gpus: pl.Series, keep: pl.Series | None, steps: np.ndarray | None = None) -> None:
         self.segments = gpu_segments(gpus)
         self.n = gpus.len()
         self.rows = np.arange(self.n, dtype=np.int64) if keep is None else np.flatnonzero(keep.to_numpy())
         self.first = np.empty(len(self.rows), np.int64)
         compiled(_segment_starts_of)(self.rows, self.segments.starts, self.segments.ends, self.first)
+        self.steps = np.arange(self.n, dtype=np.int64) if steps is None else np.asarray(steps, np.int64)
+        if len(self.steps) != self.n:
+            raise ValueError(f"steps: expected one per row ({self.n}), got {len(self.steps)}")
         # Scratch columns over every row, reused by each reduction of the frame (~150 of them):
         # allocating them per column made the kernel's first touch of each page a page fault.
         self.floats = [np.empty(self.n, np.float64) for _ in range(3)]
         self.counts = [np.empty(self.n, np.int64) for _ in range(2)]
+        self._pieces: dict[int, tuple[Any, ...]] = {}
+        self._moments: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def pieces(self, k: int) -> tuple[Any, ...]:
+        """For windows of k rows: (head, tail, lo, hi, forward, count), each kept row's block
+        start and window start, and the pieces to sum (`_pieces_kernel`). Every block's pieces
+        when the kept rows' own would add more rows than two passes over the frame."""
+        if k not in self._pieces:
+            dense = len(self.rows) * k >= 2 * self.n
+            size = 2 * self.n if dense else 2 * len(self.rows)
+            head, tail = np.empty(len(self.rows), np.int64), np.empty(len(self.rows), np.int64)
+            lo, hi, forward = np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.bool_)
+            count = compiled(_pieces_kernel)(
+                self.steps, self.segments.starts, self.segments.ends, self.rows, self.first, k, dense,
+                head, tail, lo, hi, forward,
+            )  # fmt: skip
+            self._pieces[k] = (head, tail, lo, hi, forward, np.int64(count))
+        return self._pieces[k]
+
+    def moment_scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two (9, rows) float arrays for `gauge_moments`, allocated on first use."""
+        if self._moments is None:
+            self._moments = (np.empty((9, self.n), np.float64), np.empty((9, self.n), np.float64))
+        return self._moments
 
 
 def _zero_filled(values: pl.Series) -> np.ndarray:
@@ -145,18 +299,44 @@ def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> li
     """Per window size k, the sum of `values` (nulls as 0, as Float64) over the last k rows of
     the GPU at each kept row."""
     flat = _zero_filled(values)
-    out = np.empty((len(sizes), len(kept)), np.float64)
-    compiled(_sums_kernel)(
-        flat,
-        kept.segments.starts,
-        kept.segments.ends,
-        kept.rows,
-        kept.first,
-        np.asarray(sizes, np.int64),
-        kept.floats[0],
-        out,
-    )
-    return list(out)
+    out = []
+    for k in sizes:
+        head, tail, lo, hi, forward, count = kept.pieces(k)
+        sums = np.empty(len(kept), np.float64)
+        compiled(_sums_kernel)(
+            flat, lo, hi, forward, count, kept.rows, head, tail, kept.floats[0], kept.floats[1], sums
+        )
+        out.append(sums)
+    return out
+
+
+def gauge_moments(
+    count: pl.Series, mean: pl.Series, variance: pl.Series, kept: KeptRows, sizes: Sequence[int]
+) -> list[tuple[pl.Series, pl.Series, pl.Series]]:
+    """Per window size k, a gauge's (mean, std, slope) over the last k rows of the GPU at each
+    kept row, from its per-bucket sample `count`, `mean` and sample `variance` (nulls: no
+    reading): the mean and the sample standard deviation over the samples of the window (null
+    without a sample, or one), and the least-squares slope of the bucket means per grid step
+    (null with fewer than two bucket means). Float64."""
+    n = count.cast(pl.Float64).fill_null(0.0).to_numpy()
+    m = mean.cast(pl.Float64).fill_null(np.nan).to_numpy()
+    m2 = (variance.cast(pl.Float64) * (count.cast(pl.Float64) - 1.0)).fill_null(0.0).fill_nan(0.0).to_numpy()
+    ahead, behind = kept.moment_scratch()
+    result = []
+    for k in sizes:
+        head, tail, lo, hi, forward, pieces = kept.pieces(k)
+        out = np.empty((3, len(kept)), np.float64)
+        compiled(_moments_kernel)(
+            n, m, m2, kept.steps, k, lo, hi, forward, pieces, kept.rows, head, tail, ahead, behind, out
+        )
+        result.append(tuple(_nan_as_null(mean.name, column) for column in out))
+    return result  # type: ignore[return-value]
+
+
+def _nan_as_null(name: str, values: np.ndarray) -> pl.Series:
+    s = pl.Series(name, values, dtype=pl.Float64)
+    missing = np.isnan(values)
+    return s.set(pl.Series(missing), None) if missing.any() else s
 
 
 def trailing_extremes(

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Literal
 
+import numpy as np
 import polars as pl
 
 from features import rolling, runs
@@ -108,6 +109,12 @@ def grid_time(ts: pl.Expr, grid: timedelta) -> pl.Expr:
     is >= ts (so bucket (t - grid, t] is labelled t)."""
     g = _us(grid)
     return (((ts.dt.epoch("us") - 1) // g + 1) * g).cast(TS_DTYPE)
+
+
+def grid_steps(ts: pl.Series, grid: timedelta) -> np.ndarray:
+    """Grid times as whole grid steps since the epoch (int64): what aligns the window sums'
+    blocks (`features.rolling.KeptRows`) to time rather than to a frame's first row."""
+    return (ts.dt.epoch("us") // _us(grid)).to_numpy()
 
 
 def grid_floor(moment: datetime, grid: timedelta) -> datetime:
@@ -324,10 +331,8 @@ class WindowSums:
 
     `add` names a quantity, `columns` are the expressions that put each one on every row of the
     frame (as `_q_<name>`), `at` reduces them to the window sums `_<name>_<w>` at the kept
-    rows (`features.rolling.trailing_sums`: a running sum minus the running sum k rows
-    earlier, in one compiled pass per quantity for all windows). Float rounding depends only on
-    the GPU's own rows from its first one in the frame, so appending later data never changes a
-    value.
+    rows (`features.rolling.trailing_sums`). A sum's rounding depends only on the rows of its
+    window, so neither appending later data nor starting the frame elsewhere changes a value.
     """
 
     def __init__(self, sizes: Sequence[int], labels: Sequence[str]) -> None:
@@ -409,30 +414,8 @@ def window_features(
     # Stage 1: sums per window (temporary columns `_<quantity>_<w>`).
     sums = WindowSums(sizes, labels)
     sums.add("n", pl.col(f"n_samples{sfx}"))
-    # Slope: least squares of the bucket means on time. x is the bucket's position in hours from
-    # the GPU's first grid time in the frame (the slope does not depend on where x starts; a
-    # small origin keeps x*x exact, and one of the GPU's own keeps its rounding independent of
-    # which other GPUs share the frame).
-    x = (pl.col("ts") - pl.col("ts").min().over(GID)).dt.total_microseconds() / HOUR_US
-    # Sums of squares run over the whole frame, so they are taken about a centre per GPU and
-    # gauge (its first bucket mean in the frame): uncentred, a memory gauge near 80,000 MiB that
-    # barely moves lost its standard deviation to rounding over a few weeks of running sums.
-    # The mean, standard deviation and slope do not depend on the centre.
-    centres = [pl.col(f"{g}_mean{sfx}").drop_nulls().first().over(GID).alias(f"_c_{g}") for g in kinds["gauge"]]
-    for g in kinds["gauge"]:
-        cnt = pl.col(f"{g}_count{sfx}").fill_null(0).cast(pl.Float64)
-        mean = pl.col(f"{g}_mean{sfx}")
-        dev = mean - pl.col(f"_c_{g}")
-        m2 = (pl.col(f"{g}_var{sfx}") * (cnt - 1)).fill_null(0.0)
-        xs = pl.when(mean.is_not_null()).then(x).otherwise(0.0)
-        sums.add(f"{g}_n", cnt)
-        sums.add(f"{g}_s", dev * cnt)
-        sums.add(f"{g}_q", m2 + (cnt * dev * dev).fill_null(0.0))
-        sums.add(f"{g}_bn", mean.is_not_null(), longer_than_grid_only=True)
-        sums.add(f"{g}_bx", xs, longer_than_grid_only=True)
-        sums.add(f"{g}_bxx", xs * xs, longer_than_grid_only=True)
-        sums.add(f"{g}_by", dev, longer_than_grid_only=True)
-        sums.add(f"{g}_bxy", xs * dev, longer_than_grid_only=True)
+    # Gauges' mean, standard deviation and slope come from their bucket counts, means and
+    # variances (`features.rolling.gauge_moments`), after stage 1.
     for c in kinds["counter"]:
         increase = pl.col(f"{c}_increase{sfx}")
         sums.add(f"{c}_inc", increase)
@@ -464,20 +447,30 @@ def window_features(
     frame = (
         dense.lazy()
         .with_columns(gpu_run_id())
-        .with_columns(centres)
         .with_columns(interval.alias("_interval_s"), first.alias("_first"), *lasts, *sums.columns())
         .collect(engine=ENGINE)
     )
-    kept = rolling.KeptRows(frame[GPU], keep)
+    kept = rolling.KeptRows(frame[GPU], keep, grid_steps(frame["ts"], grid))
+    moments: list[pl.Series] = []
+    for g in kinds["gauge"]:
+        per_window = rolling.gauge_moments(
+            frame[f"{g}_count{sfx}"], frame[f"{g}_mean{sfx}"], frame[f"{g}_var{sfx}"], kept, sizes
+        )
+        for wl, (mean_w, std_w, slope_w) in zip(labels, per_window, strict=True):
+            moments += [
+                mean_w.alias(f"_{g}_mean_{wl}"),
+                std_w.alias(f"_{g}_std_{wl}"),
+                slope_w.alias(f"_{g}_slope_{wl}"),
+            ]
     extremes: list[tuple[str, str, Literal["max", "min"]]] = []
     for g in kinds["gauge"]:
         extremes += [(f"{g}_mx", f"{g}_max{sfx}", "max"), (f"{g}_mn", f"{g}_min{sfx}", "min")]
     extremes += [(f"{f}_mx", f"{f}_max{sfx}", "max") for f in kinds["flag"]]
     carried = [GPU, "ts", "last_sample_ts", "_interval_s", "_first"]
-    carried += [f"_c_{g}" for g in kinds["gauge"]] + [f"_last_{m}" for m in (*kinds["gauge"], *kinds["counter"])]
+    carried += [f"_last_{m}" for m in (*kinds["gauge"], *kinds["counter"])]
     lf = (
         kept_frame(frame, carried, keep)
-        .with_columns(*sums.at(frame, kept), *window_extremes(frame, extremes, sizes, labels, kept))
+        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(frame, extremes, sizes, labels, kept))
         .lazy()
     )
     del frame
@@ -502,25 +495,15 @@ def window_features(
     for g in kinds["gauge"]:
         out.append(pl.col(f"_last_{g}").alias(f"{g}_last"))
         for k, wl in zip(sizes, labels, strict=True):
-            nw, sw, qw = pl.col(f"_{g}_n_{wl}"), pl.col(f"_{g}_s_{wl}"), pl.col(f"_{g}_q_{wl}")
-            mean_w = pl.when(nw > 0).then(sw / nw + pl.col(f"_c_{g}"))
             out += [
-                mean_w.alias(f"{g}_mean_{wl}"),
+                pl.col(f"_{g}_mean_{wl}").alias(f"{g}_mean_{wl}"),
                 pl.col(f"_{g}_mx_{wl}").alias(f"{g}_max_{wl}"),
                 pl.col(f"_{g}_mn_{wl}").alias(f"{g}_min_{wl}"),
-                pl.when(nw > 1)
-                .then(((qw - sw * sw / nw).clip(lower_bound=0.0) / (nw - 1)).sqrt())
-                .alias(f"{g}_std_{wl}"),
+                pl.col(f"_{g}_std_{wl}").alias(f"{g}_std_{wl}"),
             ]
             if k > 1:
-                bn, bx, bxx = pl.col(f"_{g}_bn_{wl}"), pl.col(f"_{g}_bx_{wl}"), pl.col(f"_{g}_bxx_{wl}")
-                by, bxy = pl.col(f"_{g}_by_{wl}"), pl.col(f"_{g}_bxy_{wl}")
-                denominator = bn * bxx - bx * bx
-                out.append(
-                    pl.when((bn > 1) & (denominator > 0))
-                    .then((bn * bxy - bx * by) / denominator)
-                    .alias(f"{g}_slope_{wl}")
-                )
+                # Per grid step there; per hour here.
+                out.append((pl.col(f"_{g}_slope_{wl}") / grid_h).alias(f"{g}_slope_{wl}"))
     for c in kinds["counter"]:
         out.append(pl.col(f"_last_{c}").alias(f"{c}_last"))
         for w, wl in zip(windows, labels, strict=True):

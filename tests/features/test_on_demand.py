@@ -65,10 +65,9 @@ def fleet(request, tmp_path_factory) -> tuple[Store, pl.DataFrame]:
 
 def assert_same_rows(got: pl.DataFrame, expected: pl.DataFrame) -> None:
     """Same columns, order and types; identities and labels equal; features to float32
-    tolerance. A standard deviation is a difference of sums of squares about the GPU's first
-    bucket mean in the computed frame, so its rounding scales with the metric's level (memory
-    used near 80,000 MiB): its tolerance is float32 rounding of the window's mean. The
-    materialised build with other blocks differs from itself the same way."""
+    tolerance. A standard deviation is a difference of sums of squares, so its rounding scales
+    with the metric's level (memory used near 80,000 MiB): its tolerance is float32 rounding of
+    the window's mean. (Rows are equal to the bit as well: `test_a_row_has_the_same_bits_in_every_read`.)"""
     assert got.columns == expected.columns
     assert got.schema == expected.schema
     assert got.height == expected.height
@@ -314,3 +313,57 @@ def test_a_day_built_before_its_telemetry_ended_is_built_again(tmp_path):
         .sort("gpu_uuid", "ts")
         .equals(read_buckets(Store.open(str(clean)), *everything).sort("gpu_uuid", "ts"))
     )
+
+
+def test_a_row_has_the_same_bits_in_every_read(fleet):
+    """A window's value depends on its buckets alone (`features.rolling`): on demand with other
+    blocks and shards, over all days, a range or one hour, a row is the materialised row to the
+    last bit, so that a model fitted on one read's rows is the model of any other's."""
+    store, materialised = fleet
+    table = materialised.drop(SAMPLE_KEY)
+    assert features_on_demand(store, options=ON_DEMAND).equals(table)
+    newest = materialised["ts"].max()
+    for start in (newest, newest - timedelta(days=1, hours=7)):
+        assert features_on_demand(store, start, newest + US).equals(table.filter(pl.col("ts") >= start))
+
+
+def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
+    from features import on_demand
+    from features.plan import lookback
+
+    store, materialised = fleet
+    read: list[tuple[datetime, datetime]] = []
+    original = on_demand.read_buckets
+
+    def recorded(store, start, end, **options):
+        read.append((start, end))
+        return original(store, start, end, **options)
+
+    monkeypatch.setattr(on_demand, "read_buckets", recorded)
+    newest = materialised["ts"].max()
+    got = newest_on_demand(store)
+    assert got.height and got["ts"].max() == newest
+    spec = on_demand.on_demand_spec(store)
+    assert read and min(start for start, _ in read) == newest - lookback(spec)
+    assert max(end for _, end in read) == newest + US
+
+
+def test_blocks_by_default_hold_the_fleet_in_memory_or_last_a_lookback(fleet):
+    from features.on_demand import block_length, on_demand_spec, stored_fleet_facts
+    from features.plan import lookback
+
+    store, materialised = fleet
+    spec = on_demand_spec(store)
+    facts = stored_fleet_facts(store, spec)
+    gpus = facts.presence["gpu_uuid"].n_unique()
+    back = lookback(spec)
+    # Room for 30 days of every GPU's buckets: blocks of the whole days that leave for the lookback.
+    roomy = OnDemandOptions(max_buckets_in_memory=gpus * 24 * 30)
+    assert block_length(facts, spec, roomy) == timedelta(days=30) - back
+    # Not a day beyond the lookback: blocks as long as the lookback, read in shards.
+    tight = OnDemandOptions(max_buckets_in_memory=gpus * 24 * 7, rows_per_part=2_000)
+    assert block_length(facts, spec, tight) == back
+    assert block_length(facts, spec, OnDemandOptions(block_days=3)) == timedelta(days=3)
+    table = materialised.drop(SAMPLE_KEY)
+    assert features_on_demand(store, options=tight).equals(table)
+    assert features_on_demand(store, options=roomy).equals(table)

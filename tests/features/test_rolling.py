@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from features.rolling import KeptRows, gpu_segments, trailing_extremes, trailing_sums
+from features.rolling import KeptRows, gauge_moments, gpu_segments, trailing_extremes, trailing_sums
 
 SIZES = [1, 3, 6, 24]
 
@@ -98,3 +98,94 @@ def test_gpu_segments_of_an_empty_column():
         pytest.approx([]),
         pytest.approx([]),
     ]
+
+
+def _gauge_frame(seed: int) -> tuple[pl.Series, pl.Series, pl.Series, pl.Series, np.ndarray]:
+    """GPUs of 1 to 80 hourly buckets of a gauge near 80,000 (count, mean, variance; empty
+    buckets without a mean), each GPU starting at its own grid step."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 80, 10)
+    gpus = pl.Series("gpu", np.repeat([f"GPU-{i:02d}" for i in range(len(lengths))], lengths))
+    steps = np.concatenate([rng.integers(490_000, 490_100) + np.arange(n) for n in lengths])
+    count = rng.integers(1, 13, len(gpus)).astype(float)
+    mean = 80_000 + rng.normal(0, 3, len(gpus))
+    variance = rng.gamma(2.0, 1.5, len(gpus))
+    empty = rng.random(len(gpus)) < 0.15
+    count[empty] = 0
+    variance[count < 2] = np.nan
+    return (
+        gpus,
+        pl.Series("c", count).scatter(np.flatnonzero(empty), None),
+        pl.Series("m", mean).scatter(np.flatnonzero(empty), None),
+        pl.Series("v", variance).fill_nan(None),
+        steps,
+    )
+
+
+def _samples_of(count: float, mean: float, variance: float) -> tuple[float, float]:
+    """(sum, sum of squares) of a bucket's samples from its count, mean and sample variance."""
+    m2 = 0.0 if math.isnan(variance) else variance * (count - 1)
+    return count * mean, m2 + count * mean * mean
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("share", [1.0, 0.3, 0.02])
+def test_gauge_moments_equal_the_window_statistics_of_the_samples(seed, share):
+    gpus, count, mean, variance, steps = _gauge_frame(seed)
+    keep = pl.Series(np.random.default_rng(seed + 7).random(len(gpus)) < share)
+    kept = KeptRows(gpus, keep, steps)
+    got = gauge_moments(count, mean, variance, kept, SIZES)
+    c, m, v = (s.fill_null(math.nan).to_numpy() for s in (count, mean, variance))
+    rows = np.flatnonzero(keep.to_numpy())
+    for k, (means, stds, slopes) in zip(SIZES, got, strict=True):
+        windows = _windows(gpus, k)
+        for r, i in enumerate(rows):
+            buckets = [j for j in windows[i] if not math.isnan(m[j])]
+            n = sum(c[j] for j in buckets)
+            if not n:
+                assert means[r] is None and stds[r] is None and slopes[r] is None
+                continue
+            total = sum(_samples_of(c[j], m[j] - 80_000, v[j])[0] for j in buckets)
+            squares = sum(_samples_of(c[j], m[j] - 80_000, v[j])[1] for j in buckets)
+            assert means[r] == pytest.approx(80_000 + total / n, abs=1e-9)
+            if n > 1:
+                assert stds[r] == pytest.approx(math.sqrt(max(squares - total * total / n, 0) / (n - 1)), rel=1e-9)
+            else:
+                assert stds[r] is None
+            if len(buckets) > 1:
+                expected = np.polyfit(steps[buckets].astype(float), m[buckets] - 80_000, 1)[0]
+                assert slopes[r] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+            else:
+                assert slopes[r] is None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
+    """The same GPU-hours, in frames that start earlier or later, keep more or fewer rows (the
+    sums then run over every block or over each kept row's own), give the same bits."""
+    gpus, count, mean, variance, steps = _gauge_frame(seed)
+    values = (mean - 79_990.0) * 1.1
+    whole = KeptRows(gpus, None, steps)
+    reference_sums = trailing_sums(values, whole, SIZES)
+    reference_moments = gauge_moments(count, mean, variance, whole, SIZES)
+    k_max = max(SIZES)
+    segments = gpu_segments(gpus)
+    for cut in (1, 5, 17):
+        # Each GPU's frame starts `cut` rows later (a GPU of fewer rows keeps its last); the rows
+        # with a whole window in the frame are compared.
+        firsts = [s + min(cut, e - s - 1) for s, e in zip(segments.starts, segments.ends, strict=True)]
+        frame = np.concatenate([np.arange(f, e) for f, e in zip(firsts, segments.ends, strict=True)])
+        start = np.concatenate([np.full(e - f, f) for f, e in zip(firsts, segments.ends, strict=True)])
+        compared = frame >= start + k_max - 1
+        for share in (1.0, 0.05):
+            keep = compared & (np.random.default_rng(cut).random(len(frame)) < share)
+            if not keep.any():
+                continue
+            kept = KeptRows(gpus.gather(frame), pl.Series(keep), steps[frame])
+            original = frame[keep]
+            sums = trailing_sums(values.gather(frame), kept, SIZES)
+            moments = gauge_moments(count.gather(frame), mean.gather(frame), variance.gather(frame), kept, SIZES)
+            for w in range(len(SIZES)):
+                assert np.array_equal(sums[w], reference_sums[w][original])
+                for got, expected in zip(moments[w], reference_moments[w], strict=True):
+                    assert got.equals(expected.gather(original))
