@@ -201,7 +201,7 @@ def iter_features_on_demand(
     while block_start < finish:
         block = (block_start, min(finish, block_start + step))
         if labels_only:
-            parts = _labels(store, spec, facts, block, back, rows)
+            parts = _labels(store, spec, facts, block, back, rows, options)
         else:
             parts = _block(store, spec, facts, block, back, rows, options)
         for part in parts:
@@ -287,6 +287,11 @@ def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.Dat
 _LABEL_BUCKET_COLUMNS = [GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS]
 
 
+_LABEL_BUCKET_BUDGET = 4
+"""How many times `max_buckets_in_memory` the labels read at once: a few of the buckets'
+columns, against about a hundred for the features."""
+
+
 def _labels(
     store: Store,
     spec: FeatureSpec,
@@ -294,24 +299,54 @@ def _labels(
     block: tuple[datetime, datetime],
     back: timedelta,
     rows: RowFilter | None,
+    options: OnDemandOptions,
 ) -> Iterator[pl.DataFrame]:
     """The identity columns and labels of the rows of one time block, from a few columns of
-    its buckets and those of its lookback."""
+    its buckets and those of its lookback, shard by shard (a label is its GPU's alone)."""
     start, end = block
     names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
-    hourly = read_buckets(store, start - back, end, columns=[c for c in _LABEL_BUCKET_COLUMNS if c in names])
-    if hourly.height == 0:
-        return
-    yield from iter_features_from_buckets(
-        hourly,
-        facts.xid.head(0),
-        spec,
-        **facts.build_inputs(),
-        emit_start=start,
-        emit_end=end,
-        rows=rows,
-        labels_only=True,
-    )
+    columns = [c for c in _LABEL_BUCKET_COLUMNS if c in names]
+    budget = options.max_buckets_in_memory * _LABEL_BUCKET_BUDGET
+    for hourly, _ in _shards_of(store, spec, facts, block, back, budget, columns=columns):
+        yield from iter_features_from_buckets(
+            hourly,
+            facts.xid.head(0),
+            spec,
+            **facts.build_inputs(),
+            emit_start=start,
+            emit_end=end,
+            rows=rows,
+            labels_only=True,
+        )
+
+
+def _shards_of(
+    store: Store,
+    spec: FeatureSpec,
+    facts: FleetFacts,
+    block: tuple[datetime, datetime],
+    back: timedelta,
+    max_buckets: int,
+    *,
+    columns: list[str] | None = None,
+) -> Iterator[tuple[pl.DataFrame, int]]:
+    """The buckets (`columns`) of one time block and its lookback, in shards of whole nodes of
+    at most about `max_buckets` buckets, each with the number of shards (1: the whole fleet)."""
+    start, end = block
+    carried = (end - start + back) // spec.grid
+    shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=max_buckets)
+    count = max(1, shards[SHARD].n_unique()) if shards.height else 1
+    for shard in range(count):
+        where = None
+        nodes = None
+        if count > 1:
+            nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
+            where = pl.col("node").is_in(nodes["node"].unique().implode())
+        hourly = read_buckets(store, start - back, end, columns=columns, where=where)
+        if nodes is not None:
+            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
+        if hourly.height:
+            yield hourly, count
 
 
 def _block(
@@ -340,17 +375,7 @@ def _block(
         medians = (
             model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
         )
-    for shard in range(count):
-        where = None
-        nodes = None
-        if count > 1:
-            nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
-            where = pl.col("node").is_in(nodes["node"].unique().implode())
-        hourly = read_buckets(store, start - back, end, where=where)
-        if nodes is not None:
-            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
-        if hourly.height == 0:
-            continue
+    for hourly, count in _shards_of(store, spec, facts, block, back, options.max_buckets_in_memory):
         if count == 1:
             within = pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE))
             in_block = hourly.filter(within)

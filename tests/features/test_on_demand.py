@@ -120,9 +120,11 @@ def test_a_range_and_chosen_rows(fleet):
     assert_same_rows(censored, expected.filter(pl.col("label").is_not_null()))
 
 
-def test_labels_alone_on_demand(fleet):
+@pytest.mark.parametrize("options", [ON_DEMAND, OnDemandOptions(block_days=4, max_buckets_in_memory=1_000)])
+def test_labels_alone_on_demand(fleet, options):
+    # The second: the labels read in shards of a few nodes each.
     store, materialised = fleet
-    got = features_on_demand(store, labels_only=True, options=ON_DEMAND)
+    got = features_on_demand(store, labels_only=True, options=options)
     assert got.columns == [*ID_COLUMNS, *LABEL_COLUMNS]
     assert got.equals(materialised.select(*ID_COLUMNS, *LABEL_COLUMNS))
 
