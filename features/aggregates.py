@@ -88,25 +88,10 @@ def _narrowed(buckets: pl.DataFrame) -> pl.DataFrame:
 _SAMPLED = ("max", "min", "last")
 
 
-BUCKET_ROW_GROUP = 65_536
-"""Buckets per row group: a paper fleet's day is about 11 groups, each of a range of nodes."""
-
-
-def _by_node(buckets: pl.DataFrame) -> pl.DataFrame:
-    """The buckets in (cluster, node) order: readers that compute a shard of whole nodes
-    (`features.on_demand`) filter on the node, and row groups of a range of nodes, with the
-    node's statistics, let them skip the rest of each file (half a paper day's file read in
-    about half the time of the whole)."""
-    keys = [c for c in ("cluster", "node") if c in buckets.columns]
-    if not keys or buckets.height == 0:
-        return buckets
-    return buckets[buckets.select(pl.arg_sort_by(keys, maintain_order=True)).to_series()]
-
-
 def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> list[str]:
     """One day's files (hidden until the manifest commits them): its buckets and its presence."""
     written = []
-    for dataset, frame in ((BUCKETS, _narrowed(_by_node(buckets))), (PRESENCE, presence)):
+    for dataset, frame in ((BUCKETS, _narrowed(buckets)), (PRESENCE, presence)):
         if frame.height:
             table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_METADATA})
@@ -124,7 +109,6 @@ def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: 
                     compression="zstd",
                     use_dictionary=[c for c, dtype in schema.items() if dtype == pl.String],
                     use_byte_stream_split=floats,
-                    row_group_size=BUCKET_ROW_GROUP,
                 )
             )
     return written

@@ -297,13 +297,12 @@ class Store:
         try:
             self.fs.makedirs(folder, exist_ok=True)
             pieces = [table] if isinstance(table, pa.Table) else list(table)
-            row_group_size = parquet_options.pop("row_group_size", ROW_GROUP_SIZE)
             options = {"compression": COMPRESSION, "write_page_checksum": True, **parquet_options}
             with self.fs.open(tmp, "wb") as fh:
                 sink = _Crc32Sink(fh)
                 with pq.ParquetWriter(sink, pieces[0].schema, **options) as writer:
                     for piece in pieces:
-                        writer.write_table(piece, row_group_size=row_group_size)
+                        writer.write_table(piece, row_group_size=ROW_GROUP_SIZE)
                 if durable and self.is_local:
                     fh.flush()
                     os.fsync(fh.fileno())

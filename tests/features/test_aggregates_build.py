@@ -5,7 +5,6 @@ before it committed and none after it."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from itertools import pairwise
 
 import polars as pl
 import pytest
@@ -102,26 +101,3 @@ def test_days_taken_in_shards_of_gpus_give_the_buckets_of_all_history_at_once(te
     assert streamed.height == at_once.height > 0
     assert_frame_equal(streamed, at_once, check_exact=False, rel_tol=1e-12, abs_tol=1e-9)
     assert stream.held is not None and stream.held.height  # the last hour's rows, for the next day
-
-
-def test_each_day_file_holds_its_buckets_by_node_in_row_groups_of_a_range_of_nodes(
-    telemetry, clean, tmp_path, monkeypatch
-):
-    import pyarrow.parquet as pq
-
-    monkeypatch.setattr(aggregates, "BUCKET_ROW_GROUP", 40)
-    store = _store(tmp_path / "data", telemetry)
-    build_aggregates(store)
-    files = store.files(BUCKETS)
-    assert files
-    for path in files:
-        meta = pq.ParquetFile(path).metadata
-        node = meta.schema.to_arrow_schema().get_field_index("node")
-        ranges = [
-            (meta.row_group(g).column(node).statistics.min, meta.row_group(g).column(node).statistics.max)
-            for g in range(meta.num_row_groups)
-        ]
-        assert meta.num_row_groups > 1 and all(meta.row_group(g).num_rows <= 40 for g in range(meta.num_row_groups))
-        assert all(a[1] <= b[0] for a, b in pairwise(ranges))  # node ranges in order
-    # Stored in another order, the same buckets.
-    assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
