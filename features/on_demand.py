@@ -302,8 +302,9 @@ def _labels(
     names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
     columns = [c for c in _LABEL_BUCKET_COLUMNS if c in names]
     # The same budget of buckets as the features: the labels' grid holds every grid row of its
-    # GPUs (a paper fleet's 14 days at once peaked at 6.3 GB; in shards, 2.6 GB, no slower).
-    for hourly, _ in _shards_of(store, spec, facts, block, back, options.max_buckets_in_memory, columns=columns):
+    # GPUs, so a large fleet's block at once took more than twice the memory, and no less time.
+    shards = _node_shards(facts, spec, block, back, options.max_buckets_in_memory)
+    for hourly in _shards_of(store, shards, block, back, columns=columns):
         yield from iter_features_from_buckets(
             hourly,
             facts.xid.head(0),
@@ -316,21 +317,24 @@ def _labels(
         )
 
 
+def _node_shards(
+    facts: FleetFacts, spec: FeatureSpec, block: tuple[datetime, datetime], back: timedelta, max_buckets: int
+) -> pl.DataFrame:
+    """`features.shards.shard_map` of the fleet for one time block and its lookback."""
+    return shard_map(facts.presence, gpu_buckets=(block[1] - block[0] + back) // spec.grid, max_buckets=max_buckets)
+
+
 def _shards_of(
     store: Store,
-    spec: FeatureSpec,
-    facts: FleetFacts,
+    shards: pl.DataFrame,
     block: tuple[datetime, datetime],
     back: timedelta,
-    max_buckets: int,
     *,
     columns: list[str] | None = None,
-) -> Iterator[tuple[pl.DataFrame, int]]:
-    """The buckets (`columns`) of one time block and its lookback, in shards of whole nodes of
-    at most about `max_buckets` buckets, each with the number of shards (1: the whole fleet)."""
+) -> Iterator[pl.DataFrame]:
+    """The buckets (`columns`) of one time block and its lookback, shard by shard of `shards`
+    (`_node_shards`; the whole fleet at once when there is one)."""
     start, end = block
-    carried = (end - start + back) // spec.grid
-    shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=max_buckets)
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
     for shard in range(count):
         where = None
@@ -342,7 +346,7 @@ def _shards_of(
         if nodes is not None:
             hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
         if hourly.height:
-            yield hourly, count
+            yield hourly
 
 
 def _block(
@@ -357,8 +361,7 @@ def _block(
     """The parts of the rows of one time block: the block's buckets from its lookback on,
     shard by shard."""
     start, end = block
-    carried = (end - start + back) // spec.grid
-    shards = shard_map(facts.presence, gpu_buckets=carried, max_buckets=options.max_buckets_in_memory)
+    shards = _node_shards(facts, spec, block, back, options.max_buckets_in_memory)
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
     medians = None
     if count > 1:
@@ -371,7 +374,7 @@ def _block(
         medians = (
             model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
         )
-    for hourly, count in _shards_of(store, spec, facts, block, back, options.max_buckets_in_memory):
+    for hourly in _shards_of(store, shards, block, back):
         if count == 1:
             within = pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE))
             in_block = hourly.filter(within)
