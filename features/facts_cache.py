@@ -28,7 +28,6 @@ import io
 import json
 import os
 import time
-import uuid
 from datetime import datetime
 from typing import Any
 
@@ -36,12 +35,13 @@ import polars as pl
 
 from features.plan import FleetFacts
 from features.spec import FeatureSpec
-from ingest.store import Store
+from ingest.errors import StoreError
+from ingest.store import Store, temporary_prefix
 
 VERSION = 1
 MAGIC = b"gpufail fleet facts\n"
 CACHE_FILE = "fleet_facts.bin"
-_TEMPORARY = ".tmp-fleet_facts-"
+_TEMPORARY = temporary_prefix(CACHE_FILE)
 _STALE_TEMPORARY_S = 600.0
 _TABLES = ("presence", "xid", "repairs", "episodes")
 
@@ -79,28 +79,18 @@ def load_facts(store: Store, key: str | None) -> FleetFacts | None:
 
 
 def save_facts(store: Store, key: str | None, facts: FleetFacts) -> bool:
-    """Write the facts of `key` (replacing the cached ones) in one rename; False when there is
-    no key, the store is remote, or the file could not be written (a read-only root: readers
-    compute the facts)."""
+    """Write the facts of `key` (replacing the cached ones) in one rename, durably
+    (`Store.write_bytes_atomic`); False when there is no key, the store is remote, or the file
+    could not be written (a read-only root: readers compute the facts)."""
     if key is None or not store.is_local:
         return False
     folder = store.path("_cache")
-    tmp = os.path.join(folder, f"{_TEMPORARY}{os.getpid()}-{uuid.uuid4().hex}")
     try:
         os.makedirs(folder, exist_ok=True)
         _remove_stale_temporaries(folder)
-        with open(tmp, "wb") as fh:
-            for chunk in _encoded(facts, key):
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, cache_path(store))
-    except OSError:
-        _remove(tmp)
+        store.write_bytes_atomic(cache_path(store), b"".join(_encoded(facts, key)), durable=True)
+    except (OSError, StoreError):
         return False
-    except BaseException:
-        _remove(tmp)
-        raise
     return True
 
 
@@ -169,8 +159,3 @@ def _remove_stale_temporaries(folder: str) -> None:
             with contextlib.suppress(OSError):
                 if now - os.path.getmtime(path) > _STALE_TEMPORARY_S:
                     os.remove(path)
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)

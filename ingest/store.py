@@ -154,7 +154,7 @@ class Store:
                 )
             fs.makedirs(path, exist_ok=True)
         store = cls(root, fs, path)
-        store._write_bytes_atomic(
+        store.write_bytes_atomic(
             f"{path}/{MARKER}", json.dumps({"format": "gpufail", "schema_version": SCHEMA_VERSION}).encode()
         )
         return store
@@ -316,7 +316,7 @@ class Store:
             raise
         return final
 
-    def _write_bytes_atomic(self, final: str, data: bytes, *, durable: bool = False) -> None:
+    def write_bytes_atomic(self, final: str, data: bytes, *, durable: bool = False) -> None:
         """Replace `final` with `data` in one rename. `durable`: on a local store, the bytes and
         then the rename are on disk when this returns (a power cut keeps the old or the new)."""
         folder, name = final.rsplit("/", 1)
@@ -565,7 +565,7 @@ class Store:
         with guarded("create", folder):
             self.fs.makedirs(folder, exist_ok=True)
         data = json.dumps(state, indent=1, default=str).encode()
-        self._write_bytes_atomic(f"{folder}/{name}.json", data, durable=durable)
+        self.write_bytes_atomic(f"{folder}/{name}.json", data, durable=durable)
 
     def read_state_raw(self, name: str) -> dict[str, Any] | None:
         """The state file as written, with a journal's commit record (`COMMIT_KEY`)."""
@@ -591,7 +591,7 @@ class Store:
 
 
 def temporary_prefix(name: str) -> str:
-    """How the temporary files of `_write_bytes_atomic(.../name)` begin (hidden from readers;
+    """How the temporary files of `write_bytes_atomic(.../name)` begin (hidden from readers;
     the owner of `name` may delete those a crash left)."""
     return f".tmp-{name}-"
 

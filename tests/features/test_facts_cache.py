@@ -44,6 +44,11 @@ def _computed_fleet_facts_forbidden(monkeypatch) -> None:
     monkeypatch.setattr(on_demand, "fleet_facts", refuse)
 
 
+def _cache_bytes(store: Store) -> bytes:
+    with open(facts_cache.cache_path(store), "rb") as fh:
+        return fh.read()
+
+
 def _key(store: Store, spec) -> str:
     return facts_cache.facts_key(store, spec, {d: store.files(d) for d in FACT_SOURCES})
 
@@ -111,10 +116,8 @@ def test_a_corrupt_cache_is_ignored_and_written_again(store, damage):
     spec = on_demand_spec(store)
     expected = stored_fleet_facts(store, spec)
     assert expected is not None
-    path = facts_cache.cache_path(store)
-    with open(path, "rb") as fh:
-        data = fh.read()
-    with open(path, "wb") as fh:
+    data = _cache_bytes(store)
+    with open(facts_cache.cache_path(store), "wb") as fh:
         fh.write(damage(data))
     on_demand._FACTS.clear()
     got = stored_fleet_facts(store, spec)
@@ -131,8 +134,7 @@ def test_a_write_killed_half_way_leaves_the_old_cache_and_no_visible_file(store,
     facts = stored_fleet_facts(store, spec)
     assert facts is not None
     path = facts_cache.cache_path(store)
-    with open(path, "rb") as fh:
-        before = fh.read()
+    before = _cache_bytes(store)
     written: list[str] = []
     real_fsync = os.fsync
 
@@ -145,11 +147,10 @@ def test_a_write_killed_half_way_leaves_the_old_cache_and_no_visible_file(store,
         facts_cache.save_facts(store, "another key", facts)
     monkeypatch.setattr(facts_cache.os, "fsync", real_fsync)
     assert written and not os.path.exists(written[0])  # the temporary file is removed on the way out
-    with open(path, "rb") as fh:
-        assert fh.read() == before
+    assert _cache_bytes(store) == before
     # A process killed outright leaves its temporary file: never read, removed by a later write.
     folder = os.path.dirname(path)
-    leftover = os.path.join(folder, ".tmp-fleet_facts-1-dead")
+    leftover = os.path.join(folder, f"{facts_cache._TEMPORARY}1-dead")
     with open(leftover, "wb") as fh:
         fh.write(before[:100])
     os.utime(leftover, (0, 0))
@@ -165,7 +166,7 @@ def test_an_unwritable_cache_leaves_the_facts_computed(store, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise PermissionError(13, "Read-only file system")
 
-    monkeypatch.setattr(facts_cache.os, "replace", refuse)
+    monkeypatch.setattr(store.fs, "mv", refuse)  # the rename that publishes the cache file
     spec = on_demand_spec(store)
     facts = stored_fleet_facts(store, spec)
     assert facts is not None and not os.path.exists(facts_cache.cache_path(store))
