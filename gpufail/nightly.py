@@ -205,6 +205,10 @@ def retrain_reach(newest_day: date, options: NightlyOptions, spec: FeatureSpec) 
     return newest_start - reach - timedelta(days=1)
 
 
+_HELD_UNTIL = {"_keys": "train", "_holdout": "gate"}
+"""What `_Job` keeps between steps, and the last step that reads it."""
+
+
 class _Job:
     """The steps of one day's run. Each returns a JSON-ready record of what it did."""
 
@@ -236,6 +240,12 @@ class _Job:
         if step in ("evaluate", "register", "gate") and self.state["steps"].get("train", {}).get("skipped"):
             return {"skipped": True, "reason": "no model was trained"}
         result: dict[str, Any] = getattr(self, f"_{step}")()
+        # Rows read for later steps are let go after their last reader: the held-out window
+        # (4 GB on the paper fleet, computed on demand) held while scoring computes the newest
+        # hour was the night's peak.
+        for held, last_reader in _HELD_UNTIL.items():
+            if step == last_reader:
+                setattr(self, held, None)
         return result
 
     # -- failure -------------------------------------------------------------------------------

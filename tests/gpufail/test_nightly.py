@@ -6,10 +6,12 @@ collector would have written them that day."""
 from __future__ import annotations
 
 import errno
+import gc
 import itertools
 import shutil
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from functools import cache
@@ -118,16 +120,27 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     mlflow_server, fleet, tmp_path, monkeypatch
 ):
     import models.gate
+    import serving.score_store
 
     url, _ = mlflow_server
     scored: list[str] = []  # each scoring of the held-out window, by model version
     real_metrics = models.gate.holdout_metrics
+    held_out: list[weakref.ref] = []
+    real_score = serving.score_store.score_store
 
-    def counted(model, *args, **kwargs):
+    def counted(model, holdout, *args, **kwargs):
         scored.append(model.version)
-        return real_metrics(model, *args, **kwargs)
+        held_out.append(weakref.ref(holdout))
+        return real_metrics(model, holdout, *args, **kwargs)
+
+    def score_without_the_holdout(*args, **kwargs):
+        # The held-out rows are let go before scoring computes the newest hour beside them.
+        gc.collect()
+        assert held_out and all(ref() is None for ref in held_out)
+        return real_score(*args, **kwargs)
 
     monkeypatch.setattr(models.gate, "holdout_metrics", counted)
+    monkeypatch.setattr(serving.score_store, "score_store", score_without_the_holdout)
     name = f"nightly-{next(_names)}"
     data = tmp_path / "data"
     plain = options(tmp_path, url, name)
