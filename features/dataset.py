@@ -192,7 +192,7 @@ def read_features(
     if computed(store):
         return _on_demand(store, start, end, columns)
     frame = store.collect(scan_features(store, start, end, columns), FEATURES_DATASET, start, end)
-    return _sorted_column_by_column(frame, ["ts", GPU])
+    return on_demand.sorted_column_by_column(frame, ["ts", GPU])
 
 
 def scan_features(
@@ -232,20 +232,7 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     day = scan_features(store, start=start)
     newest = store.collect(day.select(pl.col("ts").max()), FEATURES_DATASET, start).item()
     rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, start)
-    return _sorted_column_by_column(rows, ["ts", GPU])
-
-
-def _sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
-    """`frame.sort(by)`, gathering one column at a time and letting go of each source column as
-    it goes: sorting the 3-day held-out window of the paper fleet (4 GB) whole peaked at 12 GB
-    and took 12.7 s; this way 4.9 GB and 8.8 s. Each column is put in one piece first (a frame
-    read from many files is in many, and gathering from those was several times slower). A
-    narrow frame (the label keys of 20M rows) sorts faster whole: 5.0 s against 5.6 s."""
-    if frame.width <= 8:
-        return frame.sort(by)
-    # (pl.arg_sort_by on two columns took 100 s for 20M keys where sorting them took 4 s.)
-    order = frame.select(by).with_row_index("_row").sort(by)["_row"]
-    return pl.DataFrame([frame.drop_in_place(name).rechunk().gather(order) for name in list(frame.columns)])
+    return on_demand.sorted_column_by_column(rows, ["ts", GPU])
 
 
 # -- the rows a retrain fits on ---------------------------------------------------------------

@@ -240,9 +240,9 @@ class _Job:
         if step in ("evaluate", "register", "gate") and self.state["steps"].get("train", {}).get("skipped"):
             return {"skipped": True, "reason": "no model was trained"}
         result: dict[str, Any] = getattr(self, f"_{step}")()
-        # Rows read for later steps are let go after their last reader: the held-out window
-        # (4 GB on the paper fleet, computed on demand) held while scoring computes the newest
-        # hour was the night's peak.
+        # Rows read for later steps are let go after their last reader: otherwise the held-out
+        # window (4 GB on the paper fleet, computed on demand) is held while scoring computes
+        # the newest hour.
         for held, last_reader in _HELD_UNTIL.items():
             if step == last_reader:
                 setattr(self, held, None)
