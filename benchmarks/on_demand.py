@@ -86,9 +86,12 @@ def bench_on_demand(data: str) -> dict[str, float]:
     return figures
 
 
+# `import gpufail` first, as every `gpufail` command (the server's included) starts: it sets the
+# allocator polars runs with (`gpufail.polars_allocator_settings`).
 _NEWEST_CHILD = """
 import resource, sys, time
 began = time.perf_counter()
+import gpufail
 from features.dataset import read_newest_grid_time
 from ingest.store import Store
 rows = read_newest_grid_time(Store.open(sys.argv[1]))
