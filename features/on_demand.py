@@ -351,6 +351,9 @@ def _shards_of(
     (`_node_shards`; the whole fleet at once when there is one)."""
     start, end = block
     count = max(1, shards[SHARD].n_unique()) if shards.height else 1
+    # The reader filters on the node's name; only where a name is a node in two clusters does a
+    # shard need the exact (cluster, node) join after it, a copy of all its buckets.
+    names_unique = shards["node"].n_unique() == shards.height
     for shard in range(count):
         where = None
         nodes = None
@@ -358,7 +361,7 @@ def _shards_of(
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
         hourly = read_buckets(store, start - back, end, columns=columns, where=where)
-        if nodes is not None:
+        if nodes is not None and not names_unique:
             hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
         if hourly.height:
             yield hourly

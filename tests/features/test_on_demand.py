@@ -399,3 +399,31 @@ def test_a_frame_of_many_pieces_sorted_column_by_column_equals_it_sorted_whole(w
     assert whole.n_chunks() == 4
     expected = whole.sort("ts", "gpu_uuid")
     assert sorted_column_by_column(whole.clone(), ["ts", "gpu_uuid"]).equals(expected)
+
+
+def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp_path):
+    from tests.synthetic import synthetic_telemetry
+
+    start = datetime(2026, 1, 5, tzinfo=UTC)
+    telemetry = synthetic_telemetry(12, 72, interval=timedelta(minutes=15), gpus_per_node=3, start=start, seed=5)
+    # GPUs 6-11 (node00002, node00003) move to cluster c1 as node00000 and node00001: two pairs
+    # of (cluster, node) share each node name.
+    moved = pl.col("gpu_uuid") >= "GPU-00000006"
+    telemetry = telemetry.with_columns(
+        pl.when(moved).then(pl.lit("c1")).otherwise(pl.col("cluster")).alias("cluster"),
+        pl.when(moved)
+        .then(pl.col("node").str.replace("node00002", "node00000").str.replace("node00003", "node00001"))
+        .otherwise(pl.col("node"))
+        .alias("node"),
+    )
+    store = Store.create(str(tmp_path / "data"))
+    store.write("telemetry", telemetry.to_arrow())
+    build_aggregates(store)
+    assert read_buckets(store, start - timedelta(days=1), start + timedelta(days=4)).select(
+        "cluster", "node"
+    ).unique().height == 4
+    whole = features_on_demand(store)
+    # A shard a node: each (cluster, node) alone, though its name is also another shard's.
+    sharded = features_on_demand(store, options=OnDemandOptions(max_buckets_in_memory=1, rows_per_part=50))
+    assert whole.height and whole["gpu_uuid"].n_unique() == 12
+    assert sharded.equals(whole)
