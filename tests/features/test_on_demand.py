@@ -419,9 +419,13 @@ def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp
     store = Store.create(str(tmp_path / "data"))
     store.write("telemetry", telemetry.to_arrow())
     build_aggregates(store)
-    assert read_buckets(store, start - timedelta(days=1), start + timedelta(days=4)).select(
-        "cluster", "node"
-    ).unique().height == 4
+    assert (
+        read_buckets(store, start - timedelta(days=1), start + timedelta(days=4))
+        .select("cluster", "node")
+        .unique()
+        .height
+        == 4
+    )
     whole = features_on_demand(store)
     # A shard a node: each (cluster, node) alone, though its name is also another shard's.
     sharded = features_on_demand(store, options=OnDemandOptions(max_buckets_in_memory=1, rows_per_part=50))
