@@ -5,12 +5,11 @@ telemetry, so that both aggregate it exactly alike."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from itertools import pairwise
 
-import numpy as np
 import polars as pl
 
 from features.labels import GPU
+from features.runs import gpu_slices
 from features.schema import TS_DTYPE
 from features.windows import RUN, grid_floor, hourly_aggregate, sorted_by_gpu_and_time
 
@@ -43,9 +42,8 @@ class BucketStream:
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         carried = [f for f in (self.context, self.held) if f is not None and f.height]
         before = pl.concat([f.select(raw.columns) for f in carried], how="vertical_relaxed") if carried else None
-        raw = sorted_by_gpu_and_time(raw)  # usually a check: a day file holds its rows GPU by GPU
-        shards = _shards(raw[RUN], self.shard_rows)
-        raw = raw.drop(RUN)
+        raw = sorted_by_gpu_and_time(raw).drop(RUN)  # usually a check: a day file holds its rows GPU by GPU
+        shards = gpu_slices(raw[GPU], self.shard_rows) if raw.height else []
         silent = None if before is None else before.join(raw.select(GPU).unique(), on=GPU, how="anti")
         later = pl.col("ts") > pl.lit(cut, dtype=TS_DTYPE)
         # Each GPU's last sample up to the cut: rows are in time order within a GPU.
@@ -86,18 +84,3 @@ class BucketStream:
         if not buckets:
             return hourly_aggregate(raw.clear(), self.grid, max_gap=self.max_gap)
         return pl.concat(buckets, how="vertical_relaxed") if len(buckets) > 1 else buckets[0]
-
-
-def _shards(run: pl.Series, shard_rows: int) -> list[tuple[int, int]]:
-    """(offset, length) of consecutive row ranges of whole runs (`run`: a run id per row, in
-    order), each of about `shard_rows` rows (a run longer than that is one range)."""
-    n = len(run)
-    if n == 0:
-        return []
-    starts = np.flatnonzero(np.diff(run.to_numpy()) != 0) + 1
-    bounds = [0]
-    for start in starts:
-        if start - bounds[-1] >= shard_rows:
-            bounds.append(int(start))
-    bounds.append(n)
-    return [(a, b - a) for a, b in pairwise(bounds)]

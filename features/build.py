@@ -17,6 +17,7 @@ import pyarrow as pa
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
 from features.labels import GPU, episodes_for, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
+from features.runs import gpu_slices
 from features.schema import (
     FEATURE_DTYPE,
     ID_COLUMNS,
@@ -261,7 +262,7 @@ def iter_features_from_buckets(
     # Kept rows before each grid row: where a part's rows start in `peers` and `facts`.
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
-    parts = [(0, narrow.height)] if whole else _gpu_slices(narrow[GPU], rows_per_part)
+    parts = [(0, narrow.height)] if whole else gpu_slices(narrow[GPU], rows_per_part)
     if len(parts) > 1:
         # Tagged once: filtering each part on its GPUs' names cost a string look-up per bucket per part.
         hourly = _tag_parts(hourly, narrow[GPU], parts)
@@ -318,7 +319,7 @@ def _assemble(
     """The feature frame of the kept rows of `dense` (whole GPUs): window and XID features in
     chunks of whole GPUs, beside the identity columns, the peer features and the labels."""
     pieces: list[pl.DataFrame] = []
-    for offset, length in _gpu_slices(dense[GPU], rows_per_chunk):
+    for offset, length in gpu_slices(dense[GPU], rows_per_chunk):
         part, part_keep = dense.slice(offset, length), keep.slice(offset, length)
         keys = part.select(GPU, "ts")
         wf = window_features(part, spec.grid, spec.windows, first_seen=first_seen, keep=part_keep, dtype=FEATURE_DTYPE)
@@ -355,19 +356,3 @@ def _assemble(
         *[pl.col(c).cast(FEATURE_DTYPE) for c in names],
         *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
     )  # sorted by (gpu_uuid, ts): the order of the dense grid
-
-
-def _gpu_slices(gpus: pl.Series, rows_per_chunk: int | None) -> list[tuple[int, int]]:
-    """(offset, length) slices of a column sorted by GPU: whole GPUs, about `rows_per_chunk`
-    rows each (a GPU with more rows is a slice of its own); one slice when None."""
-    if rows_per_chunk is None or gpus.len() <= rows_per_chunk:
-        return [(0, gpus.len())]
-    run_lengths = gpus.rle().struct.field("len").to_list()
-    slices, offset, length = [], 0, 0
-    for n in run_lengths:
-        if length and length + n > rows_per_chunk:
-            slices.append((offset, length))
-            offset, length = offset + length, 0
-        length += n
-    slices.append((offset, length))
-    return slices

@@ -196,3 +196,19 @@ def counter(s: pl.Series, ts_us: np.ndarray, gpu: np.ndarray, runs: Runs, max_ga
         "last": _series(s.name, last, pl.Int64, some).cast(s.dtype),
         "increase": _series(s.name, increase, pl.Int64, some),
     }
+
+
+def gpu_slices(gpus: pl.Series, rows_per_chunk: int | None) -> list[tuple[int, int]]:
+    """(offset, length) slices of a column sorted by GPU: whole GPUs, about `rows_per_chunk`
+    rows each (a GPU with more rows is a slice of its own); one slice when None."""
+    if rows_per_chunk is None or gpus.len() <= rows_per_chunk:
+        return [(0, gpus.len())]
+    run_lengths = gpus.rle().struct.field("len").to_list()
+    slices, offset, length = [], 0, 0
+    for n in run_lengths:
+        if length and length + n > rows_per_chunk:
+            slices.append((offset, length))
+            offset, length = offset + length, 0
+        length += n
+    slices.append((offset, length))
+    return slices
