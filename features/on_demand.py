@@ -39,7 +39,7 @@ from features.peers import PEER_METRICS, model_column, model_medians
 from features.plan import ONE_DAY, FleetFacts, day_start, fleet_facts, lookback
 from features.sample_key import SAMPLE_KEY, key_threshold, sample_keys
 from features.schema import ID_COLUMNS, LABEL_COLUMNS, TS_DTYPE
-from features.shards import NODE, SHARD, shard_map
+from features.shards import NODE, SHARD, shard_count, shard_map
 from features.spec import FeatureSpec
 from features.windows import BUCKET_ID_COLUMNS, aggregated_metrics, grid_floor, grid_suffix
 from ingest.errors import InputError
@@ -350,9 +350,10 @@ def _shards_of(
     """The buckets (`columns`) of one time block and its lookback, shard by shard of `shards`
     (`_node_shards`; the whole fleet at once when there is one)."""
     start, end = block
-    count = max(1, shards[SHARD].n_unique()) if shards.height else 1
-    # The reader filters on the node's name; only where a name is a node in two clusters does a
-    # shard need the exact (cluster, node) join after it, a copy of all its buckets.
+    count = shard_count(shards)
+    # The reader filters on the node's name (a filter on (cluster, node) pairs was slower than
+    # the join); only where a name is a node in two clusters does a shard need the exact join
+    # after it, a copy of all its buckets.
     names_unique = shards["node"].n_unique() == shards.height
     for shard in range(count):
         where = None
@@ -380,7 +381,7 @@ def _block(
     shard by shard."""
     start, end = block
     shards = _node_shards(facts, spec, block, back, options.max_buckets_in_memory)
-    count = max(1, shards[SHARD].n_unique()) if shards.height else 1
+    count = shard_count(shards)
     medians = None
     if count > 1:
         # Every GPU's bucket means in the block: the fleet median per GPU model of each time.

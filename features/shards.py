@@ -72,6 +72,11 @@ def shard_map(presence: pl.DataFrame, *, gpu_buckets: int, max_buckets: int) -> 
     )
 
 
+def shard_count(shards: pl.DataFrame) -> int:
+    """How many shards a `shard_map` has (ids 0 .. count - 1; one for an empty map)."""
+    return max(1, shards[SHARD].n_unique()) if shards.height else 1
+
+
 class ShardedBuckets:
     """Grid buckets carried between the days of a store build, per shard of whole nodes
     (`shard_map`). With one shard they stay in memory; with more, each day's buckets of each
@@ -85,7 +90,7 @@ class ShardedBuckets:
 
     def __init__(self, shards: pl.DataFrame, *, scratch: str | None = None) -> None:
         self.shards = shards
-        self.count = max(1, shards[SHARD].n_unique()) if shards.height else 1  # ids 0 .. count - 1
+        self.count = shard_count(shards)
         self._memory: list[pl.DataFrame] = []
         # Per shard: (first ts, last ts, file) of each day's buckets.
         self._files: dict[int, list[tuple[datetime, datetime, Path]]] = {}
