@@ -49,26 +49,8 @@ class BucketStream:
         # Each GPU's last sample up to the cut: rows are in time order within a GPU.
         last_kept = ~later & ((pl.col(GPU) != pl.col(GPU).shift(-1)) | later.shift(-1)).fill_null(True)
         buckets, latest = [], []
-        # A shard at a time, and the GPUs silent this day last (their held rows still complete
-        # their first bucket): slicing the day's rows copies them, so only one shard's copies
-        # are alive at once.
-        for shard in [*shards, None]:
-            if shard is None:
-                if silent is None or silent.height == 0:
-                    continue
-                merged = silent
-            else:
-                part = raw.slice(*shard)
-                ahead = None if before is None else before.join(part.select(GPU).unique(), on=GPU, how="semi")
-                if ahead is not None and ahead.height:
-                    # The carried samples come before the part's rows in time, GPU by GPU, so a
-                    # stable sort on the GPU alone puts them in (gpu, ts) order: a sort and a
-                    # gather (sorting the rows on (gpu, ts) took 40% of aggregating a day).
-                    merged = pl.concat([ahead, part], how="vertical_relaxed", rechunk=True)
-                    del part
-                    merged = merged[merged.select(pl.arg_sort_by(pl.col(GPU).hash(), maintain_order=True)).to_series()]
-                else:
-                    merged = part.rechunk()
+
+        def aggregate(merged: pl.DataFrame) -> None:
             # In (gpu, ts) order from here on (a file out of order, or a hash collision, is sorted).
             merged = sorted_by_gpu_and_time(merged).drop(RUN)
             done = hourly_aggregate(merged, self.grid, max_gap=self.max_gap).filter(~later)
@@ -76,7 +58,14 @@ class BucketStream:
                 done = done.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the day before's buckets
             buckets.append(done)
             latest.append(merged.filter(last_kept))
-            del merged
+
+        # A shard at a time, then the GPUs silent this day (their held rows still complete their
+        # first bucket): slicing the day's rows copies them, so only one shard's copies are alive
+        # at once.
+        for offset, length in shards:
+            aggregate(_after_carried(raw, offset, length, before))
+        if silent is not None and silent.height:
+            aggregate(silent)
         self.held = raw.filter(later)
         recent = pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE)
         self.context = pl.concat(latest, how="vertical_relaxed").filter(recent) if latest else None
@@ -84,3 +73,18 @@ class BucketStream:
         if not buckets:
             return hourly_aggregate(raw.clear(), self.grid, max_gap=self.max_gap)
         return pl.concat(buckets, how="vertical_relaxed") if len(buckets) > 1 else buckets[0]
+
+
+def _after_carried(raw: pl.DataFrame, offset: int, length: int, before: pl.DataFrame | None) -> pl.DataFrame:
+    """The rows of `raw` from `offset` on (whole GPUs), after the samples carried from the day
+    before for their GPUs (`before`), in one piece, GPU by GPU."""
+    part = raw.slice(offset, length)
+    ahead = None if before is None else before.join(part.select(GPU).unique(), on=GPU, how="semi")
+    if ahead is None or ahead.height == 0:
+        return part.rechunk()
+    # The carried samples come before the part's rows in time, GPU by GPU, so a stable sort on
+    # the GPU alone puts them in (gpu, ts) order: a sort and a gather (sorting the rows on
+    # (gpu, ts) took 40% of aggregating a day).
+    merged = pl.concat([ahead, part], how="vertical_relaxed", rechunk=True)
+    del part
+    return merged[merged.select(pl.arg_sort_by(pl.col(GPU).hash(), maintain_order=True)).to_series()]
