@@ -30,7 +30,7 @@ from datetime import date, datetime, timedelta
 
 import polars as pl
 
-from features import facts_cache
+from features import facts_cache, newest_cache
 from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
 from features.build import iter_features_from_buckets
 from features.inputs import utc
@@ -281,8 +281,21 @@ def empty_on_demand(store: Store, spec: FeatureSpec | None = None) -> pl.DataFra
 def newest_on_demand(store: Store, *, spec: FeatureSpec | None = None) -> pl.DataFrame:
     """The rows of the newest grid time that has rows (what scoring the fleet now needs): the
     last grid time at or before the data end, or, when every GPU is out of service or silent
-    there, the one before (up to the longest lookback)."""
+    there, the one before (up to the longest lookback). Kept on disk for the next process that
+    asks while the store has not changed (`features.newest_cache`)."""
     recorded = spec or on_demand_spec(store)
+    key = newest_cache.rows_key(store, recorded, FACT_SOURCES)
+    cached = newest_cache.load_rows(store, key)
+    if cached is not None:
+        return cached
+    rows = _newest_computed(store, recorded, spec)
+    if rows.height:
+        newest_cache.save_rows(store, key, rows)
+    return rows
+
+
+def _newest_computed(store: Store, recorded: FeatureSpec, spec: FeatureSpec | None) -> pl.DataFrame:
+    """`newest_on_demand`'s rows, computed (`recorded`: the spec in use; `spec`: as asked)."""
     facts = stored_fleet_facts(store, recorded)
     if facts is None:
         return empty_on_demand(store, spec)

@@ -142,10 +142,10 @@ def test_a_write_killed_half_way_leaves_the_old_cache_and_no_visible_file(store,
         written.append(os.readlink(f"/proc/self/fd/{fd}"))
         raise KeyboardInterrupt  # the process stops between the bytes and the rename
 
-    monkeypatch.setattr(facts_cache.os, "fsync", killed)
+    monkeypatch.setattr(os, "fsync", killed)
     with pytest.raises(KeyboardInterrupt):
         facts_cache.save_facts(store, "another key", facts)
-    monkeypatch.setattr(facts_cache.os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "fsync", real_fsync)
     assert written and not os.path.exists(written[0])  # the temporary file is removed on the way out
     assert _cache_bytes(store) == before
     # A process killed outright leaves its temporary file: never read, removed by a later write.
@@ -193,7 +193,7 @@ def test_a_source_file_replaced_while_the_key_is_taken_leaves_the_facts_computed
             raise FileNotFoundError(2, "No such file or directory", path)
         return real(path)
 
-    monkeypatch.setattr(facts_cache.os.path, "getsize", replaced)
+    monkeypatch.setattr(os.path, "getsize", replaced)
     assert _key(store, spec) is None
     facts = stored_fleet_facts(store, spec)
     assert facts is not None and facts.presence.height > 0
