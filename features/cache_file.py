@@ -27,7 +27,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import polars as pl
 
@@ -46,6 +46,8 @@ class CacheFile:
     name: str
     magic: bytes
     version: int
+    compression: Literal["uncompressed", "lz4", "zstd"] = "uncompressed"
+    """Of the tables' Arrow IPC (large tables of floats: zstd, about 3.5x smaller, read as fast)."""
 
     def path(self, store: Store) -> str:
         return store.path("_cache", self.name)
@@ -91,7 +93,7 @@ class CacheFile:
             if frame is None:
                 continue
             buffer = io.BytesIO()
-            frame.write_ipc(buffer)
+            frame.write_ipc(buffer, compression=self.compression)
             body = buffer.getvalue()
             bodies.append(body)
             described.append({"name": name, "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()})

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from features import on_demand
 from features.aggregates import BUCKETS, has_aggregates
+from features.drawn_cache import drawn_rows_cached
 from features.labels import GPU
 from features.manifest import DATASET as FEATURES_DATASET
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold, sample_keys
@@ -278,7 +279,7 @@ def drawn_rows(store: Store, start: datetime, end: datetime, negative_fraction: 
     reader skips every file's second row group by its statistics, ~90% of the bytes; computed
     on demand, only those rows get features."""
     if computed(store):
-        return _on_demand(store, start, end, None, rows=on_demand.drawn(negative_fraction))
+        return drawn_rows_cached(store, start, end, negative_fraction)
     keep = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(negative_fraction)))
     rows = scan_features(store, start, end, where=keep)
     return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)

@@ -1,0 +1,199 @@
+"""The training draw's feature rows kept on disk a UTC day at a time, so that a retrain whose window
+moved on by a day (the nightly job) computes that day, not the whole window again
+(`features.dataset.drawn_rows` on a store with stored aggregates).
+
+A row's features are a function of the stored files its windows read, and of nothing that
+arrives later: the buckets of its day and of the lookback before it, the GPU presence up to its
+day (a GPU's first sample; which GPU an XID event without a uuid belongs to) and the XID events
+up to its day (`features.on_demand`: a row is the same to the bit whatever range computes it).
+Its label is not: a failure recorded later, a repair, the data moving past the horizon change
+it. So the labels, and which rows are drawn (every positive, the negatives below the key's
+threshold, in service and not silent), are computed every time from a few bucket columns
+(`labels_only`), and only the features come from the cache:
+
+- each day's file holds the features of the day's candidate rows, the rows whose stored key is
+  below the threshold and those positive when it was written: a superset of the rows drawn
+  while the labels do not turn a row of a higher key positive;
+- a day is computed again when its key changed (a bucket, presence or XID file it depends on,
+  the spec, the code: `day_key`), or when the draw wants a row the file lacks (a failure
+  recorded since made it positive);
+- the day holding the data's end is never kept: its rows change as the hour fills.
+
+Files are `DATA/_cache/drawn-<day>-<threshold>.bin`, each written and read as every cache file
+is (`features.cache_file`); the days more than `KEPT_DAYS` before the newest one kept are
+removed as new ones are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+from datetime import date, datetime, timedelta
+
+import polars as pl
+
+from features.aggregates import BUCKETS, PRESENCE
+from features.cache_file import CacheFile, files_digest
+from features.labels import GPU
+from features.newest_cache import code_digest
+from features.on_demand import (
+    OnDemandOptions,
+    RowFilter,
+    block_length,
+    drawn,
+    empty_on_demand,
+    features_on_demand,
+    on_demand_spec,
+    stored_fleet_facts,
+)
+from features.plan import ONE_DAY, day_start, lookback
+from features.sample_key import key_threshold, sample_keys
+from features.schema import LABEL_COLUMNS
+from features.spec import FeatureSpec
+from ingest.store import Store
+
+VERSION = 1
+KEPT_DAYS = 45
+"""Days kept before the newest day kept: a training window and its calibration slice (28 days by
+default) and room for a longer one."""
+XID_EVENTS = "xid_events"
+_MAGIC = b"gpufail drawn rows\n"
+_ROWS = "rows"
+_KEYS = ["ts", GPU]
+_NAME = re.compile(r"^drawn-(\d{4}-\d{2}-\d{2})-(\d+)\.bin$")
+_PARTITION = re.compile(r"/date=(\d{4}-\d{2}-\d{2})/")
+
+
+def day_file(day: date, threshold: int) -> CacheFile:
+    return CacheFile(f"drawn-{day.isoformat()}-{threshold}.bin", _MAGIC, VERSION, compression="zstd")
+
+
+def candidates(negative_fraction: float) -> RowFilter:
+    """The rows a day's file holds: those whose stored key is below the draw's threshold,
+    whatever their label, and the positives."""
+    threshold = key_threshold(negative_fraction)
+
+    def keep(rows: pl.DataFrame) -> pl.Series:
+        keys = pl.Series(sample_keys(rows[GPU], rows["ts"])).cast(pl.Int64)
+        return ((keys < threshold) | (rows["label"] == 1)).fill_null(False)
+
+    return keep
+
+
+def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fraction: float) -> pl.DataFrame:
+    """Every positive and the negatives drawn at `negative_fraction` by the stored key, with
+    start <= ts < end, sorted by (ts, gpu_uuid): the rows and values of
+    `features_on_demand(store, start, end, rows=drawn(negative_fraction))`, with the features of
+    the days whose file is current read from it."""
+    spec = on_demand_spec(store)
+    threshold = key_threshold(negative_fraction)
+    # The files first, before anything is read: rows computed after are of this state of the
+    # store or a later one (files only come and go forwards), never an earlier one.
+    listed = {dataset: store.files(dataset) for dataset in (BUCKETS, PRESENCE, XID_EVENTS)}
+    wanted = features_on_demand(store, start, end, spec=spec, rows=drawn(negative_fraction), labels_only=True)
+    facts = stored_fleet_facts(store, spec)
+    if wanted.height == 0 or facts is None:
+        return empty_on_demand(store, spec)
+    by_day = dict(_days_of(wanted.select(*_KEYS, *LABEL_COLUMNS)))
+    days = sorted(by_day)
+    newest_whole_day = day_start(facts.data_end).date()  # days before it are complete
+    parts: dict[date, pl.DataFrame] = {}
+    missing: list[date] = []
+    for day in days:
+        key = day_key(store, spec, listed, day, threshold) if day < newest_whole_day else None
+        cached = _rows_of(day_file(day, threshold).load(store, key))
+        if cached is not None and by_day[day].join(cached, on=_KEYS, how="anti").height == 0:
+            parts[day] = _with_labels(cached, by_day[day])
+        else:
+            missing.append(day)
+    # The missing days in runs of consecutive days, each in the time blocks a read of it would
+    # compute together (one lookback read per block), a block's rows held at once.
+    step = block_length(facts, spec, OnDemandOptions())
+    for block_start, block_end in _blocks(_runs(missing), step):
+        computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(negative_fraction))
+        for day, rows in _days_of(computed):
+            if day < newest_whole_day:
+                day_file(day, threshold).save(store, day_key(store, spec, listed, day, threshold), {}, {_ROWS: rows})
+            if day in by_day:
+                parts[day] = _with_labels(rows, by_day[day])
+    _prune(store)
+    return pl.concat([parts[day] for day in days if day in parts], how="vertical")
+
+
+def day_key(store: Store, spec: FeatureSpec, listed: dict[str, list[str]], day: date, threshold: int) -> str | None:
+    """What the features of `day`'s candidate rows are a function of: the bucket files of the day
+    and of its lookback, the presence and XID event files up to the day (`listed`: per dataset,
+    `Store.files`), the spec, the threshold and the code."""
+    first = day_start(datetime(day.year, day.month, day.day) - lookback(spec)).date()
+    files = {
+        BUCKETS: [p for p in listed[BUCKETS] if first <= _partition_day(p) <= day],
+        PRESENCE: [p for p in listed[PRESENCE] if _partition_day(p) <= day],
+        XID_EVENTS: [p for p in listed[XID_EVENTS] if _partition_day(p) <= day],
+    }
+    prefix = f"{VERSION}\n{code_digest()}\n{spec.fingerprint}\n{day.isoformat()}\n{threshold}\n"
+    return files_digest(store, files, prefix=prefix)
+
+
+def _partition_day(path: str) -> date:
+    match = _PARTITION.search(path)
+    if match is None:
+        raise ValueError(f"{path}: expected a file in a date=YYYY-MM-DD partition folder")
+    return date.fromisoformat(match[1])
+
+
+def _rows_of(cached: tuple[dict[str, object], dict[str, pl.DataFrame]] | None) -> pl.DataFrame | None:
+    return None if cached is None else cached[1].get(_ROWS)
+
+
+def _with_labels(rows: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:
+    """The `wanted` rows (keys and labels, sorted as `rows`) of `rows`, with `wanted`'s labels."""
+    return rows.drop(LABEL_COLUMNS).join(wanted, on=_KEYS, how="inner", maintain_order="left")
+
+
+def _runs(days: list[date]) -> Iterator[tuple[datetime, datetime]]:
+    """[start, end) of each run of consecutive `days` (sorted), computed together: a run reads
+    its lookback once, where a day at a time would read each day's."""
+    run: list[date] = []
+    for day in [*days, None]:
+        if run and (day is None or day != run[-1] + timedelta(days=1)):
+            first = day_start(datetime(run[0].year, run[0].month, run[0].day))
+            yield first, first + len(run) * ONE_DAY
+            run = []
+        if day is not None:
+            run.append(day)
+
+
+def _blocks(runs: Iterator[tuple[datetime, datetime]], step: timedelta) -> Iterator[tuple[datetime, datetime]]:
+    """Each run cut into blocks of `step` from its start."""
+    for start, end in runs:
+        while start < end:
+            yield start, min(end, start + step)
+            start += step
+
+
+def _days_of(frame: pl.DataFrame) -> Iterator[tuple[date, pl.DataFrame]]:
+    """`frame` (sorted by ts) a UTC day at a time, as slices of it (no copy)."""
+    if frame.height == 0:
+        return
+    days = frame["ts"].dt.date().rle()
+    offset = 0
+    for length, day in zip(days.struct.field("len").to_list(), days.struct.field("value").to_list(), strict=True):
+        yield day, frame.slice(offset, length)
+        offset += length
+
+
+def _prune(store: Store) -> None:
+    """Remove the day files more than `KEPT_DAYS` before the newest one (a window reads its own)."""
+    folder = store.path("_cache")
+    if not store.is_local or not os.path.isdir(folder):
+        return
+    kept = {name: date.fromisoformat(m[1]) for name in os.listdir(folder) if (m := _NAME.match(name))}
+    if not kept:
+        return
+    oldest = max(kept.values()) - timedelta(days=KEPT_DAYS)
+    for name, day in kept.items():
+        if day < oldest:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
