@@ -26,7 +26,7 @@ import polars as pl
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from features import on_demand
+from features import label_rows, on_demand
 from features.aggregates import BUCKETS, has_aggregates
 from features.drawn_cache import drawn_rows_cached
 from features.labels import GPU
@@ -79,6 +79,8 @@ def _on_demand(
     """`read_features`' rows computed on demand: `columns` (all but the key when None); the
     identity and label columns alone are computed without any feature."""
     names = None if columns is None else list(dict.fromkeys(["ts", GPU, *columns]))
+    if names is not None and set(names) <= set(label_rows.COLUMNS) and where is None and rows is None:
+        return label_rows.label_rows(store, start, end).select(names).with_columns(pl.col(GPU).cast(pl.String))
     labels_only = names is not None and set(names) <= {*ID_COLUMNS, *LABEL_COLUMNS} and where is None
     key = where is not None or (names is not None and SAMPLE_KEY in names)
     frame = on_demand.features_on_demand(store, start, end, rows=rows, sample_key=key, labels_only=labels_only)
@@ -265,7 +267,7 @@ def label_counts(store: Store, start: datetime, end: datetime) -> tuple[int, int
     if end <= start:
         return 0, 0
     if computed(store):
-        labels = _on_demand(store, start, end, ["label"])["label"]
+        labels = label_rows.label_rows(store, start, end)["label"]
         return int((labels == 0).sum()), int((labels == 1).sum())
     window = scan_features(store, start, end, ["label"])
     counts = store.collect(window.group_by("label").len(), FEATURES_DATASET, start, end)
@@ -283,6 +285,16 @@ def drawn_rows(store: Store, start: datetime, end: datetime, negative_fraction: 
     keep = (pl.col("label") == 1) | ((pl.col("label") == 0) & (pl.col(SAMPLE_KEY) < key_threshold(negative_fraction)))
     rows = scan_features(store, start, end, where=keep)
     return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)
+
+
+def labelled_rows(store: Store, start: datetime, end: datetime) -> pl.LazyFrame:
+    """Every row with a label (censored rows left out) with start <= ts < end, in `read_features`'
+    order, as a LazyFrame (the gate reads it a few grid times at a time). Computed on demand,
+    these are the draw at share 1 (`drawn_rows`), whose days are kept for the next read: the
+    nightly job's held-out window moves on by a day a night."""
+    if computed(store):
+        return drawn_rows_cached(store, start, end, 1.0).lazy()
+    return scan_features(store, start, end).filter(pl.col("label").is_not_null())
 
 
 def rows_at(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataFrame:

@@ -36,6 +36,7 @@ import polars as pl
 
 from features.aggregates import BUCKETS, PRESENCE
 from features.cache_file import CacheFile, files_digest
+from features.label_rows import label_rows
 from features.labels import GPU
 from features.newest_cache import code_digest
 from features.on_demand import (
@@ -59,6 +60,9 @@ KEPT_DAYS = 45
 """Days kept before the newest day kept: a training window and its calibration slice (28 days by
 default) and room for a longer one."""
 XID_EVENTS = "xid_events"
+MAX_ROWS_IN_MEMORY = 2_000_000
+"""Candidate rows computed at once (with their ~420 features, 3.4 GB): a block of the missing
+days has at most the days whose expected rows fit (a paper fleet's day at share 1: 750k)."""
 _MAGIC = b"gpufail drawn rows\n"
 _ROWS = "rows"
 _KEYS = ["ts", GPU]
@@ -92,11 +96,12 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     # The files first, before anything is read: rows computed after are of this state of the
     # store or a later one (files only come and go forwards), never an earlier one.
     listed = {dataset: store.files(dataset) for dataset in (BUCKETS, PRESENCE, XID_EVENTS)}
-    wanted = features_on_demand(store, start, end, spec=spec, rows=drawn(negative_fraction), labels_only=True)
+    labels = label_rows(store, start, end)
+    wanted = labels.filter(drawn(negative_fraction)(labels)).with_columns(pl.col(GPU).cast(pl.String))
     facts = stored_fleet_facts(store, spec)
     if wanted.height == 0 or facts is None:
         return empty_on_demand(store, spec)
-    by_day = dict(_days_of(wanted.select(*_KEYS, *LABEL_COLUMNS)))
+    by_day = dict(_days_of(wanted))
     days = sorted(by_day)
     newest_whole_day = day_start(facts.data_end).date()  # days before it are complete
     parts: dict[date, pl.DataFrame] = {}
@@ -109,8 +114,12 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
         else:
             missing.append(day)
     # The missing days in runs of consecutive days, each in the time blocks a read of it would
-    # compute together (one lookback read per block), a block's rows held at once.
-    step = block_length(facts, spec, OnDemandOptions())
+    # compute together (one lookback read per block), a block's rows held at once: fewer days
+    # when the draw keeps most rows (the held-out window's every labelled row).
+    gpus = max(1, facts.presence[GPU].n_unique())
+    rows_per_day = gpus * (ONE_DAY // spec.grid) * min(1.0, negative_fraction)
+    days_in_memory = max(1, int(MAX_ROWS_IN_MEMORY // rows_per_day))
+    step = min(block_length(facts, spec, OnDemandOptions()), days_in_memory * ONE_DAY)
     for block_start, block_end in _blocks(_runs(missing), step):
         computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(negative_fraction))
         for day, rows in _days_of(computed):

@@ -246,6 +246,11 @@ class _Job:
         for held, last_reader in _HELD_UNTIL.items():
             if step == last_reader:
                 setattr(self, held, None)
+        if step == "train":
+            # and the labels the retrain's reads shared (`features.label_rows`)
+            from features.label_rows import forget
+
+            forget(self.store)
         return result
 
     # -- failure -------------------------------------------------------------------------------
@@ -377,15 +382,12 @@ class _Job:
         """The labelled rows of the held-out window as a polars LazyFrame: the evaluation and the
         gate read it a few grid times at a time. Read whole, the paper fleet's 3-day window
         (2.3M rows x 420 columns) took the nightly job to 14 GB."""
-        import polars as pl
-
-        from features.dataset import scan_features
+        from features.dataset import labelled_rows
 
         if self._holdout is None:
             train = self.state["steps"]["train"]
             start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
-            rows = scan_features(self.store, start=start, end=end + timedelta(microseconds=1))
-            self._holdout = rows.filter(pl.col("label").is_not_null())
+            self._holdout = labelled_rows(self.store, start, end + timedelta(microseconds=1))
         return self._holdout
 
     # -- the steps -----------------------------------------------------------------------------

@@ -188,3 +188,20 @@ def test_labels_come_from_the_store_as_it_is_never_from_a_days_file(store, monke
     computed = ComputedDays(monkeypatch)
     assert drawn_rows_cached(store, start, end, SHARE).equals(expected)
     assert computed.days == []
+
+
+def test_the_held_out_windows_labelled_rows_are_the_draw_at_share_one_and_kept(store, monkeypatch):
+    from features.dataset import labelled_rows
+    from features.on_demand import labelled
+
+    start, end = _window(store, days=3)
+    start += timedelta(hours=7)  # a window of partial days, as the nightly job's is
+    on_demand._FACTS.clear()
+    expected = features_on_demand(store, start, end, rows=labelled())
+    assert expected.height > 0 and expected["label"].null_count() == 0
+    got = labelled_rows(store, start, end).collect()
+    assert got.equals(expected)
+    computed = ComputedDays(monkeypatch)
+    assert labelled_rows(store, start, end).collect().equals(expected)
+    assert computed.days == []
+    assert os.path.exists(day_file(start.date(), key_threshold(1.0)).path(store))
