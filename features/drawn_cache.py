@@ -12,8 +12,10 @@ threshold, in service and not silent), are computed every time from a few bucket
 (`labels_only`), and only the features come from the cache:
 
 - each day's file holds the features of the day's candidate rows, the rows whose stored key is
-  below the threshold and those positive when it was written: a superset of the rows drawn
-  while the labels do not turn a row of a higher key positive;
+  below the threshold of `stored_fraction` (the draw's share rounded up to a power of two, so
+  that the nightly share, which follows the label counts, finds the file of the night before)
+  and those positive when it was written: a superset of the rows drawn while the labels do not
+  turn a row of a higher key positive;
 - a day is computed again when its key changed (a bucket, presence or XID file it depends on,
   the spec, the code: `day_key`), or when the draw wants a row the file lacks (a failure
   recorded since made it positive);
@@ -27,6 +29,7 @@ removed as new ones are written.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -70,6 +73,16 @@ _NAME = re.compile(r"^drawn-(\d{4}-\d{2}-\d{2})-(\d+)\.bin$")
 _PARTITION = re.compile(r"/date=(\d{4}-\d{2}-\d{2})/")
 
 
+def stored_fraction(negative_fraction: float) -> float:
+    """The share of negatives a day's file holds for a draw at `negative_fraction`: the power of
+    two at or above it. A retrain's share follows the window's label counts (at most
+    `max_negatives_per_positive` negatives per positive: 2.5% one night, 2.8% the next on the
+    paper fleet), so files of the exact share would never be read again; these serve every
+    share up to twice smaller, for at most twice the rows."""
+    key_threshold(negative_fraction)  # refuses a share outside (0, 1]
+    return min(1.0, 2.0 ** math.ceil(math.log2(negative_fraction)))
+
+
 def day_file(day: date, threshold: int) -> CacheFile:
     return CacheFile(f"drawn-{day.isoformat()}-{threshold}.bin", _MAGIC, VERSION, compression="zstd")
 
@@ -92,7 +105,8 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     `features_on_demand(store, start, end, rows=drawn(negative_fraction))`, with the features of
     the days whose file is current read from it."""
     spec = on_demand_spec(store)
-    threshold = key_threshold(negative_fraction)
+    kept_fraction = stored_fraction(negative_fraction)
+    threshold = key_threshold(kept_fraction)
     # The files first, before anything is read: rows computed after are of this state of the
     # store or a later one (files only come and go forwards), never an earlier one.
     listed = {dataset: store.files(dataset) for dataset in (BUCKETS, PRESENCE, XID_EVENTS)}
@@ -117,11 +131,11 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     # compute together (one lookback read per block), a block's rows held at once: fewer days
     # when the draw keeps most rows (the held-out window's every labelled row).
     gpus = max(1, facts.presence[GPU].n_unique())
-    rows_per_day = gpus * (ONE_DAY // spec.grid) * min(1.0, negative_fraction)
+    rows_per_day = gpus * (ONE_DAY // spec.grid) * kept_fraction
     days_in_memory = max(1, int(MAX_ROWS_IN_MEMORY // rows_per_day))
     step = min(block_length(facts, spec, OnDemandOptions()), days_in_memory * ONE_DAY)
     for block_start, block_end in _blocks(_runs(missing), step):
-        computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(negative_fraction))
+        computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(kept_fraction))
         for day, rows in _days_of(computed):
             if day < newest_whole_day:
                 day_file(day, threshold).save(store, day_key(store, spec, listed, day, threshold), {}, {_ROWS: rows})

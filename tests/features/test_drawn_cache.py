@@ -72,9 +72,9 @@ def _window(store: Store, days: int = 7, moved: int = 0) -> tuple[datetime, date
     return end - timedelta(days=days), end
 
 
-def _in_full(store: Store, start: datetime, end: datetime) -> pl.DataFrame:
+def _in_full(store: Store, start: datetime, end: datetime, share: float = SHARE) -> pl.DataFrame:
     on_demand._FACTS.clear()
-    return features_on_demand(store, start, end, rows=drawn(SHARE))
+    return features_on_demand(store, start, end, rows=drawn(share))
 
 
 def test_a_read_again_takes_every_day_from_its_file_and_gives_the_same_bits(store, monkeypatch):
@@ -86,7 +86,7 @@ def test_a_read_again_takes_every_day_from_its_file_and_gives_the_same_bits(stor
     assert first.equals(expected) and first.schema == expected.schema
     days = sorted(set(expected["ts"].dt.date().to_list()))
     assert computed.days == days
-    threshold = key_threshold(SHARE)
+    threshold = key_threshold(drawn_cache.stored_fraction(SHARE))
     assert all(os.path.exists(day_file(day, threshold).path(store)) for day in days)
     on_demand._FACTS.clear()  # another process
     computed.days.clear()
@@ -147,7 +147,7 @@ def test_a_damaged_day_file_is_computed_again(store, monkeypatch):
     start, end = _window(store)
     expected = drawn_rows_cached(store, start, end, SHARE)
     day = start.date() + timedelta(days=1)
-    path = day_file(day, key_threshold(SHARE)).path(store)
+    path = day_file(day, key_threshold(drawn_cache.stored_fraction(SHARE))).path(store)
     with open(path, "r+b") as fh:
         fh.seek(-10, os.SEEK_END)
         fh.write(b"\xff" * 10)
@@ -177,7 +177,7 @@ def test_labels_come_from_the_store_as_it_is_never_from_a_days_file(store, monke
     # the day's current key: its features are current, its labels are not used.
     day = start.date() + timedelta(days=2)
     spec = on_demand.on_demand_spec(store)
-    threshold = key_threshold(SHARE)
+    threshold = key_threshold(drawn_cache.stored_fraction(SHARE))
     listed = {d: store.files(d) for d in (drawn_cache.BUCKETS, drawn_cache.PRESENCE, drawn_cache.XID_EVENTS)}
     key = drawn_cache.day_key(store, spec, listed, day, threshold)
     cached = day_file(day, threshold).load(store, key)
@@ -205,3 +205,16 @@ def test_the_held_out_windows_labelled_rows_are_the_draw_at_share_one_and_kept(s
     assert labelled_rows(store, start, end).collect().equals(expected)
     assert computed.days == []
     assert os.path.exists(day_file(start.date(), key_threshold(1.0)).path(store))
+
+
+def test_draws_at_nearby_shares_read_the_same_days(store, monkeypatch):
+    # The nightly share follows the label counts: 2.5% one night, 2.8% the next.
+    start, end = _window(store)
+    drawn_rows_cached(store, start, end, 0.025)
+    computed = ComputedDays(monkeypatch)
+    got = drawn_rows_cached(store, start, end, 0.028)
+    assert computed.days == []
+    assert got.equals(_in_full(store, start, end, 0.028))
+    assert drawn_cache.stored_fraction(0.1) == 0.125 and drawn_cache.stored_fraction(1.0) == 1.0
+    with pytest.raises(ValueError, match="negative_fraction"):
+        drawn_cache.stored_fraction(0.0)
