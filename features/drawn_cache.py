@@ -22,8 +22,9 @@ threshold, in service and not silent), are computed every time from a few bucket
 - the day holding the data's end is never kept: its rows change as the hour fills.
 
 Files are `DATA/_cache/drawn-<day>-<threshold>.bin`, each written and read as every cache file
-is (`features.cache_file`); the days more than `KEPT_DAYS` before the newest one kept are
-removed as new ones are written.
+is (`features.cache_file`); the days more than `KEPT_DAYS` before the newest one kept of their
+share (`KEPT_DAYS_OF_LARGE_SHARES` for the held-out window's) are removed as new ones are
+written.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ from ingest.store import Store
 
 VERSION = 1
 KEPT_DAYS = 45
-"""Days kept before the newest day kept: a training window and its calibration slice (28 days by
-default) and room for a longer one."""
+"""Days of a draw's files kept before the newest day kept: a training window and its calibration
+slice (28 days by default) and room for a longer one."""
+KEPT_DAYS_OF_LARGE_SHARES = 7
+"""Days kept of the files of shares above `LARGE_SHARE` (the nightly held-out window's every
+labelled row: ~400 MB a paper day, read for 3 days)."""
+LARGE_SHARE = 0.125
 XID_EVENTS = "xid_events"
 MAX_ROWS_IN_MEMORY = 2_000_000
 """Candidate rows computed at once (with their ~420 features, 3.4 GB): a block of the missing
@@ -208,15 +213,18 @@ def _days_of(frame: pl.DataFrame) -> Iterator[tuple[date, pl.DataFrame]]:
 
 
 def _prune(store: Store) -> None:
-    """Remove the day files more than `KEPT_DAYS` before the newest one (a window reads its own)."""
+    """Remove the day files more than `KEPT_DAYS` (`KEPT_DAYS_OF_LARGE_SHARES`) before the newest
+    day kept of their share (a window reads its own days)."""
     folder = store.path("_cache")
     if not store.is_local or not os.path.isdir(folder):
         return
-    kept = {name: date.fromisoformat(m[1]) for name in os.listdir(folder) if (m := _NAME.match(name))}
-    if not kept:
-        return
-    oldest = max(kept.values()) - timedelta(days=KEPT_DAYS)
-    for name, day in kept.items():
-        if day < oldest:
+    files = [(name, date.fromisoformat(m[1]), int(m[2])) for name in os.listdir(folder) if (m := _NAME.match(name))]
+    newest: dict[int, date] = {}
+    for _, day, threshold in files:
+        newest[threshold] = max(day, newest.get(threshold, day))
+    large = key_threshold(LARGE_SHARE)
+    for name, day, threshold in files:
+        kept_days = KEPT_DAYS_OF_LARGE_SHARES if threshold > large else KEPT_DAYS
+        if day < newest[threshold] - timedelta(days=kept_days):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, name))

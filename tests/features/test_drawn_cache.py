@@ -161,13 +161,19 @@ def test_days_long_before_the_newest_kept_are_removed(store):
     folder = store.path("_cache")
     os.makedirs(folder, exist_ok=True)
     newest = end.date() - timedelta(days=1)  # the newest day the read keeps
+    share = key_threshold(drawn_cache.stored_fraction(SHARE))
+    every_row = key_threshold(1.0)
     old, kept = newest - timedelta(days=KEPT_DAYS + 1), newest - timedelta(days=KEPT_DAYS)
-    for day in (old, kept):
-        with open(day_file(day, 1).path(store), "wb") as fh:
+    large_newest = newest - timedelta(days=20)  # a held-out window's days, of another night
+    large_old = large_newest - timedelta(days=drawn_cache.KEPT_DAYS_OF_LARGE_SHARES + 1)
+    large_kept = large_newest - timedelta(days=drawn_cache.KEPT_DAYS_OF_LARGE_SHARES)
+    planted = [(old, share), (kept, share), (large_newest, every_row), (large_old, every_row), (large_kept, every_row)]
+    for day, threshold in planted:
+        with open(day_file(day, threshold).path(store), "wb") as fh:
             fh.write(b"an old day")
     drawn_rows_cached(store, start, end, SHARE)
-    assert not os.path.exists(day_file(old, 1).path(store))
-    assert os.path.exists(day_file(kept, 1).path(store))
+    left = {(day, threshold) for day, threshold in planted if os.path.exists(day_file(day, threshold).path(store))}
+    assert left == {(kept, share), (large_newest, every_row), (large_kept, every_row)}
 
 
 def test_labels_come_from_the_store_as_it_is_never_from_a_days_file(store, monkeypatch):
