@@ -287,16 +287,6 @@ def drawn_rows(store: Store, start: datetime, end: datetime, negative_fraction: 
     return store.collect(rows, FEATURES_DATASET, start, end).sort(_KEYS)
 
 
-def labelled_rows(store: Store, start: datetime, end: datetime) -> pl.LazyFrame:
-    """Every row with a label (censored rows left out) with start <= ts < end, in `read_features`'
-    order, as a LazyFrame (the gate reads it a few grid times at a time). Computed on demand,
-    these are the draw at share 1 (`drawn_rows`), whose days are kept for the next read: the
-    nightly job's held-out window moves on by a day a night."""
-    if computed(store):
-        return drawn_rows_cached(store, start, end, 1.0).lazy()
-    return scan_features(store, start, end).filter(pl.col("label").is_not_null())
-
-
 def rows_at(store: Store, day_start: datetime, wanted: pl.DataFrame) -> pl.DataFrame:
     """The feature rows of one UTC day whose (ts, gpu_uuid) are in `wanted`. The day's files
     are scanned with the keys' hash as the filter, so the reader drops the other rows as it

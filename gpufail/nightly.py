@@ -382,12 +382,15 @@ class _Job:
         """The labelled rows of the held-out window as a polars LazyFrame: the evaluation and the
         gate read it a few grid times at a time. Read whole, the paper fleet's 3-day window
         (2.3M rows x 420 columns) took the nightly job to 14 GB."""
-        from features.dataset import labelled_rows
+        import polars as pl
+
+        from features.dataset import scan_features
 
         if self._holdout is None:
             train = self.state["steps"]["train"]
             start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
-            self._holdout = labelled_rows(self.store, start, end + timedelta(microseconds=1))
+            rows = scan_features(self.store, start=start, end=end + timedelta(microseconds=1))
+            self._holdout = rows.filter(pl.col("label").is_not_null())
         return self._holdout
 
     # -- the steps -----------------------------------------------------------------------------

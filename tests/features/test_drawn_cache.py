@@ -156,24 +156,22 @@ def test_a_damaged_day_file_is_computed_again(store, monkeypatch):
     assert computed.days == [day]
 
 
-def test_days_long_before_the_newest_kept_are_removed(store):
+def test_days_long_before_the_newest_kept_of_their_share_are_removed(store):
     start, end = _window(store)
     folder = store.path("_cache")
     os.makedirs(folder, exist_ok=True)
     newest = end.date() - timedelta(days=1)  # the newest day the read keeps
     share = key_threshold(drawn_cache.stored_fraction(SHARE))
-    every_row = key_threshold(1.0)
+    other = key_threshold(0.03125)
     old, kept = newest - timedelta(days=KEPT_DAYS + 1), newest - timedelta(days=KEPT_DAYS)
-    large_newest = newest - timedelta(days=20)  # a held-out window's days, of another night
-    large_old = large_newest - timedelta(days=drawn_cache.KEPT_DAYS_OF_LARGE_SHARES + 1)
-    large_kept = large_newest - timedelta(days=drawn_cache.KEPT_DAYS_OF_LARGE_SHARES)
-    planted = [(old, share), (kept, share), (large_newest, every_row), (large_old, every_row), (large_kept, every_row)]
+    other_newest = newest - timedelta(days=30)  # another share's days, of another window
+    planted = [(old, share), (kept, share), (other_newest, other), (other_newest - timedelta(days=KEPT_DAYS), other)]
     for day, threshold in planted:
         with open(day_file(day, threshold).path(store), "wb") as fh:
             fh.write(b"an old day")
     drawn_rows_cached(store, start, end, SHARE)
     left = {(day, threshold) for day, threshold in planted if os.path.exists(day_file(day, threshold).path(store))}
-    assert left == {(kept, share), (large_newest, every_row), (large_kept, every_row)}
+    assert left == set(planted) - {(old, share)}
 
 
 def test_labels_come_from_the_store_as_it_is_never_from_a_days_file(store, monkeypatch):
@@ -196,21 +194,15 @@ def test_labels_come_from_the_store_as_it_is_never_from_a_days_file(store, monke
     assert computed.days == []
 
 
-def test_the_held_out_windows_labelled_rows_are_the_draw_at_share_one_and_kept(store, monkeypatch):
-    from features.dataset import labelled_rows
+def test_draws_of_large_shares_are_computed_not_kept(store, monkeypatch):
     from features.on_demand import labelled
 
     start, end = _window(store, days=3)
-    start += timedelta(hours=7)  # a window of partial days, as the nightly job's is
-    on_demand._FACTS.clear()
-    expected = features_on_demand(store, start, end, rows=labelled())
-    assert expected.height > 0 and expected["label"].null_count() == 0
-    got = labelled_rows(store, start, end).collect()
-    assert got.equals(expected)
-    computed = ComputedDays(monkeypatch)
-    assert labelled_rows(store, start, end).collect().equals(expected)
-    assert computed.days == []
-    assert os.path.exists(day_file(start.date(), key_threshold(1.0)).path(store))
+    start += timedelta(hours=7)
+    # Every labelled row: the draw at share 1.
+    assert drawn_rows_cached(store, start, end, 1.0).equals(_in_full(store, start, end, 1.0))
+    assert _in_full(store, start, end, 1.0).equals(features_on_demand(store, start, end, rows=labelled()))
+    assert not [name for name in os.listdir(store.path("_cache")) if name.startswith("drawn-")]
 
 
 def test_draws_at_nearby_shares_read_the_same_days(store, monkeypatch):
