@@ -5,7 +5,6 @@ again only when a file it depends on changed or the draw wants a row its file la
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import UTC, date, datetime, timedelta
 
 import polars as pl
@@ -18,9 +17,8 @@ from features.on_demand import drawn, features_on_demand, stored_fleet_facts
 from features.sample_key import key_threshold
 from features.schema import LABEL_COLUMNS
 from ingest.failure_events import event_frame, write_failure_events
-from ingest.simulator.run import simulate
 from ingest.store import Store
-from tests.cli import gpufail
+from tests.features.cached_stores import simulated_store, uncached_copy
 
 SHARE = 0.1
 
@@ -28,22 +26,12 @@ SHARE = 0.1
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> str:
     """Ten days of telemetry, the aggregates of the first nine built."""
-    root = tmp_path_factory.mktemp("drawn") / "data"
-    simulate(root, "demo", seed=5, progress=False, nodes=4, days=10, sample_interval_s=900, acceleration=80.0)
-    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
-    store = Store.open(str(root))
-    last_day = store.dates("telemetry")[-1]
-    build_aggregates(store, end=datetime.combine(last_day, datetime.min.time(), tzinfo=UTC))
-    return str(root)
+    return simulated_store(tmp_path_factory.mktemp("drawn") / "data", seed=5, nodes=4, days=10, last_day_built=False)
 
 
 @pytest.fixture
 def store(simulated, tmp_path) -> Store:
-    """A copy of the store with nothing cached, and a process that has read nothing."""
-    root = tmp_path / "data"
-    shutil.copytree(simulated, root, ignore=shutil.ignore_patterns("_cache"))
-    on_demand._FACTS.clear()
-    return Store.open(str(root))
+    return uncached_copy(simulated, tmp_path)
 
 
 class ComputedDays:

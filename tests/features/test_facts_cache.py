@@ -4,37 +4,26 @@ whole, and otherwise (stale, corrupt, half-written, unwritable) ignored and comp
 from __future__ import annotations
 
 import os
-import shutil
 from datetime import timedelta
 
 import pytest
 
 from features import facts_cache, on_demand
-from features.aggregates import build_aggregates
 from features.on_demand import FACT_SOURCES, features_on_demand, on_demand_spec, stored_fleet_facts
 from features.plan import FleetFacts
 from ingest.failure_events import event_frame, write_failure_events
-from ingest.simulator.run import simulate
 from ingest.store import Store
-from tests.cli import gpufail
+from tests.features.cached_stores import simulated_store, uncached_copy
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("facts") / "data"
-    simulate(root, "demo", seed=3, progress=False, nodes=2, days=4, sample_interval_s=900, acceleration=80.0)
-    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
-    build_aggregates(Store.open(str(root)))
-    return str(root)
+    return simulated_store(tmp_path_factory.mktemp("facts") / "data", seed=3, nodes=2, days=4)
 
 
 @pytest.fixture
 def store(built, tmp_path) -> Store:
-    """A copy of the built store with nothing cached, and a process that has read nothing."""
-    root = tmp_path / "data"
-    shutil.copytree(built, root, ignore=shutil.ignore_patterns("_cache"))
-    on_demand._FACTS.clear()
-    return Store.open(str(root))
+    return uncached_copy(built, tmp_path)
 
 
 def _computed_fleet_facts_forbidden(monkeypatch) -> None:

@@ -4,39 +4,29 @@ computed again when the store changed."""
 
 from __future__ import annotations
 
-import shutil
 from datetime import timedelta
 
 import polars as pl
 import pytest
 
 from features import label_rows, on_demand
-from features.aggregates import build_aggregates
 from features.dataset import label_counts, read_features
 from features.labels import GPU
 from features.on_demand import features_on_demand, stored_fleet_facts
 from features.schema import LABEL_COLUMNS
 from ingest.failure_events import event_frame, write_failure_events
-from ingest.simulator.run import simulate
 from ingest.store import Store
-from tests.cli import gpufail
+from tests.features.cached_stores import simulated_store, uncached_copy
 
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("labels") / "data"
-    simulate(root, "demo", seed=5, progress=False, nodes=4, days=8, sample_interval_s=900, acceleration=80.0)
-    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
-    build_aggregates(Store.open(str(root)))
-    return str(root)
+    return simulated_store(tmp_path_factory.mktemp("labels") / "data", seed=5, nodes=4, days=8)
 
 
 @pytest.fixture
 def store(simulated, tmp_path) -> Store:
-    root = tmp_path / "data"
-    shutil.copytree(simulated, root, ignore=shutil.ignore_patterns("_cache"))
-    on_demand._FACTS.clear()
-    return Store.open(str(root))
+    return uncached_copy(simulated, tmp_path)
 
 
 def _computed(store: Store, start, end) -> pl.DataFrame:

@@ -5,8 +5,7 @@ day of aggregates, a new failure event, other code, a damaged or unwritable file
 from __future__ import annotations
 
 import os
-import shutil
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import polars as pl
 import pytest
@@ -15,30 +14,19 @@ from features import newest_cache, on_demand
 from features.aggregates import BUCKETS, build_aggregates
 from features.on_demand import FACT_SOURCES, features_on_demand, newest_on_demand, on_demand_spec
 from ingest.failure_events import event_frame, write_failure_events
-from ingest.simulator.run import simulate
 from ingest.store import Store
-from tests.cli import gpufail
+from tests.features.cached_stores import simulated_store, uncached_copy
 
 
 @pytest.fixture(scope="module")
 def simulated(tmp_path_factory) -> str:
     """Four days of telemetry, the aggregates of the first three built."""
-    root = tmp_path_factory.mktemp("newest") / "data"
-    simulate(root, "demo", seed=5, progress=False, nodes=2, days=4, sample_interval_s=900, acceleration=80.0)
-    assert gpufail("ingest", "kernel-log", "--data", str(root)).returncode == 0
-    store = Store.open(str(root))
-    last_day = store.dates("telemetry")[-1]
-    build_aggregates(store, end=datetime.combine(last_day, datetime.min.time(), tzinfo=UTC))
-    return str(root)
+    return simulated_store(tmp_path_factory.mktemp("newest") / "data", seed=5, nodes=2, days=4, last_day_built=False)
 
 
 @pytest.fixture
 def store(simulated, tmp_path) -> Store:
-    """A copy of the store with nothing cached, and a process that has read nothing."""
-    root = tmp_path / "data"
-    shutil.copytree(simulated, root, ignore=shutil.ignore_patterns("_cache"))
-    on_demand._FACTS.clear()
-    return Store.open(str(root))
+    return uncached_copy(simulated, tmp_path)
 
 
 class Computations:
