@@ -7,8 +7,8 @@ rows its draw keeps (`features.drawn_cache`), and the same again for the calibra
 Each read is a pass over the range's buckets (17.8 s for 21 days of the paper fleet), and the
 labels do not depend on the range asked (`features.on_demand`: a row is the same in every
 query), so the last range computed is kept, with only the columns these readers use
-(`gpu_uuid` as a categorical: about 20 bytes a row, 300 MB for those 21 days), and a range
-within it is a slice of it. It is kept for the state of the store it was computed from (the
+(`gpu_uuid` as a categorical: about 20 bytes a row), and a range within it is a slice of it.
+It is kept for the state of the store it was computed from (the
 names and sizes of the bucket and fact files): any new file computes it again.
 """
 
