@@ -194,7 +194,7 @@ def test_draws_of_large_shares_are_computed_not_kept(store, monkeypatch):
 
 
 def test_draws_at_nearby_shares_read_the_same_days(store, monkeypatch):
-    # The nightly share follows the label counts: 2.5% one night, 2.8% the next.
+    # A retrain's share follows its window's label counts (2.46% and 2.78% on the paper fleet).
     start, end = _window(store)
     drawn_rows_cached(store, start, end, 0.025)
     computed = ComputedDays(monkeypatch)
