@@ -44,17 +44,19 @@ from features.label_rows import label_rows
 from features.labels import GPU
 from features.newest_cache import code_digest
 from features.on_demand import (
+    XID_EVENTS,
     OnDemandOptions,
     RowFilter,
     block_length,
     drawn,
     empty_on_demand,
     features_on_demand,
+    key_below,
     on_demand_spec,
     stored_fleet_facts,
 )
 from features.plan import ONE_DAY, day_start, lookback
-from features.sample_key import key_threshold, sample_keys
+from features.sample_key import key_threshold
 from features.schema import LABEL_COLUMNS
 from features.spec import FeatureSpec
 from ingest.store import Store
@@ -67,7 +69,6 @@ LARGEST_SHARE_KEPT = 0.125
 """Draws of a larger share of the negatives are computed, not kept: at share 1 (every labelled
 row, the nightly held-out window's) a paper day is 333 MB of file, and computing, writing and
 joining whole days took the read of 3 days to 132 s and 13.7 GB, against 110 s and 9.4 GB."""
-XID_EVENTS = "xid_events"
 _MAGIC = b"gpufail drawn rows\n"
 _ROWS = "rows"
 _KEYS = ["ts", GPU]
@@ -96,8 +97,7 @@ def candidates(negative_fraction: float) -> RowFilter:
     threshold = key_threshold(negative_fraction)
 
     def keep(rows: pl.DataFrame) -> pl.Series:
-        keys = pl.Series(sample_keys(rows[GPU], rows["ts"])).cast(pl.Int64)
-        return ((keys < threshold) | (rows["label"] == 1)).fill_null(False)
+        return (key_below(rows, threshold) | (rows["label"] == 1)).fill_null(False)
 
     return keep
 
@@ -125,9 +125,10 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     newest_whole_day = day_start(facts.data_end).date()  # days before it are complete
     parts: dict[date, pl.DataFrame] = {}
     missing: list[date] = []
+    # None for the day holding the data's end: never kept (`CacheFile` neither reads nor writes it).
+    keys = {day: day_key(store, spec, listed, day, threshold) if day < newest_whole_day else None for day in days}
     for day in days:
-        key = day_key(store, spec, listed, day, threshold) if day < newest_whole_day else None
-        cached = _rows_of(day_file(day, threshold).load(store, key))
+        cached = _rows_of(day_file(day, threshold).load(store, keys[day]))
         if cached is not None and by_day[day].join(cached, on=_KEYS, how="anti").height == 0:
             parts[day] = _with_labels(cached, by_day[day])
         else:
@@ -138,10 +139,8 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     for block_start, block_end in _blocks(_runs(missing), step):
         computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(kept_fraction))
         for day, rows in _days_of(computed):
-            if day < newest_whole_day:
-                day_file(day, threshold).save(store, day_key(store, spec, listed, day, threshold), {}, {_ROWS: rows})
-            if day in by_day:
-                parts[day] = _with_labels(rows, by_day[day])
+            day_file(day, threshold).save(store, keys[day], {}, {_ROWS: rows})
+            parts[day] = _with_labels(rows, by_day[day])
     _prune(store)
     return pl.concat([parts[day] for day in days if day in parts], how="vertical")
 

@@ -75,11 +75,15 @@ def drawn(negative_fraction: float) -> RowFilter:
     threshold = key_threshold(negative_fraction)
 
     def keep(rows: pl.DataFrame) -> pl.Series:
-        keys = pl.Series(sample_keys(rows[GPU], rows["ts"])).cast(pl.Int64)
         label = rows["label"]
-        return ((label == 1) | ((label == 0) & (keys < threshold))).fill_null(False)
+        return ((label == 1) | ((label == 0) & key_below(rows, threshold))).fill_null(False)
 
     return keep
+
+
+def key_below(rows: pl.DataFrame, threshold: int) -> pl.Series:
+    """Whether each row's stored training key (`features.sample_key`) is below `threshold`."""
+    return pl.Series(sample_keys(rows[GPU], rows["ts"])).cast(pl.Int64) < threshold
 
 
 def labelled() -> RowFilter:
@@ -100,7 +104,8 @@ def at_keys(wanted: pl.DataFrame) -> RowFilter:
 
 # -- fleet facts, once per state of the small datasets ---------------------------------------
 
-FACT_SOURCES = (PRESENCE, "xid_events", "repairs", "failure_events")
+XID_EVENTS = "xid_events"
+FACT_SOURCES = (PRESENCE, XID_EVENTS, "repairs", "failure_events")
 """The datasets the fleet facts are computed from."""
 _FACTS: dict[tuple[object, ...], FleetFacts] = {}
 _FACTS_LOCK = threading.Lock()
