@@ -68,6 +68,11 @@ class CacheFile:
         except Exception:
             return None
 
+    def load_table(self, store: Store, key: str | None, name: str) -> pl.DataFrame | None:
+        """The cached table `name` of `key`; None when there is none (`load`)."""
+        cached = self.load(store, key)
+        return None if cached is None else cached[1].get(name)
+
     def save(
         self, store: Store, key: str | None, scalars: dict[str, Any], tables: dict[str, pl.DataFrame | None]
     ) -> bool:

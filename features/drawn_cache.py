@@ -128,7 +128,7 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     # None for the day holding the data's end: never kept (`CacheFile` neither reads nor writes it).
     keys = {day: day_key(store, spec, listed, day, threshold) if day < newest_whole_day else None for day in days}
     for day in days:
-        cached = _rows_of(day_file(day, threshold).load(store, keys[day]))
+        cached = day_file(day, threshold).load_table(store, keys[day], _ROWS)
         if cached is not None and by_day[day].join(cached, on=_KEYS, how="anti").height == 0:
             parts[day] = _with_labels(cached, by_day[day])
         else:
@@ -164,10 +164,6 @@ def _partition_day(path: str) -> date:
     if match is None:
         raise ValueError(f"{path}: expected a file in a date=YYYY-MM-DD partition folder")
     return date.fromisoformat(match[1])
-
-
-def _rows_of(cached: tuple[dict[str, object], dict[str, pl.DataFrame]] | None) -> pl.DataFrame | None:
-    return None if cached is None else cached[1].get(_ROWS)
 
 
 def _with_labels(rows: pl.DataFrame, wanted: pl.DataFrame) -> pl.DataFrame:

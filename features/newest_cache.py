@@ -62,8 +62,7 @@ def rows_key(store: Store, spec: FeatureSpec, fact_sources: tuple[str, ...]) -> 
 
 def load_rows(store: Store, key: str | None) -> pl.DataFrame | None:
     """The cached rows of `key`; None when there are none (`CacheFile.load`)."""
-    cached = ROWS_FILE.load(store, key)
-    return None if cached is None else cached[1].get(_ROWS)
+    return ROWS_FILE.load_table(store, key, _ROWS)
 
 
 def save_rows(store: Store, key: str | None, rows: pl.DataFrame) -> bool:
