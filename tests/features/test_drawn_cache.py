@@ -81,6 +81,15 @@ def test_a_read_again_takes_every_day_from_its_file_and_gives_the_same_bits(stor
     again = drawn_rows_cached(store, start, end, SHARE)
     assert computed.days == []
     assert again.equals(expected)
+    # and the draw a retrain reads (`features.dataset.drawn_rows`) is this one, from the files
+    from features.dataset import drawn_rows
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the draw was computed, not read from the day files")
+
+    monkeypatch.setattr(on_demand, "features_on_demand", refuse)
+    assert drawn_rows(store, start, end, SHARE).equals(expected)
+    assert computed.days == []
 
 
 def test_the_next_days_aggregates_compute_that_day_alone(store, monkeypatch):

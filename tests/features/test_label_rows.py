@@ -55,8 +55,9 @@ def test_a_range_within_the_kept_one_is_read_from_it(store, monkeypatch):
     part = label_rows.label_rows(store, inner_start, inner_end)
     monkeypatch.undo()
     assert part.with_columns(pl.col(GPU).cast(pl.String)).equals(_computed(store, inner_start, inner_end))
-    # and what the readers of label columns get from it
+    # and what the readers of label columns get from it (neither computes any row)
     monkeypatch.setattr(label_rows, "iter_features_on_demand", refuse)
+    monkeypatch.setattr(on_demand, "features_on_demand", refuse)
     keys = read_features(store, inner_start, inner_end, columns=["label"])
     negatives, positives = label_counts(store, inner_start, inner_end)
     monkeypatch.undo()
