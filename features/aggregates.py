@@ -15,6 +15,9 @@ days are kept, the spec is recorded):
   of its grid time. The bucket labelled t holds the samples in (t - grid, t], so a day's
   buckets come from that day's telemetry and the last sample before it (the baseline of a
   counter increase and of the sample spacing): they equal what the features build aggregates.
+  A day's file is in node order (cluster, node, gpu_uuid, ts), in row groups of
+  `BUCKET_ROW_GROUP_ROWS`: a reader of a shard of whole nodes (`features.on_demand` at a large
+  fleet's scale) decodes only the row groups whose node statistics overlap its nodes.
 - `bucket_presence`: `features.labels.gpu_presence` of each day's telemetry (where and when each
   GPU reported, per slot). The fleet facts (labels, lost GPUs, XID resolution) are computed
   from it and the small datasets, exactly as the features build computes them from telemetry.
@@ -52,6 +55,12 @@ MANIFEST = AGGREGATES_MANIFEST
 """The journal (and state, `_state/buckets.json`) that commits both datasets."""
 SCHEMA_VERSION = 1
 
+BUCKET_ROW_GROUP_ROWS = 65_536
+"""Rows per row group of a day's buckets: about 340 nodes of 8 GPUs. Smaller groups prune a
+shard's read more finely and cost more per-group overhead; at the paper fleet's size a shard
+holds thousands of nodes."""
+NODE_ORDER = ("cluster", "node", GPU, "ts")
+
 _METADATA = {b"gpufail.dataset": BUCKETS.encode(), b"gpufail.buckets_schema_version": str(SCHEMA_VERSION).encode()}
 
 
@@ -88,13 +97,22 @@ def _narrowed(buckets: pl.DataFrame) -> pl.DataFrame:
 _SAMPLED = ("max", "min", "last")
 
 
+def in_node_order(buckets: pl.DataFrame) -> pl.DataFrame:
+    """The buckets sorted by (cluster, node, gpu_uuid, ts), the columns of those it has."""
+    return buckets.sort([c for c in NODE_ORDER if c in buckets.columns])
+
+
 def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> list[str]:
-    """One day's files (hidden until the manifest commits them): its buckets and its presence."""
+    """One day's files (hidden until the manifest commits them): its buckets, in node order and
+    row groups of `BUCKET_ROW_GROUP_ROWS`, and its presence."""
     written = []
-    for dataset, frame in ((BUCKETS, _narrowed(buckets)), (PRESENCE, presence)):
+    for dataset, frame in ((BUCKETS, _narrowed(in_node_order(buckets))), (PRESENCE, presence)):
         if frame.height:
-            table = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
-            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_METADATA})
+            whole = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
+            whole = whole.replace_schema_metadata({**(whole.schema.metadata or {}), **_METADATA})
+            step = BUCKET_ROW_GROUP_ROWS if dataset == BUCKETS else whole.num_rows
+            # Each table of the sequence starts a row group of the file (`Store.write_owned`).
+            table = [whole.slice(i, step) for i in range(0, whole.num_rows, step)]
             schema = frame.schema
             floats = [c for c, dtype in schema.items() if dtype in (pl.Float32, pl.Float64)]
             written.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
@@ -101,3 +102,32 @@ def test_days_taken_in_shards_of_gpus_give_the_buckets_of_all_history_at_once(te
     assert streamed.height == at_once.height > 0
     assert_frame_equal(streamed, at_once, check_exact=False, rel_tol=1e-12, abs_tol=1e-9)
     assert stream.held is not None and stream.held.height  # the last hour's rows, for the next day
+
+
+def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_skip(
+    telemetry, clean, tmp_path, monkeypatch
+):
+    # A shard of whole nodes (`features.on_demand`) skips the row groups whose node statistics
+    # miss its nodes only if each file is in node order: a file in GPU order has every node in
+    # every row group.
+    monkeypatch.setattr(aggregates, "BUCKET_ROW_GROUP_ROWS", 40)
+    store = _store(tmp_path / "data", telemetry)
+    build_aggregates(store)
+    files = store.files(BUCKETS)
+    assert files
+    for path in files:
+        meta = pq.ParquetFile(path).metadata
+        assert meta.num_row_groups > 1, path
+        rows = pl.read_parquet(path)
+        assert rows.equals(aggregates.in_node_order(rows)), path
+        node = meta.schema.to_arrow_schema().get_field_index("node")
+        ranges = [
+            (meta.row_group(g).column(node).statistics.min, meta.row_group(g).column(node).statistics.max)
+            for g in range(meta.num_row_groups)
+        ]
+        assert all(earlier[1] <= later[0] for earlier, later in zip(ranges, ranges[1:])), ranges
+    assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
+    one_node = clean[0]["node"].min()
+    shard = read_buckets(store, *EVERYTHING, where=pl.col("node").is_in([one_node])).sort("gpu_uuid", "ts")
+    assert shard.height > 0
+    assert shard.equals(clean[0].filter(pl.col("node") == one_node))
