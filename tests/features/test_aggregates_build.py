@@ -5,6 +5,7 @@ before it committed and none after it."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -125,7 +126,7 @@ def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_
             (meta.row_group(g).column(node).statistics.min, meta.row_group(g).column(node).statistics.max)
             for g in range(meta.num_row_groups)
         ]
-        assert all(earlier[1] <= later[0] for earlier, later in zip(ranges, ranges[1:])), ranges
+        assert all(earlier[1] <= later[0] for earlier, later in pairwise(ranges)), ranges
     assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
     one_node = clean[0]["node"].min()
     shard = read_buckets(store, *EVERYTHING, where=pl.col("node").is_in([one_node])).sort("gpu_uuid", "ts")
