@@ -7,8 +7,11 @@ inputs `features.inputs`, a build over a store `features.plan` and its runners.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 from typing import Any
 
 import polars as pl
@@ -173,6 +176,7 @@ def iter_features_from_buckets(
     model_medians: pl.DataFrame | None = None,
     rows: Callable[[pl.DataFrame], pl.Series] | None = None,
     labels_only: bool = False,
+    part_threads: int = 1,
 ) -> Iterator[pl.DataFrame]:
     """The feature frame (`features.schema`) of the buckets' GPUs, in parts of whole GPUs, each
     a finished feature frame (sorted by (gpu_uuid, ts); at least one part, possibly empty).
@@ -195,7 +199,8 @@ def iter_features_from_buckets(
     candidate rows' gpu_uuid, ts, label and time_to_failure_h, it returns which to keep. The
     window features are then computed at those rows only. `labels_only`: one part of the
     emitted rows' identity columns and labels, without any feature (the buckets need only
-    gpu_uuid, ts, last_sample_ts and the identity columns)."""
+    gpu_uuid, ts, last_sample_ts and the identity columns). `part_threads`: parts computed at
+    once (`in_order`), each holding its wide columns."""
     spec = spec or FeatureSpec()
     grid, max_silence = spec.grid, spec.max_silence
     data_end = utc(data_end)
@@ -266,12 +271,12 @@ def iter_features_from_buckets(
     if len(parts) > 1:
         # Tagged once: filtering each part on its GPUs' names cost a string look-up per bucket per part.
         hourly = _tag_parts(hourly, narrow[GPU], parts)
-    produced = False
-    for i, (offset, length) in enumerate(parts):
+    # The parts with a kept row (the last one when none has: a part is always yielded).
+    computed = [i for i, (offset, length) in enumerate(parts) if keep.slice(offset, length).any()] or [len(parts) - 1]
+
+    def part_rows(i: int) -> pl.DataFrame:
+        offset, length = parts[i]
         part_keep = keep.slice(offset, length)
-        last_part = i == len(parts) - 1
-        if not part_keep.any() and (produced or not last_part):
-            continue
         if whole:
             part_dense = dense
         else:
@@ -279,7 +284,7 @@ def iter_features_from_buckets(
             part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
-        yield _assemble(
+        return _assemble(
             part_dense,
             part_keep,
             peers.slice(first, n_kept),
@@ -289,7 +294,35 @@ def iter_features_from_buckets(
             spec,
             rows_per_chunk=rows_per_chunk,
         )
-        produced = True
+
+    yield from in_order(part_rows, computed, threads=part_threads)
+
+
+def in_order(compute: Callable[[int], pl.DataFrame], items: Sequence[int], *, threads: int) -> Iterator[pl.DataFrame]:
+    """`compute(i)` of each item, yielded in the items' order, `threads` computed at once on
+    threads of their own (polars and the compiled kernels release the GIL; one part's Python
+    glue and single-threaded kernels leave a core idle). No more than `threads` results are
+    held before they are yielded, so memory grows with `threads` parts, not with all of them."""
+    if threads <= 1 or len(items) <= 1:
+        for i in items:
+            yield compute(i)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="features-part") as pool:
+        running: deque[Future[pl.DataFrame]] = deque()
+        upcoming = iter(items)
+        try:
+            for i in islice(upcoming, threads):
+                running.append(pool.submit(compute, i))
+            while running:
+                done = running.popleft().result()
+                following = next(upcoming, None)
+                if following is not None:
+                    running.append(pool.submit(compute, following))
+                yield done
+        finally:
+            # A reader that stops early (or an error) leaves no part being computed for nothing.
+            for future in running:
+                future.cancel()
 
 
 def _tag_parts(hourly: pl.DataFrame, grid_gpus: pl.Series, parts: Sequence[tuple[int, int]]) -> pl.DataFrame:

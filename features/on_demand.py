@@ -63,6 +63,9 @@ class OnDemandOptions:
     """Buckets (a block and its lookback) of one shard of whole nodes held at once."""
     rows_per_chunk: int = 250_000
     rows_per_part: int | None = 500_000
+    part_threads: int = 2
+    """Parts of whole GPUs computed at once, on threads (`features.build.in_order`); each holds
+    its wide columns."""
 
     def __post_init__(self) -> None:
         if self.block_days is not None and self.block_days < 1:
@@ -428,6 +431,7 @@ def _block(
             rows_per_part=options.rows_per_part,
             model_medians=medians,
             rows=rows,
+            part_threads=options.part_threads,
         ):
             if part.height:
                 yield part

@@ -374,3 +374,30 @@ def trailing_extremes(
         missing = state[w] == 0
         result.append(s.set(pl.Series(missing), None) if missing.any() else s)
     return result
+
+
+def _last_kernel(values, valid, rows, first, limit, out, found):  # type: ignore[no-untyped-def]
+    for r in range(rows.shape[0]):
+        found[r] = False
+        j = rows[r]
+        while j >= max(first[r], rows[r] - limit):
+            if valid[j]:
+                out[r] = values[j]
+                found[r] = True
+                break
+            j -= 1
+
+
+def trailing_last(values: pl.Series, kept: KeptRows, limit: int) -> pl.Series:
+    """At each kept row, the GPU's last non-null value of `values` among that row and the
+    `limit` rows before it (`forward_fill(limit).over(gpu)` read at the kept rows), as Float64;
+    null when there is none. Walking back from the kept rows only: the newest hour keeps one row
+    in 168, and the fill over every row of the frame cost more than the rest of its windows."""
+    floats = values.cast(pl.Float64)
+    valid = floats.is_not_null().to_numpy()
+    flat = floats.fill_null(0.0).to_numpy()
+    out = np.empty(len(kept), np.float64)
+    found = np.empty(len(kept), np.bool_)
+    compiled(_last_kernel)(flat, valid, kept.rows, kept.first, limit, out, found)
+    s = pl.Series(values.name, out, dtype=pl.Float64)
+    return s if found.all() else s.set(pl.Series(~found), None)

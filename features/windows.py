@@ -431,23 +431,17 @@ def window_features(
         if k_max > 1
         else pl.col(f"sample_interval_s{sfx}")
     )
-    if first_seen is not None:
-        # A lookup, not a join: the rolling expressions below depend on the row order.
-        first = pl.col(GPU).replace_strict(first_seen[GPU], first_seen["first_ts"], default=None, return_dtype=TS_DTYPE)
-    else:
-        first = pl.col("first_sample_ts").min().over(GID)
+    # The GPU's first sample: looked up at the kept rows only when given (a string look-up per
+    # row of the whole frame cost as much as a window statistic), else from the frame's buckets.
+    first_here = [] if first_seen is not None else [pl.col("first_sample_ts").min().over(GID).alias("_first")]
     # "Last" readings look back at most the longest window, so that every feature depends on a
     # bounded stretch of history (what lets the store build carry only that much).
     last_limit = max(k_max - 1, 0)
-    lasts = [
-        pl.col(f"{m}_last{sfx}").forward_fill(limit=last_limit).over(GID).cast(pl.Float64).alias(f"_last_{m}")
-        for m in (*kinds["gauge"], *kinds["counter"])
-    ]
     # Everything here needs the rows before a kept row; stage 2 only the row itself.
     frame = (
         dense.lazy()
         .with_columns(gpu_run_id())
-        .with_columns(interval.alias("_interval_s"), first.alias("_first"), *lasts, *sums.columns())
+        .with_columns(interval.alias("_interval_s"), *first_here, *sums.columns())
         .collect(engine=ENGINE)
     )
     kept = rolling.KeptRows(frame[GPU], keep, grid_steps(frame["ts"], grid))
@@ -466,14 +460,23 @@ def window_features(
     for g in kinds["gauge"]:
         extremes += [(f"{g}_mx", f"{g}_max{sfx}", "max"), (f"{g}_mn", f"{g}_min{sfx}", "min")]
     extremes += [(f"{f}_mx", f"{f}_max{sfx}", "max") for f in kinds["flag"]]
-    carried = [GPU, "ts", "last_sample_ts", "_interval_s", "_first"]
-    carried += [f"_last_{m}" for m in (*kinds["gauge"], *kinds["counter"])]
+    carried = [GPU, "ts", "last_sample_ts", "_interval_s", *(c for c in ("_first",) if c in frame.columns)]
+    lasts = [
+        rolling.trailing_last(frame[f"{m}_last{sfx}"], kept, last_limit).alias(f"_last_{m}")
+        for m in (*kinds["gauge"], *kinds["counter"])
+    ]
     lf = (
         kept_frame(frame, carried, keep)
-        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(frame, extremes, sizes, labels, kept))
+        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(frame, extremes, sizes, labels, kept), *lasts)
         .lazy()
     )
     del frame
+    if first_seen is not None:
+        lf = lf.with_columns(
+            pl.col(GPU)
+            .replace_strict(first_seen[GPU], first_seen["first_ts"], default=None, return_dtype=TS_DTYPE)
+            .alias("_first")
+        )
 
     # Stage 2: the features.
     out: list[pl.Expr] = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from datetime import timedelta
 
 import polars as pl
@@ -10,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features.build import build_features, empty_features, features_from_buckets, iter_features_from_buckets
+from features.build import build_features, empty_features, features_from_buckets, in_order, iter_features_from_buckets
 from features.dataset import feature_files, read_features, read_newest_grid_time, write_features
 from features.runner import BuildOptions, build_features_from_store
 from features.schema import (
@@ -236,13 +238,56 @@ def test_features_in_parts_of_whole_gpus_equal_the_whole_frame(fleet):
     gpus = [set(p["gpu_uuid"].unique()) for p in parts]
     assert sum(len(g) for g in gpus) == len(set().union(*gpus)) == whole["gpu_uuid"].n_unique()
     assert_frame_equal(pl.concat(parts), whole)
-    # An emitted range that keeps no row still yields one (empty) frame with every column.
-    none = list(
-        iter_features_from_buckets(
-            hourly, events, FeatureSpec(windows=WINDOWS), data_end=end, rows_per_part=100, emit_start=end + 48 * H
-        )
+    threaded = iter_features_from_buckets(
+        hourly, events, FeatureSpec(windows=WINDOWS), data_end=end, rows_per_part=100, part_threads=3
     )
-    assert len(none) == 1 and none[0].height == 0 and none[0].columns == whole.columns
+    assert_frame_equal(pl.concat(list(threaded)), whole)
+    # An emitted range that keeps no row still yields one (empty) frame with every column.
+    for threads in (1, 2):
+        none = list(
+            iter_features_from_buckets(
+                hourly,
+                events,
+                FeatureSpec(windows=WINDOWS),
+                data_end=end,
+                rows_per_part=100,
+                emit_start=end + 48 * H,
+                part_threads=threads,
+            )
+        )
+        assert len(none) == 1 and none[0].height == 0 and none[0].columns == whole.columns
+
+
+def test_parts_on_threads_come_in_order_computed_at_once_and_stop_with_their_reader():
+    started: list[int] = []
+    both_running = threading.Barrier(2, timeout=10)
+
+    def compute(i: int) -> pl.DataFrame:
+        started.append(i)
+        if i < 2:
+            both_running.wait()  # the first two are computed at once, or this times out
+        time.sleep(0.05 * (5 - i))  # later parts finish first
+        return pl.DataFrame({"part": [i]})
+
+    assert [f["part"].item() for f in in_order(compute, range(5), threads=2)] == list(range(5))
+
+    started.clear()
+    both_running.reset()
+    reader = in_order(compute, range(10), threads=2)
+    assert next(reader)["part"].item() == 0
+    reader.close()  # a reader that stops early: the parts not started are not computed
+    assert len(started) <= 3
+
+    def fails_on_the_third(i: int) -> pl.DataFrame:
+        if i == 2:
+            raise ValueError("part 2: a bad bucket")
+        return pl.DataFrame({"part": [i]})
+
+    got = []
+    with pytest.raises(ValueError, match="part 2"):
+        for frame in in_order(fails_on_the_third, range(5), threads=2):
+            got.append(frame["part"].item())
+    assert got == [0, 1]
 
 
 def test_a_failed_write_of_one_date_raises_and_leaves_the_other_dates_whole(tmp_path, fleet, monkeypatch):

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from features.rolling import KeptRows, gauge_moments, gpu_segments, trailing_extremes, trailing_sums
+from features.rolling import KeptRows, gauge_moments, gpu_segments, trailing_extremes, trailing_last, trailing_sums
 
 SIZES = [1, 3, 6, 24]
 
@@ -71,6 +71,19 @@ def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(se
         assert len(extremes) == len(expected)
         for g, e in zip(extremes.to_list(), expected, strict=True):
             assert (g is None and e is None) or (e is not None and math.isnan(e) and math.isnan(g)) or g == e
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("limit", [0, 3, 200])
+def test_trailing_last_is_the_gpus_forward_fill_within_the_limit_read_at_the_kept_rows(seed, limit):
+    gpus, values, keep = _frame(seed)
+    kept = KeptRows(gpus, keep)
+    got = trailing_last(values, kept, limit)
+    filled = pl.DataFrame({"gpu": gpus, "v": values}).select(pl.col("v").forward_fill(limit=limit).over("gpu"))
+    expected = filled["v"].filter(keep)
+    assert got.dtype == pl.Float64
+    assert got.is_null().sum() > 0  # some kept rows find no reading within the limit (or before them)
+    assert got.equals(expected)  # NaN is a reading, and kept to the bit
 
 
 def test_without_a_keep_mask_every_row_is_kept():
