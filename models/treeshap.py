@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ import numpy as np
 # Rows per block: the passes hold a few (nodes x rows x points) float64 arrays; 64 rows keep
 # them near 10 MB each on a 100-tree model while amortising the per-level numpy calls.
 _BLOCK_ROWS = 64
+_THREADS = min(4, os.cpu_count() or 1)
 
 _MISSING_NONE, _MISSING_ZERO, _MISSING_NAN = 0, 1, 2
 _LIGHTGBM_ZERO = 1e-35  # LightGBM's kZeroThreshold: |x| at or below it is "zero" for missing_type Zero
@@ -98,18 +101,31 @@ class TreeShap:
     credited: np.ndarray
     """... where each feature's run starts in that order, and which feature it is."""
 
-    def contributions(self, X: np.ndarray) -> np.ndarray:
+    def contributions(self, X: np.ndarray, *, threads: int = _THREADS) -> np.ndarray:
         """Shapley values (rows x features) of each feature for each row of `X` (the model's
-        input matrix, missing values as NaN), summed over the trees; without the bias."""
+        input matrix, missing values as NaN), summed over the trees; without the bias. Blocks
+        of rows are computed `threads` at a time: the passes are numpy operations on arrays of
+        millions of elements, which run outside the GIL, so a second core nearly doubles the
+        rate (a fleet's newest hour is tens of thousands of rows)."""
         X = np.asarray(X, dtype=np.float64)
         if X.ndim != 2 or X.shape[1] != self.n_features:
             raise ValueError(f"TreeShap: expected a matrix with {self.n_features} columns, got shape {X.shape}")
         out = np.empty((len(X), self.n_features))
-        for start in range(0, len(X), _BLOCK_ROWS):
-            block = X[start : start + _BLOCK_ROWS]
-            values = self._edge_values(block)[self.edge_order]
-            out[start : start + len(block)] = 0.0
-            out[start : start + len(block), self.credited] = np.add.reduceat(values, self.feature_starts, axis=0).T
+
+        def block(start: int) -> None:
+            rows = X[start : start + _BLOCK_ROWS]
+            values = self._edge_values(rows)[self.edge_order]
+            out[start : start + len(rows)] = 0.0
+            out[start : start + len(rows), self.credited] = np.add.reduceat(values, self.feature_starts, axis=0).T
+
+        starts = range(0, len(X), _BLOCK_ROWS)
+        if threads <= 1 or len(starts) <= 1:
+            for start in starts:
+                block(start)
+        else:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="treeshap") as pool:
+                for _ in pool.map(block, starts):  # each block writes its own rows of `out`
+                    pass
         return out
 
     def _goes_left(self, X: np.ndarray) -> np.ndarray:

@@ -33,6 +33,9 @@ def test_lightgbm_values_equal_pred_contrib(zero_as_missing):
     expected = clf.predict(X[:500], pred_contrib=True)
     got = tree_shap(clf).contributions(X[:500])
     np.testing.assert_allclose(got, expected[:, :-1], rtol=1e-9, atol=1e-12)
+    # Blocks of rows on threads: each block's values are the same arithmetic, to the bit.
+    assert np.array_equal(tree_shap(clf).contributions(X[:500], threads=1), got)
+    assert np.array_equal(tree_shap(clf).contributions(X[:500], threads=3), got)
     # A feature split again further down a path is credited once per path, as the library does.
     assert max(clf.booster_.dump_model()["tree_info"], key=lambda t: t["num_leaves"])["num_leaves"] > 20
 
