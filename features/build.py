@@ -160,6 +160,9 @@ def features_from_buckets(
     return pl.concat(list(iter_features_from_buckets(hourly, xid_events, spec, **options)), how="vertical")
 
 
+_SOURCE = "_bucket_row"
+
+
 def iter_features_from_buckets(
     hourly: pl.DataFrame,
     xid_events: pl.DataFrame | pa.Table,
@@ -231,8 +234,10 @@ def iter_features_from_buckets(
     else:
         sfx = grid_suffix(grid)
         wanted = {GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS, *(f"{m}_mean{sfx}" for m in PEER_METRICS)}
+        # Each grid row's bucket row (`_SOURCE`, null in an empty bucket): a part's wide grid is
+        # then its narrow rows and the other columns gathered by it (`_wide_part`).
         narrow = dense_grid(
-            hourly.select(c for c in hourly.columns if c in wanted),
+            hourly.select(c for c in hourly.columns if c in wanted).with_row_index(_SOURCE),
             grid,
             data_end=data_end,
             max_silence=max_silence,
@@ -268,20 +273,13 @@ def iter_features_from_buckets(
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
     parts = [(0, narrow.height)] if whole else gpu_slices(narrow[GPU], rows_per_part)
-    if len(parts) > 1:
-        # Tagged once: filtering each part on its GPUs' names cost a string look-up per bucket per part.
-        hourly = _tag_parts(hourly, narrow[GPU], parts)
     # The parts with a kept row (the last one when none has: a part is always yielded).
     computed = [i for i, (offset, length) in enumerate(parts) if keep.slice(offset, length).any()] or [len(parts) - 1]
 
     def part_rows(i: int) -> pl.DataFrame:
         offset, length = parts[i]
         part_keep = keep.slice(offset, length)
-        if whole:
-            part_dense = dense
-        else:
-            part_hourly = hourly if len(parts) == 1 else hourly.filter(pl.col("_part") == i).drop("_part")
-            part_dense = dense_grid(part_hourly, grid, data_end=data_end, max_silence=max_silence, starts=starts)
+        part_dense = dense if whole else _wide_part(hourly, narrow.slice(offset, length))
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
         return _assemble(
@@ -325,17 +323,16 @@ def in_order(compute: Callable[[int], pl.DataFrame], items: Sequence[int], *, th
                 future.cancel()
 
 
-def _tag_parts(hourly: pl.DataFrame, grid_gpus: pl.Series, parts: Sequence[tuple[int, int]]) -> pl.DataFrame:
-    """`hourly` with `_part`, the part of the grid its GPU is in (`grid_gpus` is the grid's GPU
-    column, `parts` its slices). Adding a column shares the others' memory, so a part's buckets
-    are then one integer filter away, and only one part is ever copied at a time."""
-    part_id = pl.concat(
-        [pl.repeat(i, length, dtype=pl.Int32, eager=True) for i, (_, length) in enumerate(parts)], how="vertical"
-    )
-    part_of = pl.DataFrame({GPU: grid_gpus, "_part": part_id}).unique(GPU, keep="first")
-    return hourly.with_columns(
-        pl.col(GPU).replace_strict(part_of[GPU], part_of["_part"], default=None, return_dtype=pl.Int32).alias("_part")
-    )
+def _wide_part(hourly: pl.DataFrame, narrow: pl.DataFrame) -> pl.DataFrame:
+    """The dense grid (`dense_grid`) of the buckets of the GPUs of `narrow`, a slice of whole
+    GPUs of the narrow grid: its rows and the columns it carries forward are the narrow grid's
+    (both depend on each GPU's own buckets alone), and every other bucket column is gathered by
+    the row each grid row came from, null in an empty bucket. Filtering the buckets of a part and
+    joining them to its grid again took most of a read of the newest hour."""
+    source = narrow[_SOURCE]
+    other = [c for c in hourly.columns if c not in narrow.columns]
+    gathered = hourly.select(other).select(pl.all().gather(source))  # one column per thread
+    return pl.concat([narrow.drop(_SOURCE), gathered], how="horizontal").select(hourly.columns)
 
 
 def _assemble(
