@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from itertools import islice
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -269,6 +270,12 @@ def iter_features_from_buckets(
         return
     peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
     facts = facts.filter(keep).drop("in_service")
+    if not whole and keep.any():
+        # A GPU without a kept row was needed above (its labels, the fleet's peers), not below:
+        # a day's 3% draw keeps a row of about half the GPUs.
+        with_kept = _gpus_with_a_kept_row(narrow[GPU], keep)
+        if not with_kept.all():
+            narrow, keep = narrow.filter(with_kept), keep.filter(with_kept)
     # Kept rows before each grid row: where a part's rows start in `peers` and `facts`.
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
@@ -321,6 +328,13 @@ def in_order(compute: Callable[[int], pl.DataFrame], items: Sequence[int], *, th
             # A reader that stops early (or an error) leaves no part being computed for nothing.
             for future in running:
                 future.cancel()
+
+
+def _gpus_with_a_kept_row(gpus: pl.Series, keep: pl.Series) -> pl.Series:
+    """Per row of a grid sorted by GPU, whether its GPU has a row that `keep` keeps."""
+    run = gpus.rle_id().to_numpy()
+    kept_per_gpu = np.bincount(run, weights=keep.cast(pl.Float64).to_numpy()) > 0
+    return pl.Series(kept_per_gpu[run])
 
 
 def _wide_part(hourly: pl.DataFrame, narrow: pl.DataFrame) -> pl.DataFrame:
