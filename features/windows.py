@@ -294,22 +294,61 @@ def dense_grid(
             pl.lit(end_cap, dtype=TS_DTYPE),
         ).alias("_end")
     ).filter(pl.col("_first") <= pl.col("_end"))
-    # Spans sorted by GPU, exploded in order, then a join that keeps the left order: the grid
-    # comes out sorted by (gpu_uuid, ts) without sorting the wide joined frame (which took most
-    # of this function).
-    keys = (
+    # Spans sorted by GPU, exploded in order: the grid comes out sorted by (gpu_uuid, ts)
+    # without sorting the wide frame.
+    grid_us = _us(grid)
+    spans_sorted = (
         spans.sort(GPU)
-        .select(GPU, pl.datetime_ranges("_first", "_end", interval=grid, closed="both").alias("ts"))
-        .explode("ts")
+        .with_columns(((pl.col("_end") - pl.col("_first")).dt.total_microseconds() // grid_us + 1).alias("_n"))
+        .with_columns((pl.col("_n").cum_sum() - pl.col("_n")).alias("_offset"))
+        .collect(engine=ENGINE)
     )
+    keys = spans_sorted.select(
+        GPU, pl.datetime_ranges("_first", "_end", interval=grid, closed="both").alias("ts")
+    ).explode("ts")
+    source = _grid_sources(hourly, spans_sorted, keys.height, grid_us)
     carried = [c for c in (*BUCKET_ID_COLUMNS, "last_sample_ts") if c in hourly.columns]
+    if source is None:  # a (GPU, time) in two buckets: the join gives each its grid row
+        joined = keys.lazy().join(hourly.lazy(), on=[GPU, "ts"], how="left", maintain_order="left")
+    else:
+        # Each bucket's grid row is its GPU's offset plus its steps from the GPU's first grid
+        # time: the columns are gathered by it, where a join on (uuid, time) hashed every key of
+        # a grid tens of millions of rows long (most of a label pass over a month of a fleet).
+        others = hourly.drop(GPU, "ts")
+        gathered = [keys] if others.width == 0 else [keys, others.select(pl.all().gather(source))]
+        joined = pl.concat(gathered, how="horizontal").lazy()
     return (
-        keys.join(hourly.lazy(), on=[GPU, "ts"], how="left", maintain_order="left")
-        .with_columns(pl.col(GPU).rle_id().alias("_g"))
+        joined.with_columns(pl.col(GPU).rle_id().alias("_g"))
         .with_columns(pl.col(c).forward_fill().over("_g") for c in carried)
         .drop("_g")
         .collect(engine=ENGINE)
     )
+
+
+def _grid_sources(hourly: pl.DataFrame, spans: pl.DataFrame, rows: int, grid_us: int) -> pl.Series | None:
+    """Per grid row of `dense_grid` (`rows` of them, from `spans`: per GPU, sorted, `_first`,
+    `_end` and its first row `_offset`), the row of `hourly` bucketed there, null where none is;
+    None when two buckets have one (GPU, grid time). A bucket off its GPU's span (after the
+    data's end) or off the grid has no row."""
+    placed = (
+        hourly.lazy()
+        .select(GPU, "ts")
+        .with_row_index("_row")
+        .join(spans.lazy().select(GPU, "_first", "_end", "_offset"), on=GPU, how="inner")
+        .with_columns((pl.col("ts") - pl.col("_first")).dt.total_microseconds().alias("_since"))
+        .filter(
+            (pl.col("ts") >= pl.col("_first")) & (pl.col("ts") <= pl.col("_end")) & (pl.col("_since") % grid_us == 0)
+        )
+        .select("_row", (pl.col("_offset") + pl.col("_since") // grid_us).alias("_at"))
+        .collect(engine=ENGINE)
+    )
+    at = placed["_at"].to_numpy()
+    if len(at) and np.bincount(at, minlength=rows).max() > 1:
+        return None
+    source = np.full(rows, -1, np.int64)
+    source[at] = placed["_row"].to_numpy()
+    series = pl.Series("_source", source)
+    return series.set(pl.Series(source < 0), None) if len(at) < rows else series
 
 
 # -- 3. window features ---------------------------------------------------------------------------
