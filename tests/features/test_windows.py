@@ -10,9 +10,10 @@ import polars as pl
 import pytest
 
 from features.build import build_features
+from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
-from features.windows import grid_time, hourly_aggregate
-from tests.features import MIN, NO_XIDS, US, H, at, every, samples, xids
+from features.windows import dense_grid, grid_time, hourly_aggregate
+from tests.features import MIN, NO_XIDS, T0, US, H, at, every, samples, xids
 
 
 def row(frame: pl.DataFrame, t, gpu: str = "GPU-a") -> dict:
@@ -385,3 +386,54 @@ def test_the_spread_of_a_large_steady_gauge_survives_weeks_of_running_sums():
     assert last["fb_used_mib_std_1h"] == pytest.approx(exact, rel=1e-3)
     assert last["fb_used_mib_std_24h"] == pytest.approx(statistics.stdev(values[-96:]), rel=1e-3)
     assert last["fb_used_mib_mean_24h"] == pytest.approx(80_000.0625, abs=1e-3)
+
+
+def _buckets(rows: list[tuple[str, float, float | None]]) -> pl.DataFrame:
+    """(gpu, hours after T0, value) buckets with a node and last sample time."""
+    return pl.DataFrame(
+        {
+            "gpu_uuid": [g for g, _, _ in rows],
+            "ts": [at(h) for _, h, _ in rows],
+            "node": [f"node-{g}" for g, _, _ in rows],
+            "last_sample_ts": [at(h) for _, h, _ in rows],
+            "v": [v for _, _, v in rows],
+        },
+        schema_overrides={"ts": TS_DTYPE, "last_sample_ts": TS_DTYPE},
+    )
+
+
+def test_dense_grid_places_each_bucket_on_its_gpus_grid_and_carries_identity_into_the_gaps():
+    hourly = _buckets(
+        [
+            ("GPU-b", 9, 9.0),  # after the data's end: not on the grid
+            ("GPU-a", 4, 4.0),
+            ("GPU-b", 2, 2.0),
+            ("GPU-a", 0, 0.0),
+            ("GPU-a", 0.5, 99.0),  # off the grid: no grid row has it
+            ("GPU-a", 1, None),
+        ]
+    )
+    dense = dense_grid(hourly, H, data_end=at(6.5), max_silence=2 * H)
+    assert dense.columns == hourly.columns
+    got = [
+        (r["gpu_uuid"], (r["ts"] - T0) / H, r["v"], r["node"], (r["last_sample_ts"] - T0) / H)
+        for r in dense.iter_rows(named=True)
+    ]
+    assert got == [
+        ("GPU-a", 0, 0.0, "node-GPU-a", 0),
+        ("GPU-a", 1, None, "node-GPU-a", 1),
+        ("GPU-a", 2, None, "node-GPU-a", 1),  # an empty bucket: identity and last sample carried
+        ("GPU-a", 3, None, "node-GPU-a", 1),
+        ("GPU-a", 4, 4.0, "node-GPU-a", 4),
+        ("GPU-a", 5, None, "node-GPU-a", 4),
+        ("GPU-a", 6, None, "node-GPU-a", 4),  # the last bucket + the silence, up to the data's end
+        ("GPU-b", 2, 2.0, "node-GPU-b", 2),
+        ("GPU-b", 3, None, "node-GPU-b", 2),
+        ("GPU-b", 4, None, "node-GPU-b", 2),
+        ("GPU-b", 5, None, "node-GPU-b", 2),
+        ("GPU-b", 6, None, "node-GPU-b", 2),
+    ]
+    # Two buckets of one (GPU, time) both keep a grid row there, as a join on the keys gives.
+    twice = dense_grid(pl.concat([hourly, hourly.filter(pl.col("v") == 4.0)]), H, data_end=at(6.5), max_silence=2 * H)
+    assert twice.height == dense.height + 1
+    assert twice.filter(pl.col("ts") == at(4))["v"].to_list() == [4.0, 4.0, None]
