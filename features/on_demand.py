@@ -224,9 +224,10 @@ def iter_features_on_demand(
 
 def block_length(facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions) -> timedelta:
     """How long the time blocks of a computation are (`OnDemandOptions.block_days`). A fleet
-    too large to hold even a day and its lookback is read in shards of whole nodes, each of
-    which decodes every file of its block: per day computed, (block + lookback)^2 / block
-    file-days, fewest with a block as long as the lookback."""
+    too large to hold even a day and its lookback is read in shards of whole nodes, in blocks as
+    long as the lookback: each grid row is then computed twice (once as a later block's
+    lookback). Longer blocks would compute less again, with more shards; that trade is not
+    measured since the shards read only their nodes' row groups."""
     if options.block_days is not None:
         return options.block_days * ONE_DAY
     back = lookback(spec)
