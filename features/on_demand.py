@@ -226,8 +226,8 @@ def block_length(facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions)
     """How long the time blocks of a computation are (`OnDemandOptions.block_days`). A fleet
     too large to hold even a day and its lookback is read in shards of whole nodes, in blocks as
     long as the lookback: each grid row is then computed twice (once as a later block's
-    lookback). Longer blocks would compute less again, with more shards; that trade is not
-    measured since the shards read only their nodes' row groups."""
+    lookback). Longer blocks would compute less again, in more shards (each reads only its
+    nodes' row groups); which length is fastest is not measured."""
     if options.block_days is not None:
         return options.block_days * ONE_DAY
     back = lookback(spec)
