@@ -362,7 +362,7 @@ def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
     assert max(end for _, end in read) == newest + US
 
 
-def test_blocks_by_default_hold_the_fleet_in_memory_or_last_a_lookback(fleet):
+def test_blocks_by_default_hold_the_fleet_in_memory_or_last_three_lookbacks(fleet):
     from features.on_demand import block_length, on_demand_spec, stored_fleet_facts
     from features.plan import lookback
 
@@ -374,9 +374,9 @@ def test_blocks_by_default_hold_the_fleet_in_memory_or_last_a_lookback(fleet):
     # Room for 30 days of every GPU's buckets: blocks of the whole days that leave for the lookback.
     roomy = OnDemandOptions(max_buckets_in_memory=gpus * 24 * 30)
     assert block_length(facts, spec, roomy) == timedelta(days=30) - back
-    # Not a day beyond the lookback: blocks as long as the lookback, read in shards.
+    # Not a day beyond the lookback: blocks of three lookbacks (whole days), read in shards.
     tight = OnDemandOptions(max_buckets_in_memory=gpus * 24 * 7, rows_per_part=2_000)
-    assert block_length(facts, spec, tight) == back
+    assert block_length(facts, spec, tight) == 3 * (-(-back // timedelta(days=1))) * timedelta(days=1)
     assert block_length(facts, spec, OnDemandOptions(block_days=3)) == timedelta(days=3)
     table = materialised.drop(SAMPLE_KEY)
     assert features_on_demand(store, options=tight).equals(table)
