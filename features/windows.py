@@ -342,13 +342,13 @@ def _grid_sources(hourly: pl.DataFrame, spans: pl.DataFrame, rows: int, grid_us:
         .select("_row", (pl.col("_offset") + pl.col("_since") // grid_us).alias("_at"))
         .collect(engine=ENGINE)
     )
-    at = placed["_at"].to_numpy()
-    if len(at) and np.bincount(at, minlength=rows).max() > 1:
-        return None
     source = np.full(rows, -1, np.int64)
-    source[at] = placed["_row"].to_numpy()
+    source[placed["_at"].to_numpy()] = placed["_row"].to_numpy()
+    empty = source < 0
+    if rows - int(empty.sum()) < placed.height:  # fewer grid rows filled than buckets placed
+        return None
     series = pl.Series("_source", source)
-    return series.set(pl.Series(source < 0), None) if len(at) < rows else series
+    return series.set(pl.Series(empty), None) if empty.any() else series
 
 
 # -- 3. window features ---------------------------------------------------------------------------
