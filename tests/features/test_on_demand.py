@@ -362,6 +362,23 @@ def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
     assert max(end for _, end in read) == newest + US
 
 
+def test_the_parts_of_a_read_are_computed_on_the_threads_its_options_ask_for(fleet, monkeypatch):
+    from features import build
+
+    store, materialised = fleet
+    asked: list[int] = []
+    in_order = build.in_order
+
+    def recorded(compute, items, *, threads):
+        asked.append(threads)
+        return in_order(compute, items, threads=threads)
+
+    monkeypatch.setattr(build, "in_order", recorded)
+    rows = features_on_demand(store, options=OnDemandOptions(rows_per_part=2_000, part_threads=3))
+    assert rows.equals(materialised.drop(SAMPLE_KEY))
+    assert asked and set(asked) == {3}
+
+
 def test_blocks_by_default_hold_the_fleet_in_memory_or_last_three_lookbacks(fleet):
     from features.on_demand import block_length, on_demand_spec, stored_fleet_facts
     from features.plan import lookback

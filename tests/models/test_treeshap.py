@@ -1,5 +1,7 @@
 """models.treeshap computes the libraries' own TreeSHAP values, another way."""
 
+import threading
+
 import lightgbm
 import numpy as np
 import pandas as pd
@@ -38,6 +40,25 @@ def test_lightgbm_values_equal_pred_contrib(zero_as_missing):
     assert np.array_equal(tree_shap(clf).contributions(X[:500], threads=3), got)
     # A feature split again further down a path is credited once per path, as the library does.
     assert max(clf.booster_.dump_model()["tree_info"], key=lambda t: t["num_leaves"])["num_leaves"] > 20
+
+
+def test_blocks_of_rows_are_computed_on_the_threads_asked_for(monkeypatch):
+    X, y = wide_data()
+    clf = lightgbm.LGBMClassifier(n_estimators=5, num_leaves=7, verbose=-1, n_jobs=1).fit(X, y)
+    shap = tree_shap(clf)
+    threads: set[str] = set()
+    edge_values = type(shap)._edge_values
+
+    def recorded(self, rows):
+        threads.add(threading.current_thread().name)
+        return edge_values(self, rows)
+
+    monkeypatch.setattr(type(shap), "_edge_values", recorded)
+    shap.contributions(X[:1000], threads=2)
+    assert threads and all(name.startswith("treeshap") for name in threads)
+    threads.clear()
+    shap.contributions(X[:1000], threads=1)
+    assert threads == {threading.current_thread().name}
 
 
 def test_xgboost_values_equal_pred_contribs():
