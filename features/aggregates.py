@@ -39,6 +39,7 @@ import polars as pl
 import pyarrow as pa
 
 from features.bucket_stream import BucketStream
+from features.column_sort import sorted_column_by_column
 from features.inputs import read_telemetry, utc
 from features.labels import GPU, combine_presence, gpu_presence
 from features.manifest import AGGREGATES_MANIFEST, BuildPlan, FeatureManifest, open_manifest, recorded_spec
@@ -97,16 +98,17 @@ def _narrowed(buckets: pl.DataFrame) -> pl.DataFrame:
 _SAMPLED = ("max", "min", "last")
 
 
-def in_node_order(buckets: pl.DataFrame) -> pl.DataFrame:
-    """The buckets sorted by (cluster, node, gpu_uuid, ts), the columns of those it has."""
-    return buckets.sort([c for c in NODE_ORDER if c in buckets.columns])
-
-
 def write_day(staging: Staging, day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> list[str]:
-    """One day's files (hidden until the manifest commits them): its buckets, in node order and
-    row groups of `BUCKET_ROW_GROUP_ROWS`, and its presence."""
+    """One day's files (hidden until the manifest commits them): its buckets, in node order
+    (`NODE_ORDER`) and row groups of `BUCKET_ROW_GROUP_ROWS`, and its presence. Takes the columns
+    of `buckets` (it is left empty): they are narrowed (`_narrowed`) and put in order a few at a
+    time, so that the day is not held three times over (as built, sorted and narrowed) beside the
+    next day being aggregated."""
+    stored = buckets
+    if buckets.height:
+        stored = sorted_column_by_column(buckets, [c for c in NODE_ORDER if c in buckets.columns], each=_narrowed)
     written = []
-    for dataset, frame in ((BUCKETS, _narrowed(in_node_order(buckets))), (PRESENCE, presence)):
+    for dataset, frame in ((BUCKETS, stored), (PRESENCE, presence)):
         if frame.height:
             whole = frame.to_arrow(compat_level=pl.CompatLevel.oldest())
             whole = whole.replace_schema_metadata({**(whole.schema.metadata or {}), **_METADATA})
@@ -292,10 +294,11 @@ def _build_run(
 
     def commit(day: datetime, buckets: pl.DataFrame, presence: pl.DataFrame) -> None:
         staging = manifest.staging()
+        built = buckets.height  # write_day takes the frame's columns
         written = write_day(staging, day, buckets, presence)
         replaced = plan.replaced.get(day.date(), [])
         manifest.complete([day.date()], written, data_end, replaced=replaced)
-        summary.buckets += buckets.height
+        summary.buckets += built
         summary.files_written += [staging.visible(p) for p in written]
         summary.files_replaced += len(replaced)
 

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from features import label_rows, on_demand
 from features.aggregates import BUCKETS, has_aggregates
+from features.column_sort import sorted_column_by_column
 from features.drawn_cache import drawn_rows_cached
 from features.labels import GPU
 from features.manifest import DATASET as FEATURES_DATASET
@@ -195,7 +196,7 @@ def read_features(
     if computed(store):
         return _on_demand(store, start, end, columns)
     frame = store.collect(scan_features(store, start, end, columns), FEATURES_DATASET, start, end)
-    return on_demand.sorted_column_by_column(frame, ["ts", GPU])
+    return sorted_column_by_column(frame, ["ts", GPU])
 
 
 def scan_features(
@@ -235,7 +236,7 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     day = scan_features(store, start=start)
     newest = store.collect(day.select(pl.col("ts").max()), FEATURES_DATASET, start).item()
     rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, start)
-    return on_demand.sorted_column_by_column(rows, ["ts", GPU])
+    return sorted_column_by_column(rows, ["ts", GPU])
 
 
 # -- the rows a retrain fits on ---------------------------------------------------------------

@@ -33,6 +33,7 @@ import polars as pl
 from features import facts_cache, newest_cache
 from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
 from features.build import iter_features_from_buckets
+from features.column_sort import sorted_column_by_column
 from features.inputs import utc
 from features.labels import GPU
 from features.peers import PEER_METRICS, model_column, model_medians
@@ -264,30 +265,6 @@ def features_on_demand(
     frame = pl.concat(parts, how="vertical")
     parts.clear()  # the frame's columns are then their only holders, let go of one by one as sorted
     return sorted_column_by_column(frame, ["ts", GPU])
-
-
-def sorted_column_by_column(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
-    """`frame.sort(by)`, gathering `_COLUMNS_SORTED_AT_ONCE` columns at a time and letting go of
-    their source columns as it goes, so that a wide frame (the paper fleet's 3-day held-out
-    window is 4 GB) is not held twice. Each column is put in one piece first: gathering from a
-    frame of many pieces (one per file or part) was several times slower. A narrow frame sorts
-    faster whole."""
-    if frame.width <= 8:
-        return frame.sort(by)
-    # The order from sorting the keys with a row index: pl.arg_sort_by on two columns is many
-    # times slower on millions of keys.
-    order = frame.select(by).with_row_index("_row").sort(by)["_row"]
-    names = list(frame.columns)
-    sorted_columns: list[pl.Series] = []
-    for at in range(0, len(names), _COLUMNS_SORTED_AT_ONCE):
-        batch = pl.DataFrame([frame.drop_in_place(n) for n in names[at : at + _COLUMNS_SORTED_AT_ONCE]])
-        # A few columns at a time, on polars' threads (one column at a time left a core idle).
-        sorted_columns += batch.rechunk().select(pl.all().gather(order)).get_columns()
-        del batch
-    return pl.DataFrame(sorted_columns)
-
-
-_COLUMNS_SORTED_AT_ONCE = 16
 
 
 def empty_on_demand(store: Store, spec: FeatureSpec | None = None) -> pl.DataFrame:

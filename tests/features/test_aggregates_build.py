@@ -120,7 +120,7 @@ def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_
         meta = pq.ParquetFile(path).metadata
         assert meta.num_row_groups > 1, path
         rows = pl.read_parquet(path)
-        assert rows.equals(aggregates.in_node_order(rows)), path
+        assert rows.equals(rows.sort(aggregates.NODE_ORDER)), path
         node = meta.schema.to_arrow_schema().get_field_index("node")
         ranges = [
             (meta.row_group(g).column(node).statistics.min, meta.row_group(g).column(node).statistics.max)

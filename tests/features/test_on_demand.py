@@ -28,7 +28,6 @@ from features.on_demand import (
     features_on_demand,
     labelled,
     newest_on_demand,
-    sorted_column_by_column,
 )
 from features.plan import FeaturesExistError
 from features.runner import BuildOptions, build_features_from_store
@@ -398,28 +397,6 @@ def test_blocks_by_default_hold_the_fleet_in_memory_or_last_three_lookbacks(flee
     table = materialised.drop(SAMPLE_KEY)
     assert features_on_demand(store, options=tight).equals(table)
     assert features_on_demand(store, options=roomy).equals(table)
-
-
-@pytest.mark.parametrize("width", [3, 12])
-def test_a_frame_of_many_pieces_sorted_column_by_column_equals_it_sorted_whole(width):
-    rng = np.random.default_rng(7)
-    first = datetime(2026, 1, 1, tzinfo=UTC)
-    pieces = []
-    for piece in range(4):  # the parts of an on-demand read, each a chunk of its own
-        hours = rng.permutation(1_000)[:400]
-        pieces.append(
-            pl.DataFrame(
-                {
-                    "ts": [first + timedelta(hours=int(h)) for h in hours],
-                    "gpu_uuid": [f"GPU-{piece}-{i % 7}" for i in range(len(hours))],
-                    **{f"f{c}": rng.normal(size=len(hours)).astype(np.float32) for c in range(width - 2)},
-                }
-            )
-        )
-    whole = pl.concat(pieces, how="vertical")
-    assert whole.n_chunks() == 4
-    expected = whole.sort("ts", "gpu_uuid")
-    assert sorted_column_by_column(whole.clone(), ["ts", "gpu_uuid"]).equals(expected)
 
 
 def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp_path):

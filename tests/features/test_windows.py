@@ -12,7 +12,7 @@ import pytest
 from features.build import build_features
 from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
-from features.windows import dense_grid, grid_time, hourly_aggregate
+from features.windows import RUN, dense_grid, grid_time, hourly_aggregate, in_gpu_and_time_order, sorted_by_gpu_and_time
 from tests.features import MIN, NO_XIDS, T0, US, H, at, every, samples, xids
 
 
@@ -23,6 +23,23 @@ def row(frame: pl.DataFrame, t, gpu: str = "GPU-a") -> dict:
 
 
 # -- buckets --------------------------------------------------------------------------------------
+
+
+def test_rows_are_sorted_only_when_a_gpus_rows_are_apart_or_out_of_time_order():
+    def frame(gpus: list[str], hours: list[int]) -> pl.DataFrame:
+        return pl.DataFrame({"gpu_uuid": gpus, "ts": [T0 + timedelta(hours=h) for h in hours]})
+
+    grouped = frame(["b", "b", "a", "a"], [0, 1, 0, 1])  # GPUs in any order, each in time order
+    assert in_gpu_and_time_order(grouped)
+    assert in_gpu_and_time_order(grouped.clear())
+    assert not in_gpu_and_time_order(frame(["a", "b", "a"], [0, 0, 1]))  # a's rows apart
+    assert not in_gpu_and_time_order(frame(["a", "a", "b"], [1, 0, 0]))  # a's rows back in time
+    # Kept as it is when in order (the day's rows are not copied), put in order otherwise.
+    kept = sorted_by_gpu_and_time(grouped)
+    assert kept.drop(RUN).equals(grouped) and kept[RUN].to_list() == [0, 0, 1, 1]
+    mixed = sorted_by_gpu_and_time(frame(["a", "b", "a", "b"], [1, 0, 0, 1]))
+    assert in_gpu_and_time_order(mixed.drop(RUN))
+    assert mixed.sort("gpu_uuid", "ts").drop(RUN).equals(frame(["a", "a", "b", "b"], [0, 1, 0, 1]))
 
 
 def test_grid_time_puts_a_sample_exactly_at_t_in_t_and_one_microsecond_later_in_the_next():
