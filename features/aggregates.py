@@ -305,9 +305,11 @@ def _build_run(
     stream = BucketStream(spec.grid, spec.max_silence)
     # Three stages overlap: the next day's telemetry is read on one thread and the day before's
     # files encoded and committed on another (Parquet reading and writing run outside the GIL)
-    # while this one aggregates a day. Days are committed in order, one at a time, so a killed
-    # build still loses at most the day being written. (Aggregating on a third thread as well
-    # was faster, but held a third day of telemetry in memory.)
+    # while this one aggregates a day. The next day is read while the day's last shard is
+    # aggregated (`BucketStream.day`'s `before_last`), after the day before is written: read
+    # from the day's start, both were held at once beside the day. Days are committed in order,
+    # one at a time, so a killed build still loses at most the day being written. (Aggregating
+    # on a third thread as well was faster, but held a third day of telemetry in memory.)
     with (
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-read") as reader,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-write") as writer,
@@ -318,15 +320,21 @@ def _build_run(
         writing: Future[None] | None = None
         for i, day in enumerate(tqdm(days, desc="features: aggregates", unit="day", disable=not progress)):
             following = days[i + 1] if i + 1 < len(days) else None
-            if following is not None and following in have:
-                reads[following] = reader.submit(read_telemetry, store, following, following + ONE_DAY, one_piece=False)
+
+            def read_following(following: datetime | None = following) -> None:
+                if following is not None and following in have and following not in reads:
+                    reads[following] = reader.submit(
+                        read_telemetry, store, following, following + ONE_DAY, one_piece=False
+                    )
+
             raw: pl.DataFrame | None = None
             if day in have:
                 raw = reads.pop(day).result()
             elif stream.held is not None:
                 # No telemetry that day: the bucket held back from the day before is complete now.
                 raw = stream.held.clear()
-            buckets = pl.DataFrame() if raw is None else stream.day(raw, day + ONE_DAY)
+            buckets = pl.DataFrame() if raw is None else stream.day(raw, day + ONE_DAY, before_last=read_following)
+            read_following()  # when the day had nothing to aggregate
             if day < run_start:
                 continue  # read for the samples before the run's first bucket only
             presence = gpu_presence(raw) if raw is not None and raw.height else pl.DataFrame()

@@ -4,7 +4,9 @@ telemetry, so that both aggregate it exactly alike."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 
 import polars as pl
 
@@ -33,12 +35,18 @@ class BucketStream:
         self.context: pl.DataFrame | None = None  # the last aggregated sample per GPU
         self.cut: datetime | None = None
 
-    def day(self, raw: pl.DataFrame, day_end: datetime) -> pl.DataFrame:
+    def day(
+        self, raw: pl.DataFrame, day_end: datetime, *, before_last: Callable[[], None] | None = None
+    ) -> pl.DataFrame:
         """Buckets completed by the raw rows of the day ending at `day_end` (exclusive), in
         shards of whole GPUs of about `shard_rows` rows. Each shard's rows are put after the
         samples carried from the day before (its GPUs' held rows and last sample), aggregated,
         and the buckets up to the day's last complete one kept: the bucket that the rows after
-        it begin is aggregated again, whole, with the next day."""
+        it begin is aggregated again, whole, with the next day.
+
+        `before_last` is called once, before the day's last shard is aggregated (at the end when
+        there is none): the store build starts reading the next day then, so that its rows are
+        not held beside the whole of this day's aggregation."""
         cut = grid_floor(day_end - timedelta(microseconds=1), self.grid)
         carried = [f for f in (self.context, self.held) if f is not None and f.height]
         before = pl.concat([f.select(raw.columns) for f in carried], how="vertical_relaxed") if carried else None
@@ -57,19 +65,26 @@ class BucketStream:
             # In (gpu, ts) order from here on (a file out of order, or a hash collision, is sorted).
             if not in_gpu_and_time_order(merged):
                 merged = sorted_by_gpu_and_time(merged).drop(RUN)
-            done = hourly_aggregate(merged, self.grid, max_gap=self.max_gap).filter(~later)
-            if self.cut is not None:
-                done = done.filter(pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))  # the day before's buckets
-            buckets.append(done)
+            # The buckets after the day's last complete one, and those of the day before, out:
+            # one filter, one copy of the shard's buckets.
+            kept = ~later if self.cut is None else ~later & (pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))
+            buckets.append(hourly_aggregate(merged, self.grid, max_gap=self.max_gap).filter(kept))
             latest.append(merged.filter(last_kept))
 
         # A shard at a time, then the GPUs silent this day (their held rows still complete their
         # first bucket): slicing the day's rows copies them, so only one shard's copies are alive
         # at once.
-        for offset, length in shards:
-            aggregate(_after_carried(raw, offset, length, before))
+        pieces: list[Callable[[], pl.DataFrame]] = [
+            partial(_after_carried, raw, offset, length, before) for offset, length in shards
+        ]
         if silent is not None and silent.height:
-            aggregate(silent)
+            pieces.append(lambda: silent)
+        for i, piece in enumerate(pieces):
+            if before_last is not None and i == len(pieces) - 1:
+                before_last()
+            aggregate(piece())
+        if before_last is not None and not pieces:
+            before_last()
         self.held = raw.filter(later)
         recent = pl.col("ts") > pl.lit(cut - self.max_gap, dtype=TS_DTYPE)
         self.context = pl.concat(latest, how="vertical_relaxed").filter(recent) if latest else None

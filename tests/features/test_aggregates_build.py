@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from polars.testing import assert_frame_equal
 
-from features import aggregates
+from features import aggregates, bucket_stream
 from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets, read_presence
 from features.bucket_stream import BucketStream
 from features.spec import DEFAULT_MAX_SILENCE
@@ -103,6 +103,36 @@ def test_days_taken_in_shards_of_gpus_give_the_buckets_of_all_history_at_once(te
     assert streamed.height == at_once.height > 0
     assert_frame_equal(streamed, at_once, check_exact=False, rel_tol=1e-12, abs_tol=1e-9)
     assert stream.held is not None and stream.held.height  # the last hour's rows, for the next day
+
+
+@pytest.mark.parametrize("shard_rows", [150, 10**9])
+def test_the_next_day_is_asked_for_once_a_day_just_before_the_days_last_shard(telemetry, shard_rows, monkeypatch):
+    # The store build reads the next day then: read at the day's start, it was held beside the
+    # whole day's aggregation and the day before's write.
+    log: list[str] = []
+    aggregate = bucket_stream.hourly_aggregate
+
+    def logged(*args, **kwargs):
+        log.append("shard")
+        return aggregate(*args, **kwargs)
+
+    monkeypatch.setattr(bucket_stream, "hourly_aggregate", logged)
+    stream = BucketStream(H, DEFAULT_MAX_SILENCE, shard_rows=shard_rows)
+    for n in range(3):
+        start = T0 + timedelta(days=n)
+        day = telemetry.filter((pl.col("ts") >= start) & (pl.col("ts") < start + timedelta(days=1)))
+        log.clear()
+        stream.day(day, start + timedelta(days=1), before_last=lambda: log.append("next"))
+        shards = log.count("shard")
+        assert shards >= (2 if shard_rows == 150 else 1)
+        assert log == ["shard"] * (shards - 1) + ["next", "shard"]
+    # A day with nothing to aggregate (no rows, nothing carried) still asks, once (its empty
+    # frame of buckets is made after).
+    log.clear()
+    BucketStream(H, DEFAULT_MAX_SILENCE).day(
+        telemetry.clear(), T0 + timedelta(days=1), before_last=lambda: log.append("next")
+    )
+    assert log[0] == "next" and log.count("next") == 1
 
 
 def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_skip(
