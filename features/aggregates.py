@@ -333,13 +333,24 @@ def _build_run(
             elif stream.held is not None:
                 # No telemetry that day: the bucket held back from the day before is complete now.
                 raw = stream.held.clear()
-            buckets = pl.DataFrame() if raw is None else stream.day(raw, day + ONE_DAY, before_last=read_following)
+            # The day's GPU presence, from its rows a shard at a time (`BucketStream.day` takes
+            # the day's rows and lets go of each shard's once aggregated; a GPU is in one shard).
+            presences: list[pl.DataFrame] = []
+
+            def add_presence(rows: pl.DataFrame, presences: list[pl.DataFrame] = presences) -> None:
+                presences.append(gpu_presence(rows))
+
+            buckets = (
+                pl.DataFrame()
+                if raw is None
+                else stream.day(raw, day + ONE_DAY, before_last=read_following, each_shard=add_presence)
+            )
+            del raw
             read_following()  # when the day had nothing to aggregate
             if day < run_start:
                 continue  # read for the samples before the run's first bucket only
-            presence = gpu_presence(raw) if raw is not None and raw.height else pl.DataFrame()
-            summary.telemetry_rows_read += 0 if raw is None else raw.height
-            del raw
+            presence = pl.concat(presences, how="vertical").sort(GPU, "first_ts") if presences else pl.DataFrame()
+            summary.telemetry_rows_read += int(sum(p["n_samples"].sum() for p in presences))
             if writing is not None:
                 writing.result()  # the day before is committed (or its error raised) first
             writing = writer.submit(commit, day, buckets, presence)

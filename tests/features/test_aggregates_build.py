@@ -135,6 +135,23 @@ def test_the_next_day_is_asked_for_once_a_day_just_before_the_days_last_shard(te
     assert log[0] == "next" and log.count("next") == 1
 
 
+@pytest.mark.parametrize("shard_rows", [1, 150, 10**9])
+def test_a_day_is_taken_and_each_of_its_rows_given_once_a_shard_of_whole_gpus_at_a_time(telemetry, shard_rows):
+    # The store build takes the day's GPU presence from the shards, as the day's rows are let go.
+    stream = BucketStream(H, DEFAULT_MAX_SILENCE, shard_rows=shard_rows)
+    for n in range(2):
+        start = T0 + timedelta(days=n)
+        day = telemetry.filter((pl.col("ts") >= start) & (pl.col("ts") < start + timedelta(days=1)))
+        expected = day.clone()
+        given: list[pl.DataFrame] = []
+        stream.day(day, start + timedelta(days=1), each_shard=given.append)
+        assert day.width == 0  # taken, not copied
+        assert len(given) >= (2 if shard_rows < 10**9 else 1)
+        gpus = [set(shard["gpu_uuid"].unique()) for shard in given]
+        assert sum(len(g) for g in gpus) == len(set().union(*gpus))  # a GPU in one shard only
+        assert pl.concat(given).sort("gpu_uuid", "ts").equals(expected.sort("gpu_uuid", "ts"))
+
+
 def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_skip(
     telemetry, clean, tmp_path, monkeypatch
 ):
