@@ -49,7 +49,7 @@ class BucketStream:
         it begin is aggregated again, whole, with the next day.
 
         Takes the columns of `raw` (it is left empty), and lets go of each shard's rows once it
-        is aggregated: a paper fleet's day is about 1 GB, held to the end of the day beside its
+        is aggregated: a paper fleet's day is 0.85-1 GB, held to the end of the day beside its
         buckets, the next day being read and the day before being written. `each_shard` is given
         each shard's rows first (every row of the day once, whole GPUs at a time: the store build
         takes the day's GPU presence from them). `before_last` is called once, before the day's
