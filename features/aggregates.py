@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 
 import polars as pl
 import pyarrow as pa
@@ -314,39 +315,32 @@ def _build_run(
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-read") as reader,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregates-write") as writer,
     ):
-        reads = {
-            d: reader.submit(read_telemetry, store, d, d + ONE_DAY, one_piece=False) for d in days[:1] if d in have
-        }
+        reads: dict[datetime, Future[pl.DataFrame]] = {}
+
+        def read(day: datetime | None) -> None:
+            if day is not None and day in have and day not in reads:
+                reads[day] = reader.submit(read_telemetry, store, day, day + ONE_DAY, one_piece=False)
+
+        read(days[0] if days else None)
         writing: Future[None] | None = None
         for i, day in enumerate(tqdm(days, desc="features: aggregates", unit="day", disable=not progress)):
-            following = days[i + 1] if i + 1 < len(days) else None
-
-            def read_following(following: datetime | None = following) -> None:
-                if following is not None and following in have and following not in reads:
-                    reads[following] = reader.submit(
-                        read_telemetry, store, following, following + ONE_DAY, one_piece=False
-                    )
-
+            read_following = partial(read, days[i + 1] if i + 1 < len(days) else None)
+            # The day's GPU presence, from its rows a shard at a time (`BucketStream.day` takes
+            # the day's rows and lets go of each shard's once aggregated; a GPU is in one shard).
+            presences: list[pl.DataFrame] = []
             raw: pl.DataFrame | None = None
             if day in have:
                 raw = reads.pop(day).result()
             elif stream.held is not None:
                 # No telemetry that day: the bucket held back from the day before is complete now.
                 raw = stream.held.clear()
-            # The day's GPU presence, from its rows a shard at a time (`BucketStream.day` takes
-            # the day's rows and lets go of each shard's once aggregated; a GPU is in one shard).
-            presences: list[pl.DataFrame] = []
-
-            def add_presence(rows: pl.DataFrame, presences: list[pl.DataFrame] = presences) -> None:
-                presences.append(gpu_presence(rows))
-
-            buckets = (
-                pl.DataFrame()
-                if raw is None
-                else stream.day(raw, day + ONE_DAY, before_last=read_following, each_shard=add_presence)
-            )
+            if raw is None:
+                buckets = pl.DataFrame()
+                read_following()
+            else:
+                each_shard = partial(_add_presence, presences)
+                buckets = stream.day(raw, day + ONE_DAY, before_last=read_following, each_shard=each_shard)
             del raw
-            read_following()  # when the day had nothing to aggregate
             if day < run_start:
                 continue  # read for the samples before the run's first bucket only
             presence = pl.concat(presences, how="vertical").sort(GPU, "first_ts") if presences else pl.DataFrame()
@@ -356,6 +350,10 @@ def _build_run(
             writing = writer.submit(commit, day, buckets, presence)
         if writing is not None:
             writing.result()
+
+
+def _add_presence(presences: list[pl.DataFrame], rows: pl.DataFrame) -> None:
+    presences.append(gpu_presence(rows))
 
 
 def count_built_rows(

@@ -28,8 +28,9 @@ class BucketStream:
     of its counter increases and sample spacing (so a counter increase across midnight is
     counted exactly as in an all-history build)."""
 
-    def __init__(self, grid: timedelta, max_gap: timedelta, *, shard_rows: int = SHARD_ROWS) -> None:
-        self.grid, self.max_gap, self.shard_rows = grid, max_gap, shard_rows
+    def __init__(self, grid: timedelta, max_gap: timedelta, *, shard_rows: int | None = None) -> None:
+        self.grid, self.max_gap = grid, max_gap
+        self.shard_rows = SHARD_ROWS if shard_rows is None else shard_rows
         self.held: pl.DataFrame | None = None  # raw rows after the last complete bucket
         self.context: pl.DataFrame | None = None  # the last aggregated sample per GPU
         self.cut: datetime | None = None
@@ -84,14 +85,14 @@ class BucketStream:
             return _after_carried(part, before)
 
         def aggregate(merged: pl.DataFrame) -> None:
-            # In (gpu, ts) order from here on (a file out of order, or a hash collision, is sorted).
-            if not in_gpu_and_time_order(merged):
-                merged = sorted_by_gpu_and_time(merged).drop(RUN)
+            # In (gpu, ts) order from here on (the GPUs silent today come from two carried
+            # frames; a file out of order is sorted), with the run id `hourly_aggregate` uses.
+            merged = sorted_by_gpu_and_time(merged)
             # The buckets after the day's last complete one, and those of the day before, out:
             # one filter, one copy of the shard's buckets.
             kept = ~later if self.cut is None else ~later & (pl.col("ts") > pl.lit(self.cut, dtype=TS_DTYPE))
             buckets.append(hourly_aggregate(merged, self.grid, max_gap=self.max_gap).filter(kept))
-            latest.append(merged.filter(last_kept))
+            latest.append(merged.filter(last_kept).drop(RUN))
 
         # A shard at a time, then the GPUs silent this day (their held rows still complete their
         # first bucket): each shard's rows are copied into one piece, so only one shard's copies

@@ -15,6 +15,7 @@ from polars.testing import assert_frame_equal
 from features import aggregates, bucket_stream
 from features.aggregates import BUCKETS, PRESENCE, build_aggregates, read_buckets, read_presence
 from features.bucket_stream import BucketStream
+from features.labels import gpu_presence
 from features.spec import DEFAULT_MAX_SILENCE
 from features.windows import hourly_aggregate
 from ingest.store import Store
@@ -150,6 +151,24 @@ def test_a_day_is_taken_and_each_of_its_rows_given_once_a_shard_of_whole_gpus_at
         gpus = [set(shard["gpu_uuid"].unique()) for shard in given]
         assert sum(len(g) for g in gpus) == len(set().union(*gpus))  # a GPU in one shard only
         assert pl.concat(given).sort("gpu_uuid", "ts").equals(expected.sort("gpu_uuid", "ts"))
+
+
+def test_a_build_in_shards_stores_each_days_presence_and_counts_each_row_once(telemetry, clean, tmp_path, monkeypatch):
+    # A day's presence is taken from its shards as they are let go (`BucketStream.day`'s
+    # `each_shard`): with shards of 150 rows it must still be the day's, and every row counted.
+    monkeypatch.setattr(bucket_stream, "SHARD_ROWS", 150)
+    store = _store(tmp_path / "data", telemetry)
+    summary = build_aggregates(store)
+    assert summary.telemetry_rows_read == telemetry.height
+    days = store.dates(PRESENCE)
+    assert len(days) == 4  # the fixture's four days
+    for day in days:
+        start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+        rows = telemetry.filter((pl.col("ts") >= start) & (pl.col("ts") < start + timedelta(days=1)))
+        stored = pl.read_parquet(store.files(PRESENCE, day, day))
+        expected = gpu_presence(rows)
+        assert stored.select(expected.columns).sort(expected.columns).equals(expected.sort(expected.columns)), day
+    assert read_buckets(store, *EVERYTHING).sort("gpu_uuid", "ts").equals(clean[0])
 
 
 def test_a_days_buckets_are_stored_in_node_order_in_row_groups_a_shard_read_can_skip(
