@@ -143,13 +143,17 @@ def read_buckets(
     columns: Sequence[str] | None = None,
     where: pl.Expr | None = None,
 ) -> pl.DataFrame:
-    """Stored buckets with after < ts < before (and `where`), `columns` only (all when None)."""
+    """Stored buckets with after < ts < before (and `where`), `columns` only (all when None).
+
+    Columns keep their stored types: a gauge's extremes and last reading are Float32
+    (`_narrowed`), and the window kernels that read them (`features.rolling`) take them to
+    Float64 themselves, exactly. Cast here, every float of a read (a week of the fleet for the
+    newest hour) was copied at twice the bytes, then gathered onto the grid at twice the bytes:
+    serving readiness on the paper fleet took 1-2 s longer and peaked 0.5 GB higher."""
     start = utc(after) + timedelta(microseconds=1)
     frame = store.scan(BUCKETS, start, utc(before), where=where, schema={GPU: pl.String(), "ts": TS_DTYPE})
     if columns is not None:
         frame = frame.select(list(columns))
-    # Back to the types the build aggregates to (`_narrowed`): the same values.
-    frame = frame.with_columns(pl.col(pl.Float32).cast(pl.Float64))
     return store.collect(frame, BUCKETS, start, utc(before)).rechunk()
 
 
