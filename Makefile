@@ -20,8 +20,12 @@ help: ## List the targets
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements.lock
+	@# Compiled to bytecode once here: where PYTHONDONTWRITEBYTECODE is set (as in the image),
+	@# every process would otherwise compile what it imports (a second of each CLI command's
+	@# start, and of a serving replica's).
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -r requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	$(BIN)/python -m compileall -q gpufail ingest features models serving
 	touch $(STAMP)
 
 install: $(STAMP) ## Create .venv with the pinned dependencies (requirements.lock)
