@@ -31,7 +31,8 @@ the same bits.
   80,000 MiB) keeps its small spread; the two pieces are then put on one centre and one time
   origin (the older block's start).
 - `trailing_extremes`: the largest (or smallest) reading among the last k rows (prefix and
-  suffix extremes within blocks of k rows; exact, so any blocks do). Null readings are absent;
+  suffix extremes within blocks of k rows, or each kept row's window scanned alone where few
+  rows are kept; exact, so either way gives the same value). Null readings are absent;
   NaN readings are skipped unless the window has nothing else, as `features.runs` does within
   a bucket.
 """
@@ -234,6 +235,32 @@ def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind
                 out[w, r], state[w, r] = 0.0, 0
 
 
+def _sparse_max_kernel(values, valid, sign, rows, first, sizes, out, state):  # type: ignore[no-untyped-def]
+    # Each kept row's window scanned on its own (`_max_kernel`'s outputs): where kept rows are
+    # few, cheaper than the blocks' passes over every row. `values` in their own float type:
+    # a reading's Float64 is exact, so the extreme is the same value either way.
+    for w in range(sizes.shape[0]):
+        k = sizes[w]
+        for r in range(rows.shape[0]):
+            i = rows[r]
+            best = -np.inf
+            numbers = nans = 0
+            for j in range(max(i - k + 1, first[r]), i + 1):
+                if valid[j]:
+                    v = sign * np.float64(values[j])
+                    if np.isnan(v):
+                        nans += 1
+                    else:
+                        numbers += 1
+                        best = max(best, v)
+            if numbers:
+                out[w, r], state[w, r] = best, 2
+            elif nans:
+                out[w, r], state[w, r] = np.nan, 1
+            else:
+                out[w, r], state[w, r] = 0.0, 0
+
+
 class KeptRows:
     """The rows of a dense grid that are kept (all when `keep` is None), with the first row of
     each one's GPU: what every reduction needs, worked out once per frame.
@@ -345,29 +372,45 @@ def trailing_extremes(
     """Per window size k, the max (or min) reading over the last k rows of the GPU at each kept
     row: Float64, null when the window has no reading, NaN when it has only NaN."""
     sign = 1.0 if how == "max" else -1.0
-    floats = values.cast(pl.Float64)
-    flat = floats.to_numpy()  # nulls as NaN; the kernel reads only the rows whose kind is 2
-    if how == "min":
-        flat = -flat
-    kind = np.full(len(flat), 2, np.int8)
-    kind[np.isnan(flat)] = 1
-    if floats.null_count():
-        kind[floats.is_null().to_numpy()] = 0
     out = np.empty((len(sizes), len(kept)), np.float64)
     state = np.empty((len(sizes), len(kept)), np.int8)
-    compiled(_max_kernel)(
-        flat,
-        kind,
-        kept.segments.starts,
-        kept.segments.ends,
-        kept.rows,
-        kept.first,
-        np.asarray(sizes, np.int64),
-        *kept.floats,
-        *kept.counts,
-        out,
-        state,
-    )
+    if len(kept) * sum(sizes) < 2 * kept.n:
+        # Few kept rows (the newest hour of a week keeps one in 169): each window scanned alone
+        # reads fewer rows than the blocks' two passes per window over every row.
+        floats = values if values.dtype in (pl.Float32, pl.Float64) else values.cast(pl.Float64)
+        valid = floats.is_not_null().to_numpy()
+        compiled(_sparse_max_kernel)(
+            floats.fill_null(0.0).to_numpy(),
+            valid,
+            sign,
+            kept.rows,
+            kept.first,
+            np.asarray(sizes, np.int64),
+            out,
+            state,
+        )
+    else:
+        floats = values.cast(pl.Float64)
+        flat = floats.to_numpy()  # nulls as NaN; the kernel reads only the rows whose kind is 2
+        if how == "min":
+            flat = -flat
+        kind = np.full(len(flat), 2, np.int8)
+        kind[np.isnan(flat)] = 1
+        if floats.null_count():
+            kind[floats.is_null().to_numpy()] = 0
+        compiled(_max_kernel)(
+            flat,
+            kind,
+            kept.segments.starts,
+            kept.segments.ends,
+            kept.rows,
+            kept.first,
+            np.asarray(sizes, np.int64),
+            *kept.floats,
+            *kept.counts,
+            out,
+            state,
+        )
     result = []
     for w in range(len(sizes)):
         s = pl.Series(values.name, sign * out[w], dtype=pl.Float64)
@@ -393,7 +436,8 @@ def trailing_last(values: pl.Series, kept: KeptRows, limit: int) -> pl.Series:
     `limit` rows before it (`forward_fill(limit).over(gpu)` read at the kept rows), as Float64;
     null when there is none. Walking back from the kept rows only: the newest hour keeps one row
     in 168, and the fill over every row of the frame cost more than the rest of its windows."""
-    floats = values.cast(pl.Float64)
+    # A Float32 reading is read as it is stored: its Float64 (in `out`) is exact.
+    floats = values if values.dtype in (pl.Float32, pl.Float64) else values.cast(pl.Float64)
     valid = floats.is_not_null().to_numpy()
     flat = floats.fill_null(0.0).to_numpy()
     out = np.empty(len(kept), np.float64)

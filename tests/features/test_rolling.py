@@ -13,15 +13,16 @@ from features.rolling import KeptRows, gauge_moments, gpu_segments, trailing_ext
 SIZES = [1, 3, 6, 24]
 
 
-def _frame(seed: int) -> tuple[pl.Series, pl.Series, pl.Series]:
-    """GPUs of 1 to 60 rows; values with nulls and NaNs; a random keep mask."""
+def _frame(seed: int, kept_share: float = 0.4) -> tuple[pl.Series, pl.Series, pl.Series]:
+    """GPUs of 1 to 60 rows; values with nulls and NaNs; a random keep mask keeping about
+    `kept_share` of the rows."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 60, 12)
     gpus = pl.Series("gpu", np.repeat([f"GPU-{i:02d}" for i in range(len(lengths))], lengths))
     values = rng.normal(50, 20, len(gpus)).round(1)
     values[rng.random(len(gpus)) < 0.05] = np.nan
     series = pl.Series("v", values).scatter(np.flatnonzero(rng.random(len(gpus)) < 0.2), None)
-    keep = pl.Series(rng.random(len(gpus)) < 0.4)
+    keep = pl.Series(rng.random(len(gpus)) < kept_share)
     return gpus, series, keep
 
 
@@ -52,10 +53,15 @@ def test_trailing_sums_equal_a_sum_over_each_window_at_the_kept_rows_only(seed):
             assert got_sum == pytest.approx(sum(plain[j] for j in windows[i]), abs=1e-9)
 
 
+# 40% kept: the blocks' passes over every row; 3%: each kept row's windows scanned alone.
+@pytest.mark.parametrize("kept_share", [0.4, 0.03])
+@pytest.mark.parametrize("dtype", [pl.Float64, pl.Float32])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("how", ["max", "min"])
-def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(seed, how):
-    gpus, values, keep = _frame(seed)
+def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(seed, how, dtype, kept_share):
+    gpus, values, keep = _frame(seed, kept_share)
+    values = values.cast(dtype)
+    assert keep.sum() > 0
     kept = KeptRows(gpus, keep)
     got = trailing_extremes(values, kept, SIZES, how)
     readings = values.to_list()
@@ -73,10 +79,22 @@ def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(se
             assert (g is None and e is None) or (e is not None and math.isnan(e) and math.isnan(g)) or g == e
 
 
+@pytest.mark.parametrize("how", ["max", "min"])
+def test_trailing_extremes_of_few_kept_rows_are_those_of_every_row_to_the_bit(how):
+    gpus, values, _ = _frame(3)
+    every = trailing_extremes(values, KeptRows(gpus, None), SIZES, how)
+    few = pl.Series(np.arange(len(gpus)) % 40 == 39)
+    sparse = trailing_extremes(values, KeptRows(gpus, few), SIZES, how)
+    for all_rows, kept_rows in zip(every, sparse, strict=True):
+        assert kept_rows.equals(all_rows.filter(few))
+
+
+@pytest.mark.parametrize("dtype", [pl.Float64, pl.Float32])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("limit", [0, 3, 200])
-def test_trailing_last_is_the_gpus_forward_fill_within_the_limit_read_at_the_kept_rows(seed, limit):
+def test_trailing_last_is_the_gpus_forward_fill_within_the_limit_read_at_the_kept_rows(seed, limit, dtype):
     gpus, values, keep = _frame(seed)
+    values = values.cast(dtype)
     kept = KeptRows(gpus, keep)
     got = trailing_last(values, kept, limit)
     filled = pl.DataFrame({"gpu": gpus, "v": values}).select(pl.col("v").forward_fill(limit=limit).over("gpu"))
