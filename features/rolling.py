@@ -438,10 +438,17 @@ def trailing_last(values: pl.Series, kept: KeptRows, limit: int) -> pl.Series:
     in 168, and the fill over every row of the frame cost more than the rest of its windows."""
     # A Float32 reading is read as it is stored: its Float64 (in `out`) is exact.
     floats = values if values.dtype in (pl.Float32, pl.Float64) else values.cast(pl.Float64)
-    valid = floats.is_not_null().to_numpy()
-    flat = floats.fill_null(0.0).to_numpy()
-    out = np.empty(len(kept), np.float64)
-    found = np.empty(len(kept), np.bool_)
-    compiled(_last_kernel)(flat, valid, kept.rows, kept.first, limit, out, found)
+    out, found = last_valid(floats.fill_null(0.0).to_numpy(), floats.is_not_null().to_numpy(), kept, limit, np.float64)
     s = pl.Series(values.name, out, dtype=pl.Float64)
     return s if found.all() else s.set(pl.Series(~found), None)
+
+
+def last_valid(
+    values: np.ndarray, valid: np.ndarray, kept: KeptRows, limit: int, dtype: type[np.generic]
+) -> tuple[np.ndarray, np.ndarray]:
+    """At each kept row, the GPU's last value with `valid` set among that row and the `limit`
+    rows before it, as `dtype`, and whether there was one (`trailing_last` on arrays)."""
+    out = np.empty(len(kept), dtype)
+    found = np.empty(len(kept), np.bool_)
+    compiled(_last_kernel)(values, valid, kept.rows, kept.first, limit, out, found)
+    return out, found

@@ -21,18 +21,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
+import numpy as np
 import polars as pl
 
-from features.rolling import KeptRows
+from features.rolling import KeptRows, gpu_segments, last_valid, trailing_sums
 from features.schema import window_label
 from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, DEFAULT_XID_SINCE_CAP
 from features.windows import (
     ENGINE,
     GPU,
     HOUR_US,
-    WindowSums,
     check_grid,
-    gpu_run_id,
     grid_time,
     kept_frame,
     select_rows,
@@ -75,64 +74,46 @@ def xid_features(
         .select(
             GPU,
             "ts",
-            "last_ts",
             "repeat_count",
+            grid_time(pl.col("ts"), grid).alias("_bucket"),
+            grid_time(pl.col("last_ts"), grid).alias("_last_bucket"),
             pl.col("xid").cast(pl.Int64),
             pl.col("xid").replace_strict(class_map, default="other", return_dtype=pl.String).alias("_class"),
         )
     )
-    # Counts by the incident's first line; repeats by its last line (only then are they known).
-    counts = (
-        ev.with_columns(grid_time(pl.col("ts"), grid).alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg(
-            *[(pl.col("_class") == c).sum().cast(pl.Int32).alias(f"_x_{c}") for c in XID_CLASSES],
-            *[(pl.col("xid") == code).sum().cast(pl.Int32).alias(f"_xc_{code}") for code in codes],
-        )
-        .rename({"ts_bucket": "ts"})
+    grid_rows = _GridRows(keys, grid)
+    # Per grid row: incidents by the incident's first line; repeats by its last line (only then
+    # are they known); the latest incident per class, with incidents before a GPU's first grid
+    # time moved into its first bucket, so "since last" also sees XIDs older than the grid.
+    counts = grid_rows.aggregate(
+        ev,
+        pl.col("_bucket"),
+        [
+            *[(pl.col("_class") == c).sum().alias(f"x_{c}") for c in XID_CLASSES],
+            *[(pl.col("xid") == code).sum().alias(f"xc_{code}") for code in codes],
+        ],
     )
-    repeats = (
-        ev.filter(pl.col("_class") == "application")
-        .with_columns(grid_time(pl.col("last_ts"), grid).alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg(pl.col("repeat_count").sum().cast(pl.Int64).alias("_x_app_rep"))
-        .rename({"ts_bucket": "ts"})
+    repeats = grid_rows.aggregate(
+        ev.filter(pl.col("_class") == "application"),
+        pl.col("_last_bucket"),
+        [pl.col("repeat_count").sum().alias("x_app_rep")],
     )
-    # Latest incident per class per bucket. Incidents before a GPU's first grid time are moved
-    # into its first bucket, so "since last" also sees XIDs older than the grid.
-    first = keys.lazy().group_by(GPU).agg(pl.col("ts").min().alias("_first"))
-    lasts = (
-        ev.with_columns(grid_time(pl.col("ts"), grid).alias("_b"))
-        .join(first, on=GPU, how="inner")
-        .with_columns(pl.max_horizontal("_b", "_first").alias("ts_bucket"))
-        .group_by(GPU, "ts_bucket")
-        .agg(pl.col("ts").filter(pl.col("_class") == c).max().alias(f"_xl_{c}") for c in XID_CLASSES)
-        .rename({"ts_bucket": "ts"})
+    lasts = grid_rows.aggregate(
+        ev,
+        pl.max_horizontal("_bucket", "_first"),
+        [pl.col("ts").filter(pl.col("_class") == c).max().alias(f"_xl_{c}") for c in XID_CLASSES],
     )
-    filled = [f"_x_{c}" for c in XID_CLASSES] + [f"_xc_{code}" for code in codes] + ["_x_app_rep"]
-    lf = (
-        keys.lazy()
-        .select(GPU, "ts")
-        .join(counts, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(repeats, on=[GPU, "ts"], how="left", maintain_order="left")
-        .join(lasts, on=[GPU, "ts"], how="left", maintain_order="left")
-        .with_columns(pl.col(c).fill_null(0) for c in filled)
-        .with_columns(gpu_run_id(), (pl.col("_x_application") >= BURST_MIN).cast(pl.Int32).alias("_x_burst"))
-    )
-    sums = WindowSums(sizes, labels)
-    for c in XID_CLASSES:
-        sums.add(f"x_{c}", pl.col(f"_x_{c}"))
-    for code in codes:
-        sums.add(f"xc_{code}", pl.col(f"_xc_{code}"))
-    sums.add("x_app_rep", pl.col("_x_app_rep"))
-    sums.add("x_burst", pl.col("_x_burst"))
-    # Running sums and the latest incidents need the rows before a kept row; the rest does not.
-    latest = [f"_xl_{c}" for c in XID_CLASSES]
-    frame = lf.with_columns(*sums.columns(), *(pl.col(c).forward_fill().over("_gid").alias(c) for c in latest)).collect(
-        engine=ENGINE
-    )
-    kept = KeptRows(frame[GPU], keep)
-    lf = kept_frame(frame, [GPU, "ts", *latest], keep).with_columns(sums.at(frame, kept)).lazy()
+    # Window sums of each per-row quantity at the kept rows: the counts placed on their rows.
+    kept = KeptRows(keys[GPU], keep)
+    quantities = {name: grid_rows.placed(counts, name) for name in counts.columns if name != _ROW}
+    quantities["x_app_rep"] = grid_rows.placed(repeats, "x_app_rep")
+    quantities["x_burst"] = (quantities["x_application"] >= BURST_MIN).astype(np.float64)
+    sums = []
+    for name, values in quantities.items():
+        for wl, total in zip(labels, trailing_sums(pl.Series(values), kept, sizes), strict=True):
+            sums.append(pl.Series(f"_{name}_{wl}", total))
+    latest = [grid_rows.latest(lasts, f"_xl_{c}", kept) for c in XID_CLASSES]
+    lf = kept_frame(keys, [GPU, "ts"], keep).with_columns(*latest, *sums).lazy()
     out: list[pl.Expr] = []
     for c in XID_CLASSES:
         out += [pl.col(f"_x_{c}_{wl}").alias(f"xid_{c}_count_{wl}") for wl in labels]
@@ -150,6 +131,67 @@ def xid_features(
             .alias(f"xid_{c}_since_last_h")
         )
     return select_rows(lf, out, None, dtype)
+
+
+_ROW = "_row"
+
+
+class _GridRows:
+    """Where per-(GPU, grid time) values go on a dense grid (`keys`: every grid time of each
+    GPU from its first to its last, sorted by (gpu_uuid, ts)): its row is the GPU's first row
+    plus its grid steps from the GPU's first grid time. A value whose time has no row there is
+    dropped, as a join on (gpu_uuid, ts) drops it; joining the grid (every row of a week of the
+    fleet) to the incidents hashed every key, for a few thousand incidents."""
+
+    def __init__(self, keys: pl.DataFrame, grid: timedelta) -> None:
+        self.keys = keys
+        self.grid_us = int(grid / timedelta(microseconds=1))
+        runs = gpu_segments(keys[GPU])
+        self.runs = pl.DataFrame(
+            {
+                GPU: keys[GPU].gather(runs.starts),
+                "_start": runs.starts,
+                "_length": runs.lengths,
+                "_first": keys["ts"].gather(runs.starts),
+                "_last": keys["ts"].gather(runs.ends - 1),
+            }
+        )
+        spans = (self.runs["_last"] - self.runs["_first"]).dt.total_microseconds()
+        if not (spans == (self.runs["_length"] - 1) * self.grid_us).all():
+            raise ValueError(
+                "xid_features keys: expected a dense grid (every grid time of each GPU from its first "
+                "to its last, sorted by (gpu_uuid, ts)); a GPU's rows span more or fewer grid steps than it has"
+            )
+
+    def aggregate(self, events: pl.LazyFrame, at: pl.Expr, aggregations: list[pl.Expr]) -> pl.DataFrame:
+        """`aggregations` of `events` per grid row of their time `at` (an expression that may
+        use `_first`, the GPU's first grid time): `_ROW` and a column per aggregation."""
+        steps = (at - pl.col("_first")).dt.total_microseconds() // self.grid_us
+        placed = (
+            events.join(self.runs.lazy(), on=GPU, how="inner")
+            .with_columns(steps.alias("_steps"))
+            .filter((pl.col("_steps") >= 0) & (pl.col("_steps") < pl.col("_length")))
+            .with_columns((pl.col("_start") + pl.col("_steps")).alias(_ROW))
+        )
+        return placed.group_by(_ROW).agg(aggregations).collect(engine=ENGINE)
+
+    def placed(self, values: pl.DataFrame, column: str) -> np.ndarray:
+        """`column` of `aggregate`'s `values` on every grid row (Float64, 0 where none)."""
+        out = np.zeros(self.keys.height, np.float64)
+        out[values[_ROW].to_numpy()] = values[column].cast(pl.Float64).to_numpy()
+        return out
+
+    def latest(self, values: pl.DataFrame, column: str, kept: KeptRows) -> pl.Series:
+        """At each kept row, `column` (a time) of its GPU's last grid row up to it that has
+        one (`forward_fill().over(GPU)`, read at the kept rows only); null where none has."""
+        present = values.filter(pl.col(column).is_not_null())
+        valid = np.zeros(self.keys.height, np.bool_)
+        valid[present[_ROW].to_numpy()] = True
+        times = np.zeros(self.keys.height, np.int64)
+        times[present[_ROW].to_numpy()] = present[column].dt.epoch("us").to_numpy()
+        out, found = last_valid(times, valid, kept, self.keys.height, np.int64)
+        latest = pl.Series(column, out).cast(pl.Datetime("us", "UTC")).cast(values[column].dtype)
+        return latest if found.all() else latest.set(pl.Series(~found), None)
 
 
 NVML_SOURCE = "nvml"

@@ -13,6 +13,7 @@ from features.build import build_features
 from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
 from features.windows import RUN, dense_grid, grid_time, hourly_aggregate, in_gpu_and_time_order, sorted_by_gpu_and_time
+from features.xids import xid_features
 from tests.features import MIN, NO_XIDS, T0, US, H, at, every, samples, xids
 
 
@@ -337,6 +338,21 @@ def test_key_xid_codes_and_application_bursts():
     assert r7["xid_31_count_1h"] == 2.0 and r7["xid_92_count_1h"] == 1.0 and r7["xid_memory_count_1h"] == 1.0
     assert r7["xid_13_count_6h"] == 3.0
     assert row(out, at(12))["xid_application_burst_h_6h"] == 0.0  # 05:00 .. 06:00 is out of (06:00, 12:00]
+
+
+def test_xid_features_refuse_keys_with_a_gap_in_a_gpus_grid_times():
+    # An incident's grid row is found by counting grid steps from the GPU's first row: keys
+    # with a gap would put it on the wrong row, so they are refused.
+    keys = pl.DataFrame({"gpu_uuid": ["GPU-a", "GPU-a"], "ts": [at(1), at(3)]}).with_columns(
+        pl.col("ts").cast(TS_DTYPE)
+    )
+    events = xids([{"ts": at(2, 30), "gpu_uuid": "GPU-a", "xid": 63}])
+    with pytest.raises(ValueError, match="xid_features keys: expected a dense grid"):
+        xid_features(keys, events)
+    dense = pl.DataFrame({"gpu_uuid": ["GPU-a"] * 3, "ts": [at(1), at(2), at(3)]}).with_columns(
+        pl.col("ts").cast(TS_DTYPE)
+    )
+    assert xid_features(dense, events)["xid_memory_count_1h"].to_list() == [0.0, 0.0, 1.0]
 
 
 def test_windows_must_be_multiples_of_the_grid():
