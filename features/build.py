@@ -18,6 +18,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from features import rolling
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
 from features.labels import GPU, episodes_for, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
@@ -39,6 +40,7 @@ from features.windows import (
     grid_suffix,
     grid_time,
     hourly_aggregate,
+    kernel_columns,
     window_features,
 )
 from features.xids import xid_features
@@ -280,13 +282,16 @@ def iter_features_from_buckets(
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
     parts = [(0, narrow.height)] if whole else gpu_slices(narrow[GPU], rows_per_part)
+    # The columns the window kernels read, read from the buckets through each grid row's bucket
+    # (`_wide_part`), converted once for every part.
+    buckets = None if whole else rolling.BucketArrays(hourly)
     # The parts with a kept row (the last one when none has: a part is always yielded).
     computed = [i for i, (offset, length) in enumerate(parts) if keep.slice(offset, length).any()] or [len(parts) - 1]
 
     def part_rows(i: int) -> pl.DataFrame:
         offset, length = parts[i]
         part_keep = keep.slice(offset, length)
-        part_dense = dense if whole else _wide_part(hourly, narrow.slice(offset, length))
+        part_dense, source = (dense, None) if whole else _wide_part(hourly, narrow.slice(offset, length), spec.grid)
         first = int(kept_before[offset]) if length else 0
         n_kept = int(part_keep.sum())
         return _assemble(
@@ -298,6 +303,8 @@ def iter_features_from_buckets(
             first_seen,
             spec,
             rows_per_chunk=rows_per_chunk,
+            buckets=buckets,
+            source=source,
         )
 
     yield from in_order(part_rows, computed, threads=part_threads)
@@ -337,16 +344,21 @@ def _gpus_with_a_kept_row(gpus: pl.Series, keep: pl.Series) -> pl.Series:
     return pl.Series(kept_per_gpu[run])
 
 
-def _wide_part(hourly: pl.DataFrame, narrow: pl.DataFrame) -> pl.DataFrame:
+def _wide_part(hourly: pl.DataFrame, narrow: pl.DataFrame, grid: timedelta) -> tuple[pl.DataFrame, np.ndarray]:
     """The dense grid (`dense_grid`) of the buckets of the GPUs of `narrow`, a slice of whole
-    GPUs of the narrow grid: its rows and the columns it carries forward are the narrow grid's
-    (both depend on each GPU's own buckets alone), and every other bucket column is gathered by
-    the row each grid row came from, null in an empty bucket. Filtering the buckets of a part and
-    joining them to its grid again took most of a read of the newest hour."""
+    GPUs of the narrow grid, and per grid row the row of `hourly` it came from (-1 for an empty
+    bucket). Its rows and the columns it carries forward are the narrow grid's (both
+    depend on each GPU's own buckets alone); the bucket columns the window kernels read
+    (`kernel_columns`) they read from the buckets through that row, and every other column is
+    gathered by it, null in an empty bucket. Filtering the buckets of a part and joining them to
+    its grid again took most of a read of the newest hour."""
     source = narrow[_SOURCE]
-    other = [c for c in hourly.columns if c not in narrow.columns]
+    skipped = set(narrow.columns) | set(kernel_columns(hourly.columns, grid))
+    other = [c for c in hourly.columns if c not in skipped]
     gathered = hourly.select(other).select(pl.all().gather(source))  # one column per thread
-    return pl.concat([narrow.drop(_SOURCE), gathered], how="horizontal").select(hourly.columns)
+    frame = pl.concat([narrow.drop(_SOURCE), gathered], how="horizontal")
+    rows = source.cast(pl.Int64).fill_null(-1).to_numpy()
+    return frame.select(c for c in hourly.columns if c in frame.columns), rows
 
 
 def _assemble(
@@ -359,14 +371,26 @@ def _assemble(
     spec: FeatureSpec,
     *,
     rows_per_chunk: int | None,
+    buckets: rolling.BucketArrays | None = None,
+    source: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """The feature frame of the kept rows of `dense` (whole GPUs): window and XID features in
-    chunks of whole GPUs, beside the identity columns, the peer features and the labels."""
+    chunks of whole GPUs, beside the identity columns, the peer features and the labels.
+    `buckets`, `source`: where the window kernels read their columns (`window_features`)."""
     pieces: list[pl.DataFrame] = []
     for offset, length in gpu_slices(dense[GPU], rows_per_chunk):
         part, part_keep = dense.slice(offset, length), keep.slice(offset, length)
         keys = part.select(GPU, "ts")
-        wf = window_features(part, spec.grid, spec.windows, first_seen=first_seen, keep=part_keep, dtype=FEATURE_DTYPE)
+        wf = window_features(
+            part,
+            spec.grid,
+            spec.windows,
+            first_seen=first_seen,
+            keep=part_keep,
+            dtype=FEATURE_DTYPE,
+            buckets=buckets,
+            source=None if source is None else source[offset : offset + length],
+        )
         chunk_xid = xid.join(keys.select(GPU).unique(), on=GPU, how="semi")
         xf = xid_features(
             keys,

@@ -110,7 +110,27 @@ def _sums_kernel(values, lo, hi, forward, count, rows, head, tail, ahead, behind
         out[r] = behind[tail[r]] + ahead[i] if tail[r] < head[r] else ahead[i]
 
 
-def _moments_kernel(count, mean, m2, steps, k, lo, hi, forward, pieces, rows, head, tail, ahead, behind, out):  # type: ignore[no-untyped-def]
+def _moments_kernel(
+    count,
+    count_bits,
+    mean,
+    mean_bits,
+    var,
+    var_bits,
+    source,
+    steps,
+    k,
+    lo,
+    hi,
+    forward,
+    pieces,
+    rows,
+    head,
+    tail,
+    ahead,
+    behind,
+    out,
+):  # type: ignore[no-untyped-def]
     # Per row of a piece, from the piece's start (in its order of summation) to the row: the
     # samples n, and about the piece's centre c (its first bucket mean met; NaN: none yet)
     # s = sum of n * (mean - c), q = sum of squares about c; over buckets with a mean, with x the
@@ -125,15 +145,23 @@ def _moments_kernel(count, mean, m2, steps, k, lo, hi, forward, pieces, rows, he
         n = s = q = bn = bx = bxx = by = bxy = 0.0
         c = np.nan
         for t in range(first, stop, step):
-            n += count[t]
-            q += m2[t]
-            if not np.isnan(mean[t]):
+            # The grid row's bucket (-1: none); its bit in `*_bits`: the value is not null. Null
+            # (or no bucket) is a count of 0, no mean, no squared deviations.
+            b = source[t]
+            counted = b >= 0 and (count_bits[b >> 3] >> (b & 7)) & 1
+            nb = np.float64(count[b]) if counted else 0.0
+            n += nb
+            if counted and (var_bits[b >> 3] >> (b & 7)) & 1:
+                m2 = var[b] * (nb - 1.0)  # the bucket's sum of squared deviations
+                if not np.isnan(m2):
+                    q += m2
+            if b >= 0 and (mean_bits[b >> 3] >> (b & 7)) & 1 and not np.isnan(mean[b]):
                 if np.isnan(c):
-                    c = mean[t]
-                d = mean[t] - c
+                    c = mean[b]
+                d = mean[b] - c
                 x = float(steps[t] - origin)
-                s += count[t] * d
-                q += count[t] * d * d
+                s += nb * d
+                q += nb * d * d
                 bn += 1.0
                 bx += x
                 bxx += x * x
@@ -191,15 +219,22 @@ def _moments_kernel(count, mean, m2, steps, k, lo, hi, forward, pieces, rows, he
         out[2, r] = (bn * bxy - bx * by) / denominator if bn > 1 and denominator > 0 else np.nan
 
 
-def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind, numbers, nans, out, state):  # type: ignore[no-untyped-def]
-    # kind per row: 0 no reading, 1 NaN, 2 a number. state per output: the same for the window.
-    # x, ahead, behind, numbers, nans: scratch, one value per row.
+def _max_kernel(
+    values, bits, sign, source, starts, ends, rows, first, sizes, x, ahead, behind, numbers, nans, out, state
+):  # type: ignore[no-untyped-def]
+    # Each grid row reads its bucket's value (`source`; -1: none) times `sign`: a reading when
+    # its bit in `bits` is set (not null), a number unless NaN. state per output: 0 no reading in
+    # the window, 1 only NaN, 2 a number. x, ahead, behind, numbers, nans: scratch, one per row.
     for s in range(starts.shape[0]):
         count_numbers, count_nans = 0, 0
         for i in range(starts[s], ends[s]):
-            x[i] = values[i] if kind[i] == 2 else -np.inf
-            count_numbers += kind[i] == 2
-            count_nans += kind[i] == 1
+            b = source[i]
+            reading = b >= 0 and (bits[b >> 3] >> (b & 7)) & 1
+            v = sign * np.float64(values[b]) if reading else 0.0
+            number = reading and not np.isnan(v)
+            x[i] = v if number else -np.inf
+            count_numbers += number
+            count_nans += reading and not number
             numbers[i], nans[i] = count_numbers, count_nans
     for w in range(sizes.shape[0]):
         k = sizes[w]
@@ -235,7 +270,7 @@ def _max_kernel(values, kind, starts, ends, rows, first, sizes, x, ahead, behind
                 out[w, r], state[w, r] = 0.0, 0
 
 
-def _sparse_max_kernel(values, valid, sign, rows, first, sizes, out, state):  # type: ignore[no-untyped-def]
+def _sparse_max_kernel(values, bits, sign, source, rows, first, sizes, out, state):  # type: ignore[no-untyped-def]
     # Each kept row's window scanned on its own (`_max_kernel`'s outputs): where kept rows are
     # few, cheaper than the blocks' passes over every row. `values` in their own float type:
     # a reading's Float64 is exact, so the extreme is the same value either way.
@@ -246,8 +281,9 @@ def _sparse_max_kernel(values, valid, sign, rows, first, sizes, out, state):  # 
             best = -np.inf
             numbers = nans = 0
             for j in range(max(i - k + 1, first[r]), i + 1):
-                if valid[j]:
-                    v = sign * np.float64(values[j])
+                b = source[j]
+                if b >= 0 and (bits[b >> 3] >> (b & 7)) & 1:
+                    v = sign * np.float64(values[b])
                     if np.isnan(v):
                         nans += 1
                     else:
@@ -267,9 +303,18 @@ class KeptRows:
 
     `steps` are the rows' grid times in grid steps since the epoch (consecutive within a GPU,
     as on a dense grid): the sums' blocks are aligned to them, so that a value does not depend
-    on where the frame starts. Without them the row numbers stand in (for a frame on its own)."""
+    on where the frame starts. Without them the row numbers stand in (for a frame on its own).
 
-    def __init__(self, gpus: pl.Series, keep: pl.Series | None, steps: np.ndarray | None = None) -> None:
+    `source`: per row, the row of the `BucketArrays` its bucket's values are read from (-1
+    where the grid row has no bucket); without it, the same row."""
+
+    def __init__(
+        self,
+        gpus: pl.Series,
+        keep: pl.Series | None,
+        steps: np.ndarray | None = None,
+        source: np.ndarray | None = None,
+    ) -> None:
         self.segments = gpu_segments(gpus)
         self.n = gpus.len()
         self.rows = np.arange(self.n, dtype=np.int64) if keep is None else np.flatnonzero(keep.to_numpy())
@@ -278,6 +323,9 @@ class KeptRows:
         self.steps = np.arange(self.n, dtype=np.int64) if steps is None else np.asarray(steps, np.int64)
         if len(self.steps) != self.n:
             raise ValueError(f"steps: expected one per row ({self.n}), got {len(self.steps)}")
+        self.source = np.arange(self.n, dtype=np.int64) if source is None else np.asarray(source, np.int64)
+        if len(self.source) != self.n:
+            raise ValueError(f"source: expected one per row ({self.n}), got {len(self.source)}")
         # Scratch columns over every row, reused by each reduction of the frame (~150 of them):
         # allocating them per column made the kernel's first touch of each page a page fault.
         self.floats = [np.empty(self.n, np.float64) for _ in range(3)]
@@ -337,26 +385,65 @@ def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> li
     return out
 
 
+class BucketArrays:
+    """Bucket columns as the window kernels read them: each column's values where polars holds
+    them (no copy; a null's slot holds anything) and its validity as a bitmap (bit i of byte
+    i // 8, least significant first: set where not null), kept for the parts of a shard to
+    share. Grid rows read them through `KeptRows.source` (-1: a grid row without a bucket), so a
+    week of the fleet's buckets is not gathered onto its grid, column by column, nor copied again
+    to fill its nulls: most of the work of computing the newest hour."""
+
+    def __init__(self, frame: pl.DataFrame) -> None:
+        self.frame = frame
+        self._kept: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(values, validity bitmap) of a column (Float64 unless numeric). Two threads asking
+        for one column at once may each make them: the same arrays, and no lock to wait on."""
+        if name not in self._kept:
+            s = self.frame[name]
+            if not s.dtype.is_numeric():
+                s = s.cast(pl.Float64)
+            self._kept[name] = numpy_with_validity(s)
+        return self._kept[name]
+
+
+def numpy_with_validity(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A numeric column's values (from its Arrow buffer, no copy where it is one chunk) and its
+    validity bitmap, both starting at the column's first row."""
+    a = s.to_arrow()
+    n, offset = len(a), a.offset
+    values = np.frombuffer(a.buffers()[1], dtype=a.type.to_pandas_dtype())[offset : offset + n]
+    validity = a.buffers()[0]
+    if validity is None:
+        bits = np.full((n + 7) // 8, 0xFF, np.uint8)
+    elif offset % 8 == 0:
+        bits = np.frombuffer(validity, np.uint8)[offset // 8 : offset // 8 + (n + 7) // 8]
+    else:  # a slice that starts inside a byte: its bits moved to the start
+        unpacked = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[offset : offset + n]
+        bits = np.packbits(unpacked, bitorder="little")
+    return values, bits
+
+
 def gauge_moments(
-    count: pl.Series, mean: pl.Series, variance: pl.Series, kept: KeptRows, sizes: Sequence[int]
+    buckets: BucketArrays, count: str, mean: str, variance: str, kept: KeptRows, sizes: Sequence[int]
 ) -> list[tuple[pl.Series, pl.Series, pl.Series]]:
     """Per window size k, a gauge's (mean, std, slope) over the last k rows of the GPU at each
-    kept row, from its per-bucket sample `count`, `mean` and sample `variance` (nulls: no
-    reading): the mean and the sample standard deviation over the samples of the window (null
-    without a sample, or one), and the least-squares slope of the bucket means per grid step
-    (null with fewer than two bucket means). Float64."""
-    n = count.cast(pl.Float64).fill_null(0.0).to_numpy()
-    m = mean.cast(pl.Float64).fill_null(np.nan).to_numpy()
-    m2 = (variance.cast(pl.Float64) * (count.cast(pl.Float64) - 1.0)).fill_null(0.0).fill_nan(0.0).to_numpy()
+    kept row, from its per-bucket sample `count`, `mean` and sample `variance` (columns of
+    `buckets`; nulls: no reading): the mean and the sample standard deviation over the samples of
+    the window (null without a sample, or one), and the least-squares slope of the bucket means
+    per grid step (null with fewer than two bucket means). Float64, named `mean`."""
+    counts, means, variances = (buckets.column(c) for c in (count, mean, variance))
     ahead, behind = kept.moment_scratch()
     result = []
     for k in sizes:
         head, tail, lo, hi, forward, pieces = kept.pieces(k)
         out = np.empty((3, len(kept)), np.float64)
         compiled(_moments_kernel)(
-            n, m, m2, kept.steps, k, lo, hi, forward, pieces, kept.rows, head, tail, ahead, behind, out
-        )
-        result.append(tuple(_nan_as_null(mean.name, column) for column in out))
+            *counts, *means, *variances, kept.source, kept.steps, k, lo, hi, forward, pieces, kept.rows, head, tail,
+            ahead, behind, out,
+        )  # fmt: skip
+        result.append(tuple(_nan_as_null(mean, column) for column in out))
     return result  # type: ignore[return-value]
 
 
@@ -367,45 +454,30 @@ def _nan_as_null(name: str, values: np.ndarray) -> pl.Series:
 
 
 def trailing_extremes(
-    values: pl.Series, kept: KeptRows, sizes: Sequence[int], how: Literal["max", "min"]
+    buckets: BucketArrays, column: str, kept: KeptRows, sizes: Sequence[int], how: Literal["max", "min"]
 ) -> list[pl.Series]:
-    """Per window size k, the max (or min) reading over the last k rows of the GPU at each kept
-    row: Float64, null when the window has no reading, NaN when it has only NaN."""
+    """Per window size k, the max (or min) reading of `column` over the last k rows of the GPU
+    at each kept row: Float64, null when the window has no reading, NaN when it has only NaN."""
     sign = 1.0 if how == "max" else -1.0
+    values, bits = buckets.column(column)
     out = np.empty((len(sizes), len(kept)), np.float64)
     state = np.empty((len(sizes), len(kept)), np.int8)
+    windows = np.asarray(sizes, np.int64)
     if len(kept) * sum(sizes) < 2 * kept.n:
         # Few kept rows (the newest hour of a week keeps one in 169): each window scanned alone
         # reads fewer rows than the blocks' two passes per window over every row.
-        floats = values if values.dtype in (pl.Float32, pl.Float64) else values.cast(pl.Float64)
-        valid = floats.is_not_null().to_numpy()
-        compiled(_sparse_max_kernel)(
-            floats.fill_null(0.0).to_numpy(),
-            valid,
-            sign,
-            kept.rows,
-            kept.first,
-            np.asarray(sizes, np.int64),
-            out,
-            state,
-        )
+        compiled(_sparse_max_kernel)(values, bits, sign, kept.source, kept.rows, kept.first, windows, out, state)
     else:
-        floats = values.cast(pl.Float64)
-        flat = floats.to_numpy()  # nulls as NaN; the kernel reads only the rows whose kind is 2
-        if how == "min":
-            flat = -flat
-        kind = np.full(len(flat), 2, np.int8)
-        kind[np.isnan(flat)] = 1
-        if floats.null_count():
-            kind[floats.is_null().to_numpy()] = 0
         compiled(_max_kernel)(
-            flat,
-            kind,
+            values,
+            bits,
+            sign,
+            kept.source,
             kept.segments.starts,
             kept.segments.ends,
             kept.rows,
             kept.first,
-            np.asarray(sizes, np.int64),
+            windows,
             *kept.floats,
             *kept.counts,
             out,
@@ -413,42 +485,44 @@ def trailing_extremes(
         )
     result = []
     for w in range(len(sizes)):
-        s = pl.Series(values.name, sign * out[w], dtype=pl.Float64)
+        s = pl.Series(column, sign * out[w], dtype=pl.Float64)
         missing = state[w] == 0
         result.append(s.set(pl.Series(missing), None) if missing.any() else s)
     return result
 
 
-def _last_kernel(values, valid, rows, first, limit, out, found):  # type: ignore[no-untyped-def]
+def _last_kernel(values, bits, source, rows, first, limit, out, found):  # type: ignore[no-untyped-def]
     for r in range(rows.shape[0]):
         found[r] = False
         j = rows[r]
         while j >= max(first[r], rows[r] - limit):
-            if valid[j]:
-                out[r] = values[j]
+            b = source[j]
+            if b >= 0 and (bits[b >> 3] >> (b & 7)) & 1:
+                out[r] = values[b]
                 found[r] = True
                 break
             j -= 1
 
 
-def trailing_last(values: pl.Series, kept: KeptRows, limit: int) -> pl.Series:
-    """At each kept row, the GPU's last non-null value of `values` among that row and the
-    `limit` rows before it (`forward_fill(limit).over(gpu)` read at the kept rows), as Float64;
-    null when there is none. Walking back from the kept rows only: the newest hour keeps one row
-    in 168, and the fill over every row of the frame cost more than the rest of its windows."""
-    # A Float32 reading is read as it is stored: its Float64 (in `out`) is exact.
-    floats = values if values.dtype in (pl.Float32, pl.Float64) else values.cast(pl.Float64)
-    out, found = last_valid(floats.fill_null(0.0).to_numpy(), floats.is_not_null().to_numpy(), kept, limit, np.float64)
-    s = pl.Series(values.name, out, dtype=pl.Float64)
+def trailing_last(buckets: BucketArrays, column: str, kept: KeptRows, limit: int) -> pl.Series:
+    """At each kept row, the GPU's last reading (non-null value) of `column` among that row and
+    the `limit` rows before it (`forward_fill(limit).over(gpu)` read at the kept rows), as
+    Float64; null when there is none. Walking back from the kept rows only: the newest hour
+    keeps one row in 168, and the fill over every row of the frame cost more than the rest of
+    its windows."""
+    values, bits = buckets.column(column)
+    out, found = last_valid(values, bits, kept, limit, np.float64)
+    s = pl.Series(column, out, dtype=pl.Float64)
     return s if found.all() else s.set(pl.Series(~found), None)
 
 
 def last_valid(
-    values: np.ndarray, valid: np.ndarray, kept: KeptRows, limit: int, dtype: type[np.generic]
+    values: np.ndarray, bits: np.ndarray, kept: KeptRows, limit: int, dtype: type[np.generic]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """At each kept row, the GPU's last value with `valid` set among that row and the `limit`
-    rows before it, as `dtype`, and whether there was one (`trailing_last` on arrays)."""
+    """At each kept row, the GPU's last value whose bit in the bitmap `bits` is set (see
+    `BucketArrays`) among that row and the `limit` rows before it, as `dtype`, and whether there
+    was one (`trailing_last` on arrays; row j reads element `kept.source[j]`)."""
     out = np.empty(len(kept), dtype)
     found = np.empty(len(kept), np.bool_)
-    compiled(_last_kernel)(values, valid, kept.rows, kept.first, limit, out, found)
+    compiled(_last_kernel)(values, bits, kept.source, kept.rows, kept.first, limit, out, found)
     return out, found

@@ -156,6 +156,17 @@ def aggregated_metrics(columns: Sequence[str], grid: timedelta) -> dict[str, lis
     return kinds
 
 
+def kernel_columns(columns: Sequence[str], grid: timedelta) -> list[str]:
+    """The bucket columns `window_features` reads through `features.rolling.BucketArrays`
+    (a gauge's count, mean, variance, extremes and last reading, a flag's maximum, a counter's
+    last reading), not from the grid frame: the frame needs only the others."""
+    sfx = grid_suffix(grid)
+    kinds = aggregated_metrics(columns, grid)
+    names = [f"{g}_{s}{sfx}" for g in kinds["gauge"] for s in ("count", "mean", "var", "max", "min", "last")]
+    names += [f"{f}_max{sfx}" for f in kinds["flag"]] + [f"{c}_last{sfx}" for c in kinds["counter"]]
+    return [c for c in names if c in set(columns)]
+
+
 def grid_suffix(grid: timedelta) -> str:
     return "_" + window_label(grid)
 
@@ -418,7 +429,7 @@ def kept_frame(frame: pl.DataFrame, columns: Sequence[str], keep: pl.Series | No
 
 
 def window_extremes(
-    frame: pl.DataFrame,
+    buckets: rolling.BucketArrays,
     items: Sequence[tuple[str, str, Literal["max", "min"]]],
     sizes: Sequence[int],
     labels: Sequence[str],
@@ -429,7 +440,7 @@ def window_extremes(
     in the window)."""
     out: list[pl.Series] = []
     for name, column, how in items:
-        extremes = rolling.trailing_extremes(frame[column], kept, sizes, how)
+        extremes = rolling.trailing_extremes(buckets, column, kept, sizes, how)
         out += [s.alias(f"_{name}_{wl}") for s, wl in zip(extremes, labels, strict=True)]
     return out
 
@@ -442,6 +453,8 @@ def window_features(
     first_seen: pl.DataFrame | None = None,
     keep: pl.Series | None = None,
     dtype: type[pl.DataType] | pl.DataType = pl.Float64,
+    buckets: rolling.BucketArrays | None = None,
+    source: np.ndarray | None = None,
 ) -> pl.DataFrame:
     """Telemetry window features on a dense grid (from `dense_grid`, sorted by (gpu_uuid, ts)):
     `gpu_uuid`, `ts`, then `gpu_age_h`, `telemetry_since_last_h`, `telemetry_missing_frac_<w>`;
@@ -454,10 +467,17 @@ def window_features(
     part of its history; by default the first bucket's first sample is used. `keep` (a boolean
     per row of `dense`) returns only those rows, `dtype` is the features' type: both applied
     before the (wide) result is materialised, which saves copying it.
+
+    `buckets` and `source`: the bucket rows of `dense`'s GPUs, and per row of `dense` the row of
+    its bucket there (-1 for none). The columns the window kernels read
+    (`kernel_columns`) then come from `buckets`, and `dense` needs only the others; by default
+    they are `dense`'s own.
     """
     sizes = check_grid(grid, windows)
     sfx = grid_suffix(grid)
-    kinds = aggregated_metrics(dense.columns, grid)
+    if buckets is None:
+        buckets, source = rolling.BucketArrays(dense), None
+    kinds = aggregated_metrics(buckets.frame.columns, grid)
     labels = [window_label(w) for w in windows]
     k_max = max(sizes)
     grid_h = _us(grid) / HOUR_US
@@ -495,12 +515,10 @@ def window_features(
         .with_columns(interval.alias("_interval_s"), *first_here, *sums.columns())
         .collect(engine=ENGINE)
     )
-    kept = rolling.KeptRows(frame[GPU], keep, grid_steps(frame["ts"], grid))
+    kept = rolling.KeptRows(frame[GPU], keep, grid_steps(frame["ts"], grid), source)
     moments: list[pl.Series] = []
     for g in kinds["gauge"]:
-        per_window = rolling.gauge_moments(
-            frame[f"{g}_count{sfx}"], frame[f"{g}_mean{sfx}"], frame[f"{g}_var{sfx}"], kept, sizes
-        )
+        per_window = rolling.gauge_moments(buckets, f"{g}_count{sfx}", f"{g}_mean{sfx}", f"{g}_var{sfx}", kept, sizes)
         for wl, (mean_w, std_w, slope_w) in zip(labels, per_window, strict=True):
             moments += [
                 mean_w.alias(f"_{g}_mean_{wl}"),
@@ -513,12 +531,12 @@ def window_features(
     extremes += [(f"{f}_mx", f"{f}_max{sfx}", "max") for f in kinds["flag"]]
     carried = [GPU, "ts", "last_sample_ts", "_interval_s", *(c for c in ("_first",) if c in frame.columns)]
     lasts = [
-        rolling.trailing_last(frame[f"{m}_last{sfx}"], kept, last_limit).alias(f"_last_{m}")
+        rolling.trailing_last(buckets, f"{m}_last{sfx}", kept, last_limit).alias(f"_last_{m}")
         for m in (*kinds["gauge"], *kinds["counter"])
     ]
     lf = (
         kept_frame(frame, carried, keep)
-        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(frame, extremes, sizes, labels, kept), *lasts)
+        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(buckets, extremes, sizes, labels, kept), *lasts)
         .lazy()
     )
     del frame

@@ -189,7 +189,7 @@ class _GridRows:
         valid[present[_ROW].to_numpy()] = True
         times = np.zeros(self.keys.height, np.int64)
         times[present[_ROW].to_numpy()] = present[column].dt.epoch("us").to_numpy()
-        out, found = last_valid(times, valid, kept, self.keys.height, np.int64)
+        out, found = last_valid(times, np.packbits(valid, bitorder="little"), kept, self.keys.height, np.int64)
         latest = pl.Series(column, out).cast(pl.Datetime("us", "UTC")).cast(values[column].dtype)
         return latest if found.all() else latest.set(pl.Series(~found), None)
 

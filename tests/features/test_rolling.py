@@ -8,7 +8,16 @@ import numpy as np
 import polars as pl
 import pytest
 
-from features.rolling import KeptRows, gauge_moments, gpu_segments, trailing_extremes, trailing_last, trailing_sums
+from features.rolling import (
+    BucketArrays,
+    KeptRows,
+    gauge_moments,
+    gpu_segments,
+    numpy_with_validity,
+    trailing_extremes,
+    trailing_last,
+    trailing_sums,
+)
 
 SIZES = [1, 3, 6, 24]
 
@@ -24,6 +33,15 @@ def _frame(seed: int, kept_share: float = 0.4) -> tuple[pl.Series, pl.Series, pl
     series = pl.Series("v", values).scatter(np.flatnonzero(rng.random(len(gpus)) < 0.2), None)
     keep = pl.Series(rng.random(len(gpus)) < kept_share)
     return gpus, series, keep
+
+
+def _column(values: pl.Series) -> tuple[BucketArrays, str]:
+    """A column as the kernels read it: the frame's arrays and the column's name."""
+    return BucketArrays(values.to_frame("v")), "v"
+
+
+def _gauge(count: pl.Series, mean: pl.Series, variance: pl.Series) -> tuple[BucketArrays, str, str, str]:
+    return BucketArrays(pl.DataFrame({"c": count, "m": mean, "v": variance})), "c", "m", "v"
 
 
 def _windows(gpus: pl.Series, k: int) -> list[range]:
@@ -63,7 +81,7 @@ def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(se
     values = values.cast(dtype)
     assert keep.sum() > 0
     kept = KeptRows(gpus, keep)
-    got = trailing_extremes(values, kept, SIZES, how)
+    got = trailing_extremes(*_column(values), kept, SIZES, how)
     readings = values.to_list()
     pick = max if how == "max" else min
     for k, extremes in zip(SIZES, got, strict=True):
@@ -82,9 +100,9 @@ def test_trailing_extremes_skip_nulls_and_nans_and_are_null_without_a_reading(se
 @pytest.mark.parametrize("how", ["max", "min"])
 def test_trailing_extremes_of_few_kept_rows_are_those_of_every_row_to_the_bit(how):
     gpus, values, _ = _frame(3)
-    every = trailing_extremes(values, KeptRows(gpus, None), SIZES, how)
+    every = trailing_extremes(*_column(values), KeptRows(gpus, None), SIZES, how)
     few = pl.Series(np.arange(len(gpus)) % 40 == 39)
-    sparse = trailing_extremes(values, KeptRows(gpus, few), SIZES, how)
+    sparse = trailing_extremes(*_column(values), KeptRows(gpus, few), SIZES, how)
     for all_rows, kept_rows in zip(every, sparse, strict=True):
         assert kept_rows.equals(all_rows.filter(few))
 
@@ -96,7 +114,7 @@ def test_trailing_last_is_the_gpus_forward_fill_within_the_limit_read_at_the_kep
     gpus, values, keep = _frame(seed)
     values = values.cast(dtype)
     kept = KeptRows(gpus, keep)
-    got = trailing_last(values, kept, limit)
+    got = trailing_last(*_column(values), kept, limit)
     filled = pl.DataFrame({"gpu": gpus, "v": values}).select(pl.col("v").forward_fill(limit=limit).over("gpu"))
     expected = filled["v"].filter(keep)
     assert got.dtype == pl.Float64
@@ -116,7 +134,7 @@ def test_without_a_keep_mask_every_row_is_kept():
 def test_a_window_longer_than_the_gpus_rows_covers_them_all():
     gpus = pl.Series(["a"] * 3)
     kept = KeptRows(gpus, pl.Series([False, False, True]))
-    (mx,) = trailing_extremes(pl.Series([5.0, None, 2.0]), kept, [168], "max")
+    (mx,) = trailing_extremes(*_column(pl.Series([5.0, None, 2.0])), kept, [168], "max")
     (total,) = trailing_sums(pl.Series([5.0, None, 2.0]), kept, [168])
     assert mx.to_list() == [5.0]
     assert total.tolist() == [7.0]
@@ -165,7 +183,7 @@ def test_gauge_moments_equal_the_window_statistics_of_the_samples(seed, share):
     gpus, count, mean, variance, steps = _gauge_frame(seed)
     keep = pl.Series(np.random.default_rng(seed + 7).random(len(gpus)) < share)
     kept = KeptRows(gpus, keep, steps)
-    got = gauge_moments(count, mean, variance, kept, SIZES)
+    got = gauge_moments(*_gauge(count, mean, variance), kept, SIZES)
     c, m, v = (s.fill_null(math.nan).to_numpy() for s in (count, mean, variance))
     rows = np.flatnonzero(keep.to_numpy())
     for k, (means, stds, slopes) in zip(SIZES, got, strict=True):
@@ -198,7 +216,7 @@ def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
     values = (mean - 79_990.0) * 1.1
     whole = KeptRows(gpus, None, steps)
     reference_sums = trailing_sums(values, whole, SIZES)
-    reference_moments = gauge_moments(count, mean, variance, whole, SIZES)
+    reference_moments = gauge_moments(*_gauge(count, mean, variance), whole, SIZES)
     k_max = max(SIZES)
     segments = gpu_segments(gpus)
     for cut in (1, 5, 17):
@@ -215,8 +233,69 @@ def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
             kept = KeptRows(gpus.gather(frame), pl.Series(keep), steps[frame])
             original = frame[keep]
             sums = trailing_sums(values.gather(frame), kept, SIZES)
-            moments = gauge_moments(count.gather(frame), mean.gather(frame), variance.gather(frame), kept, SIZES)
+            moments = gauge_moments(
+                *_gauge(count.gather(frame), mean.gather(frame), variance.gather(frame)), kept, SIZES
+            )
+            # The same rows read through their source rows instead of gathered.
+            through = KeptRows(gpus.gather(frame), pl.Series(keep), steps[frame], source=frame)
+            read = gauge_moments(*_gauge(count, mean, variance), through, SIZES)
             for w in range(len(SIZES)):
                 assert np.array_equal(sums[w], reference_sums[w][original])
-                for got, expected in zip(moments[w], reference_moments[w], strict=True):
+                for got, by_source, expected in zip(moments[w], read[w], reference_moments[w], strict=True):
                     assert got.equals(expected.gather(original))
+                    assert by_source.equals(got)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("share", [1.0, 0.03])
+def test_grid_rows_read_through_their_buckets_equal_the_buckets_gathered_onto_the_grid(seed, share):
+    """A grid row reads its bucket's values through `KeptRows.source`, and a row without a
+    bucket (-1) reads as no reading: the same bits as the bucket columns gathered onto the
+    grid, nulls in its empty rows."""
+    gpus, count, mean, variance, steps = _gauge_frame(seed)
+    rng = np.random.default_rng(seed)
+    readings = pl.Series("x", rng.normal(50, 20, len(gpus)).round(2)).scatter(
+        np.flatnonzero(rng.random(len(gpus)) < 0.1), None
+    )
+    buckets = pl.DataFrame(
+        {"c": count, "m": mean, "v": variance, "x": readings, "n": pl.Series(rng.integers(0, 9, len(gpus)))}
+    )
+    # The buckets stored in another order, and some grid rows without one.
+    order = rng.permutation(len(gpus))
+    stored = buckets[order]
+    source = np.argsort(order)
+    source[rng.random(len(gpus)) < 0.1] = -1
+    gathered = stored.select(pl.all().gather(pl.Series(source).cast(pl.Int64).replace(-1, None)))
+    keep = pl.Series(rng.random(len(gpus)) < share)
+    on_grid = KeptRows(gpus, keep, steps)
+    through = KeptRows(gpus, keep, steps, source=source)
+    direct, indirect = BucketArrays(gathered), BucketArrays(stored)
+    for how in ("max", "min"):
+        for column in ("x", "n"):
+            for a, b in zip(
+                trailing_extremes(direct, column, on_grid, SIZES, how),
+                trailing_extremes(indirect, column, through, SIZES, how),
+                strict=True,
+            ):
+                assert a.equals(b)
+    assert trailing_last(direct, "x", on_grid, 5).equals(trailing_last(indirect, "x", through, 5))
+    for a, b in zip(
+        gauge_moments(direct, "c", "m", "v", on_grid, SIZES),
+        gauge_moments(indirect, "c", "m", "v", through, SIZES),
+        strict=True,
+    ):
+        for x, y in zip(a, b, strict=True):
+            assert x.equals(y)
+
+
+@pytest.mark.parametrize("offset", [0, 3, 8, 11])
+def test_numpy_with_validity_reads_a_slice_from_its_first_row(offset):
+    values = pl.Series([float(i) if i % 3 else None for i in range(40)], dtype=pl.Float32)
+    piece = values.slice(offset, 20)
+    got, bits = numpy_with_validity(piece)
+    valid = np.unpackbits(bits, bitorder="little")[:20].astype(bool)
+    assert valid.tolist() == piece.is_not_null().to_list()
+    assert got[valid].tolist() == piece.drop_nulls().to_list()
+    assert got.dtype == np.float32
+    _, all_valid = numpy_with_validity(pl.Series([1, 2, 3]))
+    assert np.unpackbits(all_valid, bitorder="little")[:3].tolist() == [1, 1, 1]
