@@ -93,18 +93,23 @@ def _pieces_kernel(steps, starts, ends, rows, first, k, dense, head, tail, lo, h
     return count
 
 
-def _sums_kernel(values, lo, hi, forward, count, rows, head, tail, ahead, behind, out):  # type: ignore[no-untyped-def]
+def _sums_kernel(
+    values, bits, readings, source, lo, hi, forward, count, every_row, rows, head, tail, ahead, behind, out
+):  # type: ignore[no-untyped-def]
     # ahead[t]: the sum from t's piece start forwards to t; behind[t]: from its end back to t.
+    # Row t adds its bucket's value (`source`; -1: none), 0 where null or none; or, with
+    # `readings`, 1 where there is a value.
     for p in range(count):
         total = 0.0
-        if forward[p]:
-            for t in range(lo[p], hi[p]):
-                total += values[t]
-                ahead[t] = total
-        else:
-            for t in range(hi[p] - 1, lo[p] - 1, -1):
-                total += values[t]
-                behind[t] = total
+        step = 1 if forward[p] else -1
+        first, stop = (lo[p], hi[p]) if forward[p] else (hi[p] - 1, lo[p] - 1)
+        target = ahead if forward[p] else behind
+        for t in range(first, stop, step):
+            b = source[t]
+            if b >= 0 and (bits[b >> 3] >> (b & 7)) & 1:
+                total += 1.0 if readings else np.float64(values[b])
+            if every_row or t == stop - step:
+                target[t] = total
     for r in range(rows.shape[0]):
         i = rows[r]
         out[r] = behind[tail[r]] + ahead[i] if tail[r] < head[r] else ahead[i]
@@ -124,6 +129,7 @@ def _moments_kernel(
     hi,
     forward,
     pieces,
+    every_row,
     rows,
     head,
     tail,
@@ -135,7 +141,9 @@ def _moments_kernel(
     # samples n, and about the piece's centre c (its first bucket mean met; NaN: none yet)
     # s = sum of n * (mean - c), q = sum of squares about c; over buckets with a mean, with x the
     # bucket's grid steps from its block's start: bn, bx, bxx, by = sum of (mean - c), bxy.
-    # Stored as rows 0..8 (n, s, q, bn, bx, bxx, by, bxy, c) of ahead / behind.
+    # Stored as columns 0..8 (n, s, q, bn, bx, bxx, by, bxy, c) of ahead / behind: at every row
+    # of the piece with `every_row` (every block's pieces, which the kept rows share), else at
+    # its last row only (each kept row's own pieces: what it reads).
     for p in range(pieces):
         origin = steps[lo[p]] - steps[lo[p]] % k
         if forward[p]:
@@ -167,36 +175,37 @@ def _moments_kernel(
                 bxx += x * x
                 by += d
                 bxy += x * d
-            target = ahead if forward[p] else behind
-            target[0, t], target[1, t], target[2, t], target[3, t] = n, s, q, bn
-            target[4, t], target[5, t], target[6, t], target[7, t], target[8, t] = bx, bxx, by, bxy, c
+            if every_row or t == stop - step:
+                target = ahead if forward[p] else behind
+                target[t, 0], target[t, 1], target[t, 2], target[t, 3] = n, s, q, bn
+                target[t, 4], target[t, 5], target[t, 6], target[t, 7], target[t, 8] = bx, bxx, by, bxy, c
     for r in range(rows.shape[0]):
         i = rows[r]
         n, s, q, bn, bx, bxx, by, bxy, c = (
-            ahead[0, i],
-            ahead[1, i],
-            ahead[2, i],
-            ahead[3, i],
-            ahead[4, i],
-            ahead[5, i],
-            ahead[6, i],
-            ahead[7, i],
-            ahead[8, i],
+            ahead[i, 0],
+            ahead[i, 1],
+            ahead[i, 2],
+            ahead[i, 3],
+            ahead[i, 4],
+            ahead[i, 5],
+            ahead[i, 6],
+            ahead[i, 7],
+            ahead[i, 8],
         )
         if tail[r] < head[r]:
             # The older block's tail joins: both on one centre (the newer piece's when it has
             # one) and one time origin (the older block's start, k steps before the newer's).
             j = tail[r]
             n0, s0, q0, bn0, bx0, bxx0, by0, bxy0, c0 = (
-                behind[0, j],
-                behind[1, j],
-                behind[2, j],
-                behind[3, j],
-                behind[4, j],
-                behind[5, j],
-                behind[6, j],
-                behind[7, j],
-                behind[8, j],
+                behind[j, 0],
+                behind[j, 1],
+                behind[j, 2],
+                behind[j, 3],
+                behind[j, 4],
+                behind[j, 5],
+                behind[j, 6],
+                behind[j, 7],
+                behind[j, 8],
             )
             if np.isnan(c):
                 c = c0
@@ -337,9 +346,10 @@ class KeptRows:
         return len(self.rows)
 
     def pieces(self, k: int) -> tuple[Any, ...]:
-        """For windows of k rows: (head, tail, lo, hi, forward, count), each kept row's block
-        start and window start, and the pieces to sum (`_pieces_kernel`). Every block's pieces
-        when the kept rows' own would add more rows than two passes over the frame."""
+        """For windows of k rows: (head, tail, lo, hi, forward, count, every_row), each kept
+        row's block start and window start, the pieces to sum (`_pieces_kernel`), and whether
+        they are every block's (read at every row), which they are when the kept rows' own would
+        add more rows than two passes over the frame."""
         if k not in self._pieces:
             dense = len(self.rows) * k >= 2 * self.n
             size = 2 * self.n if dense else 2 * len(self.rows)
@@ -349,40 +359,15 @@ class KeptRows:
                 self.steps, self.segments.starts, self.segments.ends, self.rows, self.first, k, dense,
                 head, tail, lo, hi, forward,
             )  # fmt: skip
-            self._pieces[k] = (head, tail, lo, hi, forward, np.int64(count))
+            self._pieces[k] = (head, tail, lo, hi, forward, np.int64(count), dense)
         return self._pieces[k]
 
     def moment_scratch(self) -> tuple[np.ndarray, np.ndarray]:
-        """Two (9, rows) float arrays for `gauge_moments`, allocated on first use."""
+        """Two (rows, 9) float arrays for `gauge_moments`, allocated on first use (a row's nine
+        together: where only the kept rows' pieces are summed, few pages are touched)."""
         if self._moments is None:
-            self._moments = (np.empty((9, self.n), np.float64), np.empty((9, self.n), np.float64))
+            self._moments = (np.empty((self.n, 9), np.float64), np.empty((self.n, 9), np.float64))
         return self._moments
-
-
-def _zero_filled(values: pl.Series) -> np.ndarray:
-    """The column as a Float64 numpy array, nulls as 0. Cast and filled only when needed: the
-    window quantities (~150 columns a part) are Float64 without nulls already, and a cast and a
-    fill would each copy the column again. (No speed-up measurable in a whole build: README.)"""
-    if values.dtype != pl.Float64:
-        values = values.cast(pl.Float64)
-    if values.null_count():
-        values = values.fill_null(0.0)
-    return values.to_numpy()
-
-
-def trailing_sums(values: pl.Series, kept: KeptRows, sizes: Sequence[int]) -> list[np.ndarray]:
-    """Per window size k, the sum of `values` (nulls as 0, as Float64) over the last k rows of
-    the GPU at each kept row."""
-    flat = _zero_filled(values)
-    out = []
-    for k in sizes:
-        head, tail, lo, hi, forward, count = kept.pieces(k)
-        sums = np.empty(len(kept), np.float64)
-        compiled(_sums_kernel)(
-            flat, lo, hi, forward, count, kept.rows, head, tail, kept.floats[0], kept.floats[1], sums
-        )
-        out.append(sums)
-    return out
 
 
 class BucketArrays:
@@ -425,6 +410,24 @@ def numpy_with_validity(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
     return values, bits
 
 
+def trailing_sums(
+    buckets: BucketArrays, column: str, kept: KeptRows, sizes: Sequence[int], *, readings: bool = False
+) -> list[np.ndarray]:
+    """Per window size k, the sum of `column` (nulls as 0, as Float64) over the last k rows of
+    the GPU at each kept row; with `readings`, how many of those rows have a value (not null)."""
+    values, bits = buckets.column(column)
+    out = []
+    for k in sizes:
+        head, tail, lo, hi, forward, count, every_row = kept.pieces(k)
+        sums = np.empty(len(kept), np.float64)
+        compiled(_sums_kernel)(
+            values, bits, readings, kept.source, lo, hi, forward, count, every_row, kept.rows, head, tail,
+            kept.floats[0], kept.floats[1], sums,
+        )  # fmt: skip
+        out.append(sums)
+    return out
+
+
 def gauge_moments(
     buckets: BucketArrays, count: str, mean: str, variance: str, kept: KeptRows, sizes: Sequence[int]
 ) -> list[tuple[pl.Series, pl.Series, pl.Series]]:
@@ -437,10 +440,11 @@ def gauge_moments(
     ahead, behind = kept.moment_scratch()
     result = []
     for k in sizes:
-        head, tail, lo, hi, forward, pieces = kept.pieces(k)
+        head, tail, lo, hi, forward, pieces, every_row = kept.pieces(k)
         out = np.empty((3, len(kept)), np.float64)
         compiled(_moments_kernel)(
-            *counts, *means, *variances, kept.source, kept.steps, k, lo, hi, forward, pieces, kept.rows, head, tail,
+            *counts, *means, *variances, kept.source, kept.steps, k, lo, hi, forward, pieces, every_row, kept.rows,
+            head, tail,
             ahead, behind, out,
         )  # fmt: skip
         result.append(tuple(_nan_as_null(mean, column) for column in out))

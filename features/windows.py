@@ -156,15 +156,11 @@ def aggregated_metrics(columns: Sequence[str], grid: timedelta) -> dict[str, lis
     return kinds
 
 
-def kernel_columns(columns: Sequence[str], grid: timedelta) -> list[str]:
-    """The bucket columns `window_features` reads through `features.rolling.BucketArrays`
-    (a gauge's count, mean, variance, extremes and last reading, a flag's maximum, a counter's
-    last reading), not from the grid frame: the frame needs only the others."""
-    sfx = grid_suffix(grid)
-    kinds = aggregated_metrics(columns, grid)
-    names = [f"{g}_{s}{sfx}" for g in kinds["gauge"] for s in ("count", "mean", "var", "max", "min", "last")]
-    names += [f"{f}_max{sfx}" for f in kinds["flag"]] + [f"{c}_last{sfx}" for c in kinds["counter"]]
-    return [c for c in names if c in set(columns)]
+def grid_frame_columns(grid: timedelta) -> list[str]:
+    """The bucket columns `window_features` reads from its grid frame (beside gpu_uuid, ts and
+    last_sample_ts): the sampling interval's rolling median and the first sample. Every other
+    bucket column it reads through `features.rolling.BucketArrays`, from the buckets."""
+    return [f"sample_interval_s{grid_suffix(grid)}", "first_sample_ts"]
 
 
 def grid_suffix(grid: timedelta) -> str:
@@ -391,34 +387,28 @@ class WindowSums:
     the kept rows of a dense grid (sorted by (gpu_uuid, ts), every grid time present, so "the
     last k rows" is the window of k grid steps).
 
-    `add` names a quantity, `columns` are the expressions that put each one on every row of the
-    frame (as `_q_<name>`), `at` reduces them to the window sums `_<name>_<w>` at the kept
-    rows (`features.rolling.trailing_sums`). A sum's rounding depends only on the rows of its
-    window, so neither appending later data nor starting the frame elsewhere changes a value.
+    `add` names a quantity, a bucket column or its readings; `at` reduces each to the window
+    sums `_<name>_<w>` at the kept rows (`features.rolling.trailing_sums`, reading the buckets
+    through each grid row's). A sum's rounding depends only on the rows of its window, so
+    neither appending later data nor starting the frame elsewhere changes a value.
     """
 
     def __init__(self, sizes: Sequence[int], labels: Sequence[str]) -> None:
-        self.windows = list(zip(sizes, labels, strict=True))
-        self.quantities: list[tuple[str, pl.Expr, list[tuple[int, str]]]] = []
+        self.sizes = list(sizes)
+        self.labels = list(labels)
+        self.quantities: list[tuple[str, str, bool]] = []
 
-    def add(self, name: str, e: pl.Expr, *, longer_than_grid_only: bool = False) -> None:
-        """Columns `_<name>_<w>`: the sum of `e` (nulls count as 0) over each window (only the
-        windows longer than one grid step with `longer_than_grid_only`). `e` must be a row-wise
-        expression of the frame."""
-        windows = [(k, wl) for k, wl in self.windows if k > 1 or not longer_than_grid_only]
-        if windows:
-            self.quantities.append((name, e.cast(pl.Float64).fill_null(0.0).alias(f"_q_{name}"), windows))
+    def add(self, name: str, column: str, *, readings: bool = False) -> None:
+        """Columns `_<name>_<w>`: the sum of the bucket column `column` (nulls count as 0) over
+        each window; with `readings`, how many buckets of the window have a value."""
+        self.quantities.append((name, column, readings))
 
-    def columns(self) -> list[pl.Expr]:
-        """The quantities, to be computed on every row of the frame."""
-        return [e for _, e, _ in self.quantities]
-
-    def at(self, frame: pl.DataFrame, kept: rolling.KeptRows) -> list[pl.Series]:
-        """The window sums at the kept rows of `frame` (which holds `columns()`)."""
+    def at(self, buckets: rolling.BucketArrays, kept: rolling.KeptRows) -> list[pl.Series]:
+        """The window sums at the kept rows."""
         out: list[pl.Series] = []
-        for name, _, windows in self.quantities:
-            sums = rolling.trailing_sums(frame[f"_q_{name}"], kept, [k for k, _ in windows])
-            out += [pl.Series(f"_{name}_{wl}", s) for (_, wl), s in zip(windows, sums, strict=True)]
+        for name, column, readings in self.quantities:
+            sums = rolling.trailing_sums(buckets, column, kept, self.sizes, readings=readings)
+            out += [pl.Series(f"_{name}_{wl}", s) for wl, s in zip(self.labels, sums, strict=True)]
         return out
 
 
@@ -469,9 +459,9 @@ def window_features(
     before the (wide) result is materialised, which saves copying it.
 
     `buckets` and `source`: the bucket rows of `dense`'s GPUs, and per row of `dense` the row of
-    its bucket there (-1 for none). The columns the window kernels read
-    (`kernel_columns`) then come from `buckets`, and `dense` needs only the others; by default
-    they are `dense`'s own.
+    its bucket there (-1 for none). The window kernels then read their columns from `buckets`,
+    and `dense` needs only gpu_uuid, ts, last_sample_ts and `grid_frame_columns`; by default
+    they read `dense`'s own.
     """
     sizes = check_grid(grid, windows)
     sfx = grid_suffix(grid)
@@ -484,19 +474,18 @@ def window_features(
 
     # Stage 1: sums per window (temporary columns `_<quantity>_<w>`).
     sums = WindowSums(sizes, labels)
-    sums.add("n", pl.col(f"n_samples{sfx}"))
+    sums.add("n", f"n_samples{sfx}")
     # Gauges' mean, standard deviation and slope come from their bucket counts, means and
     # variances (`features.rolling.gauge_moments`), after stage 1.
     for c in kinds["counter"]:
-        increase = pl.col(f"{c}_increase{sfx}")
-        sums.add(f"{c}_inc", increase)
-        sums.add(f"{c}_readings", increase.is_not_null())
+        sums.add(f"{c}_inc", f"{c}_increase{sfx}")
+        sums.add(f"{c}_readings", f"{c}_increase{sfx}", readings=True)
     for b in kinds["bitmask"]:
         groups = bitmask_groups(b)
         if groups:
-            sums.add(f"{b}_n", pl.col(f"{b}_count{sfx}"))
+            sums.add(f"{b}_n", f"{b}_count{sfx}")
         for group in groups:
-            sums.add(f"{b}_{group}", pl.col(f"{b}_{group}_n{sfx}"))
+            sums.add(f"{b}_{group}", f"{b}_{group}_n{sfx}")
     interval = (
         pl.col(f"sample_interval_s{sfx}").rolling_median(k_max, min_samples=1).over(GID)
         if k_max > 1
@@ -512,7 +501,7 @@ def window_features(
     frame = (
         dense.lazy()
         .with_columns(gpu_run_id())
-        .with_columns(interval.alias("_interval_s"), *first_here, *sums.columns())
+        .with_columns(interval.alias("_interval_s"), *first_here)
         .collect(engine=ENGINE)
     )
     kept = rolling.KeptRows(frame[GPU], keep, grid_steps(frame["ts"], grid), source)
@@ -536,7 +525,9 @@ def window_features(
     ]
     lf = (
         kept_frame(frame, carried, keep)
-        .with_columns(*sums.at(frame, kept), *moments, *window_extremes(buckets, extremes, sizes, labels, kept), *lasts)
+        .with_columns(
+            *sums.at(buckets, kept), *moments, *window_extremes(buckets, extremes, sizes, labels, kept), *lasts
+        )
         .lazy()
     )
     del frame

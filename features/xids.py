@@ -24,7 +24,7 @@ from datetime import timedelta
 import numpy as np
 import polars as pl
 
-from features.rolling import KeptRows, gpu_segments, last_valid, trailing_sums
+from features.rolling import BucketArrays, KeptRows, gpu_segments, last_valid, trailing_sums
 from features.schema import window_label
 from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, DEFAULT_XID_SINCE_CAP
 from features.windows import (
@@ -108,9 +108,10 @@ def xid_features(
     quantities = {name: grid_rows.placed(counts, name) for name in counts.columns if name != _ROW}
     quantities["x_app_rep"] = grid_rows.placed(repeats, "x_app_rep")
     quantities["x_burst"] = (quantities["x_application"] >= BURST_MIN).astype(np.float64)
+    placed = BucketArrays(pl.DataFrame(quantities))
     sums = []
-    for name, values in quantities.items():
-        for wl, total in zip(labels, trailing_sums(pl.Series(values), kept, sizes), strict=True):
+    for name in quantities:
+        for wl, total in zip(labels, trailing_sums(placed, name, kept, sizes), strict=True):
             sums.append(pl.Series(f"_{name}_{wl}", total))
     latest = [grid_rows.latest(lasts, f"_xl_{c}", kept) for c in XID_CLASSES]
     lf = kept_frame(keys, [GPU, "ts"], keep).with_columns(*latest, *sums).lazy()

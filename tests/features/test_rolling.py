@@ -56,19 +56,24 @@ def _windows(gpus: pl.Series, k: int) -> list[range]:
     return out
 
 
+# 40% kept: every block's sums, read at every row; 3%: each kept row's own, read at their ends.
+@pytest.mark.parametrize("kept_share", [0.4, 0.03])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_trailing_sums_equal_a_sum_over_each_window_at_the_kept_rows_only(seed):
-    gpus, values, keep = _frame(seed)
+def test_trailing_sums_equal_a_sum_over_each_window_at_the_kept_rows_only(seed, kept_share):
+    gpus, values, keep = _frame(seed, kept_share)
     kept = KeptRows(gpus, keep)
     values = values.fill_nan(1.5)  # a running sum would carry a NaN on: the quantities summed have none
-    got = trailing_sums(values, kept, SIZES)
+    got = trailing_sums(*_column(values), kept, SIZES)
+    counted = trailing_sums(*_column(values), kept, SIZES, readings=True)
     plain = values.fill_null(0.0).to_list()
+    present = values.is_not_null().to_list()
     rows = np.flatnonzero(keep.to_numpy())
-    for k, sums in zip(SIZES, got, strict=True):
+    for k, sums, counts in zip(SIZES, got, counted, strict=True):
         assert len(sums) == len(rows)
         windows = _windows(gpus, k)
-        for i, got_sum in zip(rows, sums, strict=True):
+        for i, got_sum, got_count in zip(rows, sums, counts, strict=True):
             assert got_sum == pytest.approx(sum(plain[j] for j in windows[i]), abs=1e-9)
+            assert got_count == sum(present[j] for j in windows[i])
 
 
 # 40% kept: the blocks' passes over every row; 3%: each kept row's windows scanned alone.
@@ -127,7 +132,7 @@ def test_without_a_keep_mask_every_row_is_kept():
     kept = KeptRows(gpus, None)
     assert kept.rows.tolist() == [0, 1, 2, 3, 4]
     assert kept.first.tolist() == [0, 0, 0, 3, 3]
-    (sums,) = trailing_sums(pl.Series([1.0, 2.0, 4.0, 8.0, 16.0]), kept, [2])
+    (sums,) = trailing_sums(*_column(pl.Series([1.0, 2.0, 4.0, 8.0, 16.0])), kept, [2])
     assert sums.tolist() == [1.0, 3.0, 6.0, 8.0, 24.0]  # b's window does not reach back into a
 
 
@@ -135,7 +140,7 @@ def test_a_window_longer_than_the_gpus_rows_covers_them_all():
     gpus = pl.Series(["a"] * 3)
     kept = KeptRows(gpus, pl.Series([False, False, True]))
     (mx,) = trailing_extremes(*_column(pl.Series([5.0, None, 2.0])), kept, [168], "max")
-    (total,) = trailing_sums(pl.Series([5.0, None, 2.0]), kept, [168])
+    (total,) = trailing_sums(*_column(pl.Series([5.0, None, 2.0])), kept, [168])
     assert mx.to_list() == [5.0]
     assert total.tolist() == [7.0]
 
@@ -143,7 +148,9 @@ def test_a_window_longer_than_the_gpus_rows_covers_them_all():
 def test_gpu_segments_of_an_empty_column():
     segments = gpu_segments(pl.Series([], dtype=pl.String))
     assert len(segments) == 0
-    assert trailing_sums(pl.Series([], dtype=pl.Float64), KeptRows(pl.Series([], dtype=pl.String), None), [1, 6]) == [
+    assert trailing_sums(
+        *_column(pl.Series([], dtype=pl.Float64)), KeptRows(pl.Series([], dtype=pl.String), None), [1, 6]
+    ) == [
         pytest.approx([]),
         pytest.approx([]),
     ]
@@ -215,7 +222,7 @@ def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
     gpus, count, mean, variance, steps = _gauge_frame(seed)
     values = (mean - 79_990.0) * 1.1
     whole = KeptRows(gpus, None, steps)
-    reference_sums = trailing_sums(values, whole, SIZES)
+    reference_sums = trailing_sums(*_column(values), whole, SIZES)
     reference_moments = gauge_moments(*_gauge(count, mean, variance), whole, SIZES)
     k_max = max(SIZES)
     segments = gpu_segments(gpus)
@@ -232,7 +239,7 @@ def test_a_window_value_depends_on_the_window_alone_to_the_last_bit(seed):
                 continue
             kept = KeptRows(gpus.gather(frame), pl.Series(keep), steps[frame])
             original = frame[keep]
-            sums = trailing_sums(values.gather(frame), kept, SIZES)
+            sums = trailing_sums(*_column(values.gather(frame)), kept, SIZES)
             moments = gauge_moments(
                 *_gauge(count.gather(frame), mean.gather(frame), variance.gather(frame)), kept, SIZES
             )
@@ -279,6 +286,14 @@ def test_grid_rows_read_through_their_buckets_equal_the_buckets_gathered_onto_th
             ):
                 assert a.equals(b)
     assert trailing_last(direct, "x", on_grid, 5).equals(trailing_last(indirect, "x", through, 5))
+    for column in ("n", "x"):
+        for readings in (False, True):
+            for a, b in zip(
+                trailing_sums(direct, column, on_grid, SIZES, readings=readings),
+                trailing_sums(indirect, column, through, SIZES, readings=readings),
+                strict=True,
+            ):
+                assert np.array_equal(a, b)
     for a, b in zip(
         gauge_moments(direct, "c", "m", "v", on_grid, SIZES),
         gauge_moments(indirect, "c", "m", "v", through, SIZES),
