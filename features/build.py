@@ -282,8 +282,8 @@ def iter_features_from_buckets(
     kept_before = keep.cast(pl.Int64).cum_sum() - keep.cast(pl.Int64)
 
     parts = [(0, narrow.height)] if whole else gpu_slices(narrow[GPU], rows_per_part)
-    # The columns the window kernels read, read from the buckets through each grid row's bucket
-    # (`_wide_part`), converted once for every part.
+    # The window kernels read the bucket columns where they are, through each grid row's bucket
+    # (`_wide_part`): the parts share the shard's buckets.
     buckets = None if whole else rolling.BucketArrays(hourly)
     # The parts with a kept row (the last one when none has: a part is always yielded).
     computed = [i for i, (offset, length) in enumerate(parts) if keep.slice(offset, length).any()] or [len(parts) - 1]

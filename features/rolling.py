@@ -12,6 +12,12 @@ kept rows only.
 
 Every reduction restarts at each GPU: `segments` are the runs of rows of one GPU.
 
+The kernels read the bucket columns where they are (`BucketArrays`: a column's Arrow buffer
+and validity bitmap), each grid row through its bucket's row (`KeptRows.source`; -1 for a grid
+time without a bucket, which reads as no reading). A reader's grid is a week of the fleet's
+buckets, gaps filled: gathering every column onto it, then copying it again to put 0 or NaN in
+its nulls, was a third of the work of computing the newest hour.
+
 A value depends on the rows of its window alone, to the last bit, whatever else the frame
 holds: a frame that starts a week earlier or later, or keeps other rows, gives the same value.
 That is what lets a reader compute any range from its lookback alone (`features.on_demand`).
