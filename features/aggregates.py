@@ -382,7 +382,7 @@ def count_built_rows(
     for run_start, run_end in runs:
         # Part by part: the labels of a whole history (a paper fleet's 87M rows) at once would
         # take more memory than the build itself.
-        for part in iter_features_on_demand(store, run_start, run_end, spec=spec, labels_only=True):
+        for part in iter_features_on_demand(store, run_start, run_end, spec=spec, labels_only=True, ids=False):
             written.add(part, facts.episodes)
     gpus: set[str] = set()
     written.add_to(summary, gpus)

@@ -44,7 +44,10 @@ def label_rows(store: Store, start: datetime | None = None, end: datetime | None
         kept = _KEPT.get(store.root)
     if kept is not None and state is not None and kept[0] == state and _covers(kept[1], kept[2], start, end):
         return _within(kept[3], start, end)
-    parts = [part.select(*COLUMNS) for part in iter_features_on_demand(store, start, end, spec=spec, labels_only=True)]
+    parts = [
+        part.select(*COLUMNS)
+        for part in iter_features_on_demand(store, start, end, spec=spec, labels_only=True, ids=False)
+    ]
     # Sorted by the uuid's text, then made categorical (the order stays that of the text).
     rows = (
         pl.concat(parts, how="vertical").sort("ts", GPU).with_columns(pl.col(GPU).cast(pl.Categorical))

@@ -179,6 +179,7 @@ def iter_features_on_demand(
     rows: RowFilter | None = None,
     sample_key: bool = False,
     labels_only: bool = False,
+    ids: bool = True,
     options: OnDemandOptions | None = None,
 ) -> Iterator[pl.DataFrame]:
     """The feature rows (`features.schema`) with start <= ts < end (default: all the data) that
@@ -186,7 +187,9 @@ def iter_features_on_demand(
     one time block (each sorted by (gpu_uuid, ts)); with `sample_key`, each row's stored training
     key (`features.sample_key.SAMPLE_KEY`) too. `spec`: the spec to compute with (default: the
     one the aggregates were built with; its grid and silence must be theirs). `labels_only`: the
-    rows' identity columns and labels alone, from a few columns of the buckets."""
+    rows' identity columns and labels alone, from a few columns of the buckets; without `ids`,
+    the identity columns other than gpu_uuid and ts are null (and not read: the readers that
+    count or draw rows by their labels need none of them)."""
     recorded = on_demand_spec(store)
     spec = spec or recorded
     if (spec.grid, spec.max_silence) != (recorded.grid, recorded.max_silence):
@@ -213,7 +216,7 @@ def iter_features_on_demand(
     while block_start < finish:
         block = (block_start, min(finish, block_start + step))
         if labels_only:
-            parts = _labels(store, spec, facts, block, back, rows, options)
+            parts = _labels(store, spec, facts, block, back, rows, options, ids=ids)
         else:
             parts = _block(store, spec, facts, block, back, rows, options)
         for part in parts:
@@ -249,12 +252,21 @@ def features_on_demand(
     rows: RowFilter | None = None,
     sample_key: bool = False,
     labels_only: bool = False,
+    ids: bool = True,
     options: OnDemandOptions | None = None,
 ) -> pl.DataFrame:
     """`iter_features_on_demand` as one frame sorted by (ts, gpu_uuid) (`read_features`' order)."""
     parts = list(
         iter_features_on_demand(
-            store, start, end, spec=spec, rows=rows, sample_key=sample_key, labels_only=labels_only, options=options
+            store,
+            start,
+            end,
+            spec=spec,
+            rows=rows,
+            sample_key=sample_key,
+            labels_only=labels_only,
+            ids=ids,
+            options=options,
         )
     )
     if not parts:
@@ -306,14 +318,16 @@ def _newest_computed(store: Store, recorded: FeatureSpec, spec: FeatureSpec | No
         return rows
     # No row there: the latest grid time with rows is found from the labels alone (a few bucket
     # columns, one pass over the lookback) rather than by computing every earlier hour in turn.
-    span = features_on_demand(store, newest - lookback(recorded), newest, spec=spec, labels_only=True)
+    span = features_on_demand(store, newest - lookback(recorded), newest, spec=spec, labels_only=True, ids=False)
     if span.height == 0:
         return empty_on_demand(store, spec)
     last: datetime = span["ts"].max()  # type: ignore[assignment]
     return features_on_demand(store, last, last + timedelta(microseconds=1), spec=spec)
 
 
-_LABEL_BUCKET_COLUMNS = [GPU, "ts", "last_sample_ts", *BUCKET_ID_COLUMNS]
+_LABEL_KEY_COLUMNS = [GPU, "ts", "last_sample_ts"]
+"""The bucket columns a row's labels need."""
+_LABEL_BUCKET_COLUMNS = [*_LABEL_KEY_COLUMNS, *BUCKET_ID_COLUMNS]
 
 
 def _labels(
@@ -324,12 +338,16 @@ def _labels(
     back: timedelta,
     rows: RowFilter | None,
     options: OnDemandOptions,
+    *,
+    ids: bool = True,
 ) -> Iterator[pl.DataFrame]:
-    """The identity columns and labels of the rows of one time block, from a few columns of
-    its buckets and those of its lookback, shard by shard (a label is its GPU's alone)."""
+    """The identity columns (without `ids`: gpu_uuid and ts alone, the others null) and labels
+    of the rows of one time block, from a few columns of its buckets and those of its lookback,
+    shard by shard (a label is its GPU's alone)."""
     start, end = block
     names = set(store.scan(BUCKETS, start - back, end).collect_schema().names())
-    columns = [c for c in _LABEL_BUCKET_COLUMNS if c in names]
+    wanted = _LABEL_BUCKET_COLUMNS if ids else _LABEL_KEY_COLUMNS
+    columns = [c for c in wanted if c in names]
     # The same budget of buckets as the features: the labels' grid holds every grid row of its
     # GPUs, so a large fleet's block at once took more than twice the memory, and no less time.
     shards = _node_shards(facts, spec, block, back, options.max_buckets_in_memory)
@@ -375,9 +393,14 @@ def _shards_of(
         if count > 1:
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
-        hourly = read_buckets(store, start - back, end, columns=columns, where=where)
-        if nodes is not None and not names_unique:
-            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True)
+        exact = nodes is not None and not names_unique
+        # The join needs the node's cluster and name, read for it where `columns` lack them.
+        added = [c for c in NODE if exact and columns is not None and c not in columns]
+        hourly = read_buckets(
+            store, start - back, end, columns=None if columns is None else [*columns, *added], where=where
+        )
+        if nodes is not None and exact:
+            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True).drop(added)
         if hourly.height:
             yield hourly
 

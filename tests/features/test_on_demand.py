@@ -135,6 +135,12 @@ def test_labels_alone_on_demand(fleet, options):
     got = features_on_demand(store, labels_only=True, options=options)
     assert got.columns == [*ID_COLUMNS, *LABEL_COLUMNS]
     assert got.equals(materialised.select(*ID_COLUMNS, *LABEL_COLUMNS))
+    # Without the identity columns (not read): the same rows and labels, gpu_uuid and ts.
+    keys = features_on_demand(store, labels_only=True, ids=False, options=options)
+    assert keys.columns == got.columns
+    assert keys.select("ts", "gpu_uuid", *LABEL_COLUMNS).equals(got.select("ts", "gpu_uuid", *LABEL_COLUMNS))
+    others = [c for c in ID_COLUMNS if c not in ("ts", "gpu_uuid")]
+    assert others and keys.select(pl.col(others).null_count()).row(0) == (keys.height,) * len(others)
 
 
 def test_the_newest_hour_on_demand(fleet):
@@ -429,3 +435,9 @@ def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp
     sharded = features_on_demand(store, options=OnDemandOptions(max_buckets_in_memory=1, rows_per_part=50))
     assert whole.height and whole["gpu_uuid"].n_unique() == 12
     assert sharded.equals(whole)
+    # The labels without the identity columns read them for the shards' exact join alone.
+    labels = features_on_demand(
+        store, labels_only=True, ids=False, options=OnDemandOptions(max_buckets_in_memory=1, rows_per_part=50)
+    )
+    assert labels.select("ts", "gpu_uuid", "label").equals(whole.select("ts", "gpu_uuid", "label"))
+    assert labels["node"].null_count() == labels.height
