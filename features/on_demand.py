@@ -367,8 +367,15 @@ def _labels(
 def _node_shards(
     facts: FleetFacts, spec: FeatureSpec, block: tuple[datetime, datetime], back: timedelta, max_buckets: int
 ) -> pl.DataFrame:
-    """`features.shards.shard_map` of the fleet for one time block and its lookback."""
-    return shard_map(facts.presence, gpu_buckets=(block[1] - block[0] + back) // spec.grid, max_buckets=max_buckets)
+    """`features.shards.shard_map` of the GPUs that report in one time block or its lookback.
+    The GPUs of the whole history would count the paper fleet's 4,400 replaced GPUs against the
+    budget of a read of the newest hour: four shards instead of three, each a read of its own."""
+    start, end = block
+    present = facts.presence.filter(
+        (pl.col("last_ts") > pl.lit(start - back - spec.grid, dtype=TS_DTYPE))
+        & (pl.col("first_ts") < pl.lit(end, dtype=TS_DTYPE))
+    )
+    return shard_map(present, gpu_buckets=(end - start + back) // spec.grid, max_buckets=max_buckets)
 
 
 def _shards_of(
@@ -430,12 +437,16 @@ def _block(
         medians = (
             model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid) if fleet.height else None
         )
+    # The incidents a row of the block can see: its windows' (up to the lookback) and, for the
+    # hours since the last one, the cap's; the rest of the history changes no value.
+    seen = max(spec.xid_since_cap, back) + spec.grid
+    recent = facts.xid.filter(pl.col("last_ts") >= pl.lit(start - seen, dtype=TS_DTYPE))
     for hourly in _shards_of(store, shards, block, back):
         if count == 1:
             within = pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE))
             in_block = hourly.filter(within)
             medians = model_medians(in_block, spec.grid) if in_block.height else None
-        xid = facts.xid if count == 1 else facts.xid.join(hourly.select(GPU).unique(), on=GPU, how="semi")
+        xid = recent if count == 1 else recent.join(hourly.select(GPU).unique(), on=GPU, how="semi")
         for part in iter_features_from_buckets(
             hourly,
             xid,

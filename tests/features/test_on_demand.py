@@ -343,6 +343,30 @@ def test_a_row_has_the_same_bits_in_every_read(fleet):
         assert features_on_demand(store, start, newest + US).equals(table.filter(pl.col("ts") >= start))
 
 
+def test_a_block_reads_the_xid_incidents_its_rows_can_see_and_the_same_rows_come_out(fleet, monkeypatch):
+    """A block's XID features see incidents up to its lookback (counts) or the since-last cap
+    before it; older ones are left out of its computation. With a 6-hour cap, blocks of two days
+    drop the first days' incidents in the last blocks, and every row equals one block's."""
+    from features import on_demand
+
+    store, _ = fleet
+    spec = FeatureSpec(xid_since_cap=timedelta(hours=6))
+    whole = features_on_demand(store, spec=spec, options=OnDemandOptions(block_days=30))
+    seen: list[int] = []
+    original = on_demand.iter_features_from_buckets
+
+    def recorded(hourly, xid, *args, **kwargs):
+        seen.append(xid.height)
+        return original(hourly, xid, *args, **kwargs)
+
+    monkeypatch.setattr(on_demand, "iter_features_from_buckets", recorded)
+    blocks = features_on_demand(store, spec=spec, options=OnDemandOptions(block_days=2))
+    assert blocks.equals(whole)
+    assert whole.select(pl.sum_horizontal(pl.col("^xid_.*_count_7d$")).sum()).item() > 0
+    everything = on_demand.stored_fleet_facts(store, on_demand.on_demand_spec(store)).xid.height
+    assert seen[0] == everything and seen[-1] < everything  # the last block left the first days' out
+
+
 def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
     from features import newest_cache, on_demand
     from features.plan import lookback
@@ -441,3 +465,40 @@ def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp
     )
     assert labels.select("ts", "gpu_uuid", "label").equals(whole.select("ts", "gpu_uuid", "label"))
     assert labels["node"].null_count() == labels.height
+
+
+def test_a_blocks_shards_hold_the_gpus_that_report_in_it_or_its_lookback():
+    """GPUs gone before a block's lookback (replaced, retired) take no room in its shards."""
+    from types import SimpleNamespace
+
+    from features.on_demand import _node_shards
+    from features.shards import SHARD
+
+    block = (datetime(2026, 5, 1, tzinfo=UTC), datetime(2026, 5, 1, 1, tzinfo=UTC))
+    back = timedelta(days=7)
+    gone = datetime(2026, 4, 1, tzinfo=UTC)
+
+    def gpu(node: str, index: int, last: datetime) -> dict[str, object]:
+        return {
+            "cluster": "c0",
+            "node": node,
+            "gpu_index": index,
+            "pci_bus_id": f"0000:{index:02x}:00.0",
+            "gpu_uuid": f"GPU-{node}-{index}",
+            "first_ts": datetime(2026, 1, 1, tzinfo=UTC),
+            "last_ts": last,
+            "n_samples": 1,
+        }
+
+    presence = pl.DataFrame(
+        [gpu("node-a", i, gone) for i in range(8)]  # replaced a month before
+        + [gpu("node-b", i, block[1]) for i in range(8)]
+        + [gpu("node-c", i, block[0] - back + timedelta(minutes=30)) for i in range(8)]  # within the lookback
+    ).with_columns(pl.col("first_ts", "last_ts").cast(pl.Datetime("us", "UTC")))
+    facts = SimpleNamespace(presence=presence)
+    spec = FeatureSpec()
+    buckets_per_gpu = (block[1] - block[0] + back) // spec.grid
+    # Room for eight GPUs' buckets a shard: a node a shard, and the gone node in none.
+    shards = _node_shards(facts, spec, block, back, 8 * buckets_per_gpu)  # type: ignore[arg-type]
+    assert sorted(shards["node"].to_list()) == ["node-b", "node-c"]
+    assert shards[SHARD].n_unique() == 2
