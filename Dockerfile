@@ -28,6 +28,10 @@ RUN uv venv --python /usr/local/bin/python3 /opt/gpufail \
 FROM source AS build-full
 RUN uv venv --python /usr/local/bin/python3 /opt/gpufail \
  && uv pip install --python /opt/gpufail/bin/python --constraint requirements.lock ".[collect,serve,train]"
+# The feature kernels compiled into numba's cache now (features/precompile.py), not by each fresh
+# pod: a replica's or a nightly run's first feature read spent seconds compiling them.
+ENV NUMBA_CACHE_DIR=/opt/gpufail-numba
+RUN /opt/gpufail/bin/python -m features.precompile
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 gpufail \
@@ -49,6 +53,9 @@ CMD ["collect"]
 
 FROM runtime AS full
 COPY --from=build-full /opt/gpufail /opt/gpufail
+# numba uses a cache folder only where it can write: the runtime user's own copy.
+COPY --from=build-full --chown=10001:10001 /opt/gpufail-numba /opt/gpufail-numba
+ENV NUMBA_CACHE_DIR=/opt/gpufail-numba
 USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["gpufail"]

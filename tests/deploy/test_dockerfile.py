@@ -85,3 +85,18 @@ def test_the_build_context_leaves_out_the_venv_and_data():
         if line.startswith("COPY ") and "--from" not in line
     }
     assert not copied & set(ignored)
+
+
+def test_the_full_image_ships_the_feature_kernels_compiled_where_its_user_can_use_them():
+    # numba reads a cache folder only where it can write (else it falls back to an empty one in
+    # the user's home): the folder precompile filled, owned by the user the image runs as.
+    found = stages()
+    build, full = found["build-full"], found["full"]
+    [built_into] = [e.split("=", 1)[1] for e in instruction(build, "ENV") if e.startswith("NUMBA_CACHE_DIR=")]
+    assert any("-m features.precompile" in run for run in instruction(build, "RUN"))
+    assert build.index(next(line for line in build if "features.precompile" in line)) > build.index(
+        next(line for line in build if line.startswith("ENV NUMBA_CACHE_DIR"))
+    )
+    [user] = instruction(full, "USER")
+    assert f"COPY --from=build-full --chown={user} {built_into} {built_into}" in full
+    assert f"NUMBA_CACHE_DIR={built_into}" in instruction(full, "ENV")
