@@ -28,10 +28,10 @@ RUN uv venv --python /usr/local/bin/python3 /opt/gpufail \
 FROM source AS build-full
 RUN uv venv --python /usr/local/bin/python3 /opt/gpufail \
  && uv pip install --python /opt/gpufail/bin/python --constraint requirements.lock ".[collect,serve,train]"
-# The feature kernels compiled into numba's cache now (features/precompile.py), not by each fresh
+# The feature kernels compiled into numba's cache now (gpufail/precompile.py), not by each fresh
 # pod: a replica's or a nightly run's first feature read spent seconds compiling them.
 ENV NUMBA_CACHE_DIR=/opt/gpufail-numba
-RUN /opt/gpufail/bin/python -m features.precompile
+RUN /opt/gpufail/bin/python -m gpufail.precompile
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN groupadd --system --gid 10001 gpufail \

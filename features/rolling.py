@@ -415,7 +415,7 @@ def numpy_with_validity(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
         bits = np.packbits(unpacked, bitorder="little")
     # Read-only either way, as the Arrow buffers are: numba compiles a kernel once per argument
     # type, writability included, so a column with nulls and one without share one compilation
-    # (`features.precompile` compiles each kernel ahead for the types a store holds).
+    # (`gpufail.precompile` compiles each kernel ahead for the types a store holds).
     bits.flags.writeable = False
     return values, bits
 

@@ -93,8 +93,8 @@ def test_the_full_image_ships_the_feature_kernels_compiled_where_its_user_can_us
     found = stages()
     build, full = found["build-full"], found["full"]
     [built_into] = [e.split("=", 1)[1] for e in instruction(build, "ENV") if e.startswith("NUMBA_CACHE_DIR=")]
-    assert any("-m features.precompile" in run for run in instruction(build, "RUN"))
-    assert build.index(next(line for line in build if "features.precompile" in line)) > build.index(
+    assert any("-m gpufail.precompile" in run for run in instruction(build, "RUN"))
+    assert build.index(next(line for line in build if "gpufail.precompile" in line)) > build.index(
         next(line for line in build if line.startswith("ENV NUMBA_CACHE_DIR"))
     )
     [user] = instruction(full, "USER")

@@ -1,4 +1,4 @@
-"""Compile the feature kernels into numba's cache ahead of use: `python -m features.precompile`.
+"""Compile the feature kernels into numba's cache ahead of use: `python -m gpufail.precompile`.
 
 Every process that computes features takes its compiled kernels (`features.runs.compiled`) from
 numba's cache, or compiles them when the cache has none: about 4 s of a fresh process reading the

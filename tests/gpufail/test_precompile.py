@@ -1,4 +1,4 @@
-"""`features.precompile` fills numba's cache with every kernel a feature read compiles: a fresh
+"""`gpufail.precompile` fills numba's cache with every kernel a feature read compiles: a fresh
 process reading another fleet's newest hour and a training draw then compiles nothing (a
 container's first read found an empty cache and spent seconds compiling)."""
 
@@ -36,7 +36,7 @@ def _cache_entries(folder: Path) -> set[str]:
 def test_a_read_after_precompile_compiles_no_kernel(tmp_path):
     cache = tmp_path / "numba-cache"
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "features.precompile"], env=env, check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "gpufail.precompile"], env=env, check=True, cwd=ROOT)
     compiled = _cache_entries(cache)
     assert any("rolling._moments_kernel" in name for name in compiled), compiled
     # Another fleet than precompile's own (the paper preset's metrics and gaps) and its readers.
