@@ -400,14 +400,14 @@ def _shards_of(
         if count > 1:
             nodes = shards.filter(pl.col(SHARD) == shard).select(NODE)
             where = pl.col("node").is_in(nodes["node"].unique().implode())
-        exact = nodes is not None and not names_unique
+        exact = nodes if nodes is not None and not names_unique else None
         # The join needs the node's cluster and name, read for it where `columns` lack them.
-        added = [c for c in NODE if exact and columns is not None and c not in columns]
+        added = [c for c in NODE if exact is not None and columns is not None and c not in columns]
         hourly = read_buckets(
             store, start - back, end, columns=None if columns is None else [*columns, *added], where=where
         )
-        if nodes is not None and exact:
-            hourly = hourly.join(nodes, on=NODE, how="semi", nulls_equal=True).drop(added)
+        if exact is not None:
+            hourly = hourly.join(exact, on=NODE, how="semi", nulls_equal=True).drop(added)
         if hourly.height:
             yield hourly
 
