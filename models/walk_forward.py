@@ -256,18 +256,21 @@ class _Timeline:
         lo = 0 if start is None else int(np.searchsorted(self.ns, start.value, side="left"))
         return slice(lo, int(np.searchsorted(self.ns, end.value, side="left")))
 
-    def training_pool(
-        self, start: pd.Timestamp | None, settled_end: pd.Timestamp, anchor: pd.Timestamp
-    ) -> pd.DataFrame:
-        """Subsampled labelled rows with start <= ts < settled_end, plus every row of the last
-        grid time before `anchor`. Those last rows are never trained on (they fall in the
-        horizon gap); they make `settled_until` of the pool anchor - step - horizon, as it is
-        for the full frame at that time."""
+    def training_rows(self, start: pd.Timestamp | None, settled_end: pd.Timestamp, anchor: pd.Timestamp) -> np.ndarray:
+        """Positions of the subsampled labelled rows with start <= ts < settled_end, then of
+        every row of the last grid time before `anchor`. Those last rows are never trained on
+        (they fall in the horizon gap); they make `settled_until` of the pool anchor - step -
+        horizon, as it is for the full frame at that time."""
         part = self.span(start, settled_end)
         keep = np.flatnonzero(self.trainable[part]) + part.start
         last = self.span(anchor - self.step, anchor)
-        rows = np.concatenate([keep, np.arange(last.start, last.stop)])
-        return self.frame.iloc[rows]
+        return np.concatenate([keep, np.arange(last.start, last.stop)])
+
+    def training_pool(
+        self, start: pd.Timestamp | None, settled_end: pd.Timestamp, anchor: pd.Timestamp
+    ) -> pd.DataFrame:
+        """The rows of `training_rows`."""
+        return self.frame.iloc[self.training_rows(start, settled_end, anchor)]
 
     def labelled_rows(self, start: pd.Timestamp, end: pd.Timestamp) -> tuple[pd.DataFrame, np.ndarray]:
         """The labelled rows with start <= ts < end (fresh index) and their times (ns)."""
@@ -308,16 +311,28 @@ def _member_specs(params: Mapping[str, Any], window: str, monotone: tuple[str, .
 
 @dataclass
 class _FitTask:
+    """One fit, by position in the frames every worker holds (`_FitFrames`): a task is a few
+    arrays, not the rows themselves."""
+
     spec: _Spec
     as_of: pd.Timestamp
     """The retraining time: the model scores from here."""
     fit_as_of: pd.Timestamp
     """What the model is trained as of: the start of its calibration slice."""
-    pool: pd.DataFrame
-    rows: np.ndarray
-    """Positions in the evaluation frame that this model scores (sorted, unique)."""
-    score_rows: pd.DataFrame
+    pool: np.ndarray
+    """Positions in `_FitFrames.training` of the rows it trains on."""
+    rows: slice
+    """The span of the evaluation frame that this model scores."""
     horizon: pd.Timedelta
+
+
+@dataclass(frozen=True)
+class _FitFrames:
+    """What the fits read: the evaluation frame (every row any model scores) and `training`,
+    the rows of any fit's training pool."""
+
+    evaluation: pd.DataFrame
+    training: pd.DataFrame
 
 
 @dataclass
@@ -326,19 +341,21 @@ class _FitOutcome:
     as_of: pd.Timestamp
     fit_as_of: pd.Timestamp
     rows: np.ndarray
+    """Positions in the evaluation frame that the model scored (sorted, unique)."""
     raw: np.ndarray | None
     """The estimator's probabilities on `rows` (`TrainedModel.predict_score`)."""
     model: TrainedModel | None
     status: str
 
 
-def _run_fit(task: _FitTask) -> _FitOutcome:
+def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     spec = task.spec
+    rows = np.arange(task.rows.start, task.rows.stop)
     try:
         # The pool is already subsampled (the same rows for every fit); train_model must not
         # subsample it again.
         model = train_model(
-            task.pool,
+            frames.training.iloc[task.pool],
             TrainOptions(
                 kind=spec.kind,
                 train_window=spec.window,
@@ -350,38 +367,52 @@ def _run_fit(task: _FitTask) -> _FitOutcome:
             ),
         )
     except InputError as exc:
-        return _FitOutcome(spec, task.as_of, task.fit_as_of, task.rows, None, None, f"kept previous model: {exc}")
-    raw = model.predict_score(task.score_rows)
-    return _FitOutcome(spec, task.as_of, task.fit_as_of, task.rows, raw, model, "trained")
+        return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, None, None, f"kept previous model: {exc}")
+    raw = model.predict_score(frames.evaluation.iloc[task.rows])
+    return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, raw, model, "trained")
 
 
-def _execute(tasks: Iterator[_FitTask], n_tasks: int, jobs: int, progress: bool) -> list[_FitOutcome]:
+_WORKER_FRAMES: list[_FitFrames] = []
+"""A fit worker process's frames, set once when it starts (`_start_worker`)."""
+
+
+def _start_worker(frames: _FitFrames) -> None:
+    _WORKER_FRAMES[:] = [frames]
+
+
+def _run_fit_in_worker(task: _FitTask) -> _FitOutcome:
+    return _run_fit(task, _WORKER_FRAMES[0])
+
+
+def _execute(
+    tasks: Iterator[_FitTask], n_tasks: int, frames: _FitFrames, jobs: int, progress: bool
+) -> Iterator[_FitOutcome]:
+    """Each task's outcome, in the tasks' order."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=n_tasks, desc="walk-forward fits", unit="fit", disable=not progress)
-    outcomes: list[_FitOutcome] = []
-    try:
+    with tqdm(total=n_tasks, desc="walk-forward fits", unit="fit", disable=not progress) as bar:
         if jobs <= 1:
             for task in tasks:
-                outcomes.append(_run_fit(task))
+                yield _run_fit(task, frames)
                 bar.update()
-        else:
-            from joblib import Parallel, delayed
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-            # Fresh worker processes (loky), not fork: a forked child of a process that has
-            # already run OpenMP (LightGBM, XGBoost) can hang. No memmapping (max_nbytes=None):
-            # joblib would write every task's rows to a file in /dev/shm (RAM) and keep it until
-            # the last fit, which for a demo's 108 fits filled 17 GB and got the run killed; a
-            # task's arrays are instead pickled to its worker and freed when it is done.
-            parallel = Parallel(
-                n_jobs=jobs, backend="loky", return_as="generator", pre_dispatch="2*n_jobs", max_nbytes=None
-            )
-            for outcome in parallel(delayed(_run_fit)(task) for task in tasks):
-                outcomes.append(outcome)
+        # Fresh worker processes (spawn), not fork: a forked child of a process that has
+        # already run OpenMP (LightGBM, XGBoost) or started polars' threads can hang. Each
+        # worker receives the frames once, when it starts, and each task names its rows by
+        # position: sending every task its own rows pickled ~20 GB through the pipes for the
+        # demo's 108 fits, a quarter of the run's CPU.
+        with ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(frames,),
+        ) as pool:
+            for outcome in pool.map(_run_fit_in_worker, tasks):
+                yield outcome
                 bar.update()
-    finally:
-        bar.close()
-    return outcomes
 
 
 def _check_gap(model: TrainedModel, as_of: pd.Timestamp, what: str) -> None:
@@ -787,6 +818,15 @@ def run_walk_forward(
                     requests.setdefault((spec, t), [layout.calibration_rows(t)]).append(rows)
                     n_unshared += 1
 
+    def pool_rows(spec: _Spec, t: pd.Timestamp) -> np.ndarray:
+        window = as_timedelta(spec.window, "train_window")
+        fit_as_of = layout.fit_as_of(t)
+        return timeline.training_rows(fit_as_of - horizon - window, fit_as_of - horizon, fit_as_of)
+
+    pools = {key: pool_rows(*key) for key in requests}
+    training_rows = np.unique(np.concatenate(list(pools.values()))) if pools else np.zeros(0, dtype=np.int64)
+    frames = _FitFrames(evaluation, timeline.frame.iloc[training_rows])
+
     def tasks() -> Iterator[_FitTask]:
         for (spec, t), parts in requests.items():
             # One contiguous span of the (time-sorted) frame, from the calibration slice to the
@@ -794,20 +834,11 @@ def run_walk_forward(
             # (~1 s for the demo's 8 days); the horizon between them is scored for nothing.
             wanted = np.concatenate(parts)
             lo, hi = (int(wanted.min()), int(wanted.max()) + 1) if len(wanted) else (0, 0)
-            window = as_timedelta(spec.window, "train_window")
-            fit_as_of = layout.fit_as_of(t)
-            yield _FitTask(
-                spec,
-                t,
-                fit_as_of,
-                timeline.training_pool(fit_as_of - horizon - window, fit_as_of - horizon, fit_as_of),
-                np.arange(lo, hi),
-                evaluation.iloc[lo:hi],
-                horizon,
-            )
+            pool = np.searchsorted(training_rows, pools[(spec, t)])
+            yield _FitTask(spec, t, layout.fit_as_of(t), pool, slice(lo, hi), horizon)
 
     outcomes = {}
-    for outcome in _execute(tasks(), len(requests), plan.jobs, progress):
+    for outcome in _execute(tasks(), len(requests), frames, plan.jobs, progress):
         if outcome.model is not None:
             _check_gap(outcome.model, outcome.fit_as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
         outcomes[(outcome.spec, outcome.as_of)] = outcome
