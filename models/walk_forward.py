@@ -321,17 +321,22 @@ class _FitTask:
     """What the model is trained as of: the start of its calibration slice."""
     pool: np.ndarray
     """Positions in `_FitFrames.training` of the rows it trains on."""
-    rows: slice
-    """The span of the evaluation frame that this model scores."""
+    spans: list[slice]
+    """The spans of the evaluation frame that this model scores, in order."""
     horizon: pd.Timedelta
+    calibration: slice
+    """Its calibration slice, within `spans`."""
+    calibration_bounds: tuple[pd.Timestamp, pd.Timestamp]
+    method: str
 
 
 @dataclass(frozen=True)
 class _FitFrames:
-    """What the fits read: the evaluation frame (every row any model scores) and `training`,
-    the rows of any fit's training pool."""
+    """What the fits read: the evaluation frame (every row any model scores), its labels, and
+    `training`, the rows of any fit's training pool."""
 
     evaluation: pd.DataFrame
+    labels: np.ndarray
     training: pd.DataFrame
 
 
@@ -346,11 +351,17 @@ class _FitOutcome:
     """The estimator's probabilities on `rows` (`TrainedModel.predict_score`)."""
     model: TrainedModel | None
     status: str
+    calibration: Calibration | None = None
+    """Fitted on the model's risk on its calibration slice (None: the fit failed, or the slice
+    cannot be calibrated on, `calibration_error` says why)."""
+    calibration_error: str | None = None
+    slice_risk: np.ndarray | None = None
+    """The odds-corrected risk on the calibration slice."""
 
 
 def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     spec = task.spec
-    rows = np.arange(task.rows.start, task.rows.stop)
+    rows = np.concatenate([np.arange(span.start, span.stop) for span in task.spans])
     try:
         # The pool is already subsampled (the same rows for every fit); train_model must not
         # subsample it again.
@@ -368,8 +379,19 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, None, None, f"kept previous model: {exc}")
-    raw = model.predict_score(frames.evaluation.iloc[task.rows])
-    return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, raw, model, "trained")
+    raw = np.concatenate([model.predict_score(frames.evaluation.iloc[span]) for span in task.spans])
+    outcome = _FitOutcome(spec, task.as_of, task.fit_as_of, rows, raw, model, "trained")
+    # Calibrated here, in parallel, not by the caller after every fit: each slice is ~70k rows.
+    on_slice = np.arange(task.calibration.start, task.calibration.stop)
+    outcome.slice_risk = prior_correction(raw[np.searchsorted(rows, on_slice)], model.pos_weight)
+    start, end = task.calibration_bounds
+    try:
+        outcome.calibration = fit_calibration(
+            outcome.slice_risk, frames.labels[on_slice], task.method, slice_start=start, slice_end=end
+        )
+    except InputError as exc:
+        outcome.calibration_error = str(exc)
+    return outcome
 
 
 _WORKER_FRAMES: list[_FitFrames] = []
@@ -504,11 +526,9 @@ class _Tracks:
             out = self.outcomes[(spec, t)]
             status = out.status
             if out.model is not None and out.raw is not None:
-                slice_risk = prior_correction(self._slice_raw(spec, t), out.model.pos_weight)
-                try:
-                    calibration = self._calibrate(t, slice_risk)
-                except InputError as exc:
-                    status = f"kept previous model: {exc}"
+                slice_risk, calibration = out.slice_risk, out.calibration
+                if calibration is None or slice_risk is None:
+                    status = f"kept previous model: {out.calibration_error}"
                 else:
                     latest = (out.model, t, calibration)
                     track.raw[rows] = out.raw[np.searchsorted(out.rows, rows)]
@@ -818,6 +838,16 @@ def run_walk_forward(
                     requests.setdefault((spec, t), [layout.calibration_rows(t)]).append(rows)
                     n_unshared += 1
 
+    def spans(positions: np.ndarray) -> list[slice]:
+        """Sorted unique positions as runs: the spans are views of the frame, where picking rows
+        would copy it; what lies between (the horizon gap) is not scored."""
+        if len(positions) == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(positions) > 1) + 1
+        starts = np.concatenate([[0], breaks])
+        ends = np.concatenate([breaks, [len(positions)]])
+        return [slice(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
+
     def pool_rows(spec: _Spec, t: pd.Timestamp) -> np.ndarray:
         window = as_timedelta(spec.window, "train_window")
         fit_as_of = layout.fit_as_of(t)
@@ -825,17 +855,24 @@ def run_walk_forward(
 
     pools = {key: pool_rows(*key) for key in requests}
     training_rows = np.unique(np.concatenate(list(pools.values()))) if pools else np.zeros(0, dtype=np.int64)
-    frames = _FitFrames(evaluation, timeline.frame.iloc[training_rows])
+    frames = _FitFrames(evaluation, labels(evaluation).to_numpy(), timeline.frame.iloc[training_rows])
 
     def tasks() -> Iterator[_FitTask]:
         for (spec, t), parts in requests.items():
-            # One contiguous span of the (time-sorted) frame, from the calibration slice to the
-            # last row scored: a slice is a view, where picking rows would copy a wide frame
-            # (~1 s for the demo's 8 days); the horizon between them is scored for nothing.
-            wanted = np.concatenate(parts)
-            lo, hi = (int(wanted.min()), int(wanted.max()) + 1) if len(wanted) else (0, 0)
             pool = np.searchsorted(training_rows, pools[(spec, t)])
-            yield _FitTask(spec, t, layout.fit_as_of(t), pool, slice(lo, hi), horizon)
+            on_slice = layout.calibration_rows(t)
+            calibration = slice(int(on_slice[0]), int(on_slice[-1]) + 1) if len(on_slice) else slice(0, 0)
+            yield _FitTask(
+                spec,
+                t,
+                layout.fit_as_of(t),
+                pool,
+                spans(np.unique(np.concatenate(parts))),
+                horizon,
+                calibration,
+                layout.calibration_bounds(t),
+                plan.calibration,
+            )
 
     outcomes = {}
     for outcome in _execute(tasks(), len(requests), frames, plan.jobs, progress):
