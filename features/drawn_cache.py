@@ -135,8 +135,9 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
             missing.append(day)
     # The missing days in runs of consecutive days, each in the time blocks a read of it would
     # compute together (one lookback read per block), a block's rows held at once.
-    step = block_length(facts, spec, OnDemandOptions())
-    for block_start, block_end in _blocks(_runs(missing), step):
+    runs = list(_runs(missing))
+    step = block_length(facts, spec, OnDemandOptions(), (runs[0][0], runs[-1][1]) if runs else None)
+    for block_start, block_end in _blocks(iter(runs), step):
         computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(kept_fraction))
         for day, rows in _days_of(computed):
             day_file(day, threshold).save(store, keys[day], {}, {_ROWS: rows})

@@ -209,7 +209,7 @@ def iter_features_on_demand(
     if begin >= finish:
         return
     back = lookback(spec)
-    step = block_length(facts, spec, options)
+    step = block_length(facts, spec, options, (begin, finish))
     # Blocks bound memory only: a row's value depends on the buckets of its windows alone
     # (`features.rolling`), so any block, and any range, gives it to the last bit.
     block_start = begin
@@ -226,17 +226,22 @@ def iter_features_on_demand(
         block_start = block[1]
 
 
-def block_length(facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions) -> timedelta:
-    """How long the time blocks of a computation are (`OnDemandOptions.block_days`). A fleet
-    too large to hold even a day and its lookback is read in shards of whole nodes (each reads
-    only its nodes' row groups), in blocks of three lookbacks: a block computes its lookback's
-    rows again, so a block as long as the lookback computed every row twice. The paper fleet's
-    21-day draw at 10% took 114-125 s in one 21-day block against 153 s in blocks of 7 days,
-    back to back, at a 0.5 GB higher peak (the block's rows are held at once)."""
+def block_length(
+    facts: FleetFacts, spec: FeatureSpec, options: OnDemandOptions, span: tuple[datetime, datetime] | None = None
+) -> timedelta:
+    """How long the time blocks of a computation of `span` (None: the whole history) are
+    (`OnDemandOptions.block_days`): as many days as the buckets of the GPUs reporting in it
+    fit the budget. A fleet too large to hold even a day and its lookback is read in shards
+    of whole nodes (each reads only its nodes' row groups), in blocks of three lookbacks: a
+    block computes its lookback's rows again, so a block as long as the lookback computed
+    every row twice. The paper fleet's 21-day draw at 10% took 114-125 s in one 21-day block
+    against 153 s in blocks of 7 days, back to back, at a 0.5 GB higher peak (the block's rows
+    are held at once)."""
     if options.block_days is not None:
         return options.block_days * ONE_DAY
     back = lookback(spec)
-    gpus = max(1, facts.presence[GPU].n_unique())
+    present = facts.presence if span is None else reporting(facts, spec, span[0] - back, span[1])
+    gpus = max(1, present[GPU].n_unique())
     fits = (options.max_buckets_in_memory // gpus) * spec.grid - back
     if fits >= ONE_DAY:
         return (fits // ONE_DAY) * ONE_DAY
@@ -364,17 +369,22 @@ def _labels(
         )
 
 
+def reporting(facts: FleetFacts, spec: FeatureSpec, start: datetime, end: datetime) -> pl.DataFrame:
+    """The presence of the GPUs with a bucket in [start, end): those a read of that range holds.
+    Counting the GPUs of the whole history instead would weigh the paper fleet's 4,400 replaced
+    GPUs against the budget of a read of the newest hour: four shards instead of three."""
+    return facts.presence.filter(
+        (pl.col("last_ts") > pl.lit(start - spec.grid, dtype=TS_DTYPE))
+        & (pl.col("first_ts") < pl.lit(end, dtype=TS_DTYPE))
+    )
+
+
 def _node_shards(
     facts: FleetFacts, spec: FeatureSpec, block: tuple[datetime, datetime], back: timedelta, max_buckets: int
 ) -> pl.DataFrame:
-    """`features.shards.shard_map` of the GPUs that report in one time block or its lookback.
-    The GPUs of the whole history would count the paper fleet's 4,400 replaced GPUs against the
-    budget of a read of the newest hour: four shards instead of three, each a read of its own."""
+    """`features.shards.shard_map` of the GPUs that report in one time block or its lookback."""
     start, end = block
-    present = facts.presence.filter(
-        (pl.col("last_ts") > pl.lit(start - back - spec.grid, dtype=TS_DTYPE))
-        & (pl.col("first_ts") < pl.lit(end, dtype=TS_DTYPE))
-    )
+    present = reporting(facts, spec, start - back, end)
     return shard_map(present, gpu_buckets=(end - start + back) // spec.grid, max_buckets=max_buckets)
 
 

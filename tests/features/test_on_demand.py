@@ -29,7 +29,7 @@ from features.on_demand import (
     labelled,
     newest_on_demand,
 )
-from features.plan import FeaturesExistError
+from features.plan import FeaturesExistError, lookback
 from features.runner import BuildOptions, build_features_from_store
 from features.sample_key import SAMPLE_KEY, key_threshold
 from features.schema import ID_COLUMNS, LABEL_COLUMNS
@@ -369,7 +369,6 @@ def test_a_block_reads_the_xid_incidents_its_rows_can_see_and_the_same_rows_come
 
 def test_the_newest_hour_reads_only_its_lookback(fleet, monkeypatch):
     from features import newest_cache, on_demand
-    from features.plan import lookback
 
     store, materialised = fleet
     read: list[tuple[datetime, datetime]] = []
@@ -410,7 +409,6 @@ def test_the_parts_of_a_read_are_computed_on_the_threads_its_options_ask_for(fle
 
 def test_blocks_by_default_hold_the_fleet_in_memory_or_last_three_lookbacks(fleet):
     from features.on_demand import block_length, on_demand_spec, stored_fleet_facts
-    from features.plan import lookback
 
     store, materialised = fleet
     spec = on_demand_spec(store)
@@ -427,6 +425,33 @@ def test_blocks_by_default_hold_the_fleet_in_memory_or_last_three_lookbacks(flee
     table = materialised.drop(SAMPLE_KEY)
     assert features_on_demand(store, options=tight).equals(table)
     assert features_on_demand(store, options=roomy).equals(table)
+
+
+def test_blocks_count_only_the_gpus_reporting_in_the_range_read(fleet):
+    import dataclasses
+
+    from features.on_demand import block_length, on_demand_spec, stored_fleet_facts
+
+    store, _ = fleet
+    spec = on_demand_spec(store)
+    facts = stored_fleet_facts(store, spec)
+    gpus = facts.presence["gpu_uuid"].n_unique()
+    roomy = OnDemandOptions(max_buckets_in_memory=gpus * 24 * 30)
+    # As many GPUs again, replaced a year before the data: a read of the data's range holds
+    # none of their buckets, so its blocks are as long as without them.
+    year = timedelta(days=365)
+    gone = facts.presence.with_columns(
+        (pl.col("gpu_uuid") + "-replaced").alias("gpu_uuid"), pl.col("first_ts") - year, pl.col("last_ts") - year
+    )
+    churned = dataclasses.replace(facts, presence=pl.concat([facts.presence, gone]))
+    span = (facts.first_data, facts.data_end)
+    assert (
+        block_length(churned, spec, roomy, span)
+        == block_length(facts, spec, roomy, span)
+        == timedelta(days=30) - lookback(spec)
+    )
+    # Counted over the whole history, they halve the days the budget holds.
+    assert block_length(churned, spec, roomy) < block_length(facts, spec, roomy)
 
 
 def test_nodes_of_the_same_name_in_two_clusters_are_read_in_their_own_shards(tmp_path):
