@@ -394,6 +394,17 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     return outcome
 
 
+def _spans(positions: np.ndarray) -> list[slice]:
+    """Sorted unique positions as runs: a fit scores views of the frame, where picking its rows
+    would copy them, and not what lies between (the horizon gap)."""
+    if len(positions) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) > 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(positions)]])
+    return [slice(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
+
+
 _WORKER_FRAMES: list[_FitFrames] = []
 """A fit worker process's frames, set once when it starts (`_start_worker`)."""
 
@@ -420,21 +431,29 @@ def _execute(
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
         # Fresh worker processes (spawn), not fork: a forked child of a process that has
         # already run OpenMP (LightGBM, XGBoost) or started polars' threads can hang. Each
         # worker receives the frames once, when it starts, and each task names its rows by
         # position: sending every task its own rows pickled ~20 GB through the pipes for the
         # demo's 108 fits, a quarter of the run's CPU.
-        with ProcessPoolExecutor(
-            max_workers=jobs,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_worker,
-            initargs=(frames,),
-        ) as pool:
-            for outcome in pool.map(_run_fit_in_worker, tasks):
-                yield outcome
-                bar.update()
+        try:
+            with ProcessPoolExecutor(
+                max_workers=jobs,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(frames,),
+            ) as pool:
+                for outcome in pool.map(_run_fit_in_worker, tasks):
+                    yield outcome
+                    bar.update()
+        except BrokenProcessPool as exc:
+            rows = f"{len(frames.evaluation):,} evaluation and {len(frames.training):,} training rows"
+            raise GpufailError(
+                f"walk-forward: a fit process ended abruptly, most likely killed for lack of memory: each of the "
+                f"{jobs} processes holds {rows}; expected room for them, or set [evaluate] jobs = 1 ({exc})"
+            ) from exc
 
 
 def _check_gap(model: TrainedModel, as_of: pd.Timestamp, what: str) -> None:
@@ -838,16 +857,6 @@ def run_walk_forward(
                     requests.setdefault((spec, t), [layout.calibration_rows(t)]).append(rows)
                     n_unshared += 1
 
-    def spans(positions: np.ndarray) -> list[slice]:
-        """Sorted unique positions as runs: the spans are views of the frame, where picking rows
-        would copy it; what lies between (the horizon gap) is not scored."""
-        if len(positions) == 0:
-            return []
-        breaks = np.flatnonzero(np.diff(positions) > 1) + 1
-        starts = np.concatenate([[0], breaks])
-        ends = np.concatenate([breaks, [len(positions)]])
-        return [slice(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
-
     def pool_rows(spec: _Spec, t: pd.Timestamp) -> np.ndarray:
         window = as_timedelta(spec.window, "train_window")
         fit_as_of = layout.fit_as_of(t)
@@ -867,7 +876,7 @@ def run_walk_forward(
                 t,
                 layout.fit_as_of(t),
                 pool,
-                spans(np.unique(np.concatenate(parts))),
+                _spans(np.unique(np.concatenate(parts))),
                 horizon,
                 calibration,
                 layout.calibration_bounds(t),

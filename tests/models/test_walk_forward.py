@@ -186,6 +186,51 @@ def test_two_processes_give_the_same_scores_as_one():
     assert [f.as_dict() for f in one.fits] == [f.as_dict() for f in two.fits]
 
 
+def test_a_fit_scores_its_rows_as_runs_of_consecutive_positions():
+    from models.walk_forward import _spans
+
+    assert _spans(np.array([], dtype=np.int64)) == []
+    assert _spans(np.array([4])) == [slice(4, 5)]
+    # a calibration slice, the horizon gap, then the day the model serves
+    assert _spans(np.array([0, 1, 2, 6, 7, 9])) == [slice(0, 3), slice(6, 8), slice(9, 10)]
+
+
+class _EndsTheProcess:
+    """Unpickled in a fit worker as it starts, it ends that process at once, as the kernel's
+    out-of-memory killer would."""
+
+    def __reduce__(self):
+        import os
+
+        return (os._exit, (9,))
+
+    def __len__(self) -> int:
+        return 1000
+
+
+@pytest.mark.slow
+def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lower():
+    from ingest.errors import GpufailError
+    from models.walk_forward import _execute, _FitFrames, _FitTask, _spec
+
+    frames = _FitFrames(_EndsTheProcess(), np.zeros(0), pd.DataFrame())  # type: ignore[arg-type]
+    task = _FitTask(
+        _spec("lightgbm", FAST, "7d", ()),
+        START,
+        START,
+        np.zeros(0, dtype=np.int64),
+        [],
+        pd.Timedelta(hours=24),
+        slice(0, 0),
+        (START, START),
+        "platt",
+    )
+    with pytest.raises(
+        GpufailError, match=r"fit process ended abruptly, most likely killed for lack of memory.*jobs = 1"
+    ):
+        list(_execute(iter([task]), 1, frames, jobs=2, progress=False))
+
+
 def test_monotone_constraints_reach_every_contender_that_can_take_them() -> None:
     from models.walk_forward import _constraints_for
 
