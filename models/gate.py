@@ -39,6 +39,9 @@ REASON_TAG = "gpufail.gate_reason"
 # window is 2.3M rows x 420 feature columns (4 GB in polars, and as much again in pandas); a
 # chunk of this size is ~0.5 GB.
 HOLDOUT_ROWS_PER_CHUNK = 300_000
+# A chunk is scored on every core (a model trains on one thread, `[model] threads`): the paper
+# fleet's window took 15.6 s on one of two cores, most of the evaluation step after computing it.
+HOLDOUT_SCORING_THREADS = -1
 _ROW = "_holdout_row"
 
 
@@ -60,7 +63,7 @@ def holdout_metrics(model: TrainedModel, holdout: Any, top_k: int) -> dict[str, 
         # Where each row goes: its place in a DataFrame, else the order the pieces come in.
         order.append(df.pop(_ROW).to_numpy() if _ROW in df.columns else np.arange(placed, placed + len(df)))
         placed += len(df)
-        model_scores.append(np.asarray(model.predict_risk(df), dtype=np.float64))
+        model_scores.append(np.asarray(model.predict_risk(df, threads=HOLDOUT_SCORING_THREADS), dtype=np.float64))
         heuristic.append(heuristic_scores(df))
         keys.append(df[[c for c in _METRIC_KEYS if c in df.columns]].reset_index(drop=True))
     rows = np.argsort(np.concatenate(order), kind="stable")

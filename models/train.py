@@ -256,20 +256,24 @@ class TrainedModel:
         digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
         return f"{self.kind}-{self.train_end:%Y%m%dT%H%MZ}-{digest}"
 
-    def predict_score(self, frame: Any) -> np.ndarray:
+    def predict_score(self, frame: Any, *, threads: int | None = None) -> np.ndarray:
         """The estimator's probability of failure for each row of `frame` (class-weighted:
-        right for ranking, too high as a probability)."""
+        right for ranking, too high as a probability). `threads`: a LightGBM model's threads for
+        this call instead of the `n_jobs` it was trained with (-1: every core this process may
+        use). Each row is scored on its own, so the scores are the same; only a large frame (a
+        held-out window) is worth more than one."""
         X = self.design_matrix(frame)
         if len(X) == 0:
             return np.zeros(0)
+        options = {"num_threads": threads} if threads is not None and self.kind == "lightgbm" else {}
         with one_blas_thread():
-            return np.asarray(self.estimator.predict_proba(X)[:, 1], dtype=np.float64)
+            return np.asarray(self.estimator.predict_proba(X, **options)[:, 1], dtype=np.float64)
 
-    def predict_uncalibrated_risk(self, frame: Any) -> np.ndarray:
+    def predict_uncalibrated_risk(self, frame: Any, *, threads: int | None = None) -> np.ndarray:
         """The estimator's probability with the class weighting and the negative subsampling
         divided out (`prior_correction`): right on average, not in the tails; same ranking as
         `predict_score`."""
-        return prior_correction(self.predict_score(frame), self.pos_weight)
+        return prior_correction(self.predict_score(frame, threads=threads), self.pos_weight)
 
     def calibrate(self, uncalibrated_risk: Any) -> np.ndarray:
         """`predict_uncalibrated_risk`'s values through the model's calibration (unchanged
@@ -278,11 +282,11 @@ class TrainedModel:
         calibration = getattr(self, "calibration", None)
         return risk if calibration is None else calibration.apply(risk)
 
-    def predict_risk(self, frame: Any) -> np.ndarray:
+    def predict_risk(self, frame: Any, *, threads: int | None = None) -> np.ndarray:
         """Probability that each row's GPU fails within the horizon: the calibrated risk
         (`calibrate(predict_uncalibrated_risk)`), or the uncalibrated one for a model without
         a calibration."""
-        return self.calibrate(self.predict_uncalibrated_risk(frame))
+        return self.calibrate(self.predict_uncalibrated_risk(frame, threads=threads))
 
     def calibration_info(self) -> dict[str, Any] | None:
         """The calibration's provenance (`Calibration.provenance`), None without one."""

@@ -126,11 +126,11 @@ class _RanksWithinGridTime:
     def __init__(self, base: TrainedModel):
         self.base, self.frames = base, []
 
-    def predict_risk(self, frame: pd.DataFrame):
+    def predict_risk(self, frame: pd.DataFrame, *, threads: int | None = None):
         from models.ensemble import group_ranks
 
         self.frames.append(frame[["ts"]].copy())
-        return 1.0 / group_ranks(self.base.predict_risk(frame), frame["ts"].to_numpy())
+        return 1.0 / group_ranks(self.base.predict_risk(frame, threads=threads), frame["ts"].to_numpy())
 
 
 def test_a_polars_holdout_is_scored_in_whole_grid_times_and_gives_the_metrics_of_scoring_it_whole(monkeypatch):

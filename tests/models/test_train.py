@@ -97,6 +97,25 @@ def test_predict_risk_is_calibrated_roughly_and_ranks_like_predict_score():
     assert score.mean() > 2 * risk.mean()
 
 
+def test_scoring_on_more_threads_gives_the_same_scores_and_reaches_lightgbm(monkeypatch):
+    from lightgbm import LGBMClassifier
+
+    model = lightgbm_model()
+    frame = demo_frame()
+    one = model.predict_risk(frame)
+    asked = []
+    predict = LGBMClassifier.predict_proba
+
+    def recorded(self, X, **kwargs):
+        asked.append(kwargs.get("num_threads"))
+        return predict(self, X, **kwargs)
+
+    monkeypatch.setattr(LGBMClassifier, "predict_proba", recorded)
+    for threads in (2, -1):
+        np.testing.assert_array_equal(model.predict_risk(frame, threads=threads), one)
+    assert asked == [2, -1]
+
+
 def test_save_load_round_trip_gives_identical_predictions(tmp_path):
     model = lightgbm_model()
     folder = save_model(model, tmp_path / "model")
