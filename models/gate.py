@@ -39,8 +39,8 @@ REASON_TAG = "gpufail.gate_reason"
 # window is 2.3M rows x 420 feature columns (4 GB in polars, and as much again in pandas); a
 # chunk of this size is ~0.5 GB.
 HOLDOUT_ROWS_PER_CHUNK = 300_000
-# A chunk is scored on every core (a model trains on one thread, `[model] threads`): the paper
-# fleet's window took 15.6 s on one of two cores, most of the evaluation step after computing it.
+# A chunk is scored on every core, where a model trains on one thread (`[model] threads`): a
+# held-out window is millions of rows, each scored on its own, so the scores are the same.
 HOLDOUT_SCORING_THREADS = -1
 _ROW = "_holdout_row"
 
