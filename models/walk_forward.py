@@ -438,22 +438,25 @@ def _execute(
         # worker receives the frames once, when it starts, and each task names its rows by
         # position: sending every task its own rows pickled ~20 GB through the pipes for the
         # demo's 108 fits, a quarter of the run's CPU.
+        pool = ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_worker,
+            initargs=(frames,),
+        )
         try:
-            with ProcessPoolExecutor(
-                max_workers=jobs,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker,
-                initargs=(frames,),
-            ) as pool:
-                for outcome in pool.map(_run_fit_in_worker, tasks):
-                    yield outcome
-                    bar.update()
+            for outcome in pool.map(_run_fit_in_worker, tasks):
+                yield outcome
+                bar.update()
         except BrokenProcessPool as exc:
             rows = f"{len(frames.evaluation):,} evaluation and {len(frames.training):,} training rows"
             raise GpufailError(
                 f"walk-forward: a fit process ended abruptly, most likely killed for lack of memory: each of the "
                 f"{jobs} processes holds {rows}; expected room for them, or set [evaluate] jobs = 1 ({exc})"
             ) from exc
+        finally:
+            # A caller that stops early (an error, Ctrl-C) does not wait for the fits still queued.
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_gap(model: TrainedModel, as_of: pd.Timestamp, what: str) -> None:

@@ -231,6 +231,31 @@ def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lo
         list(_execute(iter([task]), 1, frames, jobs=2, progress=False))
 
 
+def test_a_caller_that_stops_early_cancels_the_fits_still_queued(monkeypatch):
+    import concurrent.futures
+
+    from models.walk_forward import _execute, _FitFrames
+
+    shutdowns = []
+
+    class Recorded(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers, mp_context=None, initializer=None, initargs=()):
+            super().__init__(max_workers)
+
+        def map(self, fn, *iterables, **kwargs):
+            return (f"outcome {task}" for task in iterables[0])
+
+        def shutdown(self, wait=True, *, cancel_futures=False):
+            shutdowns.append(cancel_futures)
+            super().shutdown(wait, cancel_futures=cancel_futures)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recorded)
+    outcomes = _execute(iter(range(50)), 50, _FitFrames(pd.DataFrame(), np.zeros(0), pd.DataFrame()), 2, False)
+    assert next(outcomes) == "outcome 0"
+    outcomes.close()  # as an error in the caller, or Ctrl-C, would
+    assert shutdowns == [True]
+
+
 def test_monotone_constraints_reach_every_contender_that_can_take_them() -> None:
     from models.walk_forward import _constraints_for
 
