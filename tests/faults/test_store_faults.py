@@ -77,6 +77,16 @@ def test_a_flipped_bit_anywhere_in_a_file_is_named_and_its_rows_never_used(fleet
         shutil.rmtree(root)
 
 
+def test_files_checked_at_once_name_the_first_corrupt_one_in_order(fleet: Path, tmp_path: Path) -> None:
+    root = copy_root(fleet, tmp_path / "root")
+    files = sorted((root / "telemetry").rglob("*.parquet"))
+    assert len(files) >= 3
+    for bad in (files[1], files[2]):
+        flip_bit(bad, bad.stat().st_size // 2, 5)
+    with pytest.raises(StoreError, match=f"{files[1]}: corrupt file"):
+        Store.open(str(root)).files("telemetry", verify=True)
+
+
 def test_features_and_ingest_name_a_corrupt_telemetry_file_in_one_line(fleet: Path, tmp_path: Path) -> None:
     root = copy_root(fleet, tmp_path / "root")
     bad = telemetry_file(root)
