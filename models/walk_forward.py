@@ -361,7 +361,7 @@ class _FitOutcome:
 
 def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     spec = task.spec
-    rows = np.concatenate([np.arange(span.start, span.stop) for span in task.spans])
+    rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(span.start, span.stop) for span in task.spans)])
     try:
         # The pool is already subsampled (the same rows for every fit); train_model must not
         # subsample it again.
@@ -379,7 +379,7 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, None, None, f"kept previous model: {exc}")
-    raw = np.concatenate([model.predict_score(frames.evaluation.iloc[span]) for span in task.spans])
+    raw = np.concatenate([np.zeros(0), *(model.predict_score(frames.evaluation.iloc[span]) for span in task.spans)])
     outcome = _FitOutcome(spec, task.as_of, task.fit_as_of, rows, raw, model, "trained")
     # Calibrated here, in parallel, not by the caller after every fit: each slice is ~70k rows.
     on_slice = np.arange(task.calibration.start, task.calibration.stop)

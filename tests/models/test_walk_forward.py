@@ -195,6 +195,23 @@ def test_a_fit_scores_its_rows_as_runs_of_consecutive_positions():
     assert _spans(np.array([0, 1, 2, 6, 7, 9])) == [slice(0, 3), slice(6, 8), slice(9, 10)]
 
 
+def test_a_fit_with_no_rows_to_score_trains_and_says_why_it_cannot_be_calibrated():
+    from models.walk_forward import _FitFrames, _FitTask, _run_fit, _spec, _Timeline
+
+    frame = small_frame()
+    timeline = _Timeline(frame, PLAN.negative_fraction, 0)
+    end = pd.Timestamp(timeline.ns[-1], tz="UTC")
+    pool = timeline.training_rows(None, end - pd.Timedelta(hours=12), end)
+    frames = _FitFrames(timeline.frame.iloc[:0], np.zeros(0), timeline.frame)
+    task = _FitTask(
+        _spec("lightgbm", FAST, "30d", ()), end, end, pool, [], pd.Timedelta(hours=12), slice(0, 0), (end, end), "platt"
+    )
+    outcome = _run_fit(task, frames)
+    assert outcome.model is not None and outcome.status == "trained"
+    assert len(outcome.rows) == 0 and outcome.raw is not None and len(outcome.raw) == 0
+    assert outcome.calibration is None and "0 labelled rows with 0 failures" in str(outcome.calibration_error)
+
+
 class _EndsTheProcess:
     """Unpickled in a fit worker as it starts, it ends that process at once, as the kernel's
     out-of-memory killer would."""
