@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import date, datetime, timedelta
 
 import polars as pl
@@ -137,7 +137,7 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     # compute together (one lookback read per block), a block's rows held at once.
     runs = list(_runs(missing))
     step = block_length(facts, spec, OnDemandOptions(), (runs[0][0], runs[-1][1]) if runs else None)
-    for block_start, block_end in _blocks(iter(runs), step):
+    for block_start, block_end in _blocks(runs, step):
         computed = features_on_demand(store, block_start, block_end, spec=spec, rows=candidates(kept_fraction))
         for day, rows in _days_of(computed):
             day_file(day, threshold).save(store, keys[day], {}, {_ROWS: rows})
@@ -185,7 +185,7 @@ def _runs(days: list[date]) -> Iterator[tuple[datetime, datetime]]:
             run.append(day)
 
 
-def _blocks(runs: Iterator[tuple[datetime, datetime]], step: timedelta) -> Iterator[tuple[datetime, datetime]]:
+def _blocks(runs: Iterable[tuple[datetime, datetime]], step: timedelta) -> Iterator[tuple[datetime, datetime]]:
     """Each run cut into blocks of `step` from its start."""
     for start, end in runs:
         while start < end:

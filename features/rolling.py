@@ -407,17 +407,20 @@ def numpy_with_validity(s: pl.Series) -> tuple[np.ndarray, np.ndarray]:
     values = np.frombuffer(a.buffers()[1], dtype=a.type.to_pandas_dtype())[offset : offset + n]
     validity = a.buffers()[0]
     if validity is None:
-        bits = np.full((n + 7) // 8, 0xFF, np.uint8)
-    elif offset % 8 == 0:
-        bits = np.frombuffer(validity, np.uint8)[offset // 8 : offset // 8 + (n + 7) // 8]
-    else:  # a slice that starts inside a byte: its bits moved to the start
-        unpacked = np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[offset : offset + n]
-        bits = np.packbits(unpacked, bitorder="little")
-    # Read-only either way, as the Arrow buffers are: numba compiles a kernel once per argument
-    # type, writability included, so a column with nulls and one without share one compilation
-    # (`gpufail.precompile` compiles each kernel ahead for the types a store holds).
+        return values, validity_bitmap(np.ones(n, np.bool_))
+    if offset % 8:  # a slice that starts inside a byte: its bits moved to the start
+        return values, validity_bitmap(np.unpackbits(np.frombuffer(validity, np.uint8), bitorder="little")[offset:][:n])
+    return values, np.frombuffer(validity, np.uint8)[offset // 8 : offset // 8 + (n + 7) // 8]
+
+
+def validity_bitmap(valid: np.ndarray) -> np.ndarray:
+    """A mask (true: a value) as the kernels read validity, Arrow's layout: bit i of byte i // 8,
+    least significant first. Read-only, as Arrow's buffers are: numba compiles a kernel once per
+    argument type, writability included, so a column with nulls and one without share one
+    compilation (`gpufail.precompile` compiles each kernel ahead for the types a store holds)."""
+    bits = np.packbits(valid, bitorder="little")
     bits.flags.writeable = False
-    return values, bits
+    return bits
 
 
 def trailing_sums(

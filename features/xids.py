@@ -24,7 +24,7 @@ from datetime import timedelta
 import numpy as np
 import polars as pl
 
-from features.rolling import BucketArrays, KeptRows, gpu_segments, last_valid, trailing_sums
+from features.rolling import BucketArrays, KeptRows, gpu_segments, last_valid, trailing_sums, validity_bitmap
 from features.schema import window_label
 from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, DEFAULT_XID_SINCE_CAP
 from features.windows import (
@@ -190,7 +190,7 @@ class _GridRows:
         valid[present[_ROW].to_numpy()] = True
         times = np.zeros(self.keys.height, np.int64)
         times[present[_ROW].to_numpy()] = present[column].dt.epoch("us").to_numpy()
-        out, found = last_valid(times, np.packbits(valid, bitorder="little"), kept, self.keys.height, np.int64)
+        out, found = last_valid(times, validity_bitmap(valid), kept, self.keys.height, np.int64)
         latest = pl.Series(column, out).cast(pl.Datetime("us", "UTC")).cast(values[column].dtype)
         return latest if found.all() else latest.set(pl.Series(~found), None)
 

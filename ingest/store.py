@@ -414,15 +414,10 @@ class Store:
         """`verify` each of `paths`, two or more at a time: the CRC and the reads release the
         GIL, so the checks of a week of bucket files take half as long on two cores. The first
         corrupt file in `paths`' order is the error."""
-        if len(paths) < 2:
-            for path in paths:
-                self.verify(path)
-            return
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(min(_VERIFY_THREADS, len(paths)), thread_name_prefix="gpufail-verify") as pool:
-            for _ in pool.map(self.verify, paths):
-                pass
+        with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="gpufail-verify") as pool:
+            list(pool.map(self.verify, paths))
 
     def verify(self, path: str) -> None:
         """Refuse a part file whose bytes are not those written: the CRC-32 in its name

@@ -317,8 +317,6 @@ class _FitTask:
     spec: _Spec
     as_of: pd.Timestamp
     """The retraining time: the model scores from here."""
-    fit_as_of: pd.Timestamp
-    """What the model is trained as of: the start of its calibration slice."""
     pool: np.ndarray
     """Positions in `_FitFrames.training` of the rows it trains on."""
     spans: list[slice]
@@ -328,6 +326,11 @@ class _FitTask:
     """Its calibration slice, within `spans`."""
     calibration_bounds: tuple[pd.Timestamp, pd.Timestamp]
     method: str
+
+    @property
+    def fit_as_of(self) -> pd.Timestamp:
+        """What the model is trained as of: the start of its calibration slice."""
+        return self.calibration_bounds[0]
 
 
 @dataclass(frozen=True)
@@ -877,7 +880,6 @@ def run_walk_forward(
             yield _FitTask(
                 spec,
                 t,
-                layout.fit_as_of(t),
                 pool,
                 _spans(np.unique(np.concatenate(parts))),
                 horizon,

@@ -204,7 +204,7 @@ def test_a_fit_with_no_rows_to_score_trains_and_says_why_it_cannot_be_calibrated
     pool = timeline.training_rows(None, end - pd.Timedelta(hours=12), end)
     frames = _FitFrames(timeline.frame.iloc[:0], np.zeros(0), timeline.frame)
     task = _FitTask(
-        _spec("lightgbm", FAST, "30d", ()), end, end, pool, [], pd.Timedelta(hours=12), slice(0, 0), (end, end), "platt"
+        _spec("lightgbm", FAST, "30d", ()), end, pool, [], pd.Timedelta(hours=12), slice(0, 0), (end, end), "platt"
     )
     outcome = _run_fit(task, frames)
     assert outcome.model is not None and outcome.status == "trained"
@@ -233,7 +233,6 @@ def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lo
     frames = _FitFrames(_EndsTheProcess(), np.zeros(0), pd.DataFrame())  # type: ignore[arg-type]
     task = _FitTask(
         _spec("lightgbm", FAST, "7d", ()),
-        START,
         START,
         np.zeros(0, dtype=np.int64),
         [],
