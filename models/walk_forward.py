@@ -516,10 +516,16 @@ class _Tracks:
     it made there; a retrain whose slice cannot be calibrated on (no failure in it) keeps the
     previous model and calibration, as a failed fit does."""
 
-    def __init__(self, layout: _Layout, outcomes: dict[tuple[_Spec, pd.Timestamp], _FitOutcome], method: str) -> None:
-        self.layout, self.outcomes, self.method = layout, outcomes, method
+    def __init__(
+        self,
+        layout: _Layout,
+        frame_labels: np.ndarray,
+        outcomes: dict[tuple[_Spec, pd.Timestamp], _FitOutcome],
+        method: str,
+    ) -> None:
+        """`frame_labels`: those of `layout.frame`, the evaluation frame (`_FitFrames.labels`)."""
+        self.layout, self.labels, self.outcomes, self.method = layout, frame_labels, outcomes, method
         self.frame, self.ns = layout.frame, layout.ns
-        self.labels = labels(layout.frame).to_numpy()
         self._cache: dict[tuple[Any, ...], _Track] = {}
 
     def _calibrate(self, t: pd.Timestamp, risk: np.ndarray) -> Calibration:
@@ -893,7 +899,7 @@ def run_walk_forward(
         if outcome.model is not None:
             _check_gap(outcome.model, outcome.fit_as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
         outcomes[(outcome.spec, outcome.as_of)] = outcome
-    built = _Tracks(layout, outcomes, plan.calibration)
+    built = _Tracks(layout, frames.labels, outcomes, plan.calibration)
 
     def track_of(need: _Need) -> _Track:
         if need.settings is None:
