@@ -154,8 +154,12 @@ def _platt(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
     from sklearn.linear_model import LogisticRegression
 
     # Almost no penalty: two parameters on thousands of rows need none, and a strong one would
-    # pull the slope towards zero (every GPU the same risk).
-    fit = LogisticRegression(C=1e6, max_iter=1000).fit(z.reshape(-1, 1), y.astype(int), sample_weight=weight)
+    # pull the slope towards zero (every GPU the same risk). Newton steps on two parameters reach
+    # the maximum-likelihood fit in about ten iterations; L-BFGS at its default tolerance stopped
+    # short of it (the weighted mean risk off the observed rate) and took three times as long.
+    fit = LogisticRegression(C=1e6, solver="newton-cholesky", tol=1e-8, max_iter=100).fit(
+        z.reshape(-1, 1), y.astype(int), sample_weight=weight
+    )
     return {"slope": float(fit.coef_[0, 0]), "offset": float(fit.intercept_[0])}
 
 

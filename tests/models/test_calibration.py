@@ -102,6 +102,21 @@ def test_a_slice_with_drawn_healthy_rows_is_weighed_back_to_its_base_rate():
     assert expected_calibration_error(y, unweighed.apply(p)) > 0.02
 
 
+def test_platt_is_the_weighted_maximum_likelihood_fit():
+    # At the maximum of the weighted likelihood both score equations hold: the calibrated risk's
+    # weighted mean is the slice's weighted failure rate, and its residuals are uncorrelated with
+    # the score's log-odds. L-BFGS at its default tolerance stopped short of this optimum.
+    p, y = rare_event(300_000, seed=6)
+    rng = np.random.default_rng(1)
+    keep = (y == 1) | (rng.random(len(y)) < 0.1)
+    p, y = distorted(p[keep]), y[keep]
+    calibration = fit_calibration(p, y, "platt", slice_start=START, slice_end=END, negative_fraction=0.1)
+    weight = np.where(y == 1, 1.0, 10.0)
+    residual = y - calibration.apply(p)
+    assert np.average(residual, weights=weight) == pytest.approx(0.0, abs=1e-6 * y.mean())
+    assert np.average(residual * logit(p), weights=weight) == pytest.approx(0.0, abs=1e-5)
+
+
 def test_calibration_refuses_a_slice_without_failures_and_an_unknown_method():
     with pytest.raises(InputError, match=r"calibration slice .* 0 failures"):
         fit_calibration(np.full(10, 0.1), np.zeros(10), slice_start=START, slice_end=END)
