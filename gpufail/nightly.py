@@ -208,6 +208,21 @@ def retrain_reach(newest_day: date, options: NightlyOptions, spec: FeatureSpec) 
 _HELD_UNTIL = {"_keys": "train", "_holdout": "gate"}
 """What `_Job` keeps between steps, and the last step that reads it."""
 
+_CHAMPION_KEY = "champion"
+"""The champion's name among the models the evaluation scores."""
+_CHAMPION_METRICS_FILE = "champion-metrics.json"
+"""In the day's folder: the version the evaluation judged as the champion, and its metrics."""
+_EXAMPLE_FILE = "example.parquet"
+_EXAMPLE_ROWS = 5
+
+
+def _keeping_an_example(parts: Iterator[Any], example: list[Any]) -> Iterator[Any]:
+    """`parts` as they come, the first rows of the first one put in `example` on the way."""
+    for part in parts:
+        if not example:
+            example.append(part.head(_EXAMPLE_ROWS))
+        yield part
+
 
 class _Job:
     """The steps of one day's run. Each returns a JSON-ready record of what it did."""
@@ -379,19 +394,46 @@ class _Job:
         return self._keys
 
     def holdout(self) -> Any:
-        """The labelled rows of the held-out window as a polars LazyFrame: the evaluation and the
-        gate read it a few grid times at a time. Read whole, the paper fleet's 3-day window
-        (2.3M rows x 420 columns) took the nightly job to 14 GB."""
+        """The labelled rows of the held-out window as a polars LazyFrame, read a few grid times
+        at a time. Computed on demand, it is computed whole first (9.6 GB on the paper fleet):
+        the evaluation reads the window in parts of whole GPUs instead (`_holdout_rows`), and
+        this is for what must see whole grid times."""
         import polars as pl
 
         from features.dataset import scan_features
 
         if self._holdout is None:
-            train = self.state["steps"]["train"]
-            start, end = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
-            rows = scan_features(self.store, start=start, end=end + timedelta(microseconds=1))
+            start, end = self._holdout_bounds()
+            rows = scan_features(self.store, start=start, end=end)
             self._holdout = rows.filter(pl.col("label").is_not_null())
         return self._holdout
+
+    def _holdout_bounds(self) -> tuple[datetime, datetime]:
+        train = self.state["steps"]["train"]
+        start, last = datetime.fromisoformat(train["holdout_start"]), datetime.fromisoformat(train["holdout_end"])
+        return start, last + timedelta(microseconds=1)
+
+    def _holdout_rows(self, models: Any) -> tuple[Any, bool]:
+        """The held-out window for `models.gate.holdout_metrics_of`, and whether it comes in parts
+        of whole GPUs: computed on demand part by part when every model scores each row alone
+        (nothing holds the whole window), else `holdout`."""
+        from features.dataset import computed
+        from features.on_demand import iter_features_on_demand
+
+        if computed(self.store) and all(model.scores_each_row_alone for model in models):
+            return iter_features_on_demand(self.store, *self._holdout_bounds()), True
+        return self.holdout(), False
+
+    def _champion_to_judge(self) -> Any:
+        """The champion (`LoadedModel`) that the gate compares the night's model with, scored in
+        the evaluation's pass over the held-out window; None when there is none or it does not
+        load (the gate then finds the same and says why)."""
+        from models.registry import RegistryError
+
+        try:
+            return self._load_champion()
+        except RegistryError:
+            return None
 
     # -- the steps -----------------------------------------------------------------------------
 
@@ -466,21 +508,46 @@ class _Job:
         return {**base, "model_dir": str(path), "model_version": model.version, "positives": model.n_positives}
 
     def _evaluate(self) -> dict[str, Any]:
-        from models.gate import holdout_metrics, write_holdout_report
-        from models.train import load_model
+        import io
+        import json
+
+        from models.gate import holdout_metrics_of, write_holdout_report
+        from models.train import load_model, write_file_atomic
 
         train = self.state["steps"]["train"]
-        model = load_model(train["model_dir"])
-        metrics = holdout_metrics(model, self.holdout(), self.o.top_k)
+        models = {"model": load_model(train["model_dir"])}
+        champion = self._champion_to_judge()
+        if champion is not None:
+            models[_CHAMPION_KEY] = champion.model
+        rows, in_gpu_parts = self._holdout_rows(models.values())
+        example: list[Any] = []
+        if in_gpu_parts:
+            rows = _keeping_an_example(rows, example)
+        else:
+            example.append(rows.head(_EXAMPLE_ROWS).collect())
+        metrics = holdout_metrics_of(models, rows, self.o.top_k, in_gpu_parts=in_gpu_parts)
+        theirs = metrics.pop(_CHAMPION_KEY, None)
         report = self.folder / "report"
         title = f"held-out window {train['holdout_start'][:16]} to {train['holdout_end'][:16]}, K={self.o.top_k}"
         write_holdout_report(metrics, report, title=title)
+        # For the register step's model signature, and the gate's comparison: the window is
+        # not read again for them.
+        buffer = io.BytesIO()
+        example[0].write_parquet(buffer)
+        write_file_atomic(self.folder / _EXAMPLE_FILE, buffer.getvalue())
+        judged = self.folder / _CHAMPION_METRICS_FILE
+        if champion is None:
+            judged.unlink(missing_ok=True)
+        else:
+            record = {"version": champion.version, "metrics": theirs}
+            write_file_atomic(judged, json.dumps(record, indent=2, default=str).encode())
         m = metrics["model"]
         return {
             "report": str(report),
             "precision_at_k": m["precision_at_k_mean"],
             "recall_at_k": m.get("recall_at_k"),
             "episodes": m.get("n_episodes"),
+            "champion_version": None if champion is None else champion.version,
         }
 
     def _register(self) -> dict[str, Any]:
@@ -505,7 +572,7 @@ class _Job:
         logged = log_training_run(
             self.registry(),
             model,
-            example=self.holdout().head(5).collect(),
+            example=self._example(),
             metrics=metrics,
             report_dir=Path(evaluate["report"]),
             fingerprint=train["fingerprint"],
@@ -529,23 +596,35 @@ class _Job:
         self.state.pop("register_run_id", None)
         return {"run_id": logged.run_id, "version": version, "resumed_run": logged.resumed}
 
+    def _example(self) -> Any:
+        """A few held-out rows for the model's signature, kept by the evaluation step (read
+        from the window when a run from before it kept them resumes here)."""
+        import polars as pl
+
+        kept = self.folder / _EXAMPLE_FILE
+        return pl.read_parquet(kept) if kept.exists() else self.holdout().head(_EXAMPLE_ROWS).collect()
+
     def _gate(self) -> dict[str, Any]:
         import json
 
         from models.gate import promote_if_better
 
         version = self.state["steps"]["register"]["version"]
-        # The evaluation step scored this model on the same held-out window and K.
+        # The evaluation step scored this model, and the champion of then, on the same held-out
+        # window and K; the window is read again only for a champion promoted since.
         evaluated = json.loads((Path(self.state["steps"]["evaluate"]["report"]) / "metrics.json").read_text())
+        judged = self.folder / _CHAMPION_METRICS_FILE
+        champion = json.loads(judged.read_text()) if judged.exists() else None
         decision = promote_if_better(
             self.registry(),
             version,
-            self.holdout(),
+            self.holdout,
             top_k=self.o.top_k,
             margin=self.o.promotion_margin,
             recall_tolerance=self.o.recall_tolerance,
             floor=self.o.precision_floor,
             challenger_metrics=evaluated["model"],
+            champion_metrics=None if champion is None else (champion["version"], champion["metrics"]),
         )
         return {
             "version": version,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ingest.errors import InputError
 from models.evaluate import heuristic_scores, random_scores, score_metrics
 from models.frame import labels, to_pandas
 from models.registry import CHALLENGER, CHAMPION, Registry, RegistryError, load_version, unreachable
@@ -52,27 +53,56 @@ def holdout_metrics(model: TrainedModel, holdout: Any, top_k: int) -> dict[str, 
     A polars `holdout` (a DataFrame, or a LazyFrame read a piece at a time) is scored a few grid
     times at a time (`_grid_time_chunks`), keeping only the keys and scores of each chunk; the
     metrics see the rows in `holdout`'s order, so they equal scoring the whole frame at once."""
+    return holdout_metrics_of({"model": model}, holdout, top_k)
+
+
+def holdout_metrics_of(
+    models: Mapping[str, TrainedModel], holdout: Any, top_k: int, *, in_gpu_parts: bool = False
+) -> dict[str, Any]:
+    """`holdout_metrics` of each of `models` in one pass over `holdout`: {name: metrics, ...,
+    "random": ..., "heuristic": ...}.
+
+    With `in_gpu_parts`, `holdout` is polars frames of whole GPUs in any order (what
+    `features.on_demand.iter_features_on_demand` yields), so that a window computed on demand
+    is never held whole: each part is scored `HOLDOUT_ROWS_PER_CHUNK` rows at a time, and the
+    scored rows are put in (ts, gpu_uuid) order, the order `features.dataset.read_features`
+    gives the same rows. A model whose score of a row depends on the other GPUs of its grid
+    time (`TrainedModel.scores_each_row_alone`) cannot be scored that way."""
+    if in_gpu_parts:
+        together = [name for name, model in models.items() if not model.scores_each_row_alone]
+        if together:
+            raise ValueError(
+                f"{together}: these models rank the GPUs of a grid time together; expected whole grid times"
+            )
+        pieces: Iterable[Any] = (piece for part in holdout for piece in part.iter_slices(HOLDOUT_ROWS_PER_CHUNK))
+    else:
+        pieces = _grid_time_chunks(holdout, HOLDOUT_ROWS_PER_CHUNK)
     keys: list[pd.DataFrame] = []
-    model_scores: list[np.ndarray] = []
+    model_scores: dict[str, list[np.ndarray]] = {name: [] for name in models}
     heuristic: list[np.ndarray] = []
     order: list[np.ndarray] = []
     placed = 0
-    for chunk in _grid_time_chunks(holdout, HOLDOUT_ROWS_PER_CHUNK):
+    for chunk in pieces:
         df = to_pandas(chunk)
         df = df.loc[labels(df).notna().to_numpy()]
         # Where each row goes: its place in a DataFrame, else the order the pieces come in.
         order.append(df.pop(_ROW).to_numpy() if _ROW in df.columns else np.arange(placed, placed + len(df)))
         placed += len(df)
-        model_scores.append(np.asarray(model.predict_risk(df, threads=HOLDOUT_SCORING_THREADS), dtype=np.float64))
+        for name, model in models.items():
+            risk = model.predict_risk(df, threads=HOLDOUT_SCORING_THREADS)
+            model_scores[name].append(np.asarray(risk, dtype=np.float64))
         heuristic.append(heuristic_scores(df))
         keys.append(df[[c for c in _METRIC_KEYS if c in df.columns]].reset_index(drop=True))
-    rows = np.argsort(np.concatenate(order), kind="stable")
-    df = pd.concat(keys, ignore_index=True).iloc[rows].reset_index(drop=True)
-    scores = {
-        "model": np.concatenate(model_scores)[rows],
-        "random": random_scores(len(df)),
-        "heuristic": np.concatenate(heuristic)[rows],
-    }
+    if not keys:
+        raise InputError("held-out window: no rows to score; expected the features of its grid times")
+    df = pd.concat(keys, ignore_index=True)
+    if in_gpu_parts:
+        rows = df.sort_values(["ts", "gpu_uuid"], kind="stable").index.to_numpy()
+    else:
+        rows = np.argsort(np.concatenate(order), kind="stable")
+    df = df.iloc[rows].reset_index(drop=True)
+    scores = {name: np.concatenate(parts)[rows] for name, parts in model_scores.items()}
+    scores |= {"random": random_scores(len(df)), "heuristic": np.concatenate(heuristic)[rows]}
     return {name: score_metrics(df, s, k=top_k) for name, s in scores.items()}
 
 
@@ -172,6 +202,11 @@ def _headline(metrics: dict[str, Any]) -> tuple[float, float | None]:
 _SUMMARY_KEYS = ("precision_at_k_mean", "precision_at_k_pooled", "recall_at_k", "n_episodes", "n_caught_at_k", "pr_auc")
 
 
+def _window(holdout: Any) -> Any:
+    """`promote_if_better`'s held-out window, called for when it is a function."""
+    return holdout() if callable(holdout) else holdout
+
+
 def _summary(metrics: dict[str, Any]) -> dict[str, Any]:
     """The metrics a decision is recorded with (a tag holds at most 5000 characters)."""
     return {key: metrics.get(key) for key in _SUMMARY_KEYS}
@@ -222,6 +257,7 @@ def promote_if_better(
     floor: float,
     challenger_model: TrainedModel | None = None,
     challenger_metrics: dict[str, Any] | None = None,
+    champion_metrics: tuple[str, dict[str, Any]] | None = None,
 ) -> GateDecision:
     """Compare registered `version` with the champion on `holdout` (the most recent held-out
     window), move the `champion` alias to it if `gate` says so, and record the decision and its
@@ -229,7 +265,9 @@ def promote_if_better(
 
     `challenger_metrics`: the version's `holdout_metrics(...)["model"]` on this same window and
     K when the caller has them (the nightly job's evaluation step): scoring it again cost the
-    paper fleet's nightly 38 s."""
+    paper fleet's nightly 38 s. `champion_metrics`: (version, its metrics) likewise, used when
+    that version is still the champion. `holdout` may be a function that returns the window,
+    called only when a model is scored here."""
     mv = registry.call("read the model version", registry.client.get_model_version, registry.name, version)
     if GATE_TAG in (mv.tags or {}):
         recorded = json.loads(mv.tags[GATE_TAG])
@@ -241,11 +279,13 @@ def promote_if_better(
         mine = challenger_metrics
     else:
         challenger = challenger_model or load_version(registry, version)
-        mine = holdout_metrics(challenger, holdout, top_k)["model"]
+        mine = holdout_metrics(challenger, _window(holdout), top_k)["model"]
     theirs = None
-    if champion_mv is not None:
+    if champion_mv is not None and champion_metrics is not None and champion_metrics[0] == str(champion_mv.version):
+        theirs = champion_metrics[1]
+    elif champion_mv is not None:
         try:
-            theirs = holdout_metrics(load_version(registry, str(champion_mv.version)), holdout, top_k)["model"]
+            theirs = holdout_metrics(load_version(registry, str(champion_mv.version)), _window(holdout), top_k)["model"]
         except RegistryError as exc:
             if unreachable(exc.__cause__ or exc):
                 raise

@@ -240,6 +240,13 @@ class TrainedModel:
         return X
 
     @property
+    def scores_each_row_alone(self) -> bool:
+        """Whether a row's score depends on that row alone, so that any subset of rows can be
+        scored apart: not for an ensemble given the time column (it ranks, or cuts, the GPUs
+        of a scoring time together), whose rows must come in whole grid times."""
+        return getattr(self.estimator, "time_column", None) is None
+
+    @property
     def version(self) -> str:
         """`kind-<train_end>-<digest>`: names the model in predictions and the audit log."""
         identity: list[Any] = [

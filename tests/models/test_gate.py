@@ -7,9 +7,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from models.gate import GATE_TAG, gate, holdout_metrics, promote_if_better, write_holdout_report
+from ingest.errors import InputError
+from models.gate import GATE_TAG, gate, holdout_metrics, holdout_metrics_of, promote_if_better, write_holdout_report
 from models.registry import CHALLENGER, CHAMPION, RegistryError, load_champion
-from models.train import TrainedModel
+from models.train import TrainedModel, TrainOptions, train_model
+from tests.models import ONE_THREAD, demo_frame
 from tests.models.mlflow_runs import fresh_registry, logged_version, model_and_holdout
 
 
@@ -123,6 +125,8 @@ class _RanksWithinGridTime:
     """A model whose scores depend on every GPU of a grid time, as the ensembles' do: the rank
     of the logistic model's risk among its grid time's rows. Records each frame it scores."""
 
+    scores_each_row_alone = False
+
     def __init__(self, base: TrainedModel):
         self.base, self.frames = base, []
 
@@ -179,3 +183,74 @@ def test_a_lazy_holdout_is_read_in_pieces_and_scores_as_the_frame_read_whole_in_
         seen = frame["ts"].value_counts()
         assert seen.equals(rows_per_time.loc[seen.index])  # every row of each grid time it holds
     assert lazy == whole
+
+
+def test_a_window_in_parts_of_whole_gpus_scores_several_models_as_the_whole_frame_in_time_order(monkeypatch):
+    import polars as pl
+
+    import models.gate
+
+    base, holdout = model_and_holdout()
+    other = train_model(
+        demo_frame(),
+        TrainOptions(kind="lightgbm", train_window="5d", horizon="12h", as_of=holdout["ts"].min(), params=ONE_THREAD),
+    )
+    in_time_order = holdout.sort_values(["ts", "gpu_uuid"], kind="stable").reset_index(drop=True)
+    whole = holdout_metrics(base, in_time_order, top_k=5)
+    whole_other = holdout_metrics(other, in_time_order, top_k=5)["model"]
+    # Parts of whole GPUs, in no particular order, each larger than a scoring chunk.
+    shuffled = pl.from_pandas(holdout.sample(frac=1.0, random_state=7))
+    gpus = shuffled["gpu_uuid"].unique().shuffle(seed=2).to_list()
+    parts = [shuffled.filter(pl.col("gpu_uuid").is_in(gpus[i::3])) for i in range(3)]
+    monkeypatch.setattr(models.gate, "HOLDOUT_ROWS_PER_CHUNK", min(p.height for p in parts) // 2)
+
+    both = holdout_metrics_of({"model": base, "other": other}, iter(parts), top_k=5, in_gpu_parts=True)
+
+    assert set(both) == {"model", "other", "random", "heuristic"}
+    assert {name: both[name] for name in ("model", "random", "heuristic")} == whole
+    assert both["other"] == whole_other
+    assert both["other"] != both["model"]
+
+
+def test_a_model_that_ranks_a_grid_time_together_is_not_scored_in_parts_of_gpus():
+    import polars as pl
+
+    base, holdout = model_and_holdout()
+    with pytest.raises(ValueError, match="rank the GPUs of a grid time together"):
+        holdout_metrics_of({"model": _RanksWithinGridTime(base)}, [pl.from_pandas(holdout)], top_k=5, in_gpu_parts=True)
+    with pytest.raises(InputError, match="held-out window: no rows to score"):
+        holdout_metrics_of({"model": base}, iter([]), top_k=5, in_gpu_parts=True)
+
+
+def test_the_champions_metrics_from_the_caller_are_used_only_while_it_is_the_champion(mlflow_server, tmp_path):
+    url, _ = mlflow_server
+    registry = fresh_registry(url)
+    model, holdout = model_and_holdout()
+    first, _ = logged_version(registry, tmp_path / "1")
+    promote_if_better(registry, first, holdout, top_k=5, margin=0.0, recall_tolerance=0.0, floor=0.0)
+    mine = holdout_metrics(model, holdout, top_k=5)["model"]
+    reads: list[int] = []
+
+    def window():
+        reads.append(1)
+        return holdout
+
+    # The champion's metrics as the caller scored them: far worse than the challenger's (the
+    # same model), so only they can promote it; the window is never read.
+    worse = {**mine, "precision_at_k_mean": mine["precision_at_k_mean"] - 0.5}
+    second, _ = logged_version(registry, tmp_path / "2")
+    decision = promote_if_better(
+        registry, second, window, top_k=5, margin=0.1, recall_tolerance=1.0, floor=0.0,
+        challenger_metrics=mine, champion_metrics=(first, worse),
+    )  # fmt: skip
+    assert decision.promote and decision.champion_version == first and not reads
+    assert decision.champion["precision_at_k_mean"] == pytest.approx(worse["precision_at_k_mean"])
+
+    # Metrics of a version that is no longer the champion are not used: it is scored, and the
+    # same model does not beat itself by the margin.
+    third, _ = logged_version(registry, tmp_path / "3")
+    decision = promote_if_better(
+        registry, third, window, top_k=5, margin=0.1, recall_tolerance=1.0, floor=0.0,
+        challenger_metrics=mine, champion_metrics=(first, worse),
+    )  # fmt: skip
+    assert not decision.promote and decision.champion_version == second and reads == [1]
