@@ -2,7 +2,8 @@
 (the champion), judged on the same, most recent held-out window.
 
 `holdout_metrics` scores a model on that window (precision@K, episode recall, row metrics, with
-the random and heuristic baselines); `write_holdout_report` writes those figures for people.
+the random and heuristic baselines), and `holdout_metrics_of` several in one pass, also over a
+window that comes in parts of whole GPUs; `write_holdout_report` writes those figures for people.
 `gate` is a pure function of two models' metrics: the challenger replaces the champion only if
 its precision@K beats the champion's by a margin and its episode recall is not lower by more
 than a tolerance; a registry with no champion takes the first model that reaches an absolute
