@@ -236,7 +236,7 @@ def log_training_run(
         run_id, status = created.info.run_id, None
     if on_start is not None:
         on_start(run_id)
-    design = model.design_matrix(to_pandas(example).head(5))
+    design = _without_time_zone(model.design_matrix(to_pandas(example).head(5)))
     signature = infer_signature(design, model.predict_risk(design))
     run_params = {
         "kind": model.kind,
@@ -277,6 +277,14 @@ def log_training_run(
                 return LoggedRun(run.info.run_id, info.model_uri, status)
 
         return registry.call("log the training run", log)
+
+
+def _without_time_zone(design: pd.DataFrame) -> pd.DataFrame:
+    """`design` with its zoned times (an ensemble's time column) as naive UTC: MLflow's schemas
+    have no time zone, and logging an example with one fails. The ensembles only group rows by
+    that column, which the zone does not change."""
+    zoned = [c for c in design.columns if isinstance(design[c].dtype, pd.DatetimeTZDtype)]
+    return design.assign(**{c: design[c].dt.tz_convert("UTC").dt.tz_localize(None) for c in zoned})
 
 
 def _finished_run(registry: Registry, experiment_id: str, tags: dict[str, str]) -> LoggedRun | None:

@@ -212,6 +212,35 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     assert datetime.fromisoformat(summaries[-1].results["train"]["window_start"]) >= reach
 
 
+def test_an_ensemble_that_ranks_each_grid_time_is_evaluated_on_whole_grid_times(
+    mlflow_server, fleet, tmp_path, monkeypatch
+):
+    import models.gate
+
+    url, _ = mlflow_server
+    passes: list[tuple[list[str], bool]] = []
+    real_metrics = models.gate.holdout_metrics_of
+
+    def recorded(models, holdout, *args, **kwargs):
+        passes.append((sorted(models), kwargs.get("in_gpu_parts", False)))
+        return real_metrics(models, holdout, *args, **kwargs)
+
+    monkeypatch.setattr(models.gate, "holdout_metrics_of", recorded)
+    data = tmp_path / "data"
+    plain = options(tmp_path, url, f"nightly-{next(_names)}")
+    members = {"members": ["lightgbm", "logistic"], "top_k": 5, "member_params": {"lightgbm": {"n_estimators": 20}}}
+    opts = replace(plain, train=replace(plain.train, kind="parallel", params={"n_jobs": 1, **members}))
+    grow(fleet, data, first_day(fleet) + timedelta(days=FLEET_DAYS - 1))
+
+    night = run_nightly(str(data), opts, publish=log_publish, report=lambda _: None)
+
+    assert night.done == list(STEPS)
+    # The parallel ensemble ranks the GPUs of a grid time against each other: its window is
+    # read in whole grid times, not in parts of GPUs.
+    assert passes == [(["model"], False)]
+    assert night.results["evaluate"]["episodes"] > 0
+
+
 def test_the_night_uses_the_champions_feature_spec_and_refuses_features_of_another(mlflow_server, fleet, tmp_path):
     from features.aggregates import build_aggregates
     from features.manifest import recorded_spec
