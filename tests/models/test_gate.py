@@ -56,13 +56,19 @@ def test_a_challenger_that_does_not_beat_the_champion_by_the_margin_stays_challe
     assert str(registry.alias_version(CHALLENGER).version) == second
 
 
-def test_metrics_the_caller_already_has_judge_the_challenger_without_scoring_it_again(mlflow_server, tmp_path):
+def _a_champion(mlflow_server, tmp_path):
+    """A fresh registry whose first version is the champion: (registry, held-out window, the
+    champion's version, its metrics on the window)."""
     url, _ = mlflow_server
     registry = fresh_registry(url)
     model, holdout = model_and_holdout()
     first, _ = logged_version(registry, tmp_path / "1")
     promote_if_better(registry, first, holdout, top_k=5, margin=0.0, recall_tolerance=0.0, floor=0.0)
-    mine = holdout_metrics(model, holdout, top_k=5)["model"]
+    return registry, holdout, first, holdout_metrics(model, holdout, top_k=5)["model"]
+
+
+def test_metrics_the_caller_already_has_judge_the_challenger_without_scoring_it_again(mlflow_server, tmp_path):
+    registry, holdout, first, mine = _a_champion(mlflow_server, tmp_path)
     second, _ = logged_version(registry, tmp_path / "2")
 
     class Unscorable:  # the challenger: scoring it would fail
@@ -223,12 +229,7 @@ def test_a_model_that_ranks_a_grid_time_together_is_not_scored_in_parts_of_gpus(
 
 
 def test_the_champions_metrics_from_the_caller_are_used_only_while_it_is_the_champion(mlflow_server, tmp_path):
-    url, _ = mlflow_server
-    registry = fresh_registry(url)
-    model, holdout = model_and_holdout()
-    first, _ = logged_version(registry, tmp_path / "1")
-    promote_if_better(registry, first, holdout, top_k=5, margin=0.0, recall_tolerance=0.0, floor=0.0)
-    mine = holdout_metrics(model, holdout, top_k=5)["model"]
+    registry, holdout, first, mine = _a_champion(mlflow_server, tmp_path)
     reads: list[int] = []
 
     def window():
