@@ -205,7 +205,7 @@ def retrain_reach(newest_day: date, options: NightlyOptions, spec: FeatureSpec) 
     return newest_start - reach - timedelta(days=1)
 
 
-_HELD_UNTIL = {"_keys": "train", "_holdout": "gate"}
+_HELD_UNTIL = {"_keys": "train", "_holdout": "gate", "_champion": "gate"}
 """What `_Job` keeps between steps, and the last step that reads it."""
 
 _CHAMPION_KEY = "champion"
@@ -247,6 +247,7 @@ class _Job:
         self.folder = options.work_dir / day
         self._keys: Any = None
         self._holdout: Any = None
+        self._champion: Any = None
         self._registry: Any = None
         self._spec: FeatureSpec | None = None
         self._served: dict[str, Any] = {}
@@ -368,16 +369,20 @@ class _Job:
         return spec
 
     def _load_champion(self) -> Any:
+        """The champion (`LoadedModel`): the feature spec, the evaluation and scoring read it,
+        loaded once until the gate may move it (`_HELD_UNTIL`)."""
         from models.registry import load_champion
 
-        return load_champion(
-            self.o.tracking_uri,
-            self.o.model_name,
-            cache_dir=self.o.work_dir / "champion",
-            retries=self.o.retries,
-            backoff_s=self.o.backoff_s,
-            sleep=self.sleep,
-        )
+        if self._champion is None:
+            self._champion = load_champion(
+                self.o.tracking_uri,
+                self.o.model_name,
+                cache_dir=self.o.work_dir / "champion",
+                retries=self.o.retries,
+                backoff_s=self.o.backoff_s,
+                sleep=self.sleep,
+            )
+        return self._champion
 
     def keys(self) -> Any:
         """ts, gpu_uuid and label of the feature rows a retrain can reach (`retrain_reach`):

@@ -38,6 +38,7 @@ from features.sample_key import drawn, sample_keys
 from features.spec import FeatureSpec
 from ingest.errors import InputError
 from models.calibration import Calibration, check_method, fit_calibration
+from models.ensemble import ParallelEnsemble
 from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
 from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, kind_params, make_model, member_kinds
@@ -242,9 +243,10 @@ class TrainedModel:
     @property
     def scores_each_row_alone(self) -> bool:
         """Whether a row's score depends on that row alone, so that any subset of rows can be
-        scored apart: not for an ensemble given the time column (it ranks, or cuts, the GPUs
-        of a scoring time together), whose rows must come in whole grid times."""
-        return getattr(self.estimator, "time_column", None) is None
+        scored apart: not for the parallel ensemble, which ranks the GPUs of a scoring time
+        against each other, so its rows must come in whole grid times (the cascade uses its
+        time column only to fit)."""
+        return not isinstance(self.estimator, ParallelEnsemble)
 
     @property
     def version(self) -> str:

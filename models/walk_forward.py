@@ -266,12 +266,6 @@ class _Timeline:
         last = self.span(anchor - self.step, anchor)
         return np.concatenate([keep, np.arange(last.start, last.stop)])
 
-    def training_pool(
-        self, start: pd.Timestamp | None, settled_end: pd.Timestamp, anchor: pd.Timestamp
-    ) -> pd.DataFrame:
-        """The rows of `training_rows`."""
-        return self.frame.iloc[self.training_rows(start, settled_end, anchor)]
-
     def labelled_rows(self, start: pd.Timestamp, end: pd.Timestamp) -> tuple[pd.DataFrame, np.ndarray]:
         """The labelled rows with start <= ts < end (fresh index) and their times (ns)."""
         part = self.span(start, end)

@@ -144,6 +144,17 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     monkeypatch.setattr(models.gate, "holdout_metrics_of", counted)
     monkeypatch.setattr(models.gate, "holdout_metrics", lambda *a, **k: pytest.fail("the window was read again"))
     monkeypatch.setattr(serving.score_store, "score_store", score_without_the_holdout)
+    import models.registry
+
+    real_load_champion = models.registry.load_champion
+    champion_loads: list[str] = []  # each champion the job loaded, by version
+
+    def counted_load(*args, **kwargs):
+        loaded = real_load_champion(*args, **kwargs)
+        champion_loads.append(loaded.version)
+        return loaded
+
+    monkeypatch.setattr(models.registry, "load_champion", counted_load)
     name = f"nightly-{next(_names)}"
     data = tmp_path / "data"
     plain = options(tmp_path, url, name)
@@ -152,10 +163,12 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     )
     start = first_day(fleet)
     days = [start + timedelta(days=d) for d in (FLEET_DAYS - 3, FLEET_DAYS - 2, FLEET_DAYS - 1)]
-    summaries = []
+    summaries, loads_per_night = [], []
     for day in days:
         grow(fleet, data, day)
+        champion_loads.clear()
         summaries.append(run_nightly(str(data), opts, publish=log_publish, report=lambda _: None))
+        loads_per_night.append(len(champion_loads))
         assert summaries[-1].day == day.isoformat() and summaries[-1].done == list(STEPS)
         # Each step's duration is recorded, and together they fit in the night's wall time.
         seconds = [summaries[-1].results[step]["seconds"] for step in STEPS]
@@ -166,6 +179,9 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     # One pass over each night's held-out window scored the night's model and the champion of
     # the night (none on the first); the gate judged them by those metrics.
     assert passes == [["model"], ["champion", "model"], ["champion", "model"]]
+    # A night loads the champion once for its feature spec and evaluation, and once more to
+    # score after the gate (the first night has none before its gate).
+    assert loads_per_night == [1, 2, 2]
 
     # The same day again changes nothing: no step, no run, no prediction file.
     predictions_before = Store.open(str(data)).files("predictions")

@@ -398,3 +398,22 @@ def test_bad_ensemble_settings_are_input_errors():
                 kind="cascade", train_window="2d", horizon=HORIZON, as_of="2026-01-08T00:00Z", params=FAST["cascade"]
             ),
         )
+
+
+@pytest.mark.parametrize("kind", ["lightgbm", "cascade", "parallel"])
+def test_a_model_that_scores_each_row_alone_scores_any_split_of_the_gpus_as_the_whole(kind):
+    # What the nightly relies on to score a held-out window in parts of whole GPUs: the cascade
+    # uses its time column only to fit; the parallel ensemble ranks a grid time's GPUs together.
+    model = trained(kind)
+    probe = held_out()
+    gpus = probe["gpu_uuid"].unique()
+    half = probe["gpu_uuid"].isin(gpus[::2]).to_numpy()
+    apart = np.empty(len(probe))
+    for side in (half, ~half):
+        apart[side] = model.predict_risk(probe[side])
+    whole = model.predict_risk(probe)
+    assert model.scores_each_row_alone is (kind != "parallel")
+    if model.scores_each_row_alone:
+        np.testing.assert_array_equal(apart, whole)
+    else:
+        assert not np.array_equal(apart, whole)

@@ -413,7 +413,7 @@ def _pool_keys(frame: pd.DataFrame, seed: int = 0) -> set[tuple[str, pd.Timestam
 
     timeline = _Timeline(frame, 0.3, seed)
     ts = pd.to_datetime(frame["ts"], utc=True)
-    pool = timeline.training_pool(None, ts.max() + pd.Timedelta(hours=1), ts.min())
+    pool = timeline.frame.iloc[timeline.training_rows(None, ts.max() + pd.Timedelta(hours=1), ts.min())]
     return set(zip(pool["gpu_uuid"], pd.to_datetime(pool["ts"], utc=True), strict=True))
 
 
