@@ -16,6 +16,7 @@ commands and the nightly job never copy settings into them by hand.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tomllib
@@ -897,10 +898,39 @@ class Settings(_Table):
         )
 
 
+_log = logging.getLogger(__name__)
+
 ENV_PREFIX = "GPUFAIL_"
 SECRET_ENV_SUFFIXES = ("_TOKEN", "_SECRET")
 """`GPUFAIL_*_TOKEN` / `GPUFAIL_*_SECRET` without `__` hold secrets (webhook secret, API tokens)
 that settings refer to by name; they are not `GPUFAIL_<TABLE>__<KEY>` overrides."""
+
+
+_ADDRESS = r"[0-9a-fA-F.:]+"
+_NUMBER = r"\d+"
+_PROTOCOL = r"tcp|udp|sctp"
+_URL = rf"(?:{_PROTOCOL})://\[?{_ADDRESS}\]?:{_NUMBER}"
+_SERVICE_LINKS = tuple(
+    (re.compile(rf"[A-Z0-9_]+_{name}"), re.compile(value))
+    for name, value in (
+        ("SERVICE_HOST", _ADDRESS),
+        ("SERVICE_PORT(?:_[A-Z0-9_]+)?", _NUMBER),
+        ("PORT", _URL),
+        (r"PORT_\d+_(?:TCP|UDP|SCTP)", _URL),
+        (r"PORT_\d+_(?:TCP|UDP|SCTP)_PROTO", _PROTOCOL),
+        (r"PORT_\d+_(?:TCP|UDP|SCTP)_PORT", _NUMBER),
+        (r"PORT_\d+_(?:TCP|UDP|SCTP)_ADDR", _ADDRESS),
+    )
+)
+"""The variables the kubelet gives every pod for each Service of its namespace
+(`enableServiceLinks`, on by default), by name and value: a Service named gpufail-serve becomes
+`GPUFAIL_SERVE_SERVICE_HOST=10.0.0.7`, `GPUFAIL_SERVE_SERVICE_PORT[_HTTP]=8080`,
+`GPUFAIL_SERVE_PORT=tcp://10.0.0.7:8080` and `GPUFAIL_SERVE_PORT_8080_TCP[_PROTO|_PORT|_ADDR]`.
+Matching the value too keeps a mistyped override (`GPUFAIL_SERVE_PORT=8080`) an error."""
+
+
+def _is_service_link(name: str, value: str) -> bool:
+    return any(shape.fullmatch(name) and values.fullmatch(value) for shape, values in _SERVICE_LINKS)
 
 
 SYSTEM_CONFIG = Path("/etc/gpufail/gpufail.toml")
@@ -1016,6 +1046,9 @@ def _env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, str, Any]
         table, sep, key = name.removeprefix(ENV_PREFIX).lower().partition("__")
         if not sep and name.endswith(SECRET_ENV_SUFFIXES):
             continue  # a secret the settings name (GPUFAIL_WEBHOOK_SECRET), not an override
+        if not sep and _is_service_link(name, raw):
+            _log.debug("environment variable %s: a Kubernetes service link, not a setting; ignored", name)
+            continue
         if not sep or not key:
             raise ConfigError(
                 _printable(

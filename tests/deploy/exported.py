@@ -12,6 +12,7 @@ from typing import Any
 PROMQL_WORDS = {
     "sum", "min", "max", "avg", "count", "by", "without", "on", "ignoring", "group_left", "group_right",
     "and", "or", "unless", "offset", "rate", "irate", "increase", "delta", "time", "absent", "absent_over_time",
+    "last_over_time", "max_over_time",
     "histogram_quantile", "le", "bool", "topk", "bottomk", "humanizeDuration", "changes", "resets",
 }  # fmt: skip
 COLLECTOR_CONTRACT = {

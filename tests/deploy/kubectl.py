@@ -42,3 +42,23 @@ def render(folder: Path) -> list[dict[str, Any]]:
     rendered = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
     assert rendered.returncode == 0, f"kubectl kustomize {folder}: {rendered.stderr}"
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one object of `kind` whose name starts with `name` (generated names end in a hash)."""
+    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"].startswith(name))]
+    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
+    return found[0]
+
+
+def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("DaemonSet", "Deployment", "CronJob", "Job")]
+
+
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    spec = workload["spec"]
+    return spec["jobTemplate"]["spec"]["template"] if workload["kind"] == "CronJob" else spec["template"]
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return pod_template(workload)["spec"]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import tomllib
-from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -17,34 +15,14 @@ from gpufail.cli import cli
 from gpufail.config import CollectSettings, load_settings
 from serving.publishers import Change
 from serving.publishers.kubernetes import KubernetesPublisher
-from tests.deploy.kubectl import render
+from tests.deploy.kubectl import one, pod_spec, workloads
 from tests.serving.kube_emulator import node_api
 
-KUBERNETES = Path(__file__).parents[2] / "deploy" / "kubernetes"
-FOLDERS = ["base", "overlays/example", "overlays/kmsg"]
 KUBERNETES_VERSION = "1.30"
 PENDING_KEYS = {("collect", "listen")} - {("collect", k) for k in CollectSettings.model_fields}
 """Settings the manifests set that this tree's gpufail does not know yet: `[collect] listen`
 comes with the collect daemon's endpoints (branch h-collect); once it is here this is empty
 and the key is validated like every other."""
-
-
-@pytest.fixture(scope="module", params=FOLDERS)
-def rendered(request) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, render(KUBERNETES / request.param)
-
-
-def one(objects, kind, name=None):
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"].startswith(name))]
-    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
-    return found[0]
-
-
-def pod_spec(workload):
-    spec = workload["spec"]
-    return (
-        spec["jobTemplate"]["spec"]["template"]["spec"] if workload["kind"] == "CronJob" else spec["template"]["spec"]
-    )
 
 
 SERVICE_MONITOR_FIELDS = {
@@ -66,12 +44,23 @@ def check_service_monitor(obj):
             assert set(relabel) <= SERVICE_MONITOR_FIELDS["relabeling"]
 
 
+def check_prometheus_rule(obj):
+    """A PrometheusRule (monitoring.coreos.com/v1): `spec.groups`, a Prometheus rules file's
+    groups, and nothing else (promtool checks the rules themselves, test_observability)."""
+    assert obj["apiVersion"] == "monitoring.coreos.com/v1" and set(obj["spec"]) == {"groups"}
+    for group in obj["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules"} and group["rules"]
+
+
 def test_every_object_is_valid_for_kubernetes(rendered):
     _, objects = rendered
     assert objects
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":
             check_service_monitor(obj)
+            continue
+        if obj["kind"] == "PrometheusRule":
+            check_prometheus_rule(obj)
             continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
@@ -108,8 +97,6 @@ def test_the_collector_is_not_privileged_and_probes_its_own_endpoints(rendered):
     probes = {kind: container[kind]["httpGet"] for kind in ("livenessProbe", "readinessProbe", "startupProbe")}
     assert {p["port"] for p in probes.values()} == {metrics_port["name"]}
     assert (probes["livenessProbe"]["path"], probes["readinessProbe"]["path"]) == ("/healthz", "/readyz")
-    tolerated = {t["key"] for t in spec["tolerations"]}
-    assert "gpufail.io/risk" in tolerated, "a node gpufail drains keeps its collector"
 
 
 def test_the_server_is_probed_on_the_apis_health_endpoints(rendered):
@@ -137,11 +124,44 @@ def test_the_apis_health_routes_exist():
     assert {"/healthz", "/readyz", "/metrics"} <= server_app_routes()
 
 
-def test_the_nightly_job_never_overlaps(rendered):
+def test_the_nightly_and_publish_jobs_never_overlap_themselves(rendered):
     _, objects = rendered
-    cronjob = one(objects, "CronJob", "gpufail-nightly")
-    assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
-    assert pod_spec(cronjob)["serviceAccountName"] == "gpufail-publisher"
+    for name in ("gpufail-nightly", "gpufail-publish"):
+        assert one(objects, "CronJob", name)["spec"]["concurrencyPolicy"] == "Forbid"
+
+
+def test_only_the_publish_job_can_change_nodes(rendered):
+    """The nightly job trains and loads models: it gets no API token, and its publish step is a
+    dry run to the audit log; the publish job, which runs no model, has the node permissions."""
+    _, objects = rendered
+    bound = {s["name"] for b in objects if b["kind"] == "ClusterRoleBinding" for s in b["subjects"]}
+    accounts = {a["metadata"]["name"]: a for a in objects if a["kind"] == "ServiceAccount"}
+    by_account = {}
+    for workload in workloads(objects):
+        spec = pod_spec(workload)
+        by_account.setdefault(spec["serviceAccountName"], []).append(workload["metadata"]["name"])
+        has_token = spec.get(
+            "automountServiceAccountToken",
+            accounts[spec["serviceAccountName"]].get("automountServiceAccountToken", True),
+        )
+        assert has_token == (spec["serviceAccountName"] in bound), workload["metadata"]["name"]
+    assert bound == {"gpufail-publisher"} and by_account["gpufail-publisher"] == ["gpufail-publish"]
+    nightly = pod_spec(one(objects, "CronJob", "gpufail-nightly"))
+    assert nightly["serviceAccountName"] == "gpufail-nightly"
+    [container] = nightly["containers"]
+    settings = load_settings(
+        environ={
+            e["name"]: e["value"]
+            for e in container["env"]
+            if e["name"].startswith("GPUFAIL_") and e["name"] != "GPUFAIL_CONFIG"
+        }
+    )
+    assert (settings.publish.target, settings.publish.dry_run) == ("log", True)
+    publish = pod_spec(one(objects, "CronJob", "gpufail-publish"))
+    [container] = publish["containers"]
+    assert container["args"][0] == "publish" and not any(
+        e["name"].startswith("GPUFAIL_PUBLISH") for e in container["env"]
+    )
 
 
 def test_service_monitors_scrape_named_ports_of_their_services(rendered):
@@ -191,9 +211,10 @@ def test_gpufail_loads_the_configuration_each_container_gets(rendered, tmp_path)
     _, objects = rendered
     config = tmp_path / "gpufail.toml"
     config.write_text(config_text(objects))
-    workloads = [o for o in objects if o["kind"] in ("DaemonSet", "Deployment", "CronJob")]
-    assert len(workloads) == 3
-    for workload in workloads:
+    assert {"gpufail-collect", "gpufail-serve", "gpufail-nightly", "gpufail-publish"} <= {
+        w["metadata"]["name"] for w in workloads(objects)
+    }
+    for workload in workloads(objects):
         for container in pod_spec(workload)["containers"]:
             env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
             assert env.pop("GPUFAIL_CONFIG") == "/etc/gpufail/gpufail.toml"
@@ -211,7 +232,7 @@ def test_gpufail_loads_the_configuration_each_container_gets(rendered, tmp_path)
 
 def test_containers_run_gpufail_commands_from_the_dockerfiles_images(rendered):
     _, objects = rendered
-    for workload in (o for o in objects if o["kind"] in ("DaemonSet", "Deployment", "CronJob")):
+    for workload in workloads(objects):
         [container] = pod_spec(workload)["containers"]
         assert container["args"][0] in cli.commands
         expected = "gpufail-collector" if workload["kind"] == "DaemonSet" else "gpufail"

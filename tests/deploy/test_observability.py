@@ -102,3 +102,19 @@ def test_the_dashboard_is_a_grafana_dashboard():
     titles = " ".join(p["title"].lower() for p in panels)
     for topic in ("risk", "tier", "alarms vs failures", "collect", "model version"):
         assert topic in titles, topic
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors a Markdown renderer (GitHub's) gives the headings: lower case, punctuation
+    other than hyphens dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_alert_links_its_section_of_the_deploy_guide():
+    anchors = heading_anchors((DEPLOY / "README.md").read_text())
+    for rule in alert_rules():
+        page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert page == "deploy/README.md", rule["alert"]
+        assert anchor in anchors, f"{rule['alert']}: no section #{anchor} in deploy/README.md"
+    assert "gpufailcollectorsilent" not in heading_anchors("## Gpufail collector silent\n")

@@ -4,6 +4,7 @@ systemd as PID 1), runs a gpufail command that exists, and the timer starts the 
 from __future__ import annotations
 
 import configparser
+import re
 import shlex
 import subprocess
 import sys
@@ -78,3 +79,71 @@ def test_the_timer_starts_the_nightly_service_once_a_day():
     assert timer["Timer"]["OnCalendar"] == "*-*-* 02:30:00 UTC" and timer["Timer"]["Persistent"] == "true"
     assert "Unit" not in timer["Timer"], "the timer starts the service of its own name"
     assert unit("gpufail-nightly.service")["Service"]["Type"] == "oneshot"
+
+
+SERVICES = [n for n in UNITS if n.endswith(".service")]
+DATA_ROOT = "/var/lib/gpufail/data"
+"""Where deploy/README.md's bare-metal install mounts the shared data root on every machine."""
+
+
+def exposure(folder: Path, name: str) -> float:
+    """`systemd-analyze security`'s overall exposure of a unit file (0 best, 10 worst), read
+    from the file alone (--offline: no systemd needed)."""
+    rated = subprocess.run(
+        [require("systemd-analyze", "systemd"), "security", "--offline=yes", f"./{name}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=folder,
+    )
+    [level] = re.findall(r"Overall exposure level for \S+: (\d+\.\d+)", rated.stdout + rated.stderr)
+    return float(level)
+
+
+def test_every_service_is_confined_to_an_exposure_of_5_or_better(tmp_path):
+    folder = installed_here(tmp_path)
+    levels = {name: exposure(folder, name) for name in SERVICES}
+    assert len(levels) >= 5 and all(level <= 5.0 for level in levels.values()), levels
+
+
+def test_the_rating_tells_an_unconfined_service_apart(tmp_path):
+    """The nightly unit as it was (root, no system call filter, devices, kernel logs): 8.9."""
+    kept = ("[", "Description=", "ExecStart=", "Type=", "Environment=", "ProtectSystem=", "ProtectHome=", "PrivateTmp=")
+    text = (SYSTEMD / "gpufail-nightly.service").read_text()
+    bare = "\n".join(line for line in text.splitlines() if line.startswith(kept)) + "\nUser=root\n"
+    (tmp_path / "bare.service").write_text(bare.replace(INSTALLED, str(Path(sys.executable).parent / "gpufail")))
+    assert exposure(tmp_path, "bare.service") > 5.0
+
+
+def test_no_service_runs_as_root_and_each_waits_for_its_data_root():
+    for name in SERVICES:
+        service, needs = unit(name)["Service"], unit(name)["Unit"]
+        assert service["User"] == "gpufail" and service.get("Group") == "gpufail", name
+        mounts = needs["RequiresMountsFor"].split()
+        assert any(m == DATA_ROOT or DATA_ROOT.startswith(m.rstrip("/") + "/") for m in mounts), name
+
+
+def test_the_collector_always_comes_back():
+    assert unit("gpufail-collect.service")["Service"]["Restart"] == "always"
+
+
+def environment(name: str) -> dict[str, str]:
+    """The variables a unit's Environment= lines set."""
+    found: dict[str, str] = {}
+    for line in (SYSTEMD / name).read_text().splitlines():
+        if line.startswith("Environment="):
+            found.update(item.split("=", 1) for item in shlex.split(line.removeprefix("Environment=")))
+    return found
+
+
+def test_only_the_publish_unit_acts_and_a_timer_starts_it_every_hour():
+    from gpufail.config import load_settings
+
+    nightly = {k: v for k, v in environment("gpufail-nightly.service").items() if k.startswith("GPUFAIL_")}
+    nightly.pop("GPUFAIL_CONFIG")
+    settings = load_settings(environ=nightly, system=Path("/nonexistent"), cwd=Path("/nonexistent"))
+    assert (settings.publish.target, settings.publish.dry_run) == ("log", True)
+    assert not any(k.startswith("GPUFAIL_PUBLISH") for k in environment("gpufail-publish.service"))
+    assert shlex.split(unit("gpufail-publish.service")["Service"]["ExecStart"])[1] == "publish"
+    timer = unit("gpufail-publish.timer")["Timer"]
+    assert timer["OnCalendar"] == "*-*-* *:45:00 UTC" and "Unit" not in timer
