@@ -17,12 +17,16 @@ unless the run has nothing else (as polars' `max` and `min` do).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import numpy as np
 import polars as pl
+
+log = logging.getLogger(__name__)
 
 
 class Runs:
@@ -101,10 +105,28 @@ def _gauge_runs(values, valid, starts, ends, count, mean, high, low, latest, var
 
 @cache
 def compiled(kernel: Callable[..., None]) -> Any:
-    """`kernel` compiled by numba (cached on disk across processes)."""
+    """`kernel` compiled by numba, cached on disk across processes in the first folder numba can
+    write (`NUMBA_CACHE_DIR`, beside the sources, the user's cache folder). Where there is none
+    (a read-only image without a writable cache volume) it is compiled in each process: seconds
+    at the first use, instead of the command failing."""
     import numba
 
-    return numba.njit(cache=True, nogil=True)(kernel)
+    try:
+        return numba.njit(cache=True, nogil=True)(kernel)
+    except RuntimeError as exc:
+        if "no locator available" not in str(exc):
+            raise
+        _without_cache_note()
+        return numba.njit(nogil=True)(kernel)
+
+
+@cache
+def _without_cache_note() -> None:
+    log.warning(
+        "numba: no writable cache folder (NUMBA_CACHE_DIR=%s, the sources' folder, the home's cache); "
+        "the feature kernels are compiled in this process, not cached",
+        os.environ.get("NUMBA_CACHE_DIR", "unset"),
+    )
 
 
 def gauge(s: pl.Series, runs: Runs) -> dict[str, pl.Series]:
