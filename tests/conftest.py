@@ -66,3 +66,15 @@ def mlflow_server(tmp_path_factory):
         yield url, home
     finally:
         stop_server(process)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the output with one line for the tests skipped for want of a real component and
+    the command that installs them (tests/real_components.py). Here rather than in the terminal
+    summary, which pytest follows with its own sections and the counts line."""
+    from tests.real_components import skipped_components, summary_line
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    line = summary_line(skipped_components(reporter.stats.get("skipped", []))) if reporter else None
+    if line:
+        reporter.write_line(line, yellow=True, bold=True)

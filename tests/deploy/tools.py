@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from tests.real_components import skip_missing
+
 
 def require(tool: str, package: str) -> str:
     """The path of `tool`; where it is missing the test is skipped with the reason, except in
@@ -16,5 +18,5 @@ def require(tool: str, package: str) -> str:
         reason = f"{tool} is not installed (Debian package {package}; .ci/run installs it)"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
-        pytest.skip(reason)
+        skip_missing(tool, reason)
     return path

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.slurm_cluster import SlurmCluster, SlurmUnavailable, start_slurm_cluster
+from tests.real_components import skip_missing
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +23,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     except SlurmUnavailable as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI=true: the Slurm integration tests need a real controller and it did not start: {exc}")
-        pytest.skip(f"no Slurm controller here: {exc}")
+        skip_missing("Slurm", f"no Slurm controller here: {exc}")
     yield cluster
     cluster.stop()
 

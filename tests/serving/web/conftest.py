@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.real_components import skip_missing
 from tests.serving.api_server import ADMIN_TOKEN, READ_TOKEN
 from tests.serving.web.browser import BrowserUnavailable, start_browser
 from tests.serving.web.web_fleet import prepare, serve
@@ -52,7 +53,7 @@ def browser() -> Iterator[Any]:
     except BrowserUnavailable as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI=true: the browser tests need Debian's chromium and chromium-driver: {exc}")
-        pytest.skip(f"no headless Chromium here: {exc}")
+        skip_missing("Chromium", f"no headless Chromium here: {exc}")
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)
