@@ -53,7 +53,9 @@ CMD ["collect"]
 
 FROM runtime AS full
 COPY --from=build-full /opt/gpufail /opt/gpufail
-# numba uses a cache folder only where it can write: the runtime user's own copy.
+# numba uses a cache folder only where it can write: the runtime user's own copy. With a
+# read-only root (the Kubernetes manifests), an init container copies it to an emptyDir that
+# NUMBA_CACHE_DIR then names; with no writable folder at all the kernels compile uncached.
 COPY --from=build-full --chown=10001:10001 /opt/gpufail-numba /opt/gpufail-numba
 ENV NUMBA_CACHE_DIR=/opt/gpufail-numba
 USER 10001:10001
