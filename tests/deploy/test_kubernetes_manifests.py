@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import tomllib
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -138,13 +139,13 @@ def test_only_the_publish_job_can_change_nodes(rendered):
     accounts = {a["metadata"]["name"]: a for a in objects if a["kind"] == "ServiceAccount"}
     by_account = {}
     for workload in workloads(objects):
-        spec = pod_spec(workload)
-        by_account.setdefault(spec["serviceAccountName"], []).append(workload["metadata"]["name"])
+        spec, name = pod_spec(workload), workload["metadata"]["name"]
+        account = spec.get("serviceAccountName", "default")
+        by_account.setdefault(account, []).append(name)
         has_token = spec.get(
-            "automountServiceAccountToken",
-            accounts[spec["serviceAccountName"]].get("automountServiceAccountToken", True),
+            "automountServiceAccountToken", accounts.get(account, {}).get("automountServiceAccountToken", True)
         )
-        assert has_token == (spec["serviceAccountName"] in bound), workload["metadata"]["name"]
+        assert has_token == (account in bound), f"{name}: an API token only where the account has a role"
     assert bound == {"gpufail-publisher"} and by_account["gpufail-publisher"] == ["gpufail-publish"]
     nightly = pod_spec(one(objects, "CronJob", "gpufail-nightly"))
     assert nightly["serviceAccountName"] == "gpufail-nightly"
@@ -154,7 +155,9 @@ def test_only_the_publish_job_can_change_nodes(rendered):
             e["name"]: e["value"]
             for e in container["env"]
             if e["name"].startswith("GPUFAIL_") and e["name"] != "GPUFAIL_CONFIG"
-        }
+        },
+        cwd=Path("/nonexistent"),
+        system=Path("/nonexistent"),
     )
     assert (settings.publish.target, settings.publish.dry_run) == ("log", True)
     publish = pod_spec(one(objects, "CronJob", "gpufail-publish"))

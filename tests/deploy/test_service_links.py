@@ -65,7 +65,9 @@ def kubelet_env() -> dict[str, str]:
 
 def test_the_loader_ignores_service_links_with_a_debug_note(kubelet_env, caplog):
     with caplog.at_level(logging.DEBUG, logger="gpufail.config"):
-        settings = load_settings(environ=kubelet_env | {"GPUFAIL_SERVE__PORT": "9090"}, system=Path("/nonexistent"))
+        settings = load_settings(
+            environ=kubelet_env | {"GPUFAIL_SERVE__PORT": "9090"}, cwd=Path("/nonexistent"), system=Path("/nonexistent")
+        )
     assert settings.serve.port == 9090
     noted = {r.getMessage().split(":")[0].removeprefix("environment variable ") for r in caplog.records}
     assert noted == set(kubelet_env)
