@@ -21,7 +21,9 @@ _REASON = re.compile(re.escape(_PREFIX) + r"([^:]+): ")
 
 
 def skip_missing(component: str, reason: str) -> NoReturn:
-    """Skip the test: `component` is not installed here (`reason` says how it was found missing)."""
+    """Skip the test: `component` is not installed here (`reason` says how it was found missing).
+    The skip is reported at the caller's line, not this one."""
+    __tracebackhide__ = True
     pytest.skip(f"{_PREFIX}{component}: {reason}")
 
 

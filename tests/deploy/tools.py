@@ -13,6 +13,7 @@ from tests.real_components import skip_missing
 def require(tool: str, package: str) -> str:
     """The path of `tool`; where it is missing the test is skipped with the reason, except in
     CI (CI=true), where .ci/run installs it and its absence is a failure."""
+    __tracebackhide__ = True
     path = shutil.which(tool)
     if path is None:
         reason = f"{tool} is not installed (Debian package {package}; .ci/run installs it)"
