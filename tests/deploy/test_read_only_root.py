@@ -70,6 +70,7 @@ def kernel_files(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_features_run_with_code_home_and_numba_cache_read_only(raw_root, tmp_path):
     data = fresh_copy(raw_root, tmp_path / "data")
     home, cache = tmp_path / "home", tmp_path / "numba-cache"
