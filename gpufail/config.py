@@ -84,7 +84,9 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 class _Table(BaseModel):
     # A misspelt key must fail loudly rather than silently fall back to a default.
     # NaN and infinity are refused too: `holdout_days = inf` ended in an OverflowError.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # Strict types: `port = true` is not port 1, nor `read_requires_token = "off"` false (an
+    # integer may still stand for a float).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 _METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -291,6 +293,9 @@ class PublishSettings(_Table):
     """Warm standbys: the lowest-risk idle nodes kept in a reservation (Slurm) or labelled; 0: none."""
     jobs_url: str = ""
     """log and webhook targets: a URL or file of the job document (docs/actions.md); empty: none."""
+    cluster: Annotated[str, Field(pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]*)?$")] = ""
+    """slurm and kubernetes targets: the cluster (the [ingest] cluster of its rows) whose nodes they act on; empty:
+    the predictions must hold one cluster."""
     slurm_checkpoint_signal: Annotated[str, Field(pattern=r"^(SIG)?[A-Z][A-Z0-9]*$|^[0-9]+$")] = "USR1"
     """The signal of a checkpoint hint (scancel --signal=... --batch JOB)."""
     slurm_standby_users: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")]] = Field(
@@ -373,6 +378,7 @@ class PublishSettings(_Table):
             webhook_url=self.webhook_url,
             webhook_secret_env=self.webhook_secret_env,
             jobs_url=self.jobs_url,
+            cluster=self.cluster,
         )
 
     def job_actions(self) -> JobActions:

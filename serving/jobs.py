@@ -507,16 +507,20 @@ def read_job_document(location: str, timeout: float) -> JobMap:
     import urllib.error
     import urllib.request
 
-    if location.startswith(("http://", "https://")):
+    from ingest.urls import described_url
+
+    url = location.startswith(("http://", "https://"))
+    shown = described_url(location) if url else location
+    if url:
         try:
             with urllib.request.urlopen(location, timeout=timeout) as response:
                 text = response.read()
         except (urllib.error.URLError, OSError) as exc:
-            raise JobMapUnreadable(f"job map {location}: no answer ({getattr(exc, 'reason', exc)})") from None
+            raise JobMapUnreadable(f"job map {shown}: no answer ({getattr(exc, 'reason', exc)})") from None
     else:
         try:
             with open(location, "rb") as fh:
                 text = fh.read()
         except OSError as exc:
             raise JobMapUnreadable(f"job map {location}: cannot be read ({exc.strerror or exc})") from None
-    return job_map_from_document(text, f"job map {location}")
+    return job_map_from_document(text, f"job map {shown}")

@@ -207,6 +207,7 @@ def publish(
     actions = actions or JobActions()
     if mode not in MODES:
         raise InputError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    predictions = cluster_rows(predictions, publisher)
     nodes = sorted(set(predictions["node"].astype(str)))
     scheduler_error = ""
     views: dict[str, NodeView] | None
@@ -259,7 +260,17 @@ def publish(
             saved = node_state.saved if node_state else {}
             decided_at = node_state.since if node_state and node_state.since else d.time
             change = Change(
-                d.node, applied, d.tier, d.risk, d.reason, d.gpus, d.top_features, version, saved, decided_at
+                d.node,
+                applied,
+                d.tier,
+                d.risk,
+                d.reason,
+                d.gpus,
+                d.top_features,
+                version,
+                saved,
+                decided_at,
+                cluster=d.cluster,
             )
             pending.append((d.key, change))
 
@@ -317,6 +328,32 @@ def publish(
         rows += [_job_row(row, by_node, tiers_after, now, actions.policy, common) for row in hint_rows]
     kept_hinted = dict(hinted or {}) if mode == "dry-run" else new_hinted
     return PublishOutcome(rows=rows, state=final, scheduler_error=scheduler_error, notices=notices, hinted=kept_hinted)
+
+
+def cluster_rows(predictions: pd.DataFrame, publisher: Publisher) -> pd.DataFrame:
+    """The predictions `publisher` acts on. A publisher of one scheduler (it has a `cluster`:
+    Slurm, Kubernetes) knows the nodes by their bare names, which two clusters may share: it
+    gets the rows of its configured cluster alone, and, with none configured, refuses
+    predictions of several clusters instead of acting on a name of each."""
+    scope = getattr(publisher, "cluster", None)
+    if scope is None:
+        return predictions
+    wanted = str(scope)
+    clusters = sorted(set(predictions["cluster"].astype(str)))
+    if not wanted:
+        if len(clusters) > 1:
+            raise InputError(
+                f"publish --to {publisher.name}: the predictions hold the clusters {', '.join(clusters)} and a "
+                f"{publisher.name} scheduler knows its nodes by name alone; expected [publish] cluster naming the "
+                "cluster it runs"
+            )
+        return predictions
+    if wanted not in clusters:
+        raise InputError(
+            f"[publish] cluster {wanted!r}: no node of that cluster in the predictions (they hold "
+            f"{', '.join(clusters) or 'no cluster'}); expected the cluster the {publisher.name} target runs"
+        )
+    return predictions[predictions["cluster"].astype(str) == wanted].reset_index(drop=True)
 
 
 def read_job_map(publisher: Publisher, notices: list[str]) -> JobMap | None:

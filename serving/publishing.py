@@ -61,6 +61,9 @@ class PublisherConfig:
     """Environment variable holding the webhook's HMAC-SHA256 secret."""
     jobs_url: str = ""
     """log and webhook targets: a URL or file of the job document; empty: none."""
+    cluster: str = ""
+    """slurm and kubernetes targets: the cluster (of the predictions) whose nodes they act on;
+    empty: the predictions must hold one cluster."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,19 +185,30 @@ def adopt_drains(
     lines = []
     with policy_journal(store, name, lock_wait_s) as journal:
         snapshot = newest_snapshot(store)
-        clusters = {} if snapshot is None else dict(zip(snapshot.frame["node"], snapshot.frame["cluster"], strict=True))
+        clusters: dict[str, set[str]] = {}
+        if snapshot is not None:
+            for node, cluster in zip(snapshot.frame["node"], snapshot.frame["cluster"], strict=True):
+                if not publisher.cluster or str(cluster) == publisher.cluster:
+                    clusters.setdefault(str(node), set()).add(str(cluster))
         missing = [n for n in nodes if n not in clusters]
         if missing:
             raise InputError(
-                f"--adopt {', '.join(missing)}: not in the newest predictions of {store.root}; expected nodes "
-                "that gpufail scores (their cluster names them in the policy state)"
+                f"--adopt {', '.join(missing)}: not in the newest predictions of {store.root}"
+                + (f" for [publish] cluster {publisher.cluster!r}" if publisher.cluster else "")
+                + "; expected nodes that gpufail scores (their cluster names them in the policy state)"
+            )
+        shared = [n for n in nodes if len(clusters[n]) > 1]
+        if shared:
+            raise InputError(
+                f"--adopt {', '.join(shared)}: a node of that name in the clusters "
+                f"{', '.join(sorted(clusters[shared[0]]))}; expected [publish] cluster naming the one Slurm runs"
             )
         slurm = make_publisher(publisher, "slurm", store)
         state = policy_state(journal)
         adopted = dict(state.nodes)
         for node in nodes:
             tier, entry = slurm.adopt(node)
-            key = f"{clusters[node]}/{node}"
+            key = f"{next(iter(clusters[node]))}/{node}"
             before = adopted.get(key, NodeState())
             adopted[key] = replace(
                 before, tier=tier, applied=tier, since=entry.at, changed_at=entry.at, below_since=None
@@ -214,33 +228,38 @@ def make_publisher(config: PublisherConfig, target: str, store: Store) -> Any:
     import os
 
     if target == "slurm":
-        from serving.publishers.slurm import SlurmPublisher, StoreLedger
+        from serving.publishers.slurm import SlurmPublisher, StoreLedger, ledger_name
 
         return SlurmPublisher(
             bin_dir=config.slurm_bin_dir,
             slurm_conf=config.slurm_conf,
             avoid_weight=config.slurm_avoid_weight,
             timeout=config.timeout_s,
-            ledger=StoreLedger(store),
+            ledger=StoreLedger(store, ledger_name(config.cluster)),
             checkpoint_signal=config.slurm_checkpoint_signal,
             standby_users=config.slurm_standby_users,
             attempts=config.attempts,
             backoff=config.backoff_s,
+            cluster=config.cluster,
         )
     if target == "kubernetes":
         from serving.publishers.kubernetes import KubernetesPublisher, kubernetes_api
 
         return KubernetesPublisher(
-            kubernetes_api(config.kubeconfig), attempts=config.attempts, backoff=config.backoff_s
+            kubernetes_api(config.kubeconfig),
+            attempts=config.attempts,
+            backoff=config.backoff_s,
+            cluster=config.cluster,
         )
     if target == "webhook":
+        from ingest.urls import described_url
         from serving.publishers.webhook import WebhookPublisher
 
         secret = os.environ.get(config.webhook_secret_env, "")
         if not config.webhook_url or not secret:
             raise GpufailError(
                 "publish --to webhook: expected [publish] webhook_url and a secret in the environment variable "
-                f"{config.webhook_secret_env}, got url {config.webhook_url!r} and "
+                f"{config.webhook_secret_env}, got url {described_url(config.webhook_url)!r} and "
                 f"{'a secret' if secret else 'no secret'}"
             )
         return WebhookPublisher(

@@ -58,12 +58,15 @@ class Change:
     """When the policy moved the node to `new`: with node, old and new, it names the decision,
     the same on every retry of it (a change that did not reach the scheduler is sent again by
     the next run) and different for a later decision between the same tiers."""
+    cluster: str = ""
+    """The node's cluster (two clusters may have nodes of the same name)."""
 
     @property
     def change_id(self) -> str:
         """A stable id of this decision (see `decided_at`), for receivers to deduplicate on."""
         decided = self.decided_at.isoformat() if self.decided_at else ""
-        return hashlib.sha256(f"{self.node}\x00{self.old}\x00{self.new}\x00{decided}".encode()).hexdigest()[:32]
+        named = f"{self.cluster}/{self.node}" if self.cluster else self.node
+        return hashlib.sha256(f"{named}\x00{self.old}\x00{self.new}\x00{decided}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,9 @@ class KubernetesPublisher:
     conflict_attempts: int = 5
     """Read-modify-write rounds of one node's patch when the node keeps changing under us."""
     now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
+    cluster: str = ""
+    """The cluster of the predictions this API server runs ('' when they hold one):
+    `serving.publish` gives the publisher that cluster's nodes alone."""
     name = "kubernetes"
 
     def _call(self, what: str, call: Any) -> Any:

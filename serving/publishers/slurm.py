@@ -123,15 +123,27 @@ class MemoryLedger:
         self._marks = marks.copy()
 
 
+def ledger_name(cluster: str) -> str:
+    """The ledger of the Slurm cluster that runs `cluster`: one per cluster, as two clusters
+    may have nodes of the same name ('' : the one ledger of a data root of one cluster)."""
+    return f"{LEDGER}-{cluster}" if cluster else LEDGER
+
+
 class StoreLedger:
-    """The ledger as a state file of a data root (written atomically by the store)."""
+    """The ledger as a state file of a data root (written atomically by the store). A
+    cluster's ledger not written yet starts from the data root's unnamed one (`LEDGER`, kept
+    before [publish] cluster was set): its entries of nodes this cluster does not show
+    drained are dropped at the first `apply`, as any ended drain's."""
 
     def __init__(self, store: Store, name: str = LEDGER) -> None:
         self.store, self.name = store, name
         self.where = f"{store.root}: _state/{name}.json"
 
     def load(self) -> Marks:
-        data = self.store.read_state(self.name) or {}
+        data = self.store.read_state(self.name)
+        if data is None and self.name != LEDGER:
+            data = self.store.read_state(LEDGER)
+        data = data or {}
         try:
             drains = {
                 str(node): OwnedDrain(
@@ -190,6 +202,9 @@ class SlurmPublisher:
     standby_users: tuple[str, ...] = ("root",)
     """Who may run jobs in the standby reservation."""
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    cluster: str = ""
+    """The cluster of the predictions this Slurm cluster runs ('' when they hold one):
+    `serving.publish` gives the publisher that cluster's nodes alone."""
 
     def __post_init__(self) -> None:
         self._nodes: dict[str, dict[str, Any]] = {}

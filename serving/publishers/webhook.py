@@ -1,7 +1,8 @@
 """The webhook publisher, for custom schedulers: each run's tier changes as one JSON POST.
 
-Body: `{"source": "gpufail", "delivery_id": ..., "sent_at": ISO time, "changes": [{id, node,
-from, to, risk, reason, gpus, top_features, model_version}, ...]}`. Headers:
+Body: `{"source": "gpufail", "delivery_id": ..., "sent_at": ISO time, "changes": [{id, cluster,
+node, from, to, risk, reason, gpus, top_features, model_version}, ...]}` (a receiver of several
+clusters tells nodes of the same name apart by `cluster`). Headers:
 - `X-Gpufail-Signature: sha256=<hex>`: the HMAC-SHA256 of the exact body bytes with the shared
   secret, so a receiver can check that the message is ours and unchanged (compare with
   `hmac.compare_digest`);
@@ -17,6 +18,16 @@ from, to, risk, reason, gpus, top_features, model_version}, ...]}`. Headers:
 Connection errors, time-outs, HTTP 429 and 5xx are retried with exponential back-off; another
 4xx is not (it will not get better by itself). A run with no change sends nothing.
 
+Only a 2xx answer is a delivery. Redirects are not followed as a browser would: a 301, 302 or
+303 would turn the POST into a GET without the body (whose 200 says nothing about the
+delivery), so they are refused, as is a 307 or 308 to another origin (scheme, host and port:
+the signature is not sent elsewhere); a 307 or 308 within the configured URL's origin is
+posted again there with the same body and headers, up to `MAX_REDIRECTS` times. A refused
+delivery leaves the state as it was, so the next run sends it again.
+
+The URL is shown masked (`ingest.urls.described_url`: chat webhooks carry their key in the
+path) in every result, and so in the audit and on the pages.
+
 Job-aware actions (docs/actions.md) go as separate deliveries, signed the same way, of
 `{"source", "delivery_id", "sent_at", "events": [...]}` with events of type `checkpoint`,
 `placement` and `standby`; the job map is read from `jobs_url` (`serving.jobs`).
@@ -29,12 +40,14 @@ import hmac
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from ingest.urls import described_url
 from serving.cost_policy import Hint
 from serving.jobs import JobMap, JobMapUnreadable, read_job_document
 from serving.publishers import Applied, Change, NodeView, SchedulerUnavailable, with_retries
@@ -42,6 +55,10 @@ from serving.publishers import Applied, Change, NodeView, SchedulerUnavailable, 
 SIGNATURE_HEADER = "X-Gpufail-Signature"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 TIMESTAMP_HEADER = "X-Gpufail-Timestamp"
+MAX_REDIRECTS = 3
+"""307/308 redirects within the origin followed for one delivery."""
+REPOSTED = frozenset({307, 308})
+"""The redirects that keep the method and body (RFC 9110 15.4)."""
 
 
 def signature(secret: bytes, body: bytes) -> str:
@@ -56,6 +73,22 @@ def delivery_id(changes: Sequence[Change]) -> str:
 
 class _Retryable(RuntimeError):
     pass
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Every 3xx reaches the caller as an `HTTPError` (with its Location), never followed."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or ""), parts.port or default
 
 
 @dataclass
@@ -83,6 +116,7 @@ class WebhookPublisher:
             "changes": [
                 {
                     "id": c.change_id,
+                    "cluster": c.cluster,
                     "node": c.node,
                     "from": c.old,
                     "to": c.new,
@@ -163,34 +197,41 @@ class WebhookPublisher:
 
     def _post(self, body: bytes, key: str, sent_at: datetime) -> tuple[bool, str]:
         """POST `body`, signed, with idempotency key `key`; (acknowledged, what happened)."""
-        # One request object for every try: each retry sends the same bytes and headers.
-        request = urllib.request.Request(
-            self.url,
-            data=body,
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                SIGNATURE_HEADER: signature(self.secret, body),
-                IDEMPOTENCY_HEADER: key,
-                TIMESTAMP_HEADER: str(int(sent_at.timestamp())),
-            },
-        )
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: signature(self.secret, body),
+            IDEMPOTENCY_HEADER: key,
+            TIMESTAMP_HEADER: str(int(sent_at.timestamp())),
+        }
+        shown = described_url(self.url)
 
         def post() -> int:
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return int(response.status)
-            except urllib.error.HTTPError as exc:
-                if exc.code == 429 or exc.code >= 500:
-                    raise _Retryable(f"HTTP {exc.code} {exc.reason}") from None
-                raise SchedulerUnavailable(f"webhook {self.url}: refused with HTTP {exc.code} {exc.reason}") from None
-            except (urllib.error.URLError, OSError) as exc:
-                raise _Retryable(str(getattr(exc, "reason", exc))) from None
+            url = self.url
+            for _ in range(MAX_REDIRECTS + 1):
+                # A new request per hop, the same bytes and headers on each hop and each retry.
+                request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+                try:
+                    with _OPENER.open(request, timeout=self.timeout) as response:
+                        return int(response.status)
+                except urllib.error.HTTPError as exc:
+                    if 300 <= exc.code < 400:
+                        exc.close()
+                        url = self._redirected(url, exc, shown)
+                        continue
+                    if exc.code == 429 or exc.code >= 500:
+                        raise _Retryable(f"HTTP {exc.code} {exc.reason}") from None
+                    raise SchedulerUnavailable(f"webhook {shown}: refused with HTTP {exc.code} {exc.reason}") from None
+                except (urllib.error.URLError, OSError) as exc:
+                    raise _Retryable(str(getattr(exc, "reason", exc))) from None
+            raise SchedulerUnavailable(
+                f"webhook {shown}: redirected more than {MAX_REDIRECTS} times; not delivered: set [publish] "
+                "webhook_url to the address that answers"
+            )
 
         try:
             status = with_retries(
                 post,
-                what=f"webhook {self.url}",
+                what=f"webhook {shown}",
                 attempts=self.attempts,
                 backoff=self.backoff,
                 retry_on=(_Retryable,),
@@ -199,6 +240,24 @@ class WebhookPublisher:
         except SchedulerUnavailable as exc:
             return False, f"failed: {exc}"
         return True, f"sent (HTTP {status})"
+
+    def _redirected(self, url: str, answer: urllib.error.HTTPError, shown: str) -> str:
+        """Where a 3xx answer to a POST of ours may be posted again (a 307/308 within the
+        configured URL's origin); `SchedulerUnavailable` for any other redirect."""
+        location = answer.headers.get("Location", "") if answer.headers else ""
+        target = urllib.parse.urljoin(url, location) if location else ""
+        to = f" to {described_url(target)}" if target else " without a Location"
+        if answer.code in REPOSTED and target and _origin(target) == _origin(self.url):
+            return target
+        why = (
+            "a redirect to another origin is not followed (the signature stays with the configured origin)"
+            if answer.code in REPOSTED and target
+            else "a redirect is not a delivery (a client would repeat the POST as a GET without its body)"
+        )
+        raise SchedulerUnavailable(
+            f"webhook {shown}: redirected with HTTP {answer.code}{to}; {why}: not delivered, sent again next run; "
+            "set [publish] webhook_url to the address that answers"
+        )
 
 
 def _digest(text: str) -> str:

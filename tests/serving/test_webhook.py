@@ -76,6 +76,7 @@ def test_changes_are_posted_as_signed_json(receiver):
     assert payload["changes"] == [
         {
             "id": CHANGE.change_id,
+            "cluster": "",
             "node": "gpu003",
             "from": "none",
             "to": "drain_now",
