@@ -3,9 +3,9 @@ secrets masked.
 
 Settings never hold a secret themselves: tokens and the webhook secret live in environment
 variables that settings name (`*_token_env`, `*_secret_env`); of those only whether they are set
-is shown. Values that can carry a credential are masked too: the password of a URL
-(`https://user:pass@host`), and the path and query of the webhook URL (chat webhooks carry
-their key there).
+is shown. Values that can carry a credential are masked too: every URL as
+`ingest.urls.masked_url` shows it (its user part, query values and the path from its first
+segment that is not a plain word: chat webhooks carry their key there, gateways in the query).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from gpufail.config import Settings, _Origins
+from ingest.urls import MASK, masked_url
 
-MASK = "****"
 SECRET_NAME_PARTS = ("token", "secret", "password")
 """A key whose name holds one of these (without `_env`) is masked whole."""
-URL_WITH_SECRET_PATH = {("publish", "webhook_url")}
 
 
 @dataclass(frozen=True)
@@ -63,23 +61,9 @@ def masked(table: str, key: str, value: Any) -> Any:
         if any(part in key for part in SECRET_NAME_PARTS) and not key.endswith("_env"):
             return MASK
         if "://" in value:
-            return _masked_url(value, whole_path=(table, key) in URL_WITH_SECRET_PATH)
+            return masked_url(value)
     if isinstance(value, list):
         return [masked(table, key, v) for v in value]
     if isinstance(value, dict):
         return {k: masked(table, str(k), v) for k, v in value.items()}
     return value
-
-
-def _masked_url(url: str, *, whole_path: bool) -> str:
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            netloc = netloc.replace(f":{parts.password}@", f":{MASK}@", 1)
-    except ValueError:
-        return MASK
-    path, query = parts.path, parts.query
-    if whole_path and (path.strip("/") or query):
-        path, query = "/" + MASK, ""
-    return urlunsplit((parts.scheme, netloc, path, query, parts.fragment))

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from ingest.errors import GpufailError
+from ingest.urls import described_url
 from models.frame import to_pandas
 from models.provenance import code_version
 from models.train import TrainedModel, load_model, save_model
@@ -118,7 +119,7 @@ class Registry:
                     raise
                 if attempt == self.retries:
                     raise RegistryError(
-                        f"MLflow tracking server {self.tracking_uri}: unreachable while trying to {what} "
+                        f"MLflow tracking server {described_url(self.tracking_uri)}: unreachable while trying to {what} "
                         f"({self.retries + 1} attempts over ~{self.backoff_s * (2**self.retries - 1):.0f}s; "
                         f"last error {type(exc).__name__}); start it with `gpufail mlflow` or fix [mlflow] tracking_uri"
                     ) from exc
@@ -435,7 +436,7 @@ def load_champion(
         found = registry.alias_version(CHAMPION)
         if found is None:
             raise RegistryError(
-                f"registered model {name!r} on {tracking_uri}: no version has the alias {CHAMPION!r} yet; "
+                f"registered model {name!r} on {described_url(tracking_uri)}: no version has the alias {CHAMPION!r} yet; "
                 "run `gpufail nightly` until a model passes the promotion gate"
             )
         version = str(found.version)

@@ -30,6 +30,7 @@ import pandas as pd
 
 from features.spec import FeatureSpec
 from ingest.errors import GpufailError, InputError
+from ingest.urls import redact_urls
 from models.train import TrainedModel, load_model
 from serving.policy import PolicyConfig
 from serving.score import latest_rows, score_latest
@@ -404,15 +405,20 @@ class ServingState:
             if current.served is None:
                 self.model_error = "no model at the source yet"
             return
-        if not force and (
-            fingerprint == self._rejected or (current.served is not None and fingerprint == current.served.fingerprint)
-        ):
+        if not force and current.served is not None and fingerprint == current.served.fingerprint:
+            # The source shows the served model again (after it was unreadable, or pointed at a
+            # model that was refused): nothing is wrong any more.
+            self._rejected, self.model_error = None, None
+            return
+        if not force and fingerprint == self._rejected:
             return
         try:
             served = self.model_source.load()
             if current.served is not None and served.version == current.served.version and not force:
-                # The same model rewritten (a metadata refresh): keep serving the loaded one.
+                # The same model rewritten (a metadata refresh, or a good copy back over a
+                # refused one): keep serving the loaded one, and the error is over.
                 self.snapshot = replace(current, served=replace(current.served, fingerprint=fingerprint))
+                self._rejected, self.model_error = None, None
                 return
             fleet = self._fleet(served, current.features)
         except Exception as exc:
@@ -488,6 +494,7 @@ def _version(snapshot: Snapshot) -> str | None:
 
 
 def _describe(exc: BaseException) -> str:
+    # Shown by /readyz, the pages and the log: a library's message may quote the tracking URI.
     if isinstance(exc, GpufailError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+        return redact_urls(str(exc))
+    return redact_urls(f"{type(exc).__name__}: {exc}")

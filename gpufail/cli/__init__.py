@@ -17,6 +17,7 @@ import click
 
 from gpufail.cli import data, failures, features, models, operations, serving
 from ingest.errors import GpufailError
+from ingest.urls import redact_urls
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,7 +64,9 @@ def main(args: Sequence[str] | None = None) -> None:
     try:
         cli.main(args=None if args is None else list(args), prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
-        click.echo(f"gpufail: error: {exc}", err=True)
+        # A message may quote a URL the settings gave (a webhook's key, a tracking server's
+        # password): masked here whatever raised it.
+        click.echo(f"gpufail: error: {redact_urls(str(exc))}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("gpufail: aborted", err=True)

@@ -292,6 +292,7 @@ def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[A
     [features] and [labels] settings (`serving.api_payloads`)."""
     import os
 
+    from ingest.urls import described_url
     from serving.api import create_app
     from serving.api_state import ModelFolder, RegistryChampion
 
@@ -313,7 +314,7 @@ def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[A
         retries=ml.retries,
         backoff_s=ml.backoff.total_seconds(),
     )
-    return create_app(options, source), f"the champion of {ml.model_name!r} at {ml.tracking_uri}"
+    return create_app(options, source), f"the champion of {ml.model_name!r} at {described_url(ml.tracking_uri)}"
 
 
 @click.command("at-risk")

@@ -1,8 +1,9 @@
 """The operator's pages of `gpufail serve`: routes, access and rendering.
 
 Access follows the read API's rule ([serve] read_requires_token): open, or the read or admin
-token, which a browser sends as a cookie set by the sign-in form (`POST /login`) or, like a
-script, as `Authorization: Bearer`. The cookie is HttpOnly and SameSite=Strict, and it opens
+token, which a browser shows with a cookie set by the sign-in form (`POST /login`) or, like a
+script, sends as `Authorization: Bearer`. The cookie holds a session value derived from the
+token, not the token (`serving.web.session`); it is HttpOnly and SameSite=Strict, and it opens
 these pages only: the JSON API still wants the header, and the admin endpoints the admin
 token in the header.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -33,10 +35,12 @@ from ingest.errors import InputError
 from serving.api_state import ServingState, Snapshot
 from serving.policy import TIERS
 from serving.web import history, html, reads, views
+from serving.web.session import COOKIE, LIFETIME_S, session_ok, session_value
 
 log = logging.getLogger("gpufail.serve")
 
-COOKIE = "gpufail_token"
+LEGACY_COOKIE = "gpufail_token"
+"""The cookie that held the raw token: removed at every sign-in and sign-out, never read."""
 TEMPLATES = ("fleet.html", "node.html", "actions.html", "login.html", "error.html")
 STATIC = {"web.css": "text/css; charset=utf-8", "web.js": "text/javascript; charset=utf-8"}
 HISTORY_DAYS = 28
@@ -75,6 +79,7 @@ def _templates() -> Any:
         trim_blocks=True,
         lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
+        finalize=views.visible_controls,
     )
     env.filters.update(
         risk=views.fmt_risk,
@@ -125,8 +130,11 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
             return True
         header = request.headers.get("authorization", "")
         scheme, _, credentials = header.partition(" ")
-        token = credentials.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
-        return bool(token) and read_token_ok(token)
+        if scheme.lower() == "bearer":
+            token = credentials.strip()
+            return bool(token) and read_token_ok(token)
+        session = request.cookies.get(COOKIE, "")
+        return bool(session) and session_ok(session, (options.read_token, options.admin_token), time.time())
 
     def page(template: str, status: int = 200, **context: Any) -> HTMLResponse:
         snap: Snapshot = context.pop("snap", None) or state.snapshot
@@ -418,14 +426,22 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
             return page("login.html", 401, next=target, message=message, title="Sign in")
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(
-            COOKIE, token, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/"
+            COOKIE,
+            session_value(token, time.time()),
+            max_age=LIFETIME_S,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            path="/",
         )
+        response.delete_cookie(LEGACY_COOKIE, path="/")
         return response
 
     @router.post("/logout")
     async def logout() -> Response:
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(COOKIE, path="/")
+        response.delete_cookie(LEGACY_COOKIE, path="/")
         return response
 
     @router.get("/static/{name}")

@@ -5,6 +5,7 @@ renders HTML except the charts (`serving.web.svg`)."""
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -17,6 +18,7 @@ import numpy as np
 import polars as pl
 
 from ingest.errors import InputError
+from ingest.urls import redact_urls
 from ingest.xid_catalog import xid_catalogue
 from serving.api_state import Fleet, ServedModel
 from serving.policy import ACTING_TIERS, TIERS, PolicyConfig, tier_rank
@@ -42,6 +44,19 @@ DRIVERS = 4
 
 
 # -- formatting --------------------------------------------------------------------------------
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""Control characters but tab and newline: a kernel log line can carry NUL runs and terminal
+escapes (ESC), which a page must show, not pass to the browser."""
+
+
+def visible_controls(value: Any) -> Any:
+    """A string with its control characters written as `\\xNN`; anything else as it is. The
+    pages' templates apply it to every value they print (before HTML escaping)."""
+    if isinstance(value, str) and not hasattr(value, "__html__"):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", value)
+    return value
 
 
 def fmt_value(value: Any) -> str:
@@ -380,7 +395,12 @@ def xid_rows(events: pl.DataFrame, failure_xids: Sequence[int]) -> list[dict[str
 
 
 def audit_rows(frame: pl.DataFrame) -> list[dict[str, Any]]:
-    return [{**r, "when": fmt_time(r["time"])} for r in frame.iter_rows(named=True)]
+    # Rows written before results masked their URLs may still quote a webhook's key.
+    masked = [name for name in ("result", "reason") if name in frame.columns]
+    return [
+        {**r, "when": fmt_time(r["time"]), **{name: redact_urls(r[name] or "") for name in masked}}
+        for r in frame.iter_rows(named=True)
+    ]
 
 
 # -- publish state -----------------------------------------------------------------------------

@@ -169,6 +169,21 @@ CONFIG_FILES = [
     config(
         "[labels]\nhorizon = 12\n[model]\ntop_k = 0\n", "[labels] horizon", "[model] top_k", id="two-problems-one-line"
     ),
+    # Types are taken as written: a boolean is not a number, nor a word a boolean.
+    config("[serve]\nport = true\n", "[serve] port", "valid integer", "got True", id="port-boolean"),
+    config("[serve]\nport = '8080'\n", "[serve] port", "valid integer", "got '8080'", id="port-string"),
+    config("[mlflow]\nport = 5000.0\n", "[mlflow] port", "valid integer", id="port-float"),
+    config(
+        "[serve]\nread_requires_token = 'off'\n",
+        "[serve] read_requires_token",
+        "valid boolean",
+        "got 'off'",
+        id="read-requires-token-word",
+    ),
+    config("[serve]\nread_requires_token = 1\n", "[serve] read_requires_token", "valid boolean", id="bool-number"),
+    config("[publish]\ndry_run = 'no'\n", "[publish] dry_run", "valid boolean", "got 'no'", id="dry-run-word"),
+    config("[publish]\nbreaker_max_nodes = true\n", "[publish] breaker_max_nodes", "valid integer", id="int-boolean"),
+    config("[publish]\nattempts = 2.0\n", "[publish] attempts", "valid integer", id="attempts-float"),
 ]
 
 ENVIRONMENT = [

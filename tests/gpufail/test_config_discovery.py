@@ -97,7 +97,7 @@ def test_config_show_names_each_source_and_masks_secrets(places, monkeypatch):
     lines = text.splitlines()
     assert lines[0] == f"config file: {places['given']} (--config)"
     assert f'cluster = "given"  # file {places["given"]}' in lines
-    assert 'webhook_url = "https://hooks.example.com/****"  # environment GPUFAIL_PUBLISH__WEBHOOK_URL' in lines
+    assert 'webhook_url = "https://hooks.example.com/services/****"  # environment GPUFAIL_PUBLISH__WEBHOOK_URL' in lines
     assert 'tracking_uri = "http://ml:****@mlflow.internal:5000"  # environment GPUFAIL_MLFLOW__TRACKING_URI' in lines
     assert any(
         line.startswith('read_token_env = "GPUFAIL_SERVE_READ_TOKEN"  # default') and "is set (****)" in line
@@ -118,7 +118,8 @@ def test_masking_covers_keys_that_hold_a_secret_by_name(places):
     assert masked("x", "api_token", "abc") == MASK
     assert masked("x", "password", "abc") == MASK
     assert masked("x", "endpoints", ["https://u:p@h/a"]) == [f"https://u:{MASK}@h/a"]
-    assert masked("x", "url", "https://h/path?q=1") == "https://h/path?q=1"  # nothing secret in it
+    assert masked("x", "url", "https://h/path") == "https://h/path"  # nothing secret in it
+    assert masked("x", "url", "https://h/path?q=1") == f"https://h/path?q={MASK}"  # a query may hold a key
 
 
 def test_the_cli_falls_back_to_the_system_file(places):

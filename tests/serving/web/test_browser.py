@@ -199,7 +199,7 @@ def test_signing_in_with_the_read_token(browser, token_server, tmp_path):
     browser.find_element(By.ID, "sign-in").click()
     WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.ID, "breakers"))
     assert browser.current_url.endswith("/actions")
-    cookie = browser.get_cookie("gpufail_token")
+    cookie = browser.get_cookie("gpufail_session")
     assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # not readable by scripts
     browser.find_element(By.CSS_SELECTOR, "form[action='/logout'] button").click()

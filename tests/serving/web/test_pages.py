@@ -211,7 +211,7 @@ def test_signing_in_sets_a_strict_cookie_that_opens_the_pages_only(token_server)
         assert r.status_code == 303 and r.headers["location"] == "/actions?days=7"
         cookie = r.headers["set-cookie"]
         assert (
-            "gpufail_token=" in cookie
+            "gpufail_session=" in cookie
             and "HttpOnly" in cookie
             and "SameSite=strict" in cookie.replace("Strict", "strict")
         )
