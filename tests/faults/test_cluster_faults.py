@@ -21,7 +21,7 @@ from serving.policy import PolicyConfig, PolicyState
 from serving.predictions import write_snapshot
 from serving.publish import publish
 from serving.publishers.kubernetes import TAINT_KEY, KubernetesPublisher
-from serving.publishers.slurm import SlurmPublisher, StoreLedger, ledger_name
+from serving.publishers.slurm import LEDGER, SlurmPublisher, StoreLedger
 from serving.publishers.webhook import WebhookPublisher
 from serving.score import PREDICTION_SCHEMA
 from tests.cli import gpufail
@@ -98,8 +98,8 @@ def test_publish_to_slurm_with_a_cluster_keeps_its_own_ledger(slurm, tmp_path): 
     states = slurm.node_states()
     assert states["gpu003"]["state_flags"] == ["DRAIN"]
     assert not states["gpu005"]["state_flags"] and not states["gpu006"]["state_flags"]
-    east = StoreLedger(store, ledger_name("east")).load()
-    assert set(east.drains) == {"gpu003"} and store.read_state(ledger_name("")) is None
+    east = StoreLedger(store, f"{LEDGER}-east").load()  # the ledger of the Slurm cluster that runs east
+    assert set(east.drains) == {"gpu003"} and store.read_state(LEDGER) is None
     # Without the cluster the same command refuses, and changes nothing.
     env.pop("GPUFAIL_PUBLISH__CLUSTER")
     refused = gpufail("publish", "--data", str(tmp_path / "data"), "--to", "slurm", "--no-dry-run", env=env)
