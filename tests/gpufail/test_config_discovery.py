@@ -97,7 +97,9 @@ def test_config_show_names_each_source_and_masks_secrets(places, monkeypatch):
     lines = text.splitlines()
     assert lines[0] == f"config file: {places['given']} (--config)"
     assert f'cluster = "given"  # file {places["given"]}' in lines
-    assert 'webhook_url = "https://hooks.example.com/services/****"  # environment GPUFAIL_PUBLISH__WEBHOOK_URL' in lines
+    assert (
+        'webhook_url = "https://hooks.example.com/services/****"  # environment GPUFAIL_PUBLISH__WEBHOOK_URL' in lines
+    )
     assert 'tracking_uri = "http://ml:****@mlflow.internal:5000"  # environment GPUFAIL_MLFLOW__TRACKING_URI' in lines
     assert any(
         line.startswith('read_token_env = "GPUFAIL_SERVE_READ_TOKEN"  # default') and "is set (****)" in line
