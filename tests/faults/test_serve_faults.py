@@ -9,6 +9,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import polars as pl
@@ -27,6 +28,13 @@ MESSAGES = {
     "other-controls": "NVRM: Xid 13 \x08\x08\x0c\x7f\x9b2J graphics exception",
 }
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+KEY = "Xk29fLq8ZpR4wT7yUe3Nv1Ma"
+LEGACY_RESULTS = {
+    "slack-path": f"failed: webhook https://hooks.slack.com/services/T0A1B2C3D/B0A1B2C3D/{KEY}: refused with HTTP 403",
+    "query": f"failed: webhook https://hooks.example.com/hook?token={KEY}: no answer after 3 tries (timed out)",
+    "user-password": f"failed: webhook https://hooks:{KEY}@hooks.example.com/hook: refused with HTTP 401",
+}
+"""Audit results as gpufail wrote them before it masked URLs: the pages mask them."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
     newest = events.sort("ts").tail(len(MESSAGES))
     node = newest["node"][0]
     newest = newest.with_columns(node=pl.lit(node), message=pl.Series(list(MESSAGES.values())))
-    Store.open(str(data)).write("xid_events", newest.to_arrow())
+    store = Store.open(str(data))
+    store.write("xid_events", newest.to_arrow())
+    write_legacy_audit(store, newest["cluster"][0], node, newest["ts"].max())
     folder = save_model(trained_model(0), tmp / "model")
     srv = start_server(
         tmp,
@@ -50,6 +60,32 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, P
     )
     yield srv, folder, node
     srv.stop()
+
+
+def write_legacy_audit(store: Store, cluster: str, node: str, at: Any) -> None:
+    from serving.publish import AuditRow, append_audit
+
+    rows = [
+        AuditRow(
+            time=at,
+            cluster=cluster,
+            node=node,
+            gpus=(),
+            risk=0.9,
+            previous_tier="none",
+            tier="drain_now",
+            action="raise",
+            reason=f"node risk 0.900 ({kind})",
+            top_features=(),
+            model_version="old",
+            target="webhook",
+            mode="live",
+            dry_run=False,
+            result=result,
+        )
+        for kind, result in LEGACY_RESULTS.items()
+    ]
+    append_audit(rows, store.path("actions"), fs=store.fs)
 
 
 def reload_error(client: httpx.Client) -> str | None:
@@ -83,6 +119,16 @@ def test_control_bytes_of_xid_messages_are_escaped_on_the_node_page(served, kind
     assert page.status_code == 200
     assert not CONTROL.search(page.text)  # no raw control byte reaches the browser
     assert CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", MESSAGES[kind]) in page.text
+
+
+@pytest.mark.parametrize("page", ["/actions?days=90&action=all", "/nodes/{node}"])
+def test_webhook_keys_in_audit_rows_of_an_older_gpufail_are_masked_on_the_pages(served, page):
+    srv, _, node = served
+    with srv.client(READ_TOKEN) as client:
+        shown = client.get(page.format(node=node))
+    assert shown.status_code == 200 and "hooks.slack.com/services/****" in shown.text
+    assert "hooks.example.com/hook?token=****" in shown.text and "hooks:****@hooks.example.com" in shown.text
+    assert KEY not in shown.text
 
 
 @pytest.mark.parametrize("token", [READ_TOKEN, ADMIN_TOKEN])
