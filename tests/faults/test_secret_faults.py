@@ -115,6 +115,7 @@ def test_a_webhook_key_is_masked_in_output_logs_audit_and_config_show(
         assert_no_key(state.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tracking_uri",
     [
