@@ -16,10 +16,10 @@ import re
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 MASK = "****"
-_WORD_SEGMENT = re.compile(r"^[a-z][a-z_.-]{0,15}$")
-"""A path segment kept as it is (`services`, `api`, `metrics`): lowercase letters alone, short.
-Keys have digits, capitals or length; the first segment that is not a word, and all after it,
-is masked."""
+_WORD_SEGMENT = re.compile(r"^(?:[a-z][a-z_.-]{0,23}|v\d{1,2}|\d{1,2}(?:\.\d{1,2})?)$")
+"""A path segment kept as it is (`services`, `api`, `query_range`, `v1`, `2.0`): lowercase
+letters alone, or a short version. Keys have digits, capitals or length; the first segment
+that is not such a word, and all after it, is masked."""
 _URL_IN_TEXT = re.compile(r"""\bhttps?://[^\s'"<>()\[\]]+""", re.IGNORECASE)
 """The URLs of services (webhooks, tracking servers) in a message; a data root's storage URL
 (`s3://...`, `memory://...`) names the data, and is left as it is."""
