@@ -167,3 +167,21 @@ def test_a_webhook_receiver_of_several_clusters_tells_their_nodes_apart():
     changes = json.loads(bodies[0])["changes"]
     assert sorted((c["cluster"], c["node"]) for c in changes) == [("east", "gpu001"), ("west", "gpu001")]
     assert len({c["id"] for c in changes}) == 2  # a receiver deduplicating by id keeps both
+
+
+def test_adopting_a_drain_names_the_node_of_the_configured_cluster(slurm, tmp_path):  # noqa: F811
+    store = Store.create(str(tmp_path / "data"))
+    write_snapshot(store, predictions({}, slurm.nodes), now=T0)  # gpu005 in east and in west
+    reason = "gpufail: drain-now risk=0.95 model=lightgbm-test"
+    slurm.scontrol("update", "NodeName=gpu005", "State=DRAIN", f"Reason={reason}")  # a drain of ours, unrecorded
+    env = {"GPUFAIL_PUBLISH__SLURM_CONF": str(slurm.conf)}
+    args = ("publish", "--data", str(tmp_path / "data"), "--to", "slurm", "--adopt", "gpu005")
+    refused = gpufail(*args, env=env)
+    assert refused.returncode == 2 and "in the clusters east, west" in refused.stderr
+    assert store.read_state("publish-slurm") is None
+    adopted = gpufail(*args, env={**env, "GPUFAIL_PUBLISH__CLUSTER": "west"})
+    assert adopted.returncode == 0, adopted.stderr
+    state = store.read_state("publish-slurm")
+    assert state is not None and state["nodes"]["west/gpu005"]["applied"] == "drain_now"
+    assert "east/gpu005" not in state["nodes"]
+    assert StoreLedger(store, f"{LEDGER}-west").load().drains["gpu005"].reason == reason
