@@ -25,6 +25,7 @@ the signature is not sent elsewhere); a 307 or 308 within the configured URL's o
 posted again there with the same body and headers, up to `MAX_REDIRECTS` times. A refused
 delivery leaves the state as it was, so the next run sends it again.
 
+A URL with a user part (`https://user:password@host/...`) is sent with basic authentication.
 The URL is shown masked (`ingest.urls.described_url`: chat webhooks carry their key in the
 path) in every result, and so in the audit and on the pages.
 
@@ -35,6 +36,7 @@ Job-aware actions (docs/actions.md) go as separate deliveries, signed the same w
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -83,6 +85,17 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _without_user(url: str) -> tuple[str, str]:
+    """`url` without its user part, and that part as an `Authorization: Basic` value ('' when
+    none): urllib would take `user:password@host` for the host name."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, ""
+    user = urllib.parse.unquote(parts.username) + ":" + urllib.parse.unquote(parts.password or "")
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), "Basic " + base64.b64encode(user.encode()).decode()
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -204,9 +217,12 @@ class WebhookPublisher:
             TIMESTAMP_HEADER: str(int(sent_at.timestamp())),
         }
         shown = described_url(self.url)
+        start, credentials = _without_user(self.url)
+        if credentials:
+            headers["Authorization"] = credentials
 
         def post() -> int:
-            url = self.url
+            url = start
             for _ in range(MAX_REDIRECTS + 1):
                 # A new request per hop, the same bytes and headers on each hop and each retry.
                 request = urllib.request.Request(url, data=body, method="POST", headers=headers)

@@ -178,3 +178,14 @@ def test_a_decision_never_acknowledged_is_sent_by_the_next_run_with_the_same_key
     assert again.state.nodes["c1/n1"].applied == "drain_now"
     keys = [headers[IDEMPOTENCY_HEADER] for headers, _ in received]
     assert len(keys) == 5 and len(set(keys)) == 3
+
+
+def test_a_url_with_a_user_part_is_sent_with_basic_authentication(receiver):
+    import base64
+
+    url, received, _ = receiver
+    with_user = url.replace("http://", "http://hooks:pa%2055@")
+    results = publisher(with_user).apply([CHANGE])
+    assert results[0].ok, results[0].detail
+    headers, _ = received[0]
+    assert headers["Authorization"] == "Basic " + base64.b64encode(b"hooks:pa 55").decode()
