@@ -35,7 +35,7 @@ FP64_BLANKS = frozenset(float(2**47 + i) for i in range(4))
 IGNORED_METRICS = frozenset({"DCGM_FI_DEV_XID_ERRORS"})
 
 # Where DCGM's unit differs from our column's: violation times are ns in DCGM, us in our schema.
-_SCALE_BY_FIELD_ID = {240: 1e-3, 241: 1e-3}
+SCALE_BY_FIELD_ID = {240: 1e-3, 241: 1e-3}
 
 _GPU_LABELS = ("gpu", "UUID")
 
@@ -60,6 +60,11 @@ def dcgm_field_ids() -> dict[str, int]:
     """DCGM field name -> field id, old (alias) and new names alike."""
     text = resources.files("ingest").joinpath("dcgm_field_ids.csv").read_text()
     return {row["name"]: int(row["field_id"]) for row in csv.DictReader(text.splitlines())}
+
+
+def metric_by_name() -> dict[str, Metric]:
+    """DCGM field name -> the metric of this process's catalogue that stores it (module notes)."""
+    return _metric_by_name(metric_catalogue())
 
 
 @cache
@@ -103,13 +108,13 @@ def parse_scrape_detailed(
         raise ValueError(f"now={now!r} is naive; expected a timezone-aware datetime (UTC)")
     ts = now.astimezone(UTC)
     result = ScrapeParse(table=telemetry_schema().empty_table())
-    metric_by_name = _metric_by_name(metric_catalogue())
+    metrics_by_name = metric_by_name()
     rows: dict[tuple[int, str], dict[str, object]] = {}
 
     for name, family_name, labels, value in _samples(text, source):
         # The parser names a counter's samples `<name>_total` even when the scrape printed no
         # such suffix (dcgm-exporter never does); the family keeps the printed name.
-        metric = metric_by_name.get(name) or metric_by_name.get(family_name)
+        metric = metrics_by_name.get(name) or metrics_by_name.get(family_name)
         if metric is None:
             result.ignored_metrics[family_name] += 1
             continue
@@ -203,16 +208,16 @@ def _identity(
 # Boards without an HBM temperature sensor (T4, L4: GDDR6) report memory temperature as 0. No
 # board in a data centre runs at 0 degC, and a 0 would drag temperature features down, so it is
 # a missing reading.
-_ZERO_MEANS_NO_SENSOR = frozenset({"temp_mem_c"})
+ZERO_MEANS_NO_SENSOR = frozenset({"temp_mem_c"})
 
 
 def _reading(value: float, metric: Metric) -> float | int | None:
     """The value in our column's unit and type; None for NaN, infinities and DCGM blank sentinels."""
     if not math.isfinite(value) or value >= INT64_BLANK_MIN or value in FP64_BLANKS:
         return None
-    if metric.column in _ZERO_MEANS_NO_SENSOR and value == 0:
+    if metric.column in ZERO_MEANS_NO_SENSOR and value == 0:
         return None
-    value *= _SCALE_BY_FIELD_ID.get(metric.dcgm_field_id, 1.0)
+    value *= SCALE_BY_FIELD_ID.get(metric.dcgm_field_id, 1.0)
     if pa.types.is_integer(metric.arrow_type):
         return round(value)
     return value

@@ -1,0 +1,302 @@
+"""dcgm-exporter series, as Prometheus stores them, -> `telemetry` rows and XID events.
+
+The mapping is `gpufail ingest dcgm-exporter`'s (`ingest.dcgm_scrape`): a series' name picks
+our column through its DCGM field id (or a user metric's `dcgm_field`), a reading is missing
+when it is NaN, infinite, a DCGM blank sentinel or outside the metric's valid range, and the
+labels `Hostname`, `UUID`, `gpu`, `pci_bus_id`, `modelName` and `DCGM_FI_DRIVER_VERSION` say
+which GPU it is. So the samples of one scrape give the same rows whichever way they come in.
+
+What differs is time: every sample lands at its own timestamp, and the samples of one GPU at
+one timestamp (the metrics of one scrape) are one row. Counters are stored as read, resets and
+all: the features take a counter's increases and treat a drop as a reset, as for the collector.
+Two series that give one GPU the same metric at the same time (two Prometheus replicas, a MIG
+instance repeating a GPU-level field) give one reading: the first series' (the first with a
+reading, as in a scrape). A series without the labels that name its GPU is counted by reason
+and left out, never guessed.
+
+`DCGM_FI_DEV_XID_ERRORS` holds the last XID of its GPU. Each change to a non-zero value is an
+XID event of that GPU at that sample's time (`xid_changes`).
+
+numpy and pyarrow only: `gpufail collect --source prometheus` uses this without polars.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.dcgm_scrape import (
+    FP64_BLANKS,
+    INT64_BLANK_MIN,
+    SCALE_BY_FIELD_ID,
+    ZERO_MEANS_NO_SENSOR,
+    metric_by_name,
+)
+from ingest.prometheus_api import Series
+from ingest.schema import TIMESTAMP, Metric, normalise_pci_bus_id, telemetry_schema, xid_events_schema
+
+XID_METRIC = "DCGM_FI_DEV_XID_ERRORS"
+SOURCE = "prometheus"
+"""The `source` of the XID events read from Prometheus."""
+
+DEFAULT_LABELS: dict[str, str] = {
+    "node": "Hostname",
+    "gpu_uuid": "UUID",
+    "gpu_index": "gpu",
+    "pci_bus_id": "pci_bus_id",
+    "gpu_model": "modelName",
+    "driver": "DCGM_FI_DRIVER_VERSION",
+}
+"""gpufail's identity column -> the dcgm-exporter label that holds it; `[ingest.prometheus]
+labels` replaces any of them (and may name a `cluster` label)."""
+IDENTITY_FIELDS = (*DEFAULT_LABELS, "cluster")
+
+
+@dataclass
+class SeriesCounts:
+    """What the mapping read and what it left out, summed over the batches of a run."""
+
+    samples: int = 0
+    """Samples of the mapped metrics read."""
+    blank_values: int = 0
+    """Readings that were NaN, infinite or a DCGM blank sentinel: stored as missing."""
+    out_of_range: Counter[str] = field(default_factory=Counter)
+    """Per column, readings outside the metric's valid range: stored as missing."""
+    duplicates: int = 0
+    """Readings of a GPU, metric and time another series gave already (replicas): dropped."""
+    unlabelled: Counter[str] = field(default_factory=Counter)
+    """Why series were left out (a label missing or malformed) -> how many series."""
+    xid_changes: int = 0
+
+    def add(self, other: SeriesCounts) -> None:
+        self.samples += other.samples
+        self.blank_values += other.blank_values
+        self.out_of_range += other.out_of_range
+        self.duplicates += other.duplicates
+        self.unlabelled += other.unlabelled
+        self.xid_changes += other.xid_changes
+
+
+GpuKey = tuple[str, str, int, str]
+"""cluster, node, GPU index, UUID."""
+Attributes = tuple[str | None, str | None, str | None]
+"""pci_bus_id, gpu_model, driver."""
+
+
+@dataclass(frozen=True)
+class LabelMap:
+    """Which label holds each identity column (`DEFAULT_LABELS`, with the user's changes)."""
+
+    labels: dict[str, str]
+    cluster: str
+    """The cluster of series without a cluster label (or when none is mapped)."""
+
+    @classmethod
+    def of(cls, overrides: dict[str, str] | None, cluster: str) -> LabelMap:
+        return cls({**DEFAULT_LABELS, **(overrides or {})}, cluster)
+
+    def identity(self, labels: dict[str, str]) -> tuple[GpuKey, Attributes] | str:
+        """The GPU a series belongs to, or why it names none."""
+        names = self.labels
+        node, uuid, raw_index = labels.get(names["node"]), labels.get(names["gpu_uuid"]), labels.get(names["gpu_index"])
+        if not node:
+            return f"no {names['node']} label"
+        if not uuid:
+            return f"no {names['gpu_uuid']} label"
+        if raw_index is None or raw_index == "":
+            return f"no {names['gpu_index']} label"
+        try:
+            index = int(raw_index)
+        except ValueError:
+            index = -1
+        if not 0 <= index < 2**15:
+            return f"{names['gpu_index']} label not a GPU index"
+        raw_bus = labels.get(names["pci_bus_id"])
+        try:
+            bus = normalise_pci_bus_id(raw_bus) if raw_bus else None
+        except ValueError:
+            return f"{names['pci_bus_id']} label not a PCI bus id"
+        cluster = labels.get(names["cluster"]) or self.cluster if "cluster" in names else self.cluster
+        key = (cluster, node, index, uuid)
+        return key, (bus, labels.get(names["gpu_model"]) or None, labels.get(names["driver"]) or None)
+
+
+def readings(values: np.ndarray, metric: Metric, counts: SeriesCounts) -> np.ndarray:
+    """`ingest.dcgm_scrape`'s reading rules over an array: the values in our column's unit, NaN
+    where the reading is missing (counted as blank or out of range)."""
+    out = values.astype(np.float64, copy=True)
+    blank = ~np.isfinite(out) | (out >= INT64_BLANK_MIN) | np.isin(out, list(FP64_BLANKS))
+    if metric.column in ZERO_MEANS_NO_SENSOR:
+        blank |= out == 0
+    counts.blank_values += int(blank.sum())
+    out[blank] = np.nan
+    scale = SCALE_BY_FIELD_ID.get(metric.dcgm_field_id)
+    if scale is not None:
+        out *= scale
+    if pa.types.is_integer(metric.arrow_type):
+        out = np.round(out)
+    outside = np.zeros(len(out), dtype=bool)
+    if metric.valid_min is not None:
+        outside |= out < metric.valid_min
+    if metric.valid_max is not None:
+        outside |= out > metric.valid_max
+    if outside.any():
+        counts.out_of_range[metric.column] += int(outside.sum())
+        out[outside] = np.nan
+    return out
+
+
+@dataclass
+class Mapped:
+    """The rows of a batch of series."""
+
+    telemetry: pa.Table
+    xids: list[tuple[GpuKey, Attributes, Series]]
+    """The XID series, by GPU, for `xid_changes`."""
+
+
+def map_series(series: list[Series], labels: LabelMap, counts: SeriesCounts) -> Mapped:
+    """`telemetry` rows (one per GPU and timestamp) of `series`, in the order given (which
+    decides which of two series with the same reading wins)."""
+    by_name = metric_by_name()
+    catalogue = list(telemetry_schema().names)
+    keys: dict[GpuKey, int] = {}
+    attributes: dict[Attributes, int] = {}
+    parts: list[tuple[int, int, int, Series, np.ndarray]] = []  # gpu, attributes, column, series, values
+    xids: list[tuple[GpuKey, Attributes, Series]] = []
+    for one in series:
+        name = one.labels.get("__name__", "")
+        metric = by_name.get(name)
+        if metric is None and name != XID_METRIC:
+            continue  # the import asks only for mapped names; a collector's selector may match more
+        who = labels.identity(one.labels)
+        if isinstance(who, str):
+            counts.unlabelled[who] += 1
+            continue
+        key, attrs = who
+        if metric is None:
+            xids.append((key, attrs, one))
+            continue
+        counts.samples += len(one.values)
+        values = readings(one.values, metric, counts)
+        gpu = keys.setdefault(key, len(keys))
+        attr = attributes.setdefault(attrs, len(attributes))
+        parts.append((gpu, attr, catalogue.index(metric.column), one, values))
+    return Mapped(_table(parts, list(keys), list(attributes), counts), xids)
+
+
+def _table(
+    parts: list[tuple[int, int, int, Series, np.ndarray]],
+    keys: list[GpuKey],
+    attributes: list[Attributes],
+    counts: SeriesCounts,
+) -> pa.Table:
+    schema = telemetry_schema()
+    if not parts:
+        return schema.empty_table()
+    sizes = [len(p[3].times_ms) for p in parts]
+    gpu = np.repeat([p[0] for p in parts], sizes)
+    attr = np.repeat([p[1] for p in parts], sizes)
+    column = np.repeat([p[2] for p in parts], sizes)
+    order_of_series = np.repeat(np.arange(len(parts)), sizes)
+    times = np.concatenate([p[3].times_ms for p in parts])
+    values = np.concatenate([p[4] for p in parts])
+    order = np.lexsort((order_of_series, times, gpu))
+    gpu, attr, column, times, values = gpu[order], attr[order], column[order], times[order], values[order]
+    new_row = np.ones(len(order), dtype=bool)
+    new_row[1:] = (gpu[1:] != gpu[:-1]) | (times[1:] != times[:-1])
+    row = np.cumsum(new_row) - 1
+    n_rows = int(row[-1]) + 1
+    row_gpu, row_attr = gpu[new_row], attr[new_row]
+
+    identity = {
+        "ts": pa.array(times[new_row] * 1000, TIMESTAMP),
+        "cluster": pa.array([k[0] for k in keys], pa.string()).take(row_gpu),
+        "node": pa.array([k[1] for k in keys], pa.string()).take(row_gpu),
+        "gpu_index": pa.array([k[2] for k in keys], pa.int16()).take(row_gpu),
+        "gpu_uuid": pa.array([k[3] for k in keys], pa.string()).take(row_gpu),
+        "pci_bus_id": pa.array([a[0] for a in attributes], pa.string()).take(row_attr),
+        "gpu_model": pa.array([a[1] for a in attributes], pa.string()).take(row_attr),
+        "driver": pa.array([a[2] for a in attributes], pa.string()).take(row_attr),
+    }
+    arrays: list[pa.Array] = []
+    for index, f in enumerate(schema):
+        if f.name in identity:
+            arrays.append(identity[f.name])
+            continue
+        of_column = (column == index) & ~np.isnan(values)
+        rows, readings_of = row[of_column], values[of_column]
+        if len(rows) == 0:
+            arrays.append(pa.nulls(n_rows, f.type))
+            continue
+        first = np.ones(len(rows), dtype=bool)
+        first[1:] = rows[1:] != rows[:-1]
+        counts.duplicates += int(len(rows) - first.sum())
+        filled = np.zeros(n_rows, dtype=bool)
+        filled[rows[first]] = True
+        dense = np.zeros(n_rows, dtype=np.float64)
+        dense[rows[first]] = readings_of[first]
+        arrays.append(pa.array(dense.astype(f.type.to_pandas_dtype()), type=f.type, mask=~filled))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def xid_changes(
+    xids: list[tuple[GpuKey, Attributes, Series]],
+    last: dict[GpuKey, float],
+    counts: SeriesCounts,
+) -> pa.Table:
+    """XID events: each sample of a GPU's `DCGM_FI_DEV_XID_ERRORS` whose value is non-zero and
+    differs from the one before (`last`: each GPU's value before these samples, updated here;
+    a GPU absent from it takes its first non-zero value as a change)."""
+    merged: dict[GpuKey, tuple[Attributes, list[Series]]] = {}
+    for key, attrs, one in xids:
+        merged.setdefault(key, (attrs, []))[1].append(one)
+    rows: list[tuple[int, GpuKey, Attributes, int]] = []
+    for key, (attrs, parts) in merged.items():
+        if attrs[0] is None:
+            # An XID event names its GPU by bus id, as a kernel log does.
+            counts.unlabelled["XID series without a PCI bus id"] += len(parts)
+            continue
+        times = np.concatenate([p.times_ms for p in parts])
+        values = np.concatenate([p.values for p in parts])
+        order = np.argsort(times, kind="stable")
+        times, values = times[order], values[order]
+        unique = np.ones(len(times), dtype=bool)
+        unique[1:] = times[1:] != times[:-1]  # replicas: one reading per time
+        previous = last.get(key)
+        for ts, value in zip(times[unique].tolist(), values[unique].tolist(), strict=True):
+            if not np.isfinite(value) or value >= INT64_BLANK_MIN or value in FP64_BLANKS:
+                continue
+            if value != 0 and value != previous:
+                rows.append((ts, key, attrs, int(value)))
+            previous = value
+        if previous is not None:
+            last[key] = previous
+    counts.xid_changes += len(rows)
+    return xid_table(rows)
+
+
+def xid_table(rows: list[tuple[int, GpuKey, Attributes, int]]) -> pa.Table:
+    """`xid_events` rows (one line each, no message) for (time ms, GPU, attributes, XID)."""
+    rows.sort(key=lambda r: r[0])
+    n = len(rows)
+    stamps = pa.array([r[0] * 1000 for r in rows], TIMESTAMP)
+    columns = {
+        "ts": stamps,
+        "last_ts": stamps,
+        "cluster": pa.array([r[1][0] for r in rows], pa.string()),
+        "node": pa.array([r[1][1] for r in rows], pa.string()),
+        "pci_bus_id": pa.array([r[2][0] for r in rows], pa.string()),
+        "gpu_index": pa.array([r[1][2] for r in rows], pa.int16()),
+        "gpu_uuid": pa.array([r[1][3] for r in rows], pa.string()),
+        "xid": pa.array([r[3] for r in rows], pa.int32()),
+        "pid": pa.nulls(n, pa.int64()),
+        "process": pa.nulls(n, pa.string()),
+        "message": pa.nulls(n, pa.string()),
+        "source": pa.array([SOURCE] * n, pa.string()),
+        "repeat_count": pa.array([1] * n, pa.int32()),
+    }
+    return pa.table(columns, schema=xid_events_schema())
