@@ -140,6 +140,40 @@ class SimulateSettings(_Table):
     seed: int = Field(default=7, ge=0)
 
 
+_PROMETHEUS_IDENTITY = ("node", "gpu_uuid", "gpu_index", "pci_bus_id", "gpu_model", "driver", "cluster")
+
+
+def _identity_labels(value: dict[str, str]) -> dict[str, str]:
+    unknown = sorted(set(value) - set(_PROMETHEUS_IDENTITY))
+    if unknown:
+        raise ValueError(f"expected keys among {', '.join(_PROMETHEUS_IDENTITY)}, got {', '.join(unknown)}")
+    return value
+
+
+class PrometheusSettings(_Table):
+    """`gpufail ingest prometheus` and `gpufail collect --source prometheus`: dcgm-exporter
+    series from a Prometheus HTTP API (Prometheus, Thanos, Mimir, VictoriaMetrics). Credentials
+    come from the environment: GPUFAIL_PROMETHEUS_TOKEN, or GPUFAIL_PROMETHEUS_USER and
+    GPUFAIL_PROMETHEUS_PASSWORD."""
+
+    url: Annotated[str, Field(pattern=r"^(https?://\S+)?$")] = ""
+    """The server, e.g. http://prometheus:9090; "" means --url must be given."""
+    match: str = ""
+    """A series selector narrowing what is read, e.g. {cluster="a"}; "" reads every DCGM series."""
+    labels: Annotated[dict[str, NonEmpty], AfterValidator(_identity_labels)] = Field(default_factory=dict)
+    """gpufail's identity column -> the label holding it, where it is not dcgm-exporter's
+    (node = Hostname, gpu_uuid = UUID, gpu_index = gpu, pci_bus_id, gpu_model = modelName,
+    driver = DCGM_FI_DRIVER_VERSION; cluster: none, [ingest] cluster), e.g. node = "kubernetes_node"."""
+    concurrency: int = Field(default=4, ge=1)
+    """Queries in flight at once."""
+    timeout: PositiveDuration = timedelta(seconds=60)
+    """How long one query may take before it is retried."""
+    retries: int = Field(default=3, ge=0)
+    """Tries after the first for a query that timed out or got a 5xx answer."""
+    ca_file: str = ""
+    """PEM certificates to trust for an https URL; "" uses the system's."""
+
+
 class IngestSettings(_Table):
     cluster: NonEmpty = "default"
     """Cluster name written into every row, so several clusters can share a data root."""
@@ -147,6 +181,7 @@ class IngestSettings(_Table):
     """Identical XIDs on one GPU within this window are one incident with a repeat count."""
     workers: int = Field(default=0, ge=0)
     """Processes parsing kernel-log files at once (`gpufail ingest kernel-log`); 0: one per core."""
+    prometheus: PrometheusSettings = PrometheusSettings()
 
 
 class FeatureSettings(_Table):
@@ -426,7 +461,7 @@ class CollectSettings(_Table):
 
     interval: PositiveDuration = timedelta(seconds=30)
     """Every collector is called once per interval."""
-    sources: list[Literal["nvml", "kernel-log", "dcgm-exporter"]] = Field(
+    sources: list[Literal["nvml", "kernel-log", "dcgm-exporter", "prometheus"]] = Field(
         default_factory=lambda: ["nvml", "kernel-log"]  # type: ignore[arg-type]
     )
     flush_rows: int = Field(default=50_000, ge=1)
@@ -825,9 +860,10 @@ class Settings(_Table):
         the node defaults to [collect] node, else this machine's hostname."""
         import socket
 
-        from ingest.collect.daemon import CollectOptions, parse_sources
+        from ingest.collect.daemon import CollectOptions, PrometheusSource, parse_sources
 
         cfg = self.collect
+        pcfg = self.ingest.prometheus
         return CollectOptions(
             cluster=self.ingest.cluster,
             node=node or cfg.node or socket.gethostname(),
@@ -841,6 +877,14 @@ class Settings(_Table):
             dedup_window=self.ingest.xid_dedup_window,
             max_lines=cfg.max_lines_per_run,
             listen=cfg.listen if listen is None else listen,
+            prometheus=PrometheusSource(
+                url=pcfg.url,
+                match=pcfg.match,
+                labels=tuple(pcfg.labels.items()),
+                timeout_s=pcfg.timeout.total_seconds(),
+                retries=pcfg.retries,
+                ca_file=pcfg.ca_file or None,
+            ),
         )
 
     def publish_options(

@@ -40,7 +40,7 @@ from ingest.errors import InputError, StoreError
 from ingest.prometheus_api import POINTS_PER_SERIES, PrometheusClient, Series
 from ingest.prometheus_rows import (
     SOURCE,
-    XID_METRIC,
+    XID_METRICS,
     GpuKey,
     LabelMap,
     SeriesCounts,
@@ -208,7 +208,7 @@ class _Run:
         self.ignored: dict[str, set[tuple[tuple[str, str], ...]]] = {}
         self.xid_last: dict[GpuKey, float] = {}
         self._listed: tuple[int, int, list[dict[str, str]]] = (0, 0, [])
-        mapped = set(metric_by_name()) | {XID_METRIC}
+        mapped = set(metric_by_name()) | XID_METRICS
         self.mapped = mapped if name is None else mapped & {name}
 
     def windows(self, first: int, last: int) -> Iterator[tuple[int, int]]:
@@ -298,9 +298,11 @@ class _Run:
 
     def xid_baseline(self, first: int) -> dict[GpuKey, float]:
         """Each GPU's XID value just before `first` (module notes of `ingest.prometheus_rows`)."""
-        if XID_METRIC not in self.mapped:
+        names = sorted(XID_METRICS & self.mapped)
+        if not names:
             return {}
-        query = f"last_over_time({_selector(None, self.body, f'__name__={_quote(XID_METRIC)}')}[{XID_LOOKBACK}])"
+        xid_series = _selector(None, self.body, f'__name__=~"{"|".join(names)}"')
+        query = f"last_over_time({xid_series}[{XID_LOOKBACK}])"
         found: dict[GpuKey, float] = {}
         for labels, value in self.client.newest(query, first - 1):
             who = self.options.labels.identity(labels)

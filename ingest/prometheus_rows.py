@@ -33,12 +33,15 @@ from ingest.dcgm_scrape import (
     INT64_BLANK_MIN,
     SCALE_BY_FIELD_ID,
     ZERO_MEANS_NO_SENSOR,
+    dcgm_field_ids,
     metric_by_name,
 )
 from ingest.prometheus_api import Series
 from ingest.schema import TIMESTAMP, Metric, normalise_pci_bus_id, telemetry_schema, xid_events_schema
 
-XID_METRIC = "DCGM_FI_DEV_XID_ERRORS"
+XID_FIELD_ID = 230
+XID_METRICS = frozenset(name for name, field_id in dcgm_field_ids().items() if field_id == XID_FIELD_ID)
+"""`DCGM_FI_DEV_XID_ERRORS` and DCGM's newer name for it."""
 SOURCE = "prometheus"
 """The `source` of the XID events read from Prometheus."""
 
@@ -170,7 +173,7 @@ def map_series(series: list[Series], labels: LabelMap, counts: SeriesCounts) -> 
     for one in series:
         name = one.labels.get("__name__", "")
         metric = by_name.get(name)
-        if metric is None and name != XID_METRIC:
+        if metric is None and name not in XID_METRICS:
             continue  # the import asks only for mapped names; a collector's selector may match more
         who = labels.identity(one.labels)
         if isinstance(who, str):

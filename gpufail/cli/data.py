@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,11 @@ from gpufail.cli.options import (
     when,
 )
 from ingest.errors import GpufailError
+
+if TYPE_CHECKING:
+    from gpufail.config import Settings
+    from ingest.prometheus_api import PrometheusClient
+    from ingest.prometheus_rows import LabelMap
 
 
 @click.command()
@@ -149,13 +155,17 @@ def ingest_kernel_log(
 @ingest.command("dcgm-exporter")
 @data_option
 @click.option("--node", default=None, help="Node name (default: each GPU's Hostname label).")
+@click.option(
+    "--time", "time_", default=None, help="Stamp the samples with this time (ISO): a saved scrape's capture time."
+)
 @json_option
 @click.argument("sources", nargs=-1, required=True)
 @click.pass_context
 def ingest_dcgm_exporter(
-    ctx: click.Context, data: str | None, node: str | None, as_json: bool, sources: tuple[str, ...]
+    ctx: click.Context, data: str | None, node: str | None, time_: str | None, as_json: bool, sources: tuple[str, ...]
 ) -> None:
-    """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time.
+    """Read dcgm-exporter scrapes into the telemetry dataset, stamped with the current time
+    (or --time).
 
     SOURCES are /metrics URLs (scraped now) or files holding saved scrapes."""
     from collections import Counter
@@ -164,13 +174,18 @@ def ingest_dcgm_exporter(
     from ingest.user_metrics import record_metrics
 
     settings = settings_of(ctx)
+    stamp = when(time_, "'--time'")
     with import_root(ctx, data, as_json) as store:
         # Extra DCGM fields go to the user's metrics that name them: the root's and the configuration's.
         record_metrics(store, settings.user_metrics())
         # Parse every source before writing, so one bad source writes no rows at all.
         parsed = [
             parse_scrape_detailed(
-                fetch_scrape(source), now=datetime.now(UTC), cluster=settings.ingest.cluster, node=node, source=source
+                fetch_scrape(source),
+                now=stamp or datetime.now(UTC),
+                cluster=settings.ingest.cluster,
+                node=node,
+                source=source,
             )
             for source in sources
         ]
@@ -193,6 +208,98 @@ def ingest_dcgm_exporter(
             "out_of_range": dict(out_of_range),
         },
     )
+
+
+@ingest.command("prometheus")
+@data_option
+@click.option(
+    "--url",
+    default=None,
+    help="The Prometheus HTTP API, e.g. http://prometheus:9090 (default: [ingest.prometheus] url).",
+)
+@click.option("--start", required=True, help="First time to import (ISO, UTC unless it names a zone).")
+@click.option("--end", required=True, help="Import up to this time (ISO), not included.")
+@click.option(
+    "--match",
+    default=None,
+    help="Series selector narrowing the import, e.g. '{cluster=\"a\"}' (default: [ingest.prometheus] match).",
+)
+@click.option(
+    "--step", default=None, help="The series' scrape interval, e.g. 30s (default: detected from the samples)."
+)
+@click.option("--ca-file", default=None, type=click.Path(dir_okay=False), help="PEM certificates to trust for https.")
+@json_option
+@click.pass_context
+def ingest_prometheus(
+    ctx: click.Context,
+    data: str | None,
+    url: str | None,
+    start: str,
+    end: str,
+    match: str | None,
+    step: str | None,
+    ca_file: str | None,
+    as_json: bool,
+) -> None:
+    """Import the dcgm-exporter history a Prometheus server holds (also Thanos, Mimir,
+    VictoriaMetrics) into the telemetry and xid_events datasets.
+
+    Samples keep their own timestamps; a range imported before is not imported again, and a
+    run stopped midway is finished by the next. Credentials come from the environment:
+    GPUFAIL_PROMETHEUS_TOKEN, or GPUFAIL_PROMETHEUS_USER and GPUFAIL_PROMETHEUS_PASSWORD."""
+    from gpufail.config import parse_duration
+    from ingest.prometheus_import import ImportOptions, import_prometheus
+    from ingest.user_metrics import record_metrics
+
+    settings = settings_of(ctx)
+    cfg = settings.ingest.prometheus
+    first, last = when(start, "'--start'"), when(end, "'--end'")
+    assert first is not None and last is not None
+    try:
+        every = parse_duration(step) if step is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--step'") from None
+    if every is not None and every.total_seconds() <= 0:
+        raise click.BadParameter(f"{step!r}: expected a scrape interval above zero such as 30s", param_hint="'--step'")
+    client = prometheus_client(settings, url, ca_file)
+    options = ImportOptions(
+        start=first,
+        end=last,
+        match=cfg.match if match is None else match,
+        labels=prometheus_labels(settings),
+        dedup_window=settings.ingest.xid_dedup_window,
+        concurrency=cfg.concurrency,
+        step=every,
+    )
+    with import_root(ctx, data, as_json) as store:
+        # Extra DCGM fields go to the user's metrics that name them: the root's and the configuration's.
+        record_metrics(store, settings.user_metrics())
+        summary = import_prometheus(store, client, options)
+    report(
+        as_json, f"prometheus: {summary.line()}", {"command": "ingest prometheus", "url": client.shown, **vars(summary)}
+    )
+
+
+def prometheus_client(settings: Settings, url: str | None, ca_file: str | None) -> PrometheusClient:
+    """A client of the server the command line or [ingest.prometheus] names."""
+    from ingest.prometheus_api import PrometheusClient
+
+    cfg = settings.ingest.prometheus
+    address = url or cfg.url
+    if not address:
+        raise GpufailError("--url: no Prometheus server given; expected --url or [ingest.prometheus] url")
+    return PrometheusClient(
+        address,
+        timeout_s=cfg.timeout.total_seconds(),
+        retries=cfg.retries,
+        ca_file=ca_file or cfg.ca_file or None,
+    )
+
+
+def prometheus_labels(settings: Settings) -> LabelMap:
+    from ingest.prometheus_rows import LabelMap
+
+    return LabelMap.of(settings.ingest.prometheus.labels, settings.ingest.cluster)
 
 
 @ingest.command("nvidia-smi")

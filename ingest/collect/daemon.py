@@ -1,7 +1,7 @@
 """`gpufail collect`: run the live collectors on an interval and flush what they return.
 
 The registry maps each source name to a factory, so the CLI and the config speak names
-("nvml", "kernel-log", "dcgm-exporter") and the NVML collector, with its vendor library, is
+("nvml", "kernel-log", "dcgm-exporter", "prometheus") and the NVML collector, with its vendor library, is
 imported only when asked for.
 
 One tick calls every collector once. A collector that raises is recorded as a failed run
@@ -88,6 +88,7 @@ class CollectOptions:
     dcgm_timeout_s: float = 5.0
     listen: str = ""
     """Address of /metrics, /healthz and /readyz, host:port; "" serves nothing."""
+    prometheus: PrometheusSource | None = None
 
 
 # -- the registry --------------------------------------------------------------------------
@@ -137,10 +138,41 @@ def _dcgm_exporter(store: Store, options: CollectOptions, clock: Clock) -> Colle
     )
 
 
+def _prometheus(store: Store, options: CollectOptions, clock: Clock) -> Collector:
+    from ingest.collect.prometheus_collector import PrometheusCollector
+    from ingest.prometheus_api import PrometheusClient
+    from ingest.prometheus_rows import LabelMap
+
+    if options.prometheus is None or not options.prometheus.url:
+        raise InputError("[ingest.prometheus] url is empty; expected the server's URL, e.g. http://prometheus:9090")
+    cfg = options.prometheus
+    client = PrometheusClient(cfg.url, timeout_s=cfg.timeout_s, retries=cfg.retries, ca_file=cfg.ca_file)
+    return PrometheusCollector(
+        client,
+        labels=LabelMap.of(dict(cfg.labels), options.cluster),
+        interval=options.interval,
+        match=cfg.match,
+        clock=clock,
+    )
+
+
+@dataclass(frozen=True)
+class PrometheusSource:
+    """Where `--source prometheus` reads (`[ingest.prometheus]`)."""
+
+    url: str
+    match: str = ""
+    labels: tuple[tuple[str, str], ...] = ()
+    timeout_s: float = 60.0
+    retries: int = 3
+    ca_file: str | None = None
+
+
 REGISTRY: dict[str, CollectorFactory] = {
     "nvml": _nvml,
     "kernel-log": _kernel_log,
     "dcgm-exporter": _dcgm_exporter,
+    "prometheus": _prometheus,
 }
 
 
