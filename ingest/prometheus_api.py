@@ -95,7 +95,7 @@ class PrometheusClient:
             raise InputError(
                 f"--url {shown_url(url)!r}: expected the server's http(s) URL, e.g. http://prometheus:9090"
             )
-        self.base = url.rstrip("/")
+        self.base = shown_url(url.rstrip("/"))
         self.shown = shown_url(self.base)
         self.timeout_s = timeout_s
         self.retries = retries

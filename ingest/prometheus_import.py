@@ -217,7 +217,10 @@ class _Run:
         day_start = first
         while day_start < last:
             day_end = min(last, (day_start // DAY_MS + 1) * DAY_MS)
-            count = max(1, len(self._list(day_start, day_end)))
+            listed = self._list(day_start, day_end)
+            if self.step_ms is None and listed:
+                self._probe_step(listed[0], day_start, day_end)
+            count = max(1, len(listed))
             cut = day_start
             while cut < day_end:
                 step = self.step_ms or UNKNOWN_STEP_MS
@@ -287,6 +290,12 @@ class _Run:
                 while cut < last:
                     yield selector, cut, min(last, cut + span)
                     cut = min(last, cut + span)
+
+    def _probe_step(self, labels: dict[str, str], first: int, last: int) -> None:
+        """The scrape interval from one series' samples, before the first window is planned."""
+        exact = "{" + ",".join(f"{k}={_quote(v)}" for k, v in sorted(labels.items())) + "}"
+        span = min(last, first + POINTS_PER_SERIES * UNKNOWN_STEP_MS * 9 // 10)
+        self._learn_step(self.client.samples(exact, first, span))
 
     def _learn_step(self, series: list[Series]) -> None:
         """The scrape interval: the shortest median spacing of the series' samples."""

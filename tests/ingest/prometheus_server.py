@@ -15,8 +15,9 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -90,7 +91,9 @@ class PrometheusServer:
 
 
 @contextmanager
-def prometheus(data_dir: Path, scrape_targets: Iterable[str] = (), scrape_interval: str = "1s") -> Iterator[PrometheusServer]:
+def prometheus(
+    data_dir: Path, scrape_targets: Iterable[str] = (), scrape_interval: str = "1s"
+) -> Iterator[PrometheusServer]:
     """`prometheus` on a free loopback port, serving `data_dir`, scraping `scrape_targets`
     (host:port of /metrics endpoints)."""
     binary = require("prometheus", "prometheus")
@@ -152,6 +155,10 @@ class Behaviour:
     """Answer 503 to every request after this many good ones."""
     delay_s: float = 0.0
     warning: str | None = None
+    token: str | None = None
+    """Answer 401 to a request without `Authorization: Bearer <token>`."""
+    fail_if: Callable[[dict[str, str]], bool] | None = None
+    """Answer 503 to a request whose parameters this says yes to."""
     requests: int = 0
     paths: list[str] = field(default_factory=list)
 
@@ -162,15 +169,21 @@ def proxy(upstream: str, behaviour: Behaviour) -> Iterator[str]:
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             with lock:
                 behaviour.requests += 1
                 n = behaviour.requests
                 behaviour.paths.append(self.path)
             if behaviour.delay_s:
                 time.sleep(behaviour.delay_s)
-            failing = n <= behaviour.fail_first or (
-                behaviour.fail_after is not None and n > behaviour.fail_first + behaviour.fail_after
+            if behaviour.token and self.headers.get("Authorization") != f"Bearer {behaviour.token}":
+                self._send(401, b"Unauthorized\n")
+                return
+            params = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+            failing = (
+                n <= behaviour.fail_first
+                or (behaviour.fail_after is not None and n > behaviour.fail_first + behaviour.fail_after)
+                or (behaviour.fail_if is not None and behaviour.fail_if(params))
             )
             if failing:
                 self._send(503, b'{"status":"error","errorType":"unavailable","error":"overloaded"}')
