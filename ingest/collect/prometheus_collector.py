@@ -44,11 +44,13 @@ class PrometheusCollector:
         interval: timedelta,
         match: str = "",
         clock: Clock | None = None,
+        lag: timedelta = LAG,
     ) -> None:
         self.client = client
         self.labels = labels
         self.interval = interval
         self.clock = clock or SystemClock()
+        self.lag = lag
         name, body = parse_selector(match)
         names = sorted(set(metric_by_name()) | XID_METRICS)
         if name is not None:
@@ -62,7 +64,7 @@ class PrometheusCollector:
         self._backlog = False
 
     def collect(self) -> Collected:
-        newest = int((self.clock.now() - LAG).timestamp() * 1000)
+        newest = int((self.clock.now() - self.lag).timestamp() * 1000)
         start = self._cursor_ms if self._cursor_ms is not None else newest - int(self.interval.total_seconds() * 1000)
         end = min(newest, start + int(MAX_CATCH_UP.total_seconds() * 1000))
         self._backlog = end < newest
