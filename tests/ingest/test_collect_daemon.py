@@ -292,7 +292,7 @@ def test_reading_resumes_when_the_store_takes_writes_again(tmp_path, monkeypatch
 
 
 def test_sources_are_checked_against_the_registry():
-    assert set(REGISTRY) == {"nvml", "kernel-log", "dcgm-exporter"}
+    assert set(REGISTRY) == {"nvml", "kernel-log", "dcgm-exporter", "prometheus"}
     assert parse_sources("kernel-log, dcgm-exporter,kernel-log") == ("kernel-log", "dcgm-exporter")
     with pytest.raises(InputError, match="sources smi: unknown; expected .*nvml, kernel-log, dcgm-exporter"):
         parse_sources("kernel-log,smi")
