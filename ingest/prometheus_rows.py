@@ -63,7 +63,7 @@ class SeriesCounts:
     """What the mapping read and what it left out, summed over the batches of a run."""
 
     samples: int = 0
-    """Samples of the mapped metrics read."""
+    """Samples read of the series that name their GPU (XID series included)."""
     blank_values: int = 0
     """Readings that were NaN, infinite or a DCGM blank sentinel: stored as missing."""
     out_of_range: Counter[str] = field(default_factory=Counter)
@@ -180,10 +180,10 @@ def map_series(series: list[Series], labels: LabelMap, counts: SeriesCounts) -> 
             counts.unlabelled[who] += 1
             continue
         key, attrs = who
+        counts.samples += len(one.values)
         if metric is None:
             xids.append((key, attrs, one))
             continue
-        counts.samples += len(one.values)
         values = readings(one.values, metric, counts)
         gpu = keys.setdefault(key, len(keys))
         attr = attributes.setdefault(attrs, len(attributes))

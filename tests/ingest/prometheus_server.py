@@ -44,8 +44,8 @@ def openmetrics(samples: Iterable[Sample]) -> str:
     lines = []
     for name, series in families.items():
         lines.append(f"# TYPE {name} gauge")
-        for labels, points in series.items():
-            body = ",".join(f'{k}="{v}"' for k, v in labels)
+        for label_pairs, points in series.items():
+            body = ",".join(f'{k}="{v}"' for k, v in label_pairs)
             for ts, value in sorted(points):
                 lines.append(f"{name}{{{body}}} {_number(value)} {ts:.3f}")
     lines.append("# EOF")
