@@ -203,20 +203,25 @@ def _table(
     sizes = [len(p[3].times_ms) for p in parts]
     gpu = np.repeat([p[0] for p in parts], sizes)
     attr = np.repeat([p[1] for p in parts], sizes)
-    column = np.repeat([p[2] for p in parts], sizes)
-    order_of_series = np.repeat(np.arange(len(parts)), sizes)
     times = np.concatenate([p[3].times_ms for p in parts])
-    values = np.concatenate([p[4] for p in parts])
-    order = np.lexsort((order_of_series, times, gpu))
-    gpu, attr, column, times, values = gpu[order], attr[order], column[order], times[order], values[order]
+    # One stable sort on (GPU, time): entries are in series order, so ties keep it.
+    first_time = int(times.min())
+    span = int(times.max()) - first_time + 1
+    if span < 2**40 and len(keys) < 2**22:
+        order = np.argsort(gpu.astype(np.int64) * span + (times - first_time), kind="stable")
+    else:
+        order = np.lexsort((times, gpu))
+    sorted_gpu, sorted_times = gpu[order], times[order]
     new_row = np.ones(len(order), dtype=bool)
-    new_row[1:] = (gpu[1:] != gpu[:-1]) | (times[1:] != times[:-1])
-    row = np.cumsum(new_row) - 1
-    n_rows = int(row[-1]) + 1
-    row_gpu, row_attr = gpu[new_row], attr[new_row]
+    new_row[1:] = (sorted_gpu[1:] != sorted_gpu[:-1]) | (sorted_times[1:] != sorted_times[:-1])
+    row_of_sorted = np.cumsum(new_row) - 1
+    n_rows = int(row_of_sorted[-1]) + 1
+    row = np.empty(len(order), dtype=np.int64)
+    row[order] = row_of_sorted  # each entry's row, in series order
+    row_gpu, row_attr = sorted_gpu[new_row], attr[order][new_row]
 
     identity = {
-        "ts": pa.array(times[new_row] * 1000, TIMESTAMP),
+        "ts": pa.array(sorted_times[new_row] * 1000, TIMESTAMP),
         "cluster": pa.array([k[0] for k in keys], pa.string()).take(row_gpu),
         "node": pa.array([k[1] for k in keys], pa.string()).take(row_gpu),
         "gpu_index": pa.array([k[2] for k in keys], pa.int16()).take(row_gpu),
@@ -225,24 +230,30 @@ def _table(
         "gpu_model": pa.array([a[1] for a in attributes], pa.string()).take(row_attr),
         "driver": pa.array([a[2] for a in attributes], pa.string()).take(row_attr),
     }
+    bounds = np.cumsum([0, *sizes])
+    by_column: dict[int, list[int]] = {}
+    for i, part in enumerate(parts):
+        by_column.setdefault(part[2], []).append(i)
     arrays: list[pa.Array] = []
     for index, f in enumerate(schema):
         if f.name in identity:
             arrays.append(identity[f.name])
-            continue
-        of_column = (column == index) & ~np.isnan(values)
-        rows, readings_of = row[of_column], values[of_column]
-        if len(rows) == 0:
+        elif index in by_column:
+            mine = by_column[index]
+            rows = np.concatenate([row[bounds[i] : bounds[i + 1]] for i in mine])
+            values = np.concatenate([parts[i][4] for i in mine])
+            present = ~np.isnan(values)
+            rows, values = rows[present], values[present]
+            # The first series with a reading of a row wins (np.unique's index is the first).
+            taken, first = np.unique(rows, return_index=True)
+            counts.duplicates += len(rows) - len(taken)
+            filled = np.zeros(n_rows, dtype=bool)
+            filled[taken] = True
+            dense = np.zeros(n_rows, dtype=np.float64)
+            dense[taken] = values[first]
+            arrays.append(pa.array(dense.astype(f.type.to_pandas_dtype()), type=f.type, mask=~filled))
+        else:
             arrays.append(pa.nulls(n_rows, f.type))
-            continue
-        first = np.ones(len(rows), dtype=bool)
-        first[1:] = rows[1:] != rows[:-1]
-        counts.duplicates += int(len(rows) - first.sum())
-        filled = np.zeros(n_rows, dtype=bool)
-        filled[rows[first]] = True
-        dense = np.zeros(n_rows, dtype=np.float64)
-        dense[rows[first]] = readings_of[first]
-        arrays.append(pa.array(dense.astype(f.type.to_pandas_dtype()), type=f.type, mask=~filled))
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -269,15 +280,16 @@ def xid_changes(
         times, values = times[order], values[order]
         unique = np.ones(len(times), dtype=bool)
         unique[1:] = times[1:] != times[:-1]  # replicas: one reading per time
-        previous = last.get(key)
-        for ts, value in zip(times[unique].tolist(), values[unique].tolist(), strict=True):
-            if not np.isfinite(value) or value >= INT64_BLANK_MIN or value in FP64_BLANKS:
-                continue
-            if value != 0 and value != previous:
-                rows.append((ts, key, attrs, int(value)))
-            previous = value
-        if previous is not None:
-            last[key] = previous
+        values = values[unique]
+        times = times[unique]
+        readable = np.isfinite(values) & (values < INT64_BLANK_MIN) & ~np.isin(values, list(FP64_BLANKS))
+        values, times = values[readable], times[readable]
+        if not len(values):
+            continue
+        before = np.concatenate([[last.get(key, np.nan)], values[:-1]])
+        changed = (values != before) & (values != 0)
+        rows += [(int(t), key, attrs, int(v)) for t, v in zip(times[changed], values[changed], strict=True)]
+        last[key] = float(values[-1])
     counts.xid_changes += len(rows)
     return xid_table(rows)
 
