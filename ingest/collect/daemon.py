@@ -153,6 +153,7 @@ def _prometheus(store: Store, options: CollectOptions, clock: Clock) -> Collecto
         interval=options.interval,
         match=cfg.match,
         clock=clock,
+        store=store,
     )
 
 

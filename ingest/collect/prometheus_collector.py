@@ -13,10 +13,11 @@ history is the importer's business.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ingest.collect.base import Clock, Collected, CollectorError, SystemClock
 from ingest.dcgm_scrape import metric_by_name
@@ -24,6 +25,7 @@ from ingest.errors import GpufailError
 from ingest.prometheus_api import PrometheusClient
 from ingest.prometheus_import import parse_selector
 from ingest.prometheus_rows import XID_METRICS, GpuKey, LabelMap, SeriesCounts, map_series, xid_changes
+from ingest.store import Store
 
 LAG = timedelta(seconds=10)
 MAX_CATCH_UP = timedelta(hours=1)
@@ -45,6 +47,7 @@ class PrometheusCollector:
         match: str = "",
         clock: Clock | None = None,
         lag: timedelta = LAG,
+        store: Store | None = None,
     ) -> None:
         self.client = client
         self.labels = labels
@@ -62,6 +65,8 @@ class PrometheusCollector:
         self._cursor_ms: int | None = None
         self._xid_last: dict[GpuKey, float] = {}
         self._backlog = False
+        self._store = store
+        self._resumed = False
 
     def collect(self) -> Collected:
         newest = int((self.clock.now() - self.lag).timestamp() * 1000)
@@ -75,6 +80,9 @@ class PrometheusCollector:
         except GpufailError as exc:
             raise CollectorError(f"prometheus collector: {exc}") from None
         mapped = map_series(series, self.labels, self.series_counts)
+        if self._resumed:
+            mapped.telemetry = self._not_yet_stored(mapped.telemetry, start, end)
+            self._resumed = False
         events = xid_changes(mapped.xids, self._xid_last, self.series_counts)
         self._cursor_ms = end
         out: dict[str, pa.Table] = {"telemetry": mapped.telemetry}
@@ -98,7 +106,30 @@ class PrometheusCollector:
             return
         cursor = state.get("cursor_ms")
         self._cursor_ms = int(cursor) if isinstance(cursor, int) else None
+        self._resumed = self._cursor_ms is not None
         self._xid_last = {(str(c), str(n), int(i), str(u)): float(v) for c, n, i, u, v in state.get("xid_last", [])}
+
+    def _not_yet_stored(self, telemetry: pa.Table, start: int, end: int) -> pa.Table:
+        """`telemetry` without the rows the store holds already. The daemon commits telemetry
+        before the collectors' states (`ingest.collect.daemon`): a kill between the two leaves
+        rows past the committed end, which the first read after the restart must not repeat."""
+        if self._store is None or telemetry.num_rows == 0 or not self._store.exists("telemetry"):
+            return telemetry
+        held = self._store.read(
+            "telemetry",
+            start=datetime.fromtimestamp(start / 1000, UTC),
+            end=datetime.fromtimestamp((end + 1) / 1000, UTC),
+            columns=["ts", "gpu_uuid"],
+        )
+        if held.num_rows == 0:
+            return telemetry
+        stored = _row_keys(held)
+        return telemetry.filter(pc.invert(pc.is_in(_row_keys(telemetry), value_set=stored)))
 
     def close(self) -> None:
         pass
+
+
+def _row_keys(table: pa.Table) -> pa.Array:
+    stamps = pc.cast(pc.cast(table["ts"], pa.int64()), pa.string())
+    return pc.binary_join_element_wise(table["gpu_uuid"], stamps, "@")

@@ -136,3 +136,23 @@ def test_collect_source_prometheus_writes_the_rows_to_the_store(tmp_path, server
     telemetry = Store.open(str(tmp_path / "root")).read("telemetry")
     assert telemetry.num_rows >= 1, done.stdout
     assert set(telemetry["node"].to_pylist()) == {"cp-bm14r7"} and set(telemetry["temp_gpu_c"].to_pylist()) == {74.0}
+
+
+def test_rows_committed_before_a_kill_are_not_read_again_after_the_restart(tmp_path, server):
+    # The daemon commits telemetry first and the collectors' states after it: killed between
+    # the two, it restarts from the older state with the newer rows already stored.
+    store = Store.create(str(tmp_path / "root"))
+    before = collector(server.url, store=store)
+    wait_for_rows(before)
+    old_state = before.state()
+    time.sleep(2.5)
+    stored = before.collect()["telemetry"]
+    assert stored.num_rows
+    store.write("telemetry", stored)
+    time.sleep(1.5)
+    after = collector(server.url, store=store)
+    after.restore(old_state)
+    again = after.collect()["telemetry"]
+    assert again.num_rows >= 1  # the scrapes since
+    assert not set(again["ts"].to_pylist()) & set(stored["ts"].to_pylist())
+    assert min(again["ts"].to_pylist()) > max(stored["ts"].to_pylist())
