@@ -374,3 +374,32 @@ def test_a_matrix_answer_is_read_whatever_its_labels_and_spacing():
     assert first.times_ms.tolist() == [1700000000500, 1700000060000]
     assert math.isnan(first.values[0]) and first.values[1] == math.inf
     assert second.labels == {} and second.values.tolist() == [-2500.0]
+
+
+def test_an_import_killed_after_its_first_commit_is_finished_exactly_by_the_rerun(tmp_path, server):
+    import signal
+    import subprocess
+    import time
+
+    from tests.cli import GPUFAIL, gpufail_env
+
+    clean, _ = imported(tmp_path, server.url, "clean")
+    root = tmp_path / "root"
+    state = root / "_state" / f"{STATE_NAME}.json"
+    with proxy(server.url, Behaviour(delay_s=0.3)) as url:
+        child = subprocess.Popen(
+            [*GPUFAIL, "ingest", "prometheus", "--data", str(root), "--url", url,
+             "--start", T0.isoformat(), "--end", END.isoformat()],
+            env=gpufail_env({"GPUFAIL_INGEST__CLUSTER": "c1"}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not state.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert state.exists() and child.returncode == -signal.SIGKILL  # killed midway, one day committed
+    store = Store.open(str(root))
+    assert 0 < store.read("telemetry").num_rows < clean.read("telemetry").num_rows
+    import_prometheus(store, PrometheusClient(server.url), options())
+    assert sorted_rows(store.read("telemetry")).equals(sorted_rows(clean.read("telemetry")))
+    assert store.read("xid_events").sort_by("ts").equals(clean.read("xid_events").sort_by("ts"))
