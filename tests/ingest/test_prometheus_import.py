@@ -38,6 +38,7 @@ def gpu_labels(node: str, gpu: int) -> dict[str, str]:
         "pci_bus_id": f"00000000:{gpu + 1:02X}:00.0",
         "modelName": "NVIDIA H100 80GB HBM3",
         "DCGM_FI_DRIVER_VERSION": "550.54.15",
+        "kubernetes_node": f"k8s-{node}",
     }
 
 
@@ -227,15 +228,22 @@ def test_a_rerun_writes_nothing_and_an_overlapping_range_only_what_is_new(tmp_pa
 
 
 def test_the_same_samples_from_scrape_texts_and_from_prometheus_give_identical_rows(tmp_path, server):
+    # A user metric from a DCGM profiling field the catalogue does not hold, both ways.
+    conf = tmp_path / "gpufail.toml"
+    conf.write_text(
+        '[metrics.gr_engine_active]\nkind = "gauge"\nunit = "ratio"\nmax = 1\n'
+        'dcgm_field = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"\n'
+    )
     for when, text in scrape_texts().items():
         scrape = tmp_path / f"scrape-{when:%H%M}.prom"
         scrape.write_text(text)
         done = gpufail(
-            "ingest", "dcgm-exporter", "--data", str(tmp_path / "scraped"), "--time", when.isoformat(), str(scrape)
-        )
+            "--config", str(conf), "ingest", "dcgm-exporter", "--data", str(tmp_path / "scraped"),
+            "--time", when.isoformat(), str(scrape),
+        )  # fmt: skip
         assert done.returncode == 0, done.stderr
     done = gpufail(
-        "ingest", "prometheus", "--data", str(tmp_path / "pulled"), "--url", server.url,
+        "--config", str(conf), "ingest", "prometheus", "--data", str(tmp_path / "pulled"), "--url", server.url,
         "--start", EQUAL_DAY.isoformat(), "--end", (EQUAL_DAY + timedelta(hours=1)).isoformat(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -244,6 +252,42 @@ def test_the_same_samples_from_scrape_texts_and_from_prometheus_give_identical_r
     assert scraped.num_rows == 5 * 2  # one T4 and one vGPU A100, five times
     assert pulled.equals(scraped)
     assert scraped["temp_mem_c"].null_count == scraped.num_rows  # the T4's 0 and the vGPU's absence
+    # The T4's 0.156205 at the first time; +1 at later ones is above the metric's max of 1.
+    assert scraped["gr_engine_active"].drop_null().to_pylist() == [0.156205]
+
+
+def test_a_label_map_names_the_labels_of_other_exporters(tmp_path, server):
+    store = Store.create(str(tmp_path / "root"))
+    labels = LabelMap.of({"node": "kubernetes_node", "cluster": "region"}, "c9")
+    options = ImportOptions(start=T0, end=T0 + timedelta(hours=1), labels=labels)
+    summary = import_prometheus(store, PrometheusClient(server.url), options)
+    telemetry = store.read("telemetry")
+    assert set(telemetry["node"].to_pylist()) == {"k8s-n1", "k8s-n2", "k8s-n3"}
+    assert set(telemetry["cluster"].to_pylist()) == {"c9"}  # no region label: the default
+    assert summary.rows == 6 * 60
+
+
+def test_the_label_map_takes_only_identity_columns(tmp_path):
+    conf = tmp_path / "bad.toml"
+    conf.write_text('[ingest.prometheus.labels]\nhost = "instance"\n')
+    done = gpufail(
+        "--config",
+        str(conf),
+        "ingest",
+        "prometheus",
+        "--data",
+        str(tmp_path / "r"),
+        "--start",
+        "2026-01-01",
+        "--end",
+        "2026-01-02",
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert (
+        "prometheus.labels" in done.stderr
+        and "expected keys among node, gpu_uuid" in done.stderr
+        and "host" in done.stderr
+    )
 
 
 # -- bad input ------------------------------------------------------------------------------
