@@ -165,7 +165,8 @@ def import_prometheus(
             summary.already_imported = True
             return summary
         discovery = _selector(name, body, '__name__=~"DCGM_FI_.+"')
-        if not client.series(discovery, todo[0][0], todo[-1][1] - 1):
+        listed = client.series(discovery, todo[0][0], todo[-1][1] - 1)
+        if not listed:
             if not client.series(discovery, 0, _ms(now or datetime.now(UTC))):
                 raise InputError(
                     f"--match {options.match or '(none)'}: no DCGM series on {client.shown} match {discovery}; "
@@ -173,7 +174,7 @@ def import_prometheus(
                 )
             summary.nothing_in_range = True
             return summary
-        run = _Run(client, options, name, body, summary)
+        run = _Run(client, options, name, body, summary, listed)
         for first, last in todo:
             run.xid_last = run.xid_baseline(first)
             for window in run.windows(first, last):
@@ -195,7 +196,13 @@ class _Run:
     """The queries of one import: windows, their series and samples."""
 
     def __init__(
-        self, client: PrometheusClient, options: ImportOptions, name: str | None, body: str, summary: ImportSummary
+        self,
+        client: PrometheusClient,
+        options: ImportOptions,
+        name: str | None,
+        body: str,
+        summary: ImportSummary,
+        listed: list[dict[str, str]],
     ) -> None:
         self.client = client
         self.options = options
@@ -204,12 +211,20 @@ class _Run:
         self.summary = summary
         self.counts = SeriesCounts()
         self.step_ms = _ms_of(options.step) if options.step else None
-        self.series_seen: set[tuple[tuple[str, str], ...]] = set()
-        self.ignored: dict[str, set[tuple[tuple[str, str], ...]]] = {}
+        self.ignored: dict[str, int] = {}
         self.xid_last: dict[GpuKey, float] = {}
-        self._listed: tuple[int, int, list[dict[str, str]]] = (0, 0, [])
+        self.listed = listed
+        """The series with samples in the run's range (a window's queries name the metrics and
+        nodes of these; a series without samples in a window answers nothing)."""
         mapped = set(metric_by_name()) | XID_METRICS
         self.mapped = mapped if name is None else mapped & {name}
+        self.by_name: dict[str, list[dict[str, str]]] = {}
+        for labels in listed:
+            metric = labels.get("__name__", "")
+            if metric in self.mapped:
+                self.by_name.setdefault(metric, []).append(labels)
+            else:
+                self.ignored[metric] = self.ignored.get(metric, 0) + 1
 
     def windows(self, first: int, last: int) -> Iterator[tuple[int, int]]:
         """[first, last) in windows of at most a UTC day and `WINDOW_SAMPLES` samples (the
@@ -217,10 +232,9 @@ class _Run:
         day_start = first
         while day_start < last:
             day_end = min(last, (day_start // DAY_MS + 1) * DAY_MS)
-            listed = self._list(day_start, day_end)
-            if self.step_ms is None and listed:
-                self._probe_step(listed[0], day_start, day_end)
-            count = max(1, len(listed))
+            if self.step_ms is None and self.listed:
+                self._probe_step(self.listed[0], day_start, day_end)
+            count = max(1, len(self.listed))
             cut = day_start
             while cut < day_end:
                 step = self.step_ms or UNKNOWN_STEP_MS
@@ -229,29 +243,8 @@ class _Run:
                 cut = end
             day_start = day_end
 
-    def _list(self, first: int, last: int) -> list[dict[str, str]]:
-        """The series listed for a day (kept until the next day's are listed)."""
-        self._listed = (
-            first,
-            last,
-            self.client.series(_selector(self.name, self.body, '__name__=~"DCGM_FI_.+"'), first, last - 1),
-        )
-        return self._listed[2]
-
     def window(self, first: int, last: int) -> tuple[pa.Table, pa.Table]:
-        a, b, listed = self._listed
-        if not (a <= first and last <= b):
-            listed = self._list(first, last)
-        by_name: dict[str, list[dict[str, str]]] = {}
-        for labels in listed:
-            metric = labels.get("__name__", "")
-            identity = tuple(sorted(labels.items()))
-            if metric not in self.mapped:
-                self.ignored.setdefault(metric, set()).add(identity)
-                continue
-            self.series_seen.add(identity)
-            by_name.setdefault(metric, []).append(labels)
-        tasks = list(self._queries(by_name, first, last))
+        tasks = list(self._queries(self.by_name, first, last))
         with ThreadPoolExecutor(max_workers=max(1, self.options.concurrency)) as pool:
             answers = list(pool.map(lambda t: self.client.samples(t[0], t[1], t[2]), tasks))
         series = [s for answer in answers for s in answer]
@@ -321,8 +314,8 @@ class _Run:
 
     def finish(self) -> None:
         summary, counts = self.summary, self.counts
-        summary.series = len(self.series_seen)
-        summary.ignored_series = {k: len(v) for k, v in sorted(self.ignored.items())}
+        summary.series = sum(len(v) for v in self.by_name.values())
+        summary.ignored_series = dict(sorted(self.ignored.items()))
         summary.samples = counts.samples
         summary.blank_values = counts.blank_values
         summary.out_of_range = dict(counts.out_of_range)
