@@ -368,7 +368,12 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_jso
 
 @click.command()
 @click.option("--out", "--data", "data", default=None, help="Data root to write to (default: [store] root).")
-@click.option("--source", "sources", default=None, help="Comma-separated collectors (default: [collect] sources).")
+@click.option(
+    "--source",
+    "sources",
+    default=None,
+    help="Comma-separated collectors: nvml, kernel-log, dcgm-exporter, prometheus (default: [collect] sources).",
+)
 @click.option("--interval", default=None, help="Time between collections, e.g. 30s (default: [collect] interval).")
 @click.option("--once", is_flag=True, help="Collect once, flush and exit.")
 @click.option("--max-runs", type=click.IntRange(min=1), default=None, help="Stop after this many collections.")
@@ -391,8 +396,8 @@ def collect(
     listen: str | None,
     as_json: bool,
 ) -> None:
-    """Run the live collectors (NVML, kernel log, dcgm-exporter) into the store until SIGTERM
-    or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
+    """Run the live collectors (NVML, kernel log, dcgm-exporter, Prometheus) into the store
+    until SIGTERM or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
     non-zero when the last flush failed or when every source failed, naming each and why."""
     from gpufail.config import parse_duration
     from ingest.collect.daemon import StopFlag, run_collect, stop_on_signals
