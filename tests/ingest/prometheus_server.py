@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -164,8 +165,9 @@ class Behaviour:
 
 
 @contextmanager
-def proxy(upstream: str, behaviour: Behaviour) -> Iterator[str]:
-    """An HTTP server in front of `upstream` that behaves as `behaviour` says; yields its URL."""
+def proxy(upstream: str, behaviour: Behaviour, tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+    """An HTTP server in front of `upstream` that behaves as `behaviour` says; yields its URL.
+    With `tls` (certificate, key), it answers HTTPS."""
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -214,10 +216,27 @@ def proxy(upstream: str, behaviour: Behaviour) -> Iterator[str]:
 
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
     server.daemon_threads = True
+    scheme = "http"
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made by `openssl`."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [require("openssl", "openssl"), "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key

@@ -17,7 +17,15 @@ from ingest.prometheus_import import STATE_NAME, ImportOptions, import_prometheu
 from ingest.prometheus_rows import LabelMap, xid_table
 from ingest.store import Store
 from tests.cli import gpufail
-from tests.ingest.prometheus_server import Behaviour, free_port, openmetrics, prometheus, proxy, write_blocks
+from tests.ingest.prometheus_server import (
+    Behaviour,
+    free_port,
+    openmetrics,
+    prometheus,
+    proxy,
+    self_signed,
+    write_blocks,
+)
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 DAY2 = T0 + timedelta(days=1)
@@ -447,3 +455,14 @@ def test_an_import_killed_after_its_first_commit_is_finished_exactly_by_the_reru
     import_prometheus(store, PrometheusClient(server.url), options())
     assert sorted_rows(store.read("telemetry")).equals(sorted_rows(clean.read("telemetry")))
     assert store.read("xid_events").sort_by("ts").equals(clean.read("xid_events").sort_by("ts"))
+
+
+def test_https_with_the_servers_ca_file(tmp_path, server):
+    cert, key = self_signed(tmp_path)
+    with proxy(server.url, Behaviour(), tls=(cert, key)) as url:
+        untrusted = run_import(tmp_path / "a", url, end=DAY2)
+        trusted = run_import(tmp_path / "b", url, "--ca-file", str(cert), "--json", end=DAY2)
+    assert untrusted.returncode == 2 and untrusted.stderr.count("\n") == 1
+    assert "TLS failed" in untrusted.stderr and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
+    assert trusted.returncode == 0, trusted.stderr
+    assert json.loads(trusted.stdout)["rows"] == 6 * 1440 - 2 * len(GAP)
