@@ -30,24 +30,19 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from ingest.dcgm_scrape import metric_by_name
 from ingest.errors import InputError, StoreError
-from ingest.prometheus_api import POINTS_PER_SERIES, PrometheusClient, Series
-from ingest.prometheus_rows import (
-    SOURCE,
-    XID_METRICS,
-    GpuKey,
-    LabelMap,
-    SeriesCounts,
-    map_series,
-    xid_changes,
-)
+from ingest.prometheus_labels import GpuKey, LabelMap
 from ingest.store import Store
+
+if TYPE_CHECKING:
+    from ingest.prometheus_api import PrometheusClient, Series
+
+# The modules that read answers and map readings (numpy, the scrape parser) are imported where
+# there is something to import: a rerun of an imported range loads none of them.
 
 STATE_NAME = "prometheus_import"
 STATE_VERSION = 1
@@ -175,6 +170,7 @@ def import_prometheus(
             summary.nothing_in_range = True
             return summary
         run = _Run(client, options, name, body, summary, listed)
+
         for first, last in todo:
             run.xid_last = run.xid_baseline(first)
             for window in run.windows(first, last):
@@ -209,6 +205,9 @@ class _Run:
         self.name = name
         self.body = body
         self.summary = summary
+        from ingest.dcgm_scrape import metric_by_name
+        from ingest.prometheus_rows import XID_METRICS, SeriesCounts
+
         self.counts = SeriesCounts()
         self.step_ms = _ms_of(options.step) if options.step else None
         self.ignored: dict[str, int] = {}
@@ -217,6 +216,7 @@ class _Run:
         """The series with samples in the run's range (a window's queries name the metrics and
         nodes of these; a series without samples in a window answers nothing)."""
         mapped = set(metric_by_name()) | XID_METRICS
+        self.xid_metrics = XID_METRICS
         self.mapped = mapped if name is None else mapped & {name}
         self.by_name: dict[str, list[dict[str, str]]] = {}
         for labels in listed:
@@ -244,6 +244,8 @@ class _Run:
             day_start = day_end
 
     def window(self, first: int, last: int) -> tuple[pa.Table, pa.Table]:
+        from ingest.prometheus_rows import map_series, xid_changes
+
         tasks = list(self._queries(self.by_name, first, last))
         with ThreadPoolExecutor(max_workers=max(1, self.options.concurrency)) as pool:
             answers = list(pool.map(lambda t: self.client.samples(t[0], t[1], t[2]), tasks))
@@ -258,6 +260,8 @@ class _Run:
     ) -> Iterator[tuple[str, int, int]]:
         """(selector, start, end) of each query of a window: per metric, series in batches of
         nodes, time in spans of at most `POINTS_PER_SERIES` samples a series."""
+        from ingest.prometheus_api import POINTS_PER_SERIES
+
         step = self.step_ms or UNKNOWN_STEP_MS
         span = max(step, int(POINTS_PER_SERIES * 0.9) * step)
         node_label = self.options.labels.labels["node"]
@@ -287,6 +291,8 @@ class _Run:
     def _probe_step(self, labels: dict[str, str], first: int, last: int) -> None:
         """The scrape interval from one series' samples, before the first window is planned."""
         exact = "{" + ",".join(f"{k}={_quote(v)}" for k, v in sorted(labels.items())) + "}"
+        from ingest.prometheus_api import POINTS_PER_SERIES
+
         span = min(last, first + POINTS_PER_SERIES * UNKNOWN_STEP_MS * 9 // 10)
         self._learn_step(self.client.samples(exact, first, span))
 
@@ -300,7 +306,7 @@ class _Run:
 
     def xid_baseline(self, first: int) -> dict[GpuKey, float]:
         """Each GPU's XID value just before `first` (module notes of `ingest.prometheus_rows`)."""
-        names = sorted(XID_METRICS & self.mapped)
+        names = sorted(self.xid_metrics & self.mapped)
         if not names:
             return {}
         xid_series = _selector(None, self.body, f'__name__=~"{"|".join(names)}"')
@@ -331,6 +337,10 @@ class _Run:
 def merge_with_kernel_log(store: Store, events: pa.Table, window: timedelta) -> pa.Table:
     """`events` without those a kernel-log XID of the root already holds: same node, bus id and
     code within `window`."""
+    import pyarrow.compute as pc
+
+    from ingest.prometheus_rows import SOURCE
+
     if events.num_rows == 0 or not store.exists("xid_events"):
         return events
     ts = events["ts"]

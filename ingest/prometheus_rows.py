@@ -37,25 +37,14 @@ from ingest.dcgm_scrape import (
     metric_by_name,
 )
 from ingest.prometheus_api import Series
-from ingest.schema import TIMESTAMP, Metric, normalise_pci_bus_id, telemetry_schema, xid_events_schema
+from ingest.prometheus_labels import Attributes, GpuKey, LabelMap
+from ingest.schema import TIMESTAMP, Metric, telemetry_schema, xid_events_schema
 
 XID_FIELD_ID = 230
 XID_METRICS = frozenset(name for name, field_id in dcgm_field_ids().items() if field_id == XID_FIELD_ID)
 """`DCGM_FI_DEV_XID_ERRORS` and DCGM's newer name for it."""
 SOURCE = "prometheus"
 """The `source` of the XID events read from Prometheus."""
-
-DEFAULT_LABELS: dict[str, str] = {
-    "node": "Hostname",
-    "gpu_uuid": "UUID",
-    "gpu_index": "gpu",
-    "pci_bus_id": "pci_bus_id",
-    "gpu_model": "modelName",
-    "driver": "DCGM_FI_DRIVER_VERSION",
-}
-"""gpufail's identity column -> the dcgm-exporter label that holds it; `[ingest.prometheus]
-labels` replaces any of them (and may name a `cluster` label)."""
-IDENTITY_FIELDS = (*DEFAULT_LABELS, "cluster")
 
 
 @dataclass
@@ -81,50 +70,6 @@ class SeriesCounts:
         self.duplicates += other.duplicates
         self.unlabelled += other.unlabelled
         self.xid_changes += other.xid_changes
-
-
-GpuKey = tuple[str, str, int, str]
-"""cluster, node, GPU index, UUID."""
-Attributes = tuple[str | None, str | None, str | None]
-"""pci_bus_id, gpu_model, driver."""
-
-
-@dataclass(frozen=True)
-class LabelMap:
-    """Which label holds each identity column (`DEFAULT_LABELS`, with the user's changes)."""
-
-    labels: dict[str, str]
-    cluster: str
-    """The cluster of series without a cluster label (or when none is mapped)."""
-
-    @classmethod
-    def of(cls, overrides: dict[str, str] | None, cluster: str) -> LabelMap:
-        return cls({**DEFAULT_LABELS, **(overrides or {})}, cluster)
-
-    def identity(self, labels: dict[str, str]) -> tuple[GpuKey, Attributes] | str:
-        """The GPU a series belongs to, or why it names none."""
-        names = self.labels
-        node, uuid, raw_index = labels.get(names["node"]), labels.get(names["gpu_uuid"]), labels.get(names["gpu_index"])
-        if not node:
-            return f"no {names['node']} label"
-        if not uuid:
-            return f"no {names['gpu_uuid']} label"
-        if raw_index is None or raw_index == "":
-            return f"no {names['gpu_index']} label"
-        try:
-            index = int(raw_index)
-        except ValueError:
-            index = -1
-        if not 0 <= index < 2**15:
-            return f"{names['gpu_index']} label not a GPU index"
-        raw_bus = labels.get(names["pci_bus_id"])
-        try:
-            bus = normalise_pci_bus_id(raw_bus) if raw_bus else None
-        except ValueError:
-            return f"{names['pci_bus_id']} label not a PCI bus id"
-        cluster = labels.get(names["cluster"]) or self.cluster if "cluster" in names else self.cluster
-        key = (cluster, node, index, uuid)
-        return key, (bus, labels.get(names["gpu_model"]) or None, labels.get(names["driver"]) or None)
 
 
 def readings(values: np.ndarray, metric: Metric, counts: SeriesCounts) -> np.ndarray:

@@ -23,7 +23,7 @@ from ingest.errors import GpufailError
 if TYPE_CHECKING:
     from gpufail.config import Settings
     from ingest.prometheus_api import PrometheusClient
-    from ingest.prometheus_rows import LabelMap
+    from ingest.prometheus_labels import LabelMap
 
 
 @click.command()
@@ -297,7 +297,7 @@ def prometheus_client(settings: Settings, url: str | None, ca_file: str | None) 
 
 
 def prometheus_labels(settings: Settings) -> LabelMap:
-    from ingest.prometheus_rows import LabelMap
+    from ingest.prometheus_labels import LabelMap
 
     return LabelMap.of(settings.ingest.prometheus.labels, settings.ingest.cluster)
 

@@ -141,7 +141,7 @@ def _dcgm_exporter(store: Store, options: CollectOptions, clock: Clock) -> Colle
 def _prometheus(store: Store, options: CollectOptions, clock: Clock) -> Collector:
     from ingest.collect.prometheus_collector import PrometheusCollector
     from ingest.prometheus_api import PrometheusClient
-    from ingest.prometheus_rows import LabelMap
+    from ingest.prometheus_labels import LabelMap
 
     if options.prometheus is None or not options.prometheus.url:
         raise InputError("[ingest.prometheus] url is empty; expected the server's URL, e.g. http://prometheus:9090")

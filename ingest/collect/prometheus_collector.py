@@ -24,7 +24,8 @@ from ingest.dcgm_scrape import metric_by_name
 from ingest.errors import GpufailError
 from ingest.prometheus_api import PrometheusClient
 from ingest.prometheus_import import parse_selector
-from ingest.prometheus_rows import XID_METRICS, GpuKey, LabelMap, SeriesCounts, map_series, xid_changes
+from ingest.prometheus_labels import GpuKey, LabelMap
+from ingest.prometheus_rows import XID_METRICS, SeriesCounts, map_series, xid_changes
 from ingest.store import Store
 
 LAG = timedelta(seconds=10)

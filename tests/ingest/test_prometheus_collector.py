@@ -17,7 +17,7 @@ from ingest.collect.base import CollectorError
 from ingest.collect.prometheus_collector import PrometheusCollector
 from ingest.dcgm_scrape import parse_scrape
 from ingest.prometheus_api import PrometheusClient
-from ingest.prometheus_rows import LabelMap
+from ingest.prometheus_labels import LabelMap
 from ingest.store import Store
 from tests.cli import gpufail
 from tests.ingest.prometheus_server import free_port, prometheus

@@ -14,7 +14,8 @@ import pytest
 
 from ingest.prometheus_api import PrometheusClient, PrometheusUnavailable, parse_matrix
 from ingest.prometheus_import import STATE_NAME, ImportOptions, import_prometheus
-from ingest.prometheus_rows import LabelMap, xid_table
+from ingest.prometheus_labels import LabelMap
+from ingest.prometheus_rows import xid_table
 from ingest.store import Store
 from tests.cli import gpufail
 from tests.ingest.prometheus_server import (
