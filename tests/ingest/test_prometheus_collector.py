@@ -22,6 +22,9 @@ from ingest.store import Store
 from tests.cli import gpufail
 from tests.ingest.prometheus_server import free_port, prometheus
 
+# A real server and its history take seconds to start (module fixtures, one per worker).
+pytestmark = pytest.mark.slow
+
 SCRAPE = Path(__file__).parents[1] / "fixtures" / "dcgm_exporter" / "ericsson_T4_590.48.01.prom"
 
 

@@ -28,6 +28,9 @@ from tests.ingest.prometheus_server import (
     write_blocks,
 )
 
+# A real server and its history take seconds to start (module fixtures, one per worker).
+pytestmark = pytest.mark.slow
+
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 DAY2 = T0 + timedelta(days=1)
 END = T0 + timedelta(days=2)
