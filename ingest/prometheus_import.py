@@ -170,7 +170,6 @@ def import_prometheus(
             summary.nothing_in_range = True
             return summary
         run = _Run(client, options, name, body, summary, listed)
-
         for first, last in todo:
             run.xid_last = run.xid_baseline(first)
             for window in run.windows(first, last):
@@ -200,14 +199,14 @@ class _Run:
         summary: ImportSummary,
         listed: list[dict[str, str]],
     ) -> None:
+        from ingest.dcgm_scrape import metric_by_name
+        from ingest.prometheus_rows import XID_METRICS, SeriesCounts
+
         self.client = client
         self.options = options
         self.name = name
         self.body = body
         self.summary = summary
-        from ingest.dcgm_scrape import metric_by_name
-        from ingest.prometheus_rows import XID_METRICS, SeriesCounts
-
         self.counts = SeriesCounts()
         self.step_ms = _ms_of(options.step) if options.step else None
         self.ignored: dict[str, int] = {}
