@@ -30,8 +30,9 @@ INT64_BLANK_MIN = 9.2e18
 # DCGM_FP64_BLANK (2**47) and its three neighbours: the same sentinels for float fields.
 FP64_BLANKS = frozenset(float(2**47 + i) for i in range(4))
 
-# DCGM_FI_DEV_XID_ERRORS holds only the last XID and never clears (and a healthy GPU has no
-# series for it), so it cannot count XIDs: those come from kernel logs (ingest.kernel_log_parser).
+# DCGM_FI_DEV_XID_ERRORS holds only the last XID and never clears, so one scrape cannot say
+# whether an XID happened: XIDs come from kernel logs (ingest.kernel_log_parser), and from the
+# changes of this series over time where Prometheus kept them (ingest.prometheus_rows).
 IGNORED_METRICS = frozenset({"DCGM_FI_DEV_XID_ERRORS"})
 
 # Where DCGM's unit differs from our column's: violation times are ns in DCGM, us in our schema.
