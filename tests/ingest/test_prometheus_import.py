@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -470,3 +471,19 @@ def test_https_with_the_servers_ca_file(tmp_path, server):
     assert "TLS failed" in untrusted.stderr and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
     assert trusted.returncode == 0, trusted.stderr
     assert json.loads(trusted.stdout)["rows"] == 6 * 1440 - 2 * len(GAP)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--start", "2026-03-02", "--end", "2026-03-01"), "expected a range that starts before it ends"),
+        (("--start", "2026-03-01", "--end", "2026-03-02", "--step", "soon"), "'--step'.*expected a duration"),
+        (("--start", "yesterday", "--end", "2026-03-02"), "'--start'.*expected an ISO date"),
+        (("--start", "2026-03-01", "--end", "2026-03-02", "--match", "{"), "--match '{': expected a series selector"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_create_nothing(tmp_path, args, message):
+    done = gpufail("ingest", "prometheus", "--data", str(tmp_path / "root"), "--url", "http://127.0.0.1:9", *args)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert re.search(message, done.stderr), done.stderr
+    assert not (tmp_path / "root").exists()
