@@ -1,8 +1,8 @@
 """The tests that run real components a newcomer's machine may lack (Slurm, Chromium and its
-driver, promtool and the prometheus server, systemd-analyze, kubectl): without one they are skipped with a reason that
-names it, and `make test` ends with one line counting them and naming the command that
-installs them all, the step CI runs (`.ci/run --tools`). In CI (`CI=true`) the fixtures fail
-instead, so a missing install step cannot pass as green."""
+driver, promtool and the prometheus server, systemd-analyze, kubectl): without one they are
+skipped with a reason that names it, and `make test` ends with one line counting them and naming
+the command that installs them all, the step CI runs (`.ci/run --tools`). In CI (`CI=true`) the
+fixtures fail instead, so a missing install step cannot pass as green."""
 
 from __future__ import annotations
 
