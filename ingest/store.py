@@ -41,12 +41,12 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, date, datetime, timedelta
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ingest.errors import StoreError
@@ -54,6 +54,7 @@ from ingest.schema import SCHEMA_VERSION, TIMESTAMP, optional_columns, schema_fo
 
 if TYPE_CHECKING:
     import polars as pl  # imported where used: a collector may be installed without it
+    import pyarrow.dataset as ds
 
     from ingest.journal import Journal  # which imports this module
 
@@ -64,9 +65,24 @@ ROW_GROUP_SIZE = 1_000_000
 # A part file's name ends in the CRC-32 of its bytes (`Store._verify`).
 _CHECKSUMMED = re.compile(r"-crc32-([0-9a-f]{8})\.parquet$")
 # Written files carry page checksums; reads through pyarrow check them.
-_VERIFIED_PARQUET = ds.ParquetFileFormat(
-    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-)
+
+
+def _datasets() -> Any:
+    """`pyarrow.dataset`, imported on first use: importing it loads pandas, a second of a
+    command that reads one small file (`gpufail at-risk`)."""
+    import pyarrow.dataset
+
+    return pyarrow.dataset
+
+
+@cache
+def _verified_parquet() -> Any:
+    ds = _datasets()
+    return ds.ParquetFileFormat(
+        default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+    )
+
+
 _HASH_CHUNK = 4 << 20
 # (path, size, mtime) of the local files this process has verified: a file is hashed once per
 # process, whichever Store object (or Dask task's copy of one) reads it. Part files are never
@@ -265,7 +281,7 @@ class Store:
         files = self.files(dataset, first_day, last_day, verify=True)
         if not files:
             return None
-        found = ds.dataset(files, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        found = _datasets().dataset(files, format=_verified_parquet(), filesystem=self.fs)
         if len(files) == 1:
             return self._scan(found, found.to_table)
         # A dataset's schema is taken from its first file unless told otherwise, and an owned
@@ -382,7 +398,7 @@ class Store:
         expected = schema_for(dataset)
         files = self.files(dataset, first_day, last_day, verify=True)
         self._check_schemas(dataset, files, expected)
-        return ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        return _datasets().dataset(files, schema=expected, format=_verified_parquet(), filesystem=self.fs)
 
     def files(
         self, dataset: str, first_day: date | None = None, last_day: date | None = None, *, verify: bool = False
@@ -422,7 +438,7 @@ class Store:
     def verify(self, path: str) -> None:
         """Refuse a part file whose bytes are not those written: the CRC-32 in its name
         (`write_part`) is compared with the file's, on a local store, once per process.
-        Remote files are checked page by page as pyarrow reads them (`_VERIFIED_PARQUET`)
+        Remote files are checked page by page as pyarrow reads them (`_verified_parquet()`)
         rather than downloaded twice; object stores keep checksums of their own."""
         match = _CHECKSUMMED.search(path)
         if match is None or not self.is_local:
@@ -535,7 +551,7 @@ class Store:
 
     def _check_schemas(self, dataset: str, files: list[str], expected: pa.Schema) -> None:
         """Refuse a file of `dataset` whose columns are not the dataset's schema, by path."""
-        found = ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
+        found = _datasets().dataset(files, schema=expected, format=_verified_parquet(), filesystem=self.fs)
         optional = optional_columns(dataset)
         for fragment in found.get_fragments():
             _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}", optional)
@@ -543,8 +559,8 @@ class Store:
     def _pyarrow_dataset(self, dataset: str, files: list[str], expected: pa.Schema | None) -> ds.Dataset:
         if expected is not None:
             self._check_schemas(dataset, files, expected)
-            return ds.dataset(files, schema=expected, format=_VERIFIED_PARQUET, filesystem=self.fs)
-        found = ds.dataset(files, format=_VERIFIED_PARQUET, filesystem=self.fs)
+            return _datasets().dataset(files, schema=expected, format=_verified_parquet(), filesystem=self.fs)
+        found = _datasets().dataset(files, format=_verified_parquet(), filesystem=self.fs)
         # The first file's columns, as polars reads a local store.
         return found.replace_schema(_physical_schema(next(iter(found.get_fragments()))))
 
@@ -729,9 +745,9 @@ def conform(table: pa.Table, dataset: str) -> pa.Table:
 def _time_filter(start: datetime | None, end: datetime | None) -> pc.Expression | None:
     expr = None
     if start is not None:
-        expr = ds.field("ts") >= pa.scalar(_utc(start), TIMESTAMP)
+        expr = pc.field("ts") >= pa.scalar(_utc(start), TIMESTAMP)
     if end is not None:
-        term = ds.field("ts") < pa.scalar(_utc(end), TIMESTAMP)
+        term = pc.field("ts") < pa.scalar(_utc(end), TIMESTAMP)
         expr = term if expr is None else expr & term
     return expr
 

@@ -29,17 +29,19 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError, StoreError
 from ingest.store import Store, unreadable_message
-from serving.score import PREDICTION_SCHEMA, TOP_FEATURES_FIELD, prediction_table
+from serving.prediction_schema import OPTIONAL_FIELDS, PREDICTION_SCHEMA
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DATASET = "predictions"
 SNAPSHOT_METADATA = b"gpufail.snapshot"
@@ -71,8 +73,8 @@ class SnapshotKey:
 class Snapshot:
     key: SnapshotKey
     frame: pd.DataFrame
-    """The checked predictions: `PREDICTION_SCHEMA`'s columns (and `top_features` when the file
-    has them), in the file's row order."""
+    """The checked predictions: `PREDICTION_SCHEMA`'s columns (and the optional columns the file
+    has: `serving.prediction_schema`), in the file's row order."""
 
     @property
     def path(self) -> str:
@@ -83,6 +85,8 @@ def write_snapshot(store: Store, predictions: pd.DataFrame, *, now: datetime | N
     """Write `predictions` (`serving.score.score_latest`'s output: one grid time, one model
     version) as the snapshot of its key, replacing an earlier one. Returns the file written and
     how many earlier files of the same key it replaced."""
+    from serving.score import prediction_table
+
     table = prediction_table(predictions)
     check_predictions(table, "predictions to write")
     ts = _utc(predictions["ts"].iloc[0])
@@ -104,6 +108,13 @@ def write_snapshot(store: Store, predictions: pd.DataFrame, *, now: datetime | N
 def newest_snapshot(store: Store) -> Snapshot | None:
     """The newest snapshot (see the module docstring), checked; None when there is none.
     Reads only the newest date that has a file."""
+    found = newest_snapshot_table(store)
+    return None if found is None else Snapshot(found[0], found[1].to_pandas())
+
+
+def newest_snapshot_table(store: Store) -> tuple[SnapshotKey, pa.Table] | None:
+    """`newest_snapshot` as an Arrow table (checked, in the prediction schema), for readers
+    that need no pandas (`gpufail at-risk`)."""
     for day in reversed(store.dates(DATASET)):
         keys = _keys_of_day(store, day, skip_unreadable=False)
         if keys:
@@ -114,13 +125,18 @@ def newest_snapshot(store: Store) -> Snapshot | None:
                 # As before snapshots: a GPU that stopped reporting kept its last, older row in a
                 # scoring; only the rows of the grid time are the fleet at that time.
                 table = table.filter(pc.equal(pc.max(table["ts"]), table["ts"]))
-            return Snapshot(key, check_predictions(table, key.path))
+            return key, checked_predictions(table, key.path)
     return None
 
 
 def check_predictions(table: pa.Table, where: str) -> pd.DataFrame:
     """The predictions of `table` as a pandas frame in the prediction schema, or `InputError`
     naming `where` and every problem found (see the module docstring)."""
+    return checked_predictions(table, where).to_pandas()
+
+
+def checked_predictions(table: pa.Table, where: str) -> pa.Table:
+    """`check_predictions` as an Arrow table."""
     table = _conform(table, where)
     problems = []
     if table.num_rows == 0:
@@ -156,13 +172,12 @@ def check_predictions(table: pa.Table, where: str) -> pd.DataFrame:
         problems.append(f"{duplicated} GPU{'s' if duplicated > 1 else ''} listed more than once")
     if problems:
         raise InputError(f"{where}: not usable predictions: {'; '.join(problems)}")
-    return table.to_pandas()
+    return table
 
 
 def _conform(table: pa.Table, where: str) -> pa.Table:
     expected = list(PREDICTION_SCHEMA)
-    if TOP_FEATURES_FIELD.name in table.column_names:
-        expected.append(TOP_FEATURES_FIELD)
+    expected.extend(f for f in OPTIONAL_FIELDS if f.name in table.column_names)
     missing = [f.name for f in expected if f.name not in table.column_names]
     if missing:
         raise InputError(
@@ -236,6 +251,13 @@ def _read_table(store: Store, path: str) -> pa.Table:
 
 
 def _utc(value: Any) -> datetime:
-    moment = pd.Timestamp(value)
-    moment = moment.tz_localize(UTC) if moment.tzinfo is None else moment.tz_convert(UTC)
-    return moment.to_pydatetime()
+    """A time (ISO text, datetime, pandas or numpy time) as an aware UTC datetime."""
+    if isinstance(value, str):
+        moment = datetime.fromisoformat(value)
+    elif isinstance(value, datetime):
+        moment = value.to_pydatetime() if hasattr(value, "to_pydatetime") else value
+    else:
+        import pandas as pd
+
+        moment = pd.Timestamp(value).to_pydatetime()
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

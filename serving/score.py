@@ -9,13 +9,17 @@ share power, cooling and a baseboard, so read it as a ranking of nodes more than
 
 With `top_features=k`, the predictions also carry `TOP_FEATURES_FIELD`: each GPU's k features
 of largest absolute contribution to its score (`models.explain`), largest first, so that the
-audit log records why a node was acted on. The column is optional: predictions written before
-it, or without explanations, lack it, and readers take it as absent (see
-`serving.publishing.top_features_by_gpu`).
+audit log records why a node was acted on, and `TOP_FEATURE_VALUES_FIELD`: their values in the
+scored row, so that `gpufail at-risk` shows them without building features. The columns are
+optional: predictions written before them, or without explanations, lack them, and readers take
+them as absent (see `serving.publishing.top_features_by_gpu`). The schema lives in
+`serving.prediction_schema`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import numpy as np
@@ -26,24 +30,23 @@ from ingest.errors import InputError
 from models.explain import contributions, top_contributions
 from models.frame import feature_matrix, require_columns, to_pandas
 from models.train import TrainedModel
-
-PREDICTION_SCHEMA = pa.schema(
-    [
-        ("ts", pa.timestamp("us", tz="UTC")),
-        ("cluster", pa.string()),
-        ("node", pa.string()),
-        ("gpu_index", pa.int32()),
-        ("gpu_uuid", pa.string()),
-        ("risk", pa.float64()),
-        ("rank", pa.int64()),
-        ("node_risk", pa.float64()),
-        ("model_kind", pa.string()),
-        ("model_version", pa.string()),
-    ]
+from serving.prediction_schema import (
+    PREDICTION_COLUMNS,
+    PREDICTION_SCHEMA,
+    TOP_FEATURE_VALUES_FIELD,
+    TOP_FEATURES_FIELD,
+    prediction_schema,
 )
-PREDICTION_COLUMNS = tuple(PREDICTION_SCHEMA.names)
-TOP_FEATURES_FIELD = pa.field("top_features", pa.list_(pa.string()))
-"""Optional column of the predictions, after `PREDICTION_COLUMNS` (see the module docstring)."""
+
+__all__ = [
+    "PREDICTION_COLUMNS",
+    "PREDICTION_SCHEMA",
+    "TOP_FEATURES_FIELD",
+    "TOP_FEATURE_VALUES_FIELD",
+    "node_risk",
+    "prediction_table",
+    "score_latest",
+]
 
 
 def latest_rows(frame: Any) -> pd.DataFrame:
@@ -80,9 +83,9 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     if top_features < 0:
         raise InputError(f"top_features: expected 0 (none) or a positive number of features, got {top_features}")
     latest = latest_rows(frame)
+    optional = [TOP_FEATURES_FIELD.name, TOP_FEATURE_VALUES_FIELD.name] if top_features else []
     if len(latest) == 0:
-        schema = PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD) if top_features else PREDICTION_SCHEMA
-        return schema.empty_table().to_pandas()
+        return prediction_schema(optional).empty_table().to_pandas()
     uncalibrated = model.predict_uncalibrated_risk(latest)
     risk = model.calibrate(uncalibrated)
     if not np.all(np.isfinite(risk)):
@@ -99,7 +102,7 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
         }
     )
     if top_features:
-        out["top_features"] = _top_feature_names(model, latest, top_features)
+        out["top_features"], out["top_feature_values"] = _top_features(model, latest, top_features)
     # GPUs a calibration puts at the same risk (a flat stretch of an isotonic map) keep the
     # model's own order.
     out = out.sort_values(["risk", "_uncalibrated", "gpu_uuid"], ascending=[False, False, True], ignore_index=True)
@@ -107,19 +110,35 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     out["node_risk"] = node_risk(out["risk"], out["cluster"], out["node"])
     out["model_kind"] = model.kind
     out["model_version"] = model.version
-    return out[list(PREDICTION_COLUMNS) + (["top_features"] if top_features else [])]
+    return out[list(PREDICTION_COLUMNS) + optional]
 
 
-def _top_feature_names(model: TrainedModel, rows: pd.DataFrame, top: int) -> list[list[str]]:
-    picked, _ = top_contributions(contributions(model.estimator, feature_matrix(rows, model.feature_columns)), top)
-    names = np.asarray(model.feature_columns, dtype=object)
-    return [list(r) for r in names[picked]]
+def _top_features(model: TrainedModel, rows: pd.DataFrame, top: int) -> tuple[list[list[str]], list[list[str]]]:
+    """Per row: the names of its `top` features, and their values in the row as JSON text
+    (`TOP_FEATURE_VALUES_FIELD`)."""
+    matrix = feature_matrix(rows, model.feature_columns)
+    picked, _ = top_contributions(contributions(model.estimator, matrix), top)
+    names = np.asarray(model.feature_columns, dtype=object)[picked]
+    columns = {f: rows[f].tolist() for f in set(names.ravel())}
+    return (
+        [list(r) for r in names],
+        [[_json_text(columns[f][i]) for f in r] for i, r in enumerate(names)],
+    )
+
+
+def _json_text(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if value is None or pd.isna(value):
+        return "null"
+    number = float(value)
+    return json.dumps(number) if math.isfinite(number) else "null"
 
 
 def prediction_table(predictions: pd.DataFrame) -> pa.Table:
     """`score_latest`'s output as an Arrow table of the predictions schema (with the optional
-    `top_features` column when present), for `Store.write_owned`."""
-    schema = PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD) if "top_features" in predictions else PREDICTION_SCHEMA
+    columns it has), for `Store.write_owned`."""
+    schema = prediction_schema(list(predictions.columns))
     require_columns(predictions, schema.names, "predictions")
     return pa.Table.from_pandas(predictions[schema.names], schema=schema, preserve_index=False)
 

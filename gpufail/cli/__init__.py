@@ -21,6 +21,7 @@ from ingest.urls import redact_urls
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gpufail", prog_name="gpufail", message="%(prog)s %(version)s")
 @click.option(
     "--config",
     "config_path",
@@ -60,21 +61,51 @@ data.ingest.add_command(failures.ingest_kubernetes)
 
 def main(args: Sequence[str] | None = None) -> None:
     """Run `gpufail ARGS` (default: this process's command line). An error exits with one line on
-    stderr: status 2 for bad input (`GpufailError`, click's usage errors), 130 when aborted."""
+    stderr: status 2 for bad input (`GpufailError`, click's usage errors) and for a module of an
+    extra this install lacks (`gpufail.extras`), 130 when aborted."""
+    from gpufail.logs import reset_log_format
+
+    reset_log_format()
+    argv = sys.argv[1:] if args is None else list(args)
     try:
-        cli.main(args=None if args is None else list(args), prog_name="gpufail", standalone_mode=False)
+        cli.main(args=argv, prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
         # A message may quote a URL the settings gave (a webhook's key, a tracking server's
         # password): masked here whatever raised it.
-        click.echo(f"gpufail: error: {redact_urls(str(exc))}", err=True)
-        sys.exit(2)
+        _fail(redact_urls(str(exc)), 2)
     except click.exceptions.Abort:
-        click.echo("gpufail: aborted", err=True)
-        sys.exit(130)
+        _fail("aborted", 130, prefix="gpufail: ")
     except click.ClickException as exc:
         # One line like every other error (click's own shows usage lines first), naming the
         # command whose option or argument was wrong.
         ctx = getattr(exc, "ctx", None)
         where = f"{ctx.command_path}: " if ctx is not None and ctx.parent is not None else ""
-        click.echo(f"gpufail: error: {where}{' '.join(exc.format_message().split())}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(f"{where}{' '.join(exc.format_message().split())}", exc.exit_code)
+    except ModuleNotFoundError as exc:
+        from gpufail.extras import missing_extra_line
+
+        line = missing_extra_line(exc.name, _command_name(argv))
+        if line is None:
+            raise
+        _fail(line, 2)
+
+
+def _fail(message: str, status: int, prefix: str = "gpufail: error: ") -> None:
+    from gpufail.logs import json_logs, log_error
+
+    if json_logs():
+        log_error(message)
+    else:
+        click.echo(f"{prefix}{message}", err=True)
+    sys.exit(status)
+
+
+def _command_name(argv: Sequence[str]) -> str | None:
+    """The command `argv` runs (its first word that names one), for the missing-extra line."""
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            next(words, None)
+        elif word in cli.commands:
+            return word
+    return None

@@ -18,6 +18,7 @@ from gpufail.cli.options import (
     settings_of,
     when,
 )
+from gpufail.logs import log_format_option
 from ingest.errors import GpufailError
 
 if TYPE_CHECKING:
@@ -384,6 +385,7 @@ def ingest_table(ctx: click.Context, data: str | None, mapping_file: str, as_jso
     help='Serve /metrics, /healthz, /readyz on host:port; "" for none (default: [collect] listen).',
 )
 @json_option
+@log_format_option
 @click.pass_context
 def collect(
     ctx: click.Context,
@@ -395,15 +397,18 @@ def collect(
     node: str | None,
     listen: str | None,
     as_json: bool,
+    log_format: str,
 ) -> None:
     """Run the live collectors (NVML, kernel log, dcgm-exporter, Prometheus) into the store
     until SIGTERM or SIGINT, flushing on a size/time policy; prints a line per flush and a summary. Exits
     non-zero when the last flush failed or when every source failed, naming each and why."""
     from gpufail.config import parse_duration
+    from gpufail.logs import json_logs, line_writer, log_result, use_log_format
     from ingest.collect.daemon import StopFlag, run_collect, stop_on_signals
     from ingest.store import Store
     from ingest.user_metrics import record_metrics
 
+    use_log_format(log_format)
     try:
         every = parse_duration(interval) if interval is not None else None
     except ValueError as exc:
@@ -413,19 +418,21 @@ def collect(
     # The collectors store the user's metrics they can read (extra dcgm-exporter fields).
     record_metrics(store, settings_of(ctx).user_metrics())
     with stop_on_signals(StopFlag()) as stop:
-        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=progress_echo(as_json))
+        lines = line_writer() if json_logs() else progress_echo(as_json)
+        summary = run_collect(store, options, once=once, max_runs=max_runs, stop=stop, report=lines)
     failed = summary.every_source_failed()
-    report(
-        as_json,
-        f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}",
-        {
-            "command": "collect",
-            "node": options.node,
-            **vars(summary),
-            "failed_sources": [{"source": n, "error": e} for n, e in failed],
-        },
-    )
+    text = f"collect: stopped ({summary.stop_reason}) on {options.node}: {summary.line()}"
+    facts = {
+        "command": "collect",
+        "node": options.node,
+        **vars(summary),
+        "failed_sources": [{"source": n, "error": e} for n, e in failed],
+    }
+    if json_logs():
+        log_result(text, facts)
+    else:
+        report(as_json, text, facts)
     if failed:
         for name, error in failed:
-            click.echo(f"collect: {name} failed: {error}", err=True)
+            line_writer(err=True)(f"collect: {name} failed: {error}")
         raise GpufailError(f"collect: every source failed ({', '.join(n for n, _ in failed)}); nothing was collected")

@@ -9,25 +9,34 @@ from pathlib import Path
 import click
 
 from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
+from gpufail.logs import log_format_option
 
 
 @click.command()
 @data_option
 @click.option("--dry-run/--no-dry-run", default=None, help="Publish as a dry run (default: [publish] dry_run, true).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@log_format_option
 @click.pass_context
-def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: bool) -> None:
+def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: bool, log_format: str) -> None:
     """Retrain, gate, score and publish for the newest day of data; resumes after a failure,
     does nothing when the day is already done. Exits non-zero if a step fails (the champion
     keeps serving)."""
+    from gpufail.logs import json_logs, line_writer, log_result, use_log_format
+
+    use_log_format(log_format)
     from gpufail.nightly import policy_publisher, run_nightly
 
     settings = settings_of(ctx)
     root = data_root(ctx, data)
-    options = settings.nightly_options(root, progress=not quiet)
+    # Progress bars redraw one line: no place in a log of one JSON object per line.
+    options = settings.nightly_options(root, progress=not (quiet or json_logs()))
     publish = policy_publisher(settings.publish_options(dry_run=dry_run))
-    summary = run_nightly(root, options, publish=publish, report=click.echo)
-    click.echo(summary.line())
+    summary = run_nightly(root, options, publish=publish, report=line_writer())
+    if json_logs():
+        log_result(summary.line(), {"command": "nightly", **vars(summary)})
+    else:
+        click.echo(summary.line())
 
 
 @click.command("mlflow")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpufail.cli.options import data_option, data_root, json_option, report, settings_of, when
+from gpufail.logs import log_format_option
 from ingest.errors import GpufailError
 
 if TYPE_CHECKING:
@@ -267,11 +268,21 @@ def publish_line(f: dict[str, Any]) -> str:
     help="A model folder written by `gpufail train` (default: [serve] model, else the registry's champion).",
 )
 @click.option("--access-log/--no-access-log", default=True, help="Log one line per request (never the token).")
+@log_format_option
 @click.pass_context
 def serve(
-    ctx: click.Context, data: str | None, host: str | None, port: int | None, model_path: str | None, access_log: bool
+    ctx: click.Context,
+    data: str | None,
+    host: str | None,
+    port: int | None,
+    model_path: str | None,
+    access_log: bool,
+    log_format: str,
 ) -> None:
     """Serve predictions over HTTP (FastAPI under uvicorn, one worker) until interrupted."""
+    from gpufail.logs import line_writer, use_log_format, uvicorn_log_config
+
+    use_log_format(log_format)
     import uvicorn
 
     from serving.http_timeouts import read_timeout_protocol
@@ -281,9 +292,19 @@ def serve(
     root = data_root(ctx, data)
     app, source = _serve_app(settings, root, model_path)
     host, port = host or cfg.host, port or cfg.port
-    click.echo(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
+    line_writer()(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
     protocol = read_timeout_protocol(cfg.header_timeout.total_seconds(), cfg.body_timeout.total_seconds())
-    uvicorn.run(app, host=host, port=port, workers=1, access_log=access_log, log_level="info", http=protocol)
+    logging_config = uvicorn_log_config(log_format)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        workers=1,
+        access_log=access_log,
+        log_level="info",
+        http=protocol,
+        **({"log_config": logging_config} if logging_config is not None else {}),
+    )
 
 
 def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[Any, str]:
@@ -333,7 +354,7 @@ def _serve_app(settings: Settings, root: str, model_path: str | None) -> tuple[A
 def at_risk(ctx: click.Context, data: str | None, url: str | None, limit: int, as_json: bool) -> None:
     """The riskiest GPUs: node, GPU, risk, tier and the features that drive it, from the newest
     predictions snapshot of the data root (`gpufail score`), or from a server with --url."""
-    from serving.web.views import EXPLAINED
+    from serving.display import EXPLAINED
 
     settings = settings_of(ctx)
     if url is not None:
@@ -388,7 +409,7 @@ def _server_at_risk(settings: Settings, url: str, limit: int, top_features: int)
 
 def at_risk_table(answer: dict[str, Any], source: str) -> str:
     """The terminal table of `gpufail at-risk`, from the API's at-risk object."""
-    from serving.web.views import fmt_value
+    from serving.display import fmt_value
 
     gpus = answer["gpus"]
     head = (

@@ -19,8 +19,9 @@ from urllib.parse import quote, urlencode
 from markupsafe import Markup
 
 from serving.api_state import Fleet
+from serving.display import EXPLAINED, fmt_risk, fmt_value
 from serving.policy import TIERS
-from serving.web.views import EXPLAINED, feature_meaning, fmt_risk, fmt_value
+from serving.web.views import feature_meaning
 
 
 @cache

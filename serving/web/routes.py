@@ -32,6 +32,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from features.spec import FeatureSpec
 from ingest.errors import InputError
+from serving import display
 from serving.api_state import ServingState, Snapshot
 from serving.policy import TIERS
 from serving.web import history, html, reads, views
@@ -82,8 +83,8 @@ def _templates() -> Any:
         finalize=views.visible_controls,
     )
     env.filters.update(
-        risk=views.fmt_risk,
-        value=views.fmt_value,
+        risk=display.fmt_risk,
+        value=display.fmt_value,
         time=views.fmt_time,
         path=lambda s: quote(str(s), safe=""),
         query=lambda d: urlencode(d),

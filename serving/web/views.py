@@ -4,7 +4,6 @@ renders HTML except the charts (`serving.web.svg`)."""
 
 from __future__ import annotations
 
-import math
 import re
 import weakref
 from collections import Counter
@@ -21,6 +20,7 @@ from ingest.errors import InputError
 from ingest.urls import redact_urls
 from ingest.xid_catalog import xid_catalogue
 from serving.api_state import Fleet, ServedModel
+from serving.display import EXPLAINED, fmt_value
 from serving.policy import ACTING_TIERS, TIERS, PolicyConfig, tier_rank
 from serving.web import svg
 from serving.web.history import DailyCounts
@@ -37,8 +37,6 @@ TIER_COLORS = {
     "drain_after_job": "#d93025",
     "drain_now": "#8b0000",
 }
-EXPLAINED = 3
-"""Top features shown per GPU in the tables."""
 DRIVERS = 4
 """Features charted on a node page."""
 
@@ -57,26 +55,6 @@ def visible_controls(value: Any) -> Any:
     if isinstance(value, str) and not hasattr(value, "__html__"):
         return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", value)
     return value
-
-
-def fmt_value(value: Any) -> str:
-    """A feature value as an operator reads it: 3 significant digits, integers whole."""
-    if value is None:
-        return "—"
-    if isinstance(value, str):
-        return value
-    v = float(value)
-    if not math.isfinite(v):
-        return "—"
-    if v == int(v) and abs(v) < 1e9:
-        return f"{int(v):,}"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.3g}"
-
-
-def fmt_risk(risk: float) -> str:
-    return f"{risk:.3f}" if risk >= 0.001 or risk == 0 else f"{risk:.1e}"
 
 
 def fmt_time(moment: Any) -> str:

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -11,6 +13,7 @@ from serving.publishing import top_features_by_gpu
 from serving.score import (
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
+    TOP_FEATURE_VALUES_FIELD,
     TOP_FEATURES_FIELD,
     node_risks,
     prediction_table,
@@ -140,22 +143,27 @@ def test_top_features_name_each_gpus_largest_contributions_and_fit_the_table():
     frame = demo_frame()
     model = train_model(frame, TrainOptions(kind="lightgbm", train_window="3d", horizon="12h", params=ONE_THREAD))
     predictions = score_latest(model, frame, top_features=3)
-    assert list(predictions.columns) == [*PREDICTION_COLUMNS, "top_features"]
+    assert list(predictions.columns) == [*PREDICTION_COLUMNS, "top_features", "top_feature_values"]
     assert all(len(names) == 3 and set(names) <= set(model.feature_columns) for names in predictions["top_features"])
-    # The same names, in the same order, as explain gives for the GPU's latest row.
+    # The same names, in the same order, as explain gives for the GPU's latest row, and their
+    # values in that row.
     gpu = predictions.iloc[0]
     row = frame[(frame["gpu_uuid"] == gpu["gpu_uuid"]) & (frame["ts"] == gpu["ts"])]
     assert list(gpu["top_features"]) == explain(model, row, top=3)["feature"].tolist()
+    expected = [row[f].iloc[0] for f in gpu["top_features"]]
+    recorded = [json.loads(v) for v in gpu["top_feature_values"]]
+    assert recorded == [None if pd.isna(v) else v if isinstance(v, str) else float(v) for v in expected]
     table = prediction_table(predictions)
-    assert table.schema == PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD)
+    assert table.schema == PREDICTION_SCHEMA.append(TOP_FEATURES_FIELD).append(TOP_FEATURE_VALUES_FIELD)
     assert table.column("top_features").to_pylist() == [list(n) for n in predictions["top_features"]]
+    assert table.column("top_feature_values").to_pylist() == [list(v) for v in predictions["top_feature_values"]]
 
 
 def test_without_top_features_the_table_has_the_required_columns_only():
     table = prediction_table(score_latest(fake_model(), hand_frame()))
     assert table.schema == PREDICTION_SCHEMA
     empty = score_latest(fake_model(), hand_frame().iloc[0:0], top_features=5)
-    assert list(empty.columns) == [*PREDICTION_COLUMNS, "top_features"]
+    assert list(empty.columns) == [*PREDICTION_COLUMNS, "top_features", "top_feature_values"]
 
 
 def test_top_features_need_an_explainable_model_and_a_count():
