@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ def snapshot_at_risk(store: Store, tiers: PolicyConfig, *, top: int, top_feature
     key, table = found
     order = pc.sort_indices(table, sort_keys=[("rank", "ascending"), ("gpu_uuid", "ascending")])
     chosen = table.take(order[:top])
-    rows = chosen.to_pylist()
+    rows = _rows(chosen)
     risk = np.asarray([r["risk"] for r in rows], dtype=np.float64)
     node_risk = np.asarray([r["node_risk"] for r in rows], dtype=np.float64)
     names = _top_feature_names(chosen, top_features)
@@ -56,7 +56,7 @@ def snapshot_at_risk(store: Store, tiers: PolicyConfig, *, top: int, top_feature
             "cluster": str(row["cluster"]),
             "node": str(row["node"]),
             "gpu_index": int(row["gpu_index"]),
-            "ts": row["ts"].isoformat(),
+            "ts": row["ts"],
             "risk": float(row["risk"]),
             "rank": i + 1,
             "fleet_rank": int(row["rank"]),
@@ -79,6 +79,18 @@ def snapshot_at_risk(store: Store, tiers: PolicyConfig, *, top: int, top_feature
         "gpus": gpus,
         "source": key.path,
     }
+
+
+def _rows(chosen: pa.Table) -> list[dict[str, Any]]:
+    """The rows of `chosen` as dicts, times as ISO text. Converted column by column, times
+    through their integer microseconds: pyarrow's conversion of a time imports pandas."""
+    columns = {n: chosen[n].to_pylist() for n in chosen.column_names if n != "ts"}
+    micros = pc.cast(chosen["ts"], pa.int64()).to_pylist()
+    columns["ts"] = [
+        (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)).isoformat() if us is not None else None
+        for us in micros
+    ]
+    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
 
 
 def _top_feature_names(chosen: pa.Table, top_features: int) -> list[list[str]]:

@@ -325,6 +325,54 @@ def test_at_risk_from_the_data_root_lists_the_riskiest_with_their_feature_values
     assert len(table) == 6 and first["node"] in table[2] and first["top_features"][0]["feature"] in table[2]
 
 
+def test_at_risk_shows_the_values_the_model_saw_where_the_store_has_no_features_table(scored, tmp_path):
+    # A store whose features are computed on demand from aggregates has no features dataset:
+    # the values come from the snapshot, as scored.
+    from features.dataset import read_features
+    from serving.predictions import newest_snapshot
+
+    data = shutil.copytree(scored / "data", tmp_path / "data")
+    features = read_features(Store.open(str(data)))
+    shutil.rmtree(data / "features")
+    facts = one_object(gpufail("at-risk", "--data", str(data), "--limit", "5", "--json"))
+    snapshot = newest_snapshot(Store.open(str(data)))
+    assert snapshot is not None
+    for gpu in facts["gpus"]:
+        row = features.filter((pl.col("gpu_uuid") == gpu["gpu_uuid"]) & (pl.col("ts") == snapshot.key.ts))
+        assert len(gpu["top_features"]) == 3
+        for entry in gpu["top_features"]:
+            stored = row[entry["feature"]][0]
+            assert entry["value"] == (pytest.approx(stored) if isinstance(stored, float) else stored)
+    table = gpufail("at-risk", "--data", str(data), "--limit", "5")
+    assert "—" not in table
+
+
+def test_at_risk_from_the_data_root_loads_neither_pandas_nor_the_models_nor_the_web_app(scored):
+    # What made it take seconds: it imported the web app (and with it scikit-learn, pandas) to
+    # read one small file.
+    import subprocess
+    import sys
+
+    from tests.cli import gpufail_env
+
+    code = (
+        "import sys\nfrom gpufail.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    assert not exc.code, exc.code\n"
+        "heavy = ('pandas', 'polars', 'sklearn', 'lightgbm', 'fastapi', 'models', 'serving.web', 'serving.score')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "at-risk", "--data", str(scored / "data"), "--limit", "3"],
+        env=gpufail_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "[]"
+    assert done.stdout.startswith("at-risk: the 3 riskiest of")
+
+
 def test_at_risk_without_predictions_says_what_to_run(base, tmp_path):
     result = CliRunner().invoke(cli, ["at-risk", "--data", str(base / "data")])
     assert result.exit_code != 0

@@ -129,8 +129,10 @@ def start_server(
     extra_config: str = "",
     env: dict[str, str] | None = None,
     timeout: float = 240.0,
+    serve_args: tuple[str, ...] = (),
 ) -> Server:
-    """`gpufail serve` in its own process; returns once /healthz answers."""
+    """`gpufail serve` in its own process (with `serve_args` after its own); returns once
+    /healthz answers."""
     port = free_port()
     settings = {"reload_poll": "0.2s", "features_max_age": "0s", **(serve or {})}
     lines = ["[serve]"] + [f"{k} = {_toml(v)}" for k, v in settings.items()]
@@ -140,6 +142,7 @@ def start_server(
     args = [sys.executable, "-c", _CHILD, "--config", str(config), "serve", "--data", str(data), "--port", str(port)]
     if model is not None:
         args += ["--model", str(model)]
+    args += serve_args
     child_env = gpufail_env(
         {
             "MLFLOW_DISABLE_TELEMETRY": "true",

@@ -13,9 +13,9 @@ from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
 from ingest.store import Store
+from serving.display import fmt_risk
 from serving.policy import TIERS, PolicyState
 from serving.publish import read_audit
-from serving.display import fmt_risk
 from tests.serving.api_server import N_GPUS, READ_TOKEN
 from tests.serving.web.browser import screenshot
 from tests.serving.web.web_fleet import DRAINED_NODE, FAILED
