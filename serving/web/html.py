@@ -20,8 +20,8 @@ from markupsafe import Markup
 
 from serving.api_state import Fleet
 from serving.display import EXPLAINED, fmt_risk, fmt_value
-from serving.policy import TIERS
-from serving.web.views import feature_meaning
+from serving.policy import TIERS, PolicyConfig
+from serving.web.views import TIER_COLORS, feature_meaning
 
 
 @cache
@@ -29,17 +29,37 @@ def tier_badge(tier: str) -> Markup:
     return Markup(f'<span class="tier t-{escape(tier)}">{escape(tier.replace("_", " "))}</span>')
 
 
-RISK_BAR_DECADES = 4
-"""The risk bar is logarithmic from 10^-4 (empty) to 1 (full): a fleet's risks span orders of
-magnitude, and a linear bar shows nothing below a few percent."""
+RISK_BAR_WIDTH = 48
 
 
 def risk_bar(risk: float) -> Markup:
-    position = (math.log10(risk) + RISK_BAR_DECADES) / RISK_BAR_DECADES if risk > 0 else 0.0
-    width = min(max(position, 0.0), 1.0) * 48
+    """The risk as a bar, linear from 0 (empty) to 1 (full): its length is the chance of failing,
+    so a 0.007 risk is a sliver, never half a bar (`risk_legend` says so above the table)."""
+    width = min(max(risk, 0.0), 1.0) * RISK_BAR_WIDTH if math.isfinite(risk) else 0.0
     return Markup(
-        f'<svg class="bar" width="48" height="8" aria-hidden="true"><rect class="track" width="48" height="8"/>'
-        f'<rect width="{width:.1f}" height="8"/></svg>'
+        f'<svg class="bar" width="{RISK_BAR_WIDTH}" height="8" aria-hidden="true">'
+        f'<rect class="track" width="{RISK_BAR_WIDTH}" height="8"/><rect width="{width:.1f}" height="8"/></svg>'
+    )
+
+
+def risk_legend(tiers: PolicyConfig) -> Markup:
+    """The risk bar's scale, drawn as the bar is (linear, 0 to 1) at three times its width, with
+    each tier's enter threshold marked in its colour."""
+    scale = 3 * RISK_BAR_WIDTH
+    marks = "".join(
+        f'<line x1="{t.enter * scale:.1f}" x2="{t.enter * scale:.1f}" y1="0" y2="12" stroke="{TIER_COLORS[t.name]}" '
+        f'stroke-width="2"><title>{escape(t.name.replace("_", " "))} from {t.enter:g}</title></line>'
+        for t in tiers.tiers
+        if 0.0 <= t.enter <= 1.0
+    )
+    named = ", ".join(
+        f'<span class="tier t-{escape(t.name)}">{escape(t.name.replace("_", " "))}</span> from {t.enter:g}'
+        for t in tiers.tiers
+    )
+    return Markup(
+        f'<span class="risk-legend" id="risk-legend">risk bar: 0 <svg class="bar legend-bar" width="{scale}" '
+        f'height="12" aria-hidden="true"><rect class="track" y="2" width="{scale}" height="8"/>{marks}</svg> 1, '
+        f"linear (its length is the chance of failing within the horizon); tiers: {named}</span>"
     )
 
 

@@ -133,16 +133,39 @@ class PublishState:
     policy: PolicyState | None
     error: str = ""
     """Why the file could not be read ('' when it could)."""
+    dry_run_only: bool = False
+    """Only dry runs have published to this target: they commit their audit through the
+    state's journal but never a policy state (`serving.publishing.publish_latest`)."""
 
 
 def publish_states(store: Any) -> list[PublishState]:
     """Every publish policy state file under `_state/`, by name; a file that does not read is
-    listed with the reason."""
+    listed with the reason (naming the file within the data root)."""
+    from ingest.journal import state_without_commit
+
     out = []
     paths = store.fs.glob(store.path("_state", PUBLISH_STATE_GLOB))
     for name, path in sorted((p.rsplit("/", 1)[-1].removesuffix(".json"), p) for p in paths):
+        where = f"_state/{name}.json"
         try:
-            out.append(PublishState(name, PolicyState.from_json(json.loads(store.fs.cat_file(path)), path)))
+            raw = json.loads(store.fs.cat_file(path))
+            state = state_without_commit(raw) if isinstance(raw, dict) else raw
+            if state is None:
+                out.append(PublishState(name, None, dry_run_only=True))
+            else:
+                out.append(PublishState(name, PolicyState.from_json(state, where)))
         except Exception as exc:  # one unreadable file must not hide the others
-            out.append(PublishState(name, None, f"{type(exc).__name__}: {exc}"))
+            out.append(PublishState(name, None, f"{where}: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def last_dry_runs(store: Any, start: datetime, end: datetime) -> dict[str, pl.DataFrame]:
+    """Target -> the audit rows of its newest dry run in [start, end) (every row written at
+    that run's time)."""
+    rows = audit(store, start, end, columns=["time", "cluster", "node", "tier", "action", "target", "mode"])
+    rows = rows.filter(pl.col("mode") == "dry-run")
+    out = {}
+    for target in sorted(set(rows["target"].to_list())):
+        mine = rows.filter(pl.col("target") == target)
+        out[target] = mine.filter(pl.col("time") == mine["time"].max())
     return out

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from importlib import resources
@@ -54,6 +54,8 @@ XID_ROWS = 200
 NODE_AUDIT_DAYS = 30
 AUDIT_DAYS = 7
 AUDIT_ROWS = 1000
+DRY_RUN_DAYS = 30
+"""How far back the actions page looks for the newest dry run of a target only dry runs published to."""
 HEADERS = {
     "Cache-Control": "no-store",
     "Content-Security-Policy": (
@@ -97,6 +99,7 @@ def _templates() -> Any:
         node_link=html.node_link,
         tiers=TIERS,
         tier_colors=views.TIER_COLORS,
+        page_sizes=views.PAGE_SIZES,
         static_version={n: hashlib.sha256(_static(n)).hexdigest()[:10] for n in STATIC},
     )
     return env
@@ -137,9 +140,17 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
         session = request.cookies.get(COOKIE, "")
         return bool(session) and session_ok(session, (options.read_token, options.admin_token), time.time())
 
+    def shown(text: str) -> str:
+        return views.without_paths(text, options.data_root)
+
     def page(template: str, status: int = 200, **context: Any) -> HTMLResponse:
         snap: Snapshot = context.pop("snap", None) or state.snapshot
         ready, reasons = state.readiness()
+        # What went wrong is said without the server's paths (`views.without_paths`).
+        reasons = [shown(r) for r in reasons]
+        for key, value in context.items():
+            if isinstance(value, str) and (key.endswith("_error") or key == "message"):
+                context[key] = shown(value)
         now = datetime.now(UTC)
         features_ts = None if snap.features is None else snap.features.ts
         body = (
@@ -151,7 +162,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
                 model_version=None if snap.served is None else snap.served.version,
                 features_ts=views.fmt_time(features_ts) if features_ts is not None else None,
                 features_age=views.fmt_age((now - features_ts).total_seconds()) if features_ts is not None else None,
-                model_error=state.model_error,
+                model_error=shown(state.model_error) if state.model_error else state.model_error,
                 signed_in=options.read_requires_token,
                 **context,
             )
@@ -236,6 +247,8 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
                 n_rows=len(positions),
                 matched=matched,
                 complete=matched == len(positions),
+                pager=views.pager(query, len(positions), matched),
+                risk_legend=html.risk_legend(options.tiers),
             )
 
             found, context["history_error"] = guarded("alarms and failures", lambda: alarm_counts(snap))
@@ -378,9 +391,18 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
         except Exception as exc:
             return page("actions.html", title="Actions", snap=snap, query=query, store_error=str(exc))
         end = data_end(s, reads.AUDIT_DATASET, end)
-        states, states_error = guarded(
-            "publish state", lambda: views.breaker_views(reads.publish_states(s), options.tiers, fleet_nodes, end)
-        )
+
+        def breakers() -> list[views.BreakerView]:
+            found = reads.publish_states(s)
+            dry_runs = (
+                reads.last_dry_runs(s, end - timedelta(days=DRY_RUN_DAYS), end)
+                if any(p.dry_run_only for p in found)
+                else {}
+            )
+            listed = views.breaker_views(found, options.tiers, fleet_nodes, end, dry_runs)
+            return [replace(b, error=shown(b.error)) if b.error else b for b in listed]
+
+        states, states_error = guarded("publish state", breakers)
         start = end - timedelta(days=query.days)
         counted, audit_error = guarded(
             "publish audit", lambda: views.action_counts(reads.audit(s, start, end, columns=["action"]))
@@ -407,6 +429,7 @@ def operator_pages(state: ServingState, read_token_ok: Callable[[str], bool]) ->
             cap=AUDIT_ROWS,
             end=views.fmt_time(end),
             breaker_window=views.fmt_duration(options.tiers.breaker_window),
+            dry_run_days=DRY_RUN_DAYS,
         )
 
     # -- signing in, assets

@@ -105,7 +105,7 @@ def line_chart(
     ys = [y[~np.isnan(y)] for _, _, y in reduced]
     ys = [y for y in ys if len(y)]
     if not ts or not ys:
-        return _empty(width, height, title or "no data in this window")
+        return _empty(width, height, title, "no data in this window")
     t0, t1 = t_range if t_range is not None else (min(float(t[0]) for t in ts), max(float(t[-1]) for t in ts))
     if t1 <= t0:
         t0, t1 = t0 - 1800, t0 + 1800
@@ -190,7 +190,7 @@ def bar_chart(
 ) -> str:
     """Per day, one bar per group side by side; `groups` are (label, counts per day, colour)."""
     if not days:
-        return _empty(width, height, title or "no days")
+        return _empty(width, height, title, "no days")
     top = max([1, *(max(counts, default=0) for _, counts, _ in groups)])
     pw, ph = width - MARGIN_LEFT - MARGIN_RIGHT, height - MARGIN_TOP - MARGIN_BOTTOM
     slot = pw / len(days)
@@ -229,8 +229,10 @@ def _frame(pw: float, ph: float) -> str:
     return f'<rect class="frame" x="{MARGIN_LEFT}" y="{MARGIN_TOP}" width="{pw}" height="{ph}"/>'
 
 
-def _empty(width: int, height: int, message: str) -> str:
+def _empty(width: int, height: int, title: str, message: str) -> str:
+    """A chart's frame with `message` in its middle (the chart's `title` stays its label)."""
     return (
-        f"{_open(width, height, message)}{_frame(width - MARGIN_LEFT - MARGIN_RIGHT, height - MARGIN_TOP - MARGIN_BOTTOM)}"
+        f"{_open(width, height, title or message)}"
+        f"{_frame(width - MARGIN_LEFT - MARGIN_RIGHT, height - MARGIN_TOP - MARGIN_BOTTOM)}"
         f'<text class="empty" x="{width / 2:.0f}" y="{height / 2:.0f}" text-anchor="middle">{escape(message)}</text></svg>'
     )

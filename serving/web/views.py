@@ -4,6 +4,7 @@ renders HTML except the charts (`serving.web.svg`)."""
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 from collections import Counter
@@ -26,8 +27,11 @@ from serving.web import svg
 from serving.web.history import DailyCounts
 from serving.web.reads import PublishState, source_metric
 
-DEFAULT_ROWS = 500
+DEFAULT_ROWS = 50
+"""GPUs on a page of the at-risk table: the riskiest first, the rest a page at a time."""
 MAX_ROWS = 5000
+PAGE_SIZES = (50, 100, 500, 2000, 5000)
+MAX_PAGE = 1_000_000
 SORTS = ("risk", "node_risk", "tier", "node", "gpu_index", "gpu_uuid", "cluster")
 """Columns the at-risk table sorts by (each ties on fleet rank)."""
 TIER_COLORS = {
@@ -84,6 +88,18 @@ def fmt_age(seconds: float) -> str:
     return f"{seconds / 86_400:.1f} days ago"
 
 
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/[^\s'\"`:,;()\[\]<>]+")
+
+
+def without_paths(text: str, data_root: str) -> str:
+    """`text` as a page shows it: paths within the data root relative to it, and any other
+    absolute path by its last part only (a page tells the folder layout of no machine)."""
+    for root in dict.fromkeys([data_root.rstrip("/"), os.path.realpath(data_root)]):
+        if root.startswith("/") and len(root) > 1:
+            text = text.replace(root + "/", "").replace(root, "the data root")
+    return _ABSOLUTE_PATH.sub(lambda m: "…/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
 def reference_time(fleet_ts: Any, now: datetime) -> datetime:
     """Where the pages' time windows end: now, unless the served features are more than two
     days old (replayed or simulated data), then just after their grid time."""
@@ -119,6 +135,9 @@ class AtRiskQuery:
     sort: str = "risk"
     order: str = "desc"
     limit: int = DEFAULT_ROWS
+    """GPUs per page."""
+    page: int = 1
+    """Which page of `limit` GPUs, from 1."""
 
     @classmethod
     def parse(cls, params: Mapping[str, str]) -> AtRiskQuery:
@@ -136,14 +155,17 @@ class AtRiskQuery:
         raw = params.get("limit", str(DEFAULT_ROWS))
         if not raw.isdigit() or not 1 <= int(raw) <= MAX_ROWS:
             raise InputError(f"query parameter limit: expected a whole number from 1 to {MAX_ROWS}, got {raw[:50]!r}")
-        return cls(q, tier, params.get("cluster", "")[:200], sort, order, int(raw))
+        page = params.get("page", "1")
+        if not page.isdigit() or not 1 <= int(page) <= MAX_PAGE:
+            raise InputError(f"query parameter page: expected a whole number from 1 to {MAX_PAGE:,}, got {page[:50]!r}")
+        return cls(q, tier, params.get("cluster", "")[:200], sort, order, int(raw), int(page))
 
     def params(self, **changes: Any) -> dict[str, str]:
         """The query parameters of this view with `changes`, defaults left out."""
         values = {**self.__dict__, **changes}
         default = AtRiskQuery()
         out = {}
-        for key in ("q", "tier", "cluster", "sort", "order", "limit"):
+        for key in ("q", "tier", "cluster", "sort", "order", "limit", "page"):
             if values[key] != getattr(default, key) or (key == "order" and values["sort"] != default.sort):
                 out[key] = str(values[key])
         return out
@@ -158,8 +180,8 @@ def _sort_key(sort: str) -> Any:
 
 
 def at_risk(fleet: Fleet, query: AtRiskQuery) -> tuple[list[int], int]:
-    """The fleet positions of the at-risk table's rows, in order, and how many GPUs matched
-    before the `limit` cut. Sorting by risk descending is the fleet's own order."""
+    """The fleet positions of the at-risk table's rows on the query's page, in order, and how
+    many GPUs matched in all. Sorting by risk descending is the fleet's own order."""
     needle = query.q.lower()
     floor = tier_rank(query.tier) if query.tier else 0
     positions: list[int] = []
@@ -179,7 +201,35 @@ def at_risk(fleet: Fleet, query: AtRiskQuery) -> tuple[list[int], int]:
         key = _sort_key(query.sort)
         # Python's sort is stable in both directions: ties stay in fleet rank order.
         positions.sort(key=lambda i: key(fleet.records[i]), reverse=query.order == "desc")
-    return positions[: query.limit], len(positions)
+    start = (query.page - 1) * query.limit
+    return positions[start : start + query.limit], len(positions)
+
+
+@dataclass(frozen=True)
+class Pager:
+    """Where a page of the at-risk table sits among the matching GPUs."""
+
+    first: int
+    """The position of its first row among them, from 1 (0: the page is empty)."""
+    last: int
+    matched: int
+    previous: dict[str, str] | None
+    """The query parameters of the page before (None on the first)."""
+    next: dict[str, str] | None
+    pages: int
+
+
+def pager(query: AtRiskQuery, shown: int, matched: int) -> Pager:
+    start = (query.page - 1) * query.limit
+    pages = max(1, -(-matched // query.limit))
+    return Pager(
+        first=start + 1 if shown else 0,
+        last=start + shown,
+        matched=matched,
+        previous=query.params(page=min(query.page - 1, pages)) if query.page > 1 else None,
+        next=query.params(page=query.page + 1) if start + shown < matched else None,
+        pages=pages,
+    )
 
 
 # -- the fleet overview ------------------------------------------------------------------------
@@ -398,16 +448,55 @@ class BreakerView:
     applied: dict[str, int] = field(default_factory=dict)
     acting_nodes: list[tuple[str, str, str, str]] = field(default_factory=list)
     """(cluster, node, applied tier, since) of nodes the scheduler was told to act on."""
+    dry_run: DryRunView | None = None
+    """Where only dry runs have published: what the newest would have done."""
+
+
+@dataclass(frozen=True)
+class DryRunView:
+    at: str
+    """When it ran ('' when no dry run is in the window read)."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Nodes per tier it decided (`none` left out)."""
+    actions: dict[str, int] = field(default_factory=dict)
+    acting_nodes: list[tuple[str, str, str]] = field(default_factory=list)
+    """(cluster, node, tier) of the nodes it would have had the scheduler act on."""
+
+
+def dry_run_view(rows: pl.DataFrame | None) -> DryRunView:
+    """A dry run's decisions (`reads.last_dry_runs`) as the state it would have published."""
+    if rows is None or rows.height == 0:
+        return DryRunView(at="")
+    tiers = Counter(t for t in rows["tier"].to_list() if t != "none")
+    acting = sorted(
+        ((c, n, t) for c, n, t in rows.select("cluster", "node", "tier").iter_rows() if t in ACTING_TIERS),
+        key=lambda r: (-tier_rank(r[2]), r[0], r[1]),
+    )
+    return DryRunView(
+        at=fmt_time(rows["time"].max()),
+        tiers={t: tiers[t] for t in TIERS if tiers.get(t)},
+        actions=dict(sorted(Counter(rows["action"].to_list()).items())),
+        acting_nodes=acting,
+    )
 
 
 def breaker_views(
-    states: Sequence[PublishState], tiers: PolicyConfig, fleet_nodes: int | None, now: datetime
+    states: Sequence[PublishState],
+    tiers: PolicyConfig,
+    fleet_nodes: int | None,
+    now: datetime,
+    dry_runs: Mapping[str, pl.DataFrame] | None = None,
 ) -> list[BreakerView]:
+    """One view per publish state; `dry_runs` (target -> its newest dry run's audit rows) shows
+    what a target published only in dry runs would have done."""
     out = []
     for s in states:
         target = s.name.removeprefix("publish-")
         mode = "shadow" if target.endswith("-shadow") else "live"
         target = target.removesuffix("-shadow")
+        if s.dry_run_only:
+            out.append(BreakerView(s.name, target, "dry-run", dry_run=dry_run_view((dry_runs or {}).get(target))))
+            continue
         if s.policy is None:
             out.append(BreakerView(s.name, target, mode, error=s.error))
             continue

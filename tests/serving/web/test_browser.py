@@ -161,6 +161,29 @@ def test_the_node_page(browser, web_server, tmp_path):
     screenshot(browser, tmp_path, "node")
 
 
+def overflow(browser) -> int:
+    """How many CSS pixels the page is wider than the window (0: no horizontal scrolling)."""
+    return int(
+        browser.execute_script(
+            "return Math.max(document.documentElement.scrollWidth, document.body.scrollWidth) - window.innerWidth"
+        )
+    )
+
+
+@pytest.mark.parametrize("width", [1280, 1400])
+def test_the_pages_fit_the_width_of_a_laptop_screen(browser, web_server, tmp_path, width):
+    node = FAILED[0][0]
+    browser.set_window_size(width, 900)
+    try:
+        assert browser.execute_script("return window.innerWidth") == width
+        for name, path in (("node", f"/nodes/{node}"), ("fleet", "/"), ("actions", "/actions?days=30")):
+            load(browser, web_server.url + path)
+            assert overflow(browser) <= 0, f"{path} is {overflow(browser)} px wider than {width} px"
+        browser.save_screenshot(str(tmp_path / f"node-{width}.png"))
+    finally:
+        browser.set_window_size(1600, 1000)
+
+
 def test_the_actions_page(browser, web_server, tmp_path):
     store = Store.open(str(web_server.data))
     state = PolicyState.from_json(store.read_state("publish-log"))

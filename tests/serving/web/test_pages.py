@@ -84,7 +84,14 @@ def test_the_fleet_page_filters_and_sorts_on_the_server(client):
     html = client.get("/", params={"sort": "node", "limit": 5}).text
     by_node = sorted(gpus, key=lambda g: (g["cluster"], g["node"], g["gpu_index"]))
     assert attrs(html, "at-risk", "data-gpu") == [g["gpu_uuid"] for g in by_node[:5]]
-    assert f'showing <b id="n-shown">5</b> of {N_GPUS} matching GPUs' in html
+    assert f'showing <b id="n-shown">5</b> (<span id="page-range">1–5</span>) of {N_GPUS} matching GPUs' in html
+    # The rest a page at a time, in the same order, by the page's own link.
+    seen = attrs(html, "at-risk", "data-gpu")
+    while (link := re.search(r'<a href="/\?([^"]+)" id="page-next"', html)) is not None:
+        html = client.get("/?" + unescape(link.group(1))).text
+        assert 'id="page-previous"' in html
+        seen += attrs(html, "at-risk", "data-gpu")
+    assert seen == [g["gpu_uuid"] for g in by_node]
     html = client.get("/", params={"sort": "gpu_uuid", "order": "desc"}).text
     assert attrs(html, "at-risk", "data-gpu") == sorted((g["gpu_uuid"] for g in gpus), reverse=True)
     feature = gpus[0]["top_features"][0]["feature"]
@@ -92,6 +99,17 @@ def test_the_fleet_page_filters_and_sorts_on_the_server(client):
     shown = attrs(html, "at-risk", "data-gpu")
     assert gpus[0]["gpu_uuid"] in shown
     assert set(shown) == {g["gpu_uuid"] for g in gpus if any(f["feature"] == feature for f in g["top_features"])}
+
+
+def test_the_fleet_page_shows_a_page_of_the_riskiest_gpus_first(client):
+    gpus = client.get("/v1/gpus/at-risk", params={"top": N_GPUS, "top_features": 0}).json()["gpus"]
+    html = client.get("/", params={"limit": 10}).text
+    assert attrs(html, "at-risk", "data-gpu") == [g["gpu_uuid"] for g in gpus[:10]]
+    assert 'id="page-previous"' not in html and 'id="page-next"' in html
+    beyond = client.get("/", params={"limit": 10, "page": 9}).text
+    assert attrs(beyond, "at-risk", "data-gpu") == [] and "No GPU on page 9" in beyond
+    # The risk bar's legend is above the table, and says the bar is linear.
+    assert html.index('id="risk-legend"') < html.index('id="at-risk"') and "linear" in html
 
 
 @pytest.mark.parametrize(
@@ -249,6 +267,41 @@ def test_an_unreadable_publish_state_is_named_and_the_rest_of_the_page_shows(web
     assert 'id="breaker-publish-log" data-state="publish-log" data-open="true"' in r.text
     assert attrs(r.text, "audit", "data-action")  # the audit still shows
     assert node.status_code == 200 and 'id="published-publish-log"' in node.text
+
+
+def test_right_after_a_dry_run_the_actions_page_shows_what_it_would_have_done(web_data, tmp_path):
+    # The documented first step: `gpufail publish --dry-run` on a root never published to. It
+    # commits its audit through the state's journal, leaving a state file with no policy state.
+    from collections import Counter
+
+    from tests.cli import gpufail
+
+    data = tmp_path / "data"
+    shutil.copytree(web_data[0], data)
+    shutil.rmtree(data / "actions")
+    (data / "_state" / "publish-log.json").unlink()
+    done = gpufail("publish", "--to", "log", "--dry-run", "--data", str(data), "--quiet")
+    assert done.returncode == 0, done.stderr
+    audit = read_audit(str(data / "actions"))
+    assert (audit["mode"] == "dry-run").all() and len(audit)
+    srv = serve(tmp_path, data, web_data[1])
+    try:
+        with srv.client() as c:
+            pages = {path: c.get(path) for path in ("/actions", "/", "/nodes/node00001", "/nodes/nowhere")}
+    finally:
+        srv.stop()
+    html = pages["/actions"].text
+    assert pages["/actions"].status_code == 200
+    assert "unreadable" not in html and "not a gpufail policy state" not in html
+    card = re.search(r'<div class="dry-run" id="dry-run-log">(.*?)</div>', html, re.S)
+    assert card is not None, html
+    tiers = Counter(t for t in audit["tier"] if t != "none")
+    shown = dict(re.findall(r'<span class="tier t-(\w+)">[^<]*</span> (\d+)', card.group(1).split("·")[0]))
+    assert {t: int(n) for t, n in shown.items()} == dict(tiers)
+    assert "The last dry run (" in card.group(1)
+    # No page tells where the data root lies on the server (nor any other absolute path of it).
+    for path, page in pages.items():
+        assert str(tmp_path) not in page.text and str(tmp_path.resolve()) not in page.text, path
 
 
 def test_unreadable_snapshots_leave_the_rest_of_the_fleet_page(web_data, tmp_path):

@@ -60,7 +60,9 @@ def test_thresholds_only_inside_the_axis_and_labels_escaped():
 def test_no_data_says_so():
     empty = Series("GPU 0", np.array([]), np.array([]), "#000")
     root = parse(line_chart([empty], title="temp_gpu_c"))
-    assert root.find("text[@class='empty']").text == "temp_gpu_c"
+    # The chart keeps its name as its label; what shows in it is that there is nothing to draw.
+    assert root.find("text[@class='empty']").text == "no data in this window"
+    assert root.get("aria-label") == "temp_gpu_c"
     only_nan = Series("GPU 0", np.array([0.0]), np.array([np.nan]), "#000")
     assert "no data" in line_chart([only_nan])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from html import unescape
@@ -81,6 +82,27 @@ def test_filter_sort_and_limit_over_the_fleet():
     assert nothing == [] and n == 0
 
 
+def test_the_table_shows_a_page_of_the_riskiest_and_the_rest_a_page_at_a_time():
+    f = scored()
+    assert views.AtRiskQuery().limit == 50  # not the whole fleet
+    query = views.AtRiskQuery.parse({"limit": "10"})
+    first, matched = views.at_risk(f, query)
+    assert first == list(range(10)) and matched == len(f.records)  # the riskiest: the fleet's rank order
+    pager = views.pager(query, len(first), matched)
+    assert (pager.first, pager.last, pager.previous, pager.pages) == (1, 10, None, -(-matched // 10))
+    assert pager.next == {"limit": "10", "page": "2"}
+    second, _ = views.at_risk(f, views.AtRiskQuery.parse(pager.next))
+    assert second == list(range(10, 20))
+    last_page = views.AtRiskQuery.parse({"limit": "10", "page": str(pager.pages)})
+    rest, _ = views.at_risk(f, last_page)
+    end = views.pager(last_page, len(rest), matched)
+    assert rest == list(range((pager.pages - 1) * 10, matched)) and end.next is None
+    assert end.previous == {"limit": "10", "page": str(pager.pages - 1)}
+    assert views.AtRiskQuery.parse({"limit": "10", "page": "2"}).params(page=1) == {"limit": "10"}
+    with pytest.raises(InputError, match="query parameter page: expected a whole number"):
+        views.AtRiskQuery.parse({"page": "0"})
+
+
 # -- the rows' markup --------------------------------------------------------------------------
 
 
@@ -104,11 +126,22 @@ def test_a_row_escapes_every_name_and_links_the_node():
     assert 'data-risk="0.5"' in row and "<td>c&amp;1</td>" in row
 
 
-def test_the_risk_bar_is_logarithmic():
+def test_the_risk_bar_is_linear_so_a_small_risk_is_a_sliver():
     def width(risk: float) -> float:
         return float(str(html.risk_bar(risk)).rsplit('width="', 1)[1].split('"')[0])
 
-    assert (width(1.0), width(0.01), width(1e-4), width(1e-7), width(0.0)) == (48.0, 24.0, 0.0, 0.0, 0.0)
+    assert (width(1.0), width(0.5), width(0.25), width(0.0)) == (48.0, 24.0, 12.0, 0.0)
+    assert width(0.007) == 0.3  # a log scale drew it as half a bar
+    assert width(float("nan")) == 0.0 and width(1.5) == 48.0
+
+
+def test_the_risk_legend_marks_each_tiers_threshold_on_the_bars_scale():
+    legend = str(html.risk_legend(POLICY))
+    marks = re.findall(r'<line x1="([\d.]+)"[^>]*stroke="([^"]+)"', legend)
+    assert [(float(x), c) for x, c in marks] == [
+        (pytest.approx(t.enter * 3 * html.RISK_BAR_WIDTH, abs=0.05), views.TIER_COLORS[t.name]) for t in POLICY.tiers
+    ]
+    assert "linear" in legend and 'id="risk-legend"' in legend
 
 
 def test_rows_are_rendered_once_per_snapshot():
