@@ -179,7 +179,7 @@ def test_the_pages_fit_the_width_of_a_laptop_screen(browser, web_server, tmp_pat
         for name, path in (("node", f"/nodes/{node}"), ("fleet", "/"), ("actions", "/actions?days=30")):
             load(browser, web_server.url + path)
             assert overflow(browser) <= 0, f"{path} is {overflow(browser)} px wider than {width} px"
-        browser.save_screenshot(str(tmp_path / f"node-{width}.png"))
+            browser.save_screenshot(str(tmp_path / f"{name}-{width}.png"))
     finally:
         browser.set_window_size(1600, 1000)
 
