@@ -351,6 +351,12 @@ class PublishSettings(_Table):
     """Circuit breaker: at most the larger of breaker_max_nodes and this share of the fleet
     raised to avoid or above within breaker_window; then it trips until --reset-breaker."""
     breaker_window: PositiveDuration = timedelta(hours=24)
+    fail_slow: bool = True
+    """The fail_slow alarm class (docs/actions.md): a node with a straggler GPU is put in the
+    avoid tier through the same rules (breaker, cooldown, recovery, audit); false: not acted on."""
+    fail_slow_threshold: float = Field(default=0.05, gt=0.0, lt=1.0)
+    """A straggler: a GPU whose fail-slow score (its sustained deficit against its node and model
+    peers; 0.05 = 5% slower) reaches this."""
     attempts: int = Field(default=3, ge=1)
     """Tries per scheduler call (with exponential back-off from `backoff`)."""
     backoff: Duration = timedelta(seconds=2)
@@ -394,6 +400,7 @@ class PublishSettings(_Table):
             breaker_max_nodes=self.breaker_max_nodes,
             breaker_max_fraction=self.breaker_max_fraction,
             breaker_window=self.breaker_window,
+            fail_slow_threshold=self.fail_slow_threshold if self.fail_slow else None,
         )
 
     def publisher_config(self) -> PublisherConfig:

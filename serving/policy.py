@@ -93,6 +93,10 @@ class PolicyConfig:
     breaker_max_nodes: int = 2
     breaker_max_fraction: float = 0.05
     breaker_window: timedelta = timedelta(hours=24)
+    fail_slow_threshold: float | None = None
+    """The `fail_slow` alarm class: a node with a GPU whose fail-slow score reaches this (a
+    sustained deficit against its peers, `features.fail_slow`) wants at least `FAIL_SLOW_TIER`,
+    through the same rules as a risk (module notes); None: stragglers are not acted on."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tiers]
@@ -122,6 +126,9 @@ class PolicyConfig:
         for name in ("recovery_period", "cooldown", "breaker_window"):
             if getattr(self, name) < timedelta(0):
                 raise InputError(f"{name}: expected a duration >= 0, got {getattr(self, name)}")
+        slow = self.fail_slow_threshold
+        if slow is not None and not (math.isfinite(slow) and 0.0 < slow < 1.0):
+            raise InputError(f"fail_slow_threshold: expected a share of the peers' speed in (0, 1), got {slow}")
 
     def breaker_limit(self, fleet_nodes: int) -> int:
         # The epsilon keeps 0.2 * 10 at 2 despite binary floating point.
@@ -258,6 +265,10 @@ class NodeRisk:
     """The tier another policy chose for the node (`serving.cost_policy`), with `why`; '' = the
     tier its risk enters. The rules here (repair, cooldown, breaker, recovery) apply to either."""
     why: str = ""
+    slow: float | None = None
+    """The largest fail-slow score of the node's GPUs (None: not known)."""
+    slow_gpu: str = ""
+    """The GPU with that score."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +305,7 @@ def decide(
     entries = [e for e in state.entries if (t := config.tier(e[1])) is not None and e[0] > now - t.budget_window]
     new_nodes = dict(state.nodes)
     decisions = []
+    nodes = [_with_fail_slow(n, config) for n in nodes]
     for n in sorted(nodes, key=lambda n: (-n.risk, n.key)):
         previous = state.nodes.get(n.key, NodeState())
         decision, after, breaker = _decide_node(n, previous, config, now, breaker, limit, fleet, entries)
@@ -305,6 +317,30 @@ def decide(
         else:
             new_nodes.pop(n.key, None)
     return decisions, PolicyState(nodes=new_nodes, breaker=breaker, entries=tuple(entries))
+
+
+FAIL_SLOW_TIER = "avoid"
+"""What a straggler wants: keep new large gang jobs off the node (every synchronous job steps at
+its slowest GPU's pace); it is not predicted to fail, so it is not drained."""
+FAIL_SLOW_REASON = "fail-slow"
+"""How the reason of a decision made for a straggler starts (the audit, the publishers' marks)."""
+
+
+def _with_fail_slow(n: NodeRisk, config: PolicyConfig) -> NodeRisk:
+    """`n`, wanting `FAIL_SLOW_TIER` when a GPU of it is a straggler and nothing else wants as
+    much: the tier then goes through the same rules (breaker, cooldown, hysteresis: it is kept
+    while the GPU stays slow and left after `recovery_period` once it is not)."""
+    threshold = config.fail_slow_threshold
+    if threshold is None or n.slow is None or not n.slow >= threshold or config.tier(FAIL_SLOW_TIER) is None:
+        return n
+    wanted = n.wanted or config.entered_tier(n.risk)
+    if tier_rank(wanted) >= tier_rank(FAIL_SLOW_TIER):
+        return n
+    why = (
+        f"{FAIL_SLOW_REASON}: GPU {n.slow_gpu} runs {n.slow:.1%} slower than its peers "
+        f"(fail-slow score {n.slow:.3f} >= {threshold:g}); node risk {n.risk:.3f}"
+    )
+    return replace(n, wanted=FAIL_SLOW_TIER, why=why + (f"; {n.why}" if n.why else ""))
 
 
 def _within_budget(target: str, risk: float, config: PolicyConfig, entries: list[tuple[datetime, str, str]]) -> str:

@@ -27,7 +27,11 @@ TOP_FEATURE_VALUES_FIELD = pa.field("top_feature_values", pa.list_(pa.string()))
 """Optional column after `TOP_FEATURES_FIELD`: the value of each of those features in the row
 that was scored, as JSON text (a number, a string for a categorical feature, null where the
 row had none), so that a reader shows what the model saw without computing features again."""
-OPTIONAL_FIELDS = (TOP_FEATURES_FIELD, TOP_FEATURE_VALUES_FIELD)
+FAIL_SLOW_FIELD = pa.field("fail_slow_score", pa.float64())
+"""Optional column: the GPU's fail-slow score at the scored grid time (`features.fail_slow`;
+null where it has no reading or no peers), which the `fail_slow` alarm class of the policy acts
+on (`serving.policy.PolicyConfig.fail_slow_threshold`)."""
+OPTIONAL_FIELDS = (TOP_FEATURES_FIELD, TOP_FEATURE_VALUES_FIELD, FAIL_SLOW_FIELD)
 
 
 def prediction_schema(columns: list[str] | tuple[str, ...]) -> pa.Schema:

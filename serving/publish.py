@@ -40,6 +40,7 @@ from serving.cost_policy import decide as cost_decide
 from serving.jobs import JobMap, JobMapUnreadable, node_loads
 from serving.placement import placement_levels, standby_nodes
 from serving.policy import NodeRisk, NodeState, PolicyConfig, PolicyState, decide
+from serving.prediction_schema import FAIL_SLOW_FIELD
 from serving.publishers import Applied, Change, NodeView, Publisher, SchedulerUnavailable, publisher_notices
 from serving.score import node_risks
 
@@ -162,6 +163,7 @@ def node_inputs(
     GPUs at or over `flag_threshold` (else the riskiest), the riskiest GPU's top features, the
     scheduler's view and the latest repair."""
     out = []
+    slowest = _slowest_gpus(predictions)
     for row in node_risks(predictions).to_dict("records"):
         uuids, risks = list(row["gpu_uuids"]), list(row["gpu_risks"])
         flagged = tuple(str(u) for u, r in zip(uuids, risks, strict=True) if r >= flag_threshold) or (str(uuids[0]),)
@@ -177,9 +179,26 @@ def node_inputs(
                 top_features=tuple((top_features or {}).get(str(uuids[0]), ())),
                 unavailable=view.unavailable,
                 repaired_at=(repairs or {}).get((cluster, node)),
+                **slowest.get((cluster, node), {}),
             )
         )
     return out
+
+
+def _slowest_gpus(predictions: pd.DataFrame) -> dict[tuple[str, str], dict[str, Any]]:
+    """(cluster, node) -> `slow` and `slow_gpu`: its GPU of the largest fail-slow score, where
+    the predictions carry the scores (`serving.score`)."""
+    if FAIL_SLOW_FIELD.name not in predictions:
+        return {}
+    scored = predictions[predictions[FAIL_SLOW_FIELD.name].notna()]
+    if scored.empty:
+        return {}
+    top = scored.sort_values([FAIL_SLOW_FIELD.name, "gpu_uuid"], ascending=[False, True], kind="stable")
+    top = top.drop_duplicates(["cluster", "node"])
+    return {
+        (str(c), str(n)): {"slow": float(v), "slow_gpu": str(u)}
+        for c, n, v, u in zip(top["cluster"], top["node"], top[FAIL_SLOW_FIELD.name], top["gpu_uuid"], strict=True)
+    }
 
 
 def model_version(predictions: pd.DataFrame) -> str:

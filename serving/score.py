@@ -12,7 +12,9 @@ of largest absolute contribution to its score (`models.explain`), largest first,
 audit log records why a node was acted on, and `TOP_FEATURE_VALUES_FIELD`: their values in the
 scored row, so that `gpufail at-risk` shows them without building features. The columns are
 optional: predictions written before them, or without explanations, lack them, and readers take
-them as absent (see `serving.publishing.top_features_by_gpu`). The schema lives in
+them as absent (see `serving.publishing.top_features_by_gpu`). Where the frame has the
+fail-slow inputs (`models.fail_slow.has_fail_slow_inputs`), each GPU's fail-slow score is kept
+too (`FAIL_SLOW_FIELD`), for the policy's `fail_slow` alarm class. The schema lives in
 `serving.prediction_schema`.
 """
 
@@ -26,11 +28,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from features.fail_slow import fail_slow_columns, fail_slow_features
 from ingest.errors import InputError
 from models.explain import contributions, top_contributions
+from models.fail_slow import has_fail_slow_inputs
 from models.frame import feature_matrix, require_columns, to_pandas
 from models.train import TrainedModel
 from serving.prediction_schema import (
+    FAIL_SLOW_FIELD,
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
     TOP_FEATURE_VALUES_FIELD,
@@ -39,6 +44,7 @@ from serving.prediction_schema import (
 )
 
 __all__ = [
+    "FAIL_SLOW_FIELD",
     "PREDICTION_COLUMNS",
     "PREDICTION_SCHEMA",
     "TOP_FEATURES_FIELD",
@@ -103,6 +109,11 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     )
     if top_features:
         out["top_features"], out["top_feature_values"] = _top_features(model, latest, top_features)
+    if has_fail_slow_inputs(latest):
+        # From the same rows, at once for the whole grid time (the model peers' median needs
+        # every GPU of the model), as the evaluation's fail-slow alarm class computes it.
+        out[FAIL_SLOW_FIELD.name] = fail_slow_features(latest)[fail_slow_columns()[-1]].to_numpy()
+        optional.append(FAIL_SLOW_FIELD.name)
     # GPUs a calibration puts at the same risk (a flat stretch of an isotonic map) keep the
     # model's own order.
     out = out.sort_values(["risk", "_uncalibrated", "gpu_uuid"], ascending=[False, False, True], ignore_index=True)

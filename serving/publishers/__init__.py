@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from ingest.errors import GpufailError
+from serving.policy import FAIL_SLOW_REASON
 
 REASON_PREFIX = "gpufail:"
 """Every drain reason, condition message and annotation of ours starts with this."""
@@ -60,6 +61,12 @@ class Change:
     the next run) and different for a later decision between the same tiers."""
     cluster: str = ""
     """The node's cluster (two clusters may have nodes of the same name)."""
+
+    @property
+    def alarm(self) -> str:
+        """The alarm class the change acts on: `fail_slow` (a straggler, `serving.policy`'s
+        fail-slow rule) or `failure` (the risk of failing)."""
+        return alarm_class(self.reason)
 
     @property
     def change_id(self) -> str:
@@ -116,6 +123,12 @@ def with_retries(
         except retry_on as exc:
             last = exc
     raise SchedulerUnavailable(f"{what}: no answer after {max(attempts, 1)} tries ({last})")
+
+
+def alarm_class(reason: str) -> str:
+    """`fail_slow` for a decision the policy made for a straggler (its reason says so first),
+    else `failure`."""
+    return "fail_slow" if reason.startswith(FAIL_SLOW_REASON) else "failure"
 
 
 def tier_phrase(tier: str) -> str:

@@ -1,7 +1,8 @@
 """The Kubernetes publisher, with the official `kubernetes` client.
 
 Marks, all namespaced under `gpufail.io` so that only ours are ever removed:
-- label `gpufail.io/risk-tier=<tier>` on every node with a tier (watch and above);
+- label `gpufail.io/risk-tier=<tier>` on every node with a tier (watch and above), and
+  `gpufail.io/alarm=failure|fail-slow`: its risk or a straggler GPU (the fail_slow alarm class);
 - taint `gpufail.io/risk=<tier>`: `PreferNoSchedule` for avoid, `NoSchedule` for
   drain-after-job and drain-now (running pods stay; new ones go elsewhere);
 - node condition `GpufailRisk` (status True, reason the tier, message ours) while the node has
@@ -48,6 +49,10 @@ CHECKPOINT_REQUEST_ANNOTATION = f"{DOMAIN}/checkpoint-requested"
 PLACEMENT_LABEL = f"{DOMAIN}/placement-score"
 """Node label: 0 (riskiest) to 100 (healthiest), for preferred node affinity or a scheduler plugin."""
 STANDBY_LABEL = f"{DOMAIN}/standby"
+ALARM_LABEL = f"{DOMAIN}/alarm"
+"""Node label beside the tier's: why the node has it, `failure` (its risk) or `fail-slow` (a
+straggler GPU, docs/actions.md)."""
+ALARM_VALUES = {"failure": "failure", "fail_slow": "fail-slow"}
 TAINT_EFFECTS = {"avoid": "PreferNoSchedule", "drain_after_job": "NoSchedule", "drain_now": "NoSchedule"}
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
@@ -120,7 +125,7 @@ class KubernetesPublisher:
             view = _view(node)
             if view.unavailable:
                 return Applied(False, f"skipped: {view.unavailable}")
-            body, done = node_patch(node, change.new)
+            body, done = node_patch(node, change.new, change.alarm)
             try:
                 self._call(
                     f"patch node {change.node}",
@@ -249,7 +254,7 @@ def placement_score(level: int, count: int) -> int:
     return 100 if count <= 1 else round(100 * (count - 1 - level) / (count - 1))
 
 
-def node_patch(node: Any, new: str) -> tuple[dict[str, Any], list[str]]:
+def node_patch(node: Any, new: str, alarm: str = "failure") -> tuple[dict[str, Any], list[str]]:
     """The strategic merge patch that moves `node` (as read) to tier `new`, and what it does.
 
     Labels and annotations are maps, merged key by key. `spec` is sent only when our taint or
@@ -264,7 +269,10 @@ def node_patch(node: Any, new: str) -> tuple[dict[str, Any], list[str]]:
     spec: dict[str, Any] = {}
     if ours != [(t["key"], t["value"], t["effect"]) for t in wanted]:
         spec["taints"] = others + wanted
-    metadata: dict[str, Any] = {"labels": {TIER_LABEL: new if new != "none" else None}}
+    marked = new != "none"
+    metadata: dict[str, Any] = {
+        "labels": {TIER_LABEL: new if marked else None, ALARM_LABEL: ALARM_VALUES[alarm] if marked else None}
+    }
     ours_cordoned = (node.metadata.annotations or {}).get(CORDON_ANNOTATION) == "true"
     if new == "drain_now" and not node.spec.unschedulable:
         spec["unschedulable"] = True
@@ -294,7 +302,7 @@ def condition_patch(node: Any, change: Change, now: datetime) -> dict[str, Any] 
             "type": CONDITION_TYPE,
             "status": "True",
             "reason": _camel(change.new),
-            "message": f"{REASON_PREFIX} {tier_phrase(change.new)} risk={change.risk:.2f}"
+            "message": f"{REASON_PREFIX} {tier_phrase(change.new)} alarm={ALARM_VALUES[change.alarm]} risk={change.risk:.2f}"
             + (f" model={change.model_version}" if change.model_version else ""),
             "lastHeartbeatTime": stamp,
             "lastTransitionTime": _rfc3339(since) if since is not None else stamp,

@@ -138,6 +138,7 @@ class WebhookPublisher:
                     "gpus": list(c.gpus),
                     "top_features": list(c.top_features),
                     "model_version": c.model_version,
+                    "alarm": c.alarm,
                 }
                 for c in changes
             ],

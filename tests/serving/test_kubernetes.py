@@ -11,7 +11,14 @@ import pytest
 from kubernetes import client
 
 from serving.publishers import Change
-from serving.publishers.kubernetes import CONDITION_TYPE, CORDON_ANNOTATION, TAINT_KEY, TIER_LABEL, KubernetesPublisher
+from serving.publishers.kubernetes import (
+    ALARM_LABEL,
+    CONDITION_TYPE,
+    CORDON_ANNOTATION,
+    TAINT_KEY,
+    TIER_LABEL,
+    KubernetesPublisher,
+)
 from tests.serving.kube_emulator import STRATEGIC, node_api
 
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
@@ -67,13 +74,27 @@ def test_tiers_map_to_our_taints_labels_condition_and_cordon(api):
     assert all(r.ok for r in results)
     assert taints(api, "gpu001") == {("dedicated", "llm", "NoSchedule"), (TAINT_KEY, "avoid", "PreferNoSchedule")}
     node = api.read_node("gpu001")
-    assert node.metadata.labels == {"team": "llm", TIER_LABEL: "avoid"} and not node.spec.unschedulable
+    assert node.metadata.labels == {"team": "llm", TIER_LABEL: "avoid", ALARM_LABEL: "failure"}
+    assert not node.spec.unschedulable
     condition = next(c for c in node.status.conditions if c.type == CONDITION_TYPE)
     assert (condition.status, condition.reason) == ("True", "Avoid") and condition.message.startswith("gpufail: avoid")
     drained = api.read_node("gpu002")
     assert drained.spec.unschedulable and drained.metadata.annotations[CORDON_ANNOTATION] == "true"
     assert (TAINT_KEY, "drain_now", "NoSchedule") in taints(api, "gpu002")
     assert "cordoned" in results[1].detail
+
+
+def test_a_straggler_is_marked_with_its_alarm_class_and_the_avoid_tiers_taint(api):
+    reason = "fail-slow: GPU g-7 runs 12.0% slower than its peers (fail-slow score 0.120 >= 0.05); node risk 0.010"
+    pub = KubernetesPublisher(api, attempts=1)
+    assert pub.apply([Change("gpu003", "none", "avoid", 0.01, reason, ("g-7",))])[0].ok
+    node = api.read_node("gpu003")
+    assert node.metadata.labels == {"team": "llm", TIER_LABEL: "avoid", ALARM_LABEL: "fail-slow"}
+    assert (TAINT_KEY, "avoid", "PreferNoSchedule") in taints(api, "gpu003")
+    condition = next(c for c in node.status.conditions if c.type == CONDITION_TYPE)
+    assert condition.message.startswith("gpufail: avoid alarm=fail-slow")
+    assert pub.apply([Change("gpu003", "avoid", "none", 0.01, "recovered")])[0].ok
+    assert api.read_node("gpu003").metadata.labels == {"team": "llm"}
 
 
 def test_clearing_removes_only_our_marks(api):
@@ -153,7 +174,7 @@ def test_the_status_patch_carries_only_our_condition_and_removes_it_with_a_delet
                     "type": CONDITION_TYPE,
                     "status": "True",
                     "reason": "Avoid",
-                    "message": "gpufail: avoid risk=0.90 model=lgbm-1",
+                    "message": "gpufail: avoid alarm=failure risk=0.90 model=lgbm-1",
                     "lastHeartbeatTime": set_at,
                     "lastTransitionTime": set_at,
                 }
@@ -200,7 +221,7 @@ def test_spec_changes_carry_the_resource_version_they_were_computed_from(cluster
     assert write.content_type == STRATEGIC
     assert write.body == {
         "metadata": {
-            "labels": {TIER_LABEL: "drain_now"},
+            "labels": {TIER_LABEL: "drain_now", ALARM_LABEL: "failure"},
             "annotations": {CORDON_ANNOTATION: "true"},
             "resourceVersion": read_at,
         },
@@ -214,7 +235,9 @@ def test_spec_changes_carry_the_resource_version_they_were_computed_from(cluster
     }
     # A label-only change (watch keeps no taint) leaves the spec, and so the version, alone.
     pub.apply([change("gpu003", "none", "watch")])
-    assert node_writes(emulator, "gpu003")[0].body == {"metadata": {"labels": {TIER_LABEL: "watch"}}}
+    assert node_writes(emulator, "gpu003")[0].body == {
+        "metadata": {"labels": {TIER_LABEL: "watch", ALARM_LABEL: "failure"}}
+    }
 
 
 def add_taint(key):

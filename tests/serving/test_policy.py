@@ -232,3 +232,47 @@ def test_a_tier_another_policy_wants_counts_against_its_budget_and_keeps_its_rea
     assert (got["a"].tier, got["b"].tier, got["c"].tier) == ("avoid", "avoid", "watch")
     assert got["a"].reason.startswith("job cost on a")
     assert "job cost on c" in got["c"].reason and "avoid's alarm budget of 2 nodes per day is used" in got["c"].reason
+
+
+# -- the fail_slow alarm class ----------------------------------------------------------------
+
+
+def slow_nodes(**scores):
+    """Nodes of low risk whose slowest GPU has the given fail-slow score."""
+    return [
+        NodeRisk(key=f"c/{n}", cluster="c", node=n, risk=0.01, slow=s, slow_gpu=f"{n}-g0") for n, s in scores.items()
+    ]
+
+
+def test_a_straggler_is_put_in_avoid_with_its_reason_and_kept_while_it_stays_slow():
+    cfg = config(fail_slow_threshold=0.05)
+    decisions, state = decide(slow_nodes(a=0.12, b=0.04, c=None), PolicyState(), cfg, T0)
+    d = by_node(decisions)
+    assert (d["a"].action, d["a"].tier) == ("raise", "avoid")
+    assert d["a"].reason.startswith("fail-slow: GPU a-g0 runs 12.0% slower than its peers")
+    assert (d["b"].tier, d["c"].tier) == ("none", "none")
+    assert state.breaker.raised == ((T0, "c/a"),)  # it uses the breaker's budget like any raise
+    later, state = decide(slow_nodes(a=0.08), state, cfg, T0 + 30 * H)
+    assert (later[0].action, later[0].tier) == ("keep", "avoid")
+    # Back to speed: it leaves after the recovery period, as a risk below the exit threshold does.
+    held, state = decide(slow_nodes(a=0.0), state, cfg, T0 + 31 * H)
+    assert (held[0].action, held[0].tier) == ("keep", "avoid") and "recovery after" in held[0].reason
+    done, state = decide(slow_nodes(a=0.0), state, cfg, T0 + 55 * H)
+    assert (done[0].action, done[0].tier) == ("lower", "none")
+
+
+def test_stragglers_trip_the_breaker_like_risky_nodes_and_are_off_without_a_threshold():
+    cfg = config(fail_slow_threshold=0.05, breaker_max_nodes=1, breaker_max_fraction=0.0)
+    decisions, state = decide(slow_nodes(a=0.2, b=0.1), PolicyState(), cfg, T0)
+    assert sorted(d.action for d in decisions) == ["breaker_held", "raise"] and state.breaker.tripped
+    off, _ = decide(slow_nodes(a=0.2, b=0.1), PolicyState(), config(), T0)
+    assert {d.tier for d in off} == {"none"}
+
+
+def test_a_stronger_tier_by_risk_wins_over_the_stragglers_avoid():
+    cfg = config(fail_slow_threshold=0.05)
+    node = NodeRisk(key="c/a", cluster="c", node="a", risk=0.6, slow=0.3, slow_gpu="a-g0")
+    (d,), _ = decide([node], PolicyState(), cfg, T0)
+    assert d.tier == "drain_after_job" and not d.reason.startswith("fail-slow")
+    with pytest.raises(InputError, match="fail_slow_threshold"):
+        config(fail_slow_threshold=1.5)

@@ -125,3 +125,24 @@ def test_log_publisher_records_and_audit_round_trips(tmp_path):
 def test_unknown_mode_is_refused():
     with pytest.raises(InputError, match="mode: expected one of dry-run, shadow, live"):
         publish(fleet({"a": [0.9]}), LogPublisher(), CONFIG, PolicyState(), mode="yolo", now=NOW)
+
+
+def test_stragglers_in_the_predictions_are_published_in_avoid_and_audited_as_fail_slow(tmp_path):
+    from serving.publishers import alarm_class
+    from serving.publishers.log import LogPublisher
+
+    predictions = fleet({"a": [0.01, 0.01], "b": [0.02, 0.01], "c": [0.01]})
+    predictions["fail_slow_score"] = [0.15, 0.0, 0.01, None, 0.02]  # a-gpu0 is a straggler
+    config = PolicyConfig(tiers=FOUR_TIERS, breaker_max_nodes=10, fail_slow_threshold=0.05)
+    publisher = RecordingPublisher()
+    out = publish(predictions, publisher, config, PolicyState(), mode="live", now=NOW)
+    assert [(c.node, c.old, c.new, c.alarm) for c in publisher.changes] == [("a", "none", "avoid", "fail_slow")]
+    row = next(r for r in out.rows if r.node == "a")
+    assert row.action == "raise" and row.tier == "avoid" and alarm_class(row.reason) == "fail_slow"
+    assert "GPU a-gpu0 runs 15.0% slower" in row.reason
+    assert {r.tier for r in out.rows if r.node != "a"} == {"none"}
+    # The same rows through the log publisher's audit, as `gpufail publish` records them.
+    logged = publish(predictions, LogPublisher(), config, PolicyState(), mode="live", now=NOW)
+    append_audit(logged.rows, str(tmp_path / "actions"))
+    audit = read_audit(str(tmp_path / "actions"))
+    assert audit.loc[audit["node"] == "a", "reason"].str.startswith("fail-slow:").all()

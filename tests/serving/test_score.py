@@ -11,6 +11,7 @@ from models.train import TrainedModel, TrainOptions, train_model
 from serving.predictions import newest_snapshot
 from serving.publishing import top_features_by_gpu
 from serving.score import (
+    FAIL_SLOW_FIELD,
     PREDICTION_COLUMNS,
     PREDICTION_SCHEMA,
     TOP_FEATURE_VALUES_FIELD,
@@ -186,3 +187,20 @@ def test_predictions_written_before_top_features_still_publish_their_reasons_as_
     store.write_owned("predictions", day + pd.Timedelta("1D"), prediction_table(new))
     latest = newest_snapshot(store).frame
     assert top_features_by_gpu(latest) == {gpu: ["p"] for gpu in "abc"}
+
+
+def test_the_fail_slow_score_is_scored_from_the_same_rows_as_the_evaluation_computes_it():
+    from features.fail_slow import fail_slow_columns, fail_slow_features
+    from tests.serving.api_server import fleet, trained_model
+
+    features = fleet()[2].to_pandas()
+    latest = features[features["ts"] == features["ts"].max()].reset_index(drop=True)
+    predictions = score_latest(trained_model(), latest, top_features=2)
+    assert list(predictions.columns)[-1] == FAIL_SLOW_FIELD.name
+    expected = dict(zip(latest["gpu_uuid"], fail_slow_features(latest)[fail_slow_columns()[-1]], strict=True))
+    got = dict(zip(predictions["gpu_uuid"], predictions[FAIL_SLOW_FIELD.name], strict=True))
+    assert got.keys() == expected.keys()
+    assert all((np.isnan(v) and np.isnan(expected[u])) or v == pytest.approx(expected[u]) for u, v in got.items())
+    assert prediction_table(predictions).schema.field(FAIL_SLOW_FIELD.name).type == FAIL_SLOW_FIELD.type
+    # A frame without the fail-slow inputs scores without the column.
+    assert FAIL_SLOW_FIELD.name not in score_latest(fake_model(), hand_frame()).columns

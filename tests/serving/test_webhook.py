@@ -85,6 +85,7 @@ def test_changes_are_posted_as_signed_json(receiver):
             "gpus": ["g-1"],
             "top_features": ["ecc_sbe_rate_24h"],
             "model_version": "lgbm-1",
+            "alarm": "failure",
         }
     ]
 
