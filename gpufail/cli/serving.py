@@ -284,6 +284,7 @@ def serve(
 
     use_log_format(log_format)
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from serving.http_timeouts import read_timeout_protocol
 
@@ -294,7 +295,6 @@ def serve(
     host, port = host or cfg.host, port or cfg.port
     line_writer()(f"serve: {source} and the features of {root} at http://{host}:{port} (Ctrl-C stops it)")
     protocol = read_timeout_protocol(cfg.header_timeout.total_seconds(), cfg.body_timeout.total_seconds())
-    logging_config = uvicorn_log_config(log_format)
     uvicorn.run(
         app,
         host=host,
@@ -303,7 +303,7 @@ def serve(
         access_log=access_log,
         log_level="info",
         http=protocol,
-        **({"log_config": logging_config} if logging_config is not None else {}),
+        log_config=uvicorn_log_config(log_format) or LOGGING_CONFIG,
     )
 
 
