@@ -38,6 +38,8 @@ from features.peers import median_of_others
 from ingest.errors import InputError
 
 FAIL_SLOW_WINDOW = "24h"
+"""The window of the default spec (`features.spec.FeatureSpec.fail_slow_window`); a spec's own
+is `FeatureSpec.fail_slow_label`."""
 LOADED_UTIL_PCT = 20.0
 """A GPU counts as loaded in the window when its mean utilisation reached this (power per
 utilisation point means nothing on an idle board)."""

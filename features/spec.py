@@ -29,6 +29,7 @@ from ingest.errors import InputError
 from ingest.xid_catalog import default_failure_xids
 
 DEFAULT_GRID = timedelta(hours=1)
+DEFAULT_FAIL_SLOW_WINDOW = timedelta(hours=24)
 DEFAULT_WINDOWS: tuple[timedelta, ...] = (
     timedelta(hours=1),
     timedelta(hours=6),
@@ -115,6 +116,10 @@ class FeatureSpec:
     """Failure events on one GPU closer than this are one failure episode."""
     lost_after: timedelta | None = DEFAULT_LOST_AFTER
     """A GPU silent this long while its node keeps reporting is lost (a failure); None: never."""
+    fail_slow_window: timedelta | None = DEFAULT_FAIL_SLOW_WINDOW
+    """The window of the fail-slow features (`features.fail_slow`: a GPU's sustained deficit
+    against its node and model peers), computed from the whole fleet at a grid time wherever
+    they are used (scoring, the evaluation) when it is one of `windows`; None: none."""
 
     def __post_init__(self) -> None:
         # Sequences given as lists (or any iterable) are kept as tuples: the spec is hashable,
@@ -143,7 +148,23 @@ class FeatureSpec:
             "failure_xids": list(self.failure_xids),
             "merge_window": format_duration(self.merge_window),
             "lost_after": None if self.lost_after is None else format_duration(self.lost_after),
-        }
+        } | self._fail_slow_json()
+
+    def _fail_slow_json(self) -> dict[str, Any]:
+        # Written only when not the default: specs written before the setting existed computed
+        # the same 24 h fail-slow features, and keep their fingerprints.
+        if self.fail_slow_window == DEFAULT_FAIL_SLOW_WINDOW:
+            return {}
+        window = self.fail_slow_window
+        return {"fail_slow_window": None if window is None else format_duration(window)}
+
+    @property
+    def fail_slow_label(self) -> str | None:
+        """The suffix of the fail-slow features' names (`24h`), None when they are not computed."""
+        from features.schema import window_label
+
+        window = self.fail_slow_window
+        return window_label(window) if window is not None and window in self.windows else None
 
     @classmethod
     def from_json(cls, data: Any, where: str = "feature spec") -> FeatureSpec:
@@ -152,7 +173,7 @@ class FeatureSpec:
             raise FeatureSpecError(f"{where}: expected an object of feature settings, got {type(data).__name__}")
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(data) - set(names))
-        missing = [n for n in names if n not in data]
+        missing = [n for n in names if n not in data and n not in _OPTIONAL_KEYS]
         if unknown or missing:
             raise FeatureSpecError(
                 f"{where}: expected the keys {names}, got "
@@ -163,6 +184,8 @@ class FeatureSpec:
             )
         values: dict[str, Any] = {}
         for name in names:
+            if name not in data:
+                continue
             raw = data[name]
             try:
                 if name == "windows":
@@ -175,7 +198,7 @@ class FeatureSpec:
                     ):
                         raise ValueError(f"expected a list of XID codes, got {raw!r}")
                     values[name] = tuple(raw)
-                elif name == "lost_after" and raw is None:
+                elif name in ("lost_after", "fail_slow_window") and raw is None:
                     values[name] = None
                 else:
                     values[name] = parse_duration(raw)
@@ -195,8 +218,12 @@ class FeatureSpec:
     def differences(self, other: FeatureSpec) -> list[tuple[str, Any, Any]]:
         """(field, this spec's value, the other's) for each setting the two specs differ in, as
         `to_json` writes them."""
-        mine, theirs = self.to_json(), other.to_json()
+        mine, theirs = self._every_setting(), other._every_setting()
         return [(name, mine[name], theirs[name]) for name in mine if mine[name] != theirs[name]]
+
+    def _every_setting(self) -> dict[str, Any]:
+        window = self.fail_slow_window
+        return self.to_json() | {"fail_slow_window": None if window is None else format_duration(window)}
 
 
 def _field_problems(spec: FeatureSpec) -> list[str]:
@@ -205,6 +232,8 @@ def _field_problems(spec: FeatureSpec) -> list[str]:
     positive = {"grid": spec.grid, "horizon": spec.horizon, "xid_since_cap": spec.xid_since_cap}
     if spec.lost_after is not None:
         positive["lost_after"] = spec.lost_after
+    if spec.fail_slow_window is not None:
+        positive["fail_slow_window"] = spec.fail_slow_window
     for name, value in positive.items():
         if not isinstance(value, timedelta) or value <= timedelta(0):
             problems.append(f"{name}: expected a duration above zero, got {value!r}")
@@ -223,6 +252,10 @@ def _field_problems(spec: FeatureSpec) -> list[str]:
     if not isinstance(xids, tuple) or any(isinstance(x, bool) or not isinstance(x, int) for x in xids):
         problems.append(f"failure_xids: expected a list of whole XID codes, got {xids!r}")
     return problems
+
+
+_OPTIONAL_KEYS = frozenset({"fail_slow_window"})
+"""Keys `to_json` leaves out at their default (`FeatureSpec._fail_slow_json`)."""
 
 
 class FeatureSpecMismatch(InputError):

@@ -38,6 +38,7 @@ from pydantic import (
 
 from features.durations import DURATION_EXAMPLES, format_duration, parse_duration
 from features.spec import (
+    DEFAULT_FAIL_SLOW_WINDOW,
     DEFAULT_GRID,
     DEFAULT_HORIZON,
     DEFAULT_LOST_AFTER,
@@ -190,6 +191,11 @@ class FeatureSettings(_Table):
     windows: list[PositiveDuration] = Field(default_factory=lambda: list(DEFAULT_WINDOWS), min_length=1)
     max_silence: Duration = DEFAULT_MAX_SILENCE
     """A GPU keeps getting rows this long after its last sample (silence is a signal)."""
+    fail_slow: bool = True
+    """Compute the fail-slow features (a GPU's sustained deficit against its peers) over
+    `fail_slow_window`, one of `windows`: what the evaluation and the policy's fail_slow alarm
+    class use."""
+    fail_slow_window: PositiveDuration = DEFAULT_FAIL_SLOW_WINDOW
     buckets_in_memory: int = Field(default=4_000_000, ge=0)
     """Hourly (grid) buckets the build holds for one shard of whole nodes: bounds its memory."""
     block_days: int = Field(default=14, ge=1)
@@ -758,6 +764,7 @@ class Settings(_Table):
             grid=f.grid,
             windows=tuple(f.windows),
             max_silence=f.max_silence,
+            fail_slow_window=f.fail_slow_window if f.fail_slow else None,
             horizon=labels.horizon,
             failure_xids=tuple(labels.failure_xids),
             merge_window=labels.merge_window,

@@ -109,10 +109,13 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     )
     if top_features:
         out["top_features"], out["top_feature_values"] = _top_features(model, latest, top_features)
-    if has_fail_slow_inputs(latest):
-        # From the same rows, at once for the whole grid time (the model peers' median needs
-        # every GPU of the model), as the evaluation's fail-slow alarm class computes it.
-        out[FAIL_SLOW_FIELD.name] = fail_slow_features(latest)[fail_slow_columns()[-1]].to_numpy()
+    window = model.feature_spec.fail_slow_label
+    if window is not None and has_fail_slow_inputs(latest, window):
+        # The model's spec says which window; from the same rows, at once for the whole grid
+        # time (the model peers' median needs every GPU of the model), as the evaluation's
+        # fail-slow alarm class computes it.
+        scores = fail_slow_features(latest, window)[fail_slow_columns(window)[-1]]
+        out[FAIL_SLOW_FIELD.name] = scores.to_numpy()
         optional.append(FAIL_SLOW_FIELD.name)
     # GPUs a calibration puts at the same risk (a flat stretch of an isotonic map) keep the
     # model's own order.

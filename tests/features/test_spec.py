@@ -175,3 +175,23 @@ def test_a_mismatch_names_both_fingerprints_and_each_differing_setting():
     require_spec(FeatureSpec(windows=(H, 6 * H), horizon=12 * H), wanted, features="d", user="u", remedy="r")
     with pytest.raises(FeatureSpecMismatch):
         require_spec(built, wanted, features="d", user="u", remedy="r")
+
+
+def test_the_fail_slow_window_is_a_setting_of_the_spec_that_keeps_the_fingerprints_of_specs_before_it():
+    from datetime import timedelta
+
+    from features.spec import FeatureSpec
+
+    default = FeatureSpec()
+    # Specs written before the setting computed the same 24 h fail-slow features: same name.
+    assert "fail_slow_window" not in default.to_json() and default.fingerprint == "4cb18ea777e6665c"
+    assert default.fail_slow_label == "24h"
+    assert FeatureSpec.from_json(default.to_json()) == default
+    off = FeatureSpec(fail_slow_window=None)
+    assert off.fail_slow_label is None and off.to_json()["fail_slow_window"] is None
+    assert FeatureSpec.from_json(off.to_json()) == off and off.fingerprint != default.fingerprint
+    assert default.differences(off) == [("fail_slow_window", "1d", None)]
+    six = FeatureSpec(fail_slow_window=timedelta(hours=6))
+    assert six.fail_slow_label == "6h" and FeatureSpec.from_json(six.to_json()) == six
+    # A window the build does not compute gives no fail-slow features.
+    assert FeatureSpec(fail_slow_window=timedelta(hours=12)).fail_slow_label is None

@@ -177,3 +177,17 @@ def test_calibration_alarm_and_budget_settings_reach_the_options_the_commands_ta
     tiers = {t.name: t for t in settings.publish.policy_config().tiers}
     assert tiers["avoid"].budget_per_day == 2 and tiers["watch"].budget_per_day is None
     assert settings.publish_options().policy.tiers == settings.publish.policy_config().tiers
+
+
+def test_the_fail_slow_settings_reach_the_feature_spec_and_the_policy():
+    from datetime import timedelta
+
+    from gpufail.config import Settings
+
+    default = Settings()
+    assert default.feature_spec().fail_slow_window == timedelta(hours=24)
+    assert default.publish.policy_config().fail_slow_threshold == 0.05
+    off = Settings.model_validate({"features": {"fail_slow": False}, "publish": {"fail_slow": False}})
+    assert off.feature_spec().fail_slow_window is None and off.publish.policy_config().fail_slow_threshold is None
+    six = Settings.model_validate({"features": {"fail_slow_window": "6h"}, "publish": {"fail_slow_threshold": 0.1}})
+    assert six.feature_spec().fail_slow_label == "6h" and six.publish.policy_config().fail_slow_threshold == 0.1

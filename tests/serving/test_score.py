@@ -204,3 +204,16 @@ def test_the_fail_slow_score_is_scored_from_the_same_rows_as_the_evaluation_comp
     assert prediction_table(predictions).schema.field(FAIL_SLOW_FIELD.name).type == FAIL_SLOW_FIELD.type
     # A frame without the fail-slow inputs scores without the column.
     assert FAIL_SLOW_FIELD.name not in score_latest(fake_model(), hand_frame()).columns
+
+
+def test_a_model_whose_spec_computes_no_fail_slow_features_scores_without_the_column():
+    import dataclasses
+
+    from tests.serving.api_server import fleet, trained_model
+
+    features = fleet()[2].to_pandas()
+    latest = features[features["ts"] == features["ts"].max()].reset_index(drop=True)
+    model = trained_model()
+    off = dataclasses.replace(model, feature_spec=dataclasses.replace(model.feature_spec, fail_slow_window=None))
+    assert FAIL_SLOW_FIELD.name not in score_latest(off, latest).columns
+    assert FAIL_SLOW_FIELD.name in score_latest(model, latest).columns
