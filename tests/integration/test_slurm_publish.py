@@ -168,3 +168,25 @@ def test_a_scheduler_that_is_down_is_retried_and_reported(slurm, tmp_path, monke
         predictions({"gpu010": 0.9}, slurm.nodes), publisher(slurm), CONFIG, out.state, mode="live", now=T0 + H
     )
     assert flags(slurm, "gpu010") == ["DRAIN"]
+
+
+def test_a_straggler_gets_the_avoid_weight_and_its_weight_back_once_back_to_speed(slurm):
+    # The fail_slow alarm class: a node of low risk with a GPU 12% slower than its peers.
+    from dataclasses import replace
+
+    config = replace(CONFIG, fail_slow_threshold=0.05)
+    slow = predictions({}, slurm.nodes)
+    slow["fail_slow_score"] = [0.12 if n == "gpu006" else 0.0 for n in slow["node"]]
+    out = publish(slow, publisher(slurm), config, PolicyState(), mode="live", now=T0)
+    states = slurm.node_states()
+    assert states["gpu006"]["weight"] == 100_000 and not states["gpu006"]["state_flags"]  # avoided, not drained
+    assert all(s["weight"] == 1 for n, s in states.items() if n != "gpu006")
+    row = next(r for r in out.rows if r.node == "gpu006")
+    assert (row.action, row.tier, row.result) == ("raise", "avoid", "weight 1 -> 100000")
+    assert row.reason.startswith("fail-slow: GPU gpu006-gpu0 runs 12.0% slower than its peers")
+    recovered = slow.assign(fail_slow_score=0.0)
+    held = publish(recovered, publisher(slurm), config, out.state, mode="live", now=T0 + H)
+    assert next(r for r in held.rows if r.node == "gpu006").action == "keep"  # the recovery period runs
+    later = publish(recovered, publisher(slurm), config, held.state, mode="live", now=T0 + 8 * H)
+    assert next(r for r in later.rows if r.node == "gpu006").action == "lower"
+    assert slurm.node_states()["gpu006"]["weight"] == 1
