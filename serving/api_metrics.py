@@ -27,6 +27,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ingest.journal import state_without_commit
 from serving.api_state import ServingState
 from serving.policy import PolicyState
 
@@ -161,7 +162,9 @@ class _StoreCollector(Collector):
         window_start = datetime.now(UTC) - config.breaker_window
         for path in sorted(store.fs.glob(store.path("_state", PUBLISH_STATE_GLOB))):
             name = path.rsplit("/", 1)[-1].removesuffix(".json")
-            policy = PolicyState.from_json(json.loads(store.fs.cat_file(path)), path)
+            # A target only dry runs have published to has a commit record and no state: an
+            # empty one (nothing applied, the breaker closed).
+            policy = PolicyState.from_json(state_without_commit(json.loads(store.fs.cat_file(path))), path)
             tiers = Counter(node.applied for node in policy.nodes.values() if node.applied != "none")
             for tier, count in sorted(tiers.items()):
                 published.add_metric([name, tier], count)

@@ -288,8 +288,12 @@ def test_right_after_a_dry_run_the_actions_page_shows_what_it_would_have_done(we
     try:
         with srv.client() as c:
             pages = {path: c.get(path) for path in ("/actions", "/", "/nodes/node00001", "/nodes/nowhere")}
+            metrics = c.get("/metrics").text
     finally:
         srv.stop()
+    # The scrape reads the same state as nothing applied yet, and says so without a warning.
+    assert 'gpufail_breaker_open{state="publish-log"} 0.0' in metrics
+    assert "not a gpufail policy state" not in srv.logs()
     html = pages["/actions"].text
     assert pages["/actions"].status_code == 200
     assert "unreadable" not in html and "not a gpufail policy state" not in html
