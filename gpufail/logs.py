@@ -21,7 +21,12 @@ import click
 
 LOG_FORMATS = ("text", "json")
 LOGGER = "gpufail"
-_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",
+}
+"""Record attributes that are not extra fields (uvicorn adds `color_message`, its message with terminal colours)."""
 _json_mode = False
 
 
@@ -35,9 +40,11 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        from gpufail.cli.options import jsonable
+
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_") and key not in entry:
-                entry[key] = value
+                entry[key] = jsonable(value)  # non-finite numbers as null: strict JSON
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str, allow_nan=False)
@@ -117,9 +124,7 @@ def line_writer(err: bool = False) -> Callable[[str], None]:
 
 def log_result(text: str, facts: dict[str, Any]) -> None:
     """A long-running command's result in JSON mode: its summary line with its facts."""
-    from gpufail.cli.options import jsonable
-
-    logging.getLogger(LOGGER).info(text, extra={"facts": jsonable(facts)})
+    logging.getLogger(LOGGER).info(text, extra={"facts": facts})
 
 
 def log_error(message: str) -> None:
