@@ -142,6 +142,7 @@ def test_serve_in_json_logs_each_request_as_a_json_line(tmp_path):
     access = [line for line in lines if line["logger"] == "uvicorn.access"]
     assert any("/v1/gpus/at-risk" in line["message"] for line in access)
     assert any(line["logger"] == "uvicorn.error" for line in lines)
+    assert not any("color_message" in line for line in lines)  # no terminal colours in the log
 
 
 def test_json_log_lines_are_off_again_for_the_next_command_in_the_same_process(tmp_path):

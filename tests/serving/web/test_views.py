@@ -373,3 +373,16 @@ def test_before_a_fleet_is_scored_the_pages_say_why(tmp_path):
     assert "No scored fleet yet" in text and 'id="not-ready"' in text
     assert "no features dataset yet" in text and "no model at the source yet" in text
     assert actions.status_code == 200 and 'id="no-state"' in actions.text and 'id="no-audit"' in actions.text
+
+
+def test_pages_show_no_absolute_path(tmp_path):
+    root = str(tmp_path / "data")
+    shown = views.without_paths(
+        f"{root}/_state/publish-log.json: not JSON; model /srv/models/lgbm-3 unreadable; {root} is empty; "
+        "see http://mlflow:5000/api/2.0/runs and _state/x.json",
+        root,
+    )
+    assert shown == (
+        "_state/publish-log.json: not JSON; model …/lgbm-3 unreadable; the data root is empty; "
+        "see http://mlflow:5000/api/2.0/runs and _state/x.json"
+    )
