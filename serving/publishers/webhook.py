@@ -143,6 +143,21 @@ class WebhookPublisher:
                 for c in changes
             ],
         }
+        stragglers = [c for c in changes if c.alarm == "fail_slow"]
+        if stragglers:
+            # The fail_slow alarm class as events too, like the job-aware ones: a receiver that
+            # only handles events learns which nodes to keep large gang jobs off, and why.
+            payload["events"] = [
+                {
+                    "type": "fail_slow",
+                    "id": c.change_id,
+                    "node": c.node,
+                    "gpus": list(c.gpus),
+                    "tier": c.new,
+                    "reason": c.reason,
+                }
+                for c in stragglers
+            ]
         return json.dumps(payload, sort_keys=True).encode()
 
     def apply(self, changes: Sequence[Change]) -> list[Applied]:

@@ -190,3 +190,23 @@ def test_a_url_with_a_user_part_is_sent_with_basic_authentication(receiver):
     assert results[0].ok, results[0].detail
     headers, _ = received[0]
     assert headers["Authorization"] == "Basic " + base64.b64encode(b"hooks:pa 55").decode()
+
+
+def test_a_straggler_is_posted_as_a_change_and_a_fail_slow_event(receiver):
+    url, received, _ = receiver
+    reason = "fail-slow: GPU g-7 runs 12.0% slower than its peers (fail-slow score 0.120 >= 0.05); node risk 0.010"
+    slow = Change("gpu005", "none", "avoid", 0.01, reason, ("g-7",), (), "lgbm-1")
+    assert [r.ok for r in publisher(url).apply([CHANGE, slow])] == [True, True]
+    payload = json.loads(received[0][1])
+    assert [c["alarm"] for c in payload["changes"]] == ["failure", "fail_slow"]
+    assert payload["events"] == [
+        {
+            "type": "fail_slow",
+            "id": slow.change_id,
+            "node": "gpu005",
+            "gpus": ["g-7"],
+            "tier": "avoid",
+            "reason": reason,
+        }
+    ]
+    assert "events" not in json.loads(publisher(url).body([CHANGE]))  # none without a straggler
