@@ -54,6 +54,8 @@ ACTING_TIERS = frozenset({"avoid", "drain_after_job", "drain_now"})
 """Tiers that change what the scheduler does; raising a node into one uses the breaker's budget."""
 
 ACTIONS = ("raise", "lower", "keep", "breaker_held", "cooldown_held", "budget_held", "skip")
+HELD = frozenset({"breaker_held", "cooldown_held", "budget_held"})
+"""Decisions that would have raised the node but for a rule."""
 
 
 def tier_rank(tier: str) -> int:
@@ -305,10 +307,16 @@ def decide(
     entries = [e for e in state.entries if (t := config.tier(e[1])) is not None and e[0] > now - t.budget_window]
     new_nodes = dict(state.nodes)
     decisions = []
-    nodes = [_with_fail_slow(n, config) for n in nodes]
-    for n in sorted(nodes, key=lambda n: (-n.risk, n.key)):
+    for own in sorted(nodes, key=lambda n: (-n.risk, n.key)):
+        n = _with_fail_slow(own, config)
         previous = state.nodes.get(n.key, NodeState())
         decision, after, breaker = _decide_node(n, previous, config, now, breaker, limit, fleet, entries)
+        if n is not own and decision.action in HELD:
+            # The straggler's avoid is held back: the node still gets what its own risk asks.
+            alone, alone_after, alone_breaker = _decide_node(own, previous, config, now, breaker, limit, fleet, entries)
+            if alone.action == "raise":
+                decision = replace(alone, reason=f"{alone.reason}; {decision.reason}")
+                after, breaker = alone_after, alone_breaker
         decisions.append(decision)
         if decision.action == "raise" and (tier := config.tier(decision.tier)) and tier.budget_per_day:
             entries.append((now, decision.tier, n.key))

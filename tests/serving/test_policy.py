@@ -276,3 +276,11 @@ def test_a_stronger_tier_by_risk_wins_over_the_stragglers_avoid():
     assert d.tier == "drain_after_job" and not d.reason.startswith("fail-slow")
     with pytest.raises(InputError, match="fail_slow_threshold"):
         config(fail_slow_threshold=1.5)
+
+
+def test_a_straggler_whose_avoid_the_breaker_holds_still_enters_the_tier_its_risk_asks():
+    cfg = config(fail_slow_threshold=0.05, breaker_max_nodes=0, breaker_max_fraction=0.0)
+    node = NodeRisk(key="c/a", cluster="c", node="a", risk=0.25, slow=0.2, slow_gpu="a-g0")
+    (d,), state = decide([node], PolicyState(), cfg, T0)
+    assert (d.action, d.tier) == ("raise", "watch") and state.nodes["c/a"].tier == "watch"
+    assert "watch enter threshold" in d.reason and "circuit breaker tripped" in d.reason
