@@ -70,6 +70,17 @@ def test_gpufail_help_and_collect_need_only_the_collect_extra(tmp_path):
     assert "kernel-log 1 ok, 1 rows" in collected.stdout
 
 
+def test_a_command_of_another_extra_names_it_in_one_line_in_a_collect_install(tmp_path):
+    env = as_installed(["collect"], tmp_path / "site")
+    data = tmp_path / "d"
+    data.mkdir()
+    done = run([*GPUFAIL, "train", "--data", str(data), "--model-out", str(tmp_path / "m")], env)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("gpufail: error: gpufail train needs the Python module ")
+    assert done.stderr.rstrip().endswith("pip install 'gpufail[train]' (the 'train' extra)")
+
+
 @pytest.mark.slow
 def test_gpufail_serve_needs_only_the_serve_extra(tmp_path):
     from tests.serving.api_server import serve_test_fleet
