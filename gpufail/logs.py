@@ -10,9 +10,12 @@ own loggers (uvicorn's and gpufail's) go through the same formatter.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +23,10 @@ from typing import Any
 import click
 
 LOG_FORMATS = ("text", "json")
+MLFLOW_CONFIGURE_LOGGING = "MLFLOW_CONFIGURE_LOGGING"
+OWN_HANDLER_LOGGERS = ("mlflow",)
+"""Libraries' loggers that write through a handler of their own (already imported, in a
+process that runs more than one command)."""
 LOGGER = "gpufail"
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
     "message",
@@ -66,19 +73,64 @@ def json_logs() -> bool:
     return _json_mode
 
 
+_streams: list[Any] = []
+"""While JSON logging is on: the process's real (stdout, stderr), which `_LinesToLog` replaced."""
+
+
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes to the `sys.stderr` of the moment (a test runner swaps it per run)."""
+    """Writes to the real stderr of the moment (a test runner swaps it per run; in JSON mode
+    `sys.stderr` is a `_LinesToLog`)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
     @property  # type: ignore[override]
     def stream(self) -> Any:
-        return sys.stderr
+        return _streams[1] if _streams else sys.stderr
 
     @stream.setter
     def stream(self, _value: Any) -> None:
         pass
+
+
+class _LinesToLog(io.TextIOBase):
+    """`sys.stdout` or `sys.stderr` in JSON mode: each line a library prints (MLflow's
+    "Successfully registered model ...") becomes a log record of the logger `name`."""
+
+    def __init__(self, name: str, level: int, real: Any) -> None:
+        self.logger, self.level, self.real = logging.getLogger(name), level, real
+        self.pending = ""
+        self.busy = threading.local()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if getattr(self.busy, "on", False):  # logging reporting its own failure: no loop
+            return int(self.real.write(text))
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            line, self.pending = self.pending, ""
+            self._log(line)
+        self.real.flush()
+
+    def fileno(self) -> int:
+        return int(self.real.fileno())
+
+    def _log(self, line: str) -> None:
+        if not line.strip():
+            return
+        self.busy.on = True
+        try:
+            self.logger.log(self.level, line.rstrip())
+        finally:
+            self.busy.on = False
 
 
 _previous_level: list[int] = []
@@ -86,13 +138,23 @@ _previous_level: list[int] = []
 
 def use_log_format(fmt: str) -> None:
     """In `json`: Python logging at INFO and above (and warnings) to stderr as JSON, and the
-    command's own lines (`line_writer`) and its one-line error too. In `text` the logging is
-    left as it is."""
+    command's own lines (`line_writer`), what libraries print and its one-line error too. In
+    `text` the logging is left as it is."""
     global _json_mode
     reset_log_format()
     if fmt != "json":
         return
     _json_mode = True
+    # MLflow gives its logger a text handler of its own when imported (and stops it
+    # propagating), unless told not to: its lines then reach ours.
+    os.environ.setdefault(MLFLOW_CONFIGURE_LOGGING, "false")
+    for name in OWN_HANDLER_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    _streams[:] = [sys.stdout, sys.stderr]
+    sys.stdout = _LinesToLog("stdout", logging.INFO, _streams[0])
+    sys.stderr = _LinesToLog("stderr", logging.WARNING, _streams[1])
     handler = _StderrHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -103,9 +165,16 @@ def use_log_format(fmt: str) -> None:
 
 
 def reset_log_format() -> None:
-    """Back to text, as before `use_log_format` (each run of `gpufail.cli.main` starts here)."""
+    """Back to text, as before `use_log_format` (each run of `gpufail.cli.main` starts and ends
+    here)."""
     global _json_mode
     _json_mode = False
+    if _streams:
+        for name, wrapper in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            if isinstance(wrapper, _LinesToLog):
+                wrapper.flush()
+                setattr(sys, name, wrapper.real)
+        _streams.clear()
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
         root.removeHandler(handler)
@@ -137,7 +206,7 @@ def uvicorn_log_config(fmt: str) -> dict[str, Any] | None:
     if fmt != "json":
         return None
     formatter = {"()": f"{__name__}.JsonFormatter"}
-    handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
+    handler = {"()": f"{__name__}._StderrHandler", "formatter": "json"}
     return {
         "version": 1,
         "disable_existing_loggers": False,

@@ -68,6 +68,13 @@ def main(args: Sequence[str] | None = None) -> None:
     reset_log_format()
     argv = sys.argv[1:] if args is None else list(args)
     try:
+        _run(argv)
+    finally:
+        reset_log_format()
+
+
+def _run(argv: list[str]) -> None:
+    try:
         cli.main(args=argv, prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
         # A message may quote a URL the settings gave (a webhook's key, a tracking server's

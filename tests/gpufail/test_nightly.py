@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import itertools
+import json
 import shutil
 import subprocess
 import sys
@@ -400,9 +401,13 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
 
     env = {**os.environ, **env_base}
     cmd = [sys.executable, "-c", "from gpufail.cli import main; main()", "nightly", "--data", str(data), "--quiet"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    # The whole night in JSON log lines (a log pipeline's view): every line one object.
+    done = subprocess.run([*cmd, "--log-format", "json"], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert "promoted" in done.stdout and "scored" in done.stdout
+    lines = json_lines(done.stdout + done.stderr)
+    summary = [line for line in lines if "facts" in line]
+    assert len(summary) == 1 and summary[0]["facts"]["command"] == "nightly"
+    assert "promoted" in summary[0]["message"] and "scored" in summary[0]["message"]
     actions = pl.from_arrow(Store.open(str(data)).read_owned("actions"))
     assert actions["dry_run"].all()
 
@@ -421,6 +426,17 @@ def test_the_cli_runs_the_job_and_reports_a_failure_in_one_line(mlflow_server, f
     last = failed.stderr.strip().splitlines()[-1]
     assert last.startswith("gpufail: error: nightly ") and "unreachable" in last
     assert "the champion (version 1, from the cache) scored the fleet" in last
+
+
+def json_lines(text: str) -> list[dict]:
+    """Every line of `text` as a JSON object (an assertion names the first that is not)."""
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON log line: {line!r}") from None
+    return out
 
 
 _KILLED_WHILE_LOGGING_THE_MODEL = """
