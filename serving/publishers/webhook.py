@@ -1,8 +1,10 @@
 """The webhook publisher, for custom schedulers: each run's tier changes as one JSON POST.
 
 Body: `{"source": "gpufail", "delivery_id": ..., "sent_at": ISO time, "changes": [{id, cluster,
-node, from, to, risk, reason, gpus, top_features, model_version}, ...]}` (a receiver of several
-clusters tells nodes of the same name apart by `cluster`). Headers:
+node, from, to, risk, reason, gpus, top_features, model_version, alarm}, ...]}` (a receiver of
+several clusters tells nodes of the same name apart by `cluster`; `alarm` is `failure`, or
+`fail_slow` for a straggler's node, which the same body also carries as an event
+`{"type": "fail_slow", id, node, gpus, tier, reason}` in `events`). Headers:
 - `X-Gpufail-Signature: sha256=<hex>`: the HMAC-SHA256 of the exact body bytes with the shared
   secret, so a receiver can check that the message is ours and unchanged (compare with
   `hmac.compare_digest`);
