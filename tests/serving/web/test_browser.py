@@ -175,7 +175,8 @@ def test_the_pages_fit_the_width_of_a_laptop_screen(browser, web_server, tmp_pat
     node = FAILED[0][0]
     browser.set_window_size(width, 900)
     try:
-        assert browser.execute_script("return window.innerWidth") == width
+        # A resize lands asynchronously in the headless browser.
+        WebDriverWait(browser, 10).until(lambda b: b.execute_script("return window.innerWidth") == width)
         for name, path in (("node", f"/nodes/{node}"), ("fleet", "/"), ("actions", "/actions?days=30")):
             load(browser, web_server.url + path)
             assert overflow(browser) <= 0, f"{path} is {overflow(browser)} px wider than {width} px"
