@@ -27,7 +27,8 @@ is fitted to the slice's true base rate.
 Figures (`reliability`): Brier score, expected calibration error over ten equal-width bins of
 risk (the usual definition; with a rare event most rows are in the first bin), and a
 reliability table over log-spaced bins with the observed rate's 95% Wilson interval;
-`high_risk_check` compares the mean predicted and observed rate among rows at or above a risk.
+`high_risk_check` compares the mean predicted and observed rate among rows at or above a risk;
+`top_risk_ties` counts the rows that share the highest risk.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ _EPS = 1e-12
 
 RELIABILITY_EDGES = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.8, 1.0)
 """Bins of the reliability table: log-spaced where most rows are, then the publish tiers' range."""
+
+
+def logit(p: Any) -> np.ndarray:
+    """log(p / (1 - p)), with p kept within 1e-12 of 0 and 1."""
+    return _logit(np.asarray(p, dtype=np.float64))
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -79,11 +85,18 @@ class Calibration:
 
     def apply(self, risk: Any) -> np.ndarray:
         """The calibrated probability of each odds-corrected risk."""
-        p = np.asarray(risk, dtype=np.float64)
+        return self.apply_logit(_logit(np.asarray(risk, dtype=np.float64)))
+
+    def apply_logit(self, z: Any) -> np.ndarray:
+        """The calibrated probability of each odds-corrected logit (`logit` of the risk): what
+        a linear model's decision function gives without passing through a probability, which
+        rounds to exactly 1.0 in float64 above a logit of about 37 and would send every such
+        row to one calibrated value."""
+        z = np.asarray(z, dtype=np.float64)
         if self.method == "platt":
-            return _expit(self.params["slope"] * _logit(p) + self.params["offset"])
+            return _expit(self.params["slope"] * z + self.params["offset"])
         x, y = np.asarray(self.params["x"]), np.asarray(self.params["y"])
-        return np.asarray(np.interp(_logit(p), x, y), dtype=np.float64)
+        return np.asarray(np.interp(z, x, y), dtype=np.float64)
 
     def provenance(self) -> dict[str, Any]:
         """JSON-ready: method, slice, rows, positives, the draw, and the map's parameters."""
@@ -97,6 +110,7 @@ class Calibration:
             "mean_risk_before": self.mean_risk_before,
             "observed_rate": self.observed_rate,
             "params": {k: (list(v) if isinstance(v, list | tuple | np.ndarray) else v) for k, v in self.params.items()},
+            **self.extra,
         }
 
 
@@ -119,15 +133,39 @@ def fit_calibration(
     """Fit `method` (`METHODS`) mapping odds-corrected `risk` to the labels `y` (0/1) of the
     slice [slice_start, slice_end). Healthy rows weigh 1 / `negative_fraction` (the share of
     them drawn). InputError naming `where` when the slice has no failure or no healthy row."""
+    return fit_calibration_on_logits(
+        _logit(np.asarray(risk, dtype=np.float64)),
+        y,
+        method,
+        slice_start=slice_start,
+        slice_end=slice_end,
+        negative_fraction=negative_fraction,
+        where=where,
+    )
+
+
+def fit_calibration_on_logits(
+    logit: Any,
+    y: Any,
+    method: str = DEFAULT_METHOD,
+    *,
+    slice_start: pd.Timestamp,
+    slice_end: pd.Timestamp,
+    negative_fraction: float = 1.0,
+    where: str = "calibration slice",
+) -> Calibration:
+    """`fit_calibration` from the odds-corrected logits (`TrainedModel.predict_uncalibrated_logit`)
+    rather than the risks: a linear model's large logits keep their order instead of all
+    rounding to a risk of 1.0."""
     check_method(method)
-    p = np.asarray(risk, dtype=np.float64)
+    z = np.asarray(logit, dtype=np.float64)
     labels = np.asarray(y, dtype=np.float64)
-    if p.shape != labels.shape:
-        raise InputError(f"{where}: expected one risk per label, got {p.shape} and {labels.shape}")
+    if z.shape != labels.shape:
+        raise InputError(f"{where}: expected one risk per label, got {z.shape} and {labels.shape}")
     if not 0.0 < negative_fraction <= 1.0:
         raise InputError(f"{where}: negative_fraction expected a share in (0, 1], got {negative_fraction!r}")
-    keep = ~np.isnan(labels) & np.isfinite(p)
-    p, labels = p[keep], labels[keep]
+    keep = ~np.isnan(labels) & np.isfinite(z)
+    z, labels = z[keep], labels[keep]
     n_pos = int((labels == 1).sum())
     if n_pos == 0 or n_pos == len(labels):
         raise InputError(
@@ -135,7 +173,7 @@ def fit_calibration(
             "expected failing and healthy rows to calibrate on (a longer calibration_window)"
         )
     weight = np.where(labels == 1, 1.0, 1.0 / negative_fraction)
-    z = _logit(p)
+    p = _expit(z)
     params = _platt(z, labels, weight) if method == "platt" else _isotonic(z, labels, weight)
     return Calibration(
         method=method,
@@ -263,6 +301,18 @@ def high_risk_check(y: Any, p: Any, level: float = HIGH_RISK, tolerance: float =
     else:
         verdict = "within" if abs(rate - mean) <= tolerance else "outside"
     return {**out, "mean_risk": mean, "observed_rate": rate, "observed_ci": [low, high], "verdict": verdict}
+
+
+def top_risk_ties(p: Any) -> dict[str, Any]:
+    """The highest risk and how many rows share it exactly: more than a few means the model's
+    output saturates (a linear model's probability rounding to 1.0), and then which of them an
+    alarm picks is decided by the tie-break, not by the model."""
+    p = np.asarray(p, dtype=np.float64)
+    p = p[np.isfinite(p)]
+    if len(p) == 0:
+        return {"top_risk": None, "n_rows": 0}
+    top = float(p.max())
+    return {"top_risk": top, "n_rows": int((p == top).sum())}
 
 
 def _finite(value: float) -> float | None:

@@ -32,7 +32,7 @@ from sklearn.metrics import roc_auc_score
 
 from ingest.errors import InputError
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
-from models.calibration import high_risk_check, reliability
+from models.calibration import high_risk_check, reliability, top_risk_ties
 from models.drift import before_after, drift_events
 from models.evaluate import (
     baseline_scores,
@@ -275,13 +275,14 @@ def calibration_figures(
 ) -> dict[str, Any]:
     """Per contender, the reliability figures (`models.calibration.reliability`) and the check
     of the rows at risk >= 0.5 (`high_risk_check`) of its calibrated risk on the test period,
-    and the same figures of its uncalibrated (odds-corrected) risk for comparison."""
+    how many rows share its top risk (`top_risk_ties`), and the same figures of its uncalibrated (odds-corrected) risk for comparison."""
     out = {}
     for name, risk in calibrated.items():
         before = reliability(y, uncalibrated[name])
         out[name] = {
             **reliability(y, risk),
             "high_risk": high_risk_check(y, risk),
+            "top_ties": top_risk_ties(risk),
             "uncalibrated": {
                 "ece": before["ece"],
                 "brier": before["brier"],

@@ -308,24 +308,27 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
         "## Calibration on the test period",
         "",
         f"Every model is calibrated ({plan.get('calibration', '-')}) on the {plan.get('calibration_window', '-')} of "
-        "settled labels before its retraining time, after its training window (it is trained as of the slice's "
-        "start, so the slice is rows it never saw); the odds factor of class weighting and negative subsampling is "
-        "divided out first. ECE: expected calibration error over ten equal-width bins of risk (with a rare event "
+        "settled labels before its retraining time, as scored by a fit made as of the slice's start (rows it never "
+        "saw); the model itself is trained up to the newest settled label and carries that map. The odds factor of "
+        "class weighting and negative subsampling is divided out first. ECE: expected calibration error over ten equal-width bins of risk (with a rare event "
         "most rows fall in the first bin, so it is small even for a poor score: the table below shows the tails). "
         "High risk: rows with calibrated risk >= 0.5, their mean risk and observed failure rate within the "
         "horizon (95% Wilson interval); the verdict says whether they agree within 0.1, or that there are too "
-        "few rows to tell.",
+        "few rows to tell. Rows at top risk: how many test rows share the contender's highest calibrated risk "
+        "(more than a few: its output saturates, and the tie-break picks among them).",
         "",
         "| configuration | ECE, uncalibrated -> calibrated | Brier | mean risk / observed rate | rows >= 0.5 | "
-        "mean risk there | observed [95% CI] | verdict |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "mean risk there | observed [95% CI] | verdict | rows at top risk |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for name, f in figures.items():
         h = f["high_risk"]
+        ties = f.get("top_ties") or {}
         lines.append(
             f"| {name} | {_num(f['uncalibrated']['ece'], 4)} -> {_num(f['ece'], 4)} | {_num(f['brier'], 5)} | "
             f"{_num(f['mean_risk'], 4)} / {_num(f['observed_rate'], 4)} | {h['n_rows']} | {_num(h['mean_risk'], 3)} | "
-            f"{_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | {h['verdict']} |"
+            f"{_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | {h['verdict']} | "
+            f"{ties.get('n_rows', '-')} |"
         )
     primary = metrics["primary"]
     lines += [

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import platform
 import uuid
@@ -33,11 +35,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy.special import expit
 
 from features.sample_key import drawn, sample_keys
 from features.spec import FeatureSpec
 from ingest.errors import InputError
-from models.calibration import Calibration, check_method, fit_calibration
+from models.calibration import Calibration, check_method, fit_calibration_on_logits, logit
 from models.ensemble import ParallelEnsemble
 from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
@@ -48,6 +51,8 @@ FORMAT_VERSION = 2
 """2: models carry a calibration (`TrainedModel.calibration`); folders of version 1 load
 without one and are served uncalibrated, with an `UncalibratedModelWarning`."""
 CHECKED_LIBRARIES = ("scikit-learn", "lightgbm", "xgboost", "numpy")
+
+log = logging.getLogger(__name__)
 
 
 class ModelVersionWarning(UserWarning):
@@ -284,6 +289,20 @@ class TrainedModel:
         `predict_score`."""
         return prior_correction(self.predict_score(frame, threads=threads), self.pos_weight)
 
+    def predict_uncalibrated_logit(self, frame: Any, *, threads: int | None = None) -> np.ndarray:
+        """The logit of `predict_uncalibrated_risk`: for a linear model its decision function
+        less log(pos_weight), never passed through a probability (which is exactly 1.0 in
+        float64 from a logit of about 37 on, so that such rows would tie at the top); for the
+        others, the logit of the odds-corrected probability."""
+        if self.kind == "logistic" and hasattr(self.estimator, "decision_function"):
+            X = self.design_matrix(frame)
+            if len(X) == 0:
+                return np.zeros(0)
+            with one_blas_thread():
+                z = np.asarray(self.estimator.decision_function(X), dtype=np.float64)
+            return z - math.log(self.pos_weight)
+        return logit(self.predict_uncalibrated_risk(frame, threads=threads))
+
     def calibrate(self, uncalibrated_risk: Any) -> np.ndarray:
         """`predict_uncalibrated_risk`'s values through the model's calibration (unchanged
         without one)."""
@@ -291,11 +310,26 @@ class TrainedModel:
         calibration = getattr(self, "calibration", None)
         return risk if calibration is None else calibration.apply(risk)
 
+    def calibrate_logit(self, uncalibrated_logit: Any) -> np.ndarray:
+        """`predict_uncalibrated_logit`'s values through the model's calibration (their
+        probability without one)."""
+        z = np.asarray(uncalibrated_logit, dtype=np.float64)
+        calibration = getattr(self, "calibration", None)
+        return expit(z) if calibration is None else calibration.apply_logit(z)
+
     def predict_risk(self, frame: Any, *, threads: int | None = None) -> np.ndarray:
         """Probability that each row's GPU fails within the horizon: the calibrated risk
-        (`calibrate(predict_uncalibrated_risk)`), or the uncalibrated one for a model without
-        a calibration."""
-        return self.calibrate(self.predict_uncalibrated_risk(frame, threads=threads))
+        (`calibrate_logit(predict_uncalibrated_logit)`), or the uncalibrated one for a model
+        without a calibration."""
+        return self.predict_risks(frame, threads=threads)[1]
+
+    def predict_risks(self, frame: Any, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(uncalibrated, calibrated) risk of each row, the model run once."""
+        if not self.calibrated:
+            risk = self.predict_uncalibrated_risk(frame, threads=threads)
+            return risk, risk
+        z = self.predict_uncalibrated_logit(frame, threads=threads)
+        return expit(z), self.calibrate_logit(z)
 
     def calibration_info(self) -> dict[str, Any] | None:
         """The calibration's provenance (`Calibration.provenance`), None without one."""
@@ -460,10 +494,12 @@ def check_model_kind(kind: str, params: Mapping[str, Any] | None) -> tuple[dict[
 def calibration_bounds(settled: pd.Timestamp, options: TrainOptions) -> tuple[pd.Timestamp, pd.Timestamp]:
     """[start, end) of the calibration slice of a model trained with `options` on data whose
     labels are settled until `settled` (`settled_until`): the `calibration_window` that ends
-    where the uncalibrated model's training window would end (a horizon before `as_of`, or
-    after `settled`). The model itself is then trained as of the slice's start
-    (`calibration_fit_options`): its last training label ends before the slice begins, so
-    the slice is rows it never saw, and still nothing after `as_of - horizon` is used."""
+    where the served model's training window ends (a horizon before `as_of`, or after
+    `settled`). The map is fitted on the slice's rows as scored by a fit made as of the slice's
+    start (`calibration_fit_options`: its last training label ends before the slice begins, so
+    its scores there are out of time); the served model is then fitted on the whole window up
+    to the slice's end and carries that map (`attach_calibration`), so calibrating never makes
+    it older."""
     _, end = training_bounds(
         settled, train_window=options.calibration_window, horizon=options.horizon, as_of=options.as_of
     )
@@ -471,9 +507,15 @@ def calibration_bounds(settled: pd.Timestamp, options: TrainOptions) -> tuple[pd
 
 
 def calibration_fit_options(options: TrainOptions, slice_start: pd.Timestamp) -> TrainOptions:
-    """The options of the fit a calibrated model is made of: trained as of its calibration
-    slice's start, not calibrated itself."""
+    """The options of the fit that scores a calibration slice: trained as of the slice's start,
+    not calibrated itself."""
     return replace(options, as_of=slice_start, calibration=None)
+
+
+def served_fit_options(options: TrainOptions) -> TrainOptions:
+    """The options of the served fit of a calibrated model: the whole training window up to the
+    newest settled label (or `as_of - horizon`), not calibrated itself."""
+    return replace(options, calibration=None)
 
 
 def calibrate_model(
@@ -484,9 +526,9 @@ def calibrate_model(
     bounds: tuple[pd.Timestamp, pd.Timestamp],
     negative_fraction: float = 1.0,
 ) -> TrainedModel:
-    """`model` with a calibration (`models.calibration.fit_calibration`) fitted on the labelled
-    `rows` of its calibration slice `bounds`, of which a share `negative_fraction` of the
-    healthy ones were drawn."""
+    """`model` with a calibration (`models.calibration.fit_calibration_on_logits`) fitted on the
+    labelled `rows` of the calibration slice `bounds` as `model` scores them, of which a share
+    `negative_fraction` of the healthy ones were drawn."""
     df = to_pandas(rows)
     df = df.loc[labels(df).notna().to_numpy()] if len(df) else df
     if len(df) == 0:
@@ -494,8 +536,8 @@ def calibrate_model(
             f"calibration slice {bounds[0]} .. {bounds[1]}: no labelled rows; expected feature rows after the "
             "training window (a shorter calibration_window, or more data)"
         )
-    calibration = fit_calibration(
-        model.predict_uncalibrated_risk(df),
+    calibration = fit_calibration_on_logits(
+        model.predict_uncalibrated_logit(df),
         labels(df).to_numpy(),
         method,
         slice_start=bounds[0],
@@ -505,25 +547,78 @@ def calibrate_model(
     return replace(model, calibration=calibration)
 
 
+def short_history_note(
+    first: pd.Timestamp, settled: pd.Timestamp, options: TrainOptions, bounds: tuple[pd.Timestamp, pd.Timestamp]
+) -> str | None:
+    """One line when the data, from its first grid time `first`, is too short for a full
+    `train_window` for the served fit and for the fit that scores the calibration slice
+    `bounds`: how many days each trains on, how many calibrate, and why (None when both fits
+    have their whole window)."""
+    window = as_timedelta(options.train_window, "train_window")
+    _, served_end = training_bounds(settled, train_window=window, horizon=options.horizon, as_of=options.as_of)
+    fit_start, fit_end = training_bounds(settled, train_window=window, horizon=options.horizon, as_of=bounds[0])
+    if fit_start >= first:
+        return None
+    day = pd.Timedelta(days=1)
+    served_days = max(served_end - max(served_end - window, first), pd.Timedelta(0)) / day
+    fit_days = max(fit_end - first, pd.Timedelta(0)) / day
+    need = (
+        window
+        + as_timedelta(options.horizon, "horizon")
+        + as_timedelta(options.calibration_window, "calibration_window")
+    )
+    return (
+        f"short history: the data starts {first:%Y-%m-%d %H:%M}, less than train_window {options.train_window} + "
+        f"horizon {options.horizon} + calibration_window {options.calibration_window} ({need / day:.1f} days) "
+        f"before the newest settled label: the served model trains on {served_days:.1f} days (up to "
+        f"{served_end:%Y-%m-%d %H:%M}), its calibration map on {(bounds[1] - bounds[0]) / day:.1f} days "
+        f"({bounds[0]:%Y-%m-%d %H:%M} .. {bounds[1]:%Y-%m-%d %H:%M}) scored by a fit on {fit_days:.1f} days before them"
+    )
+
+
+def attach_calibration(model: TrainedModel, calibrated: TrainedModel, note: str | None) -> TrainedModel:
+    """The served fit `model` carrying the calibration of `calibrated`, the fit that scored the
+    slice (its training window recorded with it), and the short-history note, logged here."""
+    calibration = calibrated.calibration
+    assert calibration is not None
+    extra: dict[str, Any] = {
+        "scored_by_train_start": calibrated.train_start.isoformat(),
+        "scored_by_train_end": calibrated.train_end.isoformat(),
+    }
+    if note is not None:
+        log.warning("%s", note)
+        extra["note"] = note
+    return replace(model, calibration=replace(calibration, extra={**calibration.extra, **extra}))
+
+
 def train_model(frame: Any, options: TrainOptions) -> TrainedModel:
     """Fit a model as `options` say on the most recent `train_window` of labelled rows of
     `frame` that ends a `horizon` before `as_of` (see `training_rows`), keeping every positive
     and a share `negative_fraction` of the negatives, at most `max_negatives_per_positive` per
-    positive (drawn by `sample_negatives` under `seed`). With `calibration`, the model is
-    trained as of its calibration slice (`calibration_bounds`) and calibrated on it, the
-    slice's healthy rows drawn as the training rows are."""
+    positive (drawn by `sample_negatives` under `seed`). With `calibration`, the map is fitted on
+    the calibration slice (`calibration_bounds`, the slice's healthy rows drawn as the training
+    rows are) as scored by a fit made as of the slice's start, and the returned model is fitted
+    on the whole window (the slice included) and carries that map."""
     check_model_kind(options.kind, options.params)  # before the window is cut: a bad setting fails fast
     if options.calibration is not None:
         check_method(options.calibration)
-        bounds = calibration_bounds(settled_until(frame, options.horizon), options)
-        model = train_model(frame, calibration_fit_options(options, bounds[0]))
+        settled = settled_until(frame, options.horizon)
+        bounds = calibration_bounds(settled, options)
+        scorer = train_model(frame, calibration_fit_options(options, bounds[0]))
         _require(frame, ["ts", "gpu_uuid", "label"], "calibration frame")
         part = rows_between(frame, *bounds)
         drawn = options.drawn_from(*label_counts(part))
         rows = sample_negatives(part, drawn.negative_fraction, options.seed)
-        return calibrate_model(
-            model, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
+        calibrated = calibrate_model(
+            scorer,
+            rows,
+            method=options.calibration,
+            bounds=bounds,
+            negative_fraction=drawn.negative_fraction,
         )
+        first = as_utc(frame["ts"].min()) if is_polars(frame) else _utc_ts(to_pandas(frame)).min()
+        note = short_history_note(first, settled, options, bounds)
+        return attach_calibration(train_model(frame, served_fit_options(options)), calibrated, note)
     window = _window(frame, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of)
     options = options.drawn_from(*label_counts(window))
     return train_model_on_sample(sample_negatives(window, options.negative_fraction, options.seed), options)
@@ -586,6 +681,9 @@ def train_model_on_sample(rows: Any, options: TrainOptions) -> TrainedModel:
         recorded["validation_recall"] = estimator.validation_recall_
         recorded["kept_fraction"] = estimator.kept_fraction_
     recorded["pos_weight"] = pos_weight
+    chosen_C = getattr(getattr(estimator, "named_steps", {}).get("model"), "C_", None)
+    if chosen_C is not None:
+        recorded["C_chosen"] = chosen_C
     if monotone_increasing:
         recorded["monotone_increasing"] = list(monotone_increasing)
     return TrainedModel(

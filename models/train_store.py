@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime, time
+from datetime import UTC, datetime, time, timedelta
 
 import pandas as pd
 import polars as pl
@@ -30,11 +30,14 @@ from models.split import DurationLike, TimeLike, as_timedelta, as_utc
 from models.train import (
     TrainedModel,
     TrainOptions,
+    attach_calibration,
     calibrate_model,
     calibration_bounds,
     calibration_fit_options,
     check_model_kind,
     check_negative_fraction,
+    served_fit_options,
+    short_history_note,
     train_model_on_sample,
     training_bounds,
     training_sample,
@@ -126,14 +129,16 @@ def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
 def calibrated_from_store(
     store: Store, options: TrainOptions, fit: Callable[[TrainOptions], TrainedModel]
 ) -> TrainedModel:
-    """`fit(options)`, or, with `options.calibration`, the model `fit` makes as of its
-    calibration slice (`models.train.calibration_bounds`), calibrated on the slice's rows
-    drawn from the store as the training rows are (`train_model` on a frame does the same)."""
+    """`fit(options)`, or, with `options.calibration`, that fit carrying a map fitted on the
+    calibration slice (`models.train.calibration_bounds`, its rows drawn from the store as the
+    training rows are) as scored by the fit `fit` makes as of the slice's start (`train_model`
+    on a frame does the same)."""
     if options.calibration is None:
         return fit(options)
     check_method(options.calibration)
-    bounds = calibration_bounds(store_settled_until(store, options.horizon), options)
-    model = fit(calibration_fit_options(options, bounds[0]))
+    settled = store_settled_until(store, options.horizon)
+    bounds = calibration_bounds(settled, options)
+    scorer = fit(calibration_fit_options(options, bounds[0]))
     counts = window_label_counts(store, *bounds)
     # The slice read as a training window of its own (files without the stored draw key are
     # drawn from the window that `train_window` and `as_of` name).
@@ -143,9 +148,24 @@ def calibrated_from_store(
         as_of=bounds[1] + as_timedelta(options.horizon, "horizon"),
     )
     rows = _sampled_rows(store, bounds, drawn) if sum(counts) else pl.DataFrame()
-    return calibrate_model(
-        model, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
+    calibrated = calibrate_model(
+        scorer, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
     )
+    note = short_history_note(store_first_ts(store), settled, options, bounds)
+    return attach_calibration(fit(served_fit_options(options)), calibrated, note)
+
+
+def store_first_ts(store: Store) -> pd.Timestamp:
+    """The first grid time of the store's features, from the first date partition alone."""
+    days = feature_days(store)
+    if not days:
+        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
+    first = datetime.combine(days[0], time.min, tzinfo=UTC)
+    frame = read_features(store, start=first, end=first + timedelta(days=1), columns=[])
+    first_ts = frame["ts"].min()
+    if not isinstance(first_ts, datetime):
+        raise InputError(f"{store.root}: the first features day ({days[0]}) has no rows")
+    return as_utc(first_ts)
 
 
 def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:

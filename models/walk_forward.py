@@ -1,13 +1,15 @@
 """Walk-forward (sliding) training and scoring of several contenders over a test period.
 
 At every retraining time r (test_start, test_start + retrain_every, ...) a contender's model is
-made as `gpufail train` makes the served one: calibrated on the `calibration_window` of labelled
-rows that ends a full `horizon` before r (a row at ts has its label window (ts, ts + horizon],
-known only once ts + horizon < r), and trained on rows whose labels end before that slice
-begins (`models.split.time_split` as of the slice's start). It then scores the grid times of
+made as `gpufail train` makes the served one: trained on the window whose labels end a full
+`horizon` before r (a row at ts has its label window (ts, ts + horizon], known only once
+ts + horizon < r), and calibrated by the map fitted on the `calibration_window` of labelled
+rows at the end of that window as scored, out of time, by the fit made as of the slice's start
+(the model of an earlier retrain when there was one then). It then scores the grid times of
 [r, r + retrain_every): `scores` holds the uncalibrated risk (the ranking), `calibrated` the
 calibrated one. The first retrain's slice, the days just before the test period, is also
-where the comparison chooses its operating points (`WalkForwardResult.validation`). Modes:
+where the comparison chooses its operating points (`WalkForwardResult.validation`, scored
+out of time by the fit that calibrates the first model). Modes:
 
 - `static`: trained once, at test_start, on `train_window`; scores the whole test period (the
   baseline: what a model trained once and left alone does as the fleet drifts);
@@ -50,10 +52,18 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
+from scipy.special import expit
 
 from features.sample_key import drawn, sample_keys
 from ingest.errors import GpufailError, InputError
-from models.calibration import DEFAULT_METHOD, Calibration, check_method, fit_calibration
+from models.calibration import (
+    DEFAULT_METHOD,
+    Calibration,
+    check_method,
+    fit_calibration,
+    fit_calibration_on_logits,
+    logit,
+)
 from models.ensemble import check_combination, combine_probabilities, intersection_flags
 from models.estimators import prior_correction
 from models.evaluate import k_per_row, parse_top_k, prepare_scored, ranks, safe_pr_auc, time_key
@@ -110,9 +120,10 @@ class WalkForwardPlan:
     """How every fit is calibrated (`models.calibration.METHODS`), as `gpufail train` does."""
     calibration_window: DurationLike = "7d"
     """The calibration slice of a model retrained at r: [r - horizon - calibration_window,
-    r - horizon); the model itself is trained as of the slice's start (as `gpufail train`
-    trains with a calibration, `models.train.calibration_bounds`). The first retrain's slice,
-    just before the test period, is also where the operating points are chosen."""
+    r - horizon), scored by a fit made as of the slice's start; the model itself is trained as
+    of r (as `gpufail train` calibrates, `models.train.calibration_bounds`). The first
+    retrain's slice, just before the test period, is also where the operating points are
+    chosen."""
 
 
 @dataclass
@@ -310,21 +321,18 @@ class _FitTask:
 
     spec: _Spec
     as_of: pd.Timestamp
-    """The retraining time: the model scores from here."""
+    """What the model is trained as of (its last training label ends before it): a retraining
+    time, whose rows it scores, or the start of a later retrain's calibration slice, which it
+    scores out of time (or both)."""
     pool: np.ndarray
     """Positions in `_FitFrames.training` of the rows it trains on."""
     spans: list[slice]
     """The spans of the evaluation frame that this model scores, in order."""
     horizon: pd.Timedelta
     calibration: slice
-    """Its calibration slice, within `spans`."""
-    calibration_bounds: tuple[pd.Timestamp, pd.Timestamp]
+    """The calibration slice it scores for a later retrain, within `spans` (empty: none)."""
+    calibration_bounds: tuple[pd.Timestamp, pd.Timestamp] | None
     method: str
-
-    @property
-    def fit_as_of(self) -> pd.Timestamp:
-        """What the model is trained as of: the start of its calibration slice."""
-        return self.calibration_bounds[0]
 
 
 @dataclass(frozen=True)
@@ -341,19 +349,30 @@ class _FitFrames:
 class _FitOutcome:
     spec: _Spec
     as_of: pd.Timestamp
-    fit_as_of: pd.Timestamp
     rows: np.ndarray
     """Positions in the evaluation frame that the model scored (sorted, unique)."""
     raw: np.ndarray | None
     """The estimator's probabilities on `rows` (`TrainedModel.predict_score`)."""
     model: TrainedModel | None
     status: str
+    logit: np.ndarray | None = None
+    """The odds-corrected logits on `rows` (`TrainedModel.predict_uncalibrated_logit`)."""
     calibration: Calibration | None = None
-    """Fitted on the model's risk on its calibration slice (None: the fit failed, or the slice
-    cannot be calibrated on, `calibration_error` says why)."""
+    """Fitted on the model's logits on the calibration slice it scores for a later retrain
+    (None: none asked, the fit failed, or the slice cannot be calibrated on,
+    `calibration_error` says why)."""
     calibration_error: str | None = None
-    slice_risk: np.ndarray | None = None
-    """The odds-corrected risk on the calibration slice."""
+    slice_logit: np.ndarray | None = None
+    """The odds-corrected logits on that calibration slice."""
+
+
+def _scored(model: TrainedModel, rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(`predict_score`, `predict_uncalibrated_logit`) of `rows`, the model run once."""
+    if model.kind == "logistic":
+        z = model.predict_uncalibrated_logit(rows)
+        return expit(z + math.log(model.pos_weight)), z
+    raw = model.predict_score(rows)
+    return raw, logit(prior_correction(raw, model.pos_weight))
 
 
 def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
@@ -368,23 +387,27 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
                 kind=spec.kind,
                 train_window=spec.window,
                 horizon=task.horizon,
-                as_of=task.fit_as_of,
+                as_of=task.as_of,
                 params=dict(spec.params),
                 monotone_increasing=spec.monotone,
                 negative_fraction=1.0,
             ),
         )
     except InputError as exc:
-        return _FitOutcome(spec, task.as_of, task.fit_as_of, rows, None, None, f"kept previous model: {exc}")
-    raw = np.concatenate([np.zeros(0), *(model.predict_score(frames.evaluation.iloc[span]) for span in task.spans)])
-    outcome = _FitOutcome(spec, task.as_of, task.fit_as_of, rows, raw, model, "trained")
+        return _FitOutcome(spec, task.as_of, rows, None, None, f"kept previous model: {exc}")
+    scored = [_scored(model, frames.evaluation.iloc[span]) for span in task.spans]
+    raw = np.concatenate([np.zeros(0), *(r for r, _ in scored)])
+    z = np.concatenate([np.zeros(0), *(z for _, z in scored)])
+    outcome = _FitOutcome(spec, task.as_of, rows, raw, model, "trained", logit=z)
+    if task.calibration_bounds is None:
+        return outcome
     # Calibrated here, in parallel, not by the caller after every fit: each slice is ~70k rows.
     on_slice = np.arange(task.calibration.start, task.calibration.stop)
-    outcome.slice_risk = prior_correction(raw[np.searchsorted(rows, on_slice)], model.pos_weight)
+    outcome.slice_logit = z[np.searchsorted(rows, on_slice)]
     start, end = task.calibration_bounds
     try:
-        outcome.calibration = fit_calibration(
-            outcome.slice_risk, frames.labels[on_slice], task.method, slice_start=start, slice_end=end
+        outcome.calibration = fit_calibration_on_logits(
+            outcome.slice_logit, frames.labels[on_slice], task.method, slice_start=start, slice_end=end
         )
     except InputError as exc:
         outcome.calibration_error = str(exc)
@@ -485,6 +508,9 @@ class _Track:
     trained_ns: np.ndarray
     at: dict[pd.Timestamp, tuple[str, TrainedModel | None]]
     calibrated: np.ndarray
+    logit: np.ndarray
+    """The odds-corrected logit of each row, which the calibration maps (a linear model's from
+    its decision function: never rounded to a probability of 1.0)."""
     flags: np.ndarray | None = None
     calibration: dict[pd.Timestamp, Calibration | None] = field(default_factory=dict)
     on_slice: dict[pd.Timestamp, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
@@ -492,7 +518,7 @@ class _Track:
 
 def _empty_track(n: int) -> _Track:
     nan = np.full(n, np.nan)
-    return _Track(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), {}, nan.copy())
+    return _Track(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), {}, nan.copy(), nan.copy())
 
 
 def _risk(raw: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -505,10 +531,12 @@ def _risk(raw: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 
 class _Tracks:
-    """Builds tracks from the fit outcomes, each (spec, assignments) once. Every retrain's
-    model is calibrated on its calibration slice (`_Layout.calibration_rows`) from the scores
-    it made there; a retrain whose slice cannot be calibrated on (no failure in it) keeps the
-    previous model and calibration, as a failed fit does."""
+    """Builds tracks from the fit outcomes, each (spec, assignments) once. The model retrained
+    at t (trained as of t) carries the map fitted on its calibration slice
+    (`_Layout.calibration_rows`) from the scores there of the fit made as of the slice's start
+    (`_Layout.scorer_as_of`), as `gpufail train` calibrates; a retrain whose slice cannot be
+    calibrated on (no failure in it) keeps the previous model and calibration, as a failed fit
+    does."""
 
     def __init__(
         self,
@@ -530,7 +558,8 @@ class _Tracks:
         )
 
     def _slice_raw(self, spec: _Spec, t: pd.Timestamp) -> np.ndarray:
-        out = self.outcomes[(spec, t)]
+        """The probabilities on t's calibration slice of the fit that scores it out of time."""
+        out = self.outcomes[(spec, self.layout.scorer_as_of(t))]
         assert out.raw is not None
         return out.raw[np.searchsorted(out.rows, self.layout.calibration_rows(t))]
 
@@ -539,7 +568,7 @@ class _Tracks:
         for t, rows in assignments:
             calibration = track.calibration.get(t)
             if calibration is not None and len(rows):
-                track.calibrated[rows] = calibration.apply(track.risk[rows])
+                track.calibrated[rows] = calibration.apply_logit(track.logit[rows])
 
     def single(self, spec: _Spec, assignments: Assignments) -> _Track:
         key = (spec, tuple(t for t, _ in assignments), tuple(len(r) for _, r in assignments))
@@ -549,18 +578,20 @@ class _Tracks:
         latest: tuple[TrainedModel, pd.Timestamp, Calibration] | None = None
         for t, rows in assignments:
             out = self.outcomes[(spec, t)]
+            scorer = self.outcomes[(spec, self.layout.scorer_as_of(t))]
             status = out.status
-            if out.model is not None and out.raw is not None:
-                slice_risk, calibration = out.slice_risk, out.calibration
-                if calibration is None or slice_risk is None:
-                    status = f"kept previous model: {out.calibration_error}"
+            if out.model is not None and out.raw is not None and out.logit is not None:
+                slice_logit, calibration = scorer.slice_logit, scorer.calibration
+                if calibration is None or slice_logit is None:
+                    status = f"kept previous model: {scorer.calibration_error or scorer.status}"
                 else:
                     latest = (out.model, t, calibration)
-                    track.raw[rows] = out.raw[np.searchsorted(out.rows, rows)]
-                    track.on_slice[t] = (calibration.apply(slice_risk), None)
+                    at = np.searchsorted(out.rows, rows)
+                    track.raw[rows], track.logit[rows] = out.raw[at], out.logit[at]
+                    track.on_slice[t] = (calibration.apply_logit(slice_logit), None)
             if status != "trained" and latest is not None and len(rows):
                 # A retrain that could not be done: the previous model goes on scoring.
-                track.raw[rows] = latest[0].predict_score(self.frame.iloc[rows])
+                track.raw[rows], track.logit[rows] = _scored(latest[0], self.frame.iloc[rows])
             track.at[t] = (status, None if latest is None else latest[0])
             track.calibration[t] = None if latest is None else latest[2]
             if latest is not None:
@@ -588,6 +619,7 @@ class _Tracks:
         track.weight[rows] = tracks[0].weight[rows]
         track.trained_ns[rows] = np.vstack([t.trained_ns[rows] for t in tracks]).max(axis=0)
         track.risk = _risk(track.raw, track.weight)
+        track.logit = logit(track.risk)
         latest: Calibration | None = None
         for t, _ in assignments:
             states = [m.at[t] for m in tracks]
@@ -596,8 +628,10 @@ class _Tracks:
             if failed is None and model is not None:
                 slice_ns = self.ns[self.layout.calibration_rows(t)]
                 member_raw = np.vstack([self._slice_raw(m, t) for m in members])
+                scorer = self.outcomes[(members[0], self.layout.scorer_as_of(t))].model
+                assert scorer is not None  # (the members' tracks kept their previous model otherwise)
                 slice_risk = prior_correction(
-                    combine_probabilities(member_raw, slice_ns, combine, top_k), model.pos_weight
+                    combine_probabilities(member_raw, slice_ns, combine, top_k), scorer.pos_weight
                 )
                 try:
                     latest = self._calibrate(t, slice_risk)
@@ -683,8 +717,9 @@ class _Layout:
     def calibration_rows(self, t: pd.Timestamp) -> np.ndarray:
         return self.period(*self.calibration_bounds(t))
 
-    def fit_as_of(self, t: pd.Timestamp) -> pd.Timestamp:
-        """What the model retrained at `t` is trained as of: its calibration slice's start."""
+    def scorer_as_of(self, t: pd.Timestamp) -> pd.Timestamp:
+        """What the fit that scores the calibration slice of the model retrained at `t` is
+        trained as of: the slice's start (the model itself is trained as of `t`)."""
         return self.calibration_bounds(t)[0]
 
     def sliding(self, times: list[pd.Timestamp]) -> Assignments:
@@ -830,11 +865,12 @@ def run_walk_forward(
     test_end = settled_until(timeline.frame, horizon)
     test_start = test_end - pd.Timedelta(days=plan.test_days) + timeline.step
     test_end_excl = test_end + timeline.step
-    # The first model trains as of its calibration slice, which ends a horizon before the test.
+    # The fit that scores the first model's calibration slice, which ends a horizon before the
+    # test, is trained as of the slice's start.
     first_fit = test_start - horizon - calibration_window
     if first_fit <= as_utc(pd.Timestamp(timeline.ns[0])) + horizon:
         raise InputError(
-            f"test_days {plan.test_days}: the first model would be trained as of {first_fit} (the test period "
+            f"test_days {plan.test_days}: the first model's calibration would come from a fit as of {first_fit} (the test period "
             f"starts at {test_start}, after a calibration slice of {duration_label(calibration_window)} and the "
             f"horizon), before any settled training label (data from {pd.Timestamp(timeline.ns[0], tz='UTC')}); "
             "expected a shorter test period or calibration_window"
@@ -853,45 +889,51 @@ def run_walk_forward(
     )
 
     needs = {c.name: _contender_needs(c, plan, layout) for c in contenders}
+    # Each retrain at t needs two fits: the model, trained as of t, which scores t's rows, and
+    # the fit trained as of the start of t's calibration slice, which scores the slice out of
+    # time. The latter is an earlier retrain's model whenever one was made then.
     requests: dict[tuple[_Spec, pd.Timestamp], list[np.ndarray]] = {}
+    calibrates: dict[tuple[_Spec, pd.Timestamp], pd.Timestamp] = {}
     n_unshared = 0
     for contender_needs in needs.values():
         for need in contender_needs:
             for spec in need.specs:
                 for t, rows in need.assignments:
-                    # Each model also scores its calibration slice.
-                    requests.setdefault((spec, t), [layout.calibration_rows(t)]).append(rows)
-                    n_unshared += 1
+                    requests.setdefault((spec, t), []).append(rows)
+                    scorer = (spec, layout.scorer_as_of(t))
+                    requests.setdefault(scorer, []).append(layout.calibration_rows(t))
+                    calibrates[scorer] = t
+                    n_unshared += 2
 
-    def pool_rows(spec: _Spec, t: pd.Timestamp) -> np.ndarray:
+    def pool_rows(spec: _Spec, as_of: pd.Timestamp) -> np.ndarray:
         window = as_timedelta(spec.window, "train_window")
-        fit_as_of = layout.fit_as_of(t)
-        return timeline.training_rows(fit_as_of - horizon - window, fit_as_of - horizon, fit_as_of)
+        return timeline.training_rows(as_of - horizon - window, as_of - horizon, as_of)
 
     pools = {key: pool_rows(*key) for key in requests}
     training_rows = np.unique(np.concatenate(list(pools.values()))) if pools else np.zeros(0, dtype=np.int64)
     frames = _FitFrames(evaluation, labels(evaluation).to_numpy(), timeline.frame.iloc[training_rows])
 
     def tasks() -> Iterator[_FitTask]:
-        for (spec, t), parts in requests.items():
-            pool = np.searchsorted(training_rows, pools[(spec, t)])
-            on_slice = layout.calibration_rows(t)
+        for (spec, as_of), parts in requests.items():
+            pool = np.searchsorted(training_rows, pools[(spec, as_of)])
+            later = calibrates.get((spec, as_of))
+            on_slice = layout.calibration_rows(later) if later is not None else np.zeros(0, dtype=np.int64)
             calibration = slice(int(on_slice[0]), int(on_slice[-1]) + 1) if len(on_slice) else slice(0, 0)
             yield _FitTask(
                 spec,
-                t,
+                as_of,
                 pool,
                 _spans(np.unique(np.concatenate(parts))),
                 horizon,
                 calibration,
-                layout.calibration_bounds(t),
+                None if later is None else layout.calibration_bounds(later),
                 plan.calibration,
             )
 
     outcomes = {}
     for outcome in _execute(tasks(), len(requests), frames, plan.jobs, progress):
         if outcome.model is not None:
-            _check_gap(outcome.model, outcome.fit_as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
+            _check_gap(outcome.model, outcome.as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
         outcomes[(outcome.spec, outcome.as_of)] = outcome
     built = _Tracks(layout, frames.labels, outcomes, plan.calibration)
 

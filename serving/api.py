@@ -378,8 +378,13 @@ def create_app(
             )
 
         def featurise_and_score() -> tuple[list[dict[str, Any]], set[str]]:
-            frame, sent = telemetry_frame(telemetry, request.xid_events or [], served.model.feature_spec)
-            return score_rows(served.model, frame, options.tiers, top, served.version), sent
+            frame, sent, payload_only = telemetry_frame(
+                telemetry, request.xid_events or [], served.model.feature_spec, _data_store()
+            )
+            gpus = score_rows(served.model, frame, options.tiers, top, served.version)
+            for g in gpus:
+                g["payload_only_features"] = payload_only.get(g["gpu_uuid"], [])
+            return gpus, sent
 
         gpus, sent = await run_in_threadpool(featurise_and_score)
         scored = {g["gpu_uuid"] for g in gpus}
@@ -391,6 +396,17 @@ def create_app(
             for u in sorted(sent - scored)
         ]
         return _json({**base, "source": "telemetry", "gpus": gpus, "not_scored": not_scored})
+
+    def _data_store() -> Any:
+        """The store whose fleet facts the telemetry path uses (None: none can be opened; the
+        payload's own facts are then used, and named in the answer)."""
+        from ingest.errors import StoreError
+        from ingest.store import Store
+
+        try:
+            return Store.open(state.feature_store.root)
+        except (StoreError, OSError):
+            return None
 
     def _by_id(fleet: Any, uuids: list[str], top: int) -> list[dict[str, Any]]:
         positions, unknown, seen = [], [], set()

@@ -4,8 +4,10 @@ Feature rows are put into a feature frame with the model's columns (a feature th
 give is missing, as a null in the store would be); telemetry rows and XID events go through
 `features.build.build_features`, the code that builds the training features, with the served
 model's feature spec (the settings its training features were built with, whatever the
-configuration says today), and each GPU's newest grid row is scored. Features
-that compare a GPU with its peers (node and fleet medians) see only the GPUs of the request:
+configuration says today), and each GPU's newest grid row is scored. For GPUs the server's
+store knows, the features that need the fleet or the GPU's history (its age, its XID history,
+the fleet median of its GPU model) come from the store's fleet facts (`features.payload`), so
+they equal the store's row of the same GPU-hour; the node medians see the GPUs of the request:
 send a node's GPUs together.
 """
 
@@ -19,6 +21,7 @@ import pandas as pd
 
 from features.spec import FeatureSpec
 from ingest.errors import InputError
+from ingest.store import Store
 from models.frame import CATEGORICAL_COLUMNS
 from models.train import TrainedModel
 from serving.api_state import explanation_lists
@@ -57,13 +60,16 @@ def feature_frame(rows: list[Any], model: TrainedModel) -> pd.DataFrame:
     return frame
 
 
-def telemetry_frame(telemetry: list[Any], xid_events: list[Any], spec: FeatureSpec) -> tuple[pd.DataFrame, set[str]]:
+def telemetry_frame(
+    telemetry: list[Any], xid_events: list[Any], spec: FeatureSpec, store: Store | None = None
+) -> tuple[pd.DataFrame, set[str], dict[str, list[str]]]:
     """Each GPU's newest feature row built from raw samples with `spec` (the served model's),
-    and the uuids sent."""
+    with `store`'s fleet facts for the GPUs it knows (`features.payload`); the uuids sent; and
+    per GPU scored, the features that came from the payload alone."""
     import polars as pl
     import pyarrow as pa
 
-    from features.build import build_features
+    from features.payload import payload_features
     from ingest.schema import schema_for
 
     xid_rows = []
@@ -74,11 +80,12 @@ def telemetry_frame(telemetry: list[Any], xid_events: list[Any], spec: FeatureSp
     try:
         tel = pa.Table.from_pylist([r.model_dump() for r in telemetry], schema=schema_for("telemetry"))
         xids = pa.Table.from_pylist(xid_rows, schema=schema_for("xid_events"))
-        built = build_features(tel, xids, spec)
+        built = payload_features(pl.from_arrow(tel), pl.from_arrow(xids), spec, store)  # type: ignore[arg-type]
     except (ValueError, TypeError, ArithmeticError, pa.ArrowException, pl.exceptions.PolarsError) as exc:
         # The rows passed validation one by one; this is about them together (or their values).
         raise InputError(f"telemetry: cannot build features from these rows ({type(exc).__name__}: {exc})") from exc
-    return latest_rows(built.to_pandas()).reset_index(drop=True), {r.gpu_uuid for r in telemetry}
+    latest = latest_rows(built.frame.to_pandas()).reset_index(drop=True)
+    return latest, {r.gpu_uuid for r in telemetry}, built.payload_only
 
 
 def score_rows(

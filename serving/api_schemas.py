@@ -160,6 +160,12 @@ class GpuPrediction(BaseModel):
     node_tier: str
     top_features: list[Contribution]
     model_version: str
+    payload_only_features: list[str] | None = Field(
+        default=None,
+        description="Telemetry requests: the features that need the fleet or the GPU's history (gpu_age_h, the XID "
+        "features, the GPU-model deltas) computed from the payload alone, because the server's store does not know "
+        "this GPU or this grid time (empty: all from the store's fleet facts).",
+    )
 
 
 class NotScored(BaseModel):

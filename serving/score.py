@@ -92,8 +92,7 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     optional = [TOP_FEATURES_FIELD.name, TOP_FEATURE_VALUES_FIELD.name] if top_features else []
     if len(latest) == 0:
         return prediction_schema(optional).empty_table().to_pandas()
-    uncalibrated = model.predict_uncalibrated_risk(latest)
-    risk = model.calibrate(uncalibrated)
+    uncalibrated, risk = model.predict_risks(latest)
     if not np.all(np.isfinite(risk)):
         raise InputError(f"model {model.version} returned non-finite risks for {int((~np.isfinite(risk)).sum())} GPUs")
     out = pd.DataFrame(

@@ -14,6 +14,7 @@ from ingest.errors import InputError
 from models.calibration import (
     expected_calibration_error,
     fit_calibration,
+    fit_calibration_on_logits,
     high_risk_check,
     reliability,
     wilson_interval,
@@ -24,7 +25,9 @@ from models.train import (
     TrainOptions,
     UncalibratedModelWarning,
     calibration_bounds,
+    calibration_fit_options,
     load_model,
+    sample_negatives,
     save_model,
     settled_until,
     train_model,
@@ -164,28 +167,67 @@ def calibrated_model():
     return train_model(demo_frame(), TrainOptions(**CALIBRATED))
 
 
-def test_a_calibrated_model_is_trained_before_its_slice_and_calibrated_on_it():
+def test_a_calibrated_model_is_trained_to_the_newest_settled_label_and_calibrated_out_of_time():
     frame = demo_frame()
+    options = TrainOptions(**CALIBRATED)
     model = calibrated_model()
     settled = settled_until(frame, HORIZON)
-    start, end = calibration_bounds(settled, TrainOptions(**CALIBRATED))
-    assert end - start == pd.Timedelta(days=2) and start < end <= settled + pd.Timedelta("1h")
-    # The fit's last label (ts + horizon) ends before the slice begins.
-    assert model.train_end + pd.Timedelta(HORIZON) < start
+    step = pd.Timedelta("1h")
+    start, end = calibration_bounds(settled, options)
+    assert end - start == pd.Timedelta(days=2) and start < end <= settled + step
+    # Fresh: the served fit ends within one grid step of the newest settled label, the
+    # calibration slice included (it was trained as of the slice's start before).
+    assert settled - step < model.train_end <= settled
+    # Calibrated out of time: the map is that of the fit made as of the slice's start (its last
+    # label ends before the slice begins), from its logits on the slice's rows.
     info = model.calibration_info()
     assert info["slice_start"] == start.isoformat() and info["slice_end"] == end.isoformat()
+    scorer = train_model(frame, calibration_fit_options(options, start))
+    assert scorer.train_end + pd.Timedelta(HORIZON) < start
+    assert info["scored_by_train_end"] == scorer.train_end.isoformat()
     part = frame[(frame["ts"] >= start) & (frame["ts"] < end) & frame["label"].notna()]
     assert info["n_positives"] == int((part["label"] == 1).sum()) > 0
+    drawn = sample_negatives(part, options.negative_fraction, options.seed)
+    expected = fit_calibration_on_logits(
+        scorer.predict_uncalibrated_logit(drawn),
+        drawn["label"].to_numpy(dtype=float),
+        "platt",
+        slice_start=start,
+        slice_end=end,
+        negative_fraction=options.negative_fraction,
+    )
+    assert info["params"] == pytest.approx(expected.params)
     # The served risk is the calibrated one, in the model's order.
     probe = part.head(3000)
     raw, risk = model.predict_uncalibrated_risk(probe), model.predict_risk(probe)
     np.testing.assert_allclose(risk, model.calibration.apply(raw))
     order = np.argsort(raw, kind="stable")
     assert np.all(np.diff(risk[order]) >= -1e-15)
-    # With as_of, nothing at or after as_of - horizon is used.
+    # With as_of, nothing at or after as_of - horizon is used, and the fit ends just before it.
     as_of = pd.Timestamp("2026-01-09T00:00Z")
     earlier = train_model(frame, TrainOptions(**CALIBRATED, as_of=as_of))
     assert pd.Timestamp(earlier.calibration_info()["slice_end"]) == as_of - pd.Timedelta(HORIZON)
+    assert as_of - pd.Timedelta(HORIZON) - step <= earlier.train_end < as_of - pd.Timedelta(HORIZON)
+
+
+def test_a_short_history_says_how_many_days_train_and_calibrate(caplog):
+    frame = demo_frame()
+    first = pd.to_datetime(frame["ts"]).min()
+    long_window = dict(CALIBRATED, train_window="30d")
+    with caplog.at_level("WARNING", logger="models.train"):
+        model = train_model(frame, TrainOptions(**long_window))
+    (line,) = [r.getMessage() for r in caplog.records if "short history" in r.getMessage()]
+    assert f"the data starts {first:%Y-%m-%d %H:%M}" in line
+    assert "train_window 30d + horizon 12h + calibration_window 2d" in line
+    served_days = (model.train_end - first) / pd.Timedelta(days=1)
+    assert f"the served model trains on {served_days + 1 / 24:.1f} days" in line
+    assert "its calibration map on 2.0 days" in line
+    assert model.calibration_info()["note"] == line
+    # A history long enough for both fits says nothing.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="models.train"):
+        train_model(frame, TrainOptions(**CALIBRATED))
+    assert not [r for r in caplog.records if "short history" in r.getMessage()]
 
 
 def test_a_calibrated_model_saves_and_loads_with_its_calibration(tmp_path):

@@ -1,0 +1,191 @@
+"""Features of telemetry sent in a request (`POST /v1/predict` with raw telemetry), computed as
+the store computes them for the GPUs the store knows.
+
+A request carries a few days of a node's samples and XID events; the store's row of the same
+GPU-hour also sees the fleet and the GPU's whole history. Three kinds of feature depend on
+those (`FLEET_FACT_FEATURES`), and for a GPU the store knows they are taken from the store's
+fleet facts (`features.on_demand.stored_fleet_facts`, the ones its own rows are computed with):
+
+- `gpu_age_h`: from the GPU's first sample in the store (not the request's first);
+- the XID features (the hours since the last event of each class, the counts in each window):
+  from the store's events of the GPU together with the request's (an event in both counts once);
+- `<m>_model_delta_<g>`: against the fleet median of the GPU model at that grid time, from every
+  GPU's buckets in the store (not the request's GPUs alone).
+
+Everything else is the GPU's own windows or its node's (`<m>_node_delta_<g>`: send a node's
+GPUs together) and is computed from the request as the build computes it. For a GPU the store
+does not know, or a grid time the store has no buckets of, the features above are the
+request's alone, and `PayloadFeatures.payload_only` names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import polars as pl
+
+from features.aggregates import BUCKETS, read_buckets
+from features.build import _presence_from_buckets, failure_episodes, features_from_buckets
+from features.inputs import prepare_repairs, prepare_xids, utc
+from features.labels import GPU, resolve_xid_gpus
+from features.peers import PEER_METRICS, model_column, model_medians
+from features.plan import FleetFacts
+from features.schema import TS_DTYPE
+from features.spec import FeatureSpec
+from features.windows import grid_floor, grid_suffix, hourly_aggregate
+from ingest.store import Store
+
+AGE_FEATURE = "gpu_age_h"
+
+
+def xid_feature(name: str) -> bool:
+    """Whether a feature column is one of the XID features (`features.xids`)."""
+    return name.startswith("xid_")
+
+
+def model_delta_feature(name: str) -> bool:
+    """Whether a feature column compares the GPU with its model's fleet median (`features.peers`)."""
+    return "_model_delta_" in name
+
+
+def fleet_fact_feature(name: str) -> bool:
+    """Whether a feature depends on the fleet or the GPU's history beyond a request's telemetry."""
+    return name == AGE_FEATURE or xid_feature(name) or model_delta_feature(name)
+
+
+@dataclass(frozen=True)
+class PayloadFeatures:
+    """The feature frame of a request's telemetry and, per GPU, the fleet-fact features of its
+    newest row that come from the request alone (empty: all from the store's facts)."""
+
+    frame: pl.DataFrame
+    payload_only: dict[str, list[str]] = field(default_factory=dict)
+    known: frozenset[str] = frozenset()
+    """The GPUs the store knows."""
+
+
+def payload_features(
+    telemetry: pl.DataFrame, xid_events: pl.DataFrame, spec: FeatureSpec, store: Store | None
+) -> PayloadFeatures:
+    """The feature rows of `telemetry` and `xid_events` (a request's) built with `spec`, with
+    the store's fleet facts for the GPUs and grid times it knows (module notes). Without a
+    store, or with one that has no aggregates on `spec`'s grid, the request's alone."""
+    tel = telemetry.with_columns(pl.col("ts").cast(TS_DTYPE))
+    data_end = utc(tel["ts"].max())  # type: ignore[arg-type]
+    hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence)
+    facts = _facts(store, spec)
+    if store is None or facts is None:
+        frame = features_from_buckets(hourly, xid_events, spec, data_end=data_end)
+        return PayloadFeatures(frame, _all_payload_only(frame))
+    sent = hourly.select(GPU).unique()
+    stored_presence = facts.presence.join(sent, on=GPU, how="semi")
+    known = frozenset(stored_presence[GPU].to_list())
+    presence = _merged_presence(_presence_from_buckets(hourly, spec.grid), stored_presence)
+    xid = _merged_xids(xid_events, presence, facts.xid.join(sent, on=GPU, how="semi"))
+    repairs = prepare_repairs(facts.repairs)
+    # Failure episodes: the store's for the GPUs it knows (its history: a repaired GPU is back in
+    # service); the request's own events for the others.
+    theirs = facts.episodes.join(sent, on=GPU, how="semi")
+    unknown = presence.filter(~pl.col(GPU).is_in(list(known)))
+    ours = failure_episodes(
+        xid.filter(~pl.col(GPU).is_in(list(known))), unknown, spec, data_end=data_end, repairs=repairs
+    )
+    episodes = pl.concat([theirs, ours.select(theirs.columns)], how="vertical_relaxed") if ours.height else theirs
+    medians, stored_times = _medians(store, spec, hourly, data_end)
+    frame = features_from_buckets(
+        hourly,
+        xid,
+        spec,
+        data_end=data_end,
+        presence=presence,
+        episodes=episodes,
+        repairs=repairs,
+        model_medians=medians,
+    )
+    return PayloadFeatures(frame, _payload_only(frame, known, stored_times), known)
+
+
+def _facts(store: Store | None, spec: FeatureSpec) -> FleetFacts | None:
+    from features.aggregates import aggregates_spec
+    from features.on_demand import stored_fleet_facts
+
+    if store is None or not store.dates(BUCKETS):
+        return None
+    built = aggregates_spec(store)
+    if built is None or (built.grid, built.max_silence) != (spec.grid, spec.max_silence):
+        return None
+    return stored_fleet_facts(store, spec)
+
+
+def _merged_presence(sent: pl.DataFrame, stored: pl.DataFrame) -> pl.DataFrame:
+    """The request's presence, each known GPU's first sample taken from the store when earlier."""
+    first = stored.group_by(GPU).agg(pl.col("first_ts").min().alias("_stored_first"))
+    return (
+        sent.join(first, on=GPU, how="left")
+        .with_columns(pl.min_horizontal("first_ts", "_stored_first").cast(sent.schema["first_ts"]).alias("first_ts"))
+        .drop("_stored_first")
+    )
+
+
+def _merged_xids(sent: pl.DataFrame, presence: pl.DataFrame, stored: pl.DataFrame) -> pl.DataFrame:
+    """The request's XID events (resolved to GPUs) and the store's of its GPUs, one row per event:
+    an event both hold (same GPU, time and code) is the store's."""
+    ours = resolve_xid_gpus(prepare_xids(sent), presence)
+    if stored.height == 0:
+        return ours
+    both = pl.concat([stored, ours.select([c for c in stored.columns if c in ours.columns])], how="diagonal_relaxed")
+    return both.unique(subset=[GPU, "ts", "xid"], keep="first", maintain_order=True)
+
+
+def _medians(
+    store: Store, spec: FeatureSpec, hourly: pl.DataFrame, data_end: datetime
+) -> tuple[pl.DataFrame | None, set[datetime]]:
+    """The fleet medians per GPU model (`features.peers.model_medians`) at the grid times a
+    request's newest rows can fall on, from every GPU's buckets in the store, the request's own
+    where the store has none; and the grid times the store had."""
+    sfx = grid_suffix(spec.grid)
+    means = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in hourly.columns]
+    if not means:
+        return None, set()
+    # A GPU's newest row is at most `max_silence` after its last bucket.
+    first = utc(hourly.group_by(GPU).agg(pl.col("ts").max())["ts"].min()) - spec.grid  # type: ignore[arg-type]
+    last = grid_floor(data_end, spec.grid) + timedelta(microseconds=1)
+    names = store.scan(BUCKETS, first, last).collect_schema().names()
+    wanted = [GPU, "ts", *(c for c in ("gpu_model",) if c in names), *(m for m in means if m in names)]
+    fleet = read_buckets(store, first, last, columns=wanted)
+    fleet = fleet.filter(pl.col("ts") >= pl.lit(first, dtype=TS_DTYPE))
+    own = model_medians(hourly.select(GPU, "ts", model_column(hourly), *means), spec.grid)
+    if fleet.height == 0:
+        return own, set()
+    stored = model_medians(
+        fleet.select(GPU, "ts", model_column(fleet), *[m for m in means if m in fleet.columns]), spec.grid
+    )
+    stored_times = {utc(t) for t in stored["ts"].unique().to_list()}
+    merged = pl.concat(
+        [stored, own.join(stored.select("ts").unique(), on="ts", how="anti").select(stored.columns)],
+        how="vertical_relaxed",
+    )
+    return merged, stored_times
+
+
+def _newest(frame: pl.DataFrame) -> pl.DataFrame:
+    return frame.sort(GPU, "ts").group_by(GPU, maintain_order=True).last()
+
+
+def _all_payload_only(frame: pl.DataFrame) -> dict[str, list[str]]:
+    names = [c for c in frame.columns if fleet_fact_feature(c)]
+    return {str(u): names for u in frame[GPU].unique().to_list()}
+
+
+def _payload_only(frame: pl.DataFrame, known: frozenset[str], stored_times: set[datetime]) -> dict[str, list[str]]:
+    """Per GPU, the fleet-fact features of its newest row computed from the request alone."""
+    history = [c for c in frame.columns if c == AGE_FEATURE or xid_feature(c)]
+    deltas = [c for c in frame.columns if model_delta_feature(c)]
+    out = {}
+    for uuid, ts in _newest(frame).select(GPU, "ts").iter_rows():
+        names = [] if uuid in known else list(history)
+        if utc(ts) not in stored_times:
+            names += deltas
+        out[str(uuid)] = names
+    return out
