@@ -174,4 +174,45 @@ def test_sign_constrained_logistic_gives_extreme_rows_a_risk_without_an_overflow
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         p = model.predict_proba(extreme)[:, 1]
-    assert p[0] == pytest.approx(0.0) and p[1] == pytest.approx(1.0)
+    # Held to the training range: the risk of the most extreme row trained on, not 0 or 1.
+    edges = model.predict_proba(pd.DataFrame({"a": [X["a"].min(), X["a"].max()], "b": [0.0, 0.0]}))[:, 1]
+    np.testing.assert_allclose(p, edges)
+    assert p[0] < 0.05 and 0.95 < p[1] < 1.0
+
+
+def test_sign_constrained_logistic_never_saturates_on_rows_far_outside_its_training_range():
+    # A heavy-tailed counter: rows of a scored week reach a hundred times the training maximum.
+    # Without holding inputs to their training range the decision function passed 37, where
+    # the probability is exactly 1.0 and every such row shared one risk.
+    rng = np.random.default_rng(4)
+    X = pd.DataFrame({"count": rng.exponential(1.0, 2000), "temp": rng.normal(size=2000)})
+    y = (X["count"] + X["temp"] + rng.normal(0, 1.0, 2000) > 3).astype(int)
+    model = SignConstrainedLogistic(C=10.0).fit(X, y)
+    scored = pd.DataFrame({"count": [400.0, 500.0, 600.0], "temp": [-1.0, 0.0, 1.0]})
+    z = model.decision_function(scored)
+    assert z.max() < 37.0
+    p = model.predict_proba(scored)[:, 1]
+    assert p.max() < 1.0 and len(np.unique(p)) == 3  # ordered by their other input, not tied
+    assert np.all(np.diff(p) > 0)
+
+
+def test_sign_constrained_logistic_chooses_its_regularisation_on_the_last_rows():
+    from sklearn.metrics import log_loss
+
+    rng = np.random.default_rng(5)
+    n = 3000
+    X = pd.DataFrame(rng.normal(size=(n, 30)), columns=[f"x{i}" for i in range(30)])
+    y = (X["x0"] + rng.normal(0, 1.5, n) > 2.0).astype(int).to_numpy()
+    candidates = [1e-4, 0.03, 100.0]
+    model = SignConstrainedLogistic(C=candidates, validation_share=0.25).fit(X, y)
+    cut = round(n * 0.75)
+    losses = {}
+    for C in candidates:
+        alone = SignConstrainedLogistic(C=C).fit(X.iloc[:cut], y[:cut])
+        losses[C] = log_loss(y[cut:], alone.predict_proba(X.iloc[cut:])[:, 1])
+    assert model.validation_loss_ == pytest.approx(losses, rel=1e-6)
+    assert model.C_ == min(losses, key=losses.__getitem__) != 1e-4
+    # Then refit on every row with the chosen value.
+    np.testing.assert_allclose(model.coef_, SignConstrainedLogistic(C=model.C_).fit(X, y).coef_)
+    with pytest.raises(ValueError, match=r"C expected a positive number or a list of them, got \[0.1, -1.0\]"):
+        SignConstrainedLogistic(C=[0.1, -1.0]).fit(X, y)
