@@ -294,14 +294,19 @@ class TrainedModel:
         less log(pos_weight), never passed through a probability (which is exactly 1.0 in
         float64 from a logit of about 37 on, so that such rows would tie at the top); for the
         others, the logit of the odds-corrected probability."""
+        return self.predict_score_and_logit(frame, threads=threads)[1]
+
+    def predict_score_and_logit(self, frame: Any, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(`predict_score`, `predict_uncalibrated_logit`) of each row, the model run once."""
         if self.kind == "logistic" and hasattr(self.estimator, "decision_function"):
             X = self.design_matrix(frame)
             if len(X) == 0:
-                return np.zeros(0)
+                return np.zeros(0), np.zeros(0)
             with one_blas_thread():
-                z = np.asarray(self.estimator.decision_function(X), dtype=np.float64)
-            return z - math.log(self.pos_weight)
-        return logit(self.predict_uncalibrated_risk(frame, threads=threads))
+                decision = np.asarray(self.estimator.decision_function(X), dtype=np.float64)
+            return expit(decision), decision - math.log(self.pos_weight)
+        score = self.predict_score(frame, threads=threads)
+        return score, logit(prior_correction(score, self.pos_weight))
 
     def calibrate(self, uncalibrated_risk: Any) -> np.ndarray:
         """`predict_uncalibrated_risk`'s values through the model's calibration (unchanged

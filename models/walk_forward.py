@@ -47,12 +47,11 @@ import json
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
-from scipy.special import expit
 
 from features.sample_key import drawn, sample_keys
 from ingest.errors import GpufailError, InputError
@@ -366,13 +365,13 @@ class _FitOutcome:
     """The odds-corrected logits on that calibration slice."""
 
 
-def _scored(model: TrainedModel, rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(`predict_score`, `predict_uncalibrated_logit`) of `rows`, the model run once."""
-    if model.kind == "logistic":
-        z = model.predict_uncalibrated_logit(rows)
-        return expit(z + math.log(model.pos_weight)), z
-    raw = model.predict_score(rows)
-    return raw, logit(prior_correction(raw, model.pos_weight))
+def _scored_by(calibration: Calibration, scorer: TrainedModel) -> Calibration:
+    """`calibration` recording the training window of the fit whose scores it was fitted on."""
+    extra = {
+        "scored_by_train_start": scorer.train_start.isoformat(),
+        "scored_by_train_end": scorer.train_end.isoformat(),
+    }
+    return replace(calibration, extra={**calibration.extra, **extra})
 
 
 def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
@@ -395,7 +394,7 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, rows, None, None, f"kept previous model: {exc}")
-    scored = [_scored(model, frames.evaluation.iloc[span]) for span in task.spans]
+    scored = [model.predict_score_and_logit(frames.evaluation.iloc[span]) for span in task.spans]
     raw = np.concatenate([np.zeros(0), *(r for r, _ in scored)])
     z = np.concatenate([np.zeros(0), *(z for _, z in scored)])
     outcome = _FitOutcome(spec, task.as_of, rows, raw, model, "trained", logit=z)
@@ -406,9 +405,10 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     outcome.slice_logit = z[np.searchsorted(rows, on_slice)]
     start, end = task.calibration_bounds
     try:
-        outcome.calibration = fit_calibration_on_logits(
+        calibration = fit_calibration_on_logits(
             outcome.slice_logit, frames.labels[on_slice], task.method, slice_start=start, slice_end=end
         )
+        outcome.calibration = _scored_by(calibration, model)
     except InputError as exc:
         outcome.calibration_error = str(exc)
     return outcome
@@ -591,7 +591,7 @@ class _Tracks:
                     track.on_slice[t] = (calibration.apply_logit(slice_logit), None)
             if status != "trained" and latest is not None and len(rows):
                 # A retrain that could not be done: the previous model goes on scoring.
-                track.raw[rows], track.logit[rows] = _scored(latest[0], self.frame.iloc[rows])
+                track.raw[rows], track.logit[rows] = latest[0].predict_score_and_logit(self.frame.iloc[rows])
             track.at[t] = (status, None if latest is None else latest[0])
             track.calibration[t] = None if latest is None else latest[2]
             if latest is not None:
@@ -634,7 +634,7 @@ class _Tracks:
                     combine_probabilities(member_raw, slice_ns, combine, top_k), scorer.pos_weight
                 )
                 try:
-                    latest = self._calibrate(t, slice_risk)
+                    latest = _scored_by(self._calibrate(t, slice_risk), scorer)
                 except InputError as exc:  # (the members' own slices are the same: they kept theirs)
                     failed = f"kept previous model: {exc}"
                 else:

@@ -30,13 +30,17 @@ def test_no_fit_trains_on_a_row_whose_label_window_reaches_its_test_period():
     horizon = pd.Timedelta(hours=12)
     trained = [f for f in result.fits if f.status == "trained"]
     assert len(trained) == 1 + 3 + 3  # static once, sliding and auto at each of the 3 days
+    step = pd.Timedelta(hours=1)
     for fit in trained:
         # A training row at ts has its label window (ts, ts + horizon]; the model scores from
-        # retrain_at, after its calibration slice [retrain_at - horizon - 1d, retrain_at - horizon),
-        # which no training label reaches.
+        # retrain_at and is trained up to the newest label settled then (within a grid step), as
+        # the served model is. Its map was fitted on the calibration slice
+        # [retrain_at - horizon - 1d, retrain_at - horizon) as scored by a fit that no label of
+        # the slice reached.
+        assert fit.retrain_at - horizon - step <= fit.train_end and fit.train_end + horizon < fit.retrain_at
         slice_start, slice_end = (pd.Timestamp(fit.calibration[k]) for k in ("slice_start", "slice_end"))
         assert slice_end == fit.retrain_at - horizon and slice_end - slice_start == pd.Timedelta(days=1)
-        assert fit.train_end + horizon < slice_start
+        assert pd.Timestamp(fit.calibration["scored_by_train_end"]) + horizon < slice_start
         assert fit.calibration["n_positives"] > 0 and fit.calibration["method"] == "platt"
     ts = result.test["ts"]
     for name in ("lgb sliding", "lgb auto"):
@@ -53,8 +57,8 @@ def test_the_sliding_window_moves_with_the_retraining_time():
     for f in fits:
         assert f.train_window == "4d"
         assert f.train_end - f.train_start <= pd.Timedelta(days=4)
-        # The window ends a horizon before the calibration slice, which ends a horizon before retrain_at.
-        assert f.train_start >= f.retrain_at - pd.Timedelta(hours=24) - pd.Timedelta(days=1 + 4)
+        # The window ends a horizon before retrain_at.
+        assert f.train_start >= f.retrain_at - pd.Timedelta(hours=12) - pd.Timedelta(days=4)
 
 
 def test_the_test_period_ends_at_the_last_settled_label_and_spans_test_days():
@@ -324,11 +328,13 @@ def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(com
         Contender("par", "parallel", "sliding", ensemble),
     ]
     result = run_walk_forward(tiny_frame(), contenders, TINY)
-    # The ensemble's members are the two single contenders' fits: nothing trained twice.
-    assert result.n_fits == 2 * 2 and result.n_fits_unshared == 4 * 2
+    # The ensemble's members are the two single contenders' fits: nothing trained twice. Each
+    # retrain is two fits: the model, and the fit as of its calibration slice's start.
+    assert result.n_fits == 2 * 2 * 2 and result.n_fits_unshared == 4 * 2 * 2
     ts = result.test["ts"]
     for r in result.retrain_times:
-        # What `gpufail train` makes as of r: calibrated on the day before r - horizon.
+        # What `gpufail train` makes as of r: trained up to r - horizon, calibrated on the day
+        # before r - horizon as scored by a fit as of that day's start.
         options = TrainOptions(
             kind="parallel",
             train_window="3d",
@@ -359,7 +365,9 @@ def test_a_parallel_contender_scores_exactly_what_the_fitted_ensemble_scores(com
 def test_a_static_contender_shares_its_fit_with_the_first_sliding_one():
     contenders = [Contender("s", "lightgbm", "static", FAST), Contender("d", "lightgbm", "sliding", FAST)]
     result = run_walk_forward(tiny_frame(), contenders, TINY)
-    assert (result.n_fits, result.n_fits_unshared) == (2, 3)
+    # Each retrain is two fits (the model; the fit scoring its calibration slice): the static
+    # contender's two are the first sliding retrain's.
+    assert (result.n_fits, result.n_fits_unshared) == (4, 6)
     first = (result.test["ts"] < result.retrain_times[1]).to_numpy()
     np.testing.assert_array_equal(result.scores["s"][first], result.scores["d"][first])
     assert not np.array_equal(result.scores["s"][~first], result.scores["d"][~first])
@@ -397,7 +405,8 @@ def test_auto_scores_validation_days_with_each_windows_own_walk_forward_models()
     result = run_walk_forward(tiny_frame(), contenders, plan)
     # Days before the test period (horizon + validation window: 2 days) are fit per window too;
     # the 3d track inside the test period is the sliding contender's.
-    assert result.n_fits == 2 * (2 + 2) and result.n_fits_unshared == 2 * (2 + 2) + 2
+    # Each retrain is two fits (the model; the fit scoring its calibration slice).
+    assert result.n_fits == 2 * (2 + 2) * 2 and result.n_fits_unshared == (2 * (2 + 2) + 2) * 2
     auto = [f for f in result.fits if f.contender == "a"]
     assert [f.retrain_at for f in auto] == result.retrain_times
     for f in auto:
