@@ -29,11 +29,11 @@ from features.aggregates import BUCKETS, read_buckets
 from features.build import _presence_from_buckets, failure_episodes, features_from_buckets
 from features.inputs import prepare_repairs, prepare_xids, utc
 from features.labels import GPU, resolve_xid_gpus
-from features.peers import PEER_METRICS, model_column, model_medians
+from features.peers import PEER_METRICS, model_column, model_deltas, model_medians
 from features.plan import FleetFacts
 from features.schema import TS_DTYPE
 from features.spec import FeatureSpec
-from features.windows import grid_floor, grid_suffix, hourly_aggregate
+from features.windows import grid_suffix, hourly_aggregate
 from ingest.store import Store
 
 AGE_FEATURE = "gpu_age_h"
@@ -92,17 +92,10 @@ def payload_features(
         xid.filter(~pl.col(GPU).is_in(list(known))), unknown, spec, data_end=data_end, repairs=repairs
     )
     episodes = pl.concat([theirs, ours.select(theirs.columns)], how="vertical_relaxed") if ours.height else theirs
-    medians, stored_times = _medians(store, spec, hourly, data_end)
     frame = features_from_buckets(
-        hourly,
-        xid,
-        spec,
-        data_end=data_end,
-        presence=presence,
-        episodes=episodes,
-        repairs=repairs,
-        model_medians=medians,
+        hourly, xid, spec, data_end=data_end, presence=presence, episodes=episodes, repairs=repairs
     )
+    frame, stored_times = _with_fleet_model_deltas(frame, hourly, store, spec)
     return PayloadFeatures(frame, _payload_only(frame, known, stored_times), known)
 
 
@@ -138,35 +131,43 @@ def _merged_xids(sent: pl.DataFrame, presence: pl.DataFrame, stored: pl.DataFram
     return both.unique(subset=[GPU, "ts", "xid"], keep="first", maintain_order=True)
 
 
-def _medians(
-    store: Store, spec: FeatureSpec, hourly: pl.DataFrame, data_end: datetime
-) -> tuple[pl.DataFrame | None, set[datetime]]:
-    """The fleet medians per GPU model (`features.peers.model_medians`) at the grid times a
-    request's newest rows can fall on, from every GPU's buckets in the store, the request's own
-    where the store has none; and the grid times the store had."""
+def _with_fleet_model_deltas(
+    frame: pl.DataFrame, hourly: pl.DataFrame, store: Store, spec: FeatureSpec
+) -> tuple[pl.DataFrame, set[datetime]]:
+    """`frame` with the GPU-model deltas of each GPU's newest row taken against the fleet
+    medians of that grid time (`features.peers.model_medians` over every GPU's buckets in the
+    store), where the store has buckets then; and those grid times."""
     sfx = grid_suffix(spec.grid)
     means = [f"{m}_mean{sfx}" for m in PEER_METRICS if f"{m}_mean{sfx}" in hourly.columns]
-    if not means:
-        return None, set()
-    # A GPU's newest row is at most `max_silence` after its last bucket.
-    first = utc(hourly.group_by(GPU).agg(pl.col("ts").max())["ts"].min()) - spec.grid  # type: ignore[arg-type]
-    last = grid_floor(data_end, spec.grid) + timedelta(microseconds=1)
-    names = store.scan(BUCKETS, first, last).collect_schema().names()
-    wanted = [GPU, "ts", *(c for c in ("gpu_model",) if c in names), *(m for m in means if m in names)]
-    fleet = read_buckets(store, first, last, columns=wanted)
-    fleet = fleet.filter(pl.col("ts") >= pl.lit(first, dtype=TS_DTYPE))
-    own = model_medians(hourly.select(GPU, "ts", model_column(hourly), *means), spec.grid)
-    if fleet.height == 0:
-        return own, set()
-    stored = model_medians(
-        fleet.select(GPU, "ts", model_column(fleet), *[m for m in means if m in fleet.columns]), spec.grid
+    if not means or frame.height == 0:
+        return frame, set()
+    newest = _newest(frame).select(GPU, "ts")
+    parts = []
+    for ts in sorted(newest["ts"].unique().to_list()):
+        names = store.scan(BUCKETS, ts, ts + timedelta(microseconds=1)).collect_schema().names()
+        wanted = [GPU, "ts", *(c for c in ("gpu_model",) if c in names), *(m for m in means if m in names)]
+        if not set(means) <= set(wanted):
+            continue
+        fleet = read_buckets(store, ts - timedelta(microseconds=1), ts + timedelta(microseconds=1), columns=wanted)
+        fleet = fleet.filter(pl.col("ts") == pl.lit(ts, dtype=TS_DTYPE))
+        if fleet.height:
+            parts.append(model_medians(fleet.select(GPU, "ts", model_column(fleet), *means), spec.grid))
+    if not parts:
+        return frame, set()
+    medians = pl.concat(parts, how="vertical_relaxed")
+    stored_times = {utc(t) for t in medians["ts"].unique().to_list()}
+    rows = hourly.join(newest, on=[GPU, "ts"], how="semi").filter(pl.col("ts").is_in(medians["ts"].unique().implode()))
+    deltas = model_deltas(rows.select(GPU, "ts", model_column(rows), *means), medians, spec.grid)
+    columns = [c for c in deltas.columns if c not in (GPU, "ts")]
+    patched = frame.join(deltas.rename({c: f"_fleet_{c}" for c in columns}), on=[GPU, "ts"], how="left")
+    stored = pl.col("ts").is_in(medians["ts"].unique().implode())
+    return (
+        patched.with_columns(
+            pl.when(stored).then(pl.col(f"_fleet_{c}")).otherwise(pl.col(c)).cast(frame.schema[c]).alias(c)
+            for c in columns
+        ).select(frame.columns),
+        stored_times,
     )
-    stored_times = {utc(t) for t in stored["ts"].unique().to_list()}
-    merged = pl.concat(
-        [stored, own.join(stored.select("ts").unique(), on="ts", how="anti").select(stored.columns)],
-        how="vertical_relaxed",
-    )
-    return merged, stored_times
 
 
 def _newest(frame: pl.DataFrame) -> pl.DataFrame:

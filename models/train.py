@@ -567,18 +567,22 @@ def short_history_note(
     day = pd.Timedelta(days=1)
     served_days = max(served_end - max(served_end - window, first), pd.Timedelta(0)) / day
     fit_days = max(fit_end - first, pd.Timedelta(0)) / day
-    need = (
-        window
-        + as_timedelta(options.horizon, "horizon")
-        + as_timedelta(options.calibration_window, "calibration_window")
-    )
+    horizon = as_timedelta(options.horizon, "horizon")
+    calibration = as_timedelta(options.calibration_window, "calibration_window")
+    need = window + horizon + calibration
     return (
-        f"short history: the data starts {first:%Y-%m-%d %H:%M}, less than train_window {options.train_window} + "
-        f"horizon {options.horizon} + calibration_window {options.calibration_window} ({need / day:.1f} days) "
+        f"short history: the data starts {first:%Y-%m-%d %H:%M}, less than train_window {_days(window)} + "
+        f"horizon {_days(horizon)} + calibration_window {_days(calibration)} ({need / day:.1f} days) "
         f"before the newest settled label: the served model trains on {served_days:.1f} days (up to "
         f"{served_end:%Y-%m-%d %H:%M}), its calibration map on {(bounds[1] - bounds[0]) / day:.1f} days "
         f"({bounds[0]:%Y-%m-%d %H:%M} .. {bounds[1]:%Y-%m-%d %H:%M}) scored by a fit on {fit_days:.1f} days before them"
     )
+
+
+def _days(duration: pd.Timedelta) -> str:
+    """A duration as the configuration writes it: whole days as "7d", else hours ("36h")."""
+    hours = duration / pd.Timedelta(hours=1)
+    return f"{hours / 24:g}d" if hours % 24 == 0 else f"{hours:g}h"
 
 
 def attach_calibration(model: TrainedModel, calibrated: TrainedModel, note: str | None) -> TrainedModel:

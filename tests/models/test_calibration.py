@@ -218,7 +218,7 @@ def test_a_short_history_says_how_many_days_train_and_calibrate(caplog):
         model = train_model(frame, TrainOptions(**long_window))
     (line,) = [r.getMessage() for r in caplog.records if "short history" in r.getMessage()]
     assert f"the data starts {first:%Y-%m-%d %H:%M}" in line
-    assert "train_window 30d + horizon 12h + calibration_window 2d" in line
+    assert "train_window 30d + horizon 12h + calibration_window 2d (32.5 days)" in line
     served_days = (model.train_end - first) / pd.Timedelta(days=1)
     assert f"the served model trains on {served_days + 1 / 24:.1f} days" in line
     assert "its calibration map on 2.0 days" in line

@@ -192,10 +192,15 @@ def test_predict_from_raw_telemetry_featurises_like_training(client):
     built = build_features(part, sent_events, model.feature_spec)
     rows = latest_rows(built.to_pandas())
     expected = dict(zip(rows["gpu_uuid"], model.predict_risk(rows), strict=True))
+    # The server's store has no aggregates to take fleet facts from: the answer names the
+    # features that came from the payload alone.
+    fleet_facts = [c for c in built.columns if c == "gpu_age_h" or c.startswith("xid_") or "_model_delta_" in c]
+    assert "gpu_age_h" in fleet_facts and any(c.startswith("xid_") for c in fleet_facts)
     for g in body["gpus"]:
         assert g["risk"] == pytest.approx(expected[g["gpu_uuid"]], rel=1e-6)
         assert pd.Timestamp(g["ts"]) == rows["ts"].max()
         assert len(g["top_features"]) == 2
+        assert g["payload_only_features"] == fleet_facts
 
 
 def _jsonable(value):
