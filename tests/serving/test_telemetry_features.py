@@ -113,7 +113,7 @@ def test_telemetry_of_a_known_node_gives_the_stores_features_and_risk(store: Sto
         older = (stored["gpu_age_h"] > 24 * PAYLOAD_DAYS).to_numpy()
         assert older.any() and (alone["gpu_age_h"].to_numpy()[older] <= 24 * PAYLOAD_DAYS).all()
         # (A GPU model on this node alone has the same median either way.)
-        delta = [c for c in columns if "_model_delta_" in c][0]
+        delta = next(c for c in columns if "_model_delta_" in c)
         other_medians.append(
             not np.allclose(alone[delta].to_numpy(dtype=np.float64), stored[delta].to_numpy(dtype=np.float64))
         )
