@@ -271,7 +271,7 @@ class ModelSettings(_Table):
     """kind = "cascade": share of the failures the first stage must keep (out of fold)."""
     calibration: Literal["platt", "isotonic"] = "platt"
     """How the served risk is calibrated (models/calibration.py), on the calibration_window of
-    labels after the training window (the model is trained as of the window's start)."""
+    labels at the end of the training window, as scored by a fit made as of its start."""
     calibration_window: PositiveDuration = timedelta(days=7)
 
 
