@@ -482,15 +482,18 @@ class _Job:
         settled = settled_until(frame, spec.horizon)
         holdout_start = settled - timedelta(days=self.o.holdout_days) + spec.grid
         options = replace(options, as_of=holdout_start)
-        # The fit's labels end a horizon before the held-out window (or before its calibration
-        # slice, which ends there): it never sees them.
+        # The fit's labels end a horizon before the held-out window: it never sees them. Its
+        # calibration slice is the end of its window, scored by a fit whose labels end a horizon
+        # before the slice (`models.train.calibration_bounds`).
         calibration = None if options.calibration is None else calibration_bounds(settled, options)
-        fit_as_of = holdout_start if calibration is None else calibration[0]
-        window_start = fit_as_of - spec.horizon - as_timedelta(options.train_window, "train_window")
-        window_end = fit_as_of - spec.horizon
+        train_window = as_timedelta(options.train_window, "train_window")
+        window_end = holdout_start - spec.horizon
+        window_start = window_end - train_window
         slices = {"training window": (window_start, window_end)}
         if calibration is not None:
             slices["calibration slice"] = calibration
+            scorer_end = calibration[0] - spec.horizon
+            slices["window of the fit that scores the calibration slice"] = (scorer_end - train_window, scorer_end)
         base = {
             "holdout_start": holdout_start.isoformat(),
             "holdout_end": settled.isoformat(),

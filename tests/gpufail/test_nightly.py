@@ -203,14 +203,17 @@ def test_three_nights_give_three_runs_justified_promotions_and_a_champion_servin
     promoted = [g["version"] for g in gates if g["promote"]]
     champion = load_champion(url, name)
     assert champion.version == promoted[-1]
-    # The champion carries the calibration it was fitted with, on the day after its training
-    # window and before the held-out window.
+    # The champion is trained up to its window's end, a horizon before the held-out window, and
+    # carries the calibration fitted on the window's last days as scored by an earlier fit.
     train = next(s.results["train"] for s in summaries if s.results["train"]["model_version"] == champion.model.version)
     assert champion.model.calibrated
     info = champion.model.calibration_info()
     assert info["slice_end"] == train["calibration_end"] and info["slice_start"] == train["calibration_start"]
-    assert datetime.fromisoformat(train["window_end"]) < datetime.fromisoformat(train["calibration_start"])
-    assert datetime.fromisoformat(train["calibration_end"]) < datetime.fromisoformat(train["holdout_start"])
+    window_end = datetime.fromisoformat(train["window_end"])
+    assert datetime.fromisoformat(train["calibration_end"]) == window_end
+    assert window_end - opts.feature_spec.grid <= champion.model.train_end < window_end
+    assert datetime.fromisoformat(info["scored_by_train_end"]) < datetime.fromisoformat(train["calibration_start"])
+    assert window_end < datetime.fromisoformat(train["holdout_start"])
 
     # Each night scored the fleet's latest grid time with that night's champion.
     store = Store.open(str(data))
