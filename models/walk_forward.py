@@ -583,7 +583,9 @@ class _Tracks:
             if out.model is not None and out.raw is not None and out.logit is not None:
                 slice_logit, calibration = scorer.slice_logit, scorer.calibration
                 if calibration is None or slice_logit is None:
-                    status = f"kept previous model: {scorer.calibration_error or scorer.status}"
+                    status = (
+                        scorer.status if scorer.model is None else f"kept previous model: {scorer.calibration_error}"
+                    )
                 else:
                     latest = (out.model, t, calibration)
                     at = np.searchsorted(out.rows, rows)
