@@ -135,6 +135,32 @@ def test_wilson_interval_by_hand():
     assert wilson_interval(0, 0) == (None, None)
 
 
+def test_top_risk_ties_counts_the_rows_that_share_the_highest_risk():
+    from models.calibration import top_risk_ties
+
+    assert top_risk_ties(np.array([0.1, 0.85, 0.3, 0.85, np.nan, 0.85])) == {"top_risk": 0.85, "n_rows": 3}
+    assert top_risk_ties(np.array([0.2, 0.9, 0.5])) == {"top_risk": 0.9, "n_rows": 1}
+    assert top_risk_ties(np.array([])) == {"top_risk": None, "n_rows": 0}
+
+
+def test_a_calibration_from_logits_keeps_the_order_that_probabilities_rounded_away():
+    from models.calibration import fit_calibration_on_logits
+
+    rng = np.random.default_rng(3)
+    z = rng.normal(0.0, 3.0, 20_000)
+    y = (rng.random(20_000) < 1.0 / (1.0 + np.exp(-(0.3 * z - 2.0)))).astype(float)
+    start, end = START, END
+    on_logits = fit_calibration_on_logits(z, y, "platt", slice_start=start, slice_end=end)
+    # Logits of 40, 50 and 60 are all a probability of exactly 1.0 in float64.
+    far = np.array([40.0, 50.0, 60.0])
+    assert np.all(1.0 / (1.0 + np.exp(-far)) == 1.0)
+    via_risk = on_logits.apply(1.0 / (1.0 + np.exp(-far)))
+    assert len(np.unique(via_risk)) == 1  # what the map saw before: one value for all three
+    risk = on_logits.apply_logit(far)
+    assert np.all(np.diff(risk) > 0) and risk.max() < 1.0
+    assert on_logits.params["slope"] == pytest.approx(0.3, abs=0.05)
+
+
 def test_high_risk_check_says_within_outside_or_too_few():
     rng = np.random.default_rng(0)
     p = np.full(2000, 0.7)

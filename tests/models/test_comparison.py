@@ -165,6 +165,10 @@ def test_alarms_calibration_and_the_ensemble_at_equal_volume_are_reported():
     assert figures["high_risk"]["verdict"] in ("within", "outside", "too few rows", "no rows")
     assert sum(b["n_rows"] for b in figures["bins"]) == metrics["test"]["n_rows"]
     assert "ece" in figures["uncalibrated"]
+    # How many test rows share each contender's top calibrated risk (a saturated model: many).
+    for name, f in metrics["calibration"].items():
+        top = f["top_ties"]
+        assert top["n_rows"] >= 1 and 0 < top["top_risk"] <= 1, name
 
 
 def test_evaluate_seeds_reports_mean_and_range_over_seeds():

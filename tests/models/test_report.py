@@ -90,6 +90,9 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     assert "### At their own volume" in text and "| rule | own flags |" in text
     assert "## Lead time per failure mode (lr auto, 200 alarms per 1,000 GPUs per day)" in text
     assert "## Calibration on the test period" in text and "Reliability of lr auto" in text
+    ties = metrics()["calibration"]["lr auto"]["top_ties"]["n_rows"]
+    assert "| verdict | rows at top risk |" in text
+    assert any(line.startswith("| lr auto | ") and line.endswith(f" | {ties} |") for line in text.splitlines())
     assert "## The paper's parallel ensemble at equal alarm volume" not in text  # no parallel contender
     # Every contender against the baselines, and the configuration chosen before the test.
     assert "## Against the baselines, alarm by alarm" in text and "### Minus the heuristic" in text
