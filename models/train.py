@@ -538,7 +538,7 @@ def calibrate_model(
     df = df.loc[labels(df).notna().to_numpy()] if len(df) else df
     if len(df) == 0:
         raise InputError(
-            f"calibration slice {bounds[0]} .. {bounds[1]}: no labelled rows; expected feature rows after the "
+            f"calibration slice {bounds[0]} .. {bounds[1]}: no labelled rows; expected feature rows at the end of the "
             "training window (a shorter calibration_window, or more data)"
         )
     calibration = fit_calibration_on_logits(
