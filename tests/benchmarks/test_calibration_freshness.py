@@ -20,7 +20,7 @@ def test_the_fresh_model_is_a_calibration_window_younger_and_both_are_judged_on_
     config = tmp_path / "gpufail.toml"
     config.write_text(
         '[model]\nmonotone_increasing = []\ntrain_window = "3d"\ncalibration_window = "2d"\nmax_negatives_per_positive = 20\n'
-        'params = { n_estimators = 20, n_jobs = 1 }\n'
+        "params = { n_estimators = 20, n_jobs = 1 }\n"
     )
     main(["--data", store.root, "--holdout-days", "2", "--config", str(config)])
     out = json.loads(capsys.readouterr().out)
