@@ -9,11 +9,15 @@ fleet's share of the alarms.
 A difference is only worded as a finding when the data could have shown it:
 
 - `higher` / `lower`: the 95% interval lies wholly above / below zero;
-- `no difference`: it includes zero and lies within +-`EQUIVALENCE_MARGIN`;
+- `no difference`: it includes zero and lies within +-`EQUIVALENCE_MARGIN`, and so does 1.96
+  standard errors (below);
 - `not shown`: it includes zero and is wider than that: too few alarms to tell.
 
 `detectable` is the smallest true difference the comparison would find with 80% power at the
-5% level, (z_0.975 + z_0.8) x the bootstrap standard error: what "not shown" could have missed.
+5% level, (z_0.975 + z_0.8) x the standard error: what "not shown" could have missed. The
+standard error is the bootstrap's, at least that of two binomial shares with the same counts
+(`_binomial_se`): a few alarms all right on both sides have no spread to resample, not a
+precise difference.
 """
 
 from __future__ import annotations
@@ -59,25 +63,40 @@ def paired_difference(strata: Sequence[Stratum], *, samples: int, seed: int) -> 
     if len(stats) < 2:
         return {**_empty(), "difference": point}
     low, high = (float(v) for v in np.quantile(stats, [0.025, 0.975]))
-    se = float(stats.std(ddof=1))
+    se = max(float(stats.std(ddof=1)), _binomial_se(a, b))
     return {
         "difference": point,
         "ci": [low, high],
         "se": se,
         "detectable": POWER_FACTOR * se,
-        "verdict": verdict(low, high),
+        "verdict": verdict(low, high, half_width=1.959964 * se),
     }
 
 
-def verdict(low: float | None, high: float | None, margin: float = EQUIVALENCE_MARGIN) -> str:
-    """`higher`, `lower`, `no difference` or `not shown` for a 95% interval (module docstring)."""
+def _binomial_se(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    """The standard error two independent binomial shares with these counts would have, each
+    share taken as (x + 1) / (n + 2): the floor of the bootstrap's, which sees no spread where
+    every alarm of a few was right (or wrong) and would call 2 of 2 against 3 of 3 certain."""
+    total = 0.0
+    for side in (a, b):
+        x, n = (float(v) for v in sum(d.sum(axis=0) for d in side))
+        p = (x + 1.0) / (n + 2.0)
+        total += p * (1.0 - p) / n
+    return math.sqrt(total)
+
+
+def verdict(
+    low: float | None, high: float | None, margin: float = EQUIVALENCE_MARGIN, half_width: float = 0.0
+) -> str:
+    """`higher`, `lower`, `no difference` or `not shown` for a 95% interval (module docstring);
+    `no difference` also needs `half_width` (1.96 standard errors) within the margin."""
     if low is None or high is None:
         return "not shown"
     if low > 0:
         return "higher"
     if high < 0:
         return "lower"
-    if -margin <= low and high <= margin:
+    if -margin <= low and high <= margin and half_width <= margin:
         return "no difference"
     return "not shown"
 
