@@ -126,9 +126,9 @@ class AlarmFrame:
             pd.to_datetime(self.failures["failure_ts"], utc=True).to_numpy(dtype="datetime64[ns]").astype(np.int64)
         )
         rows = pd.DataFrame({"gpu_uuid": self.uuid, "ts": self.ns, "_row": np.arange(len(self.ns))})
-        known = pd.DataFrame(
-            {"gpu_uuid": self.failures["gpu_uuid"].to_numpy(dtype=str), "failure": failure_ns}
-        ).assign(_failure=np.arange(len(failure_ns)))
+        known = pd.DataFrame({"gpu_uuid": self.failures["gpu_uuid"].to_numpy(dtype=str), "failure": failure_ns}).assign(
+            _failure=np.arange(len(failure_ns))
+        )
         merged = pd.merge_asof(
             rows.sort_values("ts"),
             known.sort_values("failure"),
@@ -167,7 +167,7 @@ class AlarmFrame:
 
     def allowed(self, budget: float, gpu_days: float) -> int:
         """The most alarms `budget` (per 1,000 GPUs per day) allows over `gpu_days`."""
-        return int(math.floor(budget * gpu_days / 1000.0 + 1e-9))
+        return math.floor(budget * gpu_days / 1000.0 + 1e-9)
 
     def rate(self, alarms: np.ndarray) -> float:
         """Alarms per 1,000 GPU-days."""
@@ -353,7 +353,10 @@ def alarm_metrics(frame: AlarmFrame, alarm: Any, *, samples: int = 1000, seed: i
                         for suffix in WINDOW_KEYS
                         for key, value in (
                             ("n_caught", int(outcomes[f"caught{suffix}"].to_numpy()[mask].sum())),
-                            ("recall", _num(outcomes[f"caught{suffix}"].to_numpy()[mask].mean()) if mask.any() else None),
+                            (
+                                "recall",
+                                _num(outcomes[f"caught{suffix}"].to_numpy()[mask].mean()) if mask.any() else None,
+                            ),
                         )
                     },
                     "lead_time_h_median": _num(np.median(outcomes.loc[mask & caught_long, "lead_h"]))
@@ -415,9 +418,9 @@ def failure_outcomes(frame: AlarmFrame, table: pd.DataFrame) -> pd.DataFrame:
         key = pd.MultiIndex.from_arrays(
             [episodes["gpu_uuid"].astype(str).to_numpy(), failure_ts.to_numpy(dtype="datetime64[ns]")]
         )
-        by_failure = right.assign(
-            next_failure=right["next_failure"].to_numpy(dtype="datetime64[ns]")
-        ).groupby(["gpu_uuid", "next_failure"])["until_h"]
+        by_failure = right.assign(next_failure=right["next_failure"].to_numpy(dtype="datetime64[ns]")).groupby(
+            ["gpu_uuid", "next_failure"]
+        )["until_h"]
         # An episode has one alarm; a GPU back from a gap has another, the same failure ahead.
         first = by_failure.max().reindex(key).to_numpy(dtype=float)
         last = by_failure.min().reindex(key).to_numpy(dtype=float)

@@ -97,11 +97,11 @@ def _nearest(truth: pd.DataFrame | None, node: str | None, ts: pd.Timestamp) -> 
 def _leading(spread: dict[str, tuple[float, float]], row: pd.Series, n: int) -> list[dict[str, Any]]:
     """The `n` features of `row` farthest from the test period's mean, in standard deviations
     (`spread`: feature -> (mean, standard deviation) over the test period)."""
-    found = []
+    found: list[tuple[float, str, float]] = []
     for c, (mean, std) in spread.items():
         value = pd.to_numeric(row[c], errors="coerce")
         if pd.isna(value) or not std > 0:
             continue
-        found.append({"feature": c, "value": float(value), "z": (float(value) - mean) / std})
-    found.sort(key=lambda f: -abs(f["z"]))
-    return found[:n]
+        found.append(((float(value) - mean) / std, c, float(value)))
+    found.sort(key=lambda f: -abs(f[0]))
+    return [{"feature": c, "value": value, "z": z} for z, c, value in found[:n]]

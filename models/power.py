@@ -85,9 +85,7 @@ def _binomial_se(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
     return math.sqrt(total)
 
 
-def verdict(
-    low: float | None, high: float | None, margin: float = EQUIVALENCE_MARGIN, half_width: float = 0.0
-) -> str:
+def verdict(low: float | None, high: float | None, margin: float = EQUIVALENCE_MARGIN, half_width: float = 0.0) -> str:
     """`higher`, `lower`, `no difference` or `not shown` for a 95% interval (module docstring);
     `no difference` also needs `half_width` (1.96 standard errors) within the margin."""
     if low is None or high is None:

@@ -87,7 +87,9 @@ def _windows_header(rules: dict[str, Any]) -> str:
 
 def alarm_header(rules: dict[str, Any]) -> list[str]:
     return [
-        "| configuration | threshold | alarms /1k GPU-days, validation | test | alarms | " + _windows_header(rules) + " |",
+        "| configuration | threshold | alarms /1k GPU-days, validation | test | alarms | "
+        + _windows_header(rules)
+        + " |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
@@ -185,8 +187,7 @@ def quota_sections(metrics: dict[str, Any]) -> list[str]:
         "episode are ranked by their highest risk that day, and the riskiest are alarmed, as many as bring the "
         "alarms so far to the budget times the GPU-days so far (0.5 per 1,000 GPUs per day on a few hundred GPUs "
         "is one alarm every few days). Every scorer raises the same number of alarms, so these precisions "
-        "compare; the rule and the parallel intersection rank their flagged GPUs first. "
-        + definition_text(rules),
+        "compare; the rule and the parallel intersection rank their flagged GPUs first. " + definition_text(rules),
         "",
     ]
     for budget in alarms["budgets"]:
@@ -251,11 +252,7 @@ def false_alarms_section(metrics: dict[str, Any]) -> list[str]:
         lines += ["| none | | | | | |"]
     for a in found["alarms"]:
         near = a["nearest_failure"]
-        nearest = (
-            "none"
-            if near is None
-            else f"{near['mode']} ({near['gpu_uuid']}, {near['hours_after_alarm']:+.0f} h)"
-        )
+        nearest = "none" if near is None else f"{near['mode']} ({near['gpu_uuid']}, {near['hours_after_alarm']:+.0f} h)"
         features = "; ".join(f"{f['feature']} = {f['value']:.4g} ({f['z']:+.1f} sd)" for f in a["leading_features"])
         lines.append(
             f"| {a['ts']} | {a['gpu_uuid']} | {a['node'] or '-'} | {_risk(a['score'])} | {nearest} | {features or '-'} |"

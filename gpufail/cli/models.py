@@ -287,8 +287,12 @@ def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
         "at_equal_volume": {scorer: {key: point[key] for key in keys} for scorer, point in quota["points"].items()},
         "chosen": chosen.get("name"),
         "chosen_versus": {
-            pair: {"difference": c["precision"]["difference"], "ci": c["precision"]["ci"],
-                   "detectable": c["precision"]["detectable"], "verdict": c["precision"]["verdict"]}
+            pair: {
+                "difference": c["precision"]["difference"],
+                "ci": c["precision"]["ci"],
+                "detectable": c["precision"]["detectable"],
+                "verdict": c["precision"]["verdict"],
+            }
             for pair, c in quota["comparisons"].items()
             if c["first"] == chosen.get("name") and c["question"] == "baseline"
         },

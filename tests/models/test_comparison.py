@@ -315,7 +315,15 @@ def test_every_scorer_at_a_quota_raises_the_same_alarms_where_thresholds_do_not(
     for budget in ("60", "200"):
         quota = alarms["quota"][budget]
         points = quota["points"]
-        assert set(points) >= {"lgb sliding", "lr sliding", "par sliding", "heuristic", "best_feature", "rule", "random"}
+        assert set(points) >= {
+            "lgb sliding",
+            "lr sliding",
+            "par sliding",
+            "heuristic",
+            "best_feature",
+            "rule",
+            "random",
+        }
         assert len({p["n_alarms"] for p in points.values()}) == 1 and points["random"]["n_alarms"] > 0
         assert quota["volume_ratio"] == 1.0  # the target: within a factor 1.25 at every budget
         # The pairs the report reads: contenders against baselines, the ensemble against singles.
@@ -331,9 +339,10 @@ def test_every_scorer_at_a_quota_raises_the_same_alarms_where_thresholds_do_not(
     ratios = alarms["threshold_volume_ratio"]
     assert any(r is None or r > 1.25 for r in ratios.values())
     # The headline figures over seeds are read at the quota.
-    assert headline_figures(metrics)["lgb sliding"]["alarm_precision"] == alarms["quota"]["60"]["points"][
-        "lgb sliding"
-    ]["precision"]
+    assert (
+        headline_figures(metrics)["lgb sliding"]["alarm_precision"]
+        == alarms["quota"]["60"]["points"]["lgb sliding"]["precision"]
+    )
 
 
 def test_the_top_false_alarms_are_wrong_within_the_long_window_riskiest_first_with_node_and_leading_features():
