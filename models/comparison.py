@@ -49,7 +49,7 @@ from models.fail_slow import fail_slow_report, has_fail_slow_inputs
 from models.feature_baseline import choose_feature, feature_scores
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
-from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict
+from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict, quota_verdicts
 from models.walk_forward import Contender, WalkForwardPlan, WalkForwardResult, duration_label, run_walk_forward
 
 PAPER_PRECISION = (0.463, 0.840)
@@ -245,6 +245,8 @@ def evaluate_walk_forward(
                 own_volume=tuple(result.flags),
             ),
             "ensemble_at_equal_volume": verdicts,
+            "ensemble_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"]),
+            "retraining_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"], "retraining"),
             "versus_baselines": versus,
             "chosen_on_validation": chosen,
         },

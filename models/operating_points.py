@@ -382,3 +382,24 @@ def ensemble_verdict(equal_volume: dict[str, Any]) -> dict[str, Any]:
         else:
             out[name] = "not shown"
     return out
+
+
+def quota_verdicts(comparisons: dict[str, Any], question: str = "ensemble") -> dict[str, str]:
+    """Per first scorer of the `question` pairs at one quota (the ensembles): `holds` when its
+    precision is higher than every second's (each interval above zero), `reversed` when some
+    second is higher, `no difference` when every pair is, else `not shown` (underpowered)."""
+    by_first: dict[str, list[str]] = {}
+    for c in comparisons.values():
+        if c["question"] == question:
+            by_first.setdefault(c["first"], []).append(c["precision"]["verdict"])
+    out = {}
+    for name, verdicts in by_first.items():
+        if all(v == "higher" for v in verdicts):
+            out[name] = "holds"
+        elif "lower" in verdicts:
+            out[name] = "reversed"
+        elif all(v == "no difference" for v in verdicts):
+            out[name] = "no difference"
+        else:
+            out[name] = "not shown"
+    return out

@@ -224,6 +224,15 @@ def quota_sections(metrics: dict[str, Any]) -> list[str]:
                 f"{_ci(long['ci'])} | {VERDICT_WORDS[long['verdict']]} | {_points(r['difference'])} {_ci(r['ci'])} |"
             )
         lines.append("")
+    claims = metrics.get("claims", {})
+    for key, words in (("ensemble_at_quota", "the paper's ensemble gain"), ("retraining_at_quota", "retraining")):
+        for name, v in claims.get(key, {}).items():
+            lines.append(
+                f"- At the {headline} quota, {words} ({name}): **{v}**"
+                + (" (too few alarms to tell: see the detectable differences)" if v == "not shown" else "")
+            )
+    if any(claims.get(k) for k in ("ensemble_at_quota", "retraining_at_quota")):
+        lines.append("")
     return lines
 
 

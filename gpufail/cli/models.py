@@ -301,7 +301,7 @@ def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
             "brier": calibration["brier"],
             "high_risk": calibration["high_risk"],
         },
-        "ensemble_at_equal_volume": metrics["claims"].get("ensemble_at_equal_volume", {}),
+        "ensemble_at_quota": metrics["claims"].get("ensemble_at_quota", {}),
     }
 
 
@@ -349,7 +349,8 @@ def alarm_lines(f: dict[str, Any]) -> list[str]:
         )
     )
     lines += [
-        f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in f["ensemble_at_equal_volume"].items()
+        f"the paper's ensemble gain at that quota ({n}, against every single contender): {v}"
+        for n, v in f["ensemble_at_quota"].items()
     ]
     return lines
 

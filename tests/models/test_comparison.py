@@ -335,6 +335,16 @@ def test_every_scorer_at_a_quota_raises_the_same_alarms_where_thresholds_do_not(
         assert pair["precision"]["verdict"] in ("higher", "lower", "no difference", "not shown")
         assert pair["precision"]["detectable"] > 0
         assert quota["comparisons"]["par sliding - lr sliding"]["question"] == "ensemble"
+    ensemble = [
+        c["precision"]["verdict"]
+        for c in alarms["quota"]["60"]["comparisons"].values()
+        if c["first"] == "par sliding" and c["question"] == "ensemble"
+    ]
+    expected = "holds" if set(ensemble) == {"higher"} else "reversed" if "lower" in ensemble else None
+    if expected is not None:
+        assert metrics["claims"]["ensemble_at_quota"]["par sliding"] == expected
+    else:
+        assert metrics["claims"]["ensemble_at_quota"]["par sliding"] in ("no difference", "not shown")
     # The thresholds chosen on validation realise other volumes on the test: the ratio says so.
     ratios = alarms["threshold_volume_ratio"]
     assert any(r is None or r > 1.25 for r in ratios.values())
