@@ -51,6 +51,7 @@ def run_fleets_bench(out: Path, work: Path, seeds: Sequence[int], *, nodes: int,
     from models.pooled import pool_fleets, pooled_markdown
 
     out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "fleets.toml"
     config.write_text(FLEET_CONFIG)
     stages: list[StageResult] = []
