@@ -247,6 +247,8 @@ def evaluate_walk_forward(
             "ensemble_at_equal_volume": verdicts,
             "ensemble_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"]),
             "retraining_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"], "retraining"),
+            "ensemble_at_matched": quota_verdicts(alarms["matched"][f"{headline:g}"]["comparisons"]),
+            "retraining_at_matched": quota_verdicts(alarms["matched"][f"{headline:g}"]["comparisons"], "retraining"),
             "versus_baselines": versus,
             "chosen_on_validation": chosen,
         },

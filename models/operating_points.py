@@ -9,6 +9,11 @@ Operating points (`alarm_comparison`):
   flagging scorers (the rule, the parallel intersection) rank their flagged GPUs first. Paired
   differences (`models.power`) for each contender against each baseline, each ensemble against
   each single contender and each retrained contender against its static twin;
+- `matched`: for each budget, each scorer's threshold set on the test period's scores (never
+  its labels) for the budget, exactly (`threshold_for_budget` on the test rows): the same volume
+  for every scorer, alarms raised the hour the risk crosses. A comparison device (the threshold
+  is not known in advance), the fair one where failures follow their precursor within hours,
+  faster than a daily review; the same pairs as at the quota;
 - `budgets`: each scorer's threshold chosen on the validation slice before the test period (the
   lowest whose volume there stays within the budget, `threshold_for_budget`), with the volume it
   realises on the test and how far apart the scorers' volumes are (`volume_ratio`): their
@@ -125,6 +130,28 @@ def alarm_comparison(
             "comparisons": _quota_pairs(points, contenders, samples, seed),
         }
 
+    matched: dict[str, Any] = {}
+    for budget in budgets:
+        points = {}
+        for name, ranking in ranked.items():
+            # Set on the test period's scores, never its labels: the same volume for every scorer.
+            # Ties left (a score constant on the validation slice) broken by the test's own gap;
+            # a score constant on the test too (a counter that never moves) in the hash's order.
+            values = untied(ranking, test_ties, tie_gap(ranking) or 1.0)
+            threshold, _ = threshold_for_budget(test, values, budget)
+            alarm = test.alarms(test.sorted_values(values >= threshold))
+            shown = float(threshold) if np.isfinite(threshold) else None
+            points[name] = {
+                "budget": budget,
+                "threshold": shown,
+                **alarm_metrics(test, alarm, samples=samples, seed=seed),
+            }
+        matched[_key(budget)] = {
+            "points": points,
+            "volume_ratio": volume_ratio(points),
+            "comparisons": _quota_pairs(points, contenders, samples, seed),
+        }
+
     equal: dict[str, Any] = {}
     singles = [c.name for c in contenders if c.kind in SINGLE_KINDS]
     for c in contenders:
@@ -170,6 +197,7 @@ def alarm_comparison(
         },
         "test_gpu_days": test.gpu_days,
         "quota": quota,
+        "matched": matched,
         "by_budget": {b: {n: _public(m) for n, m in row.items()} for b, row in by_budget.items()},
         "threshold_volume_ratio": {b: volume_ratio(row) for b, row in by_budget.items()},
         "natural": {n: _public(m) for n, m in natural.items()},

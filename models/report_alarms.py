@@ -176,25 +176,46 @@ VERDICT_WORDS = {
 
 
 def quota_sections(metrics: dict[str, Any]) -> list[str]:
-    """The alarms at a daily quota: every scorer at the same volume, its figures within both
-    windows, and the paired differences with the smallest difference each could detect."""
+    """The alarms at a daily quota, then at thresholds matched on the test scores: every scorer
+    at the same volume, its figures within both windows, and the paired differences with the
+    smallest difference each could detect."""
     alarms = metrics["alarms"]
     rules = alarms["rules"]
-    lines = [
+    lines = _equal_volume_lines(
+        metrics,
+        "quota",
         "## Alarms at equal volume: a daily quota",
-        "",
         "Operated as on a fleet: at the end of each test day the GPUs in service and not already alarmed in their "
         "episode are ranked by their highest risk that day, and the riskiest are alarmed, as many as bring the "
         "alarms so far to the budget times the GPU-days so far (0.5 per 1,000 GPUs per day on a few hundred GPUs "
         "is one alarm every few days). Every scorer raises the same number of alarms, so these precisions "
-        "compare; the rule and the parallel intersection rank their flagged GPUs first. " + definition_text(rules),
-        "",
-    ]
+        "compare; the rule and the parallel intersection rank their flagged GPUs first. A GPU that fails within "
+        "hours of its risk rising is often out of service by the day's review. " + definition_text(rules),
+        "Quota",
+    )
+    if "matched" in alarms:
+        lines += _equal_volume_lines(
+            metrics,
+            "matched",
+            "## Alarms at equal volume: thresholds matched on the test scores",
+            "Each scorer's threshold is set on the test period's scores (never its labels), exactly, for the "
+            "budget's number of alarms: every scorer raises the same number, each the hour its risk crosses the "
+            "threshold. A comparison device (no operator knows this threshold in advance), the fair one where "
+            "failures follow their precursor within hours, faster than a daily review.",
+            "Matched",
+        )
+    return lines
+
+
+def _equal_volume_lines(metrics: dict[str, Any], key: str, title: str, text: str, label: str) -> list[str]:
+    alarms = metrics["alarms"]
+    rules = alarms["rules"]
+    lines = [title, "", text, ""]
     for budget in alarms["budgets"]:
-        entry = alarms["quota"][budget_key(budget)]
+        entry = alarms[key][budget_key(budget)]
         ratio = entry["volume_ratio"]
         lines += [
-            f"### Quota {budget:g} alarms per 1,000 GPUs per day"
+            f"### {label} {budget:g} alarms per 1,000 GPUs per day"
             + ("" if ratio is None else f" (realised volumes within a factor {ratio:.2f})"),
             "",
             *quota_header(rules),
@@ -202,10 +223,10 @@ def quota_sections(metrics: dict[str, Any]) -> list[str]:
             "",
         ]
     headline = budget_key(metrics.get("alarm_headline_budget", alarms["budgets"][0]))
-    comparisons = alarms["quota"][headline]["comparisons"]
+    comparisons = alarms[key][headline]["comparisons"]
     if comparisons:
         lines += [
-            f"### Differences at the {headline} quota, paired over the test days",
+            f"### Differences at the {headline} {label.lower()}, paired over the test days",
             "",
             "First minus second, in points, with the paired bootstrap 95% interval and the smallest difference the "
             "comparison could detect (80% power, 5% level: 2.8 x the bootstrap standard error). Higher or lower: the "
@@ -225,13 +246,14 @@ def quota_sections(metrics: dict[str, Any]) -> list[str]:
             )
         lines.append("")
     claims = metrics.get("claims", {})
-    for key, words in (("ensemble_at_quota", "the paper's ensemble gain"), ("retraining_at_quota", "retraining")):
-        for name, v in claims.get(key, {}).items():
+    verdicts = [(f"ensemble_at_{key}", "the paper's ensemble gain"), (f"retraining_at_{key}", "retraining")]
+    for claim, words in verdicts:
+        for name, v in claims.get(claim, {}).items():
             lines.append(
-                f"- At the {headline} quota, {words} ({name}): **{v}**"
+                f"- At the {headline} {label.lower()}, {words} ({name}): **{v}**"
                 + (" (too few alarms to tell: see the detectable differences)" if v == "not shown" else "")
             )
-    if any(claims.get(k) for k in ("ensemble_at_quota", "retraining_at_quota")):
+    if any(claims.get(claim) for claim, _ in verdicts):
         lines.append("")
     return lines
 

@@ -92,6 +92,9 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     quota = metrics()["alarms"]["quota"]["50"]["points"]["lr auto"]
     assert f"| lr auto | {quota['n_alarms']} | {quota['alarms_per_1000_gpu_days']:.2f} | " in text
     assert "### Differences at the 50 quota, paired over the test days" in text
+    matched_at = text.index("## Alarms at equal volume: thresholds matched on the test scores")
+    assert quota_at < matched_at < text.index("## Alarms at thresholds chosen before the test period")
+    assert "### Matched 200 alarms per 1,000 GPUs per day (realised volumes within a factor 1.00)" in text
     assert "| against the baselines | lr auto - heuristic | " in text
     assert "| retraining against the static model of the same kind |" not in text  # no static logistic
     point = metrics()["alarms"]["by_budget"]["200"]["lr auto"]
