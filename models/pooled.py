@@ -68,34 +68,45 @@ def pool_fleets(fleets: Mapping[str, dict[str, Any]], *, samples: int = 1000, se
         "budgets": {},
     }
     for budget in budgets:
-        quotas = [m["alarms"]["quota"][budget] for m in fleets.values()]
-        scorers = list(quotas[0]["points"])
-        for name, q in zip(fleets, quotas, strict=True):
-            if list(q["points"]) != scorers:
-                raise InputError(f"pooled fleets: {name} scores {list(q['points'])}, expected {scorers}")
-        points = {s: pooled_point([q["points"][s] for q in quotas]) for s in scorers}
-        comparisons = {}
-        for pair, c in quotas[0]["comparisons"].items():
-            if all(pair in q["comparisons"] for q in quotas):
-                compared = compare_points(
-                    [q["points"][c["first"]] for q in quotas],
-                    [q["points"][c["second"]] for q in quotas],
-                    samples=samples,
-                    seed=seed,
-                )
-                comparisons[pair] = {"first": c["first"], "second": c["second"], "question": c["question"], **compared}
-        volumes = [p["alarms_per_1000_gpu_days"] for p in points.values() if p["alarms_per_1000_gpu_days"]]
-        out["budgets"][budget] = {
-            "points": points,
-            "volume_ratio": max(volumes) / min(volumes) if volumes and min(volumes) > 0 else None,
-            "volume_ratio_per_fleet": {name: q["volume_ratio"] for name, q in zip(fleets, quotas, strict=True)},
-            "comparisons": comparisons,
-        }
+        out["budgets"][budget] = _pooled_budget(fleets, "quota", budget, samples, seed)
+    # Thresholds matched on each fleet's test scores, where every fleet has them.
+    if all("matched" in m["alarms"] for m in fleets.values()):
+        out["matched"] = {b: _pooled_budget(fleets, "matched", b, samples, seed) for b in budgets}
+    first_scorer = next(iter(first["alarms"]["quota"][budgets[0]]["points"]))
     out["n_failures_per_fleet"] = {
-        name: int(np.sum(m["alarms"]["quota"][budgets[0]]["points"][scorers[0]]["day_counts"]["failures"]))
+        name: int(np.sum(m["alarms"]["quota"][budgets[0]]["points"][first_scorer]["day_counts"]["failures"]))
         for name, m in fleets.items()
     }
     return out
+
+
+def _pooled_budget(
+    fleets: Mapping[str, dict[str, Any]], key: str, budget: str, samples: int, seed: int
+) -> dict[str, Any]:
+    """One budget of operating points `key` ("quota" or "matched") pooled over the fleets."""
+    quotas = [m["alarms"][key][budget] for m in fleets.values()]
+    scorers = list(quotas[0]["points"])
+    for name, q in zip(fleets, quotas, strict=True):
+        if list(q["points"]) != scorers:
+            raise InputError(f"pooled fleets: {name} scores {list(q['points'])}, expected {scorers}")
+    points = {s: pooled_point([q["points"][s] for q in quotas]) for s in scorers}
+    comparisons = {}
+    for pair, c in quotas[0]["comparisons"].items():
+        if all(pair in q["comparisons"] for q in quotas):
+            compared = compare_points(
+                [q["points"][c["first"]] for q in quotas],
+                [q["points"][c["second"]] for q in quotas],
+                samples=samples,
+                seed=seed,
+            )
+            comparisons[pair] = {"first": c["first"], "second": c["second"], "question": c["question"], **compared}
+    volumes = [p["alarms_per_1000_gpu_days"] for p in points.values() if p["alarms_per_1000_gpu_days"]]
+    return {
+        "points": points,
+        "volume_ratio": max(volumes) / min(volumes) if volumes and min(volumes) > 0 else None,
+        "volume_ratio_per_fleet": {name: q["volume_ratio"] for name, q in zip(fleets, quotas, strict=True)},
+        "comparisons": comparisons,
+    }
 
 
 def _pct(value: Any) -> str:
@@ -131,10 +142,20 @@ def pooled_markdown(pooled: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    for budget, entry in pooled["budgets"].items():
+    sections = [("Quota", pooled["budgets"])]
+    if "matched" in pooled:
+        sections.append(("Thresholds matched on the test scores,", pooled["matched"]))
+    for label, by_budget in sections:
+        lines += _budget_lines(label, by_budget, h, long)
+    return "\n".join(lines)
+
+
+def _budget_lines(label: str, by_budget: dict[str, Any], h: str, long: str) -> list[str]:
+    lines: list[str] = []
+    for budget, entry in by_budget.items():
         ratio = entry["volume_ratio"]
         lines += [
-            f"## Quota {budget} alarms per 1,000 GPUs per day"
+            f"## {label} {budget} alarms per 1,000 GPUs per day"
             + ("" if ratio is None else f" (pooled volumes within a factor {ratio:.2f})"),
             "",
             f"| scorer | alarms | /1k GPU-days | precision within {h} | within {long} | recall within {h} | "
@@ -164,4 +185,4 @@ def pooled_markdown(pooled: dict[str, Any]) -> str:
                 f"{_pts(r['difference'])} {_ci(r['ci'])} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return lines

@@ -31,7 +31,10 @@ def test_two_fleets_pool_their_counts_and_narrow_the_interval():
             if c["precision"]["difference"] is not None and single["se"] is not None:
                 assert c["precision"]["difference"] == pytest.approx(single["difference"])
                 assert c["precision"]["se"] < single["se"]  # twice the days: a smaller standard error
+    matched = one["alarms"]["matched"]["60"]["points"]["lgb sliding"]
+    assert pooled["matched"]["60"]["points"]["lgb sliding"]["n_alarms"] == 2 * matched["n_alarms"]
     text = pooled_markdown(pooled)
+    assert "## Thresholds matched on the test scores, 60 alarms per 1,000 GPUs per day" in text
     assert "# The comparison pooled over 2 fleets (a, b)" in text
     assert "| lgb sliding - heuristic |" in text
 
