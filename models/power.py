@@ -68,7 +68,8 @@ def paired_difference(strata: Sequence[Stratum], *, samples: int, seed: int) -> 
         "difference": point,
         "ci": [low, high],
         "se": se,
-        "detectable": POWER_FACTOR * se,
+        # A share differs by at most 1: 100 points means no difference could be found.
+        "detectable": min(POWER_FACTOR * se, 1.0),
         "verdict": verdict(low, high, half_width=1.959964 * se),
     }
 

@@ -285,6 +285,10 @@ def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
         "long_horizon_h": metrics["alarms"]["rules"]["long_horizon_h"],
         "volume_ratio": quota["volume_ratio"],
         "at_equal_volume": {scorer: {key: point[key] for key in keys} for scorer, point in quota["points"].items()},
+        "at_matched_thresholds": {
+            scorer: {key: point[key] for key in keys}
+            for scorer, point in metrics["alarms"].get("matched", {}).get(f"{budget:g}", {}).get("points", {}).items()
+        },
         "chosen": chosen.get("name"),
         "chosen_versus": {
             pair: {
@@ -326,6 +330,14 @@ def alarm_lines(f: dict[str, Any]) -> list[str]:
             f"({p['n_hits_long']}/{p['n_alarms_known_long']}), recall {pct(p['recall'])} / {pct(p['recall_long'])} "
             f"({p['n_caught']}, {p['n_caught_long']} of {p['n_failures']} failures)"
             + ("" if lead is None else f", median lead {lead:.1f} h")
+        )
+    if f.get("at_matched_thresholds"):
+        lines.append(
+            "at thresholds matched on the test scores (the same volume, alarms the hour the risk crosses): "
+            + "; ".join(
+                f"{scorer} {pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']})"
+                for scorer, p in f["at_matched_thresholds"].items()
+            )
         )
     if f["chosen_versus"]:
         parts = [

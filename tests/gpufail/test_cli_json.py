@@ -214,6 +214,10 @@ def test_evaluate_json_gives_the_headline_figures_of_metrics_json(base, tmp_path
     quota = metrics["alarms"]["quota"][f"{budget:g}"]
     assert facts["alarms"]["budget_per_1000_gpus_per_day"] == budget
     assert facts["alarms"]["volume_ratio"] == quota["volume_ratio"]
+    matched = metrics["alarms"]["matched"][f"{budget:g}"]["points"]
+    assert {n: p["n_alarms"] for n, p in facts["alarms"]["at_matched_thresholds"].items()} == {
+        n: p["n_alarms"] for n, p in matched.items()
+    }
     for name, point in quota["points"].items():  # every scorer at the same volume
         mine = facts["alarms"]["at_equal_volume"][name]
         assert (mine["n_alarms"], mine["precision"], mine["recall_long"]) == (

@@ -65,6 +65,8 @@ def test_a_few_alarms_all_right_on_both_sides_are_not_a_precise_difference():
     out = paired_difference([(a, b)], samples=200, seed=0)
     assert out["difference"] == 0.0 and out["ci"] == [0.0, 0.0]
     assert out["verdict"] == "not shown" and out["detectable"] > 0.5
+    one = paired_difference([(days([1, 0], [1, 0]), days([0, 1], [0, 1]))], samples=100, seed=0)
+    assert one["detectable"] == 1.0  # one alarm a side: no difference could be found
 
 
 def test_a_side_without_alarms_or_days_gives_no_figures_and_mismatched_days_are_refused():
