@@ -1,5 +1,5 @@
-"""`python -m benchmarks`: the demo pipeline stage by stage and the hot loops (`make bench`), or the
-paper-scale pipeline (`make bench-paper`)."""
+"""`python -m benchmarks`: the demo pipeline stage by stage and the hot loops (`make bench`), the
+paper-scale pipeline (`make bench-paper`), or the demo comparison pooled over fleets (`--fleets`)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ import click
     "--days",
     type=click.IntRange(min=10),
     default=None,
-    help="With --paper: simulate this many days instead of the preset's 120.",
+    help="With --paper or --fleets: simulate this many days instead of the preset's.",
 )
 @click.option(
     "--work",
     type=click.Path(file_okay=False),
     default=None,
-    help="With --paper: keep the simulated store here (default: a temporary folder, removed after).",
+    help="With --paper or --fleets: keep the simulated stores here (default: a temporary folder, removed after).",
 )
 @click.option(
     "--reuse",
@@ -40,12 +40,45 @@ import click
     help="With --paper and --work: the store simulated and ingested in WORK before, without its aggregates; "
     "the later stages only.",
 )
-def main(out: str, paper: bool, days: int | None, work: str | None, reuse: bool) -> None:
+@click.option(
+    "--fleets",
+    default=None,
+    help="Instead: the demo comparison on one small fleet per seed of this comma-separated list (1,2,3), "
+    "pooled (pooled.md and pooled.json; a fleet of 12 nodes takes a few minutes).",
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=12,
+    show_default=True,
+    help="With --fleets: nodes per fleet.",
+)
+def main(
+    out: str, paper: bool, days: int | None, work: str | None, reuse: bool, fleets: str | None, nodes: int
+) -> None:
     """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
-    --paper, the paper-scale pipeline."""
+    --paper, the paper-scale pipeline; or, with --fleets, the comparison pooled over fleets."""
     from benchmarks.paper import run_paper_bench
     from benchmarks.pipeline import run_bench
 
+    if fleets is not None:
+        from benchmarks.fleets import run_fleets_bench
+
+        if paper or reuse:
+            raise click.UsageError("--fleets goes without --paper and --reuse")
+        try:
+            seeds = [int(s) for s in fleets.split(",") if s.strip()]
+        except ValueError:
+            raise click.UsageError(f"--fleets: expected comma-separated seeds like 1,2,3, got {fleets!r}") from None
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise click.UsageError(f"--fleets: expected distinct seeds like 1,2,3, got {fleets!r}")
+        if work is not None:
+            report = run_fleets_bench(Path(out), Path(work), seeds, nodes=nodes, days=days)
+        else:
+            with tempfile.TemporaryDirectory(prefix="gpufail-fleets-") as tmp:
+                report = run_fleets_bench(Path(out), Path(tmp), seeds, nodes=nodes, days=days)
+        click.echo(report.read_text())
+        return
     if not paper and (days is not None or work is not None):
         raise click.UsageError("--days and --work go with --paper")
     if reuse and work is None:

@@ -576,15 +576,13 @@ class EvaluateSettings(_Table):
     alarm_budgets: list[Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=lambda: [0.5, 1.0, 2.0, 5.0], min_length=1
     )
-    """Operating points, in alarms per 1,000 GPUs per day: each threshold is chosen on the
-    validation slice before the test period (models/alarms.py)."""
-    alarm_quiet_period: Duration = timedelta(hours=24)
-    """A GPU that stays above the threshold alarms again after this long ("0s": only after
-    falling back below)."""
-    alarm_lookback: PositiveDuration = timedelta(days=7)
-    """A failure counts as alarmed when its GPU alarmed within this before it."""
+    """Operating points, in alarms per 1,000 GPUs per day: a daily quota on the test period (every
+    scorer at the same volume) and a threshold chosen on the validation slice before it
+    (models/alarms.py)."""
     long_horizon: PositiveDuration = timedelta(hours=72)
-    """The second precision of an alarm: does its GPU fail within this?"""
+    """The second window an alarm and a failure are judged in, beside the label horizon: an
+    alarm is right when its GPU fails within it; a failure is caught when its GPU alarmed within
+    it before (models/alarms.py)."""
     seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Run the comparison under each of these seeds and report mean and range (empty: seed alone)."""
     contenders: list[ContenderSettings] = Field(default_factory=_default_contenders, min_length=1)
@@ -849,14 +847,7 @@ class Settings(_Table):
         """How `gpufail evaluate` raises and judges alarms ([evaluate] and the label horizon)."""
         from models.alarms import AlarmRules
 
-        cfg = self.evaluate
-        quiet = cfg.alarm_quiet_period
-        return AlarmRules(
-            horizon=self.labels.horizon,
-            long_horizon=cfg.long_horizon,
-            lookback=cfg.alarm_lookback,
-            quiet_period=quiet if quiet.total_seconds() > 0 else None,
-        )
+        return AlarmRules(horizon=self.labels.horizon, long_horizon=self.evaluate.long_horizon)
 
     def ingest_workers(self) -> int:
         """`[ingest] workers`, 0 meaning one per core."""

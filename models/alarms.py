@@ -1,32 +1,32 @@
-"""Alarm-level evaluation: what an operator receives from a score and a threshold.
+"""Alarm-level evaluation: what an operator receives from a score.
 
-A ranking metric at a fixed K hides the operating point (docs/evaluation.md). Here a score becomes
-*alarms*: a GPU raises an alarm at the first grid time its score reaches the threshold (or its
-flag is set, for a rule or the paper's intersection); it is re-armed when its score falls back
-below the threshold, or, while it stays above, once `quiet_period` has passed since its last
-alarm (0: only falling back re-arms). A gap in a GPU's rows (it was out of service) also ends
-its time above.
+One definition (docs/evaluation.md, "Alarms"):
 
-Per operating point (`alarm_metrics`):
+- a GPU's **episode** is its service between failures: it ends at a failure of the GPU (the
+  rows after it start the next) or at a gap in its rows (out of service). An episode raises at
+  most **one alarm**: a GPU that stays risky is not a new alarm each day;
+- an alarm is **right within W** when its GPU fails within W after it; a failure is **caught
+  within W** when its GPU alarmed within W before it. W is the label horizon and `long_horizon`
+  (72 h), reported side by side for precision and recall alike. An alarm whose W reaches past
+  what the data knows is left out of that precision unless it was right.
 
-- volume: alarms per 1,000 GPU-days (the test rows are GPU-grid-times, so GPU-days are rows x
-  grid step / 1 day);
-- alarm precision: the share of alarms whose GPU fails within the label horizon after it (the
-  alarm row's label), and within `long_horizon` (72 h by default), so that correct early
-  alarms show as such (an alarm whose long window reaches past what the data knows is left out
-  of that figure); and per distinct GPU and day (a GPU alarmed on a day counts once, a hit when
-  any of its alarms that day is);
-- failure recall: the share of the test period's failures with an alarm of that GPU in the
-  `lookback` before it; lead time from the *first* such alarm, not capped by the label
-  horizon; and per lead time of `LEAD_TIMES_H` (1, 6, 24, 72 h), the share of failures with an
-  alarm at least that long before, among the failures at least that long after the test
-  period's start (only those could have had one);
-- the same per failure mode; percentile bootstrap intervals over days (alarms and failures
-  grouped by the day they fall on), over failures for the lead time.
+Two ways to raise alarms from a score:
 
-Operating points are chosen on rows before the test period (`threshold_for_budget`): the
-lowest threshold whose alarm volume on the validation rows stays within a budget of alarms per
-1,000 GPUs per day. Nothing of the test period enters the choice.
+- a **threshold** (`AlarmFrame.alarms`): an episode alarms at its first row at or above it. An
+  episode's alarm does not depend on the threshold beyond whether its highest score reaches
+  it, so the number of alarms is the number of episodes whose highest score reaches the
+  threshold; `threshold_for_budget` finds the lowest threshold within a volume exactly from the
+  sorted episode maxima;
+- a **daily quota** (`quota_alarms`): at the end of each day the riskiest GPUs not already
+  alarmed in their episode are alarmed, as many as the budget allows by then (budget x GPU-days
+  so far / 1,000, so 0.5 a day is one every second day). Every scorer then raises the same
+  number of alarms on the same rows: the comparison at equal volume.
+
+Per operating point (`alarm_metrics`): the volume (alarms per 1,000 GPU-days: rows x grid step
+/ 1 day), precision and recall within each window, the lead time from the alarm, and per lead
+time of `LEAD_TIMES_H` the share of failures alarmed at least that long before (among those at
+least that long after the period's start); per failure mode; the counts per day from which
+paired intervals are drawn (`models.power`), and percentile bootstrap intervals over days.
 """
 
 from __future__ import annotations
@@ -47,38 +47,34 @@ LEAD_TIMES_H = (1, 6, 24, 72)
 DEFAULT_BUDGETS = (0.5, 1.0, 2.0, 5.0)
 """Alarms per 1,000 GPUs per day."""
 
+_NO_FAILURE = np.iinfo(np.int64).max
+_DAY_NS = pd.Timedelta(days=1).value
+_HOUR_NS = pd.Timedelta(hours=1).value
+
 
 @dataclass(frozen=True)
 class AlarmRules:
-    """How alarms are raised and judged; every duration in the configuration's grammar."""
+    """The two windows an alarm and a failure are judged in; durations in the configuration's
+    grammar."""
 
     horizon: DurationLike
-    """The label horizon: an alarm is correct when its GPU fails within it."""
+    """The label horizon: the first window."""
     long_horizon: DurationLike = "72h"
-    lookback: DurationLike = "7d"
-    """A failure counts as alarmed when its GPU alarmed within this before it."""
-    quiet_period: DurationLike | None = "24h"
-    """While a GPU stays above the threshold, a new alarm after this long (None: never)."""
+    """The second window: early alarms that are right count here."""
 
-    def durations(self) -> tuple[pd.Timedelta, pd.Timedelta, pd.Timedelta, pd.Timedelta | None]:
-        quiet = None if self.quiet_period in (None, 0, "0", "0s", "0h") else self.quiet_period
-        return (
-            as_timedelta(self.horizon, "horizon"),
-            as_timedelta(self.long_horizon, "long_horizon"),
-            as_timedelta(self.lookback, "lookback"),
-            None if quiet is None else as_timedelta(quiet, "quiet_period"),
-        )
+    def windows(self) -> tuple[pd.Timedelta, pd.Timedelta]:
+        return as_timedelta(self.horizon, "horizon"), as_timedelta(self.long_horizon, "long_horizon")
 
 
 class AlarmFrame:
     """The labelled rows of one period (a test period or a validation slice), sorted by GPU and
-    time once, so that many scores and thresholds are turned into alarms cheaply.
+    time once and cut into episodes, so that many scores are turned into alarms cheaply.
 
     `failures` (gpu_uuid, failure_ts): every failure the data knows, from all rows (including
-    those after the period), to judge alarms against the long horizon; `known_until`: the last
-    time the data can show a failure; `failure_modes` (gpu_uuid, ts, mode): the ground truth
-    that names each failure's mode (`models.evaluate.attach_modes`); `start`: the period's
-    first grid time (its days count from there)."""
+    those after the period), to judge alarms and end episodes; `known_until`: the last time the
+    data can show a failure; `failure_modes` (gpu_uuid, ts, mode): the ground truth that names
+    each failure's mode (`models.evaluate.attach_modes`); `start`: the period's first grid time
+    (its days count from there)."""
 
     def __init__(
         self,
@@ -94,7 +90,7 @@ class AlarmFrame:
         if len(prepared) == 0:
             raise InputError("alarms: no labelled rows; expected a period with settled labels")
         self.rules = rules
-        self.horizon, self.long_horizon, self.lookback, self.quiet = rules.durations()
+        self.horizon, self.long_horizon = rules.windows()
         self.start = prepared["ts"].min() if start is None else start
         self.prepared = prepared
         ns = prepared["ts"].to_numpy(dtype="datetime64[ns]").astype(np.int64)
@@ -102,23 +98,51 @@ class AlarmFrame:
         self.order = np.lexsort((ns, gpu))
         self.gpu, self.ns = gpu[self.order], ns[self.order]
         times = np.unique(ns)
-        self.step_ns = int(np.diff(times).min()) if len(times) > 1 else pd.Timedelta(hours=1).value
-        same_gpu = np.r_[False, self.gpu[1:] == self.gpu[:-1]]
-        self.continues = same_gpu & np.r_[False, np.diff(self.ns) <= self.step_ns]
-        self.label = prepared["label"].to_numpy()[self.order]
-        self.day = ((self.ns - self.start.value) // pd.Timedelta(days=1).value).astype(np.int64)
-        self.n_days = int(self.day.max()) + 1
-        self.gpu_days = len(prepared) * self.step_ns / pd.Timedelta(days=1).value
-        self.gpu_days_by_day = np.bincount(self.day, minlength=self.n_days) * (
-            self.step_ns / pd.Timedelta(days=1).value
-        )
-        self.uuid = prepared["gpu_uuid"].to_numpy()[self.order]
+        self.step_ns = int(np.diff(times).min()) if len(times) > 1 else _HOUR_NS
+        self.uuid = prepared["gpu_uuid"].to_numpy()[self.order].astype(str)
         own = episode_table(prepared, np.zeros(len(prepared), dtype=bool))[["gpu_uuid", "failure_ts"]]
         self.episodes = own.reset_index(drop=True)
+        """The failures of the period (its labelled rows announce them), in time order."""
         self.modes = attach_modes(self.episodes, failure_modes)
         known = failures if failures is not None else own
         self.failures = known.assign(gpu_uuid=known["gpu_uuid"].astype(str)).sort_values("failure_ts")
         self.known_until = prepared["ts"].max() if known_until is None else known_until
+        self.next_failure = self._next_failures()
+        """Per sorted row, the time (ns) of its GPU's next failure after it (`_NO_FAILURE`: none known)."""
+        same_gpu = np.r_[False, self.gpu[1:] == self.gpu[:-1]]
+        continues = same_gpu & np.r_[False, np.diff(self.ns) <= self.step_ns]
+        # A failure between two rows of a GPU (their next failures differ) ends the episode too.
+        continues &= np.r_[False, self.next_failure[1:] == self.next_failure[:-1]]
+        self.episode_start = ~continues
+        self.episode = np.cumsum(self.episode_start) - 1
+        self.n_episodes = int(self.episode[-1]) + 1
+        self.day = ((self.ns - self.start.value) // _DAY_NS).astype(np.int64)
+        self.n_days = int(self.day.max()) + 1
+        self.gpu_days = len(prepared) * self.step_ns / _DAY_NS
+        self.gpu_days_by_day = np.bincount(self.day, minlength=self.n_days) * (self.step_ns / _DAY_NS)
+
+    def _next_failures(self) -> np.ndarray:
+        failure_ns = (
+            pd.to_datetime(self.failures["failure_ts"], utc=True).to_numpy(dtype="datetime64[ns]").astype(np.int64)
+        )
+        rows = pd.DataFrame({"gpu_uuid": self.uuid, "ts": self.ns, "_row": np.arange(len(self.ns))})
+        known = pd.DataFrame({"gpu_uuid": self.failures["gpu_uuid"].to_numpy(dtype=str), "failure": failure_ns}).assign(
+            _failure=np.arange(len(failure_ns))
+        )
+        merged = pd.merge_asof(
+            rows.sort_values("ts"),
+            known.sort_values("failure"),
+            left_on="ts",
+            right_on="failure",
+            by="gpu_uuid",
+            direction="forward",
+            allow_exact_matches=False,
+        )
+        out = np.full(len(self.ns), _NO_FAILURE, dtype=np.int64)
+        found = merged["_failure"].notna().to_numpy()
+        # By index into the failures, not the merged (float, when some rows have none) times.
+        out[merged["_row"].to_numpy()[found]] = failure_ns[merged["_failure"].to_numpy()[found].astype(np.int64)]
+        return out
 
     def sorted_values(self, values: Any) -> np.ndarray:
         """`values` (one per labelled row, in the frame's order) in the frame's sorted order."""
@@ -128,50 +152,98 @@ class AlarmFrame:
         return array[self.order]
 
     def alarms(self, above: np.ndarray) -> np.ndarray:
-        """Alarm rows (in sorted order) from `above` (sorted order): the start of each run of
-        consecutive rows above, and, with a quiet period, every quiet period after it."""
+        """Alarm rows (sorted order) from `above` (sorted order): each episode's first row above."""
         above = np.asarray(above, dtype=bool)
-        starts = above & ~(np.r_[False, above[:-1]] & self.continues)
-        if self.quiet is None:
-            return starts
-        run = np.cumsum(starts)
-        # Each row's run start: the position of the last start at or before it (rows are in
-        # GPU, then time order; rows not above are masked out below).
-        start_at = np.maximum.accumulate(np.where(starts, np.arange(len(above)), 0))
-        period = np.where(above, (self.ns - self.ns[start_at]) // self.quiet.value, -1)
-        new_period = np.r_[True, (period[1:] != period[:-1]) | (run[1:] != run[:-1])]
-        return above & (starts | new_period)
+        rows = np.flatnonzero(above)
+        first = rows[np.r_[True, self.episode[rows[1:]] != self.episode[rows[:-1]]]] if len(rows) else rows
+        alarm = np.zeros(len(above), dtype=bool)
+        alarm[first] = True
+        return alarm
+
+    def episode_maxima(self, values: np.ndarray) -> np.ndarray:
+        """The highest of `values` (sorted order) in each episode (NaN counts as -inf)."""
+        clean = np.where(np.isnan(values), -np.inf, values)
+        return np.maximum.reduceat(clean, np.flatnonzero(self.episode_start))
+
+    def allowed(self, budget: float, gpu_days: float) -> int:
+        """The most alarms `budget` (per 1,000 GPUs per day) allows over `gpu_days`."""
+        return math.floor(budget * gpu_days / 1000.0 + 1e-9)
 
     def rate(self, alarms: np.ndarray) -> float:
         """Alarms per 1,000 GPU-days."""
         return float(alarms.sum() / self.gpu_days * 1000.0)
 
 
-def threshold_for_budget(frame: AlarmFrame, scores: Any, budget: float) -> tuple[float, float]:
-    """(threshold, alarms per 1,000 GPU-days it gives on `frame`): the lowest threshold whose
-    alarm volume on `frame` (a validation slice) is at most `budget`. Inf (no alarm) when even
-    the highest score alarms too often."""
+def _check_budget(budget: float) -> None:
     if not budget > 0:
         raise InputError(f"alarm budget: expected a positive number of alarms per 1,000 GPUs per day, got {budget!r}")
+
+
+def threshold_for_budget(frame: AlarmFrame, scores: Any, budget: float) -> tuple[float, float]:
+    """(threshold, alarms per 1,000 GPU-days it gives on `frame`): the lowest threshold among
+    the frame's scores whose alarm volume on `frame` (a validation slice) is at most `budget`.
+    Inf (no alarm) when even the highest score alarms too often.
+
+    Exact: a threshold t raises one alarm per episode whose highest score is at least t, so
+    with the maxima sorted, the n allowed alarms are the n highest, and the threshold is the
+    lowest score above the next one (equal maxima alarm together or not at all)."""
+    _check_budget(budget)
     values = frame.sorted_values(np.asarray(scores, dtype=np.float64))
-    candidates = np.unique(values[np.isfinite(values)])
-    if len(candidates) == 0:
+    finite = np.sort(values[np.isfinite(values)])
+    if len(finite) == 0:
         return math.inf, 0.0
+    maxima = np.sort(frame.episode_maxima(values))[::-1]
+    maxima = maxima[np.isfinite(maxima)]
+    allowed = frame.allowed(budget, frame.gpu_days)
+    if allowed >= len(maxima):
+        threshold = float(finite[0])
+    else:
+        # The lowest score strictly above the highest maximum that must not alarm.
+        above = np.searchsorted(finite, maxima[allowed], side="right")
+        if above == len(finite):
+            return math.inf, 0.0
+        threshold = float(finite[above])
+    n_alarms = int((maxima >= threshold).sum())
+    return threshold, n_alarms / frame.gpu_days * 1000.0
 
-    def rate_at(i: int) -> float:
-        return frame.rate(frame.alarms(values >= candidates[i]))
 
-    # The volume falls (almost always) as the threshold rises: the lowest index within budget.
-    lo, hi = 0, len(candidates) - 1
-    if rate_at(hi) > budget:
-        return math.inf, 0.0
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if rate_at(mid) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return float(candidates[lo]), rate_at(lo)
+def quota_alarms(frame: AlarmFrame, scores: Any, budget: float, *, sorted_input: bool = False) -> np.ndarray:
+    """Alarm rows (sorted order) of a daily quota of `budget` alarms per 1,000 GPUs per day: at
+    each day's last grid time, the GPUs in service then (a row at it) and not alarmed in their
+    episode are ranked by their highest score that day (their rows of the episode up to then,
+    NaN lowest) and the first ones are alarmed at that grid time, as many as bring the alarms
+    so far to the budget times the GPU-days so far (carried over: a budget below one a day
+    alarms every few days). The same number of alarms for every scorer (while GPUs remain)."""
+    _check_budget(budget)
+    values = np.asarray(scores, dtype=np.float64)
+    values = values if sorted_input else frame.sorted_values(values)
+    values = np.where(np.isnan(values), -np.inf, values)
+    # Groups: one episode's rows within one day (contiguous in the sorted order).
+    key_change = np.r_[True, (frame.episode[1:] != frame.episode[:-1]) | (frame.day[1:] != frame.day[:-1])]
+    starts = np.flatnonzero(key_change)
+    last_row = np.r_[starts[1:] - 1, len(values) - 1]
+    best = np.maximum.reduceat(values, starts)
+    group_day = frame.day[starts]
+    group_episode = frame.episode[starts]
+    review = np.full(frame.n_days, np.iinfo(np.int64).min)
+    np.maximum.at(review, frame.day, frame.ns)
+    in_service = frame.ns[last_row] == review[group_day]
+    cumulative = np.cumsum(frame.gpu_days_by_day)
+    alarmed = np.zeros(frame.n_episodes, dtype=bool)
+    alarm = np.zeros(len(values), dtype=bool)
+    raised = 0
+    in_day_order = np.argsort(group_day, kind="stable")
+    for groups in np.split(in_day_order, np.flatnonzero(np.diff(group_day[in_day_order])) + 1):
+        day = int(group_day[groups[0]])
+        room = frame.allowed(budget, float(cumulative[day])) - raised
+        if room <= 0:
+            continue
+        eligible = groups[in_service[groups] & ~alarmed[group_episode[groups]]]
+        chosen = eligible[np.argsort(-best[eligible], kind="stable")[:room]]
+        alarmed[group_episode[chosen]] = True
+        alarm[last_row[chosen]] = True
+        raised += len(chosen)
+    return alarm
 
 
 def tie_gap(scores: Any) -> float:
@@ -218,161 +290,156 @@ def _num(value: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
-def alarm_metrics(
-    frame: AlarmFrame, above: Any, *, samples: int = 1000, seed: int = 0, sorted_input: bool = False
-) -> dict[str, Any]:
-    """Every alarm figure of one operating point: `above` (one per labelled row; in the
-    frame's sorted order with `sorted_input`) says where the score reaches the threshold or
-    the flag is set. See the module docstring."""
-    over = np.asarray(above, dtype=bool) if sorted_input else frame.sorted_values(np.asarray(above, dtype=bool))
-    alarm = frame.alarms(over)
+def _share(num: np.ndarray, den: np.ndarray) -> float | None:
+    return _num(num.sum() / den.sum()) if den.sum() else None
+
+
+WINDOW_KEYS = {"": "horizon", "_long": "long_horizon"}
+"""Suffix of each window's figures in `alarm_metrics`: "" the label horizon, "_long" the second."""
+
+
+def alarm_metrics(frame: AlarmFrame, alarm: Any, *, samples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Every figure of one operating point from its alarm rows (`alarm`: sorted order, from
+    `AlarmFrame.alarms` or `quota_alarms`). See the module docstring."""
+    alarm = np.asarray(alarm, dtype=bool)
     table = alarm_table(frame, alarm)
     outcomes = failure_outcomes(frame, table)
     n_days = frame.n_days
-    by_day = np.bincount(table["day"], minlength=n_days).astype(float)
-    hits_by_day = np.bincount(table["day"], weights=table["hit"], minlength=n_days)
-    long_ok = table["long_known"].to_numpy()
-    long_hits = np.bincount(table["day"][long_ok], weights=table["hit_long"][long_ok], minlength=n_days)
-    long_n = np.bincount(table["day"][long_ok], minlength=n_days).astype(float)
-    gpu_day = table.groupby(["gpu_uuid", "day"])["hit"].max().reset_index()
-    gd_hits = np.bincount(gpu_day["day"], weights=gpu_day["hit"], minlength=n_days)
-    gd_n = np.bincount(gpu_day["day"], minlength=n_days).astype(float)
-    caught = outcomes["caught"].to_numpy()
-    fail_day = outcomes["day"].to_numpy()
-    caught_by_day = np.bincount(fail_day, weights=caught, minlength=n_days)
-    failures_by_day = np.bincount(fail_day, minlength=n_days).astype(float)
-    leads = outcomes.loc[outcomes["caught"], "lead_h"].to_numpy(dtype=float)
+
+    def per_day(days: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(days, weights=weights, minlength=n_days).astype(float)
 
     def ci(num: np.ndarray, den: np.ndarray, scale: float = 1.0) -> list[float | None]:
         low, high = bootstrap_ci(np.column_stack([num, den]), _pooled, samples=samples, seed=seed)
         return [None if low is None else low * scale, None if high is None else high * scale]
 
-    n = len(table)
+    alarm_day, fail_day = table["day"].to_numpy(), outcomes["day"].to_numpy()
+    counts: dict[str, np.ndarray] = {"alarms": per_day(alarm_day), "failures": per_day(fail_day)}
     out: dict[str, Any] = {
-        "n_alarms": n,
+        "n_alarms": len(table),
         "gpu_days": frame.gpu_days,
         "alarms_per_1000_gpu_days": frame.rate(alarm),
-        "alarms_per_1000_gpu_days_ci": ci(by_day, frame.gpu_days_by_day, 1000.0),
         "n_alarmed_gpus": int(table["gpu_uuid"].nunique()),
-        "precision": _num(table["hit"].mean()) if n else None,
-        "precision_ci": ci(hits_by_day, by_day),
-        "n_alarms_long_known": int(long_ok.sum()),
-        "precision_long": _num(table["hit_long"][long_ok].mean()) if long_ok.any() else None,
-        "precision_long_ci": ci(long_hits, long_n),
-        "n_gpu_days_alarmed": len(gpu_day),
-        "precision_gpu_day": _num(gpu_day["hit"].mean()) if len(gpu_day) else None,
-        "precision_gpu_day_ci": ci(gd_hits, gd_n),
         "n_failures": len(outcomes),
-        "n_caught": int(caught.sum()),
-        "recall": _num(caught.mean()) if len(outcomes) else None,
-        "recall_ci": ci(caught_by_day, failures_by_day),
-        "lead_time_h_median": _num(np.median(leads)) if len(leads) else None,
-        "lead_time_h_median_ci": list(
-            bootstrap_ci(leads, np.median, samples=samples, seed=seed) if len(leads) > 1 else (None, None)
-        ),
-        "alarmed_before_h": lead_shares(outcomes),
-        "by_mode": {
-            mode: {
-                "n_failures": int(mask.sum()),
-                "n_caught": int(caught[mask].sum()),
-                "recall": _num(caught[mask].mean()) if mask.any() else None,
-                "lead_time_h_median": _num(np.median(outcomes.loc[mask & caught, "lead_h"]))
-                if (mask & caught).any()
-                else None,
-                "alarmed_before_h": lead_shares(outcomes.loc[mask]),
-            }
-            for mode in sorted(set(frame.modes))
-            for mask in [(frame.modes == mode).to_numpy()]
-        },
-        "by_day": {"alarms": by_day.astype(int).tolist(), "hits": hits_by_day.astype(int).tolist()},
-        "_day_counts": {
-            "alarms": by_day,
-            "hits": hits_by_day,
-            "caught": caught_by_day,
-            "failures": failures_by_day,
-        },
     }
+    for suffix in WINDOW_KEYS:
+        hit, known = table[f"hit{suffix}"].to_numpy(dtype=float), table[f"known{suffix}"].to_numpy(dtype=float)
+        caught = outcomes[f"caught{suffix}"].to_numpy(dtype=float)
+        counts[f"known{suffix}"] = per_day(alarm_day, known)
+        counts[f"hits{suffix}"] = per_day(alarm_day, hit * known)
+        counts[f"caught{suffix}"] = per_day(fail_day, caught)
+        out[f"n_alarms_known{suffix}"] = int(known.sum())
+        out[f"n_hits{suffix}"] = int((hit * known).sum())
+        out[f"precision{suffix}"] = _share(counts[f"hits{suffix}"], counts[f"known{suffix}"])
+        out[f"precision{suffix}_ci"] = ci(counts[f"hits{suffix}"], counts[f"known{suffix}"])
+        out[f"n_caught{suffix}"] = int(caught.sum())
+        out[f"recall{suffix}"] = _share(caught, np.ones(len(caught)))
+        out[f"recall{suffix}_ci"] = ci(counts[f"caught{suffix}"], counts["failures"])
+    leads = outcomes.loc[outcomes["caught_long"], "lead_h"].to_numpy(dtype=float)
+    caught_long = outcomes["caught_long"].to_numpy()
+    out.update(
+        {
+            "alarms_per_1000_gpu_days_ci": ci(counts["alarms"], frame.gpu_days_by_day, 1000.0),
+            "lead_time_h_median": _num(np.median(leads)) if len(leads) else None,
+            "lead_time_h_median_ci": list(
+                bootstrap_ci(leads, np.median, samples=samples, seed=seed) if len(leads) > 1 else (None, None)
+            ),
+            "alarmed_before_h": lead_shares(outcomes),
+            "by_mode": {
+                mode: {
+                    "n_failures": int(mask.sum()),
+                    **{
+                        f"{key}{suffix}": value
+                        for suffix in WINDOW_KEYS
+                        for key, value in (
+                            ("n_caught", int(outcomes[f"caught{suffix}"].to_numpy()[mask].sum())),
+                            (
+                                "recall",
+                                _num(outcomes[f"caught{suffix}"].to_numpy()[mask].mean()) if mask.any() else None,
+                            ),
+                        )
+                    },
+                    "lead_time_h_median": _num(np.median(outcomes.loc[mask & caught_long, "lead_h"]))
+                    if (mask & caught_long).any()
+                    else None,
+                    "alarmed_before_h": lead_shares(outcomes.loc[mask]),
+                }
+                for mode in sorted(set(frame.modes))
+                for mask in [(frame.modes == mode).to_numpy()]
+            },
+            "by_day": {"alarms": counts["alarms"].astype(int).tolist(), "hits": counts["hits"].astype(int).tolist()},
+            "day_counts": {name: values.astype(int).tolist() for name, values in counts.items()},
+        }
+    )
     return out
 
 
 def alarm_table(frame: AlarmFrame, alarm: np.ndarray) -> pd.DataFrame:
-    """One row per alarm (alarm: sorted order): gpu_uuid, ts, day, hit (its label: the GPU fails
-    within the horizon), next failure of its GPU (from every known failure), hit_long and
-    whether the long horizon is within what the data knows."""
+    """One row per alarm (alarm: sorted order): row (its sorted position), gpu_uuid, ts, day,
+    next_failure of its GPU (from every known failure; NaT: none), and per window whether it is
+    right (`hit`, `hit_long`) and whether the data reaches that far (`known`, `known_long`:
+    an alarm whose window reaches past the data counts only when it was right)."""
     rows = np.flatnonzero(alarm)
+    next_ns = frame.next_failure[rows]
+    has_next = next_ns != _NO_FAILURE
+    until = np.where(has_next, next_ns - frame.ns[rows], _NO_FAILURE)
     table = pd.DataFrame(
         {
-            "gpu_uuid": frame.uuid[rows].astype(str),
+            "row": rows,
+            "gpu_uuid": frame.uuid[rows],
             "ts": pd.to_datetime(frame.ns[rows], utc=True),
             "day": frame.day[rows],
-            "hit": frame.label[rows] == 1,
+            "next_failure": pd.to_datetime(np.where(has_next, next_ns, np.iinfo(np.int64).min), utc=True),
+            "until_h": np.where(has_next, until / _HOUR_NS, np.inf),
         }
     )
-    if len(table) == 0:
-        return table.assign(next_failure=pd.Series(dtype="datetime64[ns, UTC]"), hit_long=False, long_known=False)
-    failures = frame.failures.assign(
-        failure_ts=pd.to_datetime(frame.failures["failure_ts"], utc=True).astype("datetime64[ns, UTC]")
-    )
-    table["_order"] = np.arange(len(table))
-    merged = pd.merge_asof(
-        table.sort_values("ts").assign(ts=lambda d: d["ts"].astype("datetime64[ns, UTC]")),
-        failures.rename(columns={"failure_ts": "next_failure"}),
-        left_on="ts",
-        right_on="next_failure",
-        by="gpu_uuid",
-        direction="forward",
-        allow_exact_matches=False,
-    ).sort_values("_order")
-    table["next_failure"] = merged["next_failure"].to_numpy()
-    until_failure = pd.to_datetime(table["next_failure"], utc=True) - table["ts"]
-    table["hit_long"] = (until_failure <= frame.long_horizon).fillna(False).to_numpy(dtype=bool)
-    # A long window past what the data knows can hide its failure: left out unless it was a hit.
-    table["long_known"] = ((table["ts"] + frame.long_horizon) <= frame.known_until).to_numpy() | table["hit_long"]
-    return table.drop(columns="_order")
+    known_until = pd.Timestamp(frame.known_until).value
+    for suffix, window in zip(WINDOW_KEYS, (frame.horizon, frame.long_horizon), strict=True):
+        hit = has_next & (until <= window.value)
+        table[f"hit{suffix}"] = hit
+        table[f"known{suffix}"] = hit | (frame.ns[rows] + window.value <= known_until)
+    return table
 
 
 def failure_outcomes(frame: AlarmFrame, table: pd.DataFrame) -> pd.DataFrame:
-    """One row per failure of the period (`frame.episodes`, in its order): day, caught (an alarm
-    of its GPU within `lookback` before it), lead_h (from the first such alarm), and
-    since_start_h (hours from the period's start to the failure)."""
+    """One row per failure of the period (`frame.episodes`, in its order): day, since_start_h
+    (hours from the period's start), lead_h (hours from its GPU's first alarm within the long
+    window before it), and per window whether an alarm of its GPU came within it before the
+    failure (`caught`, `caught_long`)."""
     episodes = frame.episodes.copy()
     failure_ts = pd.to_datetime(episodes["failure_ts"], utc=True)
     episodes["day"] = ((failure_ts - frame.start) // pd.Timedelta(days=1)).clip(0, frame.n_days - 1).to_numpy()
     episodes["since_start_h"] = ((failure_ts - frame.start) / pd.Timedelta(hours=1)).to_numpy()
-    if len(table) == 0 or len(episodes) == 0:
-        return episodes.assign(caught=False, lead_h=np.nan)
-    pairs = episodes.reset_index().merge(table[["gpu_uuid", "ts"]], on="gpu_uuid", how="inner")
-    before = pd.to_datetime(pairs["failure_ts"], utc=True) - pairs["ts"]
-    pairs = pairs.loc[((before > pd.Timedelta(0)) & (before <= frame.lookback)).to_numpy()]
-    first = pairs.groupby("index")["ts"].min()
-    failed_at = failure_ts.iloc[first.index].to_numpy(dtype="datetime64[ns]")
-    lead = (failed_at - first.to_numpy(dtype="datetime64[ns]")) / np.timedelta64(1, "h")
     episodes["lead_h"] = np.nan
-    episodes.loc[first.index, "lead_h"] = lead
-    episodes["caught"] = episodes["lead_h"].notna()
+    right = table.loc[table["hit_long"], ["gpu_uuid", "next_failure", "until_h"]]
+    first = np.full(len(episodes), np.nan)
+    last = np.full(len(episodes), np.nan)
+    if len(right) and len(episodes):
+        key = pd.MultiIndex.from_arrays(
+            [episodes["gpu_uuid"].astype(str).to_numpy(), failure_ts.to_numpy(dtype="datetime64[ns]")]
+        )
+        by_failure = right.assign(next_failure=right["next_failure"].to_numpy(dtype="datetime64[ns]")).groupby(
+            ["gpu_uuid", "next_failure"]
+        )["until_h"]
+        # An episode has one alarm; a GPU back from a gap has another, the same failure ahead.
+        first = by_failure.max().reindex(key).to_numpy(dtype=float)
+        last = by_failure.min().reindex(key).to_numpy(dtype=float)
+    episodes["lead_h"] = first
+    for suffix, window in zip(WINDOW_KEYS, (frame.horizon, frame.long_horizon), strict=True):
+        episodes[f"caught{suffix}"] = last <= window / pd.Timedelta(hours=1)
     return episodes
 
 
 def lead_shares(outcomes: pd.DataFrame, lead_times_h: Sequence[int] = LEAD_TIMES_H) -> dict[str, Any]:
-    """Per lead time h: the share of failures with an alarm at least h hours before, among the
-    failures at least h hours after the period's start, and how many those are."""
+    """Per lead time h: the share of failures with an alarm at least h hours before (within the
+    long window), among the failures at least h hours after the period's start, and how many
+    those are."""
     out = {}
     for h in lead_times_h:
         eligible = outcomes["since_start_h"].to_numpy() >= h
-        alarmed = (outcomes["lead_h"].to_numpy() >= h) & eligible
+        alarmed = (outcomes["lead_h"].to_numpy(dtype=float) >= h) & eligible
         out[str(h)] = {
             "n_failures": int(eligible.sum()),
             "share": _num(alarmed.sum() / eligible.sum()) if eligible.any() else None,
         }
     return out
-
-
-def paired_difference_ci(a: np.ndarray, b: np.ndarray, *, samples: int, seed: int) -> tuple[float | None, float | None]:
-    """Percentile bootstrap interval of pooled(a) - pooled(b) over the same resampled days:
-    a and b are (hits, count) per day of two operating points on the same days."""
-    paired = np.column_stack([a, b])
-
-    def difference(days: np.ndarray) -> float:
-        return _pooled(days[:, :2]) - _pooled(days[:, 2:])
-
-    return bootstrap_ci(paired, difference, samples=samples, seed=seed)

@@ -5,9 +5,11 @@ figures of the report (`models.report`):
 - the ranking: precision@K per day and pooled (per GPU-hour and per distinct GPU and day),
   episode recall and lead time per K, by failure mode and by model age
   (`models.evaluate.compare_scores`), on the uncalibrated risk;
-- the alarms at operating points chosen before the test period, and the paper's ensemble at
-  its own volume against single models at the same volume (`models.operating_points`), on the
-  calibrated risk;
+- the alarms at a daily quota (every scorer at the same volume, with paired differences and the
+  power to read them), at thresholds chosen before the test period (with the volumes they
+  realise), and the paper's ensemble at its own volume against single models at the same volume
+  (`models.operating_points`), on the calibrated risk; the top false alarms of the
+  configuration chosen on validation;
 - the calibration on the test period: reliability table, Brier score, expected calibration
   error, and the rows at high risk (`models.calibration`);
 - the drift events the features show (a driver rollout, new nodes: `models.drift`), and for
@@ -47,7 +49,7 @@ from models.fail_slow import fail_slow_report, has_fail_slow_inputs
 from models.feature_baseline import choose_feature, feature_scores
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
-from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict
+from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict, quota_verdicts
 from models.walk_forward import Contender, WalkForwardPlan, WalkForwardResult, duration_label, run_walk_forward
 
 PAPER_PRECISION = (0.463, 0.840)
@@ -97,7 +99,7 @@ def evaluate_walk_forward(
     frame = to_pandas(frame)  # once: a polars frame of the demo is ~1 GB in pandas
     result = run_walk_forward(frame, contenders, plan, progress=progress)
     test = result.test
-    history = frame[[c for c in ("ts", "gpu_uuid", "label", "time_to_failure_h") if c in frame.columns]]
+    history = frame[[c for c in ("ts", "gpu_uuid", "node", "label", "time_to_failure_h") if c in frame.columns]]
     ts = pd.to_datetime(history["ts"], utc=True)
     expected = expected_failures_per_day(history.loc[(ts < result.test_start - result.horizon).to_numpy()])
     baselines = baseline_scores(test, plan.seed)
@@ -128,6 +130,8 @@ def evaluate_walk_forward(
         seed=plan.seed,
         flags=result.flags,
     )
+    chosen = chosen_on_validation(result, contenders)
+    headline = 1.0 if 1.0 in [float(b) for b in budgets] else float(budgets[0])
     alarms = alarm_comparison(
         history,
         result,
@@ -138,14 +142,15 @@ def evaluate_walk_forward(
         samples=bootstrap_samples,
         seed=plan.seed,
         extra_scorers=extra,
+        explain=None if chosen is None else chosen["name"],
+        headline=headline,
     )
     if "rule" in scores:
         compared["rule"]["flagged"] = _flag_metrics(test, scores["rule"])
     primary = next((c.name for c in contenders if c.mode == "auto"), contenders[0].name)
     compared["model"] = {**compared[primary], "name": primary}
     y = labels(test).to_numpy()
-    headline = 1.0 if 1.0 in [float(b) for b in budgets] else float(budgets[0])
-    at_headline = alarms["by_budget"][f"{headline:g}"]
+    at_headline = alarms["quota"][f"{headline:g}"]["points"]
     drift = before_after(
         drift_events(frame),
         result.test_start,
@@ -159,7 +164,6 @@ def evaluate_walk_forward(
     )
     verdicts = ensemble_verdict(alarms["equal_volume"])
     versus = baseline_verdicts(alarms["versus_baselines"])
-    chosen = chosen_on_validation(result, contenders)
     if chosen is not None:
         chosen["versus_baselines"] = versus.get(chosen["name"])
     replayed = (
@@ -241,6 +245,10 @@ def evaluate_walk_forward(
                 own_volume=tuple(result.flags),
             ),
             "ensemble_at_equal_volume": verdicts,
+            "ensemble_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"]),
+            "retraining_at_quota": quota_verdicts(alarms["quota"][f"{headline:g}"]["comparisons"], "retraining"),
+            "ensemble_at_matched": quota_verdicts(alarms["matched"][f"{headline:g}"]["comparisons"]),
+            "retraining_at_matched": quota_verdicts(alarms["matched"][f"{headline:g}"]["comparisons"], "retraining"),
             "versus_baselines": versus,
             "chosen_on_validation": chosen,
         },
@@ -446,6 +454,7 @@ SEED_FIGURES = (
     "alarm_precision",
     "alarm_precision_long",
     "alarm_recall",
+    "alarm_recall_long",
     "alarms_per_1000_gpu_days",
     "alarm_lead_time_h_median",
     "ece",
@@ -456,9 +465,10 @@ SEED_FIGURES = (
 def headline_figures(metrics: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """Per contender and `SEED_BASELINES` baseline, the `SEED_FIGURES` of one comparison
     (None where a scorer has none): ROC-AUC and PR-AUC, daily
-    precision@K at the headline K, the alarms at the headline budget, the calibrated ECE."""
+    precision@K at the headline K, the alarms at the headline budget's daily quota (every
+    scorer at the same volume), the calibrated ECE."""
     k, budget = metrics["top_k"], f"{metrics['alarm_headline_budget']:g}"
-    at_budget = metrics["alarms"]["by_budget"][budget]
+    at_budget = metrics["alarms"]["quota"][budget]["points"]
     names = [c["name"] for c in metrics["contenders"]] + [b for b in SEED_BASELINES if b in metrics["scores"]]
     out = {}
     for name in names:
@@ -470,6 +480,7 @@ def headline_figures(metrics: dict[str, Any]) -> dict[str, dict[str, float | Non
             "alarm_precision": alarm.get("precision"),
             "alarm_precision_long": alarm.get("precision_long"),
             "alarm_recall": alarm.get("recall"),
+            "alarm_recall_long": alarm.get("recall_long"),
             "alarms_per_1000_gpu_days": alarm.get("alarms_per_1000_gpu_days"),
             "alarm_lead_time_h_median": alarm.get("lead_time_h_median"),
             "ece": metrics["calibration"][name]["ece"] if name in metrics["calibration"] else None,
@@ -478,8 +489,7 @@ def headline_figures(metrics: dict[str, Any]) -> dict[str, dict[str, float | Non
 
 
 SEED_BASELINES = ("rule", "heuristic", "best_feature")
-"""The baselines whose headline figures `evaluate_seeds` keeps beside the contenders' (the rule
-has no threshold, so no alarms at a budget: its ROC-AUC and precision@K only)."""
+"""The baselines whose headline figures `evaluate_seeds` keeps beside the contenders'."""
 
 PAIRED_FIGURES = ("roc_auc", "alarm_precision", "precision_daily_mean")
 """The figures whose per-seed differences `paired_over_seeds` gives an interval."""

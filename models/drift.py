@@ -13,7 +13,7 @@ each change it can see and splits the test period at it:
 
 For each event inside the test period, `before_after` gives each scorer's daily precision@K
 (mean over the days before the event's first day, and over that day and the ones after) and
-its alarm precision at the headline budget (alarms and hits summed over the same days). The
+its alarm precision at the headline quota (alarms and hits summed over the same days). The
 split is at the event's start: from then on a static model scores rows unlike its training's.
 """
 
@@ -128,7 +128,7 @@ def before_after(
     """`events`, each with `in_test` and, when inside the test period, `day` (its first day,
     counted from the test start) and per scorer the daily precision@K and the alarm precision
     before and after it. `daily_precision`: per scorer, the precision of each test day;
-    `alarm_days`: per scorer, the alarms and hits of each test day at the headline budget."""
+    `alarm_days`: per scorer, the alarms and hits of each test day at the headline quota."""
     out = []
     for event in events:
         start = pd.Timestamp(event["start"])

@@ -1,22 +1,32 @@
 """The walk-forward comparison at its operating points: every scorer turned into alarms
-(`models.alarms`) at thresholds chosen on the validation slice before the test period, and the
-paper's parallel ensemble at its own alarm volume against each single model cut to the same
-volume.
+(`models.alarms`, one alarm per GPU episode, judged within the label horizon and 72 h).
 
 Operating points (`alarm_comparison`):
 
-- `budgets`: for each budget of alarms per 1,000 GPUs per day, each scorer's threshold is the
-  lowest whose volume on the validation slice stays within it (`threshold_for_budget`). The
-  contenders are thresholded on their calibrated risk (a probability, so one threshold means
-  the same for every retrain's model), the baselines on their own scores;
+- `quota`: for each budget of alarms per 1,000 GPUs per day, a daily quota on the test period
+  (`models.alarms.quota_alarms`): each day the riskiest GPUs not already alarmed, as many as the
+  budget allows. Every scorer raises the same number of alarms, so their precisions compare;
+  flagging scorers (the rule, the parallel intersection) rank their flagged GPUs first. Paired
+  differences (`models.power`) for each contender against each baseline, each ensemble against
+  each single contender and each retrained contender against its static twin;
+- `matched`: for each budget, each scorer's threshold set on the test period's scores (never
+  its labels) for the budget, exactly (`threshold_for_budget` on the test rows): the same volume
+  for every scorer, alarms raised the hour the risk crosses. A comparison device (the threshold
+  is not known in advance), the fair one where failures follow their precursor within hours,
+  faster than a daily review; the same pairs as at the quota;
+- `budgets`: each scorer's threshold chosen on the validation slice before the test period (the
+  lowest whose volume there stays within the budget, `threshold_for_budget`), with the volume it
+  realises on the test and how far apart the scorers' volumes are (`volume_ratio`): their
+  precisions are not comparable where those differ. The contenders are thresholded on their
+  calibrated risk, the baselines on their own scores;
 - `natural`: scorers that flag rather than score, at the volume their flags give: the rule
   baseline and the parallel contenders' intersection (`models.ensemble.intersection_flags`);
 - `equal_volume`: per parallel contender, its validation volume is the budget of every single
-  contender (threshold chosen on the validation slice again), and the test figures of each
-  pair are compared with paired bootstrap intervals over days: alarm precision (within the
-  horizon) and failure recall.
+  contender (threshold chosen on the validation slice again), with paired differences;
+- `false_alarms`: the top false alarms of one configuration at the headline quota
+  (`models.false_alarms`).
 
-The test period's labels enter the figures only, never a threshold (tested).
+The test period's labels enter the figures only, never a threshold or a quota's choice (tested).
 """
 
 from __future__ import annotations
@@ -31,14 +41,16 @@ from models.alarms import (
     AlarmFrame,
     AlarmRules,
     alarm_metrics,
-    paired_difference_ci,
+    quota_alarms,
     threshold_for_budget,
     tie_fractions,
     tie_gap,
     untied,
 )
 from models.evaluate import failure_episodes, heuristic_scores, random_scores, rule_columns, rule_flags
-from models.kinds import SINGLE_KINDS
+from models.false_alarms import top_false_alarms
+from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
+from models.power import compare_points
 from models.walk_forward import Contender, WalkForwardResult
 
 
@@ -57,11 +69,15 @@ def alarm_comparison(
     samples: int = 1000,
     seed: int = 0,
     extra_scorers: dict[str, tuple[Any, Any]] | None = None,
+    explain: str | None = None,
+    headline: float | None = None,
 ) -> dict[str, Any]:
     """The `alarms` section of the comparison's metrics (see the module docstring).
-    `history`: ts, gpu_uuid, label, time_to_failure_h of every row (the failures the data
-    knows, also after the test period, judge the long horizon). `extra_scorers`: more
-    baselines, name -> (test scores, validation scores), thresholded as the heuristic is."""
+    `history`: ts, gpu_uuid, label, time_to_failure_h (and node, for the false alarms) of every
+    row (the failures the data knows, also after the test period, judge the long window).
+    `extra_scorers`: more baselines, name -> (test scores, validation scores), thresholded as
+    the heuristic is. `explain`: the contender whose top false alarms at the `headline` quota
+    (default: the first budget) are listed."""
     known = failure_episodes(history)
     last = pd.to_datetime(history["ts"], utc=True).max()
     test = AlarmFrame(
@@ -77,7 +93,8 @@ def alarm_comparison(
 
     def at_threshold(name: str, threshold: float, budget: float | None, validation_rate: float) -> dict[str, Any]:
         test_scores, _ = scorers[name]
-        figures = alarm_metrics(test, test_scores >= threshold, samples=samples, seed=seed)
+        alarm = test.alarms(test.sorted_values(test_scores >= threshold))
+        figures = alarm_metrics(test, alarm, samples=samples, seed=seed)
         # No threshold (inf): even the highest score alarms more often than the budget allows.
         shown = float(threshold) if np.isfinite(threshold) else None
         return {"budget": budget, "threshold": shown, "validation_rate": validation_rate, **figures}
@@ -90,12 +107,50 @@ def alarm_comparison(
             row[name] = at_threshold(name, threshold, budget, rate)
         by_budget[_key(budget)] = row
 
-    natural: dict[str, dict[str, Any]] = {}
     flags = _flags(result, seed)
+    natural: dict[str, dict[str, Any]] = {}
     for name, (test_flags, validation_flags) in flags.items():
         rate = validation.rate(validation.alarms(validation.sorted_values(validation_flags)))
-        figures = alarm_metrics(test, test_flags, samples=samples, seed=seed)
+        alarm = test.alarms(test.sorted_values(np.asarray(test_flags, dtype=bool)))
+        figures = alarm_metrics(test, alarm, samples=samples, seed=seed)
         natural[name] = {"budget": None, "threshold": None, "validation_rate": rate, **figures}
+
+    ranked = _quota_scores(scorers, flags, test_ties)
+    quota: dict[str, Any] = {}
+    quota_alarm_rows: dict[tuple[str, str], np.ndarray] = {}
+    for budget in budgets:
+        points = {}
+        for name, values in ranked.items():
+            alarm = quota_alarms(test, values, budget)
+            quota_alarm_rows[_key(budget), name] = alarm
+            points[name] = {"budget": budget, **alarm_metrics(test, alarm, samples=samples, seed=seed)}
+        quota[_key(budget)] = {
+            "points": points,
+            "volume_ratio": volume_ratio(points),
+            "comparisons": _quota_pairs(points, contenders, samples, seed),
+        }
+
+    matched: dict[str, Any] = {}
+    for budget in budgets:
+        points = {}
+        for name, ranking in ranked.items():
+            # Set on the test period's scores, never its labels: the same volume for every scorer.
+            # Ties left (a score constant on the validation slice) broken by the test's own gap;
+            # a score constant on the test too (a counter that never moves) in the hash's order.
+            values = untied(ranking, test_ties, tie_gap(ranking) or 1.0)
+            threshold, _ = threshold_for_budget(test, values, budget)
+            alarm = test.alarms(test.sorted_values(values >= threshold))
+            shown = float(threshold) if np.isfinite(threshold) else None
+            points[name] = {
+                "budget": budget,
+                "threshold": shown,
+                **alarm_metrics(test, alarm, samples=samples, seed=seed),
+            }
+        matched[_key(budget)] = {
+            "points": points,
+            "volume_ratio": volume_ratio(points),
+            "comparisons": _quota_pairs(points, contenders, samples, seed),
+        }
 
     equal: dict[str, Any] = {}
     singles = [c.name for c in contenders if c.kind in SINGLE_KINDS]
@@ -112,13 +167,26 @@ def alarm_comparison(
         equal[c.name] = {"volume": volume, "ensemble": _public(natural[c.name]), "singles": pairs}
 
     versus = _versus_baselines(by_budget, natural, contenders, validation, at_threshold, scorers, samples, seed)
+    shown_budget = _key(budgets[0] if headline is None else headline)
+    false_alarms = None
+    if explain is not None and (shown_budget, explain) in quota_alarm_rows:
+        false_alarms = {
+            "name": explain,
+            "budget": float(shown_budget),
+            "alarms": top_false_alarms(
+                test,
+                result.test,
+                quota_alarm_rows[shown_budget, explain],
+                test.sorted_values(ranked[explain]),
+                failure_modes=failure_modes,
+                nodes=_nodes(history),
+            ),
+        }
 
     return {
         "rules": {
             "horizon_h": test.horizon / pd.Timedelta(hours=1),
             "long_horizon_h": test.long_horizon / pd.Timedelta(hours=1),
-            "lookback_h": test.lookback / pd.Timedelta(hours=1),
-            "quiet_period_h": None if test.quiet is None else test.quiet / pd.Timedelta(hours=1),
         },
         "budgets": [float(b) for b in budgets],
         "validation": {
@@ -128,10 +196,79 @@ def alarm_comparison(
             "gpu_days": validation.gpu_days,
         },
         "test_gpu_days": test.gpu_days,
+        "quota": quota,
+        "matched": matched,
         "by_budget": {b: {n: _public(m) for n, m in row.items()} for b, row in by_budget.items()},
+        "threshold_volume_ratio": {b: volume_ratio(row) for b, row in by_budget.items()},
         "natural": {n: _public(m) for n, m in natural.items()},
         "equal_volume": equal,
         "versus_baselines": versus,
+        "false_alarms": false_alarms,
+    }
+
+
+def volume_ratio(points: dict[str, dict[str, Any]]) -> float | None:
+    """The highest realised test volume over the lowest among `points` (None when some scorer
+    raised no alarm: no ratio bounds it)."""
+    volumes = [p["alarms_per_1000_gpu_days"] for p in points.values()]
+    if not volumes or min(volumes) <= 0:
+        return None
+    return float(max(volumes) / min(volumes))
+
+
+def _nodes(history: pd.DataFrame) -> pd.Series | None:
+    """gpu_uuid -> node, where the rows name the node."""
+    if "node" not in history.columns:
+        return None
+    pairs = history[["gpu_uuid", "node"]].drop_duplicates("gpu_uuid")
+    return pd.Series(pairs["node"].astype(str).to_numpy(), index=pairs["gpu_uuid"].astype(str).to_numpy())
+
+
+def _quota_scores(
+    scorers: dict[str, tuple[np.ndarray, np.ndarray]],
+    flags: dict[str, tuple[np.ndarray, np.ndarray]],
+    ties: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """The test score each scorer's quota ranks by: its own (ties broken), and for a flagging
+    scorer its flagged rows first, then its risk (the intersection: the ensemble's) or, for
+    the rule, the tie order."""
+    out = {name: test for name, (test, _) in scorers.items() if name not in flags}
+    for name, (test_flags, _) in flags.items():
+        flagged = np.asarray(test_flags, dtype=np.float64)
+        within = scorers[name][0] if name in scorers else ties
+        out[name] = 2.0 * flagged + np.clip(np.nan_to_num(np.asarray(within, dtype=np.float64), nan=0.0), 0.0, 1.0)
+    return out
+
+
+QUOTA_BASELINES = ("heuristic", "best_feature", "rule")
+"""The baselines each contender is compared with at every quota."""
+
+
+def _quota_pairs(
+    points: dict[str, dict[str, Any]], contenders: Sequence[Contender], samples: int, seed: int
+) -> dict[str, Any]:
+    """At one quota: first - second (`models.power.compare_points`) for each contender against
+    each baseline, each ensemble against each single contender, and each retrained single
+    contender against the static contender of its kind."""
+    pairs: list[tuple[str, str, str]] = []
+    for c in contenders:
+        pairs += [(c.name, b, "baseline") for b in QUOTA_BASELINES if b in points]
+    singles = [c for c in contenders if c.kind in SINGLE_KINDS]
+    for c in contenders:
+        if c.kind in ENSEMBLE_KINDS:
+            pairs += [(c.name, s.name, "ensemble") for s in singles]
+    for c in singles:
+        if c.mode != "static":
+            pairs += [(c.name, s.name, "retraining") for s in singles if s.mode == "static" and s.kind == c.kind]
+    return {
+        f"{first} - {second}": {
+            "first": first,
+            "second": second,
+            "question": question,
+            **compare_points([points[first]], [points[second]], samples=samples, seed=seed),
+        }
+        for first, second, question in pairs
+        if first in points and second in points
     }
 
 
@@ -243,32 +380,18 @@ def _flags(result: WalkForwardResult, seed: int) -> dict[str, tuple[np.ndarray, 
 
 def _differences(first: dict[str, Any], second: dict[str, Any], samples: int, seed: int) -> dict[str, Any]:
     """First minus second operating point (the ensemble minus a single model, a contender minus
-    a baseline): alarm precision and failure recall, with paired bootstrap intervals over the
-    test days."""
-    e, s = first["_day_counts"], second["_day_counts"]
-
-    def diff(a: Any, b: Any) -> float | None:
-        return None if a is None or b is None else float(a - b)
-
+    a baseline): alarm precision and failure recall within the label horizon, with paired
+    bootstrap intervals over the test days (`models.power`), the smallest difference they
+    could detect and the verdict."""
+    compared = compare_points([first], [second], samples=samples, seed=seed)
+    precision, recall = compared["precision"], compared["recall"]
     return {
-        "precision_difference": diff(first["precision"], second["precision"]),
-        "precision_difference_ci": list(
-            paired_difference_ci(
-                np.column_stack([e["hits"], e["alarms"]]),
-                np.column_stack([s["hits"], s["alarms"]]),
-                samples=samples,
-                seed=seed,
-            )
-        ),
-        "recall_difference": diff(first["recall"], second["recall"]),
-        "recall_difference_ci": list(
-            paired_difference_ci(
-                np.column_stack([e["caught"], e["failures"]]),
-                np.column_stack([s["caught"], s["failures"]]),
-                samples=samples,
-                seed=seed,
-            )
-        ),
+        "precision_difference": precision["difference"],
+        "precision_difference_ci": precision["ci"],
+        "precision_detectable": precision["detectable"],
+        "precision_verdict": precision["verdict"],
+        "recall_difference": recall["difference"],
+        "recall_difference_ci": recall["ci"],
     }
 
 
@@ -284,6 +407,27 @@ def ensemble_verdict(equal_volume: dict[str, Any]) -> dict[str, Any]:
             out[name] = "holds"
         elif "below" in sides:
             out[name] = "reversed"
+        else:
+            out[name] = "not shown"
+    return out
+
+
+def quota_verdicts(comparisons: dict[str, Any], question: str = "ensemble") -> dict[str, str]:
+    """Per first scorer of the `question` pairs at one quota (the ensembles): `holds` when its
+    precision is higher than every second's (each interval above zero), `reversed` when some
+    second is higher, `no difference` when every pair is, else `not shown` (underpowered)."""
+    by_first: dict[str, list[str]] = {}
+    for c in comparisons.values():
+        if c["question"] == question:
+            by_first.setdefault(c["first"], []).append(c["precision"]["verdict"])
+    out = {}
+    for name, verdicts in by_first.items():
+        if all(v == "higher" for v in verdicts):
+            out[name] = "holds"
+        elif "lower" in verdicts:
+            out[name] = "reversed"
+        elif all(v == "no difference" for v in verdicts):
+            out[name] = "no difference"
         else:
             out[name] = "not shown"
     return out

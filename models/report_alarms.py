@@ -44,51 +44,104 @@ def _thresholded(metrics: dict[str, Any]) -> list[str]:
     ]
 
 
+def _window_cells(point: dict[str, Any]) -> str:
+    """precision and recall within the horizon, then within the long window, each with its
+    counts and interval."""
+    cells = []
+    for suffix in ("", "_long"):
+        cells.append(
+            f"{_pct(point[f'precision{suffix}'])} ({point[f'n_hits{suffix}']}/{point[f'n_alarms_known{suffix}']}) "
+            f"{_ci(point[f'precision{suffix}_ci'])}"
+        )
+    for suffix in ("", "_long"):
+        cells.append(
+            f"{_pct(point[f'recall{suffix}'])} ({point[f'n_caught{suffix}']}/{point['n_failures']}) "
+            f"{_ci(point[f'recall{suffix}_ci'])}"
+        )
+    return " | ".join(cells)
+
+
 def _alarm_row(name: str, point: dict[str, Any]) -> str:
-    before = point["alarmed_before_h"]["24"]
     threshold = "own flags" if point["budget"] is None else _risk(point["threshold"])
     return (
         f"| {name} | {threshold} | {_num(point['validation_rate'], 2)} | "
-        f"{_num(point['alarms_per_1000_gpu_days'], 2)} {_ci(point['alarms_per_1000_gpu_days_ci'], 1.0, 2)} | "
-        f"{point['n_alarms']} | {_pct(point['precision'])} {_ci(point['precision_ci'])} | "
-        f"{_pct(point['precision_long'])} | {_pct(point['precision_gpu_day'])} | "
-        f"{_pct(point['recall'])} ({point['n_caught']}/{point['n_failures']}) {_ci(point['recall_ci'])} | "
-        f"{_num(point['lead_time_h_median'])} {_ci(point['lead_time_h_median_ci'], 1.0)} | {_pct(before['share'])} |"
+        f"{_num(point['alarms_per_1000_gpu_days'], 2)} | {point['n_alarms']} | {_window_cells(point)} | "
+        f"{_num(point['lead_time_h_median'])} |"
     )
 
 
-ALARM_HEADER = [
-    "| configuration | threshold | alarms /1k GPU-days, validation | test [95% CI] | alarms | precision "
-    "(fails within the horizon) [CI] | within 72 h | per GPU-day | failure recall [CI] | median lead h [CI] | "
-    "alarmed >= 24 h ahead |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-]
+def _quota_row(name: str, point: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {point['n_alarms']} | {_num(point['alarms_per_1000_gpu_days'], 2)} | {_window_cells(point)} | "
+        f"{_num(point['lead_time_h_median'])} |"
+    )
+
+
+def _windows_header(rules: dict[str, Any]) -> str:
+    h, long = f"{rules['horizon_h']:g} h", f"{rules['long_horizon_h']:g} h"
+    return (
+        f"precision within {h} (right/judged) [CI] | precision within {long} [CI] | "
+        f"recall within {h} (caught/failures) [CI] | recall within {long} [CI] | median lead h"
+    )
+
+
+def alarm_header(rules: dict[str, Any]) -> list[str]:
+    return [
+        "| configuration | threshold | alarms /1k GPU-days, validation | test | alarms | "
+        + _windows_header(rules)
+        + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+
+def quota_header(rules: dict[str, Any]) -> list[str]:
+    return [
+        "| configuration | alarms | alarms /1k GPU-days, test | " + _windows_header(rules) + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+
+def definition_text(rules: dict[str, Any]) -> str:
+    h, long = f"{rules['horizon_h']:g} h", f"{rules['long_horizon_h']:g} h"
+    return (
+        "One alarm per GPU episode (a GPU's service between failures; a gap in its rows also ends one): a GPU "
+        f"that stays risky is not a new alarm. An alarm is right within W when its GPU fails within W after it; a "
+        f"failure is caught within W when its GPU alarmed within W before it; W = {h} (the label horizon) and "
+        f"W = {long}. An alarm whose W reaches past the data is judged only when it was right (right/judged). "
+        "Lead time: from the alarm to the failure, within the longer W. Intervals: percentile bootstrap over the "
+        "test days (alarms by the day they are raised, failures by the day they happen)."
+    )
 
 
 def alarm_sections(metrics: dict[str, Any]) -> list[str]:
-    """Markdown: the operating points, the ensemble at equal volume, lead time per mode."""
+    """Markdown: the alarms at equal volume (the daily quota) first, then at the thresholds chosen
+    on validation, the ensemble at equal volume, the baselines, the false alarms, lead time per mode."""
     alarms = metrics["alarms"]
     rules, validation = alarms["rules"], alarms["validation"]
-    quiet = rules["quiet_period_h"]
-    lines = [
-        "## Alarms at operating points chosen before the test period",
+    lines = [*quota_sections(metrics)] if "quota" in alarms else []
+    lines += [
+        "## Alarms at thresholds chosen before the test period",
         "",
-        "An alarm is a GPU's first grid time at or above the threshold; it is re-armed when the risk falls back "
-        + ("" if quiet is None else f"or, while it stays above, after {quiet:g} h ")
-        + f"(a gap in its rows also ends its time above). Alarm precision: alarms whose GPU fails within the "
-        f"{rules['horizon_h']:g} h label horizon (and within {rules['long_horizon_h']:g} h: early correct alarms); "
-        "per GPU-day: a GPU alarmed on a day counts once. Failure recall: failures with an alarm of their GPU "
-        f"in the {rules['lookback_h']:g} h before; lead time from the first such alarm, not capped by the label "
-        f"horizon. Each threshold (calibrated risk for the contenders) is the lowest whose alarm volume on the "
+        definition_text(rules)
+        + " Each threshold (calibrated risk for the contenders) is the lowest whose alarm volume on the "
         f"validation slice {validation['start']} .. {validation['end']} ({_num(validation['gpu_days'], 0)} GPU-days, "
-        "before the test period, scored by each contender's first model) stays within the budget; the test period "
-        "only judges it. Intervals: percentile bootstrap over days (alarms and failures by the day they fall on), "
-        "over failures for the lead time.",
+        "before the test period, scored by each contender's first model) stays within the budget (found exactly "
+        "from the sorted episode maxima); the test period only judges it. The volumes the thresholds realise on "
+        "the test differ from scorer to scorer, so the precisions below are **not comparable across rows**: the "
+        "daily quota above is the comparison at equal volume.",
         "",
     ]
+    ratios = alarms.get("threshold_volume_ratio", {})
     for budget in alarms["budgets"]:
-        row = alarms["by_budget"][budget_key(budget)]
-        lines += [f"### Budget {budget:g} alarms per 1,000 GPUs per day", "", *ALARM_HEADER]
+        key = budget_key(budget)
+        row = alarms["by_budget"][key]
+        ratio = ratios.get(key)
+        spread = (
+            f"realised test volumes differ by a factor of {ratio:.2f}"
+            if ratio is not None
+            else "some scorer raised no alarm on the test"
+        )
+        lines += [f"### Budget {budget:g} alarms per 1,000 GPUs per day ({spread})", "", *alarm_header(rules)]
         lines += [_alarm_row(name, row[name]) for name in _thresholded(metrics) if name in row]
         lines.append("")
     if alarms["natural"]:
@@ -98,14 +151,144 @@ def alarm_sections(metrics: dict[str, Any]) -> list[str]:
             "Scorers that flag rather than score, at the volume their flags give (no threshold): the rule baseline "
             "and the paper's parallel intersection (a GPU in every member's top K, never topped up to K).",
             "",
-            *ALARM_HEADER,
+            *alarm_header(rules),
             *[_alarm_row(name, point) for name, point in alarms["natural"].items()],
             "",
         ]
     lines += equal_volume_section(metrics)
     lines += versus_baselines_section(metrics)
+    lines += false_alarms_section(metrics)
     lines += mode_lead_section(metrics)
     return lines
+
+
+QUESTION_WORDS = {
+    "baseline": "against the baselines",
+    "ensemble": "the paper's ensembles against the single models",
+    "retraining": "retraining against the static model of the same kind",
+}
+VERDICT_WORDS = {
+    "higher": "higher",
+    "lower": "lower",
+    "no difference": "no difference (interval within +-10 pts)",
+    "not shown": "not shown: underpowered",
+}
+
+
+def quota_sections(metrics: dict[str, Any]) -> list[str]:
+    """The alarms at a daily quota, then at thresholds matched on the test scores: every scorer
+    at the same volume, its figures within both windows, and the paired differences with the
+    smallest difference each could detect."""
+    alarms = metrics["alarms"]
+    rules = alarms["rules"]
+    lines = _equal_volume_lines(
+        metrics,
+        "quota",
+        "## Alarms at equal volume: a daily quota",
+        "Operated as on a fleet: at the end of each test day the GPUs in service and not already alarmed in their "
+        "episode are ranked by their highest risk that day, and the riskiest are alarmed, as many as bring the "
+        "alarms so far to the budget times the GPU-days so far (0.5 per 1,000 GPUs per day on a few hundred GPUs "
+        "is one alarm every few days). Every scorer raises the same number of alarms, so these precisions "
+        "compare; the rule and the parallel intersection rank their flagged GPUs first. A GPU that fails within "
+        "hours of its risk rising is often out of service by the day's review. " + definition_text(rules),
+        "Quota",
+    )
+    if "matched" in alarms:
+        lines += _equal_volume_lines(
+            metrics,
+            "matched",
+            "## Alarms at equal volume: thresholds matched on the test scores",
+            "Each scorer's threshold is set on the test period's scores (never its labels), exactly, for the "
+            "budget's number of alarms: every scorer raises the same number, each the hour its risk crosses the "
+            "threshold. A comparison device (no operator knows this threshold in advance), the fair one where "
+            "failures follow their precursor within hours, faster than a daily review.",
+            "Matched",
+        )
+    return lines
+
+
+def _equal_volume_lines(metrics: dict[str, Any], key: str, title: str, text: str, label: str) -> list[str]:
+    alarms = metrics["alarms"]
+    rules = alarms["rules"]
+    lines = [title, "", text, ""]
+    for budget in alarms["budgets"]:
+        entry = alarms[key][budget_key(budget)]
+        ratio = entry["volume_ratio"]
+        lines += [
+            f"### {label} {budget:g} alarms per 1,000 GPUs per day"
+            + ("" if ratio is None else f" (realised volumes within a factor {ratio:.2f})"),
+            "",
+            *quota_header(rules),
+            *[_quota_row(name, point) for name, point in entry["points"].items()],
+            "",
+        ]
+    headline = budget_key(metrics.get("alarm_headline_budget", alarms["budgets"][0]))
+    comparisons = alarms[key][headline]["comparisons"]
+    if comparisons:
+        lines += [
+            f"### Differences at the {headline} {label.lower()}, paired over the test days",
+            "",
+            "First minus second, in points, with the paired bootstrap 95% interval and the smallest difference the "
+            "comparison could detect (80% power, 5% level: 2.8 x the bootstrap standard error). Higher or lower: the "
+            "interval excludes zero; no difference: it includes zero and lies within +-10 points; not shown: it "
+            "includes zero and is wider, too few alarms to tell.",
+            "",
+            f"| question | first - second | precision within {rules['horizon_h']:g} h [95% CI] | detectable | verdict | "
+            f"within {rules['long_horizon_h']:g} h [95% CI] | verdict | recall within {rules['horizon_h']:g} h [95% CI] |",
+            "| --- | --- | ---: | ---: | --- | ---: | --- | ---: |",
+        ]
+        for pair, c in comparisons.items():
+            p, long, r = c["precision"], c["precision_long"], c["recall"]
+            lines.append(
+                f"| {QUESTION_WORDS[c['question']]} | {pair} | {_points(p['difference'])} {_ci(p['ci'])} | "
+                f"{_pts(p['detectable'])} | {VERDICT_WORDS[p['verdict']]} | {_points(long['difference'])} "
+                f"{_ci(long['ci'])} | {VERDICT_WORDS[long['verdict']]} | {_points(r['difference'])} {_ci(r['ci'])} |"
+            )
+        lines.append("")
+    claims = metrics.get("claims", {})
+    verdicts = [(f"ensemble_at_{key}", "the paper's ensemble gain"), (f"retraining_at_{key}", "retraining")]
+    for claim, words in verdicts:
+        for name, v in claims.get(claim, {}).items():
+            lines.append(
+                f"- At the {headline} {label.lower()}, {words} ({name}): **{v}**"
+                + (" (too few alarms to tell: see the detectable differences)" if v == "not shown" else "")
+            )
+    if any(claims.get(claim) for claim, _ in verdicts):
+        lines.append("")
+    return lines
+
+
+def _pts(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f} pts"
+
+
+def false_alarms_section(metrics: dict[str, Any]) -> list[str]:
+    """The top false alarms of the configuration chosen on validation, at the headline quota."""
+    found = metrics["alarms"].get("false_alarms")
+    if not found:
+        return []
+    long = metrics["alarms"]["rules"]["long_horizon_h"]
+    lines = [
+        f"## Top false alarms of {found['name']} (quota {found['budget']:g} per 1,000 GPUs per day)",
+        "",
+        f"Its riskiest alarms whose GPU did not fail within {long:g} h, with the failure nearest in time on the "
+        "same node (a neighbour's failure or the GPU's own, later; its mode and the hours from the alarm) and the "
+        "three features that stood out most in the alarm's row (value, and how many standard deviations from the "
+        "test period's mean).",
+        "",
+        "| alarm | GPU | node | risk | nearest failure on the node | leading features |",
+        "| --- | --- | --- | ---: | --- | --- |",
+    ]
+    if not found["alarms"]:
+        lines += ["| none | | | | | |"]
+    for a in found["alarms"]:
+        near = a["nearest_failure"]
+        nearest = "none" if near is None else f"{near['mode']} ({near['gpu_uuid']}, {near['hours_after_alarm']:+.0f} h)"
+        features = "; ".join(f"{f['feature']} = {f['value']:.4g} ({f['z']:+.1f} sd)" for f in a["leading_features"])
+        lines.append(
+            f"| {a['ts']} | {a['gpu_uuid']} | {a['node'] or '-'} | {_risk(a['score'])} | {nearest} | {features or '-'} |"
+        )
+    return [*lines, ""]
 
 
 BASELINE_WORDS = {"heuristic": "the heuristic", "best_feature": "the best single feature", "rule": "the rule"}
@@ -212,7 +395,10 @@ def _chosen_lines(chosen: dict[str, Any] | None, seeds: dict[str, Any] | None) -
 
 
 def _diff(entry: dict[str, Any]) -> str:
-    return f"{_points(entry['precision_difference'])} {_ci(entry['precision_difference_ci'])}"
+    detectable = entry.get("precision_detectable")
+    return f"{_points(entry['precision_difference'])} {_ci(entry['precision_difference_ci'])}" + (
+        "" if detectable is None else f" (detectable {_pts(detectable)})"
+    )
 
 
 def equal_volume_section(metrics: dict[str, Any]) -> list[str]:
@@ -280,13 +466,13 @@ def mode_lead_section(metrics: dict[str, Any]) -> list[str]:
     before, at the largest budget (the most alarms: the one where a mode has a chance)."""
     budget = budget_key(max(metrics["alarms"]["budgets"]))
     primary = metrics["primary"]
-    point = metrics["alarms"]["by_budget"][budget][primary]
+    point = metrics["alarms"]["quota"][budget]["points"][primary]
     heads = " | ".join(f"alarmed >= {h} h ahead" for h in LEAD_TIMES_H)
     lines = [
-        f"## Lead time per failure mode ({primary}, {budget} alarms per 1,000 GPUs per day)",
+        f"## Lead time per failure mode ({primary}, daily quota of {budget} alarms per 1,000 GPUs per day)",
         "",
-        "Share of the failures with an alarm at least that long before, among the failures at least that long "
-        "after the start of the test period (only those could have had one).",
+        "Share of the failures with an alarm at least that long before (within the longer window), among the "
+        "failures at least that long after the start of the test period (only those could have had one).",
         "",
         f"| failure mode | failures | caught | median lead h | {heads} |",
         "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in LEAD_TIMES_H) + " |",
@@ -356,11 +542,12 @@ def seeds_section(metrics: dict[str, Any]) -> list[str]:
     lines = [
         f"## Over seeds {', '.join(str(s) for s in seeds['seeds'])}",
         "",
-        f"Mean [min, max] over the seeds (each seed draws every fit's negatives anew); alarms at {budget} per "
-        "1,000 GPUs per day. The tables above are the first seed's.",
+        f"Mean [min, max] over the seeds (each seed draws every fit's negatives anew, on the same fleet: model "
+        f"seeds, not fleet seeds); alarms at the daily quota of {budget} per 1,000 GPUs per day. The tables above "
+        "are the first seed's.",
         "",
-        "| configuration | ROC-AUC | alarm precision | within 72 h | failure recall | ECE |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| configuration | ROC-AUC | alarm precision | within 72 h | failure recall | within 72 h | ECE |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def cell(entry: dict[str, Any], pct: bool) -> str:
@@ -376,7 +563,8 @@ def seeds_section(metrics: dict[str, Any]) -> list[str]:
     for name, s in seeds["summary"].items():
         lines.append(
             f"| {name} | {cell(s['roc_auc'], False)} | {cell(s['alarm_precision'], True)} | "
-            f"{cell(s['alarm_precision_long'], True)} | {cell(s['alarm_recall'], True)} | {cell(s['ece'], False)} |"
+            f"{cell(s['alarm_precision_long'], True)} | {cell(s['alarm_recall'], True)} | "
+            f"{cell(s['alarm_recall_long'], True)} | {cell(s['ece'], False)} |"
         )
     return [*lines, "", *_paired_lines(seeds.get("paired") or {}, budget)]
 
@@ -397,8 +585,7 @@ def _paired_lines(paired: dict[str, Any], budget: str) -> list[str]:
     lines = [
         "Paired by seed (the contender's figure minus the baseline's under the same seed): mean difference "
         "and 95% t interval over the seeds. ROC-AUC in points of AUC, alarm precision at "
-        f"{budget} per 1,000 GPU-days and daily precision@K in percentage points. The rule flags rather than "
-        "scores: it has no alarm precision at a budget.",
+        f"the daily quota of {budget} per 1,000 GPUs per day and daily precision@K in percentage points.",
         "",
         "| configuration | against | ROC-AUC | alarm precision | precision@K |",
         "| --- | --- | ---: | ---: | ---: |",

@@ -45,8 +45,8 @@ def drift_section(metrics: dict[str, Any]) -> list[str]:
     for event in inside:
         lines += [
             f"Before and after {event['what']} (the test period split at day {event['day'] + 1}): daily "
-            f"precision@{k} (mean over the days) and alarm precision at {budget} per 1,000 GPU-days (alarms "
-            "of those days; thresholds chosen before the test period).",
+            f"precision@{k} (mean over the days) and alarm precision within the horizon at the daily quota of "
+            f"{budget} per 1,000 GPUs per day (the alarms of those days; every scorer the same number).",
             "",
             f"| scorer | mode | precision@{k} before | after | alarm precision before (alarms) | after (alarms) |",
             "| --- | --- | ---: | ---: | ---: | ---: |",

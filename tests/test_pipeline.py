@@ -40,7 +40,7 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
         "evaluate", "--data", str(data), "--report", str(out / "report"), "--test-days", "6", "--policy"
     )
     assert "precision@10" in evaluated
-    assert "alarms per 1,000 GPUs per day (threshold chosen before the test)" in evaluated
+    assert "at a daily quota of 1 per 1,000 GPUs: " in evaluated
     scored = gpufail("score", "--data", str(data), "--model", str(out / "model"))
     published = gpufail("publish", "--data", str(data), "--dry-run")
     summary = gpufail("summary", "--data", str(data), "--report", str(out / "report"))
@@ -76,8 +76,14 @@ def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     assert "simulated failures (ground truth)" in summary
     assert "calibrated risk on the test period: ECE " in summary
     assert f"outputs: features {data / 'buckets'}, " in summary  # where the feature rows come from
-    assert "alarm precision against the baselines (95% interval of the difference; by budget): rule" in summary
-    assert f"{metrics['primary']} at {metrics['alarm_headline_budget']:g} alarms per 1,000 GPUs per day" in summary
+    # It leads with every scorer at the same volume, and the chosen configuration's differences.
+    budget = f"{metrics['alarm_headline_budget']:g}"
+    assert f"alarms at equal volume (a daily quota of {budget} per 1,000 GPUs per day" in summary
+    quota = metrics["alarms"]["quota"][budget]
+    assert len({p["n_alarms"] for p in quota["points"].values()}) == 1
+    assert f"  {metrics['primary']}: {quota['points'][metrics['primary']]['n_alarms']} alarms (" in summary
+    chosen = metrics["claims"]["chosen_on_validation"]["name"]
+    assert f"chosen on validation, {chosen}, minus the baselines at that quota: heuristic " in summary
 
 
 def test_pipeline_steps_out_of_order_say_what_to_run_first(tmp_path):

@@ -237,86 +237,133 @@ def evaluate_line(f: dict[str, Any]) -> str:
         f"random {f['random_precision']:.3f}, "
         + (f"rule {f['rule_precision']:.3f}, " if f["rule_precision"] is not None else "")
         + f"oracle {f['oracle_precision']:.3f}; "
-        + (alarm_lines(f["alarms"])[0] + " " if f["alarms"] is not None else "")
+        + (_primary_alarm_text(f["alarms"]) + " " if f["alarms"] is not None else "")
         + f"-> {f['metrics']}"
     )
 
 
+def _primary_alarm_text(f: dict[str, Any]) -> str:
+    p = f["at_equal_volume"][f["model"]]
+    precision = "-" if p["precision"] is None else f"{100 * p['precision']:.1f}%"
+    return (
+        f"{f['model']} at a daily quota of {f['budget_per_1000_gpus_per_day']:g} per 1,000 GPUs: "
+        f"{p['n_alarms']} alarms, precision {precision} within {f['horizon_h']:g} h;"
+    )
+
+
 def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """The primary contender's alarms at the headline budget and its calibrated risk, as
-    `gpufail evaluate` and `gpufail summary` report them (None for a report written before
-    alarms were scored)."""
-    if "alarms" not in metrics:
+    """The alarms at the headline budget's daily quota (every scorer at the same volume) and the
+    primary contender's calibrated risk, as `gpufail evaluate` and `gpufail summary` report them
+    (None for a report written before the quota was scored)."""
+    if "quota" not in metrics.get("alarms", {}):
         return None
     budget = metrics["alarm_headline_budget"]
     name = metrics["primary"]
-    point = metrics["alarms"]["by_budget"][f"{budget:g}"][name]
+    quota = metrics["alarms"]["quota"][f"{budget:g}"]
+    keys = (
+        "n_alarms",
+        "alarms_per_1000_gpu_days",
+        "precision",
+        "n_hits",
+        "n_alarms_known",
+        "precision_long",
+        "n_hits_long",
+        "n_alarms_known_long",
+        "recall",
+        "recall_long",
+        "n_caught",
+        "n_caught_long",
+        "n_failures",
+        "lead_time_h_median",
+    )
     calibration = metrics["calibration"][name]
+    chosen = metrics["claims"].get("chosen_on_validation") or {}
     return {
         "model": name,
         "budget_per_1000_gpus_per_day": budget,
+        "horizon_h": metrics["alarms"]["rules"]["horizon_h"],
         "long_horizon_h": metrics["alarms"]["rules"]["long_horizon_h"],
-        **{
-            key: point[key]
-            for key in (
-                "n_alarms",
-                "alarms_per_1000_gpu_days",
-                "precision",
-                "precision_long",
-                "recall",
-                "n_caught",
-                "n_failures",
-                "lead_time_h_median",
-            )
+        "volume_ratio": quota["volume_ratio"],
+        "at_equal_volume": {scorer: {key: point[key] for key in keys} for scorer, point in quota["points"].items()},
+        "at_matched_thresholds": {
+            scorer: {key: point[key] for key in keys}
+            for scorer, point in metrics["alarms"].get("matched", {}).get(f"{budget:g}", {}).get("points", {}).items()
+        },
+        "chosen": chosen.get("name"),
+        "chosen_versus": {
+            pair: {
+                "difference": c["precision"]["difference"],
+                "ci": c["precision"]["ci"],
+                "detectable": c["precision"]["detectable"],
+                "verdict": c["precision"]["verdict"],
+            }
+            for pair, c in quota["comparisons"].items()
+            if c["first"] == chosen.get("name") and c["question"] == "baseline"
         },
         "calibration": {
             "ece": calibration["ece"],
             "brier": calibration["brier"],
             "high_risk": calibration["high_risk"],
         },
-        "ensemble_at_equal_volume": metrics["claims"].get("ensemble_at_equal_volume", {}),
-        "versus_baselines": metrics["claims"].get("versus_baselines", {}).get(name),
+        "ensemble_at_quota": metrics["claims"].get("ensemble_at_quota", {}),
     }
 
 
 def alarm_lines(f: dict[str, Any]) -> list[str]:
-    """The lines of `alarm_facts`."""
+    """The lines of `alarm_facts`: every scorer at the same daily quota first."""
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{100 * value:.1f}%"
 
-    lead, calibration = f["lead_time_h_median"], f["calibration"]
-    high = calibration["high_risk"]
+    h, long = f"{f['horizon_h']:g} h", f"{f['long_horizon_h']:g} h"
+    ratio = f["volume_ratio"]
     lines = [
-        f"{f['model']} at {f['budget_per_1000_gpus_per_day']:g} alarms per 1,000 GPUs per day (threshold chosen "
-        f"before the test): {f['n_alarms']} alarms ({f['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), "
-        f"precision {pct(f['precision'])} within the horizon, {pct(f['precision_long'])} within "
-        f"{f['long_horizon_h']:g} h, recall {pct(f['recall'])} ({f['n_caught']} of {f['n_failures']} failures)"
-        + ("" if lead is None else f", median lead {lead:.1f} h"),
-        f"calibrated risk on the test period: ECE {calibration['ece']:.4f}, Brier {calibration['brier']:.5f}; "
-        f"rows at risk >= {high['level']:g}: {high['n_rows']}"
+        f"alarms at equal volume (a daily quota of {f['budget_per_1000_gpus_per_day']:g} per 1,000 GPUs per day"
+        + ("" if ratio is None else f"; realised volumes within a factor {ratio:.2f}")
+        + f"): precision within {h} / {long}, recall within {h} / {long}:"
+    ]
+    for scorer, p in f["at_equal_volume"].items():
+        lead = p["lead_time_h_median"]
+        lines.append(
+            f"  {scorer}: {p['n_alarms']} alarms ({p['alarms_per_1000_gpu_days']:.2f} per 1,000 GPU-days), "
+            f"precision {pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']}) / {pct(p['precision_long'])} "
+            f"({p['n_hits_long']}/{p['n_alarms_known_long']}), recall {pct(p['recall'])} / {pct(p['recall_long'])} "
+            f"({p['n_caught']}, {p['n_caught_long']} of {p['n_failures']} failures)"
+            + ("" if lead is None else f", median lead {lead:.1f} h")
+        )
+    if f.get("at_matched_thresholds"):
+        lines.append(
+            "at thresholds matched on the test scores (the same volume, alarms the hour the risk crosses): "
+            + "; ".join(
+                f"{scorer} {pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']})"
+                for scorer, p in f["at_matched_thresholds"].items()
+            )
+        )
+    if f["chosen_versus"]:
+        parts = [
+            f"{pair.split(' - ', 1)[1]} {100 * c['difference']:+.1f} pts "
+            f"[{100 * c['ci'][0]:+.1f}, {100 * c['ci'][1]:+.1f}] {c['verdict']}"
+            + ("" if c["detectable"] is None else f" (detectable {100 * c['detectable']:.1f} pts)")
+            if c["difference"] is not None and c["ci"][0] is not None
+            else f"{pair.split(' - ', 1)[1]} not shown (no interval)"
+            for pair, c in f["chosen_versus"].items()
+        ]
+        lines.append(f"chosen on validation, {f['chosen']}, minus the baselines at that quota: " + "; ".join(parts))
+    calibration = f["calibration"]
+    high = calibration["high_risk"]
+    lines.append(
+        f"{f['model']}'s calibrated risk on the test period: ECE {calibration['ece']:.4f}, Brier "
+        f"{calibration['brier']:.5f}; rows at risk >= {high['level']:g}: {high['n_rows']}"
         + (
             ""
             if high["mean_risk"] is None
             else f", predicted {high['mean_risk']:.2f}, observed {high['observed_rate']:.2f} ({high['verdict']})"
-        ),
-    ]
-    lines += [
-        f"the paper's ensemble gain at equal alarm volume ({n}): {v}" for n, v in f["ensemble_at_equal_volume"].items()
-    ]
-    versus = f.get("versus_baselines")
-    if versus:
-        parts = [f"rule (at its volume): {versus['rule']}"] if "rule" in versus else []
-        parts += [
-            f"{baseline}: " + ", ".join(f"{budget} {v}" for budget, v in per.items())
-            for baseline, per in versus.items()
-            if baseline not in ("rule", "beats_all")
-        ]
-        lines.append(
-            f"{f['model']}'s alarm precision against the baselines (95% interval of the difference; by budget): "
-            + "; ".join(parts)
-            + (" - beats every one" if versus["beats_all"] else "")
         )
+    )
+    lines += [
+        f"the paper's ensemble gain at that quota ({n}, against every single contender): {v}"
+        for n, v in f["ensemble_at_quota"].items()
+    ]
     return lines
 
 
@@ -337,6 +384,7 @@ def summary(ctx: click.Context, data: str | None, report_dir: str, as_json: bool
 
     from features.dataset import features_dataset
     from ingest.store import Store
+    from models.report import own_volume_picks
 
     root = data_root(ctx, data)
     store = Store.open(root)
@@ -355,7 +403,16 @@ def summary(ctx: click.Context, data: str | None, report_dir: str, as_json: bool
         "xid_lines": sum(xids["repeat_count"].to_pylist()),
         "test": {key: metrics["test"][key] for key in ("start", "end", "n_gpus")},
         "top_k": k,
-        "precision_at_k": {name: s["precision_at_k_pooled"] for name, s in metrics["scores"].items()},
+        "precision_at_k": {
+            name: s["precision_at_k_pooled"]
+            for name, s in metrics["scores"].items()
+            if name == "model" or own_volume_picks(metrics, name, k) is None
+        },
+        "not_comparable_at_k": {
+            name: picks
+            for name in metrics["scores"]
+            if name != "model" and (picks := own_volume_picks(metrics, name, k)) is not None
+        },
         "caught_at_k": model["n_caught_at_k"],
         "episodes": model["n_episodes"],
         "lead_time_h_median_at_k": model["lead_time_h_median_at_k"],
@@ -382,7 +439,11 @@ def summary_text(f: dict[str, Any]) -> str:
         f"  XID incidents parsed from kernel logs: {f['xid_incidents']:,} (from {f['xid_lines']:,} lines)",
         f"  held-out test period: {test['start']} to {test['end']} ({test['n_gpus']} GPUs)",
         *("  " + line for line in (alarm_lines(f["alarms"]) if f["alarms"] is not None else [])),
-        f"  ranking, precision@{k}: model {precision['model']:.3f} ({others})",
+        f"  ranking, precision@{k}: model {precision['model']:.3f} ({others})"
+        + "".join(
+            f"; {name} not comparable ({picks:.2f} picks per grid time, not {k})"
+            for name, picks in f.get("not_comparable_at_k", {}).items()
+        ),
         f"  failures caught in the top {k} before they happened: {f['caught_at_k']} of {f['episodes']}"
         + (f", median lead {lead:.1f} h" if (lead := f["lead_time_h_median_at_k"]) is not None else ""),
         f"  outputs: features {out['features']}, predictions {out['predictions']}, actions {out['actions']}, report {out['report']}",

@@ -73,6 +73,9 @@ def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_p
         (["--out", "{tmp}/x", "--days", "30"], "--days and --work go with --paper"),
         (["--out", "{tmp}/x", "--paper", "--days", "3"], "Invalid value for '--days'"),
         (["--out", "{tmp}/x", "--paper", "--reuse"], "--reuse goes with --paper --work"),
+        (["--out", "{tmp}/x", "--fleets", "1,1"], "--fleets: expected distinct seeds like 1,2,3, got '1,1'"),
+        (["--out", "{tmp}/x", "--fleets", "1,a"], "--fleets: expected comma-separated seeds like 1,2,3, got '1,a'"),
+        (["--out", "{tmp}/x", "--fleets", "1,2", "--paper"], "--fleets goes without --paper and --reuse"),
     ],
 )
 def test_bad_arguments_are_refused_and_nothing_is_written(tmp_path, args, message):

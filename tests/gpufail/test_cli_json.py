@@ -211,9 +211,20 @@ def test_evaluate_json_gives_the_headline_figures_of_metrics_json(base, tmp_path
     k = str(metrics["top_k"])
     assert facts["random_precision"] == metrics["scores"]["random"]["by_k"][k]["precision_daily_mean"]
     budget = metrics["alarm_headline_budget"]
-    point = metrics["alarms"]["by_budget"][f"{budget:g}"][metrics["primary"]]
+    quota = metrics["alarms"]["quota"][f"{budget:g}"]
     assert facts["alarms"]["budget_per_1000_gpus_per_day"] == budget
-    assert (facts["alarms"]["n_alarms"], facts["alarms"]["precision"]) == (point["n_alarms"], point["precision"])
+    assert facts["alarms"]["volume_ratio"] == quota["volume_ratio"]
+    matched = metrics["alarms"]["matched"][f"{budget:g}"]["points"]
+    assert {n: p["n_alarms"] for n, p in facts["alarms"]["at_matched_thresholds"].items()} == {
+        n: p["n_alarms"] for n, p in matched.items()
+    }
+    for name, point in quota["points"].items():  # every scorer at the same volume
+        mine = facts["alarms"]["at_equal_volume"][name]
+        assert (mine["n_alarms"], mine["precision"], mine["recall_long"]) == (
+            point["n_alarms"],
+            point["precision"],
+            point["recall_long"],
+        )
     # The summary reads what evaluate wrote; its object holds the same figures.
     summary = one_object(gpufail("summary", "--data", str(simulated_xids(tmp_path)), "--report", str(report), "--json"))
     assert summary["command"] == "summary"

@@ -52,9 +52,12 @@ def test_config_path_can_come_from_the_environment(tmp_path):
         ('[model]\ncalibration_window = "0s"\n', r"\[model\] calibration_window: expected a duration above zero"),
         ("[evaluate]\nalarm_budgets = []\n", r"\[evaluate\] alarm_budgets.*at least 1 item"),
         ("[evaluate]\nalarm_budgets = [1, 0]\n", r"\[evaluate\] alarm_budgets.1.*greater than 0, got 0"),
-        ('[evaluate]\nalarm_lookback = "0h"\n', r"\[evaluate\] alarm_lookback: expected a duration above zero"),
+        ('[evaluate]\nlong_horizon = "0h"\n', r"\[evaluate\] long_horizon: expected a duration above zero"),
         ('[evaluate]\nlong_horizon = "soon"\n', r"\[evaluate\] long_horizon: expected a duration"),
-        ("[evaluate]\nalarm_quiet_period = 24\n", r"\[evaluate\] alarm_quiet_period: expected a duration with a unit"),
+        ("[evaluate]\nlong_horizon = 24\n", r"\[evaluate\] long_horizon: expected a duration with a unit"),
+        # One definition of an alarm (one per GPU episode, judged within the windows): the old
+        # re-arming and look-back keys are refused, not silently ignored.
+        ('[evaluate]\nalarm_lookback = "2d"\n', r"\[evaluate\] alarm_lookback"),
         ("[evaluate]\nseeds = [1, 2, 1]\n", r"\[evaluate\] seeds: .*expected each seed once, got \[1\]"),
         ("[evaluate]\nseeds = [-1]\n", r"\[evaluate\] seeds.0.*greater than or equal to 0"),
         (
@@ -157,7 +160,7 @@ def test_calibration_alarm_and_budget_settings_reach_the_options_the_commands_ta
     path = tmp_path / "gpufail.toml"
     path.write_text(
         '[model]\ncalibration = "isotonic"\ncalibration_window = "3d"\n'
-        '[evaluate]\nalarm_quiet_period = "0s"\nalarm_lookback = "2d"\nlong_horizon = "48h"\ntest_days = 10\n'
+        '[evaluate]\nlong_horizon = "48h"\ntest_days = 10\n'
         "[publish.tiers.avoid]\nenter = 0.25\nexit = 0.15\nbudget_per_day = 2\n"
     )
     settings = load_settings(path, environ={})
@@ -168,12 +171,7 @@ def test_calibration_alarm_and_budget_settings_reach_the_options_the_commands_ta
     assert (plan.calibration, plan.calibration_window, plan.test_days) == ("isotonic", timedelta(days=3), 10)
     assert settings.walk_forward_plan(test_days=4).test_days == 4
     rules = settings.alarm_rules()
-    assert rules.quiet_period is None  # "0s": only falling back below the threshold re-arms
-    assert (rules.horizon, rules.lookback, rules.long_horizon) == (
-        timedelta(hours=24),
-        timedelta(days=2),
-        timedelta(hours=48),
-    )
+    assert (rules.horizon, rules.long_horizon) == (timedelta(hours=24), timedelta(hours=48))
     tiers = {t.name: t for t in settings.publish.policy_config().tiers}
     assert tiers["avoid"].budget_per_day == 2 and tiers["watch"].budget_per_day is None
     assert settings.publish_options().policy.tiers == settings.publish.policy_config().tiers

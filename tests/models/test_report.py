@@ -80,15 +80,30 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     best = metrics()["claims"]["best"]
     assert f"Best configuration: **{best}**" in text
     assert "## Ranking at K = expected" in text
-    # The decision sections: alarms per budget (thresholds from before the test), lead time per
-    # mode, calibration with the primary's reliability table.
-    assert "## Alarms at operating points chosen before the test period" in text
+    # The decision sections lead with every scorer at the same volume (a daily quota), then the
+    # thresholds from before the test with the volumes they realise, lead time per mode,
+    # calibration with the primary's reliability table.
+    quota_at = text.index("## Alarms at equal volume: a daily quota")
+    assert quota_at < text.index("## Alarms at thresholds chosen before the test period")
+    assert quota_at < text.index("## Ranking at K = 5")
     for budget in ("50", "200"):
-        assert f"### Budget {budget} alarms per 1,000 GPUs per day" in text
+        assert f"### Quota {budget} alarms per 1,000 GPUs per day (realised volumes within a factor 1.00)" in text
+        assert f"### Budget {budget} alarms per 1,000 GPUs per day (" in text
+    quota = metrics()["alarms"]["quota"]["50"]["points"]["lr auto"]
+    assert f"| lr auto | {quota['n_alarms']} | {quota['alarms_per_1000_gpu_days']:.2f} | " in text
+    assert "### Differences at the 50 quota, paired over the test days" in text
+    matched_at = text.index("## Alarms at equal volume: thresholds matched on the test scores")
+    assert quota_at < matched_at < text.index("## Alarms at thresholds chosen before the test period")
+    assert "### Matched 200 alarms per 1,000 GPUs per day (realised volumes within a factor 1.00)" in text
+    assert "| against the baselines | lr auto - heuristic | " in text
+    assert "| retraining against the static model of the same kind |" not in text  # no static logistic
     point = metrics()["alarms"]["by_budget"]["200"]["lr auto"]
     assert f"| lr auto | {point['threshold']:.3g} | " in text
     assert "### At their own volume" in text and "| rule | own flags |" in text
-    assert "## Lead time per failure mode (lr auto, 200 alarms per 1,000 GPUs per day)" in text
+    assert "## Lead time per failure mode (lr auto, daily quota of 200 alarms per 1,000 GPUs per day)" in text
+    false_alarms = metrics()["alarms"]["false_alarms"]
+    assert false_alarms["name"] == metrics()["claims"]["chosen_on_validation"]["name"]
+    assert f"## Top false alarms of {false_alarms['name']} (quota 50 per 1,000 GPUs per day)" in text
     assert "## Calibration on the test period" in text and "Reliability of lr auto" in text
     ties = metrics()["calibration"]["lr auto"]["top_ties"]["n_rows"]
     assert "| verdict | rows at top risk |" in text

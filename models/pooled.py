@@ -1,0 +1,188 @@
+"""The comparison pooled over several simulated fleets (fleet seeds, not model seeds): each
+fleet's `metrics.json` (`gpufail evaluate`) holds, per daily quota and scorer, its alarm counts per
+test day; pooled, the figures are the fleets' summed counts, and every pair of the fleets'
+comparisons gets a paired interval with days drawn within each fleet (`models.power`).
+
+`python -m benchmarks --fleets 1,2,3` simulates the fleets, evaluates each and writes
+`pooled.json` and `pooled.md` (`benchmarks/fleets.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ingest.errors import InputError
+from models.power import compare_points
+
+FIGURES = ("precision", "precision_long", "recall", "recall_long")
+
+
+def _share(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def pooled_point(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scorer's operating point over fleets: summed counts and the shares they give."""
+    total = {key: float(sum(sum(p["day_counts"][key]) for p in points)) for key in points[0]["day_counts"]}
+    gpu_days = float(sum(p["gpu_days"] for p in points))
+    return {
+        "n_alarms": int(total["alarms"]),
+        "gpu_days": gpu_days,
+        "alarms_per_1000_gpu_days": total["alarms"] / gpu_days * 1000.0 if gpu_days else None,
+        "n_failures": int(total["failures"]),
+        **{f"n_hits{s}": int(total[f"hits{s}"]) for s in ("", "_long")},
+        **{f"n_alarms_known{s}": int(total[f"known{s}"]) for s in ("", "_long")},
+        **{f"n_caught{s}": int(total[f"caught{s}"]) for s in ("", "_long")},
+        **{f"precision{s}": _share(total[f"hits{s}"], total[f"known{s}"]) for s in ("", "_long")},
+        **{f"recall{s}": _share(total[f"caught{s}"], total["failures"]) for s in ("", "_long")},
+    }
+
+
+def pool_fleets(fleets: Mapping[str, dict[str, Any]], *, samples: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """`fleets`: fleet name -> its metrics.json. Per budget: each scorer's pooled figures, each
+    fleet's realised volumes, and the pooled paired comparisons of every pair the fleets compare.
+    Raises InputError when a fleet lacks the quota (a report from before it) or the fleets were
+    run with different budgets or scorers."""
+    if not fleets:
+        raise InputError("pooled fleets: expected at least one fleet's metrics.json, got none")
+    for name, metrics in fleets.items():
+        if "quota" not in metrics.get("alarms", {}):
+            raise InputError(f"pooled fleets: {name}'s metrics have no daily quota; rerun gpufail evaluate")
+    first = next(iter(fleets.values()))
+    budgets = list(first["alarms"]["quota"])
+    for name, metrics in fleets.items():
+        if list(metrics["alarms"]["quota"]) != budgets:
+            raise InputError(
+                f"pooled fleets: {name} has budgets {list(metrics['alarms']['quota'])}, expected {budgets}"
+            )
+    out: dict[str, Any] = {
+        "fleets": list(fleets),
+        "rules": first["alarms"]["rules"],
+        "headline_budget": f"{first['alarm_headline_budget']:g}",
+        "n_failures_per_fleet": {},
+        "chosen_on_validation": {
+            name: (m["claims"].get("chosen_on_validation") or {}).get("name") for name, m in fleets.items()
+        },
+        "budgets": {},
+    }
+    for budget in budgets:
+        out["budgets"][budget] = _pooled_budget(fleets, "quota", budget, samples, seed)
+    # Thresholds matched on each fleet's test scores, where every fleet has them.
+    if all("matched" in m["alarms"] for m in fleets.values()):
+        out["matched"] = {b: _pooled_budget(fleets, "matched", b, samples, seed) for b in budgets}
+    first_scorer = next(iter(first["alarms"]["quota"][budgets[0]]["points"]))
+    out["n_failures_per_fleet"] = {
+        name: int(np.sum(m["alarms"]["quota"][budgets[0]]["points"][first_scorer]["day_counts"]["failures"]))
+        for name, m in fleets.items()
+    }
+    return out
+
+
+def _pooled_budget(
+    fleets: Mapping[str, dict[str, Any]], key: str, budget: str, samples: int, seed: int
+) -> dict[str, Any]:
+    """One budget of operating points `key` ("quota" or "matched") pooled over the fleets."""
+    quotas = [m["alarms"][key][budget] for m in fleets.values()]
+    scorers = list(quotas[0]["points"])
+    for name, q in zip(fleets, quotas, strict=True):
+        if list(q["points"]) != scorers:
+            raise InputError(f"pooled fleets: {name} scores {list(q['points'])}, expected {scorers}")
+    points = {s: pooled_point([q["points"][s] for q in quotas]) for s in scorers}
+    comparisons = {}
+    for pair, c in quotas[0]["comparisons"].items():
+        if all(pair in q["comparisons"] for q in quotas):
+            compared = compare_points(
+                [q["points"][c["first"]] for q in quotas],
+                [q["points"][c["second"]] for q in quotas],
+                samples=samples,
+                seed=seed,
+            )
+            comparisons[pair] = {"first": c["first"], "second": c["second"], "question": c["question"], **compared}
+    volumes = [p["alarms_per_1000_gpu_days"] for p in points.values() if p["alarms_per_1000_gpu_days"]]
+    return {
+        "points": points,
+        "volume_ratio": max(volumes) / min(volumes) if volumes and min(volumes) > 0 else None,
+        "volume_ratio_per_fleet": {name: q["volume_ratio"] for name, q in zip(fleets, quotas, strict=True)},
+        "comparisons": comparisons,
+    }
+
+
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _pts(value: Any, sign: bool = True) -> str:
+    return "-" if value is None else (f"{100 * value:+.1f}" if sign else f"{100 * value:.1f}")
+
+
+def _ci(pair: Any) -> str:
+    return "-" if not pair or pair[0] is None else f"[{100 * pair[0]:+.1f}, {100 * pair[1]:+.1f}]"
+
+
+def pooled_markdown(pooled: dict[str, Any]) -> str:
+    """`pooled.md`: per budget the pooled table, then the pooled paired differences."""
+    rules = pooled["rules"]
+    h, long = f"{rules['horizon_h']:g} h", f"{rules['long_horizon_h']:g} h"
+    fleets = ", ".join(pooled["fleets"])
+    lines = [
+        f"# The comparison pooled over {len(pooled['fleets'])} fleets ({fleets})",
+        "",
+        "Each fleet simulated with its own seed and evaluated alone (`gpufail evaluate`); alarms at a daily quota "
+        "(every scorer the same volume); the figures are the fleets' summed counts. Differences: first minus "
+        "second, paired bootstrap 95% interval with the test days drawn within each fleet, the smallest "
+        "difference it could detect (80% power, 5% level), and the verdict: higher / lower (interval excludes 0), "
+        "no difference (within +-10 points), not shown (underpowered).",
+        "",
+        "Failures in the test periods: "
+        + ", ".join(f"{name} {n}" for name, n in pooled["n_failures_per_fleet"].items())
+        + ". Chosen on validation: "
+        + ", ".join(f"{name} {c}" for name, c in pooled["chosen_on_validation"].items())
+        + ".",
+        "",
+    ]
+    sections = [("Quota", pooled["budgets"])]
+    if "matched" in pooled:
+        sections.append(("Thresholds matched on the test scores,", pooled["matched"]))
+    for label, by_budget in sections:
+        lines += _budget_lines(label, by_budget, h, long)
+    return "\n".join(lines)
+
+
+def _budget_lines(label: str, by_budget: dict[str, Any], h: str, long: str) -> list[str]:
+    lines: list[str] = []
+    for budget, entry in by_budget.items():
+        ratio = entry["volume_ratio"]
+        lines += [
+            f"## {label} {budget} alarms per 1,000 GPUs per day"
+            + ("" if ratio is None else f" (pooled volumes within a factor {ratio:.2f})"),
+            "",
+            f"| scorer | alarms | /1k GPU-days | precision within {h} | within {long} | recall within {h} | "
+            f"within {long} |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, p in entry["points"].items():
+            rate = p["alarms_per_1000_gpu_days"]
+            lines.append(
+                f"| {name} | {p['n_alarms']} | {'-' if rate is None else f'{rate:.2f}'} | "
+                f"{_pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']}) | "
+                f"{_pct(p['precision_long'])} ({p['n_hits_long']}/{p['n_alarms_known_long']}) | "
+                f"{_pct(p['recall'])} ({p['n_caught']}/{p['n_failures']}) | "
+                f"{_pct(p['recall_long'])} ({p['n_caught_long']}/{p['n_failures']}) |"
+            )
+        lines += [
+            "",
+            f"| first - second | precision within {h}, pts [95% CI] | detectable | verdict | within {long} [95% CI] | "
+            f"verdict | recall within {h} [95% CI] |",
+            "| --- | ---: | ---: | --- | ---: | --- | ---: |",
+        ]
+        for pair, c in entry["comparisons"].items():
+            p, pl, r = c["precision"], c["precision_long"], c["recall"]
+            lines.append(
+                f"| {pair} | {_pts(p['difference'])} {_ci(p['ci'])} | {_pts(p['detectable'], False)} | "
+                f"{p['verdict']} | {_pts(pl['difference'])} {_ci(pl['ci'])} | {pl['verdict']} | "
+                f"{_pts(r['difference'])} {_ci(r['ci'])} |"
+            )
+        lines.append("")
+    return lines
