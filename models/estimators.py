@@ -265,13 +265,17 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         self.lower_, self.upper_ = X.min(axis=0), X.max(axis=0)
         return self
 
-    def decision_function(self, X: Any) -> np.ndarray:
-        check_is_fitted(self, "model_")
-        X = validate_data(self, X, dtype=np.float64, reset=False)
+    def held_inputs(self, X: Any) -> np.ndarray:
+        """`X` as the model scores it: each input held within its training range (what the
+        contributions of `models.explain` must be computed on to add up to the logit)."""
+        X = np.asarray(X, dtype=np.float64)
         # getattr: a model pickled before the range was kept scores its inputs as they are.
         lower, upper = getattr(self, "lower_", None), getattr(self, "upper_", None)
-        if lower is not None and upper is not None:
-            X = np.clip(X, lower, upper)
+        return np.clip(X, lower, upper) if lower is not None and upper is not None else X
+
+    def decision_function(self, X: Any) -> np.ndarray:
+        check_is_fitted(self, "model_")
+        X = self.held_inputs(validate_data(self, X, dtype=np.float64, reset=False))
         return np.asarray(X @ self.coef_[0] + self.intercept_[0], dtype=np.float64)
 
     def predict_proba(self, X: Any) -> np.ndarray:

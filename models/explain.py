@@ -163,7 +163,7 @@ def _dense_contributions(pipeline: Pipeline, X: pd.DataFrame) -> np.ndarray:
     Z = np.asarray(prepared, dtype=np.float64)
     clf = pipeline[-1]
     if isinstance(clf, SignConstrainedLogistic):
-        per_input = Z * clf.coef_[0]
+        per_input = clf.held_inputs(Z) * clf.coef_[0]
     elif isinstance(clf, OversampledMLP):
         per_input = Z * _mlp_logit_gradient(clf.mlp_, Z)
     else:

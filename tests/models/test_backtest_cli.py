@@ -19,11 +19,11 @@ from tests.synthetic import synthetic_telemetry
 
 START = datetime(2026, 3, 2, tzinfo=UTC)
 CUTOFF = START + timedelta(days=7)
-# The model is calibrated on the 2 days before the cut-off's last label (cut-off - 1 day) and
-# trained on what comes before them.
+# The served model trains on every label up to the cut-off's last settled one (cut-off - 1 day);
+# its calibration map comes from a fit that ends 2 days earlier, scoring those 2 days.
 FAILURES = {
-    "GPU-00000003": START + timedelta(days=2, hours=6),  # trained on
-    "GPU-00000006": START + timedelta(days=5, hours=6),  # calibrated on
+    "GPU-00000003": START + timedelta(days=2, hours=6),  # trained on by both fits
+    "GPU-00000006": START + timedelta(days=5, hours=6),  # in the calibration slice, and trained on
     "GPU-00000011": START + timedelta(days=8, hours=6),  # after the cut-off
 }
 CONFIG = '[model]\ncalibration_window = "2d"\n'
@@ -64,19 +64,21 @@ def test_train_until_keeps_every_label_before_the_cut_off(fleet: Path, tmp_path:
     positive = features.filter(pl.col("label") == 1)
     rows = {gpu: positive.filter(pl.col("gpu_uuid") == gpu).height for gpu in FAILURES}
     assert all(rows.values()), rows
-    early, middle, _ = rows.values()
+    early, middle, late = rows.values()
 
     cut = run(fleet, "train", "--data", str(fleet), "--model-out", str(tmp_path / "cut"), "--until", CUTOFF.isoformat())
     assert cut.returncode == 0, cut.stderr
     positives, last_row = trained(cut.stdout)
-    # Calibrated on the 2 days before cut-off - horizon, trained before those: no label looks past the cut-off.
-    assert last_row < CUTOFF - timedelta(days=3)
-    assert positives == early
+    # Trained up to the newest label settled at the cut-off (cut-off - horizon), within one grid
+    # step: calibration does not push it back, and no label looks past the cut-off.
+    settled = CUTOFF - timedelta(days=1)
+    assert settled - timedelta(hours=1) <= last_row <= settled
+    assert positives == early + middle
 
-    # Without the cut-off the newest windows hold the later failures' rows.
+    # Without the cut-off the newest windows hold the failure after it too.
     whole = run(fleet, "train", "--data", str(fleet), "--model-out", str(tmp_path / "all"))
     assert whole.returncode == 0, whole.stderr
-    assert trained(whole.stdout)[0] == early + middle
+    assert trained(whole.stdout)[0] == early + middle + late
 
 
 def test_score_at_and_over_a_range_write_one_snapshot_per_grid_time(fleet: Path, tmp_path: Path) -> None:
