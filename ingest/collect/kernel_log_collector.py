@@ -80,6 +80,7 @@ class KernelLogCollector:
         self.source_label = f"collect:{source.name}"
         self.lines_read = 0
         self.lines_rejected = 0
+        self.lines_cut = 0
         self.lost_records = 0
         self.untimed_records = 0
         self._cursor: Cursor | None = None
@@ -100,6 +101,7 @@ class KernelLogCollector:
         self.lines_read += len(chunk.lines)
         self._run_lines += len(chunk.lines)
         self.lost_records += chunk.lost
+        self.lines_cut += chunk.cut
         now = self.clock.now()
         stats = ParseStats()
         records = parse_lines(chunk.lines, boot_time=chunk.boot_time, reference_time=now, tz=self.tz, stats=stats)
@@ -147,7 +149,11 @@ class KernelLogCollector:
         self._restored = False
 
     def counts(self) -> dict[str, dict[str, int]]:
-        return {"log_lines": {"parsed": self.lines_read - self.lines_rejected, "rejected": self.lines_rejected}}
+        return {
+            "log_lines": {"parsed": self.lines_read - self.lines_rejected, "rejected": self.lines_rejected},
+            # Also among the lines above (their kept part was parsed): counted apart.
+            "long_lines": {self.source.name: self.lines_cut},
+        }
 
     def close(self) -> None:
         self.source.close()
