@@ -40,6 +40,7 @@ import pyarrow as pa
 
 from ingest.errors import InputError
 from ingest.kernel_log_parser import resolve_tz
+from ingest.metric_ranges import describe_range, in_range
 from ingest.schema import Metric, metric_catalogue, normalise_pci_bus_id, telemetry_schema
 from ingest.store import Store
 
@@ -492,6 +493,10 @@ def _fill_metrics(
         elif mapping.group == current[0]:
             best[metric.column] = (current[0], current[1] + value, metric)
     for column, (_, value, metric) in best.items():
+        if not in_range(value, metric):
+            # `1e308` or `1e400` (read as infinity): stored, it would be infinity in float32.
+            summary.skip(f"readings of {column} outside its valid range {describe_range(metric)} or not finite", where)
+            continue
         row[column] = round(value) if pa.types.is_integer(metric.arrow_type) else value
 
 

@@ -245,8 +245,6 @@ def _within_range(
 ) -> pl.Expr:
     """`number` with readings outside the metric's valid range made null, counted per metric."""
     outside = outside_range(number, metric)
-    if outside is None:
-        return number
     found = frame.filter(outside)
     if found.height:
         summary.out_of_range[metric.column] += found.height
