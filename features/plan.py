@@ -25,7 +25,14 @@ import polars as pl
 
 from features.build import failure_episodes
 from features.inputs import read_failure_events, read_repairs, read_xid_events, utc
-from features.labels import EVENT_SOURCES, GPU, positives_by_source, resolve_xid_gpus, with_returns
+from features.labels import (
+    EVENT_SOURCES,
+    GPU,
+    fleet_data_end,
+    positives_by_source,
+    resolve_xid_gpus,
+    with_returns,
+)
 from features.manifest import BuildPlan, FeatureManifest, settle_time
 from features.spec import FeatureSpec
 from ingest.errors import StoreError
@@ -206,7 +213,7 @@ class FleetFacts:
 
 def fleet_facts(store: Store, spec: FeatureSpec, presence: pl.DataFrame) -> FleetFacts:
     """The fleet facts of the store, given its GPU presence (not empty)."""
-    data_end = utc(presence["last_ts"].max())  # type: ignore[arg-type]
+    data_end = utc(fleet_data_end(presence))
     xid = resolve_xid_gpus(read_xid_events(store), presence)
     repairs = read_repairs(store)
     events = read_failure_events(store)

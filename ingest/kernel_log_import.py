@@ -52,6 +52,7 @@ from ingest.kernel_log_parser import ParseStats, XidIncident, deduplicate, parse
 from ingest.line_stream import MAX_LINE_BYTES, CappedLines
 from ingest.schema import TIMESTAMP, xid_events_schema
 from ingest.store import Store
+from ingest.time_bounds import EARLIEST_PLAUSIBLE, plausible
 from ingest.xid_gpus import map_to_gpus
 
 DATASET = "xid_events"
@@ -89,6 +90,7 @@ class IngestSummary:
     rejected: int = 0  # malformed Xid lines and non-text lines
     long_lines: int = 0  # lines longer than `MAX_LINE_BYTES`, cut to it as they were read
     untimed: int = 0  # XID records whose stamp could not be placed in time (not written)
+    implausible: int = 0  # XID records dated before 2010 or ahead of the wall clock (not written)
     placed: int = 0  # XID lines with no stamp at all, placed at the capture time given
     unmapped: int = 0  # incidents written with no gpu_index (bus id not found in telemetry)
     unmapped_bus_ids: list[str] = field(default_factory=list)  # "node pci_bus_id"
@@ -105,6 +107,11 @@ class IngestSummary:
             f"{self.untimed:,} untimed XID lines, {self.unmapped:,} unmapped incidents, "
             f"{len(self.skipped_files)} files unchanged"
         )
+        if self.implausible:
+            text += (
+                f"; {self.implausible:,} XID lines dated before {EARLIEST_PLAUSIBLE:%Y} or ahead of this machine's "
+                "clock left out"
+            )
         if self.long_lines:
             text += f"; {self.long_lines:,} lines longer than {MAX_LINE_BYTES:,} bytes cut to that length"
         if self.placed:
@@ -136,6 +143,7 @@ class IngestSummary:
         self.rejected += part.rejected
         self.long_lines += part.long_lines
         self.untimed += part.untimed
+        self.implausible += part.implausible
         self.placed += part.placed
         room = MAX_REJECTED_REPORTED - len(self.rejected_examples)
         self.rejected_examples += part.rejected_examples[: max(0, room)]
@@ -154,6 +162,7 @@ def ingest_kernel_logs(
     reference_time: datetime | None = None,
     workers: int = 1,
     capture_time: datetime | None = None,
+    now: datetime | None = None,
 ) -> IngestSummary:
     """Ingest kernel-log files (plain or gzip) into `xid_events`; see the module docstring.
 
@@ -163,6 +172,8 @@ def ingest_kernel_logs(
       cat`); without it their XIDs are untimed.
     - tz: time zone of naive stamps (`dmesg -T`, journal short); UTC by default.
     - reference_time: for year-less journal stamps; default: each file's modification time.
+    - now: the wall clock (default: this machine's); lines dated more than a day after it, or
+      before 2010, are left out and counted (`ingest.time_bounds`).
     - workers: processes parsing files at once (a fleet's node logs are independent); the rows
       and the summary are the same as with one.
     """
@@ -192,7 +203,9 @@ def ingest_kernel_logs(
                 todo.append(_FileToParse(path, compressed, stat, scan))
         # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
         # read once per run rather than once per file; then commit batch by batch.
-        options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time, capture_time)
+        options = _ParseOptions(
+            cluster, dedup_window, node, boot_time, zone, reference_time, capture_time, now or datetime.now(UTC)
+        )
         parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
         _drop_copies(parsed)
         # The files this run could not read, for the operator's metric (`serving.api_metrics`):
@@ -259,6 +272,7 @@ class _ParseOptions:
     tz: tzinfo
     reference_time: datetime | None
     capture_time: datetime | None = None
+    now: datetime | None = None  # the wall clock, that bounds the time of lines
 
 
 @dataclass(frozen=True)
@@ -327,6 +341,11 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
         if len(summary.rejected_examples) < MAX_REJECTED_REPORTED:
             summary.rejected_examples.append(f"{path}:{rejected.line_no}: {rejected.reason}")
     timed = [i for i in incidents if i.ts is not None]
+    if options.now is not None:
+        # A garbled or unset stamp (1970, 2099): kept out, and counted.
+        kept = [i for i in timed if plausible(i.ts, options.now)]  # type: ignore[arg-type]
+        summary.implausible += sum(i.repeat_count for i in timed) - sum(i.repeat_count for i in kept)
+        timed = kept
     untimed = sum(i.repeat_count for i in incidents if i.ts is None)
     summary.untimed += untimed
     if options.capture_time is not None:

@@ -31,7 +31,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, tzinfo
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -43,12 +43,11 @@ from ingest.kernel_log_parser import resolve_tz
 from ingest.metric_ranges import describe_range, in_range
 from ingest.schema import Metric, metric_catalogue, normalise_pci_bus_id, telemetry_schema
 from ingest.store import Store
+from ingest.time_bounds import EARLIEST_PLAUSIBLE, FUTURE_SLACK, IMPLAUSIBLE
 
 log = logging.getLogger(__name__)
 
 # Times outside these bounds are a clock that was wrong (an unset RTC says 1970 or 2000).
-EARLIEST_PLAUSIBLE = datetime(2010, 1, 1, tzinfo=UTC)
-FUTURE_SLACK = timedelta(days=1)
 
 # How many examples of each skip reason a summary keeps, for the log.
 EXAMPLES_KEPT = 5
@@ -208,7 +207,7 @@ def _in_time_order(
         assert isinstance(ts, datetime)
         where = f"{ctx.source}:{line_no}"
         if not EARLIEST_PLAUSIBLE <= ts <= future:
-            summary.skip("rows with an implausible time (clock not set?)", where)
+            summary.skip(IMPLAUSIBLE, where)
             continue
         uuid = str(row["gpu_uuid"])
         previous = latest.get(uuid)

@@ -218,6 +218,7 @@ def test_a_backlog_read_in_pieces_counts_every_line_once_and_keeps_floods_folded
     assert many.counts() == one.counts() == {
         "log_lines": {"parsed": len(flood_log()) - 9, "rejected": 9},
         "long_lines": {"fake": 0},
+        "left_out": {"implausible_time": 0},
     }
 
 
