@@ -185,18 +185,24 @@ CLOCK_TOLERANCE = timedelta(hours=2)
 # The share of the fleet's GPUs whose last samples make its data end: a node whose clock ran a
 # day ahead (8 GPUs of a 64-GPU fleet) is not the fleet, nor are GPUs that stopped reporting.
 BULK_SHARE = 0.25
+# The fleet is the GPUs that reported within this long before the newest sample: GPUs retired
+# months ago do not hold the data end back after the fleet shrank.
+FLEET_RECENCY = timedelta(days=7)
 
 
 def fleet_data_end(presence: pl.DataFrame) -> datetime:
     """The end of the fleet's data, the fleet's "now": the newest last sample of a GPU that is
-    no more than `CLOCK_TOLERANCE` ahead of the last samples of `BULK_SHARE` of the GPUs.
+    no more than `CLOCK_TOLERANCE` ahead of the last samples of `BULK_SHARE` of the fleet (the
+    GPUs seen within `FLEET_RECENCY` of the newest sample).
 
     The newest sample of all would let one GPU whose clock runs ahead (a node's clock, a bad
     import) move the fleet's end: the other GPUs would look silent (and lost), and the newest
-    grid time scored would hold that GPU alone. `presence` from `gpu_presence`, not empty."""
+    grid time scored would hold that GPU alone. A clock more than `FLEET_RECENCY` ahead is not
+    told from a fleet that shrank to it; the importers refuse data a day past the wall clock
+    (`ingest.time_bounds`). `presence` from `gpu_presence`, not empty."""
     last = presence.group_by(GPU).agg(pl.col("last_ts").max())["last_ts"].sort(descending=True)
-    quorum = max(1, math.ceil(BULK_SHARE * last.len()))
-    bulk = last[quorum - 1]
+    fleet = last.filter(last >= last[0] - FLEET_RECENCY)
+    bulk = fleet[max(1, math.ceil(BULK_SHARE * fleet.len())) - 1]
     return last.filter(last <= bulk + CLOCK_TOLERANCE)[0]  # type: ignore[no-any-return]
 
 
