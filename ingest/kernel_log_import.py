@@ -65,6 +65,8 @@ MAX_STATE_ENTRIES = 20_000
 # tell one log from another and to notice truncation or rewriting, without re-reading gigabytes
 # of a growing syslog on every run.
 FINGERPRINT_SPAN = 64 * 1024
+# Entries are looked up by a hash of this much of their start (`_ContentIndex`).
+PREFIX_SPAN = 4096
 # The state names an entry whose path now holds other content by this and the entry's `seq`
 # (no path is named so: paths in the state are absolute or relative to the data root).
 RETIRED_PREFIX = "ingested-content:"
@@ -188,12 +190,13 @@ def ingest_kernel_logs(
         state = _load_state(store, journal.state)
         summary = IngestSummary()
         todo = []
+        index = _ContentIndex(state["files"])
         for path in paths:
             node_of_file = node or node_from_filename(path.name)
             try:
                 stat = path.stat()
                 compressed = _is_gzip(path)
-                scan = _resume_point(store, state, path, compressed, node_of_file)
+                scan = _resume_point(store, state, index, path, compressed, node_of_file)
             except _READ_ERRORS as exc:
                 summary.unreadable(path, exc)
                 continue
@@ -557,7 +560,9 @@ def _fingerprint(fh: IO[bytes], end: int) -> str | None:
     return digest.hexdigest()
 
 
-def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: bool, node: str) -> _FileScan:
+def _resume_point(
+    store: Store, state: dict[str, Any], index: _ContentIndex, path: Path, compressed: bool, node: str
+) -> _FileScan:
     """Where reading `path` starts: after the longest already-ingested content it begins with.
 
     Candidates are the entry of this path and every entry with the same first bytes, wherever
@@ -580,8 +585,9 @@ def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: b
     family = _locator(store, Path(rotation_family(path)))
     with _open(path, compressed) as fh:
         head = fh.read(FINGERPRINT_SPAN)
+        found = index.candidates(head, family) + ([own] if own else [])
         candidates = sorted(
-            (e for k, e in entries.items() if k == key or (_head_matches(e, head) and _same_node(e, family, node))),
+            (e for e in found if e is own or (_head_matches(e, head) and _same_node(e, family, node))),
             key=lambda e: e["offset"],
             reverse=True,
         )
@@ -589,6 +595,30 @@ def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: b
             if _fingerprint(fh, entry["offset"]) == entry["fingerprint"]:
                 return _FileScan(entry["offset"], entry["lines"], unchanged=_at_eof(fh, entry["offset"]), resumed=entry)
     return _FileScan()
+
+
+class _ContentIndex:
+    """The state's entries by their first bytes (`PREFIX_SPAN`), so that finding the entries a
+    file may continue costs a hash or two, not one per entry of the state (tens of thousands).
+    Entries written before the prefix was recorded are found by their rotation family."""
+
+    def __init__(self, entries: dict[str, dict[str, Any]]) -> None:
+        self._by_prefix: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        self._by_family: dict[str, list[dict[str, Any]]] = {}
+        for entry in entries.values():
+            if "prefix_sha256" in entry:
+                self._by_prefix.setdefault((entry["prefix_len"], entry["prefix_sha256"]), []).append(entry)
+            else:
+                self._by_family.setdefault(str(entry.get("family")), []).append(entry)
+        self._lengths = sorted({length for length, _ in self._by_prefix})
+
+    def candidates(self, head: bytes, family: str) -> list[dict[str, Any]]:
+        found = list(self._by_family.get(family, []))
+        for length in self._lengths:
+            if length > len(head):
+                break
+            found += self._by_prefix.get((length, hashlib.sha256(head[:length]).hexdigest()), [])
+        return found
 
 
 def _same_node(entry: dict[str, Any], family: str, node: str) -> bool:
@@ -619,7 +649,7 @@ def _remember(store: Store, state: dict[str, Any], result: _ParsedFile) -> None:
     files: dict[str, dict[str, Any]] = state["files"]
     previous = files.get(key)
     resumed = result.scan.resumed
-    if previous is not None and (resumed is None or previous["seq"] != resumed["seq"]):
+    if previous is not None and (resumed is None or previous.get("seq") != resumed.get("seq")):
         # The path now holds other content (the log was rotated away and a new one started,
         # or copytruncate emptied it): what it held was ingested, and its rotated copies must
         # still be recognised, so its entry is kept under a name no path has.
@@ -637,6 +667,8 @@ def _remember(store: Store, state: dict[str, Any], result: _ParsedFile) -> None:
         "fingerprint": fingerprint,
         "head_len": len(head),
         "head_sha256": hashlib.sha256(head).hexdigest(),
+        "prefix_len": min(len(head), PREFIX_SPAN),
+        "prefix_sha256": hashlib.sha256(head[:PREFIX_SPAN]).hexdigest(),
         "seq": state["seq"],
     }
     if len(files) > MAX_STATE_ENTRIES:
