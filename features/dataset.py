@@ -237,6 +237,8 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     start = datetime.combine(days[-min(len(days), _BULK_DAYS)], datetime.min.time(), tzinfo=UTC)
     span = scan_features(store, start=start)
     per_ts = store.collect(span.group_by("ts").len(), FEATURES_DATASET, start)
+    if per_ts.height == 0:
+        return store.collect(span.head(0), FEATURES_DATASET, start)
     bulk = per_ts.filter(pl.col("len") >= BULK_SHARE * per_ts["len"].max())  # type: ignore[operator]
     newest = bulk["ts"].max()
     day_start = datetime.combine(newest.date(), datetime.min.time(), tzinfo=UTC)  # type: ignore[union-attr]

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pytest
 
 from features.aggregates import build_aggregates
+from features.build import build_features
+from features.dataset import read_newest_grid_time, write_features
 from features.on_demand import newest_on_demand, stored_fleet_facts
 from features.spec import FeatureSpec
 from features.windows import grid_floor
@@ -203,3 +205,23 @@ def test_the_kernel_log_collector_counts_and_keeps_out_lines_dated_far_outside(t
     out = pa.concat_tables([out, collector.drain()["xid_events"]])
     assert sorted(out["ts"].to_pylist()) == good
     assert collector.counts()["left_out"] == {"implausible_time": len(OUTLANDISH)}
+
+
+def test_the_newest_materialised_grid_time_is_the_bulks(tmp_path: Path) -> None:
+    # Feature rows written by `features --materialise` (or an older build) where one GPU's rows
+    # run 36 h ahead of the rest: scoring reads the bulk's newest grid time, every GPU in it.
+    store = bulk_fleet(tmp_path / "root")
+    telemetry = pl.from_arrow(store.read("telemetry"))
+    rows = build_features(telemetry, store.read("xid_events") if store.exists("xid_events") else _no_xids())
+    one = rows.filter(pl.col("gpu_uuid") == "GPU-n1-0")
+    fast = one.with_columns(pl.lit("GPU-fast").alias("gpu_uuid"), pl.col("ts") + AHEAD)
+    write_features(store, pl.concat([rows, fast]))
+    newest = read_newest_grid_time(store)
+    assert set(newest["ts"]) == {rows["ts"].max()}
+    assert {f"GPU-{n}-{g}" for n in NODES for g in range(8)} <= set(newest["gpu_uuid"])
+
+
+def _no_xids() -> pa.Table:
+    from ingest.schema import schema_for
+
+    return schema_for("xid_events").empty_table()
