@@ -206,6 +206,11 @@ def fleet_data_end(presence: pl.DataFrame) -> datetime:
     return last.filter(last <= bulk + CLOCK_TOLERANCE)[0]  # type: ignore[no-any-return]
 
 
+def within_data(events: pl.DataFrame, data_end: datetime) -> pl.DataFrame:
+    """`events` (with a `ts`) no later than `CLOCK_TOLERANCE` past the fleet's `data_end`."""
+    return events.filter(pl.col("ts") <= pl.lit(data_end + CLOCK_TOLERANCE, dtype=TS_DTYPE))
+
+
 def lost_gpu_episodes(
     presence: pl.DataFrame,
     data_end: datetime,

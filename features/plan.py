@@ -32,6 +32,7 @@ from features.labels import (
     positives_by_source,
     resolve_xid_gpus,
     with_returns,
+    within_data,
 )
 from features.manifest import BuildPlan, FeatureManifest, settle_time
 from features.spec import FeatureSpec
@@ -214,7 +215,9 @@ class FleetFacts:
 def fleet_facts(store: Store, spec: FeatureSpec, presence: pl.DataFrame) -> FleetFacts:
     """The fleet facts of the store, given its GPU presence (not empty)."""
     data_end = utc(fleet_data_end(presence))
-    xid = resolve_xid_gpus(read_xid_events(store), presence)
+    # XIDs dated past the fleet's data end (a node's clock ahead, a garbled stamp within the
+    # importer's bounds) would label the hours before a failure that has not happened.
+    xid = resolve_xid_gpus(within_data(read_xid_events(store), data_end), presence)
     repairs = read_repairs(store)
     events = read_failure_events(store)
     episodes = failure_episodes(xid, presence, spec, data_end=data_end, repairs=repairs, failure_events=events)

@@ -159,6 +159,26 @@ def test_a_node_ahead_through_the_nvml_collector(tmp_path: Path, use_scenario) -
     assert_the_bulk_sets_the_end(store, set(table["gpu_uuid"].to_pylist()))
 
 
+def test_kernel_log_xids_ahead_of_the_fleet_make_no_failure(tmp_path: Path) -> None:
+    # A node's kernel log 36 h ahead (behind the wall clock, so the importer keeps it): its XID
+    # must not label the hours before a failure that has not happened.
+    store = bulk_fleet(tmp_path / "root")
+    log = tmp_path / "syslog"
+    log.write_text(
+        "".join(
+            f"{t.isoformat()} {FAST_NODE} kernel: NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=p, fell off\n"
+            for t, bus in ((END - timedelta(hours=5), "10"), (END + AHEAD, "11"))
+        )
+    )
+    ingest_kernel_logs(store, [log], cluster="c", dedup_window=timedelta(minutes=5), now=NOW)
+    build_aggregates(store)
+    facts = stored_fleet_facts(store, FeatureSpec())
+    assert facts is not None
+    xid = facts.episodes.filter(pl.col("source") == "xid")
+    assert xid["gpu_uuid"].to_list() == [f"GPU-{FAST_NODE}-0"]
+    assert facts.data_end == END
+
+
 def xid_line(moment: datetime, n: int) -> str:
     return f"{moment.isoformat()} {FAST_NODE} kernel: NVRM: Xid (PCI:0000:18:00): 13, pid=1, name=p, line {n}\n"
 
