@@ -33,7 +33,6 @@ from ingest.table_import import import_table
 from ingest.table_mapping import load_mapping
 from tests.conftest import make_rows
 from tests.fake_nvml.scenario import scenario_from_capture
-from tests.ingest.conftest import fake_nvml, use_scenario  # noqa: F401 (fixtures)
 
 START = datetime(2026, 1, 5, tzinfo=UTC)
 END = START + timedelta(days=2) - timedelta(hours=1)  # the bulk's last sample
@@ -146,7 +145,7 @@ def test_one_gpu_ahead_through_an_importer(tmp_path: Path, path: str) -> None:
     assert_the_bulk_sets_the_end(store, {"GPU-fast"})
 
 
-def test_a_node_ahead_through_the_nvml_collector(tmp_path: Path, use_scenario) -> None:  # noqa: F811
+def test_a_node_ahead_through_the_nvml_collector(tmp_path: Path, use_scenario) -> None:
     store = bulk_fleet(tmp_path / "root")
     use_scenario(scenario_from_capture(H100))
     collector = NvmlCollector("c", FAST_NODE, clock=AheadClock())

@@ -19,7 +19,6 @@ from ingest.store import Store
 from ingest.table_import import import_table
 from ingest.table_mapping import load_mapping
 from tests.fake_nvml.scenario import field_id, scenario_from_capture
-from tests.ingest.conftest import fake_nvml, use_scenario  # noqa: F401 (fixtures)
 
 NOW = datetime(2026, 11, 21, 12, tzinfo=UTC)
 NON_FINITE = ["inf", "nan", "1e308", "1e400", "Infinity"]
@@ -96,7 +95,7 @@ def test_dcgm_exporter_scrape(bad: str) -> None:
 
 
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan", "1e308", "-1e308", "1e45"])
-def test_nvml_collector(use_scenario, bad: str) -> None:  # noqa: F811
+def test_nvml_collector(use_scenario, bad: str) -> None:
     scenario = scenario_from_capture(H100)
     for gpu in scenario.gpus[:2]:
         for name in ("NVML_FI_DEV_POWER_AVERAGE", "NVML_FI_DEV_POWER_INSTANT", "NVML_FI_DEV_MEMORY_TEMP"):
