@@ -30,7 +30,7 @@ MAX_MAGNITUDE = 1e150
 _TYPE_MAGNITUDE = {"float": 3.4028234663852886e38, "int64": 2.0**63, "int32": 2.0**31, "int16": 2.0**15}
 
 
-def _largest(metric: Metric) -> float:
+def largest_magnitude(metric: Metric) -> float:
     """The magnitude from which `metric`'s column cannot store a reading, at most `MAX_MAGNITUDE`."""
     return min(MAX_MAGNITUDE, _TYPE_MAGNITUDE.get(str(metric.arrow_type), MAX_MAGNITUDE))
 
@@ -39,7 +39,7 @@ def outside_range(value: pl.Expr, metric: Metric) -> pl.Expr:
     """True where `value` is not a reading of `metric` (null stays null): NaN, an infinity, a
     magnitude its column cannot hold (1e308 would be stored in float32 as infinity) or beyond
     `MAX_MAGNITUDE`, or outside its declared valid range."""
-    test = value.is_nan() | (value.abs() >= _largest(metric))
+    test = value.is_nan() | (value.abs() >= largest_magnitude(metric))
     if metric.valid_min is not None:
         test = test | (value < metric.valid_min)
     if metric.valid_max is not None:
@@ -49,7 +49,7 @@ def outside_range(value: pl.Expr, metric: Metric) -> pl.Expr:
 
 def in_range(value: float, metric: Metric) -> bool:
     """Whether one reading is a reading of `metric` (`outside_range` for a frame)."""
-    if math.isnan(value) or abs(value) >= _largest(metric):
+    if math.isnan(value) or abs(value) >= largest_magnitude(metric):
         return False
     low, high = metric.valid_min, metric.valid_max
     return (low is None or value >= low) and (high is None or value <= high)

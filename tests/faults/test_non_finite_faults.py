@@ -117,3 +117,19 @@ def test_nvml_collector(use_scenario, bad: str) -> None:
     assert all(r["temp_gpu_c"] is not None for r in rows)
     assert [r["pcie_replay_total"] is None for r in rows] == [i % 8 == 2 for i in range(16)]
     assert collector.counts()["out_of_range"] == {"power_w": 4, "temp_mem_c": 4, "pcie_replay_total": 2}
+
+
+@pytest.mark.parametrize("bad", [-1e308, -1e19, -9.3e18])
+def test_prometheus_import_readings(bad: float) -> None:
+    # The Prometheus importer's reading rules over a series' values (its server tests are slow):
+    # a huge negative value of the one metric without a lower bound is out of range, not stored.
+    import numpy as np
+
+    from ingest.prometheus_rows import SeriesCounts, readings
+    from ingest.schema import metric_catalogue
+
+    (metric,) = [m for m in metric_catalogue() if m.column == "clock_event_reasons"]
+    counts = SeriesCounts()
+    out = readings(np.array([bad, 4.0, float("inf")]), metric, counts)
+    assert np.isnan(out[0]) and out[1] == 4.0 and np.isnan(out[2])
+    assert counts.out_of_range == {"clock_event_reasons": 1} and counts.blank_values == 1
