@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from features import rolling
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
-from features.labels import GPU, episodes_for, label_rows, resolve_xid_gpus
+from features.labels import GPU, episodes_for, fleet_data_end, gpu_presence, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
 from features.runs import gpu_slices
 from features.schema import (
@@ -137,7 +137,7 @@ def build_features(
     if data_end is None:
         if tel.height == 0:
             raise ValueError("telemetry is empty and no data_end was given; cannot place the grid")
-        data_end = tel["ts"].max()  # type: ignore[assignment]
+        data_end = fleet_data_end(gpu_presence(tel))
     assert data_end is not None
     hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence)
     return features_from_buckets(

@@ -30,7 +30,7 @@ from features import label_rows, on_demand
 from features.aggregates import BUCKETS, has_aggregates
 from features.column_sort import sorted_column_by_column
 from features.drawn_cache import drawn_rows_cached
-from features.labels import GPU
+from features.labels import BULK_SHARE, GPU
 from features.manifest import DATASET as FEATURES_DATASET
 from features.sample_key import PRESAMPLED_FRACTION, SAMPLE_KEY, drawn, key_threshold, sample_keys
 from features.schema import (
@@ -232,11 +232,23 @@ def read_newest_grid_time(store: Store) -> pl.DataFrame:
     days = store.dates(FEATURES_DATASET)
     if not days:
         return scan_features(store).collect()
-    start = datetime.combine(days[-1], datetime.min.time(), tzinfo=UTC)
-    day = scan_features(store, start=start)
-    newest = store.collect(day.select(pl.col("ts").max()), FEATURES_DATASET, start).item()
-    rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, start)
+    # The newest grid time of the bulk of the fleet: a GPU whose clock ran ahead has rows of
+    # its own beyond it (`features.labels.fleet_data_end`), up to days ahead.
+    start = datetime.combine(days[-min(len(days), _BULK_DAYS)], datetime.min.time(), tzinfo=UTC)
+    span = scan_features(store, start=start)
+    per_ts = store.collect(span.group_by("ts").len(), FEATURES_DATASET, start)
+    if per_ts.height == 0:
+        return store.collect(span.head(0), FEATURES_DATASET, start)
+    bulk = per_ts.filter(pl.col("len") >= BULK_SHARE * per_ts["len"].max())  # type: ignore[operator]
+    newest = bulk["ts"].max()
+    day_start = datetime.combine(newest.date(), datetime.min.time(), tzinfo=UTC)  # type: ignore[union-attr]
+    day = scan_features(store, start=day_start, end=day_start + timedelta(days=1))
+    rows = store.collect(day.filter(pl.col("ts") == pl.lit(newest, dtype=TS_DTYPE)), FEATURES_DATASET, day_start)
     return sorted_column_by_column(rows, ["ts", GPU])
+
+
+_BULK_DAYS = 3
+"""Days of feature files whose grid times `read_newest_grid_time` weighs."""
 
 
 # -- the rows a retrain fits on ---------------------------------------------------------------

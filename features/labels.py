@@ -49,6 +49,7 @@ Labels (`attach_labels`):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Literal
@@ -178,6 +179,38 @@ def failure_episodes(
     )
 
 
+# A GPU's clock may run this far ahead of the bulk of the fleet before its samples count as
+# ahead of the fleet's data end: collectors flush at different times, minutes apart.
+CLOCK_TOLERANCE = timedelta(hours=2)
+# The share of the fleet's GPUs whose last samples make its data end: a node whose clock ran a
+# day ahead (8 GPUs of a 64-GPU fleet) is not the fleet, nor are GPUs that stopped reporting.
+BULK_SHARE = 0.25
+# The fleet is the GPUs that reported within this long before the newest sample: GPUs retired
+# months ago do not hold the data end back after the fleet shrank.
+FLEET_RECENCY = timedelta(days=7)
+
+
+def fleet_data_end(presence: pl.DataFrame) -> datetime:
+    """The end of the fleet's data, the fleet's "now": the newest last sample of a GPU that is
+    no more than `CLOCK_TOLERANCE` ahead of the last samples of `BULK_SHARE` of the fleet (the
+    GPUs seen within `FLEET_RECENCY` of the newest sample).
+
+    The newest sample of all would let one GPU whose clock runs ahead (a node's clock, a bad
+    import) move the fleet's end: the other GPUs would look silent (and lost), and the newest
+    grid time scored would hold that GPU alone. A clock more than `FLEET_RECENCY` ahead is not
+    told from a fleet that shrank to it; the importers refuse data a day past the wall clock
+    (`ingest.time_bounds`). `presence` from `gpu_presence`, not empty."""
+    last = presence.group_by(GPU).agg(pl.col("last_ts").max())["last_ts"].sort(descending=True)
+    fleet = last.filter(last >= last[0] - FLEET_RECENCY)
+    bulk = fleet[max(1, math.ceil(BULK_SHARE * fleet.len())) - 1]
+    return last.filter(last <= bulk + CLOCK_TOLERANCE)[0]  # type: ignore[no-any-return]
+
+
+def within_data(events: pl.DataFrame, data_end: datetime) -> pl.DataFrame:
+    """`events` (with a `ts`) no later than `CLOCK_TOLERANCE` past the fleet's `data_end`."""
+    return events.filter(pl.col("ts") <= pl.lit(data_end + CLOCK_TOLERANCE, dtype=TS_DTYPE))
+
+
 def lost_gpu_episodes(
     presence: pl.DataFrame,
     data_end: datetime,
@@ -190,8 +223,12 @@ def lost_gpu_episodes(
         pl.col("cluster").sort_by("last_ts").last(),
         pl.col("node").sort_by("last_ts").last(),
     )
-    node_last = per_gpu.select("cluster", "node", pl.col(GPU).alias("_other"), pl.col("last_ts").alias("_other_last"))
     end = pl.lit(data_end, dtype=TS_DTYPE)
+    # A GPU reporting past the data end has a clock ahead of the fleet's (`fleet_data_end`):
+    # its samples there do not show its node alive after another GPU went silent.
+    node_last = per_gpu.select(
+        "cluster", "node", pl.col(GPU).alias("_other"), pl.min_horizontal("last_ts", end).alias("_other_last")
+    )
     candidates = per_gpu.filter(pl.col("last_ts") < end - lost_after)
     alive_after = (
         candidates.join(node_last, on=["cluster", "node"], how="inner")

@@ -25,7 +25,15 @@ import polars as pl
 
 from features.build import failure_episodes
 from features.inputs import read_failure_events, read_repairs, read_xid_events, utc
-from features.labels import EVENT_SOURCES, GPU, positives_by_source, resolve_xid_gpus, with_returns
+from features.labels import (
+    EVENT_SOURCES,
+    GPU,
+    fleet_data_end,
+    positives_by_source,
+    resolve_xid_gpus,
+    with_returns,
+    within_data,
+)
 from features.manifest import BuildPlan, FeatureManifest, settle_time
 from features.spec import FeatureSpec
 from ingest.errors import StoreError
@@ -206,8 +214,10 @@ class FleetFacts:
 
 def fleet_facts(store: Store, spec: FeatureSpec, presence: pl.DataFrame) -> FleetFacts:
     """The fleet facts of the store, given its GPU presence (not empty)."""
-    data_end = utc(presence["last_ts"].max())  # type: ignore[arg-type]
-    xid = resolve_xid_gpus(read_xid_events(store), presence)
+    data_end = utc(fleet_data_end(presence))
+    # XIDs dated past the fleet's data end (a node's clock ahead, a garbled stamp within the
+    # importer's bounds) would label the hours before a failure that has not happened.
+    xid = resolve_xid_gpus(within_data(read_xid_events(store), data_end), presence)
     repairs = read_repairs(store)
     events = read_failure_events(store)
     episodes = failure_episodes(xid, presence, spec, data_end=data_end, repairs=repairs, failure_events=events)

@@ -90,6 +90,10 @@ class NightlySummary:
     results: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
 
+    def unreadable_kernel_logs(self) -> list[str]:
+        """The kernel-log files the ingest step could not read (and skipped)."""
+        return list(self.results.get("ingest", {}).get("unreadable_files", []))
+
     def line(self) -> str:
         if self.already_done:
             return f"nightly {self.day}: already complete, nothing to do"
@@ -98,6 +102,8 @@ class NightlySummary:
         parts = [f"nightly {self.day}: ran {', '.join(self.done) or 'nothing'}"]
         if self.skipped:
             parts.append(f"skipped {', '.join(self.skipped)}")
+        if unreadable := self.unreadable_kernel_logs():
+            parts.append(f"{len(unreadable)} unreadable kernel-log files skipped (first: {unreadable[0]})")
         if "reason" in self.results.get("train", {}):
             parts.append(f"no training: {self.results['train']['reason']}")
         if gate:
@@ -452,7 +458,9 @@ class _Job:
         summary = ingest_kernel_logs(
             self.store, paths, cluster=self.o.cluster, dedup_window=self.o.dedup_window, workers=self.o.ingest_workers
         )
-        return {"kernel_log": str(summary)}
+        # A file that cannot be read is skipped and the night goes on; the job's exit status
+        # and the metric `gpufail_kernel_log_unreadable_files` say so.
+        return {"kernel_log": str(summary), "unreadable_files": summary.unreadable_files}
 
     def _features(self) -> dict[str, Any]:
         from features.aggregates import build_aggregates

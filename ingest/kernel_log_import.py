@@ -8,8 +8,16 @@ files, write the rows and record how far each file was read.
 Never replay: old events replayed after a restart are a top complaint about existing tools. The state `_state/kernel_log_ingest.json` remembers,
 per file, how many (decompressed) bytes were ingested and a fingerprint of those bytes. A file
 whose content is unchanged is skipped; a file that grew is read from where the last run
-stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped) is recognised by its
-content, not its name, so its lines are not read twice either.
+stopped; a rotated file (`syslog` renamed `syslog.1`, later gzipped, or copied and truncated,
+or copied to another folder or name) is recognised by its content, not its name or place, so
+its lines are not read twice either. When a path comes to hold other content (a new log after
+the rotation), the entry of what it held is kept, for its rotated copies to be recognised
+cycles later. Lines without a host take their node from the file's name, so content with such
+lines is the same incidents only in a file of the same node (or of the same rotation family).
+
+A file that cannot be read (a corrupt or cut gzip, a disk error) is skipped and listed in the
+summary (`unreadable_files`), and the others are ingested: one bad file must not stop every
+night's ingest. Nothing of it is recorded, so a run after it is repaired reads it.
 
 Exactly once. A batch's rows and the state that records its files as read are one commit of
 the store's journal (`ingest.journal`): a run killed at any point, or stopped by a full or
@@ -41,8 +49,10 @@ import pyarrow as pa
 
 from ingest.errors import InputError, StoreError
 from ingest.kernel_log_parser import ParseStats, XidIncident, deduplicate, parse_lines, resolve_tz
+from ingest.line_stream import MAX_LINE_BYTES, CappedLines
 from ingest.schema import TIMESTAMP, xid_events_schema
 from ingest.store import Store
+from ingest.time_bounds import EARLIEST_PLAUSIBLE, plausible
 from ingest.xid_gpus import map_to_gpus
 
 DATASET = "xid_events"
@@ -55,15 +65,20 @@ MAX_STATE_ENTRIES = 20_000
 # tell one log from another and to notice truncation or rewriting, without re-reading gigabytes
 # of a growing syslog on every run.
 FINGERPRINT_SPAN = 64 * 1024
+# Entries are looked up by a hash of this much of their start (`_ContentIndex`).
+PREFIX_SPAN = 4096
+# The state names an entry whose path now holds other content by this and the entry's `seq`
+# (no path is named so: paths in the state are absolute or relative to the data root).
+RETIRED_PREFIX = "ingested-content:"
 # Log files whose events and state are committed together, in one step.
 COMMIT_FILES = 500
 
 MAX_REJECTED_REPORTED = 20
+MAX_UNREADABLE_KEPT = 20
 # Files are parsed in worker processes only when there is this much to read: starting a
 # process (a fresh interpreter importing pyarrow) costs about a second.
 PARALLEL_MIN_BYTES = 4 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -75,12 +90,17 @@ class IngestSummary:
     xid_lines: int = 0  # XID records parsed (Xid lines and off-the-bus messages)
     incidents: int = 0  # rows written to xid_events
     rejected: int = 0  # malformed Xid lines and non-text lines
+    long_lines: int = 0  # lines longer than `MAX_LINE_BYTES`, cut to it as they were read
     untimed: int = 0  # XID records whose stamp could not be placed in time (not written)
+    implausible: int = 0  # XID records dated before 2010 or ahead of the wall clock (not written)
     placed: int = 0  # XID lines with no stamp at all, placed at the capture time given
     unmapped: int = 0  # incidents written with no gpu_index (bus id not found in telemetry)
     unmapped_bus_ids: list[str] = field(default_factory=list)  # "node pci_bus_id"
     skipped_files: list[str] = field(default_factory=list)  # already ingested, unchanged
     rejected_examples: list[str] = field(default_factory=list)  # "file:line: reason"
+    # Files that could not be read (a corrupt or cut gzip, a disk error): "file: reason". They
+    # are skipped, nothing of them is recorded, and the next run tries them again.
+    unreadable_files: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         text = (
@@ -89,6 +109,13 @@ class IngestSummary:
             f"{self.untimed:,} untimed XID lines, {self.unmapped:,} unmapped incidents, "
             f"{len(self.skipped_files)} files unchanged"
         )
+        if self.implausible:
+            text += (
+                f"; {self.implausible:,} XID lines dated before {EARLIEST_PLAUSIBLE:%Y} or ahead of this machine's "
+                "clock left out"
+            )
+        if self.long_lines:
+            text += f"; {self.long_lines:,} lines longer than {MAX_LINE_BYTES:,} bytes cut to that length"
         if self.placed:
             text += f"; {self.placed:,} unstamped XID lines placed at the capture time (--time)"
         if self.untimed:
@@ -98,7 +125,17 @@ class IngestSummary:
             )
         if self.rejected_examples:
             text += f" (first rejected: {self.rejected_examples[0]})"
+        if self.unreadable_files:
+            text += (
+                f"; {len(self.unreadable_files)} unreadable files skipped, expected plain or gzip text "
+                f"(first: {self.unreadable_files[0]})"
+            )
         return text
+
+    def unreadable(self, path: Path, exc: BaseException) -> None:
+        """Count a file that could not be read; the run goes on with the others."""
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        self.unreadable_files.append(f"{path}: {reason}")
 
     def merge(self, part: IngestSummary) -> None:
         """Add the counts of one file's parse (done in another process) to this run's."""
@@ -106,10 +143,13 @@ class IngestSummary:
         self.lines += part.lines
         self.xid_lines += part.xid_lines
         self.rejected += part.rejected
+        self.long_lines += part.long_lines
         self.untimed += part.untimed
+        self.implausible += part.implausible
         self.placed += part.placed
         room = MAX_REJECTED_REPORTED - len(self.rejected_examples)
         self.rejected_examples += part.rejected_examples[: max(0, room)]
+        self.unreadable_files += part.unreadable_files
 
 
 def ingest_kernel_logs(
@@ -124,6 +164,7 @@ def ingest_kernel_logs(
     reference_time: datetime | None = None,
     workers: int = 1,
     capture_time: datetime | None = None,
+    now: datetime | None = None,
 ) -> IngestSummary:
     """Ingest kernel-log files (plain or gzip) into `xid_events`; see the module docstring.
 
@@ -133,6 +174,8 @@ def ingest_kernel_logs(
       cat`); without it their XIDs are untimed.
     - tz: time zone of naive stamps (`dmesg -T`, journal short); UTC by default.
     - reference_time: for year-less journal stamps; default: each file's modification time.
+    - now: the wall clock (default: this machine's); lines dated more than a day after it, or
+      before 2010, are left out and counted (`ingest.time_bounds`).
     - workers: processes parsing files at once (a fleet's node logs are independent); the rows
       and the summary are the same as with one.
     """
@@ -147,21 +190,34 @@ def ingest_kernel_logs(
         state = _load_state(store, journal.state)
         summary = IngestSummary()
         todo = []
+        index = _ContentIndex(state["files"])
         for path in paths:
+            node_of_file = node or node_from_filename(path.name)
             try:
                 stat = path.stat()
                 compressed = _is_gzip(path)
-                scan = _resume_point(store, state, path, compressed)
+                scan = _resume_point(store, state, index, path, compressed, node_of_file)
             except _READ_ERRORS as exc:
-                raise _unreadable(path, exc) from None
+                summary.unreadable(path, exc)
+                continue
             if scan.unchanged:
                 summary.skipped_files.append(str(path))
             else:
                 todo.append(_FileToParse(path, compressed, stat, scan))
         # Parse every file first, then map all events to GPUs in one pass, so that telemetry is
         # read once per run rather than once per file; then commit batch by batch.
-        options = _ParseOptions(cluster, dedup_window, node, boot_time, zone, reference_time, capture_time)
+        options = _ParseOptions(
+            cluster, dedup_window, node, boot_time, zone, reference_time, capture_time, now or datetime.now(UTC)
+        )
         parsed = [result for result in _parse_files(todo, options, summary, workers) if result is not None]
+        _drop_copies(parsed)
+        # The files this run could not read, for the operator's metric (`serving.api_metrics`):
+        # committed with the run's rows, or alone when nothing else changed.
+        unreadable = (summary.unreadable_files[:MAX_UNREADABLE_KEPT], len(summary.unreadable_files))
+        changed = (state.get("unreadable_files", []), state.get("unreadable_count", 0)) != unreadable
+        state["unreadable_files"], state["unreadable_count"] = unreadable
+        if changed and not parsed:
+            journal.commit(state, {})
         tables = [p.table for p in parsed if p.table is not None]
         sizes = [t.num_rows for t in tables]
         mapped = iter(_split(map_to_gpus(store, pa.concat_tables(tables), cluster), sizes) if tables else [])
@@ -172,7 +228,7 @@ def ingest_kernel_logs(
             batch = parsed[first : first + COMMIT_FILES]
             tables = [next(mapped) for result in batch if result.table is not None]
             for result in batch:
-                _remember(store, state, result.path, result.compressed, result.stat, result.end, result.lines)
+                _remember(store, state, result)
             table = pa.concat_tables(tables) if tables else None
             journal.commit(state, {DATASET: table} if table is not None else {})
             if table is not None:
@@ -191,6 +247,7 @@ class _FileScan:
     offset: int = 0
     lines: int = 0
     unchanged: bool = False
+    resumed: dict[str, Any] | None = None  # the state's entry of the content read up to `offset`
 
 
 @dataclass
@@ -201,6 +258,10 @@ class _ParsedFile:
     end: int  # bytes (decompressed) read up to
     lines: int  # lines read up to `end`
     table: pa.Table | None  # xid_events rows, GPUs not yet mapped; None when there are none
+    scan: _FileScan  # where reading started
+    default_node: str  # the node of lines without a host
+    hostless: bool  # whether content up to `end` has incidents that took `default_node`
+    head_sha256: str  # of the first `FINGERPRINT_SPAN` bytes up to `end`
 
 
 @dataclass(frozen=True)
@@ -214,6 +275,7 @@ class _ParseOptions:
     tz: tzinfo
     reference_time: datetime | None
     capture_time: datetime | None = None
+    now: datetime | None = None  # the wall clock, that bounds the time of lines
 
 
 @dataclass(frozen=True)
@@ -268,8 +330,12 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
             )
             incidents = list(deduplicate(records, options.dedup_window, node=default_node))
             end = reader.offset
+            summary.long_lines += reader.cut
+            fh.seek(0)
+            head_sha256 = hashlib.sha256(fh.read(min(end, FINGERPRINT_SPAN))).hexdigest()
     except _READ_ERRORS as exc:
-        raise _unreadable(path, exc) from None
+        summary.unreadable(path, exc)
+        return None, summary
     summary.files += 1
     summary.lines += stats.lines
     summary.xid_lines += stats.xid_records
@@ -278,6 +344,11 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
         if len(summary.rejected_examples) < MAX_REJECTED_REPORTED:
             summary.rejected_examples.append(f"{path}:{rejected.line_no}: {rejected.reason}")
     timed = [i for i in incidents if i.ts is not None]
+    if options.now is not None:
+        # A garbled or unset stamp (1970, 2099): kept out, and counted.
+        kept = [i for i in timed if plausible(i.ts, options.now)]  # type: ignore[arg-type]
+        summary.implausible += sum(i.repeat_count for i in timed) - sum(i.repeat_count for i in kept)
+        timed = kept
     untimed = sum(i.repeat_count for i in incidents if i.ts is None)
     summary.untimed += untimed
     if options.capture_time is not None:
@@ -289,19 +360,47 @@ def _parse_file(todo: _FileToParse, options: _ParseOptions) -> tuple[_ParsedFile
         # file unread, so that a run given the boot time ingests it in full.
         return None, summary
     table = events_table(timed, cluster=options.cluster, source=f"file:{path.name}") if timed else None
-    return _ParsedFile(path, compressed, stat, end, scan.lines + stats.lines, table), summary
-
-
-# A corrupt gzip stream, a disk error, a file removed since it was listed.
-_READ_ERRORS = (OSError, EOFError, zlib.error)
-
-
-def _unreadable(path: Path, exc: BaseException) -> InputError:
-    # Raised while parsing, before anything of the run is written.
-    return InputError(
-        f"kernel log {path}: could not be read ({exc}); expected a plain or gzip text file. "
-        "Nothing of this run was written"
+    # Whether a copy of this content under another node's name holds other incidents (module
+    # notes). An entry written before this was recorded is taken to have such lines.
+    before = scan.resumed is not None and scan.resumed.get("node", default_node) is not None
+    hostless = before or any(i.node == default_node for i in incidents)
+    parsed = _ParsedFile(
+        path, compressed, stat, end, scan.lines + stats.lines, table, scan, default_node, hostless, head_sha256
     )
+    return parsed, summary
+
+
+# A corrupt or cut gzip stream, a disk error, a file removed since it was listed.
+_READ_ERRORS = (OSError, EOFError, zlib.error, gzip.BadGzipFile)
+
+
+def _drop_copies(parsed: list[_ParsedFile]) -> None:
+    """Drop the rows of a file whose newly read content is also read, in this run, from a
+    longer copy of it (a rotated file and its copy under another name or folder, both new):
+    the copy's rows are those of the same lines. Its state is still recorded, so that it is
+    not read again either."""
+    groups: dict[str, list[_ParsedFile]] = {}
+    for result in parsed:
+        if result.table is not None:
+            groups.setdefault(result.head_sha256, []).append(result)
+    for group in groups.values():
+        group.sort(key=lambda r: r.end, reverse=True)
+        for i, shorter in enumerate(group):
+            for longer in group[:i]:
+                if longer.table is not None and _contains(longer, shorter):
+                    shorter.table = None
+                    break
+
+
+def _contains(longer: _ParsedFile, shorter: _ParsedFile) -> bool:
+    """Whether `longer` read, from its start or earlier, the very bytes `shorter` read, and
+    with them the same incidents (the same node for lines without a host)."""
+    if longer.scan.offset > shorter.scan.offset or longer.end < shorter.end:
+        return False
+    if shorter.hostless and shorter.default_node != longer.default_node:
+        return False
+    with _open(longer.path, longer.compressed) as a, _open(shorter.path, shorter.compressed) as b:
+        return _fingerprint(a, shorter.end) == _fingerprint(b, shorter.end)
 
 
 def _split(table: pa.Table, sizes: list[int]) -> Iterator[pa.Table]:
@@ -320,7 +419,9 @@ def _check_readable(path: Path) -> None:
         raise InputError(f"kernel log {path}: not readable (permission denied)")
 
 
-_ROTATION = re.compile(r"^(?P<stem>.+?)(?:\.(?:log|txt)(?:\.\d+|-\d{8})?)?(?:\.gz)?$")
+# logrotate's suffixes: a number, or `dateext`'s date (`-%Y%m%d`, or a `dateformat` adding the
+# hour or the seconds: `-%Y%m%d%H`, `-%Y%m%d-%s`).
+_ROTATION = re.compile(r"^(?P<stem>.+?)(?:\.(?:log|txt)(?:\.\d+|-\d{8}(?:-?\d+)?)?)?(?:\.gz)?$")
 
 
 def node_from_filename(name: str) -> str:
@@ -329,7 +430,7 @@ def node_from_filename(name: str) -> str:
     return m["stem"] if m else name
 
 
-_ROTATION_SUFFIX = re.compile(r"(?:\.gz|\.[0-9]+|-[0-9]{8})$")
+_ROTATION_SUFFIX = re.compile(r"(?:\.gz|\.[0-9]+|-[0-9]{8}(?:-?[0-9]+)?)$")
 
 
 def rotation_family(path: Path) -> str:
@@ -352,7 +453,8 @@ def _open(path: Path, compressed: bool) -> IO[bytes]:
 
 
 class _LineReader:
-    """Decoded lines of a binary stream, counting the bytes consumed.
+    """Decoded lines of a binary stream, each cut to `MAX_LINE_BYTES` as it is read
+    (`ingest.line_stream`), counting the bytes consumed and the lines cut.
 
     Undecodable bytes become U+FFFD, which the parser counts as a rejected line, so a binary
     file is reported instead of crashing the run. A last line without a newline is read too:
@@ -360,23 +462,22 @@ class _LineReader:
     """
 
     def __init__(self, fh: IO[bytes], offset: int) -> None:
-        self._fh = fh
-        self.offset = offset
+        self._lines = CappedLines(fh, start=offset)
+
+    @property
+    def offset(self) -> int:
+        return self._lines.offset
+
+    @property
+    def cut(self) -> int:
+        return self._lines.cut
 
     def __iter__(self) -> Iterator[str]:
-        pending = b""
-        while True:
-            chunk = self._fh.read(_CHUNK)
-            if not chunk:
-                break
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            for raw in lines:
-                self.offset += len(raw) + 1
-                yield raw.decode("utf-8", "replace")
-        if pending:
-            self.offset += len(pending)
-            yield pending.decode("utf-8", "replace")
+        return map(_decode, self._lines)
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
 
 
 # -- never replay: the state ---------------------------------------------------------------
@@ -459,13 +560,17 @@ def _fingerprint(fh: IO[bytes], end: int) -> str | None:
     return digest.hexdigest()
 
 
-def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: bool) -> _FileScan:
+def _resume_point(
+    store: Store, state: dict[str, Any], index: _ContentIndex, path: Path, compressed: bool, node: str
+) -> _FileScan:
     """Where reading `path` starts: after the longest already-ingested content it begins with.
 
-    Candidates are the entry of this path and entries of rotated copies (same folder, same
-    name up to rotation suffixes) with the same first bytes; each is checked by fingerprint at
-    its own offset. Limiting copies to one rotation family keeps two nodes' logs, named after
-    their nodes, from ever being taken for each other.
+    Candidates are the entry of this path and every entry with the same first bytes, wherever
+    its file lay and whatever it was called (a rotated, compressed, renamed or copied file);
+    each is checked by fingerprint at its own offset. Content whose lines took their node from
+    the file's name (no host in the line) is the same incidents only for a file of the same
+    node, so such an entry serves only files of its node (`node`: the node of host-less lines)
+    or of its own rotation family.
     """
     key = _locator(store, path)
     entries: dict[str, dict[str, Any]] = state["files"]
@@ -476,19 +581,53 @@ def _resume_point(store: Store, state: dict[str, Any], path: Path, compressed: b
         # (cheap: two 64 KiB reads) before calling it unchanged.
         with _open(path, compressed) as fh:
             if _fingerprint(fh, own["offset"]) == own["fingerprint"] and _at_eof(fh, own["offset"]):
-                return _FileScan(own["offset"], own["lines"], unchanged=True)
+                return _FileScan(own["offset"], own["lines"], unchanged=True, resumed=own)
     family = _locator(store, Path(rotation_family(path)))
     with _open(path, compressed) as fh:
         head = fh.read(FINGERPRINT_SPAN)
+        found = index.candidates(head, family) + ([own] if own else [])
         candidates = sorted(
-            (e for k, e in entries.items() if k == key or (e.get("family") == family and _head_matches(e, head))),
+            (e for e in found if e is own or (_head_matches(e, head) and _same_node(e, family, node))),
             key=lambda e: e["offset"],
             reverse=True,
         )
         for entry in candidates:
             if _fingerprint(fh, entry["offset"]) == entry["fingerprint"]:
-                return _FileScan(entry["offset"], entry["lines"], unchanged=_at_eof(fh, entry["offset"]))
+                return _FileScan(entry["offset"], entry["lines"], unchanged=_at_eof(fh, entry["offset"]), resumed=entry)
     return _FileScan()
+
+
+class _ContentIndex:
+    """The state's entries by their first bytes (`PREFIX_SPAN`), so that finding the entries a
+    file may continue costs a hash or two, not one per entry of the state (tens of thousands).
+    Entries written before the prefix was recorded are found by their rotation family."""
+
+    def __init__(self, entries: dict[str, dict[str, Any]]) -> None:
+        self._by_prefix: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        self._by_family: dict[str, list[dict[str, Any]]] = {}
+        for entry in entries.values():
+            if "prefix_sha256" in entry:
+                self._by_prefix.setdefault((entry["prefix_len"], entry["prefix_sha256"]), []).append(entry)
+            else:
+                self._by_family.setdefault(str(entry.get("family")), []).append(entry)
+        self._lengths = sorted({length for length, _ in self._by_prefix})
+
+    def candidates(self, head: bytes, family: str) -> list[dict[str, Any]]:
+        found = list(self._by_family.get(family, []))
+        for length in self._lengths:
+            if length > len(head):
+                break
+            found += self._by_prefix.get((length, hashlib.sha256(head[:length]).hexdigest()), [])
+        return found
+
+
+def _same_node(entry: dict[str, Any], family: str, node: str) -> bool:
+    """Whether the incidents of `entry`'s content are those of the same content in a file of
+    `family` whose host-less lines are of `node`. Entries written before `node` was recorded
+    serve their rotation family only."""
+    if entry.get("family") == family:
+        return True
+    return "node" in entry and entry["node"] in (None, node)
 
 
 def _head_matches(entry: dict[str, Any], head: bytes) -> bool:
@@ -501,31 +640,41 @@ def _at_eof(fh: IO[bytes], offset: int) -> bool:
     return not fh.read(1)
 
 
-def _remember(
-    store: Store, state: dict[str, Any], path: Path, compressed: bool, stat: os.stat_result, end: int, lines: int
-) -> None:
-    with _open(path, compressed) as fh:
-        fingerprint = _fingerprint(fh, end)
+def _remember(store: Store, state: dict[str, Any], result: _ParsedFile) -> None:
+    with _open(result.path, result.compressed) as fh:
+        fingerprint = _fingerprint(fh, result.end)
         fh.seek(0)
-        head = fh.read(min(end, FINGERPRINT_SPAN))
+        head = fh.read(min(result.end, FINGERPRINT_SPAN))
+    key = _locator(store, result.path)
+    files: dict[str, dict[str, Any]] = state["files"]
+    previous = files.get(key)
+    resumed = result.scan.resumed
+    if previous is not None and (resumed is None or previous.get("seq") != resumed.get("seq")):
+        # The path now holds other content (the log was rotated away and a new one started,
+        # or copytruncate emptied it): what it held was ingested, and its rotated copies must
+        # still be recognised, so its entry is kept under a name no path has.
+        files[f"{RETIRED_PREFIX}{previous['seq']}"] = previous
     state["seq"] = state.get("seq", 0) + 1
-    state["files"][_locator(store, path)] = {
-        "path": str(path),
-        "family": _locator(store, Path(rotation_family(path))),
-        "compressed": compressed,
-        "raw_size": stat.st_size,
-        "raw_mtime_ns": stat.st_mtime_ns,
-        "offset": end,
-        "lines": lines,
+    files[key] = {
+        "path": str(result.path),
+        "family": _locator(store, Path(rotation_family(result.path))),
+        "node": result.default_node if result.hostless else None,
+        "compressed": result.compressed,
+        "raw_size": result.stat.st_size,
+        "raw_mtime_ns": result.stat.st_mtime_ns,
+        "offset": result.end,
+        "lines": result.lines,
         "fingerprint": fingerprint,
         "head_len": len(head),
         "head_sha256": hashlib.sha256(head).hexdigest(),
+        "prefix_len": min(len(head), PREFIX_SPAN),
+        "prefix_sha256": hashlib.sha256(head[:PREFIX_SPAN]).hexdigest(),
         "seq": state["seq"],
     }
-    if len(state["files"]) > MAX_STATE_ENTRIES:
-        oldest = sorted(state["files"], key=lambda k: state["files"][k]["seq"])
-        for k in oldest[: len(state["files"]) - MAX_STATE_ENTRIES]:
-            del state["files"][k]
+    if len(files) > MAX_STATE_ENTRIES:
+        oldest = sorted(files, key=lambda k: files[k]["seq"])
+        for k in oldest[: len(files) - MAX_STATE_ENTRIES]:
+            del files[k]
 
 
 # -- rows ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, datetime, tzinfo
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -40,14 +40,14 @@ import pyarrow as pa
 
 from ingest.errors import InputError
 from ingest.kernel_log_parser import resolve_tz
+from ingest.metric_ranges import describe_range, in_range
 from ingest.schema import Metric, metric_catalogue, normalise_pci_bus_id, telemetry_schema
 from ingest.store import Store
+from ingest.time_bounds import EARLIEST_PLAUSIBLE, FUTURE_SLACK, IMPLAUSIBLE
 
 log = logging.getLogger(__name__)
 
 # Times outside these bounds are a clock that was wrong (an unset RTC says 1970 or 2000).
-EARLIEST_PLAUSIBLE = datetime(2010, 1, 1, tzinfo=UTC)
-FUTURE_SLACK = timedelta(days=1)
 
 # How many examples of each skip reason a summary keeps, for the log.
 EXAMPLES_KEPT = 5
@@ -207,7 +207,7 @@ def _in_time_order(
         assert isinstance(ts, datetime)
         where = f"{ctx.source}:{line_no}"
         if not EARLIEST_PLAUSIBLE <= ts <= future:
-            summary.skip("rows with an implausible time (clock not set?)", where)
+            summary.skip(IMPLAUSIBLE, where)
             continue
         uuid = str(row["gpu_uuid"])
         previous = latest.get(uuid)
@@ -492,6 +492,10 @@ def _fill_metrics(
         elif mapping.group == current[0]:
             best[metric.column] = (current[0], current[1] + value, metric)
     for column, (_, value, metric) in best.items():
+        if not in_range(value, metric):
+            # `1e308` or `1e400` (read as infinity): stored, it would be infinity in float32.
+            summary.skip(f"readings of {column} outside its valid range {describe_range(metric)} or not finite", where)
+            continue
         row[column] = round(value) if pa.types.is_integer(metric.arrow_type) else value
 
 

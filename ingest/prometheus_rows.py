@@ -36,6 +36,7 @@ from ingest.dcgm_scrape import (
     dcgm_field_ids,
     metric_by_name,
 )
+from ingest.metric_ranges import largest_magnitude
 from ingest.prometheus_api import Series
 from ingest.prometheus_labels import Attributes, GpuKey, LabelMap
 from ingest.schema import TIMESTAMP, Metric, telemetry_schema, xid_events_schema
@@ -86,7 +87,8 @@ def readings(values: np.ndarray, metric: Metric, counts: SeriesCounts) -> np.nda
         out *= scale
     if pa.types.is_integer(metric.arrow_type):
         out = np.round(out)
-    outside = np.zeros(len(out), dtype=bool)
+    # A magnitude the column cannot hold (`ingest.metric_ranges`): -1e308 of a bitmask.
+    outside = np.abs(out) >= largest_magnitude(metric)
     if metric.valid_min is not None:
         outside |= out < metric.valid_min
     if metric.valid_max is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
@@ -37,11 +37,10 @@ from ingest.table_mapping import (
     TelemetryMapping,
     TimeColumns,
 )
+from ingest.time_bounds import EARLIEST_PLAUSIBLE, FUTURE_SLACK, IMPLAUSIBLE
 
 log = logging.getLogger(__name__)
 
-EARLIEST_PLAUSIBLE = datetime(2010, 1, 1, tzinfo=UTC)
-FUTURE_SLACK = timedelta(days=1)
 _TRUE_WORDS = ("true", "1", "yes", "y", "t")
 _UTC_US = pl.Datetime("us", "UTC")
 _ROW = "__row"  # 1-based row number in the data file (after the header), for messages
@@ -160,7 +159,7 @@ def _usable_times(
     plausible = (pl.col("ts") >= EARLIEST_PLAUSIBLE) & (pl.col("ts") <= now + FUTURE_SLACK)
     odd = frame.filter(~plausible)
     if odd.height:
-        summary.skip("rows with an implausible time (clock not set?)", odd.height, f"{path} row {odd[_ROW][0]}")
+        summary.skip(IMPLAUSIBLE, odd.height, f"{path} row {odd[_ROW][0]}")
     return frame.filter(plausible)
 
 
@@ -245,8 +244,6 @@ def _within_range(
 ) -> pl.Expr:
     """`number` with readings outside the metric's valid range made null, counted per metric."""
     outside = outside_range(number, metric)
-    if outside is None:
-        return number
     found = frame.filter(outside)
     if found.height:
         summary.out_of_range[metric.column] += found.height

@@ -130,6 +130,7 @@ class _StoreCollector(Collector):
         yield from self._guarded("publish policy state", lambda: self._policy(store))
         yield from self._guarded("nightly state", lambda: self._nightly(store))
         yield from self._guarded("failure XIDs", lambda: self._failures(store))
+        yield from self._guarded("kernel-log ingest state", lambda: self._kernel_logs(store))
 
     def _guarded(self, what: str, families: Callable[[], list[Any]]) -> list[Any]:
         try:
@@ -194,6 +195,18 @@ class _StoreCollector(Collector):
             if state.get("failed"):
                 failed.add_metric([str(state["failed"].get("step", "unknown"))], 1.0)
         return [started, completed, failed]
+
+    def _kernel_logs(self, store: Any) -> list[Any]:
+        from ingest.kernel_log_import import STATE_NAME
+
+        gauge = GaugeMetricFamily(
+            "gpufail_kernel_log_unreadable_files",
+            "Kernel-log files the last `ingest kernel-log` (or nightly ingest) could not read and skipped",
+        )
+        state = store.read_state(STATE_NAME)
+        if state is not None:
+            gauge.add_metric([], float(state.get("unreadable_count", 0)))
+        return [gauge]
 
     def _failures(self, store: Any) -> list[Any]:
         import pyarrow.compute as pc

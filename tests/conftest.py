@@ -11,6 +11,8 @@ from ingest.schema import schema_for
 
 T0 = datetime(2026, 1, 5, tzinfo=UTC)
 
+pytest_plugins = ("tests.fake_nvml.fixtures",)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the tests marked `slow` first (in their usual order, then the rest in theirs): with

@@ -11,6 +11,7 @@ import click
 from gpufail.cli.options import (
     data_option,
     data_root,
+    exit_if_input_skipped,
     import_root,
     json_option,
     progress_echo,
@@ -151,6 +152,7 @@ def ingest_kernel_log(
             raise GpufailError(f"no kernel-log files given and none under {store.path('raw', 'kernel-log')}")
         summary = ingest_into(store, paths)
     report(as_json, f"kernel-log: {summary}", {"command": "ingest kernel-log", **vars(summary)})
+    exit_if_input_skipped(summary.unreadable_files, "kernel-log files")
 
 
 @ingest.command("dcgm-exporter")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from gpufail.cli.options import data_option, data_root, json_option, report, settings_of
+from gpufail.cli.options import data_option, data_root, exit_if_input_skipped, json_option, report, settings_of
 from gpufail.logs import log_format_option
 
 
@@ -37,6 +37,7 @@ def nightly(ctx: click.Context, data: str | None, dry_run: bool | None, quiet: b
         log_result(summary.line(), {"command": "nightly", **vars(summary)})
     else:
         click.echo(summary.line())
+    exit_if_input_skipped(summary.unreadable_kernel_logs(), "kernel-log files")
 
 
 @click.command("mlflow")

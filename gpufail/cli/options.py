@@ -4,6 +4,7 @@ the parsing of option values that click does not do for us."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -101,6 +102,24 @@ def report(as_json: bool, text: str, facts: Any) -> None:
         click.echo(json.dumps(jsonable(facts), sort_keys=True, allow_nan=False))
     else:
         click.echo(text)
+
+
+SKIPPED_INPUT_EXIT = 3
+"""The exit status of a command that did its work but skipped input it could not read (a
+corrupt `.gz` among kernel logs): distinct from 2 (nothing done), so that a scheduler alerts
+without the next steps being held back."""
+
+
+def exit_if_input_skipped(skipped: list[str], what: str) -> None:
+    """Say on stderr, in one line, that `skipped` inputs were left out, and exit with
+    `SKIPPED_INPUT_EXIT`; nothing when there are none."""
+    if skipped:
+        click.echo(
+            f"gpufail: warning: {len(skipped)} {what} could not be read and were skipped (first: {skipped[0]}); "
+            "the rest was processed",
+            err=True,
+        )
+        sys.exit(SKIPPED_INPUT_EXIT)
 
 
 def progress_echo(as_json: bool) -> Callable[[str], None]:

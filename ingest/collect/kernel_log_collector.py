@@ -32,6 +32,7 @@ from ingest.collect.log_sources import Cursor, LogSource
 from ingest.kernel_log_import import events_table
 from ingest.kernel_log_parser import ParseStats, XidIncident, deduplicate, parse_lines
 from ingest.store import Store
+from ingest.time_bounds import plausible
 
 # Where gpufail before the daemon's commit record kept this collector's state; read once when
 # the daemon has committed none, so an upgrade resumes where the previous version stopped.
@@ -80,8 +81,10 @@ class KernelLogCollector:
         self.source_label = f"collect:{source.name}"
         self.lines_read = 0
         self.lines_rejected = 0
+        self.lines_cut = 0
         self.lost_records = 0
         self.untimed_records = 0
+        self.implausible_records = 0
         self._cursor: Cursor | None = None
         self._open: dict[_Key, XidIncident] = {}
         self._restored = False
@@ -100,11 +103,13 @@ class KernelLogCollector:
         self.lines_read += len(chunk.lines)
         self._run_lines += len(chunk.lines)
         self.lost_records += chunk.lost
+        self.lines_cut += chunk.cut
         now = self.clock.now()
         stats = ParseStats()
         records = parse_lines(chunk.lines, boot_time=chunk.boot_time, reference_time=now, tz=self.tz, stats=stats)
         incidents = list(deduplicate(records, self.window, node=self.node))
         self.lines_rejected += stats.rejected
+        incidents = self._plausible(incidents, now)
         emitted = list(self._fold(incidents))
         # With more lines waiting, an incident may still grow from them: close only what the
         # log has moved past (lines come in time order), not what the clock has.
@@ -147,10 +152,22 @@ class KernelLogCollector:
         self._restored = False
 
     def counts(self) -> dict[str, dict[str, int]]:
-        return {"log_lines": {"parsed": self.lines_read - self.lines_rejected, "rejected": self.lines_rejected}}
+        return {
+            "log_lines": {"parsed": self.lines_read - self.lines_rejected, "rejected": self.lines_rejected},
+            # Also among the lines above (their kept part was parsed): counted apart.
+            "long_lines": {self.source.name: self.lines_cut},
+            "left_out": {"implausible_time": self.implausible_records},
+        }
 
     def close(self) -> None:
         self.source.close()
+
+    def _plausible(self, incidents: list[XidIncident], now: datetime) -> list[XidIncident]:
+        """`incidents` less those dated before 2010 or far ahead of this node's clock (a garbled
+        or unset stamp: 1970, 2099), which are counted (`ingest.time_bounds`)."""
+        kept = [i for i in incidents if i.ts is None or plausible(i.ts, now)]
+        self.implausible_records += sum(i.repeat_count for i in incidents) - sum(i.repeat_count for i in kept)
+        return kept
 
     # -- folding across calls -------------------------------------------------------------
 

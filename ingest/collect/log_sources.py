@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ingest.collect.base import CollectorError
+from ingest.line_stream import CappedLines
 
 Cursor = dict[str, Any]
 
@@ -51,6 +52,8 @@ class LogChunk:
     """Wall-clock time of boot, for sources whose stamps count from boot (kmsg, `[uptime]`)."""
     exhausted: bool = True
     """False when `max_lines` stopped the read before the end of what is available."""
+    cut: int = 0
+    """Lines longer than `ingest.line_stream.MAX_LINE_BYTES`, handed out cut to that length."""
 
 
 class LogSource(Protocol):
@@ -319,11 +322,13 @@ class FileSource:
         if not paths:
             raise ValueError("FileSource needs at least one path")
         self.paths = list(paths)
+        self._cut = 0  # lines cut in the current `read`
 
     def read(self, cursor: Cursor | None, max_lines: int) -> LogChunk:
         positions: dict[str, Any] = dict((cursor or {}).get("files", {}))
         lines: list[str] = []
         exhausted = True
+        self._cut = 0
         for path in self.paths:
             budget = max_lines - len(lines)
             if budget <= 0:
@@ -334,7 +339,7 @@ class FileSource:
             if position is not None:
                 positions[path] = position.as_json()
             exhausted = exhausted and not more
-        return LogChunk(lines, {"files": positions}, exhausted=exhausted)
+        return LogChunk(lines, {"files": positions}, exhausted=exhausted, cut=self._cut)
 
     def _read_path(
         self, path: str, saved: _FilePosition | None, budget: int, out: list[str]
@@ -366,25 +371,22 @@ class FileSource:
 
     def _read_file(self, path: str, position: _FilePosition, budget: int, out: list[str]) -> tuple[_FilePosition, bool]:
         taken = 0
-        offset = position.offset
+        more = False
         try:
             with open(path, "rb") as fh:
-                fh.seek(offset)
-                pending = b""
-                more = False
-                while not more:
-                    chunk = fh.read(FILE_CHUNK)
-                    if not chunk:
+                fh.seek(position.offset)
+                # Each line cut to `MAX_LINE_BYTES` as it is read: a crash's line of hundreds of
+                # megabytes is never held whole (`ingest.line_stream`).
+                lines = CappedLines(fh, start=position.offset, chunk_bytes=FILE_CHUNK, incomplete_last=False)
+                offset, cut = position.offset, 0
+                for raw in lines:
+                    if taken >= budget:
+                        more = True  # complete lines are left for the next read
                         break
-                    parts = (pending + chunk).split(b"\n")
-                    pending = parts.pop()
-                    for raw in parts:
-                        if taken >= budget:
-                            more = True  # complete lines are left for the next read
-                            break
-                        out.append(raw.decode("utf-8", "replace"))
-                        offset += len(raw) + 1
-                        taken += 1
+                    out.append(raw.decode("utf-8", "replace"))
+                    offset, cut = lines.offset, lines.cut
+                    taken += 1
+                self._cut += cut
         except OSError as exc:
             raise CollectorError(f"kernel-log collector: cannot read {path} ({exc.strerror})") from None
         # The head hash covers the first HEAD_BYTES bytes once the file is that long; until

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -52,6 +53,7 @@ from ingest.collect.nvml_client import (
     PynvmlClient,
 )
 from ingest.collect.nvml_metrics import NvmlSource, nvml_sources
+from ingest.metric_ranges import in_range
 from ingest.schema import metric_catalogue, normalise_pci_bus_id, schema_for
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,8 @@ class NvmlCollector:
         self._xid_schema = schema_for("xid_events")
         self._no_xid_events = self._xid_schema.empty_table()  # the usual answer, built once
         self._event_errors_seen: set[int] = set()
+        self._metrics = {m.column: m for m in metric_catalogue()}
+        self._out_of_range: dict[str, int] = {}
 
     # ---- lifecycle ----
 
@@ -154,8 +158,9 @@ class NvmlCollector:
         }
 
     def counts(self) -> dict[str, dict[str, int]]:
-        """NVML calls that failed, by function (counted by the client; see `NOT_AN_ERROR`)."""
-        return {"nvml_errors": dict(getattr(self._client, "errors", {}))}
+        """NVML calls that failed, by function (counted by the client; see `NOT_AN_ERROR`), and
+        readings left missing as out of range (`ingest.metric_ranges`), by column."""
+        return {"nvml_errors": dict(getattr(self._client, "errors", {})), "out_of_range": dict(self._out_of_range)}
 
     def close(self) -> None:
         if not self._open:
@@ -275,6 +280,7 @@ class NvmlCollector:
         values: dict[str, object] = {}
         for column, candidates in self._resolved.items():
             value = None
+            rejected = False
             for candidate in candidates:
                 if candidate.ordinal in gpu.unsupported:
                     continue
@@ -283,8 +289,14 @@ class NvmlCollector:
                 else:
                     raw = self._read_getter(gpu, candidate, getter_cache)
                 value = _convert(raw, candidate)
+                if value is not None and not in_range(value, self._metrics[column]):
+                    # NaN, an infinity or a magnitude its column cannot hold (a double field
+                    # value gone wrong): not a reading; the next source may have one.
+                    value, rejected = None, True
                 if value is not None:
                     break
+            if value is None and rejected:
+                self._out_of_range[column] = self._out_of_range.get(column, 0) + 1
             values[column] = value
         return values
 
@@ -453,6 +465,6 @@ def _convert(raw: float | int | None, resolved: _ResolvedSource) -> float | int 
     source = resolved.source
     if source.zero_is_missing and raw == 0:
         return None
-    if resolved.integer:
+    if resolved.integer and not (isinstance(raw, float) and not math.isfinite(raw)):
         return int(raw) // source.divisor
     return float(raw) / source.divisor

@@ -40,6 +40,21 @@ REQUEST_TIMEOUT_S = 10.0
 COUNTED = {
     "log_lines": ("gpufail_collector_log_lines", "Kernel-log lines read, by parser outcome", "outcome"),
     "nvml_errors": ("gpufail_collector_nvml_errors", "NVML calls that failed, by NVML function", "call"),
+    "out_of_range": (
+        "gpufail_collector_out_of_range_readings",
+        "Readings left missing as not finite or outside their metric's valid range, by telemetry column",
+        "metric",
+    ),
+    "left_out": (
+        "gpufail_collector_xid_records_left_out",
+        "XID records of the kernel log left out, by reason (implausible_time: dated before 2010 or ahead of the clock)",
+        "reason",
+    ),
+    "long_lines": (
+        "gpufail_collector_long_lines",
+        "Kernel-log lines longer than ingest.line_stream.MAX_LINE_BYTES, cut to it as they were read, by source",
+        "source",
+    ),
 }
 
 

@@ -26,6 +26,7 @@
  *   gpu <i> power_limit <mW>                nvmlDeviceGetEnforcedPowerLimit
  *   gpu <i> field <id> <value> [type <nvmlValueType>] [step <increase per sample>]
  *   gpu <i> field_error <id> <nvmlReturn>   this field reports an error of its own
+ *   gpu <i> field_double <id> <number>      a double field value as strtod reads it: inf, nan, 1e308
  *   gpu <i> fail_after <samples> <nvmlReturn>
  *   gpu <i> events <supported event type mask>
  *   event <gpu> <xid> <after samples>       an XID critical error event
@@ -143,6 +144,8 @@ typedef struct {
     nvmlReturn_t error;
     unsigned long long value;
     long long step;
+    int is_double; /* `field_double`: `dval` is the value, whatever strtod read */
+    double dval;
 } fake_field;
 
 struct fake_gpu {
@@ -288,6 +291,21 @@ static int parse_field(struct fake_gpu *g, const char *rest, const char *path, i
     return 0;
 }
 
+static int parse_field_double(struct fake_gpu *g, const char *rest, const char *path, int line_no) {
+    unsigned int id;
+    char text[64];
+    if (sscanf(rest, "%u %63s", &id, text) != 2)
+        return scenario_error(path, line_no, "expected 'field_double <id> <number>'");
+    fake_field *f = field_slot(g, id);
+    if (f == NULL) return scenario_error(path, line_no, "more than %d fields on one GPU", MAX_FIELDS);
+    f->configured = 1;
+    f->error = NVML_SUCCESS;
+    f->value_type = TYPE_DOUBLE;
+    f->is_double = 1;
+    f->dval = strtod(text, NULL);
+    return 0;
+}
+
 static int parse_gpu_line(const char *body, const char *path, int line_no) {
     int index, used = 0;
     char key[32];
@@ -325,6 +343,8 @@ static int parse_gpu_line(const char *body, const char *path, int line_no) {
         ok = (g->has_power_limit = sscanf(rest, "%u", &g->power_limit_mw) == 1);
     else if (strcmp(key, "field") == 0)
         return parse_field(g, rest, path, line_no);
+    else if (strcmp(key, "field_double") == 0)
+        return parse_field_double(g, rest, path, line_no);
     else if (strcmp(key, "field_error") == 0) {
         unsigned int id;
         int code;
@@ -621,7 +641,10 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int values_count, nvm
             fake_field *f = &device->fields[j];
             if (f->id != out->fieldId || !f->configured) continue;
             out->nvmlReturn = f->error;
-            if (f->error == NVML_SUCCESS)
+            if (f->error == NVML_SUCCESS && f->is_double) {
+                out->valueType = TYPE_DOUBLE;
+                out->value.dVal = f->dval;
+            } else if (f->error == NVML_SUCCESS)
                 store_value(out, f->value_type, f->value + (unsigned long long)(f->step * (long long)earlier));
             break;
         }

@@ -59,6 +59,7 @@ class FakeGpu:
     power_limit_mw: int | None = None
     fields: dict[int, FakeField] = field(default_factory=dict)
     field_errors: dict[int, int] = field(default_factory=dict)
+    double_fields: dict[int, str] = field(default_factory=dict)  # field id -> "inf", "nan", "1e308"
     fail_after: tuple[int, int] | None = None  # (samples, nvmlReturn)
     supported_events: int = pynvml.nvmlEventTypeXidCriticalError
 
@@ -86,6 +87,7 @@ class FakeGpu:
         for fid, f in sorted(self.fields.items()):
             out.append(f"gpu {index} field {fid} {f.value} type {f.value_type} step {f.step}")
         out += [f"gpu {index} field_error {fid} {code}" for fid, code in sorted(self.field_errors.items())]
+        out += [f"gpu {index} field_double {fid} {text}" for fid, text in sorted(self.double_fields.items())]
         if self.fail_after is not None:
             out.append(f"gpu {index} fail_after {self.fail_after[0]} {self.fail_after[1]}")
         out.append(f"gpu {index} events {self.supported_events}")

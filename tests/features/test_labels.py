@@ -282,3 +282,26 @@ def test_a_failure_exactly_at_the_horizon_edge_is_a_positive_and_one_just_past_i
 def test_repairs_without_the_needed_columns_are_refused():
     with pytest.raises(ValueError, match="repairs: missing required columns"):
         build_features(one_gpu_two_days(), NO_XIDS, repairs=pl.DataFrame({"ts": [at(1)]}))
+
+
+def _presence(last: dict[str, object]) -> pl.DataFrame:
+    return pl.DataFrame({"gpu_uuid": list(last), "last_ts": list(last.values())})
+
+
+@pytest.mark.parametrize(
+    ("lasts", "end"),
+    [
+        # one GPU of eight a day and a half ahead: the other seven make the end
+        ({**{f"g{i}": at(48) for i in range(7)}, "fast": at(84)}, at(48)),
+        # collectors that flushed an hour apart are one fleet
+        ({**{f"g{i}": at(48) for i in range(7)}, "late": at(49)}, at(49)),
+        # a fleet that shrank a month ago to two GPUs: the two make the end
+        ({**{f"old{i}": at(0) for i in range(40)}, "a": at(800), "b": at(800, minutes=-10)}, at(800)),
+        # two GPUs, one ahead: nothing to tell them apart, the newest makes the end
+        ({"a": at(10), "b": at(40)}, at(40)),
+    ],
+)
+def test_the_fleets_data_end_is_its_bulks(lasts: dict[str, object], end: object) -> None:
+    from features.labels import fleet_data_end
+
+    assert fleet_data_end(_presence(lasts)) == end

@@ -414,42 +414,6 @@ def test_parsing_on_worker_processes_gives_the_rows_and_summary_of_one_process(
     assert len(ingest(other, *logs, workers=2).skipped_files) == 7
 
 
-def _corrupt_gzip(path: Path) -> Path:
-    """A gzip log whose stream breaks well after its first 64 KiB (the head the resume check
-    reads), so the error comes from parsing."""
-    lines = [f"{iso(hours(1))}usb 1-1: serial {os.urandom(24).hex()}\n" for _ in range(6000)]
-    data = bytearray(gzip.compress("".join(lines).encode()))
-    for i in range(int(len(data) * 0.8), int(len(data) * 0.8) + 64):
-        data[i] ^= 0x5A
-    path.write_bytes(bytes(data))
-    return path
-
-
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_corrupt_gzip_is_an_input_error_naming_it_and_nothing_is_ingested(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
-) -> None:
-    import ingest.kernel_log_import as module
-
-    monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 0)
-    logs = _many_logs(tmp_path / "logs")
-    broken = _corrupt_gzip(tmp_path / "logs" / "gpu-node-300.log.gz")
-    with pytest.raises(InputError, match=re.escape(f"kernel log {broken}: could not be read")):
-        ingest(store, *logs, broken, workers=workers)
-    assert events(store) == []
-    assert store.read_state(STATE_NAME) is None
-
-
-def test_a_gzip_broken_in_its_first_bytes_is_refused_before_any_parsing(store: Store, tmp_path: Path) -> None:
-    data = bytearray(gzip.compress(node_log().encode()))
-    data[len(data) // 2] ^= 0xFF
-    broken = tmp_path / "gpu-node-301.log.gz"
-    broken.write_bytes(bytes(data))
-    with pytest.raises(InputError, match="could not be read"):
-        ingest(store, write(tmp_path / f"{NODE}.log", node_log()), broken)
-    assert events(store) == []
-
-
 def test_an_object_store_maps_events_to_the_same_gpus_as_a_local_one(store: Store, tmp_path: Path) -> None:
     # Local stores scan telemetry with polars; others read through pyarrow and fsspec.
     remote = Store.create(f"memory://kl-spans-{os.getpid()}")

@@ -1,4 +1,5 @@
-"""Fixtures shared by the collector tests: the fake libnvidia-ml.so.1 (tests/fake_nvml)."""
+"""Fixtures of the fake libnvidia-ml.so.1 (tests/fake_nvml), for the collector tests and the fault
+suite: a plugin of the root conftest, so that one process loads one library (pynvml loads it once)."""
 
 from __future__ import annotations
 
