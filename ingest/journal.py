@@ -24,7 +24,11 @@ How a commit of writer `name` goes:
    commit record (`COMMIT_KEY`) naming the commit's new files and the files it removes. That
    rename is the commit: before it the commit does not exist, after it it exists whole.
 4. The removed files are deleted, the new ones renamed to their visible names, the marker
-   removed.
+   removed. A journal with `linger_s` (compaction, `ingest.compact`) keeps the removed files and
+   the marker for that long after the commit: a reader that listed them before the commit can
+   still open them, and readers that list after it skip them (the marker's record). The next
+   commit of that journal carries the files still lingering into its own record, and the first
+   entry of it after the time has passed deletes them.
 
 Readers (`Store.files`, and so every read of the store) take the visible files, and for each
 marker the record applied: the record's new files count under their hidden names, the files it
@@ -46,6 +50,7 @@ import contextlib
 import hashlib
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
@@ -129,6 +134,8 @@ class Journal:
     - wait_s: how long to wait for the lock before refusing; holder: who is refused, in words.
     - durable: each file, then the state, is on disk before the next step (a power cut keeps
       the commit or nothing); off for data that can be rebuilt, where syncing costs time.
+    - linger_s: how long the files a commit removes stay on disk for readers that listed them
+      before it (module notes); 0 deletes them at once.
     """
 
     def __init__(
@@ -141,6 +148,7 @@ class Journal:
         wait_s: float = 0.0,
         holder: str | None = None,
         durable: bool = True,
+        linger_s: float = 0.0,
     ) -> None:
         for what, value in (("journal name", name), ("lock name", lock or name)):
             if not _NAME.match(value):
@@ -149,12 +157,15 @@ class Journal:
         self.name = name
         self.datasets = tuple(datasets)
         self.durable = durable
+        self.linger_s = linger_s
         self.state: dict[str, Any] | None = None
         self._lock = lock or name
         self._wait_s = wait_s
         self._holder = holder or f"gpufail writer of {name}"
         self._held: ExitStack | None = None
         self._id = ""
+        self._lingering: list[str] = []
+        """Files the last commit removed that are still on disk (`linger_s`)."""
 
     def __enter__(self) -> Journal:
         held = ExitStack()
@@ -207,7 +218,7 @@ class Journal:
         foreign = [p for p in hidden if not p.rsplit("/", 1)[-1].startswith(staging.prefix)]
         if foreign:
             raise ValueError(f"journal {self.name}: {foreign[0]} was not staged for this commit")
-        removed = sorted({self._relative(p) for p in replaces})
+        removed = sorted({self._relative(p) for p in replaces} | set(self._lingering))
         outside = [p for p in removed if p.split("/", 1)[0] not in self.datasets]
         if outside:
             raise ValueError(f"journal {self.name}: cannot remove {outside[0]}, not in its datasets {self.datasets}")
@@ -222,6 +233,7 @@ class Journal:
                 "id": self._id,
                 "files": [self._relative(staging.visible(p)) for p in hidden],
                 "replaces": removed,
+                "at": time.time(),
             }
             with guarded("write", self._marker()):
                 self.store.fs.pipe_file(self._marker(), self._id.encode())
@@ -235,7 +247,7 @@ class Journal:
             raise
         self.state = kept
         self._id = uuid.uuid4().hex
-        self._finish(record)
+        self._finish(record, linger=self.linger_s > 0)
         return [self.store.path(f) for f in record["files"]]
 
     # -- finishing and sweeping ------------------------------------------------------------
@@ -244,19 +256,27 @@ class Journal:
         """Finish the last commit, delete every other hidden file of this writer; returns the
         state file as committed."""
         raw = self.store.read_state_raw(self.name)
-        self._finish(commit_record(raw))
+        record = commit_record(raw)
+        at = record.get("at")
+        young = isinstance(at, (int, float)) and time.time() < at + self.linger_s
+        self._finish(record, linger=young)
         self._sweep()
         return raw
 
-    def _finish(self, record: dict[str, Any]) -> None:
+    def _finish(self, record: dict[str, Any], *, linger: bool = False) -> None:
         """Step 4 of the module notes for `record`; what is done already is skipped, so this
-        can be repeated after a kill at any point of it."""
+        can be repeated after a kill at any point of it. `linger`: the removed files, and so the
+        marker, stay (`linger_s`)."""
         fs = self.store.fs
+        self._lingering = []
         for relative in record.get("replaces", []):
             path = self.store.path(relative)
             with guarded("remove a replaced file (the next run finishes it)", path):
                 if fs.exists(path):
-                    fs.rm(path)
+                    if linger:
+                        self._lingering.append(relative)
+                    else:
+                        fs.rm(path)
         prefix = f"{PENDING}{self.name}.{record.get('id')}."
         for relative in record.get("files", []):
             final = self.store.path(relative)
@@ -268,6 +288,8 @@ class Journal:
                         fs.rm(pending)
                     else:
                         fs.mv(pending, final)
+        if self._lingering:
+            return  # the marker keeps readers skipping the lingering files
         marker = self._marker()
         with guarded("remove", marker):
             if fs.exists(marker):
