@@ -63,7 +63,7 @@ class CompactSummary:
     def line(self) -> str:
         done = [
             f"{d} {self.files_read[d]:,} files -> {self.files_written[d]:,} ({self.rows[d]:,} rows, "
-            f"{self.days[d]} days)"
+            f"{self.days[d]} day{'s' if self.days[d] != 1 else ''})"
             for d in self.days
         ]
         text = "; ".join(done) if done else "nothing to compact"
