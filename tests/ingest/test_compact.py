@@ -187,7 +187,7 @@ def test_the_command_reports_what_it_did(tmp_path: Path) -> None:
 
 def test_readers_during_compaction_see_every_row_exactly_once(tmp_path: Path) -> None:
     """Readers in this process (both read paths) while `gpufail compact` runs in another."""
-    store = collector_like(tmp_path / "root", nodes=8, hours=72, flush_rows=6)
+    store = collector_like(tmp_path / "root", nodes=6, hours=72, flush_rows=12)
     expected = rows(store)
     keys = expected.select("gpu_uuid", "ts")
     reads: list[float] = []
