@@ -229,7 +229,7 @@ class Journal:
             if self.durable:
                 for folder in sorted({path.rsplit("/", 1)[0] for path in hidden}):
                     self.store.sync_folder(folder)
-            record = {
+            record: dict[str, Any] = {
                 "id": self._id,
                 "files": [self._relative(staging.visible(p)) for p in hidden],
                 "replaces": removed,

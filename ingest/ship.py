@@ -18,8 +18,8 @@ and so its checksum, on the data root. Only files the spool's collector has fini
 
 A shipped file stays in the spool while its day is within `keep` of the clock: the collector
 maps XID events to GPUs from the spool's telemetry of the day before. Older shipped files are
-deleted from the spool, then dropped from the state at the next commit (a file is dropped from
-the state only once it is gone from the spool, so it is never shipped twice).
+deleted from the spool, then dropped from the state (a file is dropped from the state only once
+it is gone from the spool, so it is never shipped twice).
 """
 
 from __future__ import annotations
@@ -98,13 +98,16 @@ def ship(
             summary.files += len(batch)
             summary.commits += 1
         cutoff = ((now or datetime.now(UTC)).astimezone(UTC) - keep).date()
-        for relative in sorted(shipped):
-            if _day_of(relative) < cutoff:
-                path = spool.path(relative)
-                with guarded("remove a shipped file from the spool", path):
-                    if spool.fs.exists(path):
-                        spool.fs.rm(path)
-                summary.removed_from_spool += 1
+        removed = {relative for relative in shipped if _day_of(relative) < cutoff}
+        for relative in sorted(removed):
+            path = spool.path(relative)
+            with guarded("remove a shipped file from the spool", path):
+                if spool.fs.exists(path):
+                    spool.fs.rm(path)
+        if removed:
+            # Only once they are gone (a kill in between: the next run sees them gone).
+            journal.commit({"version": STATE_VERSION, "shipped": sorted(shipped - removed)})
+            summary.removed_from_spool = len(removed)
     summary.seconds = time.perf_counter() - began
     return summary
 

@@ -33,7 +33,11 @@ def command(root: Path) -> list[str]:
 def per_file(root: Path) -> list[pl.DataFrame]:
     """Each file readers see, its rows in stored order (names aside: they are random)."""
     store = Store.open(str(root))
-    frames = [pl.read_parquet(path) for dataset in ("telemetry", "xid_events", "collector_runs") for path in store.files(dataset)]
+    frames = [
+        pl.read_parquet(path)
+        for dataset in ("telemetry", "xid_events", "collector_runs")
+        for path in store.files(dataset)
+    ]
     return sorted(frames, key=lambda f: (f.columns[0], str(f.row(0))))
 
 

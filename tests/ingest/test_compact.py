@@ -164,10 +164,10 @@ def test_an_object_store_root_is_compacted_through_the_same_journal() -> None:
     times = [T0 + timedelta(minutes=10 * i) for i in range(12)]
     for i, moment in enumerate(times):
         store.write("xid_events", make_rows("xid_events", [moment], xid=43, node=f"n{i % 3}"))
-    before = pl.from_arrow(store.read("xid_events")).sort("ts")
+    before = pl.DataFrame(store.read("xid_events")).sort("ts")
     compact(store, ["xid_events"], now=LATER)
     assert len(store.files("xid_events")) == 1
-    assert pl.from_arrow(store.read("xid_events")).sort("ts").equals(before)
+    assert pl.DataFrame(store.read("xid_events")).sort("ts").equals(before)
 
 
 def test_an_unknown_dataset_is_one_line_naming_it(tmp_path: Path) -> None:
@@ -202,8 +202,8 @@ def test_readers_during_compaction_see_every_row_exactly_once(tmp_path: Path) ->
                 if path == "polars":
                     got = reader.collect(reader.scan("telemetry", columns=["gpu_uuid", "ts"]), "telemetry")
                 else:
-                    got = pl.from_arrow(reader.read("telemetry", columns=["gpu_uuid", "ts"]))
-            except Exception as exc:  # noqa: BLE001 (every failure is a finding here)
+                    got = pl.DataFrame(reader.read("telemetry", columns=["gpu_uuid", "ts"]))
+            except Exception as exc:
                 problems.append(f"{path}: {type(exc).__name__}: {exc}")
                 continue
             if not got.sort("gpu_uuid", "ts").equals(keys.sort("gpu_uuid", "ts")):
