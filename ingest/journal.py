@@ -247,7 +247,7 @@ class Journal:
             raise
         self.state = kept
         self._id = uuid.uuid4().hex
-        self._finish(record, linger=self.linger_s > 0)
+        self._finish(record)
         return [self.store.path(f) for f in record["files"]]
 
     # -- finishing and sweeping ------------------------------------------------------------
@@ -256,18 +256,17 @@ class Journal:
         """Finish the last commit, delete every other hidden file of this writer; returns the
         state file as committed."""
         raw = self.store.read_state_raw(self.name)
-        record = commit_record(raw)
-        at = record.get("at")
-        young = isinstance(at, (int, float)) and time.time() < at + self.linger_s
-        self._finish(record, linger=young)
+        self._finish(commit_record(raw))
         self._sweep()
         return raw
 
-    def _finish(self, record: dict[str, Any], *, linger: bool = False) -> None:
+    def _finish(self, record: dict[str, Any]) -> None:
         """Step 4 of the module notes for `record`; what is done already is skipped, so this
-        can be repeated after a kill at any point of it. `linger`: the removed files, and so the
-        marker, stay (`linger_s`)."""
+        can be repeated after a kill at any point of it. Within `linger_s` of the commit, the
+        removed files, and so the marker, stay."""
         fs = self.store.fs
+        at = record.get("at")
+        linger = isinstance(at, (int, float)) and time.time() < at + self.linger_s
         self._lingering = []
         for relative in record.get("replaces", []):
             path = self.store.path(relative)

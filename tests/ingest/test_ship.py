@@ -83,7 +83,7 @@ def test_a_file_the_collector_is_still_committing_waits_for_the_next_run(
     finish = Journal._finish
     # A collector killed after its commit, before renaming its file: readers count the file under
     # its hidden name; the shipper leaves it to the collector.
-    monkeypatch.setattr(Journal, "_finish", lambda self, record, linger=False: None)
+    monkeypatch.setattr(Journal, "_finish", lambda self, record: None)
     spool.write("xid_events", make_rows("xid_events", [T0], xid=79, node="n0"))
     monkeypatch.setattr(Journal, "_finish", finish)
     assert len(spool.files("xid_events")) == 1
