@@ -24,19 +24,20 @@ damage being sealed under a new checksum.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from ingest.collect.buffer import FLUSH_ORDER
 from ingest.errors import InputError
 from ingest.schema import schema_for
 from ingest.store import ROW_GROUP_SIZE, Store
+
+if TYPE_CHECKING:
+    import polars as pl  # imported where used: a collector may be installed without it
 
 DATASETS = FLUSH_ORDER
 """What collectors write every flush, and so what compaction takes by default."""
@@ -124,39 +125,37 @@ def compact(
 
 def _node_groups(store: Store, dataset: str, files: list[str], file_rows: int) -> Iterator[pa.Table]:
     """The rows of `files`, in tables of whole nodes of at most `file_rows` rows (one node may
-    have more), each sorted by `ORDER` (ties in the order read). Each table reads only the files
-    that hold its nodes (a collector's file holds one node)."""
+    have more), each sorted by `ORDER` (ties in the order read), through the store's read path
+    (each file's checksum and columns checked first: damage is named, never sealed under a new
+    checksum). A table's read skips the files of other nodes by their statistics (a collector's
+    file holds one node)."""
+    import polars as pl
+
     expected = schema_for(dataset)
     order = [c for c in ORDER if c in expected.names]
-    # Every file checked before any row is rewritten: damage is named, never sealed under a new checksum.
-    whole = store.dataset(dataset, files=files)
     if "node" not in expected.names:
-        yield _sorted(whole.to_table(), order)
+        yield _sorted(store.collect(store.scan(dataset, files=files), dataset), order)
         return
-    rows: Counter[str] = Counter()
-    holders: dict[str, list[str]] = {}
-    for fragment in whole.get_fragments():
-        counts = fragment.to_table(columns=["node"]).column("node").value_counts()
-        for entry in counts.to_pylist():
-            rows[entry["values"]] += entry["counts"]
-            holders.setdefault(entry["values"], []).append(fragment.path)
+    counts = store.collect(store.scan(dataset, columns=["node"], files=files).group_by("node").len(), dataset)
     groups: list[list[str]] = []
     held = 0
-    for node in sorted(rows):
-        if not groups or held + rows[node] > file_rows:
+    for node, n in counts.sort("node").iter_rows():
+        if not groups or held + n > file_rows:
             groups.append([])
             held = 0
         groups[-1].append(node)
-        held += rows[node]
+        held += n
     for nodes in groups:
-        paths = sorted({path for node in nodes for path in holders[node]})
-        part = store.dataset(dataset, files=paths).to_table(filter=ds.field("node").isin(nodes))
-        yield _sorted(part, order)
+        yield _sorted(
+            store.collect(store.scan(dataset, where=pl.col("node").is_in(nodes), files=files), dataset), order
+        )
 
 
-def _sorted(table: pa.Table, order: list[str]) -> pa.Table:
-    # Arrow's sort is stable: rows that tie keep the order they were read in.
-    return table.take(pc.sort_indices(table, [(c, "ascending") for c in order]))
+def _sorted(frame: pl.DataFrame, order: list[str]) -> pa.Table:
+    import polars as pl
+
+    # A stable sort: rows that tie keep the order they were read in.
+    return frame.sort(order, maintain_order=True, nulls_last=True).to_arrow(compat_level=pl.CompatLevel.oldest())
 
 
 def _day_end(day: date) -> datetime:
