@@ -353,14 +353,41 @@ def commit_view(store: Store) -> CommitView:
     markers = _markers(store)
     added: dict[str, dict[str, str]] = {}
     removed: set[str] = set()
-    for name in markers:
-        record = commit_record(store.read_state_raw(name))
-        prefix = f"{PENDING}{name}.{record.get('id')}."
-        for relative in record.get("files", []):
-            folder, final = str(relative).rsplit("/", 1)
+    for name, marker in markers.items():
+        commit_id, files, replaces = _record_of(store, name, marker)
+        prefix = f"{PENDING}{name}.{commit_id}."
+        for relative in files:
+            folder, final = relative.rsplit("/", 1)
             added.setdefault(folder, {})[final] = f"{prefix}{final}"
-        removed.update(str(r) for r in record.get("replaces", []))
+        removed.update(replaces)
+    for key in [k for k in _RECORDS if k[0] == store.root and markers.get(k[1]) != k[2]]:
+        del _RECORDS[key]  # of finished commits
     return CommitView(markers, added, frozenset(removed))
+
+
+_Record = tuple[str, tuple[str, ...], tuple[str, ...]]
+_RECORDS: dict[tuple[str, str, bytes], _Record] = {}
+"""(root, writer, marker) -> (id, files, removed files) of that commit's record, for records
+whose id is the marker's: a commit's record never changes, and a compaction's (applied while
+its replaced files linger) names a day's files, hundreds of thousands on a large fleet, which
+every listing would otherwise read again."""
+
+
+def _record_of(store: Store, name: str, marker: bytes) -> _Record:
+    """(id, files, removed files) of the record a writer's marker applies: the record of the
+    marker's commit, or while that one is not written yet (or never was), the last one."""
+    key = (store.root, name, marker)
+    if key in _RECORDS:
+        return _RECORDS[key]
+    record = commit_record(store.read_state_raw(name))
+    found = (
+        str(record.get("id")),
+        tuple(str(f) for f in record.get("files", [])),
+        tuple(str(r) for r in record.get("replaces", [])),
+    )
+    if found[0] == marker.decode(errors="replace"):
+        _RECORDS[key] = found
+    return found
 
 
 def markers_unchanged(store: Store, view: CommitView) -> bool:
