@@ -11,7 +11,8 @@ node statistics let a reader of some nodes skip the rest.
 How it stays exactly once: each day is one commit of the journal `compact-<dataset>`
 (`ingest.journal`), whose new files replace the files they were read from. Readers see the old
 files or the new ones, never both or neither, whatever point compaction is killed at; a rerun
-finishes the last commit and compacts what is left. The replaced files linger for
+finishes the last commit and compacts what is left; a day of only the files its last compaction
+wrote (the journal's state names them) is done. The replaced files linger for
 `READER_GRACE` (the journal's `linger_s`), so a reader that listed them just before the commit
 still opens them. Only committed files under their visible names are read: a collector's commit
 in flight, or a file another commit is removing, waits for the next run. Files written to the
@@ -48,6 +49,8 @@ rows compaction holds in memory at once, and what a reader decodes for one node 
 READER_GRACE = timedelta(minutes=15)
 """How long replaced files stay on disk for readers that listed them before the commit."""
 ORDER = ("cluster", "node", "gpu_uuid", "ts")
+STATE_VERSION = 1
+"""The journal's state: {"version", "compacted": {day: the names of the files it wrote}}."""
 
 
 @dataclass
@@ -100,21 +103,24 @@ def compact(
         with store.journal(
             f"compact-{dataset}", [dataset], holder=f"`gpufail compact` of {dataset}", linger_s=linger.total_seconds()
         ) as journal:
+            # The files each day's last compaction wrote: a day of only those is done.
+            compacted: dict[str, list[str]] = dict((journal.state or {}).get("compacted", {}))
             for day in store.dates(dataset):
                 if (first_day and day < first_day) or (last_day and day > last_day):
                     continue
                 if _day_end(day) + settle > moment:
                     summary.unsettled.append(f"{dataset} {day}")
                     continue
-                files = [f for f in store.files(dataset, day, day) if not f.rsplit("/", 1)[-1].startswith(".")]
-                if len(files) < 2:
+                files = [f for f in store.files(dataset, day, day) if not _name(f).startswith(".")]
+                if len(files) < 2 or {_name(f) for f in files} <= set(compacted.get(str(day), [])):
                     continue
                 staging = journal.staging()
                 written, rows = [], 0
                 for table in _node_groups(store, dataset, files, file_rows):
                     written.append(staging.write_part_of_day(dataset, day, table))
                     rows += table.num_rows
-                journal.commit(staged=written, replaces=files)
+                compacted[str(day)] = sorted(_name(staging.visible(path)) for path in written)
+                journal.commit({"version": STATE_VERSION, "compacted": compacted}, staged=written, replaces=files)
                 summary.days[dataset] = summary.days.get(dataset, 0) + 1
                 summary.files_read[dataset] = summary.files_read.get(dataset, 0) + len(files)
                 summary.files_written[dataset] = summary.files_written.get(dataset, 0) + len(written)
@@ -156,6 +162,10 @@ def _sorted(frame: pl.DataFrame, order: list[str]) -> pa.Table:
 
     # A stable sort: rows that tie keep the order they were read in.
     return frame.sort(order, maintain_order=True, nulls_last=True).to_arrow(compat_level=pl.CompatLevel.oldest())
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
 
 
 def _day_end(day: date) -> datetime:
