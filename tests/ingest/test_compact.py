@@ -3,6 +3,7 @@ order, one journal commit per day; readers see every row once before, during and
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -184,6 +185,9 @@ def test_the_command_reports_what_it_did(tmp_path: Path) -> None:
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("compact: telemetry ") and "telemetry 16 files -> 1 (384 rows, 1 day)" in ran.stdout
     assert len(Store.open(str(tmp_path / "root")).files("telemetry", date(2026, 1, 6), date(2026, 1, 6))) > 1
+    as_json = gpufail("compact", "--data", str(tmp_path / "root"), "--json")
+    facts = json.loads(as_json.stdout)
+    assert facts["command"] == "compact" and facts["days"] == {"telemetry": 1} and facts["unsettled"] == []
 
 
 def test_readers_during_compaction_see_every_row_exactly_once(tmp_path: Path) -> None:
