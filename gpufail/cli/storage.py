@@ -95,17 +95,18 @@ def ship(
     name = node or settings_of(ctx).collect.node or socket.gethostname()
     kept = _duration(keep, "--keep") or timedelta(0)
     interval = _duration(every, "--every")
-    source, target = Store.open(spool), Store.create(data_root(ctx, data))
+    root = data_root(ctx, data)
     with stop_on_signals(StopFlag()) as stop:
         while True:
             try:
-                summary = run_ship(source, target, name, keep=kept)
+                summary = run_ship(Store.open(spool), Store.create(root), name, keep=kept)
             except GpufailError as exc:
                 if interval is None:
                     raise
-                # The data root may be back at the next try; the spool keeps the rows meanwhile.
+                # The data root may be back (or the collector's spool made) at the next try; the
+                # spool keeps the rows meanwhile.
                 click.echo(f"ship: failed, trying again in {every}: {exc}", err=True)
             else:
-                report(as_json, summary.line(spool, target.root), {"command": "ship", "node": name, **vars(summary)})
+                report(as_json, summary.line(spool, root), {"command": "ship", "node": name, **vars(summary)})
             if interval is None or stop.wait(interval.total_seconds()):
                 return

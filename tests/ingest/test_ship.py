@@ -170,3 +170,34 @@ def test_a_collector_writing_to_a_spool_then_shipped(tmp_path: Path) -> None:
     assert shipped.equals(rows(Store.open(spool), "xid_events"))
     assert not (Path(root) / "_state" / "collect-n0.json").exists()  # the cursor stays on the node
     assert datetime(2026, 1, 1, tzinfo=UTC) < shipped["ts"][0]
+
+
+def test_ship_every_interval_waits_for_the_spool_retries_and_stops_on_sigterm(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.cli import GPUFAIL
+
+    spool, root = tmp_path / "spool", tmp_path / "root"
+    process = subprocess.Popen(
+        [*GPUFAIL, "ship", "--spool", str(spool), "--data", str(root), "--node", "n0", "--every", "1s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(4)  # the command starts, and tries at least once on a spool that is not there yet
+        expected = read_all(spool_of(spool))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (root / "gpufail.json").exists() and read_all(Store.open(str(root)))["telemetry"].height:
+                break
+            time.sleep(0.5)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert f"ship: failed, trying again in 1s: data root '{spool}' does not exist" in err
+    assert "ship: " in out and " files (" in out
+    assert_same(read_all(Store.open(str(root))), expected)
