@@ -90,7 +90,7 @@ _HASH_CHUNK = 4 << 20
 _VERIFIED: set[tuple[str, int, int]] = set()
 # (path, size, mtime, schema) of the local files this process has found to have the columns of
 # that schema (`Store._check_schemas`), as `_VERIFIED` for checksums.
-_SCHEMA_CHECKED: set[tuple[str, int, int, Any]] = set()
+_SCHEMA_CHECKED: set[tuple[str, int, int, int]] = set()
 # Files `Store.verify_all` checks at once: reading and hashing overlap even on one core.
 _VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
 # Listings of a dataset taken again when a writer committed while they were taken (`files`).
@@ -574,7 +574,8 @@ class Store:
         """Refuse a file of `dataset` whose columns are not the dataset's schema, by path."""
         optional = optional_columns(dataset)
         # A local file is checked once per process against a schema, like its checksum (`verify`).
-        keys = {path: _file_key(path, (expected, optional)) for path in files} if self.is_local else {}
+        schema_key = hash((expected, optional))  # once: a schema's hash walks its fields
+        keys = {path: _file_key(path, schema_key) for path in files} if self.is_local else {}
         todo = [path for path in files if keys.get(path) not in _SCHEMA_CHECKED]
         if not todo:
             return
@@ -715,8 +716,9 @@ def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
         raise StoreError(unreadable_message(fragment.path, _one_line(exc))) from None
 
 
-def _file_key(path: str, schema: Any) -> tuple[str, int, int, Any]:
-    """What identifies a local part file's contents (never rewritten in place) for `schema`."""
+def _file_key(path: str, schema: int) -> tuple[str, int, int, int]:
+    """What identifies a local part file's contents (never rewritten in place) for a schema
+    (its hash)."""
     with guarded("read", path):
         stat = os.stat(path)
     return (path, stat.st_size, stat.st_mtime_ns, schema)
