@@ -56,10 +56,11 @@ def compact(
 
     settings = settings_of(ctx)
     first, after = when(start, "'--start'"), when(end, "'--end'")
+    given = _duration(settle, "--settle")
     summary = run_compact(
         Store.open(data_root(ctx, data)),
         datasets or DATASETS,
-        settle=_duration(settle, "--settle") or settings.store.compact_settle,
+        settle=settings.store.compact_settle if given is None else given,
         first_day=first.date() if first else None,
         last_day=(after - timedelta(microseconds=1)).date() if after else None,
     )

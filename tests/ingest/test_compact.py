@@ -179,6 +179,21 @@ def test_an_unknown_dataset_is_one_line_naming_it(tmp_path: Path) -> None:
     assert "compact: unknown dataset 'telemetri'" in ran.stderr
 
 
+def test_the_command_takes_its_settle_time_from_the_option_else_the_configuration(tmp_path: Path) -> None:
+    yesterday = datetime.now(UTC).date() - timedelta(days=1)
+    store = Store.create(str(tmp_path / "root"))
+    for h in range(3):
+        moment = datetime(yesterday.year, yesterday.month, yesterday.day, h, tzinfo=UTC)
+        store.write("xid_events", make_rows("xid_events", [moment], xid=79, node="n0"))
+    data = ["--data", str(tmp_path / "root"), "--dataset", "xid_events"]
+    waiting = gpufail("compact", *data, env={"GPUFAIL_STORE__COMPACT_SETTLE": "2d"})
+    assert waiting.returncode == 0 and f"left until settled: xid_events {yesterday}" in waiting.stdout
+    bad = gpufail("compact", *data, "--settle", "soon")
+    assert bad.returncode == 2 and bad.stderr.startswith("gpufail: error: --settle: ")
+    done = gpufail("compact", *data, "--settle", "0s", env={"GPUFAIL_STORE__COMPACT_SETTLE": "2d"})
+    assert done.returncode == 0 and done.stdout.startswith("compact: xid_events 3 files -> 1 "), done.stdout
+
+
 def test_the_command_reports_what_it_did(tmp_path: Path) -> None:
     collector_like(tmp_path / "root")
     ran = gpufail("compact", "--data", str(tmp_path / "root"), "--start", "2026-01-05", "--end", "2026-01-06")
