@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
 from ingest.collect.buffer import FLUSH_ORDER
+from ingest.errors import InputError
 from ingest.store import Store, guarded
 
 BATCH_FILES = 500
@@ -74,6 +75,9 @@ def ship(
     `root`, then delete from the spool the shipped files of days older than `keep`."""
     from ingest.user_metrics import record_metrics, recorded_metrics
 
+    if spool.fs.protocol == root.fs.protocol and spool.path() == root.path():
+        # Shipping a root to itself would delete its files from it as shipped.
+        raise InputError(f"ship: the spool {spool.root} is the data root itself; expected the collector's own folder")
     began = time.perf_counter()
     summary = ShipSummary()
     # The files may carry the user's metrics: the data root learns them first.

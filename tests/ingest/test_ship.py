@@ -144,6 +144,9 @@ def test_a_rerun_after_kill_9_ships_each_file_exactly_once(tmp_path: Path) -> No
 
 def test_ship_through_the_command_line_reports_and_refuses_a_missing_spool(tmp_path: Path) -> None:
     spool_of(tmp_path / "spool")
+    itself = gpufail("ship", "--spool", str(tmp_path / "spool"), "--data", str(tmp_path / "spool") + "/")
+    assert itself.returncode == 2 and "is the data root itself" in itself.stderr
+    assert Store.open(str(tmp_path / "spool")).files("telemetry")
     ran = gpufail("ship", "--spool", str(tmp_path / "spool"), "--data", str(tmp_path / "root"), "--node", "n0")
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("ship: ") and f"to {tmp_path / 'root'}" in ran.stdout
