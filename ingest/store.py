@@ -395,23 +395,11 @@ class Store:
         table = self._scan(dataset_obj, lambda: dataset_obj.to_table(columns=columns, filter=expr))
         return table.replace_schema_metadata(expected.metadata) if columns is None else table
 
-    def dataset(
-        self,
-        dataset: str,
-        first_day: date | None = None,
-        last_day: date | None = None,
-        *,
-        files: Sequence[str] | None = None,
-    ) -> ds.Dataset:
+    def dataset(self, dataset: str, first_day: date | None = None, last_day: date | None = None) -> ds.Dataset:
         """A pyarrow dataset over the files of `dataset` dated within the given days (all when
-        omitted), or over the given `files` of it, each checked against the dataset's schema and
-        its checksum (`verify`)."""
+        omitted), each checked against the dataset's schema and its checksum (`verify`)."""
         expected = schema_for(dataset)
-        if files is None:
-            files = self.files(dataset, first_day, last_day, verify=True)
-        else:
-            files = list(files)
-            self.verify_all(files)
+        files = self.files(dataset, first_day, last_day, verify=True)
         self._check_schemas(dataset, files, expected)
         return _datasets().dataset(files, schema=expected, format=_verified_parquet(), filesystem=self.fs)
 
