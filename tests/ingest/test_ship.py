@@ -188,8 +188,9 @@ def test_ship_every_interval_waits_for_the_spool_retries_and_stops_on_sigterm(tm
         text=True,
     )
     try:
+        expected = read_all(spool_of(tmp_path / "made"))
         time.sleep(4)  # the command starts, and tries at least once on a spool that is not there yet
-        expected = read_all(spool_of(spool))
+        (tmp_path / "made").rename(spool)  # the collector's first flush, at once
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if (root / "gpufail.json").exists() and read_all(Store.open(str(root)))["telemetry"].height:
