@@ -24,9 +24,10 @@ How a commit of writer `name` goes:
    commit record (`COMMIT_KEY`) naming the commit's new files and the files it removes. That
    rename is the commit: before it the commit does not exist, after it it exists whole.
 4. The removed files are deleted, the new ones renamed to their visible names, the marker
-   removed. A journal with `linger_s` (compaction, `ingest.compact`) keeps the removed files and
-   the marker for that long after the commit: a reader that listed them before the commit can
-   still open them, and readers that list after it skip them (the marker's record). The next
+   removed. A journal with `linger_s` (compaction, `ingest.compact`) keeps the removed files, the
+   new files' hidden names (the visible one is a second name) and the marker for that long after
+   the commit: a reader that listed them before or during the commit can still open them, and
+   readers that list after it skip them (the marker's record). The next
    commit of that journal carries the files still lingering into its own record, and the first
    entry of it after the time has passed deletes them.
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 import tempfile
 import time
@@ -283,7 +285,12 @@ class Journal:
             pending = f"{folder}/{prefix}{name}"
             with guarded("rename a committed file (the next run finishes it)", pending):
                 if fs.exists(pending):
-                    if fs.exists(final):  # a rename that copies (object stores) was cut before its delete
+                    if linger:
+                        # The hidden name stays too, for readers that listed it during the commit.
+                        if not fs.exists(final):
+                            self._link(pending, final)
+                        self._lingering.append(self._relative(pending))
+                    elif fs.exists(final):  # a rename that copies (object stores) was cut before its delete
                         fs.rm(pending)
                     else:
                         fs.mv(pending, final)
@@ -294,15 +301,25 @@ class Journal:
             if fs.exists(marker):
                 fs.rm(marker)
 
+    def _link(self, pending: str, final: str) -> None:
+        """`final` as a second name of `pending` (a copy on an object store): it appears whole."""
+        if self.store.is_local:
+            os.link(pending, final)
+        else:
+            self.store.fs.copy(pending, final)
+
     def _sweep(self) -> None:
         """Delete this writer's hidden files that no commit names: run after `_finish`, every
-        one left is of a commit that never happened, or a file a kill cut short."""
+        one left (but the hidden names of lingering files) is of a commit that never happened,
+        or a file a kill cut short."""
         prefix = f"{PENDING}{self.name}."
+        kept = set(self._lingering)
         for dataset in self.datasets:
             for folder, names in self.store.partitions(dataset):
                 for name in names:
-                    if name.startswith(prefix):
-                        _delete(self.store, f"{folder}/{name}")
+                    path = f"{folder}/{name}"
+                    if name.startswith(prefix) and self._relative(path) not in kept:
+                        _delete(self.store, path)
         state_folder = self.store.path("_state")
         with guarded("list", state_folder):
             names = _names(self.store, state_folder) if self.store.fs.exists(state_folder) else []
