@@ -134,6 +134,9 @@ def _metric_names(value: dict[str, MetricSettings]) -> dict[str, MetricSettings]
 class StoreSettings(_Table):
     root: NonEmpty = "data"
     """Data root: a local folder or an fsspec URL (s3://bucket/prefix)."""
+    compact_settle: Duration = timedelta(hours=6)
+    """`gpufail compact` (and the nightly's compact step) leaves a day alone until this long
+    after its end: collectors may still be writing to it."""
 
 
 class SimulateSettings(_Table):
@@ -950,6 +953,7 @@ class Settings(_Table):
             cluster=self.ingest.cluster,
             dedup_window=self.ingest.xid_dedup_window,
             ingest_workers=self.ingest_workers(),
+            compact_settle=self.store.compact_settle,
         )
 
 

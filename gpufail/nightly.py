@@ -1,9 +1,10 @@
 """`gpufail nightly`: the retraining job, once a day.
 
-ingest (new kernel-log lines) -> features (new days, and the recent days whose labels the new
-data settles) -> train (the most recent window before the held-out window) -> evaluate (on the
-held-out window) -> register (an MLflow run and a model version, alias `challenger`) -> gate
-(`champion` moves only on evidence) -> score (the fleet, with the champion loaded by alias) ->
+ingest (new kernel-log lines) -> compact (each settled day's small part files into a few) ->
+features (new days, and the recent days whose labels the new data settles) -> train (the most
+recent window before the held-out window) -> evaluate (on the held-out window) -> register (an
+MLflow run and a model version, alias `challenger`) -> gate (`champion` moves only on evidence)
+-> score (the fleet, with the champion loaded by alias) ->
 publish (the action policy; dry run unless configured otherwise).
 
 The job is keyed by its day, the date of the newest telemetry partition. Each completed step
@@ -46,7 +47,7 @@ from ingest.store import Store
 from models.train import TrainOptions
 from serving.publishing import PublishOptions
 
-STEPS = ("ingest", "features", "train", "evaluate", "register", "gate", "score", "publish")
+STEPS = ("ingest", "compact", "features", "train", "evaluate", "register", "gate", "score", "publish")
 SERVING_STEPS = ("score", "publish")
 STATE = "nightly"
 
@@ -79,6 +80,8 @@ class NightlyOptions:
     cluster: str = "default"
     dedup_window: timedelta = timedelta(minutes=5)
     ingest_workers: int = 1
+    compact_settle: timedelta = timedelta(hours=6)
+    """Days that ended less than this long ago are not compacted (`ingest.compact`)."""
 
 
 @dataclass
@@ -461,6 +464,11 @@ class _Job:
         # A file that cannot be read is skipped and the night goes on; the job's exit status
         # and the metric `gpufail_kernel_log_unreadable_files` say so.
         return {"kernel_log": str(summary), "unreadable_files": summary.unreadable_files}
+
+    def _compact(self) -> dict[str, Any]:
+        from ingest.compact import compact
+
+        return {"compact": compact(self.store, settle=self.o.compact_settle).line()}
 
     def _features(self) -> dict[str, Any]:
         from features.aggregates import build_aggregates

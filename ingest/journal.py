@@ -24,7 +24,12 @@ How a commit of writer `name` goes:
    commit record (`COMMIT_KEY`) naming the commit's new files and the files it removes. That
    rename is the commit: before it the commit does not exist, after it it exists whole.
 4. The removed files are deleted, the new ones renamed to their visible names, the marker
-   removed.
+   removed. A journal with `linger_s` (compaction, `ingest.compact`) keeps the removed files, the
+   new files' hidden names (the visible one is a second name) and the marker for that long after
+   the commit: a reader that listed them before or during the commit can still open them, and
+   readers that list after it skip them (the marker's record). The next
+   commit of that journal carries the files still lingering into its own record, and the first
+   entry of it after the time has passed deletes them.
 
 Readers (`Store.files`, and so every read of the store) take the visible files, and for each
 marker the record applied: the record's new files count under their hidden names, the files it
@@ -44,8 +49,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from contextlib import ExitStack
@@ -129,6 +136,8 @@ class Journal:
     - wait_s: how long to wait for the lock before refusing; holder: who is refused, in words.
     - durable: each file, then the state, is on disk before the next step (a power cut keeps
       the commit or nothing); off for data that can be rebuilt, where syncing costs time.
+    - linger_s: how long the files a commit removes stay on disk for readers that listed them
+      before it (module notes); 0 deletes them at once.
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class Journal:
         wait_s: float = 0.0,
         holder: str | None = None,
         durable: bool = True,
+        linger_s: float = 0.0,
     ) -> None:
         for what, value in (("journal name", name), ("lock name", lock or name)):
             if not _NAME.match(value):
@@ -149,12 +159,15 @@ class Journal:
         self.name = name
         self.datasets = tuple(datasets)
         self.durable = durable
+        self.linger_s = linger_s
         self.state: dict[str, Any] | None = None
         self._lock = lock or name
         self._wait_s = wait_s
         self._holder = holder or f"gpufail writer of {name}"
         self._held: ExitStack | None = None
         self._id = ""
+        self._lingering: list[str] = []
+        """Files the last commit removed that are still on disk (`linger_s`)."""
 
     def __enter__(self) -> Journal:
         held = ExitStack()
@@ -207,7 +220,7 @@ class Journal:
         foreign = [p for p in hidden if not p.rsplit("/", 1)[-1].startswith(staging.prefix)]
         if foreign:
             raise ValueError(f"journal {self.name}: {foreign[0]} was not staged for this commit")
-        removed = sorted({self._relative(p) for p in replaces})
+        removed = sorted({self._relative(p) for p in replaces} | set(self._lingering))
         outside = [p for p in removed if p.split("/", 1)[0] not in self.datasets]
         if outside:
             raise ValueError(f"journal {self.name}: cannot remove {outside[0]}, not in its datasets {self.datasets}")
@@ -218,10 +231,11 @@ class Journal:
             if self.durable:
                 for folder in sorted({path.rsplit("/", 1)[0] for path in hidden}):
                     self.store.sync_folder(folder)
-            record = {
+            record: dict[str, Any] = {
                 "id": self._id,
                 "files": [self._relative(staging.visible(p)) for p in hidden],
                 "replaces": removed,
+                "at": time.time(),
             }
             with guarded("write", self._marker()):
                 self.store.fs.pipe_file(self._marker(), self._id.encode())
@@ -250,13 +264,20 @@ class Journal:
 
     def _finish(self, record: dict[str, Any]) -> None:
         """Step 4 of the module notes for `record`; what is done already is skipped, so this
-        can be repeated after a kill at any point of it."""
+        can be repeated after a kill at any point of it. Within `linger_s` of the commit, the
+        removed files, and so the marker, stay."""
         fs = self.store.fs
+        at = record.get("at")
+        linger = isinstance(at, (int, float)) and time.time() < at + self.linger_s
+        self._lingering = []
         for relative in record.get("replaces", []):
             path = self.store.path(relative)
             with guarded("remove a replaced file (the next run finishes it)", path):
                 if fs.exists(path):
-                    fs.rm(path)
+                    if linger:
+                        self._lingering.append(relative)
+                    else:
+                        fs.rm(path)
         prefix = f"{PENDING}{self.name}.{record.get('id')}."
         for relative in record.get("files", []):
             final = self.store.path(relative)
@@ -264,24 +285,41 @@ class Journal:
             pending = f"{folder}/{prefix}{name}"
             with guarded("rename a committed file (the next run finishes it)", pending):
                 if fs.exists(pending):
-                    if fs.exists(final):  # a rename that copies (object stores) was cut before its delete
+                    if linger:
+                        # The hidden name stays too, for readers that listed it during the commit.
+                        if not fs.exists(final):
+                            self._link(pending, final)
+                        self._lingering.append(self._relative(pending))
+                    elif fs.exists(final):  # a rename that copies (object stores) was cut before its delete
                         fs.rm(pending)
                     else:
                         fs.mv(pending, final)
+        if self._lingering:
+            return  # the marker keeps readers skipping the lingering files
         marker = self._marker()
         with guarded("remove", marker):
             if fs.exists(marker):
                 fs.rm(marker)
 
+    def _link(self, pending: str, final: str) -> None:
+        """`final` as a second name of `pending` (a copy on an object store): it appears whole."""
+        if self.store.is_local:
+            os.link(pending, final)
+        else:
+            self.store.fs.copy(pending, final)
+
     def _sweep(self) -> None:
         """Delete this writer's hidden files that no commit names: run after `_finish`, every
-        one left is of a commit that never happened, or a file a kill cut short."""
+        one left (but the hidden names of lingering files) is of a commit that never happened,
+        or a file a kill cut short."""
         prefix = f"{PENDING}{self.name}."
+        kept = set(self._lingering)
         for dataset in self.datasets:
             for folder, names in self.store.partitions(dataset):
                 for name in names:
-                    if name.startswith(prefix):
-                        _delete(self.store, f"{folder}/{name}")
+                    path = f"{folder}/{name}"
+                    if name.startswith(prefix) and self._relative(path) not in kept:
+                        _delete(self.store, path)
         state_folder = self.store.path("_state")
         with guarded("list", state_folder):
             names = _names(self.store, state_folder) if self.store.fs.exists(state_folder) else []
@@ -332,14 +370,41 @@ def commit_view(store: Store) -> CommitView:
     markers = _markers(store)
     added: dict[str, dict[str, str]] = {}
     removed: set[str] = set()
-    for name in markers:
-        record = commit_record(store.read_state_raw(name))
-        prefix = f"{PENDING}{name}.{record.get('id')}."
-        for relative in record.get("files", []):
-            folder, final = str(relative).rsplit("/", 1)
+    for name, marker in markers.items():
+        commit_id, files, replaces = _record_of(store, name, marker)
+        prefix = f"{PENDING}{name}.{commit_id}."
+        for relative in files:
+            folder, final = relative.rsplit("/", 1)
             added.setdefault(folder, {})[final] = f"{prefix}{final}"
-        removed.update(str(r) for r in record.get("replaces", []))
+        removed.update(replaces)
+    for key in [k for k in _RECORDS if k[0] == store.root and markers.get(k[1]) != k[2]]:
+        del _RECORDS[key]  # of finished commits
     return CommitView(markers, added, frozenset(removed))
+
+
+_Record = tuple[str, tuple[str, ...], tuple[str, ...]]
+_RECORDS: dict[tuple[str, str, bytes], _Record] = {}
+"""(root, writer, marker) -> (id, files, removed files) of that commit's record, for records
+whose id is the marker's: a commit's record never changes, and a compaction's (applied while
+its replaced files linger) names a day's files, hundreds of thousands on a large fleet, which
+every listing would otherwise read again."""
+
+
+def _record_of(store: Store, name: str, marker: bytes) -> _Record:
+    """(id, files, removed files) of the record a writer's marker applies: the record of the
+    marker's commit, or while that one is not written yet (or never was), the last one."""
+    key = (store.root, name, marker)
+    if key in _RECORDS:
+        return _RECORDS[key]
+    record = commit_record(store.read_state_raw(name))
+    found = (
+        str(record.get("id")),
+        tuple(str(f) for f in record.get("files", [])),
+        tuple(str(r) for r in record.get("replaces", [])),
+    )
+    if found[0] == marker.decode(errors="replace"):
+        _RECORDS[key] = found
+    return found
 
 
 def markers_unchanged(store: Store, view: CommitView) -> bool:

@@ -88,6 +88,9 @@ _HASH_CHUNK = 4 << 20
 # process, whichever Store object (or Dask task's copy of one) reads it. Part files are never
 # rewritten in place, so a file with another size or mtime is checked again.
 _VERIFIED: set[tuple[str, int, int]] = set()
+# (path, size, mtime, schema) of the local files this process has found to have the columns of
+# that schema (`Store._check_schemas`), as `_VERIFIED` for checksums.
+_SCHEMA_CHECKED: set[tuple[str, int, int, int]] = set()
 # Files `Store.verify_all` checks at once: reading and hashing overlap even on one core.
 _VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
 # Listings of a dataset taken again when a writer committed while they were taken (`files`).
@@ -468,6 +471,7 @@ class Store:
         where: pl.Expr | None = None,
         *,
         schema: Mapping[str, Any] | None = None,
+        files: Sequence[str] | None = None,
     ) -> pl.LazyFrame:
         """Rows of `dataset` with `start <= ts < end` (each bound optional) and `where`, only
         `columns` (all when None), as a polars LazyFrame: the one read path of the store.
@@ -479,8 +483,9 @@ class Store:
         which checks each page's checksum as it reads. A dataset whose schema a later stage owns
         (features, ...) may have files without a column that newer files have: the first file's
         columns are read. `schema`: the columns of the frame when no file is in range (a store
-        schema's dataset has its own). A file that cannot be decoded fails the frame's
-        `collect`; `collect` names it."""
+        schema's dataset has its own). `files`: these files of the dataset instead of those the
+        range lists (compaction reads exactly the files it replaces). A file that cannot be
+        decoded fails the frame's `collect`; `collect` names it."""
         import polars as pl
 
         expected = _store_schema(dataset)
@@ -488,7 +493,11 @@ class Store:
             unknown = sorted(set(columns) - set(expected.names))
             if unknown:
                 raise StoreError(f"{dataset}: unknown columns {unknown}; the schema has {expected.names}")
-        files = self.files(dataset, *_day_range(start, end), verify=True)
+        if files is None:
+            files = self.files(dataset, *_day_range(start, end), verify=True)
+        else:
+            files = list(files)
+            self.verify_all(files)
         if not files:
             empty = pl.DataFrame(expected.empty_table()) if expected is not None else pl.DataFrame(schema=schema)
             frame = empty.lazy()
@@ -551,10 +560,24 @@ class Store:
 
     def _check_schemas(self, dataset: str, files: list[str], expected: pa.Schema) -> None:
         """Refuse a file of `dataset` whose columns are not the dataset's schema, by path."""
-        found = _datasets().dataset(files, schema=expected, format=_verified_parquet(), filesystem=self.fs)
         optional = optional_columns(dataset)
+        # A local file is checked once per process against a schema, like its checksum (`verify`).
+        schema_key = hash((expected, optional))  # once: a schema's hash walks its fields
+        keys = {path: _file_key(path, schema_key) for path in files} if self.is_local else {}
+        todo = [path for path in files if keys.get(path) not in _SCHEMA_CHECKED]
+        if not todo:
+            return
+        found = _datasets().dataset(todo, schema=expected, format=_verified_parquet(), filesystem=self.fs)
+        # Files of one writer share their columns: each distinct set is checked once (a day of a
+        # large fleet's collectors is hundreds of thousands of files).
+        passed: set[pa.Schema] = set()
         for fragment in found.get_fragments():
-            _check_physical(_physical_schema(fragment), expected, f"{dataset} file {fragment.path}", optional)
+            physical = _physical_schema(fragment)
+            if physical not in passed:
+                _check_physical(physical, expected, f"{dataset} file {fragment.path}", optional)
+                passed.add(physical)
+            if fragment.path in keys:
+                _SCHEMA_CHECKED.add(keys[fragment.path])
 
     def _pyarrow_dataset(self, dataset: str, files: list[str], expected: pa.Schema | None) -> ds.Dataset:
         if expected is not None:
@@ -679,6 +702,14 @@ def _physical_schema(fragment: ds.Fragment) -> pa.Schema:
         return fragment.physical_schema
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(unreadable_message(fragment.path, _one_line(exc))) from None
+
+
+def _file_key(path: str, schema: int) -> tuple[str, int, int, int]:
+    """What identifies a local part file's contents (never rewritten in place) for a schema
+    (its hash)."""
+    with guarded("read", path):
+        stat = os.stat(path)
+    return (path, stat.st_size, stat.st_mtime_ns, schema)
 
 
 def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import click
 
-from gpufail.cli import data, failures, features, models, operations, serving
+from gpufail.cli import data, failures, features, models, operations, serving, storage
 from ingest.errors import GpufailError
 from ingest.urls import redact_urls
 
@@ -42,6 +42,8 @@ for command in (
     data.simulate,
     data.ingest,
     data.collect,
+    storage.ship,
+    storage.compact,
     features.features,
     models.train,
     models.evaluate,

@@ -241,6 +241,10 @@ class StopFlag:
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    def wait(self, seconds: float) -> bool:
+        """Wait up to `seconds` for the flag; whether it is set."""
+        return self._event.wait(seconds)
+
 
 @contextmanager
 def stop_on_signals(flag: StopFlag) -> Iterator[StopFlag]:

@@ -326,7 +326,7 @@ def test_a_crash_resumes_from_the_failed_step_without_logging_twice(mlflow_serve
     with pytest.raises(NightlyError, match=r"step score failed: OSError: \[Errno 28\] No space left on device"):
         run_nightly(str(data), opts, publish=log_publish, report=messages.append)
     state = Store.open(str(data)).read_state("nightly")
-    assert list(state["steps"]) == ["ingest", "features", "train", "evaluate", "register", "gate"]
+    assert list(state["steps"]) == ["ingest", "compact", "features", "train", "evaluate", "register", "gate"]
     assert state["failed"]["step"] == "score"
     assert Store.open(str(data)).files("predictions") == []  # nothing half-written
 
