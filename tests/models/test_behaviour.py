@@ -31,8 +31,12 @@ def test_without_it_trees_can_lower_the_risk_of_a_rising_precursor():
 
 
 def test_logistic_regression_raises_the_risk_with_the_precursor():
+    # The logistic model holds each input within its training range (no logit past what it
+    # saw), so a precursor raised beyond that range stops raising the risk but never lowers it.
     before, after = risk_after_raising_the_precursor(kind="logistic")
-    assert np.all(after > before)
+    assert np.all(after >= before)
+    assert np.mean(after > before) > 0.9
+    assert after.mean() > 1.5 * before.mean()
 
 
 def test_the_default_ensemble_never_lowers_the_risk_of_a_rising_precursor():
