@@ -45,6 +45,10 @@ from models.train import (
 
 _KEYS = ["ts", "gpu_uuid"]
 
+SKEWED_DAYS = 2
+"""Newest features days without rows (dated by clocks ahead of the fleet) passed over before
+`store_settled_until` refuses."""
+
 
 def sampled_training_rows(store: Store, options: TrainOptions) -> pl.DataFrame:
     """The rows `train_model(read_features(store), options)` fits on (all feature columns),
@@ -80,11 +84,15 @@ def store_settled_until(store: Store, horizon: DurationLike) -> pd.Timestamp:
     days = feature_days(store)
     if not days:
         raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
-    newest = datetime.combine(days[-1], time.min, tzinfo=UTC)
-    last_ts = read_features(store, start=newest, columns=[])["ts"].max()
-    if not isinstance(last_ts, datetime):
-        raise InputError(f"{store.root}: the newest features day ({days[-1]}) has no rows")
-    return as_utc(last_ts) - as_timedelta(horizon, "horizon")
+    # The newest day can hold no grid time of the fleet: samples of a few GPUs whose clocks run
+    # ahead of the bulk's (`features.labels.fleet_data_end`) date it without making it the
+    # fleet's. The fleet's last grid time is then in the day before.
+    considered = days[-SKEWED_DAYS - 1 :]
+    for day in reversed(considered):
+        last_ts = read_features(store, start=datetime.combine(day, time.min, tzinfo=UTC), columns=[])["ts"].max()
+        if isinstance(last_ts, datetime):
+            return as_utc(last_ts) - as_timedelta(horizon, "horizon")
+    raise InputError(f"{store.root}: the newest features days ({considered[0]} .. {considered[-1]}) have no rows")
 
 
 def store_training_bounds(

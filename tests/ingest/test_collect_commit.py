@@ -15,7 +15,7 @@ from ingest.collect.kernel_log_collector import KernelLogCollector
 from ingest.errors import StoreError
 from ingest.store import Store
 from tests.conftest import make_rows
-from tests.ingest.test_collect_kernel_log import FakeClock, FakeLog, flood_log
+from tests.ingest.test_collect_kernel_log import T0, FakeClock, FakeLog, flood_log
 
 MUTATIONS = ("open", "mv", "rm", "makedirs")
 FLUSH_ROWS = 6
@@ -50,7 +50,7 @@ class DyingFilesystem:
 
 
 def collect_once(store: Store) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)  # after the log's lines: lines a day past the clock are left out
     kernel_log = KernelLogCollector(
         store,
         FakeLog(flood_log()),

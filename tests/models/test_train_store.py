@@ -19,7 +19,9 @@ from ingest.errors import InputError
 from ingest.store import Store
 from models.train import TrainOptions, sample_negatives, train_model, training_rows, training_sample
 from models.train_store import (
+    SKEWED_DAYS,
     sampled_training_rows,
+    store_settled_until,
     store_training_bounds,
     train_model_from_store,
     window_label_counts,
@@ -202,15 +204,20 @@ def test_a_store_on_another_filesystem_gives_the_same_sample(store, tmp_path):
         remote.fs.rm(remote.path(), recursive=True)
 
 
-def test_a_newest_day_without_rows_is_an_input_error(store, tmp_path):
+def test_newest_days_without_rows_are_passed_over_then_refused(store, tmp_path):
+    # Days dated only by GPUs whose clocks run ahead of the fleet's hold no grid time of it.
     copy = Store.create(str(tmp_path / "data"))
     write_features(copy, read_features(store))
+    settled = store_settled_until(copy, "12h")
     newest = copy.dates("features")[-1]
     empty = pq.read_table(feature_files(copy, newest, newest)[0]).slice(0, 0)
-    folder = tmp_path / "data" / "features" / f"date={newest + timedelta(days=1)}"
-    folder.mkdir()
-    pq.write_table(empty, folder / "part-empty.parquet")
-    with pytest.raises(InputError, match="newest features day .* has no rows"):
+    for ahead in range(1, SKEWED_DAYS + 2):
+        folder = tmp_path / "data" / "features" / f"date={newest + timedelta(days=ahead)}"
+        folder.mkdir()
+        pq.write_table(empty, folder / "part-empty.parquet")
+        if ahead <= SKEWED_DAYS:
+            assert store_settled_until(copy, "12h") == settled
+    with pytest.raises(InputError, match="newest features days .* have no rows"):
         sampled_training_rows(copy, sample_options(train_window="4d", horizon="12h"))
 
 
