@@ -39,7 +39,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from features.spec import FeatureSpec, spec_mismatch
 from ingest.errors import StoreError
-from ingest.journal import Journal, Staging
+from ingest.journal import READER_GRACE_S, Journal, Staging
 from ingest.store import Store
 
 MANIFEST = "features"
@@ -257,8 +257,12 @@ def open_manifest(
     """The manifest `name` of the store's `datasets` (default: the features'), holding its
     journal (the lock: a second build of the data root is refused) until the block ends. The
     files are not synced to disk before their commit: a power cut that loses one leaves a file
-    its checksum refuses, and a day is rebuilt in minutes."""
-    with store.journal(name, list(datasets), durable=False, holder="`gpufail features`") as journal:
+    its checksum refuses, and a day is rebuilt in minutes. The files a rebuild replaces
+    (`--overwrite`, a day rebuilt as data arrives) linger for readers that listed them (a `train`
+    or `score` reading meanwhile sees the old files or the new ones, never a vanished file)."""
+    with store.journal(
+        name, list(datasets), durable=False, holder="`gpufail features`", linger_s=READER_GRACE_S
+    ) as journal:
         yield FeatureManifest.load(journal)
 
 

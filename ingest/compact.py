@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from ingest.collect.buffer import FLUSH_ORDER
 from ingest.errors import InputError
+from ingest.journal import READER_GRACE_S
 from ingest.schema import schema_for
 from ingest.store import ROW_GROUP_SIZE, Store
 
@@ -46,7 +47,7 @@ DEFAULT_SETTLE = timedelta(hours=6)
 FILE_ROWS = 4 * ROW_GROUP_SIZE
 """Rows per compacted file at most (whole nodes; a node with more gets a file of its own): the
 rows compaction holds in memory at once, and what a reader decodes for one node at worst."""
-READER_GRACE = timedelta(minutes=15)
+READER_GRACE = timedelta(seconds=READER_GRACE_S)
 """How long replaced files stay on disk for readers that listed them before the commit."""
 ORDER = ("cluster", "node", "gpu_uuid", "ts")
 STATE_VERSION = 1

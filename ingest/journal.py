@@ -80,6 +80,9 @@ PENDING = ".pending."
 INFLIGHT = ".inflight"
 """The suffix of a writer's marker in `_state/`: its last commit may be unfinished."""
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+READER_GRACE_S = 15 * 60.0
+"""The `linger_s` of writers that replace files readers may be reading (compaction, a features
+rebuild): a read that listed the old files within this long of the commit can still open them."""
 
 
 @dataclass(frozen=True)
