@@ -13,8 +13,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from features.dataset import read_features
 from features.aggregates import MANIFEST
+from features.dataset import read_features
 from features.manifest import open_manifest
 from ingest.journal import READER_GRACE_S
 from ingest.store import Store
@@ -29,7 +29,9 @@ DATASETS = ("buckets", "bucket_presence")
 
 def built(root: Path) -> Store:
     store = Store.create(str(root))
-    store.write("telemetry", synthetic_telemetry(8, 3 * 144, interval=timedelta(minutes=10), start=T0, seed=3).to_arrow())
+    store.write(
+        "telemetry", synthetic_telemetry(8, 3 * 144, interval=timedelta(minutes=10), start=T0, seed=3).to_arrow()
+    )
     ran = gpufail("features", "--data", str(root), "--quiet")
     assert ran.returncode == 0, ran.stderr
     return store
