@@ -22,6 +22,7 @@ its status (-9 when killed).
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -35,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ingest.journal import INFLIGHT, PENDING, commit_record
 
 PRELOAD = [
     "gpufail.cli",
@@ -241,5 +244,24 @@ def visible_files(root: Path, dataset: str) -> list[Path]:
 
 
 def hidden_files(root: Path) -> list[str]:
-    """Hidden files anywhere under the data root (a write in flight, or one a crash cut short)."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob(".*"))
+    """Hidden files anywhere under the data root (a write in flight, or one a crash cut short),
+    but the hidden names a finished commit keeps for readers while its replaced files linger
+    (`linger_s` in `ingest.journal`: compaction, a features rebuild)."""
+    kept = lingering(root)
+    return sorted(name for name in (str(p.relative_to(root)) for p in root.rglob(".*")) if name not in kept)
+
+
+def lingering(root: Path) -> set[str]:
+    """What each writer's last commit keeps for readers while its marker stays: its new files'
+    hidden names, and the files it replaces, which carry the hidden names earlier commits kept."""
+    kept: set[str] = set()
+    for marker in (root / "_state").glob(f"*{INFLIGHT}"):
+        writer = marker.name.removesuffix(INFLIGHT)
+        state = root / "_state" / f"{writer}.json"
+        record = commit_record(json.loads(state.read_text())) if state.exists() else {}
+        for relative in record.get("files", []):
+            folder, name = relative.rsplit("/", 1)
+            if (root / relative).exists():  # the visible name is there: the commit finished
+                kept.add(f"{folder}/{PENDING}{writer}.{record.get('id')}.{name}")
+        kept.update(relative for relative in record.get("replaces", []) if (root / relative).exists())
+    return kept
