@@ -53,8 +53,22 @@ import click
     show_default=True,
     help="With --fleets: nodes per fleet.",
 )
+@click.option(
+    "--preset",
+    type=click.Choice(["demo", "paper"]),
+    default="demo",
+    show_default=True,
+    help="With --fleets: the simulator's preset of each fleet (paper: its questions, the cascade among the contenders).",
+)
 def main(
-    out: str, paper: bool, days: int | None, work: str | None, reuse: bool, fleets: str | None, nodes: int
+    out: str,
+    paper: bool,
+    days: int | None,
+    work: str | None,
+    reuse: bool,
+    fleets: str | None,
+    nodes: int,
+    preset: str,
 ) -> None:
     """Measure the demo pipeline stage by stage (time, peak memory) and the hot loops; or, with
     --paper, the paper-scale pipeline; or, with --fleets, the comparison pooled over fleets."""
@@ -73,12 +87,14 @@ def main(
         if not seeds or len(set(seeds)) != len(seeds):
             raise click.UsageError(f"--fleets: expected distinct seeds like 1,2,3, got {fleets!r}")
         if work is not None:
-            report = run_fleets_bench(Path(out), Path(work), seeds, nodes=nodes, days=days)
+            report = run_fleets_bench(Path(out), Path(work), seeds, nodes=nodes, days=days, preset=preset)
         else:
             with tempfile.TemporaryDirectory(prefix="gpufail-fleets-") as tmp:
-                report = run_fleets_bench(Path(out), Path(tmp), seeds, nodes=nodes, days=days)
+                report = run_fleets_bench(Path(out), Path(tmp), seeds, nodes=nodes, days=days, preset=preset)
         click.echo(report.read_text())
         return
+    if preset != "demo":
+        raise click.UsageError("--preset goes with --fleets")
     if not paper and (days is not None or work is not None):
         raise click.UsageError("--days and --work go with --paper")
     if reuse and work is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,7 @@ def test_a_stage_gets_the_extra_environment_and_this_process_keeps_its_own(tmp_p
         (["--out", "{tmp}/x", "--fleets", "1,1"], "--fleets: expected distinct seeds like 1,2,3, got '1,1'"),
         (["--out", "{tmp}/x", "--fleets", "1,a"], "--fleets: expected comma-separated seeds like 1,2,3, got '1,a'"),
         (["--out", "{tmp}/x", "--fleets", "1,2", "--paper"], "--fleets goes without --paper and --reuse"),
+        (["--out", "{tmp}/x", "--preset", "paper"], "--preset goes with --fleets"),
     ],
 )
 def test_bad_arguments_are_refused_and_nothing_is_written(tmp_path, args, message):
@@ -110,3 +112,39 @@ def test_reusing_a_work_folder_without_a_simulated_store_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"paper-data/simulation.json: no simulated store to reuse"):
         run_paper_bench(tmp_path / "out", tmp_path / "work", reuse=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fleets_run_resumes_where_a_kept_work_folder_stopped(tmp_path, monkeypatch):
+    """A run of many 1,000-node fleets takes hours: run again on its work folder, it neither
+    simulates a fleet ingested before nor evaluates one whose report is written, and starts
+    again a fleet whose simulation was cut short. (The stages are recorded here, not run.)"""
+    import benchmarks.fleets as fleets
+    import models.pooled
+
+    ran: list[str] = []
+
+    def stage(name, args, env=None):
+        ran.append(name)
+        if name.endswith("simulate"):
+            Path(args[args.index("--out") + 1], "raw").mkdir(parents=True)
+        if name.endswith("ingest"):
+            Path(args[args.index("--data") + 1], "xid_events").mkdir()
+        if name.endswith("evaluate"):
+            Path(args[args.index("--report") + 1]).mkdir(parents=True, exist_ok=True)
+            Path(args[args.index("--report") + 1], "metrics.json").write_text("{}")
+        return StageResult(name, " ".join(args), 1.0, 1.0, "")
+
+    monkeypatch.setattr(fleets, "run_stage", stage)
+    monkeypatch.setattr(models.pooled, "pool_fleets", lambda reports: {"fleets": sorted(reports)})
+    monkeypatch.setattr(models.pooled, "pooled_markdown", lambda pooled: "")
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "fleet-2").mkdir(parents=True)  # a simulation of seed 2 killed part-way
+    (work / "fleet-2" / "partial").write_text("")
+    fleets.run_fleets_bench(out, work, [1, 2], nodes=3, days=None, preset="paper")
+    assert ran == [f"fleet {s}: {stage}" for s in (1, 2) for stage in ("simulate", "ingest", "features", "evaluate")]
+    assert not (work / "fleet-2" / "partial").exists()
+    assert "cascade sliding" in (work / "fleets.toml").read_text()
+    ran.clear()
+    (out / "fleet-2" / "metrics.json").unlink()  # its evaluation cut short
+    fleets.run_fleets_bench(out, work, [1, 2], nodes=3, days=None, preset="paper")
+    assert ran == ["fleet 1: features", "fleet 2: features", "fleet 2: evaluate"]
