@@ -46,15 +46,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
+import polars as pl
 
+from features.dataset import feature_days, read_features
 from features.sample_key import drawn, sample_keys
+from features.schema import ID_COLUMNS, LABEL_COLUMNS
 from ingest.errors import GpufailError, InputError
+from ingest.store import Store
 from models.calibration import (
     DEFAULT_METHOD,
     Calibration,
@@ -70,6 +74,8 @@ from models.frame import labels, require_columns, to_pandas
 from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, THREADED_KINDS, kind_params, member_kinds, member_params
 from models.split import DurationLike, as_timedelta, as_utc
 from models.train import TrainedModel, TrainOptions, settled_until, train_model
+from models.train_store import store_first_ts, store_settled_until
+from models.walk_forward_rows import FrameRows, Pool, Rows, Span, StoreRows, predict, spans
 
 log = logging.getLogger(__name__)
 
@@ -315,33 +321,23 @@ def _member_specs(params: Mapping[str, Any], window: str, monotone: tuple[str, .
 
 @dataclass
 class _FitTask:
-    """One fit, by position in the frames every worker holds (`_FitFrames`): a task is a few
-    arrays, not the rows themselves."""
+    """One fit, by what it reads (`models.walk_forward_rows.Rows`, which every worker holds): a
+    task is a few numbers, not the rows themselves."""
 
     spec: _Spec
     as_of: pd.Timestamp
     """What the model is trained as of (its last training label ends before it): a retraining
     time, whose rows it scores, or the start of a later retrain's calibration slice, which it
     scores out of time (or both)."""
-    pool: np.ndarray
-    """Positions in `_FitFrames.training` of the rows it trains on."""
-    spans: list[slice]
-    """The spans of the evaluation frame that this model scores, in order."""
+    pool: Pool
+    """The rows it trains on."""
+    spans: list[Span]
+    """The runs of the evaluation frame that this model scores, in order."""
     horizon: pd.Timedelta
     calibration: slice
     """The calibration slice it scores for a later retrain, within `spans` (empty: none)."""
     calibration_bounds: tuple[pd.Timestamp, pd.Timestamp] | None
     method: str
-
-
-@dataclass(frozen=True)
-class _FitFrames:
-    """What the fits read: the evaluation frame (every row any model scores), its labels, and
-    `training`, the rows of any fit's training pool."""
-
-    evaluation: pd.DataFrame
-    labels: np.ndarray
-    training: pd.DataFrame
 
 
 @dataclass
@@ -374,14 +370,14 @@ def _scored_by(calibration: Calibration, scorer: TrainedModel) -> Calibration:
     return replace(calibration, extra={**calibration.extra, **extra})
 
 
-def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
+def _run_fit(task: _FitTask, source: Rows) -> _FitOutcome:
     spec = task.spec
-    rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(span.start, span.stop) for span in task.spans)])
+    rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(s.rows.start, s.rows.stop) for s in task.spans)])
     try:
         # The pool is already subsampled (the same rows for every fit); train_model must not
         # subsample it again.
         model = train_model(
-            frames.training.iloc[task.pool],
+            source.pool(task.pool),
             TrainOptions(
                 kind=spec.kind,
                 train_window=spec.window,
@@ -394,19 +390,17 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
         )
     except InputError as exc:
         return _FitOutcome(spec, task.as_of, rows, None, None, f"kept previous model: {exc}")
-    scored = [model.predict_score_and_logit(frames.evaluation.iloc[span]) for span in task.spans]
-    raw = np.concatenate([np.zeros(0), *(r for r, _ in scored)])
-    z = np.concatenate([np.zeros(0), *(z for _, z in scored)])
+    raw, z, y = predict(model, source, task.spans)
     outcome = _FitOutcome(spec, task.as_of, rows, raw, model, "trained", logit=z)
     if task.calibration_bounds is None:
         return outcome
     # Calibrated here, in parallel, not by the caller after every fit: each slice is ~70k rows.
-    on_slice = np.arange(task.calibration.start, task.calibration.stop)
-    outcome.slice_logit = z[np.searchsorted(rows, on_slice)]
+    on_slice = np.searchsorted(rows, np.arange(task.calibration.start, task.calibration.stop))
+    outcome.slice_logit = z[on_slice]
     start, end = task.calibration_bounds
     try:
         calibration = fit_calibration_on_logits(
-            outcome.slice_logit, frames.labels[on_slice], task.method, slice_start=start, slice_end=end
+            outcome.slice_logit, y[on_slice], task.method, slice_start=start, slice_end=end
         )
         outcome.calibration = _scored_by(calibration, model)
     except InputError as exc:
@@ -414,39 +408,34 @@ def _run_fit(task: _FitTask, frames: _FitFrames) -> _FitOutcome:
     return outcome
 
 
-def _spans(positions: np.ndarray) -> list[slice]:
-    """Sorted unique positions as runs: a fit scores views of the frame, where picking its rows
-    would copy them, and not what lies between (the horizon gap)."""
-    if len(positions) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(positions) > 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(positions)]])
-    return [slice(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends, strict=True)]
+_WORKER_ROWS: list[Rows] = []
+"""A fit worker process's rows, set once when it starts (`_start_worker`)."""
 
 
-_WORKER_FRAMES: list[_FitFrames] = []
-"""A fit worker process's frames, set once when it starts (`_start_worker`)."""
-
-
-def _start_worker(frames: _FitFrames) -> None:
-    _WORKER_FRAMES[:] = [frames]
+def _start_worker(source: Rows) -> None:
+    _WORKER_ROWS[:] = [source]
 
 
 def _run_fit_in_worker(task: _FitTask) -> _FitOutcome:
-    return _run_fit(task, _WORKER_FRAMES[0])
+    return _run_fit(task, _WORKER_ROWS[0])
 
 
 def _execute(
-    tasks: Iterator[_FitTask], n_tasks: int, frames: _FitFrames, jobs: int, progress: bool
+    tasks: Iterator[_FitTask], n_tasks: int, source: Rows, jobs: int, progress: bool, client: Any = None
 ) -> Iterator[_FitOutcome]:
-    """Each task's outcome, in the tasks' order."""
+    """Each task's outcome, in the tasks' order: on the Dask cluster of `client` when given,
+    else in `jobs` processes (this one when 1)."""
     from tqdm.auto import tqdm
 
     with tqdm(total=n_tasks, desc="walk-forward fits", unit="fit", disable=not progress) as bar:
+        if client is not None:
+            for outcome in _on_dask(client, tasks, source):
+                yield outcome
+                bar.update()
+            return
         if jobs <= 1:
             for task in tasks:
-                yield _run_fit(task, frames)
+                yield _run_fit(task, source)
                 bar.update()
             return
         import multiprocessing
@@ -455,28 +444,40 @@ def _execute(
 
         # Fresh worker processes (spawn), not fork: a forked child of a process that has
         # already run OpenMP (LightGBM, XGBoost) or started polars' threads can hang. Each
-        # worker receives the frames once, when it starts, and each task names its rows by
+        # worker receives the rows once, when it starts, and each task names its rows by
         # position: sending every task its own rows pickled ~20 GB through the pipes for the
         # demo's 108 fits, a quarter of the run's CPU.
         pool = ProcessPoolExecutor(
             max_workers=jobs,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(frames,),
+            initargs=(source,),
         )
         try:
             for outcome in pool.map(_run_fit_in_worker, tasks):
                 yield outcome
                 bar.update()
         except BrokenProcessPool as exc:
-            rows = f"{len(frames.evaluation):,} evaluation and {len(frames.training):,} training rows"
             raise GpufailError(
                 f"walk-forward: a fit process ended abruptly, most likely killed for lack of memory: each of the "
-                f"{jobs} processes holds {rows}; expected room for them, or set [evaluate] jobs = 1 ({exc})"
+                f"{jobs} processes holds {source.describe()}; expected room for them, or set [evaluate] jobs = 1 ({exc})"
             ) from exc
         finally:
             # A caller that stops early (an error, Ctrl-C) does not wait for the fits still queued.
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _on_dask(client: Any, tasks: Iterator[_FitTask], source: Rows) -> Iterator[_FitOutcome]:
+    """The fits as tasks of the Dask cluster of `client` (the rows sent to every worker once),
+    their outcomes in the tasks' order, each released from the cluster once fetched."""
+    shared = client.scatter(source, broadcast=True)
+    futures = [client.submit(_run_fit, task, shared, pure=False) for task in tasks]
+    try:
+        for future in futures:
+            yield future.result()
+            future.release()
+    finally:
+        client.cancel(futures)
 
 
 def _check_gap(model: TrainedModel, as_of: pd.Timestamp, what: str) -> None:
@@ -544,9 +545,12 @@ class _Tracks:
         frame_labels: np.ndarray,
         outcomes: dict[tuple[_Spec, pd.Timestamp], _FitOutcome],
         method: str,
+        rescore: Callable[[TrainedModel, np.ndarray], tuple[np.ndarray, np.ndarray]],
     ) -> None:
-        """`frame_labels`: those of `layout.frame`, the evaluation frame (`_FitFrames.labels`)."""
+        """`frame_labels`: those of `layout.frame`, the evaluation frame; `rescore(model, rows)`:
+        `predict_score_and_logit` of the rows of the evaluation frame at positions `rows`."""
         self.layout, self.labels, self.outcomes, self.method = layout, frame_labels, outcomes, method
+        self.rescore = rescore
         self.frame, self.ns = layout.frame, layout.ns
         self._cache: dict[tuple[Any, ...], _Track] = {}
 
@@ -593,7 +597,7 @@ class _Tracks:
                     track.on_slice[t] = (calibration.apply_logit(slice_logit), None)
             if status != "trained" and latest is not None and len(rows):
                 # A retrain that could not be done: the previous model goes on scoring.
-                track.raw[rows], track.logit[rows] = latest[0].predict_score_and_logit(self.frame.iloc[rows])
+                track.raw[rows], track.logit[rows] = self.rescore(latest[0], rows)
             track.at[t] = (status, None if latest is None else latest[0])
             track.calibration[t] = None if latest is None else latest[2]
             if latest is not None:
@@ -831,19 +835,7 @@ def _auto_choice(
     return choices, track
 
 
-def run_walk_forward(
-    frame: Any,
-    contenders: Sequence[Contender],
-    plan: WalkForwardPlan,
-    *,
-    progress: bool = False,
-) -> WalkForwardResult:
-    """Train and score every contender over the last `plan.test_days` of settled grid times.
-
-    The test period ends at `models.train.settled_until(frame, horizon)` (later labels are
-    known only for GPUs that already failed) and starts `test_days` earlier; it is cut into
-    retraining periods of `retrain_every`. Raises InputError for a bad plan or contender, or
-    when a contender cannot be trained at its first retraining time."""
+def _check_plan(contenders: Sequence[Contender], plan: WalkForwardPlan) -> None:
     check_contenders(contenders)
     if not plan.test_days > 0:
         raise InputError(f"test_days: expected a positive number of days, got {plan.test_days!r}")
@@ -857,24 +849,45 @@ def run_walk_forward(
     check_method(plan.calibration)
     if any(c.mode == "auto" for c in contenders) and not plan.candidate_windows:
         raise InputError("candidate_windows: expected at least one window for the auto contenders, got none")
+
+
+@dataclass(frozen=True)
+class _Periods:
+    """When the test period is, when models are trained, and which rows the evaluation frame
+    holds (the labelled rows with eval_start <= ts < test_end_excl)."""
+
+    test_start: pd.Timestamp
+    test_end: pd.Timestamp
+    test_end_excl: pd.Timestamp
+    retrain_times: list[pd.Timestamp]
+    pre_times: list[pd.Timestamp]
+    eval_start: pd.Timestamp
+    step: pd.Timedelta
+
+
+def _periods(
+    contenders: Sequence[Contender],
+    plan: WalkForwardPlan,
+    first: pd.Timestamp,
+    settled: pd.Timestamp,
+    step: pd.Timedelta,
+) -> _Periods:
+    """The periods of data whose first grid time is `first`, whose labels are settled until
+    `settled` (the test period's last grid time), on a grid of `step`."""
     horizon = as_timedelta(plan.horizon, "horizon")
     every = as_timedelta(plan.retrain_every, "retrain_every")
     validation_window = as_timedelta(plan.validation_window, "validation_window")
     calibration_window = as_timedelta(plan.calibration_window, "calibration_window")
-    df = to_pandas(frame)
-    require_columns(df, ["ts", "gpu_uuid", "label"], "walk-forward frame")
-    timeline = _Timeline(df, plan.negative_fraction, plan.seed)
-    test_end = settled_until(timeline.frame, horizon)
-    test_start = test_end - pd.Timedelta(days=plan.test_days) + timeline.step
-    test_end_excl = test_end + timeline.step
+    test_start = settled - pd.Timedelta(days=plan.test_days) + step
+    test_end_excl = settled + step
     # The fit that scores the first model's calibration slice, which ends a horizon before the
     # test, is trained as of the slice's start.
     first_fit = test_start - horizon - calibration_window
-    if first_fit <= as_utc(pd.Timestamp(timeline.ns[0])) + horizon:
+    if first_fit <= first + horizon:
         raise InputError(
             f"test_days {plan.test_days}: the first model's calibration would come from a fit as of {first_fit} (the test period "
             f"starts at {test_start}, after a calibration slice of {duration_label(calibration_window)} and the "
-            f"horizon), before any settled training label (data from {pd.Timestamp(timeline.ns[0], tz='UTC')}); "
+            f"horizon), before any settled training label (data from {first}); "
             "expected a shorter test period or calibration_window"
         )
     n_periods = math.ceil((test_end_excl - test_start) / every)
@@ -884,10 +897,123 @@ def run_walk_forward(
     pre_times = [test_start - k * every for k in range(n_pre, 0, -1)]
     # From the calibration slice of the first model trained.
     eval_start = (pre_times[0] if pre_times else test_start) - horizon - calibration_window
-    evaluation, eval_ns = timeline.labelled_rows(eval_start, test_end_excl)
+    return _Periods(test_start, settled, test_end_excl, retrain_times, pre_times, eval_start, step)
+
+
+RowsFor = Callable[[list[Pool]], Rows]
+"""What the fits of the given pools read (`models.walk_forward_rows`)."""
+
+
+def run_walk_forward(
+    frame: Any,
+    contenders: Sequence[Contender],
+    plan: WalkForwardPlan,
+    *,
+    progress: bool = False,
+    client: Any = None,
+) -> WalkForwardResult:
+    """Train and score every contender over the last `plan.test_days` of settled grid times.
+
+    The test period ends at `models.train.settled_until(frame, horizon)` (later labels are
+    known only for GPUs that already failed) and starts `test_days` earlier; it is cut into
+    retraining periods of `retrain_every`. The fits run on the Dask cluster of `client` when
+    given (`run_walk_forward_from_store` reads the rows from the store instead of holding
+    them). Raises InputError for a bad plan or contender, or when a contender cannot be
+    trained at its first retraining time."""
+    _check_plan(contenders, plan)
+    horizon = as_timedelta(plan.horizon, "horizon")
+    df = to_pandas(frame)
+    require_columns(df, ["ts", "gpu_uuid", "label"], "walk-forward frame")
+    timeline = _Timeline(df, plan.negative_fraction, plan.seed)
+    first = as_utc(pd.Timestamp(timeline.ns[0]))
+    periods = _periods(contenders, plan, first, settled_until(timeline.frame, horizon), timeline.step)
+    evaluation, eval_ns = timeline.labelled_rows(periods.eval_start, periods.test_end_excl)
+
+    def in_memory(pools: list[Pool]) -> Rows:
+        positions = [timeline.training_rows(p.start, p.end, p.anchor) for p in pools]
+        kept = np.unique(np.concatenate(positions)) if positions else np.zeros(0, dtype=np.int64)
+        return FrameRows(evaluation, timeline.frame.iloc[kept], timeline.ns[kept], timeline.trainable[kept])
+
+    return _walk_forward(contenders, plan, periods, evaluation, eval_ns, in_memory, progress, client)
+
+
+def run_walk_forward_from_store(
+    store: Store,
+    contenders: Sequence[Contender],
+    plan: WalkForwardPlan,
+    *,
+    columns: Sequence[str] = (),
+    progress: bool = False,
+    client: Any = None,
+) -> WalkForwardResult:
+    """`run_walk_forward` on the store's features, read as each fit and each scored day needs
+    them (`models.walk_forward_rows.StoreRows`): a process holds one training draw and one
+    day of rows. The result is the same as `run_walk_forward(read_features(store), ...)`'s,
+    except that `test` and `validation` hold only the identity and label columns and
+    `columns` (what the figures after the walk-forward read), not every feature."""
+    _check_plan(contenders, plan)
+    horizon = as_timedelta(plan.horizon, "horizon")
+    step = _store_step(store)
+    periods = _periods(contenders, plan, store_first_ts(store), store_settled_until(store, horizon), step)
+    keep = list(dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *columns]))
+    evaluation = _labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
+    ts = pd.to_datetime(evaluation["ts"], utc=True)
+    eval_ns = ts.to_numpy(dtype="datetime64[ns]").astype(np.int64)
+    source = StoreRows(store.root, plan.negative_fraction, plan.seed, horizon)
+    return _walk_forward(contenders, plan, periods, evaluation, eval_ns, lambda _: source, progress, client)
+
+
+def _store_step(store: Store) -> pd.Timedelta:
+    """The grid step: the smallest time between grid times of the newest two feature days."""
+    days = feature_days(store)
+    if not days:
+        raise InputError(f"{store.root}: the features dataset is empty; run `gpufail features` first")
+    start = pd.Timestamp(days[-min(2, len(days))], tz="UTC").to_pydatetime()
+    times = np.unique(read_features(store, start=start, columns=[])["ts"].to_numpy().astype("datetime64[ns]"))
+    return pd.Timedelta(int(np.diff(times).astype(np.int64).min())) if len(times) > 1 else pd.Timedelta(hours=1)
+
+
+def _labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, columns: list[str]) -> pd.DataFrame:
+    """The `columns` of the labelled rows with start <= ts < end, sorted by (ts, gpu_uuid),
+    read a day at a time (a computed store computes only what a day needs)."""
+    parts = []
+    for day in feature_days(store, start.to_pydatetime(), end.to_pydatetime()):
+        midnight = pd.Timestamp(day, tz="UTC")
+        lo, hi = max(start, midnight), min(end, midnight + pd.Timedelta(days=1))
+        part = read_features(store, lo.to_pydatetime(), hi.to_pydatetime(), columns=columns)
+        parts.append(part.filter(pl.col("label").is_not_null()).select(columns))
+    if not parts:
+        raise InputError(f"{store.root}: no feature rows in {start} .. {end}; expected the walk-forward's period")
+    return to_pandas(pl.concat(parts, how="vertical_relaxed"))
+
+
+def _walk_forward(
+    contenders: Sequence[Contender],
+    plan: WalkForwardPlan,
+    periods: _Periods,
+    evaluation: pd.DataFrame,
+    eval_ns: np.ndarray,
+    rows_for: RowsFor,
+    progress: bool,
+    client: Any,
+) -> WalkForwardResult:
+    """The walk-forward over `evaluation` (the labelled rows of `periods`, at times `eval_ns`),
+    its fits reading the rows `rows_for` gives them."""
+    horizon = as_timedelta(plan.horizon, "horizon")
+    every = as_timedelta(plan.retrain_every, "retrain_every")
+    calibration_window = as_timedelta(plan.calibration_window, "calibration_window")
+    test_start, test_end = periods.test_start, periods.test_end
     offset = int(np.searchsorted(eval_ns, test_start.value, side="left"))
     layout = _Layout(
-        evaluation, eval_ns, offset, retrain_times, pre_times, horizon, every, test_end_excl, calibration_window
+        evaluation,
+        eval_ns,
+        offset,
+        periods.retrain_times,
+        periods.pre_times,
+        horizon,
+        every,
+        periods.test_end_excl,
+        calibration_window,
     )
 
     needs = {c.name: _contender_needs(c, plan, layout) for c in contenders}
@@ -907,25 +1033,23 @@ def run_walk_forward(
                     calibrates[scorer] = t
                     n_unshared += 2
 
-    def pool_rows(spec: _Spec, as_of: pd.Timestamp) -> np.ndarray:
-        window = as_timedelta(spec.window, "train_window")
-        return timeline.training_rows(as_of - horizon - window, as_of - horizon, as_of)
+    def pool_of(spec: _Spec, as_of: pd.Timestamp) -> Pool:
+        end = as_of - horizon
+        return Pool(end - as_timedelta(spec.window, "train_window"), end, as_of - periods.step, as_of)
 
-    pools = {key: pool_rows(*key) for key in requests}
-    training_rows = np.unique(np.concatenate(list(pools.values()))) if pools else np.zeros(0, dtype=np.int64)
-    frames = _FitFrames(evaluation, labels(evaluation).to_numpy(), timeline.frame.iloc[training_rows])
+    pools = {key: pool_of(*key) for key in requests}
+    source = rows_for(list(pools.values()))
 
     def tasks() -> Iterator[_FitTask]:
         for (spec, as_of), parts in requests.items():
-            pool = np.searchsorted(training_rows, pools[(spec, as_of)])
             later = calibrates.get((spec, as_of))
             on_slice = layout.calibration_rows(later) if later is not None else np.zeros(0, dtype=np.int64)
             calibration = slice(int(on_slice[0]), int(on_slice[-1]) + 1) if len(on_slice) else slice(0, 0)
             yield _FitTask(
                 spec,
                 as_of,
-                pool,
-                _spans(np.unique(np.concatenate(parts))),
+                pools[(spec, as_of)],
+                spans(np.unique(np.concatenate(parts)), eval_ns),
                 horizon,
                 calibration,
                 None if later is None else layout.calibration_bounds(later),
@@ -933,11 +1057,16 @@ def run_walk_forward(
             )
 
     outcomes = {}
-    for outcome in _execute(tasks(), len(requests), frames, plan.jobs, progress):
+    for outcome in _execute(tasks(), len(requests), source, plan.jobs, progress, client):
         if outcome.model is not None:
             _check_gap(outcome.model, outcome.as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
         outcomes[(outcome.spec, outcome.as_of)] = outcome
-    built = _Tracks(layout, frames.labels, outcomes, plan.calibration)
+
+    def rescore(model: TrainedModel, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raw, z, _ = predict(model, source, spans(rows, eval_ns))
+        return raw, z
+
+    built = _Tracks(layout, labels(evaluation).to_numpy(), outcomes, plan.calibration, rescore)
 
     def track_of(need: _Need) -> _Track:
         if need.settings is None:
@@ -980,7 +1109,7 @@ def run_walk_forward(
         fits=fits,
         test_start=test_start,
         test_end=test_end,
-        retrain_times=retrain_times,
+        retrain_times=periods.retrain_times,
         horizon=horizon,
         negative_fraction=plan.negative_fraction,
         contenders=list(contenders),

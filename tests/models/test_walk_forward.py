@@ -191,22 +191,31 @@ def test_two_processes_give_the_same_scores_as_one():
 
 
 def test_a_fit_scores_its_rows_as_runs_of_consecutive_positions():
-    from models.walk_forward import _spans
+    from models.walk_forward_rows import Span, spans
 
-    assert _spans(np.array([], dtype=np.int64)) == []
-    assert _spans(np.array([4])) == [slice(4, 5)]
+    ns = np.arange(10) * 3600 * 10**9
+    assert spans(np.array([], dtype=np.int64), ns) == []
+    assert spans(np.array([4]), ns) == [Span(slice(4, 5), ns[4], ns[4] + 1)]
     # a calibration slice, the horizon gap, then the day the model serves
-    assert _spans(np.array([0, 1, 2, 6, 7, 9])) == [slice(0, 3), slice(6, 8), slice(9, 10)]
+    assert [s.rows for s in spans(np.array([0, 1, 2, 6, 7, 9]), ns)] == [slice(0, 3), slice(6, 8), slice(9, 10)]
+    # each run names the grid times it covers, which is how the store is read for it
+    assert [(s.start_ns, s.end_ns) for s in spans(np.array([0, 1, 2, 6, 7, 9]), ns)] == [
+        (ns[0], ns[2] + 1),
+        (ns[6], ns[7] + 1),
+        (ns[9], ns[9] + 1),
+    ]
 
 
 def test_a_fit_with_no_rows_to_score_trains_and_says_why_it_cannot_be_calibrated():
-    from models.walk_forward import _FitFrames, _FitTask, _run_fit, _spec, _Timeline
+    from models.walk_forward import _FitTask, _run_fit, _spec, _Timeline
+    from models.walk_forward_rows import FrameRows, Pool
 
     frame = small_frame()
     timeline = _Timeline(frame, PLAN.negative_fraction, 0)
     end = pd.Timestamp(timeline.ns[-1], tz="UTC")
-    pool = timeline.training_rows(None, end - pd.Timedelta(hours=12), end)
-    frames = _FitFrames(timeline.frame.iloc[:0], np.zeros(0), timeline.frame)
+    first = pd.Timestamp(timeline.ns[0], tz="UTC")
+    pool = Pool(first, end - pd.Timedelta(hours=12), end - timeline.step, end)
+    frames = FrameRows(timeline.frame.iloc[:0], timeline.frame, timeline.ns, timeline.trainable)
     task = _FitTask(
         _spec("lightgbm", FAST, "30d", ()), end, pool, [], pd.Timedelta(hours=12), slice(0, 0), (end, end), "platt"
     )
@@ -232,13 +241,14 @@ class _EndsTheProcess:
 @pytest.mark.slow
 def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lower():
     from ingest.errors import GpufailError
-    from models.walk_forward import _execute, _FitFrames, _FitTask, _spec
+    from models.walk_forward import _execute, _FitTask, _spec
+    from models.walk_forward_rows import FrameRows, Pool
 
-    frames = _FitFrames(_EndsTheProcess(), np.zeros(0), pd.DataFrame())  # type: ignore[arg-type]
+    frames = FrameRows(_EndsTheProcess(), pd.DataFrame(), np.zeros(0), np.zeros(0))  # type: ignore[arg-type]
     task = _FitTask(
         _spec("lightgbm", FAST, "7d", ()),
         START,
-        np.zeros(0, dtype=np.int64),
+        Pool(START, START, START, START),
         [],
         pd.Timedelta(hours=24),
         slice(0, 0),
@@ -254,7 +264,8 @@ def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lo
 def test_a_caller_that_stops_early_cancels_the_fits_still_queued(monkeypatch):
     import concurrent.futures
 
-    from models.walk_forward import _execute, _FitFrames
+    from models.walk_forward import _execute
+    from models.walk_forward_rows import FrameRows
 
     shutdowns = []
 
@@ -270,7 +281,9 @@ def test_a_caller_that_stops_early_cancels_the_fits_still_queued(monkeypatch):
             super().shutdown(wait, cancel_futures=cancel_futures)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recorded)
-    outcomes = _execute(iter(range(50)), 50, _FitFrames(pd.DataFrame(), np.zeros(0), pd.DataFrame()), 2, False)
+    outcomes = _execute(
+        iter(range(50)), 50, FrameRows(pd.DataFrame(), pd.DataFrame(), np.zeros(0), np.zeros(0)), 2, False
+    )
     assert next(outcomes) == "outcome 0"
     outcomes.close()  # as an error in the caller, or Ctrl-C, would
     assert shutdowns == [True]
