@@ -984,7 +984,8 @@ def _labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, c
         parts.append(part.filter(pl.col("label").is_not_null()).select(columns))
     if not parts:
         raise InputError(f"{store.root}: no feature rows in {start} .. {end}; expected the walk-forward's period")
-    return to_pandas(pl.concat(parts, how="vertical_relaxed"))
+    # As the label of a whole frame (which has censored rows) reads in pandas: float.
+    return to_pandas(pl.concat(parts, how="vertical_relaxed").with_columns(pl.col("label").cast(pl.Float64)))
 
 
 def _walk_forward(

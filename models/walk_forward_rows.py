@@ -46,6 +46,10 @@ class Pool:
     anchor: pd.Timestamp
 
 
+_MICROSECOND_NS = 1000
+"""The store's time resolution: a span ends a microsecond after its last grid time."""
+
+
 @dataclass(frozen=True)
 class Span:
     """A run of consecutive rows of the evaluation frame (`rows`, by position) and the grid
@@ -68,7 +72,7 @@ def spans(positions: np.ndarray, ns: np.ndarray) -> list[Span]:
     out = []
     for a, b in zip(starts, ends, strict=True):
         first, last = int(positions[a]), int(positions[b - 1])
-        out.append(Span(slice(first, last + 1), int(ns[first]), int(ns[last]) + 1))
+        out.append(Span(slice(first, last + 1), int(ns[first]), int(ns[last]) + _MICROSECOND_NS))
     return out
 
 

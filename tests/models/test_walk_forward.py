@@ -195,14 +195,15 @@ def test_a_fit_scores_its_rows_as_runs_of_consecutive_positions():
 
     ns = np.arange(10) * 3600 * 10**9
     assert spans(np.array([], dtype=np.int64), ns) == []
-    assert spans(np.array([4]), ns) == [Span(slice(4, 5), ns[4], ns[4] + 1)]
+    assert spans(np.array([4]), ns) == [Span(slice(4, 5), ns[4], ns[4] + 1000)]
     # a calibration slice, the horizon gap, then the day the model serves
     assert [s.rows for s in spans(np.array([0, 1, 2, 6, 7, 9]), ns)] == [slice(0, 3), slice(6, 8), slice(9, 10)]
-    # each run names the grid times it covers, which is how the store is read for it
+    # each run names the grid times it covers (to the store's microsecond), which is how the
+    # store is read for it
     assert [(s.start_ns, s.end_ns) for s in spans(np.array([0, 1, 2, 6, 7, 9]), ns)] == [
-        (ns[0], ns[2] + 1),
-        (ns[6], ns[7] + 1),
-        (ns[9], ns[9] + 1),
+        (ns[0], ns[2] + 1000),
+        (ns[6], ns[7] + 1000),
+        (ns[9], ns[9] + 1000),
     ]
 
 
