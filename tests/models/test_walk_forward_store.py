@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from features.dataset import read_features
+from features.schema import ID_COLUMNS, LABEL_COLUMNS
 from ingest.errors import GpufailError
 from ingest.store import Store
 from models.evaluate import compare_scores, expected_failures_per_day
@@ -94,10 +95,7 @@ def test_the_store_read_day_by_day_gives_the_figures_of_the_frame_in_memory(stor
 def test_the_store_walk_forward_keeps_the_identity_and_label_columns_and_the_columns_asked(store):
     ours, theirs = _streamed(store.root), _in_memory(store.root)
     assert len(theirs.test.columns) == 14
-    assert list(ours.test.columns) == ["ts", "cluster", "node", "gpu_index", "gpu_uuid", "gpu_model", "driver"] + [
-        "label",
-        "time_to_failure_h",
-    ]
+    assert list(ours.test.columns) == [*ID_COLUMNS, *LABEL_COLUMNS]
     wanted = "xid_count_24h"
     assert wanted in theirs.test.columns
     few = run_walk_forward_from_store(store, CONTENDERS[1:2], PLAN, columns=[wanted])
@@ -105,9 +103,9 @@ def test_the_store_walk_forward_keeps_the_identity_and_label_columns_and_the_col
 
 
 def test_a_dask_local_cluster_gives_the_figures_of_one_process(store):
-    from gpufail.dask_cluster import dask_client
-
     from distributed import get_task_stream
+
+    from gpufail.dask_cluster import dask_client
 
     with dask_client("local", n_workers=2, processes=True) as client, get_task_stream(client) as stream:
         on_dask = run_walk_forward_from_store(store, CONTENDERS, PLAN, client=client)
