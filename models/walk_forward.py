@@ -48,6 +48,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -331,13 +332,16 @@ class _FitTask:
     scores out of time (or both)."""
     pool: Pool
     """The rows it trains on."""
-    spans: list[Span]
-    """The runs of the evaluation frame that this model scores, in order."""
     horizon: pd.Timedelta
-    calibration: slice
-    """The calibration slice it scores for a later retrain, within `spans` (empty: none)."""
-    calibration_bounds: tuple[pd.Timestamp, pd.Timestamp] | None
-    method: str
+
+
+@dataclass
+class _Fitted:
+    spec: _Spec
+    as_of: pd.Timestamp
+    model: TrainedModel | None
+    status: str
+    """"trained", or why not."""
 
 
 @dataclass
@@ -370,9 +374,8 @@ def _scored_by(calibration: Calibration, scorer: TrainedModel) -> Calibration:
     return replace(calibration, extra={**calibration.extra, **extra})
 
 
-def _run_fit(task: _FitTask, source: Rows) -> _FitOutcome:
+def _run_fit(task: _FitTask, source: Rows) -> _Fitted:
     spec = task.spec
-    rows = np.concatenate([np.zeros(0, dtype=np.int64), *(np.arange(s.rows.start, s.rows.stop) for s in task.spans)])
     try:
         # The pool is already subsampled (the same rows for every fit); train_model must not
         # subsample it again.
@@ -389,95 +392,181 @@ def _run_fit(task: _FitTask, source: Rows) -> _FitOutcome:
             ),
         )
     except InputError as exc:
-        return _FitOutcome(spec, task.as_of, rows, None, None, f"kept previous model: {exc}")
-    raw, z, y = predict(model, source, task.spans)
-    outcome = _FitOutcome(spec, task.as_of, rows, raw, model, "trained", logit=z)
-    if task.calibration_bounds is None:
+        return _Fitted(spec, task.as_of, None, f"kept previous model: {exc}")
+    return _Fitted(spec, task.as_of, model, "trained")
+
+
+@dataclass
+class _DayTask:
+    """The labelled rows of one UTC day (`span`) and the models that score some of them: per
+    fit (by number), its model and the positions within the day of the rows it scores."""
+
+    span: Span
+    fits: list[tuple[int, TrainedModel, np.ndarray]]
+
+
+def _score_day(task: _DayTask, source: Rows) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per fit of `task`, `predict_score_and_logit` of its rows of the day, the day read once."""
+    pieces = list(source.scored(task.span))
+    day = pieces[0] if len(pieces) == 1 else pd.concat(pieces, ignore_index=True)
+    return {fit: model.predict_score_and_logit(day.iloc[at]) for fit, model, at in task.fits}
+
+
+def _day_tasks(
+    fitted: list[_Fitted], rows: list[np.ndarray], eval_ns: np.ndarray
+) -> Iterator[tuple[_DayTask, list[int]]]:
+    """A scoring task per UTC day of the evaluation frame that some model scores, with the fits
+    it scores for (in order)."""
+    day_ns = pd.Timedelta(days=1).value
+    first_day, last_day = (int(eval_ns[0]) // day_ns, int(eval_ns[-1]) // day_ns) if len(eval_ns) else (0, -1)
+    for d in range(first_day, last_day + 1):
+        lo, hi = (int(i) for i in np.searchsorted(eval_ns, [d * day_ns, (d + 1) * day_ns], side="left"))
+        if hi == lo:
+            continue
+        fits = []
+        for i, (fit, positions) in enumerate(zip(fitted, rows, strict=True)):
+            a, b = np.searchsorted(positions, [lo, hi], side="left")
+            if fit.model is not None and b > a:
+                fits.append((i, fit.model, positions[a:b] - lo))
+        if fits:
+            yield _DayTask(spans(np.arange(lo, hi), eval_ns)[0], fits), [i for i, _, _ in fits]
+
+
+@dataclass(frozen=True)
+class _Calibrates:
+    """The calibration slice a fit scores for a later retrain: its positions in the evaluation
+    frame and its [start, end)."""
+
+    rows: np.ndarray
+    bounds: tuple[pd.Timestamp, pd.Timestamp]
+
+
+def _outcome(
+    fit: _Fitted,
+    rows: np.ndarray,
+    scored: tuple[np.ndarray, np.ndarray] | None,
+    calibrates: _Calibrates | None,
+    frame_labels: np.ndarray,
+    method: str,
+) -> _FitOutcome:
+    """A fit with its scores on `rows` and, when it scores a later retrain's calibration slice,
+    the map fitted on its logits there."""
+    if fit.model is None:
+        return _FitOutcome(fit.spec, fit.as_of, rows, None, None, fit.status)
+    raw, z = scored if scored is not None else (np.zeros(0), np.zeros(0))  # (no rows to score)
+    outcome = _FitOutcome(fit.spec, fit.as_of, rows, raw, fit.model, "trained", logit=z)
+    if calibrates is None:
         return outcome
-    # Calibrated here, in parallel, not by the caller after every fit: each slice is ~70k rows.
-    on_slice = np.searchsorted(rows, np.arange(task.calibration.start, task.calibration.stop))
-    outcome.slice_logit = z[on_slice]
-    start, end = task.calibration_bounds
+    on_slice = calibrates.rows
+    outcome.slice_logit = z[np.searchsorted(rows, on_slice)]
+    start, end = calibrates.bounds
     try:
         calibration = fit_calibration_on_logits(
-            outcome.slice_logit, y[on_slice], task.method, slice_start=start, slice_end=end
+            outcome.slice_logit, frame_labels[on_slice], method, slice_start=start, slice_end=end
         )
-        outcome.calibration = _scored_by(calibration, model)
+        outcome.calibration = _scored_by(calibration, fit.model)
     except InputError as exc:
         outcome.calibration_error = str(exc)
     return outcome
 
 
 _WORKER_ROWS: list[Rows] = []
-"""A fit worker process's rows, set once when it starts (`_start_worker`)."""
+"""A worker process's rows, set once when it starts (`_start_worker`)."""
 
 
 def _start_worker(source: Rows) -> None:
     _WORKER_ROWS[:] = [source]
 
 
-def _run_fit_in_worker(task: _FitTask) -> _FitOutcome:
-    return _run_fit(task, _WORKER_ROWS[0])
+def _in_worker(run: Callable[[Any, Rows], Any], task: Any) -> Any:
+    return run(task, _WORKER_ROWS[0])
 
 
-def _execute(
-    tasks: Iterator[_FitTask], n_tasks: int, source: Rows, jobs: int, progress: bool, client: Any = None
-) -> Iterator[_FitOutcome]:
-    """Each task's outcome, in the tasks' order: on the Dask cluster of `client` when given,
-    else in `jobs` processes (this one when 1)."""
-    from tqdm.auto import tqdm
+class _Runner:
+    """Runs tasks `run(task, rows)` in order: on the Dask cluster of `client` when given (the
+    rows sent to every worker once), else in `jobs` processes (this one when 1), each of
+    which receives the rows once, when it starts."""
 
-    with tqdm(total=n_tasks, desc="walk-forward fits", unit="fit", disable=not progress) as bar:
-        if client is not None:
-            for outcome in _on_dask(client, tasks, source):
-                yield outcome
+    def __init__(self, source: Rows, jobs: int, client: Any, progress: bool) -> None:
+        self.source, self.jobs, self.client, self.progress = source, jobs, client, progress
+        self._pool: Any = None
+        self._shared: Any = None
+
+    def __enter__(self) -> _Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            # A caller that stops early (an error, Ctrl-C) does not wait for the tasks still queued.
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def map(self, run: Callable[[Any, Rows], Any], tasks: Iterator[Any], n: int, what: str) -> Iterator[Any]:
+        from tqdm.auto import tqdm
+
+        with tqdm(total=n, desc=f"walk-forward {what}", unit=what.rstrip("s"), disable=not self.progress) as bar:
+            for result in self._results(run, tasks):
+                yield result
                 bar.update()
-            return
-        if jobs <= 1:
+
+    def _results(self, run: Callable[[Any, Rows], Any], tasks: Iterator[Any]) -> Iterator[Any]:
+        if self.client is not None:
+            yield from self._on_dask(run, tasks)
+        elif self.jobs <= 1:
             for task in tasks:
-                yield _run_fit(task, source)
-                bar.update()
-            return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+                yield run(task, self.source)
+        else:
+            yield from self._in_processes(run, tasks)
+
+    def _in_processes(self, run: Callable[[Any, Rows], Any], tasks: Iterator[Any]) -> Iterator[Any]:
         from concurrent.futures.process import BrokenProcessPool
 
-        # Fresh worker processes (spawn), not fork: a forked child of a process that has
-        # already run OpenMP (LightGBM, XGBoost) or started polars' threads can hang. Each
-        # worker receives the rows once, when it starts, and each task names its rows by
-        # position: sending every task its own rows pickled ~20 GB through the pipes for the
-        # demo's 108 fits, a quarter of the run's CPU.
-        pool = ProcessPoolExecutor(
-            max_workers=jobs,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_worker,
-            initargs=(source,),
-        )
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # Fresh worker processes (spawn), not fork: a forked child of a process that has
+            # already run OpenMP (LightGBM, XGBoost) or started polars' threads can hang. Each
+            # task names its rows by position: sending every task its own rows pickled ~20 GB
+            # through the pipes for the demo's 108 fits, a quarter of the run's CPU.
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.jobs,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(self.source,),
+            )
         try:
-            for outcome in pool.map(_run_fit_in_worker, tasks):
-                yield outcome
-                bar.update()
+            yield from self._pool.map(partial(_in_worker, run), tasks)
         except BrokenProcessPool as exc:
             raise GpufailError(
                 f"walk-forward: a fit process ended abruptly, most likely killed for lack of memory: each of the "
-                f"{jobs} processes holds {source.describe()}; expected room for them, or set [evaluate] jobs = 1 ({exc})"
+                f"{self.jobs} processes holds {self.source.describe()}; expected room for them, or set "
+                f"[evaluate] jobs = 1 ({exc})"
             ) from exc
+
+    def _on_dask(self, run: Callable[[Any, Rows], Any], tasks: Iterator[Any]) -> Iterator[Any]:
+        """Each result fetched in the tasks' order, then released from the cluster."""
+        if self._shared is None:
+            self._shared = self.client.scatter(self.source, broadcast=True)
+        futures = [self.client.submit(run, task, self._shared, pure=False) for task in tasks]
+        try:
+            for future in futures:
+                yield future.result()
+                future.release()
         finally:
-            # A caller that stops early (an error, Ctrl-C) does not wait for the fits still queued.
-            pool.shutdown(wait=True, cancel_futures=True)
+            self.client.cancel(futures)
 
 
-def _on_dask(client: Any, tasks: Iterator[_FitTask], source: Rows) -> Iterator[_FitOutcome]:
-    """The fits as tasks of the Dask cluster of `client` (the rows sent to every worker once),
-    their outcomes in the tasks' order, each released from the cluster once fetched."""
-    shared = client.scatter(source, broadcast=True)
-    futures = [client.submit(_run_fit, task, shared, pure=False) for task in tasks]
-    try:
-        for future in futures:
-            yield future.result()
-            future.release()
-    finally:
-        client.cancel(futures)
+def _score_by_day(
+    runner: _Runner, fitted: list[_Fitted], rows: list[np.ndarray], eval_ns: np.ndarray
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per fit with a model (by number), its (scores, logits) on its `rows`: each day of the
+    evaluation frame read once and scored by every model that scores some of its rows."""
+    days = list(_day_tasks(fitted, rows, eval_ns))
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for result in runner.map(_score_day, (task for task, _ in days), len(days), "days"):
+        for i, pair in result.items():
+            parts.setdefault(i, []).append(pair)
+    return {i: (np.concatenate([r for r, _ in p]), np.concatenate([z for _, z in p])) for i, p in parts.items()}
 
 
 def _check_gap(model: TrainedModel, as_of: pd.Timestamp, what: str) -> None:
@@ -1041,33 +1130,30 @@ def _walk_forward(
     pools = {key: pool_of(*key) for key in requests}
     source = rows_for(list(pools.values()))
 
-    def tasks() -> Iterator[_FitTask]:
-        for (spec, as_of), parts in requests.items():
-            later = calibrates.get((spec, as_of))
-            on_slice = layout.calibration_rows(later) if later is not None else np.zeros(0, dtype=np.int64)
-            calibration = slice(int(on_slice[0]), int(on_slice[-1]) + 1) if len(on_slice) else slice(0, 0)
-            yield _FitTask(
-                spec,
-                as_of,
-                pools[(spec, as_of)],
-                spans(np.unique(np.concatenate(parts)), eval_ns),
-                horizon,
-                calibration,
-                None if later is None else layout.calibration_bounds(later),
-                plan.calibration,
-            )
-
+    keys = list(requests)
+    # Each fit scores every row of its requests, and of a later retrain's calibration slice.
+    fit_rows = [np.unique(np.concatenate(requests[key])) for key in keys]
+    frame_labels = labels(evaluation).to_numpy()
+    tasks = (_FitTask(spec, as_of, pools[(spec, as_of)], horizon) for spec, as_of in keys)
+    with _Runner(source, plan.jobs, client, progress) as runner:
+        fitted = list(runner.map(_run_fit, tasks, len(keys), "fits"))
+        for fit in fitted:
+            if fit.model is not None:
+                _check_gap(fit.model, fit.as_of, f"a {fit.spec.kind} fit on {fit.spec.window}")
+        scored = _score_by_day(runner, fitted, fit_rows, eval_ns)
     outcomes = {}
-    for outcome in _execute(tasks(), len(requests), source, plan.jobs, progress, client):
-        if outcome.model is not None:
-            _check_gap(outcome.model, outcome.as_of, f"a {outcome.spec.kind} fit on {outcome.spec.window}")
-        outcomes[(outcome.spec, outcome.as_of)] = outcome
+    for i, (fit, key) in enumerate(zip(fitted, keys, strict=True)):
+        later = calibrates.get(key)
+        on_slice = (
+            None if later is None else _Calibrates(layout.calibration_rows(later), layout.calibration_bounds(later))
+        )
+        outcomes[key] = _outcome(fit, fit_rows[i], scored.get(i), on_slice, frame_labels, plan.calibration)
 
     def rescore(model: TrainedModel, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raw, z, _ = predict(model, source, spans(rows, eval_ns))
         return raw, z
 
-    built = _Tracks(layout, labels(evaluation).to_numpy(), outcomes, plan.calibration, rescore)
+    built = _Tracks(layout, frame_labels, outcomes, plan.calibration, rescore)
 
     def track_of(need: _Need) -> _Track:
         if need.settings is None:

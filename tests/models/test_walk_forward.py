@@ -208,7 +208,7 @@ def test_a_fit_scores_its_rows_as_runs_of_consecutive_positions():
 
 
 def test_a_fit_with_no_rows_to_score_trains_and_says_why_it_cannot_be_calibrated():
-    from models.walk_forward import _FitTask, _run_fit, _spec, _Timeline
+    from models.walk_forward import _Calibrates, _FitTask, _outcome, _run_fit, _spec, _Timeline
     from models.walk_forward_rows import FrameRows, Pool
 
     frame = small_frame()
@@ -217,10 +217,9 @@ def test_a_fit_with_no_rows_to_score_trains_and_says_why_it_cannot_be_calibrated
     first = pd.Timestamp(timeline.ns[0], tz="UTC")
     pool = Pool(first, end - pd.Timedelta(hours=12), end - timeline.step, end)
     frames = FrameRows(timeline.frame.iloc[:0], timeline.frame, timeline.ns, timeline.trainable)
-    task = _FitTask(
-        _spec("lightgbm", FAST, "30d", ()), end, pool, [], pd.Timedelta(hours=12), slice(0, 0), (end, end), "platt"
-    )
-    outcome = _run_fit(task, frames)
+    fit = _run_fit(_FitTask(_spec("lightgbm", FAST, "30d", ()), end, pool, pd.Timedelta(hours=12)), frames)
+    nothing = np.zeros(0, dtype=np.int64)
+    outcome = _outcome(fit, nothing, None, _Calibrates(nothing, (end, end)), np.zeros(0), "platt")
     assert outcome.model is not None and outcome.status == "trained"
     assert len(outcome.rows) == 0 and outcome.raw is not None and len(outcome.raw) == 0
     assert outcome.calibration is None and "0 labelled rows with 0 failures" in str(outcome.calibration_error)
@@ -242,30 +241,24 @@ class _EndsTheProcess:
 @pytest.mark.slow
 def test_a_fit_process_that_dies_is_one_line_naming_memory_and_the_setting_to_lower():
     from ingest.errors import GpufailError
-    from models.walk_forward import _execute, _FitTask, _spec
+    from models.walk_forward import _FitTask, _run_fit, _Runner, _spec
     from models.walk_forward_rows import FrameRows, Pool
 
     frames = FrameRows(_EndsTheProcess(), pd.DataFrame(), np.zeros(0), np.zeros(0))  # type: ignore[arg-type]
-    task = _FitTask(
-        _spec("lightgbm", FAST, "7d", ()),
-        START,
-        Pool(START, START, START, START),
-        [],
-        pd.Timedelta(hours=24),
-        slice(0, 0),
-        (START, START),
-        "platt",
-    )
-    with pytest.raises(
-        GpufailError, match=r"fit process ended abruptly, most likely killed for lack of memory.*jobs = 1"
+    task = _FitTask(_spec("lightgbm", FAST, "7d", ()), START, Pool(START, START, START, START), pd.Timedelta(hours=24))
+    with (
+        pytest.raises(
+            GpufailError, match=r"fit process ended abruptly, most likely killed for lack of memory.*jobs = 1"
+        ),
+        _Runner(frames, jobs=2, client=None, progress=False) as runner,
     ):
-        list(_execute(iter([task]), 1, frames, jobs=2, progress=False))
+        list(runner.map(_run_fit, iter([task]), 1, "fits"))
 
 
 def test_a_caller_that_stops_early_cancels_the_fits_still_queued(monkeypatch):
     import concurrent.futures
 
-    from models.walk_forward import _execute
+    from models.walk_forward import _run_fit, _Runner
     from models.walk_forward_rows import FrameRows
 
     shutdowns = []
@@ -282,11 +275,11 @@ def test_a_caller_that_stops_early_cancels_the_fits_still_queued(monkeypatch):
             super().shutdown(wait, cancel_futures=cancel_futures)
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recorded)
-    outcomes = _execute(
-        iter(range(50)), 50, FrameRows(pd.DataFrame(), pd.DataFrame(), np.zeros(0), np.zeros(0)), 2, False
-    )
-    assert next(outcomes) == "outcome 0"
-    outcomes.close()  # as an error in the caller, or Ctrl-C, would
+    frames = FrameRows(pd.DataFrame(), pd.DataFrame(), np.zeros(0), np.zeros(0))
+    with _Runner(frames, jobs=2, client=None, progress=False) as runner:
+        outcomes = runner.map(_run_fit, iter(range(50)), 50, "fits")
+        assert next(outcomes) == "outcome 0"
+    # as an error in the caller, or Ctrl-C, would: the runner closes
     assert shutdowns == [True]
 
 
