@@ -59,11 +59,15 @@ def sampled_training_rows(store: Store, options: TrainOptions) -> pl.DataFrame:
     bounds = store_training_bounds(
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )
-    return _sampled_rows(store, bounds, options)
+    return sampled_rows_between(store, bounds, options)
 
 
-def _sampled_rows(store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], options: TrainOptions) -> pl.DataFrame:
-    """`sampled_training_rows` for the window [start, end) = `bounds` already found."""
+def sampled_rows_between(
+    store: Store, bounds: tuple[pd.Timestamp, pd.Timestamp], options: TrainOptions
+) -> pl.DataFrame:
+    """`sampled_training_rows` for the window [start, end) = `bounds` already found (the
+    bounds `options` give: `train_window` ending `horizon` before `as_of`, read when the
+    files lack the stored draw key)."""
     check_negative_fraction(options.negative_fraction)
     start, end = bounds
     if options.seed == 0 and has_sample_keys(store, start.to_pydatetime(), end.to_pydatetime()):
@@ -155,7 +159,7 @@ def calibrated_from_store(
         train_window=options.calibration_window,
         as_of=bounds[1] + as_timedelta(options.horizon, "horizon"),
     )
-    rows = _sampled_rows(store, bounds, drawn) if sum(counts) else pl.DataFrame()
+    rows = sampled_rows_between(store, bounds, drawn) if sum(counts) else pl.DataFrame()
     calibrated = calibrate_model(
         scorer, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
     )
@@ -210,4 +214,4 @@ def _train_from_store(store: Store, options: TrainOptions) -> TrainedModel:
         store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
     )
     options = options.drawn_from(*window_label_counts(store, *bounds))
-    return train_model_on_sample(_sampled_rows(store, bounds, options), options)
+    return train_model_on_sample(sampled_rows_between(store, bounds, options), options)

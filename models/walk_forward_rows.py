@@ -8,7 +8,7 @@ by (ts, gpu_uuid) as `features.dataset.read_features` returns them:
 
 - `FrameRows` holds them in memory (what `run_walk_forward` is given);
 - `StoreRows` reads them from the store's `features` dataset when a fit asks: the pool through
-  the store's training draw (`models.train_store.sampled_training_rows`, the rows
+  the store's training draw (`models.train_store.sampled_rows_between`, the rows
   `gpufail train` reads), the scored rows one UTC day at a time (`read_features`). A process
   then holds one training draw and one day of rows, however long and large the fleet is.
 
@@ -32,7 +32,7 @@ from ingest.errors import GpufailError
 from ingest.store import Store
 from models.frame import labels, to_pandas
 from models.train import TrainedModel, TrainOptions
-from models.train_store import sampled_training_rows
+from models.train_store import sampled_rows_between
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,11 @@ class StoreRows:
             negative_fraction=self.negative_fraction,
             seed=self.seed,
         )
-        drawn = sampled_training_rows(store, options)
-        last = read_features(store, pool.last.to_pydatetime(), pool.anchor.to_pydatetime())
-        return to_pandas(pl.concat([drawn, last.select(drawn.columns)], how="vertical"))
+        drawn = sampled_rows_between(store, (pool.start, pool.end), options)
+        # The last grid time's rows only say where labels settle (they are never trained on):
+        # their identity and labels are read, not their features.
+        settles = read_features(store, pool.last.to_pydatetime(), pool.anchor.to_pydatetime(), columns=["label"])
+        return to_pandas(pl.concat([drawn, settles], how="diagonal"))
 
     def scored(self, span: Span) -> Iterator[pd.DataFrame]:
         store = _open(self.root)
