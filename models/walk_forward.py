@@ -36,7 +36,10 @@ The figures of the comparison (metrics, baselines, claims) are `models.compariso
 Speed: every fit sees all positive rows of its window but only a `negative_fraction` of the
 negative ones (the same rows for every fit: drawn by the hash of each row's (gpu_uuid, ts) under
 the seed, `features.sample_key`, as a served model's training rows are); the
-factor is recorded in the result. The fits are independent tasks, run in `jobs` processes.
+factor is recorded in the result. The fits are independent tasks, and so is scoring each UTC
+day of the evaluation period by every model that covers it: run in `jobs` processes, or on a
+Dask cluster when a client is given. `run_walk_forward_from_store` reads the rows from the store
+as each task needs them (`models.walk_forward_rows`) instead of holding the whole frame.
 A retrain that cannot be done (a window without any failure) keeps the contender's previous
 model, as a production retrainer would, and says so in `fits`.
 """
