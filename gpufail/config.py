@@ -664,7 +664,8 @@ _SCHEDULER = re.compile(r"(tcp|tls|ucx|inproc)://\S+")
 
 
 class DaskSettings(_Table):
-    """Run `gpufail features` and `gpufail train` on Dask (docs/fleet-scale.md)."""
+    """Run `gpufail features`, `gpufail train` and the walk-forward of `gpufail evaluate` on Dask
+    (docs/fleet-scale.md)."""
 
     scheduler: str = ""
     """Empty: one machine, no Dask. "local": a LocalCluster on 127.0.0.1. Else a running

@@ -79,6 +79,7 @@ def evaluate_walk_forward(
     budgets: Sequence[float] = DEFAULT_BUDGETS,
     replay: Callable[[pd.DataFrame, np.ndarray, np.ndarray | None], dict[str, Any]] | None = None,
     fail_slow_truth: pd.DataFrame | None = None,
+    client: Any = None,
 ) -> dict[str, Any]:
     """Run the walk-forward comparison and return every figure of its report (JSON-ready):
     the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
@@ -89,7 +90,8 @@ def evaluate_walk_forward(
     `replay` holds what it makes of the test rows, the primary contender's calibrated risk and
     the rule's flags (None without the rule). `fail_slow` holds the fail-slow alarm class
     (`models.fail_slow`) when the features have its inputs, judged against `fail_slow_truth`
-    (gpu_uuid, fail_slow_since) when given."""
+    (gpu_uuid, fail_slow_since) when given. The walk-forward's fits and scoring run on the Dask
+    cluster of `client` when given (`run_walk_forward`)."""
     if not budgets:
         raise InputError("alarm budgets: expected at least one number of alarms per 1,000 GPUs per day, got none")
     specs = [str(s) for s in top_k]
@@ -97,7 +99,7 @@ def evaluate_walk_forward(
         raise InputError("top_k: expected at least one K specification, got none")
     plan = WalkForwardPlan(**{**plan.__dict__, "top_k": specs[0]})
     frame = to_pandas(frame)  # once: a polars frame of the demo is ~1 GB in pandas
-    result = run_walk_forward(frame, contenders, plan, progress=progress)
+    result = run_walk_forward(frame, contenders, plan, progress=progress, client=client)
     test = result.test
     history = frame[[c for c in ("ts", "gpu_uuid", "node", "label", "time_to_failure_h") if c in frame.columns]]
     ts = pd.to_datetime(history["ts"], utc=True)

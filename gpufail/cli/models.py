@@ -171,12 +171,15 @@ def evaluate(
 
         if "fail_slow_since" in pq.read_schema(truth).names:
             options["fail_slow_truth"] = pq.read_table(truth, columns=["gpu_uuid", "fail_slow_since"]).to_pandas()
-    if cfg.seeds:
-        from models.comparison import evaluate_seeds
+    # [dask] scheduler set: the walk-forward's fits and scoring are tasks of the cluster.
+    with dask_client(settings) as client:
+        options["client"] = client
+        if cfg.seeds:
+            from models.comparison import evaluate_seeds
 
-        metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
-    else:
-        metrics = evaluate_walk_forward(frame, contenders, plan, **options)
+            metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
+        else:
+            metrics = evaluate_walk_forward(frame, contenders, plan, **options)
     metrics_path, report_path = write_walk_forward_report(metrics, report_dir)
     facts = evaluate_facts(metrics, metrics_path, report_path)
     report(as_json, evaluate_line(facts), facts)
