@@ -126,3 +126,34 @@ def test_a_store_changed_under_the_walk_forward_is_named(store):
     span = Span(slice(0, n + 1), first.value, (first + pd.Timedelta(hours=1)).value)
     with pytest.raises(GpufailError, match=rf"hold {n} labelled rows, where the walk-forward planned {n + 1}"):
         list(rows.scored(span))
+
+
+def test_the_store_walk_forward_reads_every_feature_column_a_day_at_a_time_at_most(store, monkeypatch):
+    import models.walk_forward as wf
+    import models.walk_forward_rows as rows
+
+    wide: list[tuple] = []
+    for module in (wf, rows):
+        real = module.read_features
+
+        def recording(store, start=None, end=None, columns=None, real=real):
+            if columns is None:
+                wide.append((start, end))
+            return real(store, start, end, columns)
+
+        monkeypatch.setattr(module, "read_features", recording)
+    drawn: list[tuple] = []
+    real_draw = rows.sampled_rows_between
+
+    def draw(store, bounds, options):
+        drawn.append(bounds)
+        return real_draw(store, bounds, options)
+
+    monkeypatch.setattr(rows, "sampled_rows_between", draw)
+    result = run_walk_forward_from_store(store, CONTENDERS[:2], PLAN)
+    # Every read of the feature columns is a day (the days scored), each day read once; the
+    # training draws are the fits' windows, one per fit.
+    assert wide and all(end - start <= pd.Timedelta(days=1) for start, end in wide)
+    assert len(wide) == len(set(wide)) == len({start.date() for start, _ in wide})
+    assert len(drawn) == result.n_fits
+    assert all(end - start == pd.Timedelta(PLAN.train_window) for start, end in drawn)
