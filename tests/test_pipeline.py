@@ -23,6 +23,7 @@ def gpufail(*args: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # every stage in its own process: 150 s alone, twice that beside another worker
 def test_the_demo_pipeline_runs_end_to_end_and_beats_random(tmp_path):
     data = tmp_path / "fleet"
     out = tmp_path / "out"
