@@ -18,7 +18,9 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 GPUFAIL = [sys.executable, "-m", "gpufail.cli"]
@@ -64,3 +66,11 @@ def gpufail_process(
     return subprocess.run(
         [*GPUFAIL, *args], env=gpufail_env(env), capture_output=True, text=True, timeout=timeout, **kwargs
     )
+
+
+def without_outside_config(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """For tests that run the CLI through click's own runner: no GPUFAIL_* variable and no
+    ./gpufail.toml of the machine running the tests reach the command."""
+    for name in [n for n in os.environ if n.startswith("GPUFAIL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(folder)

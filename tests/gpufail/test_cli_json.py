@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from gpufail.cli import cli
 from ingest.store import Store
+from tests.cli import without_outside_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 QUICK_EVALUATE = """
@@ -39,10 +40,7 @@ params = { n_estimators = 20, n_jobs = 1 }
 
 @pytest.fixture(autouse=True)
 def no_outside_config(monkeypatch, tmp_path):
-    """No GPUFAIL_* variables and no ./gpufail.toml from the machine running the tests."""
-    for name in [n for n in __import__("os").environ if n.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+    without_outside_config(monkeypatch, tmp_path)
 
 
 def gpufail(*args: str, env: dict[str, str] | None = None) -> str:

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpufail.cli import cli
+from tests.cli import without_outside_config
 from tests.models import demo_features_store
 
 QUICK = """
@@ -40,10 +41,7 @@ params = { n_estimators = 20, n_jobs = 1 }
 
 @pytest.fixture(autouse=True)
 def no_outside_config(monkeypatch, tmp_path):
-    """No GPUFAIL_* variables and no ./gpufail.toml from the machine running the tests."""
-    for name in [n for n in __import__("os").environ if n.startswith("GPUFAIL_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
+    without_outside_config(monkeypatch, tmp_path)
 
 
 def _evaluate(data: str, config, report) -> dict:
