@@ -20,10 +20,11 @@ import logging
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import timedelta
+from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -31,6 +32,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -87,7 +89,19 @@ class _Table(BaseModel):
     # NaN and infinity are refused too: `holdout_days = inf` ended in an OverflowError.
     # Strict types: `port = true` is not port 1, nor `read_requires_token = "off"` false (an
     # integer may still stand for a float).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+    # A table's validator is built when the table is first validated (`defer_build`), not at
+    # import: a command that loads a few tables (`load_settings(tables=...)`) builds only theirs.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True, defer_build=True)
+
+
+_T = TypeVar("_T", bound=_Table)
+
+
+def _default(table: type[_T]) -> Any:
+    """A table's default: its default values, made without validating them (they are the
+    class's own; `gpufail.example.toml` holds the same and a test loads it), so that a table
+    nobody set builds no validator."""
+    return Field(default_factory=lambda: table.model_construct())
 
 
 _METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -185,7 +199,7 @@ class IngestSettings(_Table):
     """Identical XIDs on one GPU within this window are one incident with a repeat count."""
     workers: int = Field(default=0, ge=0)
     """Processes parsing kernel-log files at once (`gpufail ingest kernel-log`); 0: one per core."""
-    prometheus: PrometheusSettings = PrometheusSettings()
+    prometheus: PrometheusSettings = _default(PrometheusSettings)
 
 
 class FeatureSettings(_Table):
@@ -291,15 +305,18 @@ class TierSettings(_Table):
 class TiersSettings(_Table):
     """Risk tiers, weakest first; set one to `false` in TOML (null in JSON) to switch it off."""
 
-    watch: TierSettings | None = TierSettings(enter=0.2, exit=0.1)
-    avoid: TierSettings | None = TierSettings(enter=0.35, exit=0.25)
-    drain_after_job: TierSettings | None = TierSettings(enter=0.5, exit=0.35)
-    drain_now: TierSettings | None = TierSettings(enter=0.8, exit=0.6)
+    watch: TierSettings | None = TierSettings.model_construct(enter=0.2, exit=0.1)
+    avoid: TierSettings | None = TierSettings.model_construct(enter=0.35, exit=0.25)
+    drain_after_job: TierSettings | None = TierSettings.model_construct(enter=0.5, exit=0.35)
+    drain_now: TierSettings | None = TierSettings.model_construct(enter=0.8, exit=0.6)
 
     @field_validator("*", mode="before")
     @classmethod
     def _false_is_off(cls, value: Any) -> Any:
         return None if value is False else value
+
+
+_DEFAULT_TIERS = TiersSettings.model_construct()
 
 
 class CostSettings(_Table):
@@ -330,7 +347,7 @@ class PublishSettings(_Table):
     target: Literal["log", "slurm", "kubernetes", "webhook"] = "log"
     policy: Literal["tiers", "cost"] = "tiers"
     """tiers: risk thresholds; cost: the cheapest action for the jobs on the node (docs/actions.md)."""
-    cost: CostSettings = CostSettings()
+    cost: CostSettings = _default(CostSettings)
     placement_levels: int = Field(default=0, ge=0, le=100)
     """Risk levels for placement hints (Slurm weights, a Kubernetes node label); 0: none."""
     standby_nodes: int = Field(default=0, ge=0)
@@ -350,7 +367,7 @@ class PublishSettings(_Table):
     """Record what would be done without doing it. Set false (or --no-dry-run) to act."""
     shadow: bool = False
     """With dry_run false: run the policy with its own state and record, but touch nothing."""
-    tiers: TiersSettings = TiersSettings()
+    tiers: TiersSettings = _default(TiersSettings)
     recovery_period: Duration = timedelta(hours=24)
     """A node leaves its tier after its risk stayed below the tier's exit threshold this long."""
     cooldown: Duration = timedelta(hours=6)
@@ -386,7 +403,7 @@ class PublishSettings(_Table):
     def _policy_rules(self) -> PublishSettings:
         # The policy owns its rules (serving.policy.PolicyConfig); the defaults keep them, so
         # numpy is imported at load only when the tiers or the breaker were changed.
-        if (self.tiers, self.breaker_max_nodes, self.breaker_max_fraction) != (TiersSettings(), 2, 0.05):
+        if (self.tiers, self.breaker_max_nodes, self.breaker_max_fraction) != (_DEFAULT_TIERS, 2, 0.05):
             from ingest.errors import InputError
 
             try:
@@ -518,23 +535,23 @@ class ContenderSettings(_Table):
 
 
 def _default_contenders() -> list[ContenderSettings]:
+    # The class's own defaults, not validated (like `_default`'s).
+    contender = ContenderSettings.model_construct
     # 100 trees instead of 200: ~2 s per fit on the demo, so ~100 daily fits fit the budget.
     trees = {"n_estimators": 100}
     singles: list[tuple[ModelKind, dict[str, Any]]] = [("lightgbm", trees), ("xgboost", trees), ("logistic", {})]
-    out = [
-        ContenderSettings(name=f"{k} {m}", kind=k, mode=m, params=p) for m in ("static", "sliding") for k, p in singles
-    ]
+    out = [contender(name=f"{k} {m}", kind=k, mode=m, params=p) for m in ("static", "sliding") for k, p in singles]
     # The paper's ensembles, retrained daily. The parallel one's members are the single sliding
     # contenders' fits (the walk-forward makes each fit once); the cascade's first stage is a
     # small LightGBM (20 trees of 7 leaves), cheap next to its second.
     ensembles = [
-        ContenderSettings(
+        contender(
             name="parallel sliding",
             kind="parallel",
             mode="sliding",
             params={"members": [k for k, _ in singles], "combine": "top_k_intersection", "top_k": 10},
         ),
-        ContenderSettings(
+        contender(
             name="cascade sliding",
             kind="cascade",
             mode="sliding",
@@ -546,7 +563,7 @@ def _default_contenders() -> list[ContenderSettings]:
             },
         ),
     ]
-    return [*out, *ensembles, ContenderSettings(name="lightgbm auto", kind="lightgbm", mode="auto", params=trees)]
+    return [*out, *ensembles, contender(name="lightgbm auto", kind="lightgbm", mode="auto", params=trees)]
 
 
 class EvaluateSettings(_Table):
@@ -726,19 +743,19 @@ class ServeSettings(_Table):
 
 
 class Settings(_Table):
-    store: StoreSettings = StoreSettings()
-    simulate: SimulateSettings = SimulateSettings()
-    ingest: IngestSettings = IngestSettings()
-    features: FeatureSettings = FeatureSettings()
-    labels: LabelSettings = LabelSettings()
-    model: ModelSettings = ModelSettings()
-    evaluate: EvaluateSettings = EvaluateSettings()
-    publish: PublishSettings = PublishSettings()
-    collect: CollectSettings = CollectSettings()
-    mlflow: MlflowSettings = MlflowSettings()
-    nightly: NightlySettings = NightlySettings()
-    dask: DaskSettings = DaskSettings()
-    serve: ServeSettings = ServeSettings()
+    store: StoreSettings = _default(StoreSettings)
+    simulate: SimulateSettings = _default(SimulateSettings)
+    ingest: IngestSettings = _default(IngestSettings)
+    features: FeatureSettings = _default(FeatureSettings)
+    labels: LabelSettings = _default(LabelSettings)
+    model: ModelSettings = _default(ModelSettings)
+    evaluate: EvaluateSettings = _default(EvaluateSettings)
+    publish: PublishSettings = _default(PublishSettings)
+    collect: CollectSettings = _default(CollectSettings)
+    mlflow: MlflowSettings = _default(MlflowSettings)
+    nightly: NightlySettings = _default(NightlySettings)
+    dask: DaskSettings = _default(DaskSettings)
+    serve: ServeSettings = _default(ServeSettings)
     metrics: Annotated[dict[str, MetricSettings], AfterValidator(_metric_names)] = Field(default_factory=dict)
     """The user's own metrics, by column name (`[metrics.<name>]`)."""
 
@@ -971,7 +988,7 @@ _NUMBER = r"\d+"
 _PROTOCOL = r"tcp|udp|sctp"
 _URL = rf"(?:{_PROTOCOL})://\[?{_ADDRESS}\]?:{_NUMBER}"
 _SERVICE_LINKS = tuple(
-    (re.compile(rf"[A-Z0-9_]+_{name}"), re.compile(value))
+    (rf"[A-Z0-9_]+_{name}", value)
     for name, value in (
         ("SERVICE_HOST", _ADDRESS),
         ("SERVICE_PORT(?:_[A-Z0-9_]+)?", _NUMBER),
@@ -986,11 +1003,13 @@ _SERVICE_LINKS = tuple(
 (`enableServiceLinks`, on by default), by name and value: a Service named gpufail-serve becomes
 `GPUFAIL_SERVE_SERVICE_HOST=10.0.0.7`, `GPUFAIL_SERVE_SERVICE_PORT[_HTTP]=8080`,
 `GPUFAIL_SERVE_PORT=tcp://10.0.0.7:8080` and `GPUFAIL_SERVE_PORT_8080_TCP[_PROTO|_PORT|_ADDR]`.
-Matching the value too keeps a mistyped override (`GPUFAIL_SERVE_PORT=8080`) an error."""
+Matching the value too keeps a mistyped override (`GPUFAIL_SERVE_PORT=8080`) an error. Kept as
+patterns, compiled (and cached by `re`) when such a variable is first seen: compiling them all
+was a tenth of loading the settings."""
 
 
 def _is_service_link(name: str, value: str) -> bool:
-    return any(shape.fullmatch(name) and values.fullmatch(value) for shape, values in _SERVICE_LINKS)
+    return any(re.fullmatch(shape, name) and re.fullmatch(values, value) for shape, values in _SERVICE_LINKS)
 
 
 SYSTEM_CONFIG = Path("/etc/gpufail/gpufail.toml")
@@ -1026,6 +1045,7 @@ def load_settings(
     *,
     cwd: Path | None = None,
     system: Path | None = None,
+    tables: Collection[str] | None = None,
 ) -> Settings:
     """Read the configuration file (if any, `find_config`) and the environment into one
     Settings object.
@@ -1033,8 +1053,13 @@ def load_settings(
     Every value is checked here, before any command runs: types, ranges, units, and that the
     grid, the windows and the horizon fit together. An error is one line naming the file or
     environment variable, the table and key, what was received and what was expected.
+
+    `tables` names the only tables a command reads (`gpufail at-risk`: a quick look should not
+    pay for checking the whole file): only they are checked, the others must still be gpufail
+    tables, and one that the file or the environment sets is left out of the object (reading
+    it is an AttributeError, never its default in place of the value set).
     """
-    return load_settings_and_origins(path, environ, cwd=cwd, system=system)[0]
+    return load_settings_and_origins(path, environ, cwd=cwd, system=system, tables=tables)[0]
 
 
 def load_settings_and_origins(
@@ -1043,6 +1068,7 @@ def load_settings_and_origins(
     *,
     cwd: Path | None = None,
     system: Path | None = None,
+    tables: Collection[str] | None = None,
 ) -> tuple[Settings, _Origins]:
     """`load_settings`, and where each setting came from (for `gpufail config show`)."""
     environ = os.environ if environ is None else environ
@@ -1061,11 +1087,8 @@ def load_settings_and_origins(
             )
         section[key] = value
         origins.env[(table, key)] = name
-    try:
-        settings = Settings(**data)
-    except ValidationError as exc:
-        raise ConfigError(_printable(_describe(exc, origins))) from None
-    problems = _inconsistencies(settings, origins)
+    settings = _validated(data, origins, tables)
+    problems = _inconsistencies(settings, origins) if tables is None or {"features", "labels"} <= set(tables) else []
     if problems:
         raise ConfigError(_printable("; ".join(problems)))
     return settings, origins
@@ -1169,9 +1192,45 @@ class _Origins:
         return f"{place} (default)"
 
 
-def _describe(exc: ValidationError, origins: _Origins) -> str:
+def _validated(data: dict[str, Any], origins: _Origins, only: Collection[str] | None = None) -> Settings:
+    """`Settings(**data)`, validating only the tables `data` has (the others are the defaults),
+    and of those only the tables in `only` when given (`load_settings`' `tables`): a table's
+    validator is built on its first use, and building them all was most of the time of loading
+    the settings."""
+    errors: list[dict[str, Any]] = []
+    tables: dict[str, Any] = {}
+    unread: list[str] = []
+    for name, value in data.items():
+        if name not in Settings.model_fields:
+            errors.append({"loc": (name,), "type": "extra_forbidden", "msg": "", "input": value})
+        elif only is not None and name not in only:
+            unread.append(name)
+        else:
+            try:
+                tables[name] = _table_validator(name).validate_python(value)
+            except ValidationError as exc:
+                errors += [{**err, "loc": (name, *err["loc"])} for err in exc.errors()]
+    if errors:
+        order = list(Settings.model_fields)
+        errors.sort(key=lambda err: order.index(err["loc"][0]) if err["loc"][0] in order else len(order))
+        raise ConfigError(_printable(_describe(errors, origins)))
+    settings = Settings.model_construct(**tables)
+    for name in unread:
+        del settings.__dict__[name]  # set but not checked: not there rather than its default
+    return settings
+
+
+@cache
+def _table_validator(name: str) -> TypeAdapter[Any]:
+    """The validator of the table `name` of `Settings` (made once per process)."""
+    field = Settings.model_fields[name]
+    kind: Any = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return TypeAdapter(kind)
+
+
+def _describe(errors: list[dict[str, Any]], origins: _Origins) -> str:
     problems = []
-    for err in exc.errors():
+    for err in errors:
         loc = [str(part) for part in err["loc"]]
         table = loc[0] if loc else "?"
         key = loc[1] if len(loc) > 1 else None

@@ -35,7 +35,12 @@ def cli(ctx: click.Context, config_path: str | None) -> None:
     """Predict GPU failures in training fleets from telemetry and XID kernel-log events."""
     from gpufail.config import load_settings
 
-    ctx.obj = load_settings(config_path)
+    ctx.obj = load_settings(config_path, tables=QUICK_COMMANDS.get(ctx.invoked_subcommand or ""))
+
+
+QUICK_COMMANDS = {"at-risk": ("store", "publish", "serve")}
+"""Commands that check only the settings tables they read (`load_settings`' `tables`): a quick
+look at the fleet should not pay for checking every table of the file."""
 
 
 for command in (

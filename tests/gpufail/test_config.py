@@ -189,3 +189,29 @@ def test_the_fail_slow_settings_reach_the_feature_spec_and_the_policy():
     assert off.feature_spec().fail_slow_window is None and off.publish.policy_config().fail_slow_threshold is None
     six = Settings.model_validate({"features": {"fail_slow_window": "6h"}, "publish": {"fail_slow_threshold": 0.1}})
     assert six.feature_spec().fail_slow_label == "6h" and six.publish.policy_config().fail_slow_threshold == 0.1
+
+
+def test_a_command_may_check_only_the_tables_it_reads(tmp_path):
+    path = tmp_path / "gpufail.toml"
+    path.write_text('[evaluate]\ntest_days = "two weeks"\n[publish]\ntarget = "slurm"\n')
+    settings = load_settings(path, environ={}, tables=("store", "publish"))
+    assert settings.publish.target == "slurm"
+    assert settings.store == Settings().store  # not set anywhere: its defaults
+    with pytest.raises(AttributeError):
+        settings.evaluate  # noqa: B018 - set but not checked: absent, never its defaults
+    with pytest.raises(ConfigError, match=r"\[evaluate\] test_days"):
+        load_settings(path, environ={})
+    with pytest.raises(ConfigError, match=r"GPUFAIL_PUBLISH__TARGET \(\[publish\] target\)"):
+        load_settings(path, environ={"GPUFAIL_PUBLISH__TARGET": "fax"}, tables=("publish",))
+    path.write_text('[evaulate]\ntest_days = 3\n')
+    with pytest.raises(ConfigError, match=r"\[evaulate\]: unknown table"):
+        load_settings(path, environ={}, tables=("publish",))
+
+
+def test_every_table_s_problems_are_named_at_once_in_table_order(tmp_path):
+    path = tmp_path / "gpufail.toml"
+    path.write_text('[serve]\nport = "x"\n[bogus]\na = 1\n[store]\nroot = 5\n')
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path, environ={})
+    message = str(raised.value)
+    assert message.index("[store] root") < message.index("[serve] port") < message.index("[bogus]: unknown table")

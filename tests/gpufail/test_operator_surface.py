@@ -155,3 +155,18 @@ def test_json_log_lines_are_off_again_for_the_next_command_in_the_same_process(t
 def test_the_log_format_is_checked(tmp_path):
     result = gpufail("collect", "--once", "--log-format", "xml", "--out", str(Path(tmp_path)))
     assert result.returncode == 2 and "--log-format" in result.stderr and "xml" in result.stderr
+
+
+def test_at_risk_checks_only_the_settings_it_reads(tmp_path):
+    # A quick look does not pay for checking the whole file (`gpufail.cli.QUICK_COMMANDS`): a
+    # mistake in a table it does not read is left to the commands that read it.
+    config = tmp_path / "gpufail.toml"
+    config.write_text('[evaluate]\ntest_days = "two weeks"\n')
+    absent = str(tmp_path / "absent")
+    quick = gpufail("--config", str(config), "at-risk", "--data", absent)
+    assert quick.returncode == 2 and "data root" in quick.stderr and "evaluate" not in quick.stderr
+    other = gpufail("--config", str(config), "config", "show")
+    assert other.returncode == 2 and "[evaluate] test_days" in other.stderr
+    config.write_text('[publish]\ntarget = "fax"\n')
+    refused = gpufail("--config", str(config), "at-risk", "--data", absent)
+    assert refused.returncode == 2 and "[publish] target" in refused.stderr
