@@ -19,6 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from features import rolling
+from features.fail_slow import FAIL_SLOW_METRICS, fail_slow_features, needed_columns
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
 from features.labels import GPU, episodes_for, fleet_data_end, gpu_presence, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
@@ -271,6 +272,13 @@ def iter_features_from_buckets(
         )
         return
     peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
+    # The fail-slow features compare a GPU with the others in service at its grid time (its
+    # node's, its model's), whichever rows `rows` asks for: computed on the narrow grid, like
+    # the peer features, and placed beside them.
+    in_service = emit & facts["in_service"] & ~silent.fill_null(True)
+    slow = _fail_slow(hourly, narrow, in_service, first_seen, spec, whole=whole)
+    if slow is not None:
+        peers = pl.concat([peers, slow.filter(keep.filter(in_service)).drop(GPU, "ts")], how="horizontal")
     facts = facts.filter(keep).drop("in_service")
     if not whole and keep.any():
         # A GPU without a kept row was needed above (its labels, the fleet's peers), not below:
@@ -308,6 +316,56 @@ def iter_features_from_buckets(
         )
 
     yield from in_order(part_rows, computed, threads=part_threads)
+
+
+def _fail_slow(
+    hourly: pl.DataFrame,
+    narrow: pl.DataFrame,
+    rows: pl.Series,
+    first_seen: pl.DataFrame,
+    spec: FeatureSpec,
+    *,
+    whole: bool,
+) -> pl.DataFrame | None:
+    """gpu_uuid, ts and the fail-slow features (`features.fail_slow`) of the spec's window at
+    the rows of the grid `narrow` that `rows` selects, compared among those rows; None when the
+    spec computes none or the buckets lack their telemetry. Their window statistics are
+    `window_features`' own, of the fail-slow metrics and window alone: on `narrow` when it is
+    the whole dense grid (`whole`), else read from the buckets through each grid row's bucket."""
+    label = spec.fail_slow_label
+    if label is None or spec.fail_slow_window is None:
+        return None
+    others = [m.column for m in metric_catalogue() if m.column not in FAIL_SLOW_METRICS]
+
+    def wanted(frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.select(c for c in frame.columns if not any(c.startswith(f"{m}_") for m in others))
+
+    buckets: rolling.BucketArrays | None = None
+    source: np.ndarray | None = None
+    if whole:
+        frame = wanted(narrow)
+    else:
+        frame, source = _wide_part(hourly, narrow, spec.grid)
+        buckets = rolling.BucketArrays(wanted(hourly))
+    stats = window_features(
+        frame,
+        spec.grid,
+        (spec.fail_slow_window,),
+        first_seen=first_seen,
+        keep=rows,
+        dtype=pl.Float64,
+        buckets=buckets,
+        source=source,
+    )
+    ids = narrow.filter(rows).select(c for c in ("cluster", "node", "gpu_model") if c in narrow.columns)
+    inputs = pl.concat([stats, ids], how="horizontal")
+    if any(c not in inputs.columns for c in needed_columns(label)):
+        return None
+    values = fail_slow_features(inputs, label)
+    return stats.select(GPU, "ts").with_columns(
+        pl.Series(name, values[name].to_numpy(), dtype=pl.Float64, nan_to_null=True).cast(FEATURE_DTYPE)
+        for name in values.columns
+    )
 
 
 def in_order(compute: Callable[[int], pl.DataFrame], items: Sequence[int], *, threads: int) -> Iterator[pl.DataFrame]:

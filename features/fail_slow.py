@@ -47,6 +47,10 @@ BUSY_UTIL_PCT = 50.0
 """A GPU is a model peer when its utilisation reached this at some point of the window."""
 
 
+FAIL_SLOW_METRICS = ("sm_clock_mhz", "power_w", "util_gpu_pct")
+"""The telemetry the features compare (through their window statistics, `needed_columns`)."""
+
+
 def fail_slow_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
     """The features' names for `window`."""
     return (
@@ -58,6 +62,7 @@ def fail_slow_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
 
 
 def needed_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
+    """The columns of a features frame the features of `window` are computed from."""
     return (
         "ts",
         "cluster",
@@ -116,3 +121,17 @@ def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFra
     return pd.DataFrame(
         dict(zip(names, (node_deficit, power_deficit, model_deficit, score), strict=True)), index=df.index
     )
+
+
+def fail_slow_score(frame: pd.DataFrame, window: str = FAIL_SLOW_WINDOW) -> np.ndarray | None:
+    """Each row's `fail_slow_score_<window>`: the feature build's (`features.build`, which
+    computes the features from the spec's window for the whole fleet at each grid time), or,
+    for a frame without it (features built before the build computed them, rows made by hand),
+    computed here from its window statistics by the same function over the frame's rows; None
+    when the frame has neither."""
+    score = fail_slow_columns(window)[-1]
+    if score in frame.columns:
+        return pd.to_numeric(frame[score], errors="coerce").to_numpy(dtype=np.float64)
+    if all(c in frame.columns for c in needed_columns(window)):
+        return fail_slow_features(frame, window)[score].to_numpy(dtype=np.float64)
+    return None

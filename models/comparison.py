@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_auc_score
 
+from features.fail_slow import FAIL_SLOW_WINDOW
 from ingest.errors import InputError
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
 from models.calibration import high_risk_check, reliability, top_risk_ties
@@ -80,6 +81,7 @@ def evaluate_walk_forward(
     replay: Callable[[pd.DataFrame, np.ndarray, np.ndarray | None], dict[str, Any]] | None = None,
     fail_slow_truth: pd.DataFrame | None = None,
     client: Any = None,
+    fail_slow_window: str | None = FAIL_SLOW_WINDOW,
 ) -> dict[str, Any]:
     """Run the walk-forward comparison and return every figure of its report (JSON-ready):
     the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
@@ -89,9 +91,10 @@ def evaluate_walk_forward(
     `budgets` (alarms per 1,000 GPUs per day). With `replay` (`serving.replay.evaluation_replay`),
     `replay` holds what it makes of the test rows, the primary contender's calibrated risk and
     the rule's flags (None without the rule). `fail_slow` holds the fail-slow alarm class
-    (`models.fail_slow`) when the features have its inputs, judged against `fail_slow_truth`
-    (gpu_uuid, fail_slow_since) when given. The walk-forward's fits and scoring run on the Dask
-    cluster of `client` when given (`run_walk_forward`)."""
+    (`models.fail_slow`) on the features of `fail_slow_window` (the feature spec's
+    `fail_slow_label`; None: none) when the features have them, judged against
+    `fail_slow_truth` (gpu_uuid, fail_slow_since) when given. The walk-forward's fits and
+    scoring run on the Dask cluster of `client` when given (`run_walk_forward`)."""
     if not budgets:
         raise InputError("alarm budgets: expected at least one number of alarms per 1,000 GPUs per day, got none")
     specs = [str(s) for s in top_k]
@@ -173,8 +176,8 @@ def evaluate_walk_forward(
         if replay is None
         else {"replay": {"model": primary, **replay(test, result.calibrated[primary], scores.get("rule"))}}
     )
-    if has_fail_slow_inputs(test):
-        replayed["fail_slow"] = fail_slow_report(test, fail_slow_truth)
+    if fail_slow_window is not None and has_fail_slow_inputs(test, fail_slow_window):
+        replayed["fail_slow"] = fail_slow_report(test, fail_slow_truth, window=fail_slow_window)
     return {
         **replayed,
         "kind": "walk-forward",

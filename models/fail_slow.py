@@ -4,8 +4,9 @@ Apart from the failure alarms: a fail-slow GPU is not predicted to fail, it is a
 every job it runs in (a synchronous job steps at its slowest GPU's pace). It is found by a rule
 on its sustained deficit (`features.fail_slow`), not by the failure model:
 
-- a **fail-slow alarm** is a GPU's first grid time with `fail_slow_score_24h` at or above
-  `threshold` (default 0.05: 5% slower than both its node and its model peers over 24 h); it
+- a **fail-slow alarm** is a GPU's first grid time with `fail_slow_score_<w>` at or above
+  `threshold` (default 0.05: 5% slower than both its node and its model peers over the feature
+  spec's `fail_slow_window` `<w>`, 24 h by default); it
   re-arms when the score falls back below the threshold;
 - where the truth is known (a simulated fleet: `ground_truth/gpus.parquet`'s `fail_slow_since`),
   an alarm is **right** when its GPU had turned slow by then, a slow GPU is **caught** when it
@@ -20,22 +21,25 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from features.fail_slow import FAIL_SLOW_WINDOW, fail_slow_columns, fail_slow_features, needed_columns
+from features.fail_slow import FAIL_SLOW_WINDOW, fail_slow_columns, fail_slow_score, needed_columns
 
 DEFAULT_THRESHOLD = 0.05
 
 
 def has_fail_slow_inputs(frame: pd.DataFrame, window: str = FAIL_SLOW_WINDOW) -> bool:
-    return all(c in frame.columns for c in needed_columns(window))
+    """Whether `frame` has the fail-slow score of `window` (`features.fail_slow.fail_slow_score`)."""
+    return fail_slow_columns(window)[-1] in frame.columns or all(c in frame.columns for c in needed_columns(window))
 
 
-def fail_slow_alarms(frame: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD) -> pd.DataFrame:
+def fail_slow_alarms(
+    frame: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD, window: str = FAIL_SLOW_WINDOW
+) -> pd.DataFrame:
     """One row per alarm: ts, cluster, node, gpu_uuid, score (the rows of `frame` at which a GPU's
-    score reaches `threshold` from below, or from its first row)."""
-    score_column = fail_slow_columns()[-1]
-    scored = frame[["ts", "cluster", "node", "gpu_uuid"]].assign(
-        score=fail_slow_features(frame)[score_column].to_numpy()
-    )
+    `fail_slow_score_<window>` reaches `threshold` from below, or from its first row)."""
+    score = fail_slow_score(frame, window)
+    if score is None:
+        raise ValueError(f"fail-slow alarms: the frame has no {fail_slow_columns(window)[-1]} nor its inputs")
+    scored = frame[["ts", "cluster", "node", "gpu_uuid"]].assign(score=score)
     scored = scored.assign(ts=pd.to_datetime(scored["ts"], utc=True)).sort_values(["gpu_uuid", "ts"], kind="stable")
     above = (scored["score"] >= threshold).to_numpy()
     same_gpu = (scored["gpu_uuid"] == scored["gpu_uuid"].shift()).to_numpy()
@@ -44,15 +48,19 @@ def fail_slow_alarms(frame: pd.DataFrame, threshold: float = DEFAULT_THRESHOLD) 
 
 
 def fail_slow_report(
-    test: pd.DataFrame, truth: pd.DataFrame | None = None, threshold: float = DEFAULT_THRESHOLD
+    test: pd.DataFrame,
+    truth: pd.DataFrame | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    window: str = FAIL_SLOW_WINDOW,
 ) -> dict[str, Any]:
-    """The alarm class's figures over the test rows (JSON-ready); `truth`: gpu_uuid and
+    """The alarm class's figures over the test rows (JSON-ready), on the features of `window`
+    (the feature spec's, `FeatureSpec.fail_slow_label`); `truth`: gpu_uuid and
     `fail_slow_since` (null: never slow), as the simulator writes them."""
-    alarms = fail_slow_alarms(test, threshold)
+    alarms = fail_slow_alarms(test, threshold, window)
     gpu_days = len(test) * _grid_hours(test) / 24
     out: dict[str, Any] = {
         "threshold": threshold,
-        "window": FAIL_SLOW_WINDOW,
+        "window": window,
         "n_alarms": len(alarms),
         "n_gpus_alarmed": int(alarms["gpu_uuid"].nunique()),
         "alarms_per_1000_gpu_days": float(1000 * len(alarms) / gpu_days) if gpu_days else None,

@@ -13,7 +13,7 @@ audit log records why a node was acted on, and `TOP_FEATURE_VALUES_FIELD`: their
 scored row, so that `gpufail at-risk` shows them without building features. The columns are
 optional: predictions written before them, or without explanations, lack them, and readers take
 them as absent (see `serving.publishing.top_features_by_gpu`). Where the frame has the
-fail-slow inputs (`models.fail_slow.has_fail_slow_inputs`), each GPU's fail-slow score is kept
+fail-slow score of the model's spec (`features.fail_slow.fail_slow_score`), each GPU's is kept
 too (`FAIL_SLOW_FIELD`), for the policy's `fail_slow` alarm class. The schema lives in
 `serving.prediction_schema`.
 """
@@ -28,10 +28,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from features.fail_slow import fail_slow_columns, fail_slow_features
+from features.fail_slow import fail_slow_score
 from ingest.errors import InputError
 from models.explain import contributions, top_contributions
-from models.fail_slow import has_fail_slow_inputs
 from models.frame import feature_matrix, require_columns, to_pandas
 from models.train import TrainedModel
 from serving.prediction_schema import (
@@ -109,12 +108,12 @@ def score_latest(model: TrainedModel, frame: Any, top_features: int = 0) -> pd.D
     if top_features:
         out["top_features"], out["top_feature_values"] = _top_features(model, latest, top_features)
     window = model.feature_spec.fail_slow_label
-    if window is not None and has_fail_slow_inputs(latest, window):
-        # The model's spec says which window; from the same rows, at once for the whole grid
-        # time (the model peers' median needs every GPU of the model), as the evaluation's
-        # fail-slow alarm class computes it.
-        scores = fail_slow_features(latest, window)[fail_slow_columns(window)[-1]]
-        out[FAIL_SLOW_FIELD.name] = scores.to_numpy()
+    scores = None if window is None else fail_slow_score(latest, window)
+    if scores is not None:
+        # The model's spec says which window; the feature build computed the score for the
+        # whole grid time (the model peers' median needs every GPU of the model), as for the
+        # evaluation's fail-slow alarm class.
+        out[FAIL_SLOW_FIELD.name] = scores
         optional.append(FAIL_SLOW_FIELD.name)
     # GPUs a calibration puts at the same risk (a flat stretch of an isotonic map) keep the
     # model's own order.

@@ -162,6 +162,7 @@ def evaluate(
         "progress": not quiet,
         "alarm_rules": settings.alarm_rules(),
         "budgets": tuple(cfg.alarm_budgets),
+        "fail_slow_window": settings.feature_spec().fail_slow_label,
     }
     if replay_policies:
         options["replay"] = _policy_replay(store, root, settings, plan.horizon)
