@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from features import rolling
-from features.fail_slow import FAIL_SLOW_METRICS, fail_slow_features, needed_columns
+from features.fail_slow import CLOCKS_SCHEMA, FAIL_SLOW_METRICS, busy_clocks, fail_slow_features, needed_columns
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
 from features.labels import GPU, episodes_for, fleet_data_end, gpu_presence, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
@@ -184,6 +184,8 @@ def iter_features_from_buckets(
     rows: Callable[[pl.DataFrame], pl.Series] | None = None,
     labels_only: bool = False,
     part_threads: int = 1,
+    fail_slow_medians: pl.DataFrame | None = None,
+    fail_slow_clocks_only: bool = False,
 ) -> Iterator[pl.DataFrame]:
     """The feature frame (`features.schema`) of the buckets' GPUs, in parts of whole GPUs, each
     a finished feature frame (sorted by (gpu_uuid, ts); at least one part, possibly empty).
@@ -207,7 +209,12 @@ def iter_features_from_buckets(
     window features are then computed at those rows only. `labels_only`: one part of the
     emitted rows' identity columns and labels, without any feature (the buckets need only
     gpu_uuid, ts, last_sample_ts and the identity columns). `part_threads`: parts computed at
-    once (`in_order`), each holding its wide columns."""
+    once (`in_order`), each holding its wide columns.
+
+    `fail_slow_medians` (`features.fail_slow.model_clocks` of the whole fleet) is to the
+    fail-slow features what `model_medians` is to the peer features; `fail_slow_clocks_only`:
+    one frame of what they are taken over instead of features (`features.fail_slow.busy_clocks`
+    of the rows in service), which a build in shards gathers from every shard first."""
     spec = spec or FeatureSpec()
     grid, max_silence = spec.grid, spec.max_silence
     data_end = utc(data_end)
@@ -276,7 +283,12 @@ def iter_features_from_buckets(
     # node's, its model's), whichever rows `rows` asks for: computed on the narrow grid, like
     # the peer features, and placed beside them.
     in_service = emit & facts["in_service"] & ~silent.fill_null(True)
-    slow = _fail_slow(hourly, narrow, in_service, first_seen, spec, whole=whole)
+    if fail_slow_clocks_only:
+        stats = _fail_slow_stats(hourly, narrow, in_service, first_seen, spec, whole=whole)
+        label = spec.fail_slow_label
+        yield busy_clocks(stats, label) if stats is not None and label is not None else pl.DataFrame(schema=CLOCKS_SCHEMA)
+        return
+    slow = _fail_slow(hourly, narrow, in_service, first_seen, spec, whole=whole, model_medians=fail_slow_medians)
     if slow is not None:
         peers = pl.concat([peers, slow.filter(keep.filter(in_service)).drop(GPU, "ts")], how="horizontal")
     facts = facts.filter(keep).drop("in_service")
@@ -326,12 +338,37 @@ def _fail_slow(
     spec: FeatureSpec,
     *,
     whole: bool,
+    model_medians: pl.DataFrame | None,
 ) -> pl.DataFrame | None:
     """gpu_uuid, ts and the fail-slow features (`features.fail_slow`) of the spec's window at
-    the rows of the grid `narrow` that `rows` selects, compared among those rows; None when the
-    spec computes none or the buckets lack their telemetry. Their window statistics are
-    `window_features`' own, of the fail-slow metrics and window alone: on `narrow` when it is
-    the whole dense grid (`whole`), else read from the buckets through each grid row's bucket."""
+    the rows of the grid `narrow` that `rows` selects, compared among those rows (the model
+    peers' medians are `model_medians` when given: `features.fail_slow.model_clocks` of the
+    whole fleet); None when the spec computes none or the buckets lack their telemetry."""
+    stats = _fail_slow_stats(hourly, narrow, rows, first_seen, spec, whole=whole)
+    label = spec.fail_slow_label
+    if stats is None or label is None:
+        return None
+    values = fail_slow_features(stats, label, model_medians=model_medians)
+    return stats.select(GPU, "ts").with_columns(
+        pl.Series(name, values[name].to_numpy(), dtype=pl.Float64, nan_to_null=True).cast(FEATURE_DTYPE)
+        for name in values.columns
+    )
+
+
+def _fail_slow_stats(
+    hourly: pl.DataFrame,
+    narrow: pl.DataFrame,
+    rows: pl.Series,
+    first_seen: pl.DataFrame,
+    spec: FeatureSpec,
+    *,
+    whole: bool,
+) -> pl.DataFrame | None:
+    """The inputs of the fail-slow features (`features.fail_slow.needed_columns`) at the rows of
+    `narrow` that `rows` selects, None without them. The window statistics are
+    `window_features`' own, of the fail-slow metrics and window alone, of the features' type (the
+    values the features frame holds): on `narrow` when it is the whole dense grid (`whole`), else
+    read from the buckets through each grid row's bucket."""
     label = spec.fail_slow_label
     if label is None or spec.fail_slow_window is None:
         return None
@@ -353,19 +390,13 @@ def _fail_slow(
         (spec.fail_slow_window,),
         first_seen=first_seen,
         keep=rows,
-        dtype=pl.Float64,
+        dtype=FEATURE_DTYPE,
         buckets=buckets,
         source=source,
     )
     ids = narrow.filter(rows).select(c for c in ("cluster", "node", "gpu_model") if c in narrow.columns)
     inputs = pl.concat([stats, ids], how="horizontal")
-    if any(c not in inputs.columns for c in needed_columns(label)):
-        return None
-    values = fail_slow_features(inputs, label)
-    return stats.select(GPU, "ts").with_columns(
-        pl.Series(name, values[name].to_numpy(), dtype=pl.Float64, nan_to_null=True).cast(FEATURE_DTYPE)
-        for name in values.columns
-    )
+    return inputs if all(c in inputs.columns for c in needed_columns(label)) else None
 
 
 def in_order(compute: Callable[[int], pl.DataFrame], items: Sequence[int], *, threads: int) -> Iterator[pl.DataFrame]:

@@ -29,10 +29,12 @@ model median needs every GPU of the model), as the walk-forward evaluation and s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import polars as pl
 
 from features.peers import median_of_others
 from ingest.errors import InputError
@@ -75,9 +77,52 @@ def needed_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
     )
 
 
-def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFrame:
-    """The fail-slow features (module notes) of each row of `frame` (pandas or polars), in its
-    row order, as a pandas frame of `fail_slow_columns(window)`."""
+CLOCKS_SCHEMA = {"gpu_model": pl.String(), "ts": pl.Datetime("us", "UTC"), "clock": pl.Float64()}
+"""The columns of `busy_clocks`."""
+MODEL_CLOCK = "_fail_slow_model_clock"
+"""The column of `model_clocks`: the model peers' median highest clock at a grid time."""
+
+
+def _model_key(df: pd.DataFrame) -> pd.Series:
+    return df["gpu_model"].astype(str) if "gpu_model" in df.columns else pd.Series("", index=df.index)
+
+
+def _times(df: pd.DataFrame) -> np.ndarray:
+    """The rows' ts as UTC datetime64 values (a tz-aware column's `to_numpy` is of objects)."""
+    return pd.to_datetime(df["ts"], utc=True).dt.tz_convert(None).to_numpy(dtype="datetime64[ns]")
+
+
+def _values(df: pd.DataFrame, column: str) -> np.ndarray:
+    return pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=np.float64)
+
+
+def busy_clocks(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pl.DataFrame:
+    """gpu_model (as text), ts and the highest SM clock over `window` of the rows of `frame` (a
+    features frame) that were busy in it: what the model peers' median is taken over. A build in
+    pieces (shards of nodes) gathers every piece's and takes the fleet's medians of them
+    (`model_clocks`)."""
+    df = _pandas(frame, window)
+    busy = _values(df, f"util_gpu_pct_max_{window}") >= BUSY_UTIL_PCT
+    clock = _values(df, f"sm_clock_mhz_max_{window}")
+    keep = busy & ~np.isnan(clock)
+    return pl.DataFrame(
+        {"gpu_model": _model_key(df).to_numpy()[keep].astype(str), "ts": _times(df)[keep], "clock": clock[keep]},
+        schema={"gpu_model": pl.String(), "ts": pl.Datetime("ns"), "clock": pl.Float64()},
+    ).with_columns(pl.col("ts").dt.replace_time_zone("UTC").dt.cast_time_unit("us"))
+
+
+def model_clocks(clocks: Sequence[pl.DataFrame]) -> pl.DataFrame:
+    """Per gpu_model and ts: the median of the busy GPUs' highest clocks (`busy_clocks` of every
+    piece of the fleet), in `MODEL_CLOCK`."""
+    frames = [c for c in clocks if c.height]
+    if not frames:
+        return pl.DataFrame(
+            schema={"gpu_model": pl.String(), "ts": pl.Datetime("us", "UTC"), MODEL_CLOCK: pl.Float64()}
+        )
+    return pl.concat(frames).group_by("gpu_model", "ts").agg(pl.col("clock").median().alias(MODEL_CLOCK))
+
+
+def _pandas(frame: Any, window: str) -> pd.DataFrame:
     df = frame if isinstance(frame, pd.DataFrame) else frame.to_pandas()
     missing = [c for c in needed_columns(window) if c not in df.columns]
     if missing:
@@ -85,9 +130,20 @@ def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFra
             f"fail-slow features: the features frame has no {missing}; expected the `{window}` window "
             "statistics of sm_clock_mhz, power_w and util_gpu_pct (add the window to [features] windows)"
         )
+    return df
+
+
+def fail_slow_features(
+    frame: Any, window: str = FAIL_SLOW_WINDOW, *, model_medians: pl.DataFrame | None = None
+) -> pd.DataFrame:
+    """The fail-slow features (module notes) of each row of `frame` (pandas or polars), in its
+    row order, as a pandas frame of `fail_slow_columns(window)`. The model peers are the rows'
+    own, or the fleet's given by `model_medians` (`model_clocks`) when `frame` holds only a
+    piece of it."""
+    df = _pandas(frame, window)
 
     def values(column: str) -> np.ndarray:
-        return pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=np.float64)
+        return _values(df, column)
 
     clock_mean, clock_max = values(f"sm_clock_mhz_mean_{window}"), values(f"sm_clock_mhz_max_{window}")
     util_mean, util_max = values(f"util_gpu_pct_mean_{window}"), values(f"util_gpu_pct_max_{window}")
@@ -103,10 +159,22 @@ def fail_slow_features(frame: Any, window: str = FAIL_SLOW_WINDOW) -> pd.DataFra
     node_power = median_of_others(node_id, per_util)
 
     busy = util_max >= BUSY_UTIL_PCT
-    model = df["gpu_model"].astype(str) if "gpu_model" in df.columns else pd.Series("", index=df.index)
-    model_key = pd.MultiIndex.from_arrays([ts, model.to_numpy()])
-    peer_max = pd.Series(np.where(busy, clock_max, np.nan)).groupby(pd.factorize(model_key)[0]).transform("median")
-    model_clock = np.where(busy, peer_max.to_numpy(), np.nan)
+    model = _model_key(df)
+    if model_medians is None:
+        model_key = pd.MultiIndex.from_arrays([ts, model.to_numpy()])
+        peer_max = (
+            pd.Series(np.where(busy, clock_max, np.nan)).groupby(pd.factorize(model_key)[0]).transform("median")
+        ).to_numpy()
+    else:
+        keys = pl.DataFrame({"gpu_model": model.to_numpy().astype(str), "ts": _times(df)}).with_columns(
+            pl.col("ts").dt.replace_time_zone("UTC").dt.cast_time_unit("us")
+        )
+        peer_max = (
+            keys.join(model_medians, on=["gpu_model", "ts"], how="left", maintain_order="left")[MODEL_CLOCK]
+            .fill_null(np.nan)
+            .to_numpy()
+        )
+    model_clock = np.where(busy, peer_max, np.nan)
 
     with np.errstate(invalid="ignore", divide="ignore"):
         node_deficit = 1.0 - clock_mean / node_clock

@@ -21,6 +21,7 @@ import polars as pl
 from features.bucket_stream import BucketStream
 from features.build import iter_features_from_buckets
 from features.dataset import write_features
+from features.fail_slow import model_clocks
 from features.inputs import read_telemetry, scan_presence
 from features.labels import GPU
 from features.manifest import FeatureManifest, holding_manifest
@@ -166,8 +167,33 @@ def build_features_from_store(
 
     stop = threading.Event()  # set when the build fails: the block being built stops too
 
+    def shard_xid(hourly: pl.DataFrame) -> pl.DataFrame:
+        return xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi")
+
+    def shard_clocks(shard: int, block_start: datetime, block_end: datetime) -> pl.DataFrame | None:
+        """What the fail-slow model peers' medians of a block are taken over, of one shard."""
+        hourly = buckets.take(shard, block_start - back, block_end)
+        if hourly is None:
+            return None
+        clocks = iter_features_from_buckets(
+            hourly,
+            shard_xid(hourly),
+            spec,
+            **facts.build_inputs(),
+            emit_start=block_start,
+            emit_end=block_end,
+            rows_per_part=rows_per_part,
+            fail_slow_clocks_only=True,
+        )
+        return next(clocks)
+
     def build_shard(
-        shard: int, block_start: datetime, block_end: datetime, fleet: pl.DataFrame | None, staging: Staging
+        shard: int,
+        block_start: datetime,
+        block_end: datetime,
+        fleet: pl.DataFrame | None,
+        slow: pl.DataFrame | None,
+        staging: Staging,
     ) -> Written:
         """One shard's rows of a block, written in flushes of about `flush_rows` (hidden until
         the block's commit)."""
@@ -177,7 +203,7 @@ def build_features_from_store(
             return result
         parts = iter_features_from_buckets(
             hourly,
-            xid if buckets.count == 1 else xid.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
+            shard_xid(hourly),
             spec,
             **facts.build_inputs(),
             emit_start=block_start,
@@ -185,6 +211,7 @@ def build_features_from_store(
             rows_per_chunk=options.rows_per_chunk,
             rows_per_part=rows_per_part,
             model_medians=fleet,
+            fail_slow_medians=slow,
         )
         del hourly  # the generator holds the shard's buckets only while it runs
         pending: list[pl.DataFrame] = []
@@ -230,8 +257,14 @@ def build_features_from_store(
         bar.set_postfix_str(f"{label}, shards 0/{buckets.count}")
         staging = manifest.staging()
         with ThreadPoolExecutor(max_workers=max(1, min(workers, buckets.count))) as pool:
+            slow = None
+            if buckets.count > 1 and spec.fail_slow_label is not None:
+                # The fail-slow model peers are the fleet's: every shard's first (a shard's own
+                # are its GPUs of the model, as in a build of one shard).
+                found = pool.map(lambda shard: shard_clocks(shard, block_start, block_end), range(buckets.count))
+                slow = model_clocks([c for c in found if c is not None])
             futures = [
-                pool.submit(build_shard, shard, block_start, block_end, fleet, staging)
+                pool.submit(build_shard, shard, block_start, block_end, fleet, slow, staging)
                 for shard in range(buckets.count)
             ]
             written: list[str] = []
