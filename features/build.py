@@ -19,7 +19,7 @@ import polars as pl
 import pyarrow as pa
 
 from features import rolling
-from features.fail_slow import CLOCKS_SCHEMA, FAIL_SLOW_METRICS, busy_clocks, fail_slow_features, needed_columns
+from features.fail_slow import CLOCKS_SCHEMA, bucket_columns, busy_clocks, fail_slow_features, needed_columns
 from features.inputs import as_frame, normalise_ts, prepare_repairs, prepare_xids, utc
 from features.labels import GPU, episodes_for, fleet_data_end, gpu_presence, label_rows, resolve_xid_gpus
 from features.peers import PEER_METRICS, peer_features
@@ -286,7 +286,9 @@ def iter_features_from_buckets(
     if fail_slow_clocks_only:
         stats = _fail_slow_stats(hourly, narrow, in_service, first_seen, spec, whole=whole)
         label = spec.fail_slow_label
-        yield busy_clocks(stats, label) if stats is not None and label is not None else pl.DataFrame(schema=CLOCKS_SCHEMA)
+        yield (
+            busy_clocks(stats, label) if stats is not None and label is not None else pl.DataFrame(schema=CLOCKS_SCHEMA)
+        )
         return
     slow = _fail_slow(hourly, narrow, in_service, first_seen, spec, whole=whole, model_medians=fail_slow_medians)
     if slow is not None:
@@ -372,10 +374,9 @@ def _fail_slow_stats(
     label = spec.fail_slow_label
     if label is None or spec.fail_slow_window is None:
         return None
-    others = [m.column for m in metric_catalogue() if m.column not in FAIL_SLOW_METRICS]
 
     def wanted(frame: pl.DataFrame) -> pl.DataFrame:
-        return frame.select(c for c in frame.columns if not any(c.startswith(f"{m}_") for m in others))
+        return frame.select(bucket_columns(frame.columns))
 
     buckets: rolling.BucketArrays | None = None
     source: np.ndarray | None = None

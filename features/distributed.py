@@ -44,6 +44,7 @@ import polars as pl
 from features.aggregates import AggregatesSummary, count_built_rows, open_aggregates, plan_aggregates, write_day
 from features.build import features_from_buckets
 from features.dataset import write_features
+from features.fail_slow import busy_clocks, fail_slow_columns, fail_slow_features, model_clocks
 from features.inputs import read_day_presence, read_nodes
 from features.labels import GPU, combine_presence
 from features.manifest import open_manifest
@@ -79,17 +80,23 @@ class _Params:
 # -- one partition ----------------------------------------------------------------------------
 
 
+_Part = tuple[pl.DataFrame | None, pl.DataFrame | None, int, pl.DataFrame | None]
+"""A partition's features, bucket means, telemetry rows read and busy clocks (`_partition`)."""
+
+
 def _partition(
     store: Store, nodes: pl.DataFrame, block: tuple[datetime, datetime], params: _Params, facts: FleetFacts
-) -> tuple[pl.DataFrame | None, pl.DataFrame | None, int]:
-    """The features of `nodes` for grid times in `block` (before the model deltas are made
-    fleet-wide), their bucket means for the fleet medians, and the telemetry rows read."""
+) -> _Part:
+    """The features of `nodes` for grid times in `block` (before the model deltas and the
+    fail-slow model peers are made fleet-wide), their bucket means for the fleet medians, the
+    telemetry rows read, and the busy clocks the fail-slow model medians are taken over
+    (`features.fail_slow.busy_clocks` of its rows: those in service, as in a build at once)."""
     start, end = block
     spec = params.spec
     horizon_start = start - lookback(spec)
     tel = read_nodes(store, nodes, horizon_start - spec.grid - spec.max_silence, end)
     if tel.height == 0:
-        return None, None, 0
+        return None, None, 0, None
     hourly = hourly_aggregate(tel, spec.grid, max_gap=spec.max_silence)
     hourly = hourly.filter(pl.col("ts") > pl.lit(horizon_start, dtype=TS_DTYPE))
     gpus = facts.presence.join(nodes, on=_NODE, how="semi")[GPU].unique()
@@ -112,7 +119,9 @@ def _partition(
         & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
         & (pl.col("ts") <= pl.lit(last, dtype=TS_DTYPE))
     ).select(GPU, "ts", model_column(hourly), *metrics)
-    return frame, means, tel.height
+    label = spec.fail_slow_label
+    has_slow = label is not None and fail_slow_columns(label)[-1] in frame.columns
+    return frame, means, tel.height, busy_clocks(frame, label) if has_slow and label is not None else None
 
 
 def _model_medians(parts: Sequence[pl.DataFrame | None], grid: timedelta) -> pl.DataFrame | None:
@@ -124,23 +133,44 @@ def _model_medians(parts: Sequence[pl.DataFrame | None], grid: timedelta) -> pl.
     return model_medians(pl.concat(frames, how="vertical_relaxed"), grid)
 
 
-def _means_of(part: tuple[pl.DataFrame | None, pl.DataFrame | None, int]) -> pl.DataFrame | None:
+def _means_of(part: _Part) -> pl.DataFrame | None:
     return part[1]
+
+
+def _clocks_of(part: _Part) -> pl.DataFrame | None:
+    return part[3]
+
+
+def _fail_slow_medians(clocks: Sequence[pl.DataFrame | None]) -> pl.DataFrame | None:
+    """The fail-slow model peers' medians of the whole fleet (`features.fail_slow.model_clocks`)."""
+    found = [c for c in clocks if c is not None]
+    return model_clocks(found) if found else None
 
 
 def _finish(
     staging: Staging,
-    part: tuple[pl.DataFrame | None, pl.DataFrame | None, int],
+    part: _Part,
     medians: pl.DataFrame | None,
-    grid: timedelta,
+    slow: pl.DataFrame | None,
+    spec: FeatureSpec,
     facts: FleetFacts,
 ) -> tuple[Written, int]:
-    """Make a partition's model deltas fleet-wide, write its files (hidden until the build
-    commits them), and say what it wrote, and how many telemetry rows it read."""
-    frame, means, rows_read = part
+    """Make a partition's model deltas and fail-slow model peers fleet-wide, write its files
+    (hidden until the build commits them), and say what it wrote, and how many telemetry rows
+    it read."""
+    frame, means, rows_read, _ = part
+    grid = spec.grid
     written = Written()
     if frame is None or frame.height == 0:
         return written, rows_read
+    label = spec.fail_slow_label
+    if slow is not None and label is not None:
+        # The partition's rows are its nodes' rows in service: its node peers were all there,
+        # its model peers were not.
+        values = fail_slow_features(frame, label, model_medians=slow)
+        frame = frame.with_columns(
+            pl.Series(c, values[c].to_numpy(), nan_to_null=True).cast(FEATURE_DTYPE) for c in values.columns
+        )
     if means is not None and medians is not None:
         deltas = model_deltas(means, medians, grid)
         names = [c for c in deltas.columns if c not in (GPU, "ts")]
@@ -216,8 +246,10 @@ def build_features_distributed(
             ]
             means = [client.submit(_means_of, p, priority=-2 * b) for p in parts]
             medians = client.submit(_model_medians, means, spec.grid, priority=-2 * b + 1)
+            clocks = [client.submit(_clocks_of, p, priority=-2 * b) for p in parts]
+            slow = client.submit(_fail_slow_medians, clocks, priority=-2 * b + 1)
             results += [
-                client.submit(_finish, staging, p, medians, spec.grid, shared, pure=False, priority=-2 * b + 1)
+                client.submit(_finish, staging, p, medians, slow, spec, shared, pure=False, priority=-2 * b + 1)
                 for p in parts
             ]
         gpus: set[str] = set()

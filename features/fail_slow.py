@@ -38,6 +38,7 @@ import polars as pl
 
 from features.peers import median_of_others
 from ingest.errors import InputError
+from ingest.schema import metric_catalogue
 
 FAIL_SLOW_WINDOW = "24h"
 """The window of the default spec (`features.spec.FeatureSpec.fail_slow_window`); a spec's own
@@ -51,6 +52,13 @@ BUSY_UTIL_PCT = 50.0
 
 FAIL_SLOW_METRICS = ("sm_clock_mhz", "power_w", "util_gpu_pct")
 """The telemetry the features compare (through their window statistics, `needed_columns`)."""
+
+
+def bucket_columns(columns: Sequence[str]) -> list[str]:
+    """The columns of a frame of grid buckets (or a dense grid) the window statistics of the
+    fail-slow metrics are computed from: all but those of the other metrics."""
+    others = [m.column for m in metric_catalogue() if m.column not in FAIL_SLOW_METRICS]
+    return [c for c in columns if not any(c.startswith(f"{m}_") for m in others)]
 
 
 def fail_slow_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from features import facts_cache, newest_cache
 from features.aggregates import BUCKETS, MANIFEST, PRESENCE, aggregates_spec, read_buckets, read_presence
 from features.build import iter_features_from_buckets
 from features.column_sort import sorted_column_by_column
+from features.fail_slow import bucket_columns, model_clocks
 from features.inputs import utc
 from features.labels import GPU
 from features.peers import PEER_METRICS, model_column, model_medians
@@ -451,6 +452,27 @@ def _block(
     # hours since the last one, the cap's; the rest of the history changes no value.
     seen = max(spec.xid_since_cap, back) + spec.grid
     recent = facts.xid.filter(pl.col("last_ts") >= pl.lit(start - seen, dtype=TS_DTYPE))
+    slow = None
+    if count > 1 and spec.fail_slow_label is not None:
+        # The fail-slow model peers are the fleet's too: every shard's busy clocks first, read
+        # from the few bucket columns they need.
+        columns = bucket_columns(store.scan(BUCKETS, start - back, end).collect_schema().names())
+        clocks = [
+            next(
+                iter_features_from_buckets(
+                    hourly,
+                    recent.join(hourly.select(GPU).unique(), on=GPU, how="semi"),
+                    spec,
+                    **facts.build_inputs(),
+                    emit_start=start,
+                    emit_end=end,
+                    rows_per_part=options.rows_per_part,
+                    fail_slow_clocks_only=True,
+                )
+            )
+            for hourly in _shards_of(store, shards, block, back, columns=columns)
+        ]
+        slow = model_clocks(clocks)
     for hourly in _shards_of(store, shards, block, back):
         if count == 1:
             within = pl.col("ts").is_between(pl.lit(start, dtype=TS_DTYPE), pl.lit(end, dtype=TS_DTYPE))
@@ -467,6 +489,7 @@ def _block(
             rows_per_chunk=options.rows_per_chunk,
             rows_per_part=options.rows_per_part,
             model_medians=medians,
+            fail_slow_medians=slow,
             rows=rows,
             part_threads=options.part_threads,
         ):
