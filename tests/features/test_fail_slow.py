@@ -98,3 +98,39 @@ def test_node_and_model_peers_must_agree():
 def test_a_frame_without_the_window_is_refused_in_one_line():
     with pytest.raises(InputError, match=r"no \['sm_clock_mhz_mean_24h'"):
         fail_slow_features(pd.DataFrame({"ts": [], "cluster": [], "node": []}))
+
+
+def test_the_spec_s_window_shapes_the_columns_alike_in_a_store_build_in_shards_and_from_raw_telemetry(tmp_path):
+    import polars as pl
+
+    from features.build import build_features
+    from features.inputs import read_repairs, read_xid_events
+
+    out = tmp_path / "fleet"
+    simulate(
+        out, "demo", seed=5, progress=False, nodes=4, days=3, sample_interval_s=900, acceleration=1.0,
+        fail_slow_fraction=0.1, fail_slow_deficit=(0.1, 0.15),
+    )  # fmt: skip
+    store = Store.open(str(out))
+    hour = timedelta(hours=1)
+    six = FeatureSpec(windows=(hour, 6 * hour, 24 * hour), fail_slow_window=6 * hour)
+    # Built in shards of one node: a GPU's model peers are every shard's.
+    build_features_from_store(store, six, BuildOptions(progress=False, max_buckets_in_memory=0, block_days=1))
+    stored = read_features(store)
+    raw = build_features(store.read("telemetry"), read_xid_events(store), six, repairs=read_repairs(store))
+    for frame in (stored, raw):
+        assert [c for c in frame.columns if c in fail_slow_columns("6h") + fail_slow_columns("24h")] == list(
+            fail_slow_columns("6h")
+        )
+    both = stored.join(raw, on=["gpu_uuid", "ts"], suffix="_raw")
+    assert both.height == stored.height == raw.height
+    for name in fail_slow_columns("6h"):
+        assert both[name].equals(both[f"{name}_raw"].alias(name)), name
+    # They are the 6 h statistics' features, which differ from the 24 h ones of the same rows.
+    frame = stored.to_pandas()
+    score = fail_slow_columns("6h")[-1]
+    expected = fail_slow_features(frame, "6h")[score].to_numpy(dtype=np.float32)
+    np.testing.assert_array_equal(frame[score].to_numpy(dtype=np.float32), expected)
+    day = fail_slow_features(frame, "24h")[fail_slow_columns("24h")[-1]].to_numpy()
+    assert np.nanmax(np.abs(day - frame[score].to_numpy())) > 0.01
+    assert stored.filter(pl.col(score) > 0.05).height > 0  # the planted stragglers show

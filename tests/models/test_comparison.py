@@ -398,3 +398,18 @@ def test_the_top_false_alarms_are_wrong_within_the_long_window_riskiest_first_wi
         near = a["nearest_failure"]
         if near is not None:
             assert near["mode"] == "hbm" and node_of[near["gpu_uuid"]] == a["node"]
+
+
+def test_the_fail_slow_section_reads_the_score_of_the_spec_s_window():
+    frame = small_frame()
+    slow_gpu = frame["gpu_uuid"].iloc[0]
+    ts = pd.to_datetime(frame["ts"], utc=True)
+    onset = ts.max() - pd.Timedelta(days=2)
+    # The feature build's score of a 6 h fail-slow window (`features.build`): one straggler.
+    frame = frame.assign(fail_slow_score_6h=np.where((frame["gpu_uuid"] == slow_gpu) & (ts >= onset), 0.1, 0.0))
+    contenders = [Contender("lr static", "logistic", "static")]
+    six = evaluate_walk_forward(frame, contenders, PLAN, top_k=["5"], bootstrap_samples=20, fail_slow_window="6h")
+    assert six["fail_slow"]["window"] == "6h"
+    assert [a["gpu_uuid"] for a in six["fail_slow"]["top"]] == [slow_gpu]
+    # The default window's features are not in the frame: no section rather than the wrong window.
+    assert "fail_slow" not in evaluate_walk_forward(frame, contenders, PLAN, top_k=["5"], bootstrap_samples=20)
