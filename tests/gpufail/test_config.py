@@ -203,7 +203,7 @@ def test_a_command_may_check_only_the_tables_it_reads(tmp_path):
         load_settings(path, environ={})
     with pytest.raises(ConfigError, match=r"GPUFAIL_PUBLISH__TARGET \(\[publish\] target\)"):
         load_settings(path, environ={"GPUFAIL_PUBLISH__TARGET": "fax"}, tables=("publish",))
-    path.write_text('[evaulate]\ntest_days = 3\n')
+    path.write_text("[evaulate]\ntest_days = 3\n")
     with pytest.raises(ConfigError, match=r"\[evaulate\]: unknown table"):
         load_settings(path, environ={}, tables=("publish",))
 
