@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+from features.fail_slow import fail_slow_columns
 from features.peers import PEER_METRICS
 from features.schema import ID_COLUMNS, LABEL_COLUMNS, feature_columns, window_label
 from features.spec import DEFAULT_GRID, DEFAULT_WINDOWS, FeatureSpec
@@ -53,6 +54,19 @@ _GAUGE_STATS = {
     "slope": "least-squares slope of the hourly means of {what} on time",
 }
 
+_FAIL_SLOW = dict(
+    zip(
+        (name.removesuffix("_w") for name in fail_slow_columns("w")),
+        (
+            "1 - its mean SM clock / the median of its node's other loaded GPUs' (positive: slower)",
+            "1 - its power per utilisation point / the median of its node's other loaded GPUs'",
+            "1 - its highest SM clock / the median of the loaded GPUs of its model (fleet)",
+            "the smaller of the node and model clock deficits (the one there is when the other has no peers)",
+        ),
+        strict=True,
+    )
+)
+
 
 def _what(description: str) -> str:
     return description[0].lower() + description[1:]
@@ -80,6 +94,9 @@ def describe(name: str, grid: timedelta = DEFAULT_GRID, windows: Sequence[timede
     if m := re.fullmatch(rf"telemetry_missing_frac_({win})", name):
         meaning = "fraction of the expected samples that are missing (GPUs younger than the window: of their life)"
         return FeatureDoc(name, "features.windows", meaning, "fraction", m[1])
+    slow = "|".join(_FAIL_SLOW)
+    if (m := re.fullmatch(rf"({slow})_({win})", name)) is not None:
+        return FeatureDoc(name, "features.fail_slow", _FAIL_SLOW[m[1]], "fraction", m[2])
     for metric in metric_catalogue():
         c, what = metric.column, _what(metric.description)
         if not name.startswith(c + "_"):

@@ -23,8 +23,10 @@ Per row of a features frame (each GPU at each grid time; the window statistics c
 
 Positive is slower than the peers. Null where the GPU (or every peer) has no reading, or was
 not loaded in the window. The deficits are relative, so GPU models with different clocks
-compare on one scale. They are computed from a whole grid time of the fleet at once (the
-model median needs every GPU of the model), as the walk-forward evaluation and scoring hold it.
+compare on one scale. The feature build computes them (`features.build`) from the spec's
+`fail_slow_window`, among the GPUs in service at each grid time: a build in pieces hands each
+piece the fleet's model medians (`busy_clocks`, `model_clocks`), as it does the peer features'.
+Scoring and the evaluation read the built score (`fail_slow_score`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def fail_slow_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:
         f"sm_clock_model_deficit_{window}",
         f"fail_slow_score_{window}",
     )
+
+
+FAIL_SLOW_MODEL_PREFIXES = ("sm_clock_model_deficit_", "fail_slow_score_")
+"""The features that compare a GPU with its model's fleet (the score takes the smaller deficit)."""
 
 
 def needed_columns(window: str = FAIL_SLOW_WINDOW) -> tuple[str, ...]:

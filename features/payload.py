@@ -10,7 +10,9 @@ fleet facts (`features.on_demand.stored_fleet_facts`, the ones its own rows are 
 - the XID features (the hours since the last event of each class, the counts in each window):
   from the store's events of the GPU together with the request's (an event in both counts once);
 - `<m>_model_delta_<g>`: against the fleet median of the GPU model at that grid time, from every
-  GPU's buckets in the store (not the request's GPUs alone).
+  GPU's buckets in the store (not the request's GPUs alone); likewise the fail-slow features
+  that compare with the model peers (`sm_clock_model_deficit_<w>`, `fail_slow_score_<w>`:
+  `features.fail_slow`), from every GPU's buckets of the fail-slow window.
 
 Everything else is the GPU's own windows or its node's (`<m>_node_delta_<g>`: send a node's
 GPUs together) and is computed from the request as the build computes it. For a GPU the store
@@ -26,7 +28,14 @@ from datetime import datetime, timedelta
 import polars as pl
 
 from features.aggregates import BUCKETS, read_buckets
-from features.build import _presence_from_buckets, failure_episodes, features_from_buckets
+from features.build import _presence_from_buckets, failure_episodes, features_from_buckets, iter_features_from_buckets
+from features.fail_slow import (
+    FAIL_SLOW_MODEL_PREFIXES,
+    bucket_columns,
+    fail_slow_columns,
+    fail_slow_features,
+    model_clocks,
+)
 from features.inputs import prepare_repairs, prepare_xids, utc
 from features.labels import GPU, resolve_xid_gpus
 from features.peers import PEER_METRICS, model_column, model_deltas, model_medians
@@ -49,9 +58,15 @@ def model_delta_feature(name: str) -> bool:
     return "_model_delta_" in name
 
 
+def model_peer_feature(name: str) -> bool:
+    """Whether a feature compares the GPU with its model's fleet (`features.peers`' model deltas,
+    `features.fail_slow`'s model deficit and the score made with it)."""
+    return model_delta_feature(name) or name.startswith(FAIL_SLOW_MODEL_PREFIXES)
+
+
 def fleet_fact_feature(name: str) -> bool:
     """Whether a feature depends on the fleet or the GPU's history beyond a request's telemetry."""
-    return name == AGE_FEATURE or xid_feature(name) or model_delta_feature(name)
+    return name == AGE_FEATURE or xid_feature(name) or model_peer_feature(name)
 
 
 @dataclass(frozen=True)
@@ -96,7 +111,8 @@ def payload_features(
         hourly, xid, spec, data_end=data_end, presence=presence, episodes=episodes, repairs=repairs
     )
     frame, stored_times = _with_fleet_model_deltas(frame, hourly, store, spec)
-    return PayloadFeatures(frame, _payload_only(frame, known, stored_times), known)
+    frame, slow_times = _with_fleet_fail_slow(frame, store, spec, facts)
+    return PayloadFeatures(frame, _payload_only(frame, known, stored_times, slow_times), known)
 
 
 def _facts(store: Store | None, spec: FeatureSpec) -> FleetFacts | None:
@@ -170,6 +186,53 @@ def _with_fleet_model_deltas(
     )
 
 
+def _with_fleet_fail_slow(
+    frame: pl.DataFrame, store: Store, spec: FeatureSpec, facts: FleetFacts
+) -> tuple[pl.DataFrame, set[datetime]]:
+    """`frame` with the fail-slow features of each GPU's newest row taken against the fleet's
+    model peers of that grid time (`features.fail_slow.model_clocks` of every GPU's buckets of
+    the fail-slow window in the store, the rows in service as the store's build takes them),
+    where the store has buckets then; and those grid times."""
+    label, window = spec.fail_slow_label, spec.fail_slow_window
+    if label is None or window is None or fail_slow_columns(label)[-1] not in frame.columns or frame.height == 0:
+        return frame, set()
+    parts = []
+    for ts in sorted(_newest(frame)["ts"].unique().to_list()):
+        names = store.scan(BUCKETS, ts - window, ts + timedelta(microseconds=1)).collect_schema().names()
+        fleet = read_buckets(
+            store, ts - window - spec.grid, ts + timedelta(microseconds=1), columns=bucket_columns(names)
+        )
+        if fleet.filter(pl.col("ts") == pl.lit(ts, dtype=TS_DTYPE)).height == 0:
+            continue
+        found = iter_features_from_buckets(
+            fleet,
+            facts.xid.head(0),
+            spec,
+            **facts.build_inputs(),
+            emit_start=ts,
+            emit_end=ts + spec.grid,
+            fail_slow_clocks_only=True,
+        )
+        parts.append(next(found))
+    if not parts:
+        return frame, set()
+    medians = model_clocks(parts)
+    times = medians["ts"].unique().implode()
+    values = fail_slow_features(frame, label, model_medians=medians)
+    fleet_wide = pl.col("ts").is_in(times)
+    return (
+        frame.with_columns(
+            pl.when(fleet_wide)
+            .then(pl.Series(c, values[c].to_numpy(), nan_to_null=True))
+            .otherwise(pl.col(c))
+            .cast(frame.schema[c])
+            .alias(c)
+            for c in values.columns
+        ),
+        {utc(t) for t in medians["ts"].unique().to_list()},
+    )
+
+
 def _newest(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.sort(GPU, "ts").group_by(GPU, maintain_order=True).last()
 
@@ -179,14 +242,19 @@ def _all_payload_only(frame: pl.DataFrame) -> dict[str, list[str]]:
     return {str(u): names for u in frame[GPU].unique().to_list()}
 
 
-def _payload_only(frame: pl.DataFrame, known: frozenset[str], stored_times: set[datetime]) -> dict[str, list[str]]:
+def _payload_only(
+    frame: pl.DataFrame, known: frozenset[str], stored_times: set[datetime], slow_times: set[datetime]
+) -> dict[str, list[str]]:
     """Per GPU, the fleet-fact features of its newest row computed from the request alone."""
     history = [c for c in frame.columns if c == AGE_FEATURE or xid_feature(c)]
     deltas = [c for c in frame.columns if model_delta_feature(c)]
+    slow = [c for c in frame.columns if model_peer_feature(c) and not model_delta_feature(c)]
     out = {}
     for uuid, ts in _newest(frame).select(GPU, "ts").iter_rows():
         names = [] if uuid in known else list(history)
         if utc(ts) not in stored_times:
             names += deltas
+        if utc(ts) not in slow_times:
+            names += slow
         out[str(uuid)] = names
     return out

@@ -118,8 +118,8 @@ class FeatureSpec:
     """A GPU silent this long while its node keeps reporting is lost (a failure); None: never."""
     fail_slow_window: timedelta | None = DEFAULT_FAIL_SLOW_WINDOW
     """The window of the fail-slow features (`features.fail_slow`: a GPU's sustained deficit
-    against its node and model peers), computed from the whole fleet at a grid time wherever
-    they are used (scoring, the evaluation) when it is one of `windows`; None: none."""
+    against its node and model peers), which the feature build computes when it is one of
+    `windows`; None: none."""
 
     def __post_init__(self) -> None:
         # Sequences given as lists (or any iterable) are kept as tuples: the spec is hashable,

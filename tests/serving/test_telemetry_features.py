@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from features.on_demand import features_on_demand, on_demand_spec
-from features.payload import fleet_fact_feature
+from features.payload import fleet_fact_feature, model_peer_feature
 from features.schema import feature_columns
 from ingest.store import Store
 from serving.api_payloads import telemetry_frame
@@ -139,7 +139,7 @@ def test_telemetry_of_gpus_the_store_does_not_know_names_the_features_from_the_p
     assert "gpu_age_h" in names and any(c.startswith("xid_") for c in names)
     for uuid in frame["gpu_uuid"]:
         # The fleet medians of the hour are still the store's; the GPU's history is the payload's.
-        assert payload_only[uuid] == [c for c in names if "_model_delta_" not in c]
+        assert payload_only[uuid] == [c for c in names if not model_peer_feature(c)]
     assert (frame["gpu_age_h"] <= 24 * PAYLOAD_DAYS).all()
 
 
