@@ -214,7 +214,7 @@ def iter_features_from_buckets(
     `fail_slow_medians` (`features.fail_slow.model_clocks` of the whole fleet) is to the
     fail-slow features what `model_medians` is to the peer features; `fail_slow_clocks_only`:
     one frame of what they are taken over instead of features (`features.fail_slow.busy_clocks`
-    of the rows in service), which a build in shards gathers from every shard first."""
+    of the rows in the emitted range), which a build in shards gathers from every shard first."""
     spec = spec or FeatureSpec()
     grid, max_silence = spec.grid, spec.max_silence
     data_end = utc(data_end)
@@ -278,21 +278,21 @@ def iter_features_from_buckets(
             *[pl.col(c).cast(LABEL_DTYPES[c]) for c in LABEL_COLUMNS],
         )
         return
-    peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
-    # The fail-slow features compare a GPU with the others in service at its grid time (its
-    # node's, its model's), whichever rows `rows` asks for: computed on the narrow grid, like
-    # the peer features, and placed beside them.
-    in_service = emit & facts["in_service"] & ~silent.fill_null(True)
+    # The fail-slow features compare a GPU with the others at its grid time (its node's, its
+    # model's), whichever rows are kept: computed on the narrow grid over the rows the peer
+    # features compare (a failure recorded later changes labels, not another GPU's features),
+    # and placed beside them.
     if fail_slow_clocks_only:
-        stats = _fail_slow_stats(hourly, narrow, in_service, first_seen, spec, whole=whole)
+        stats = _fail_slow_stats(hourly, narrow, emit, first_seen, spec, whole=whole)
         label = spec.fail_slow_label
         yield (
             busy_clocks(stats, label) if stats is not None and label is not None else pl.DataFrame(schema=CLOCKS_SCHEMA)
         )
         return
-    slow = _fail_slow(hourly, narrow, in_service, first_seen, spec, whole=whole, model_medians=fail_slow_medians)
+    peers = peer_features(narrow.filter(emit), grid, medians=model_medians).filter(keep.filter(emit))
+    slow = _fail_slow(hourly, narrow, emit, first_seen, spec, whole=whole, model_medians=fail_slow_medians)
     if slow is not None:
-        peers = pl.concat([peers, slow.filter(keep.filter(in_service)).drop(GPU, "ts")], how="horizontal")
+        peers = pl.concat([peers, slow.filter(keep.filter(emit)).drop(GPU, "ts")], how="horizontal")
     facts = facts.filter(keep).drop("in_service")
     if not whole and keep.any():
         # A GPU without a kept row was needed above (its labels, the fleet's peers), not below:

@@ -42,9 +42,9 @@ from typing import Any
 import polars as pl
 
 from features.aggregates import AggregatesSummary, count_built_rows, open_aggregates, plan_aggregates, write_day
-from features.build import features_from_buckets
+from features.build import features_from_buckets, iter_features_from_buckets
 from features.dataset import write_features
-from features.fail_slow import busy_clocks, fail_slow_columns, fail_slow_features, model_clocks
+from features.fail_slow import fail_slow_columns, model_clocks, with_fleet_model_peers
 from features.inputs import read_day_presence, read_nodes
 from features.labels import GPU, combine_presence
 from features.manifest import open_manifest
@@ -90,7 +90,7 @@ def _partition(
     """The features of `nodes` for grid times in `block` (before the model deltas and the
     fail-slow model peers are made fleet-wide), their bucket means for the fleet medians, the
     telemetry rows read, and the busy clocks the fail-slow model medians are taken over
-    (`features.fail_slow.busy_clocks` of its rows: those in service, as in a build at once)."""
+    (`features.fail_slow.busy_clocks` of its grid rows in the block, as in a build at once)."""
     start, end = block
     spec = params.spec
     horizon_start = start - lookback(spec)
@@ -119,9 +119,15 @@ def _partition(
         & (pl.col("ts") < pl.lit(end, dtype=TS_DTYPE))
         & (pl.col("ts") <= pl.lit(last, dtype=TS_DTYPE))
     ).select(GPU, "ts", model_column(hourly), *metrics)
-    label = spec.fail_slow_label
-    has_slow = label is not None and fail_slow_columns(label)[-1] in frame.columns
-    return frame, means, tel.height, busy_clocks(frame, label) if has_slow and label is not None else None
+    clocks = None
+    if spec.fail_slow_label is not None and fail_slow_columns(spec.fail_slow_label)[-1] in frame.columns:
+        clocks = next(
+            iter_features_from_buckets(
+                hourly, facts.xid.head(0), spec, **facts.build_inputs(), emit_start=start, emit_end=end,
+                fail_slow_clocks_only=True,
+            )
+        )  # fmt: skip
+    return frame, means, tel.height, clocks
 
 
 def _model_medians(parts: Sequence[pl.DataFrame | None], grid: timedelta) -> pl.DataFrame | None:
@@ -165,12 +171,8 @@ def _finish(
         return written, rows_read
     label = spec.fail_slow_label
     if slow is not None and label is not None:
-        # The partition's rows are its nodes' rows in service: its node peers were all there,
-        # its model peers were not.
-        values = fail_slow_features(frame, label, model_medians=slow)
-        frame = frame.with_columns(
-            pl.Series(c, values[c].to_numpy(), nan_to_null=True).cast(FEATURE_DTYPE) for c in values.columns
-        )
+        # The partition holds whole nodes: its node peers were all there, its model peers not.
+        frame = with_fleet_model_peers(frame, label, slow)
     if means is not None and medians is not None:
         deltas = model_deltas(means, medians, grid)
         names = [c for c in deltas.columns if c not in (GPU, "ts")]

@@ -24,7 +24,7 @@ Per row of a features frame (each GPU at each grid time; the window statistics c
 Positive is slower than the peers. Null where the GPU (or every peer) has no reading, or was
 not loaded in the window. The deficits are relative, so GPU models with different clocks
 compare on one scale. The feature build computes them (`features.build`) from the spec's
-`fail_slow_window`, among the GPUs in service at each grid time: a build in pieces hands each
+`fail_slow_window`, among the fleet's GPUs at each grid time: a build in pieces hands each
 piece the fleet's model medians (`busy_clocks`, `model_clocks`), as it does the peer features'.
 Scoring and the evaluation read the built score (`fail_slow_score`).
 """
@@ -159,8 +159,7 @@ def fail_slow_features(
     def values(column: str) -> np.ndarray:
         return _values(df, column)
 
-    clock_mean, clock_max = values(f"sm_clock_mhz_mean_{window}"), values(f"sm_clock_mhz_max_{window}")
-    util_mean, util_max = values(f"util_gpu_pct_mean_{window}"), values(f"util_gpu_pct_max_{window}")
+    clock_mean, util_mean = values(f"sm_clock_mhz_mean_{window}"), values(f"util_gpu_pct_mean_{window}")
     loaded = util_mean >= LOADED_UTIL_PCT
     per_util = np.where(loaded, values(f"power_w_mean_{window}") / np.where(loaded, util_mean, 1.0), np.nan)
     ts = pd.to_datetime(df["ts"], utc=True)
@@ -172,10 +171,37 @@ def fail_slow_features(
     node_clock = median_of_others(node_id, clock_mean)
     node_power = median_of_others(node_id, per_util)
 
-    busy = util_max >= BUSY_UTIL_PCT
+    with np.errstate(invalid="ignore", divide="ignore"):
+        node_deficit = 1.0 - clock_mean / node_clock
+        power_deficit = 1.0 - per_util / node_power
+    model_deficit = _model_deficit(df, window, model_medians)
+    names = fail_slow_columns(window)
+    found = (node_deficit, power_deficit, model_deficit, _score(node_deficit, model_deficit))
+    return pd.DataFrame(dict(zip(names, found, strict=True)), index=df.index)
+
+
+def with_fleet_model_peers(frame: pl.DataFrame, window: str, model_medians: pl.DataFrame) -> pl.DataFrame:
+    """`frame` (a features frame with the fail-slow features of `window`, built from a piece of
+    the fleet: whole nodes) with the model deficit, and the score made with it, against the
+    fleet's `model_medians` (`model_clocks`); the node deficits are the piece's own."""
+    names = fail_slow_columns(window)
+    df = _pandas(frame.select(*needed_columns(window), *[c for c in ("gpu_model",) if c in frame.columns]), window)
+    model = _model_deficit(df, window, model_medians)
+    score = _score(frame[names[0]].cast(pl.Float64).fill_null(np.nan).to_numpy(), model)
+    return frame.with_columns(
+        pl.Series(name, values, nan_to_null=True).cast(frame.schema[name])
+        for name, values in ((names[2], model), (names[3], score))
+    )
+
+
+def _model_deficit(df: pd.DataFrame, window: str, model_medians: pl.DataFrame | None) -> np.ndarray:
+    """1 - each busy row's highest clock / the median of its model's busy rows' at its time
+    (the frame's own, or `model_medians`)."""
+    clock_max = _values(df, f"sm_clock_mhz_max_{window}")
+    busy = _values(df, f"util_gpu_pct_max_{window}") >= BUSY_UTIL_PCT
     model = _model_key(df)
     if model_medians is None:
-        model_key = pd.MultiIndex.from_arrays([ts, model.to_numpy()])
+        model_key = pd.MultiIndex.from_arrays([_times(df), model.to_numpy()])
         peer_max = (
             pd.Series(np.where(busy, clock_max, np.nan)).groupby(pd.factorize(model_key)[0]).transform("median")
         ).to_numpy()
@@ -188,20 +214,16 @@ def fail_slow_features(
             .fill_null(np.nan)
             .to_numpy()
         )
-    model_clock = np.where(busy, peer_max, np.nan)
-
     with np.errstate(invalid="ignore", divide="ignore"):
-        node_deficit = 1.0 - clock_mean / node_clock
-        power_deficit = 1.0 - per_util / node_power
-        model_deficit = 1.0 - clock_max / model_clock
-    score = np.where(
+        return 1.0 - clock_max / np.where(busy, peer_max, np.nan)
+
+
+def _score(node_deficit: np.ndarray, model_deficit: np.ndarray) -> np.ndarray:
+    """The smaller of the two deficits (both peer groups must agree); the one there is."""
+    return np.where(
         np.isnan(node_deficit),
         model_deficit,
         np.where(np.isnan(model_deficit), node_deficit, np.fmin(node_deficit, model_deficit)),
-    )
-    names = fail_slow_columns(window)
-    return pd.DataFrame(
-        dict(zip(names, (node_deficit, power_deficit, model_deficit, score), strict=True)), index=df.index
     )
 
 

@@ -33,8 +33,8 @@ from features.fail_slow import (
     FAIL_SLOW_MODEL_PREFIXES,
     bucket_columns,
     fail_slow_columns,
-    fail_slow_features,
     model_clocks,
+    with_fleet_model_peers,
 )
 from features.inputs import prepare_repairs, prepare_xids, utc
 from features.labels import GPU, resolve_xid_gpus
@@ -191,7 +191,7 @@ def _with_fleet_fail_slow(
 ) -> tuple[pl.DataFrame, set[datetime]]:
     """`frame` with the fail-slow features of each GPU's newest row taken against the fleet's
     model peers of that grid time (`features.fail_slow.model_clocks` of every GPU's buckets of
-    the fail-slow window in the store, the rows in service as the store's build takes them),
+    the fail-slow window in the store, the rows the store's build compares),
     where the store has buckets then; and those grid times."""
     label, window = spec.fail_slow_label, spec.fail_slow_window
     if label is None or window is None or fail_slow_columns(label)[-1] not in frame.columns or frame.height == 0:
@@ -217,18 +217,11 @@ def _with_fleet_fail_slow(
     if not parts:
         return frame, set()
     medians = model_clocks(parts)
-    times = medians["ts"].unique().implode()
-    values = fail_slow_features(frame, label, model_medians=medians)
-    fleet_wide = pl.col("ts").is_in(times)
+    fleet_wide = with_fleet_model_peers(frame, label, medians)
+    stored = pl.col("ts").is_in(medians["ts"].unique().implode())
+    names = [c for c in fail_slow_columns(label) if model_peer_feature(c)]
     return (
-        frame.with_columns(
-            pl.when(fleet_wide)
-            .then(pl.Series(c, values[c].to_numpy(), nan_to_null=True))
-            .otherwise(pl.col(c))
-            .cast(frame.schema[c])
-            .alias(c)
-            for c in values.columns
-        ),
+        frame.with_columns(pl.when(stored).then(fleet_wide[c]).otherwise(pl.col(c)).alias(c) for c in names),
         {utc(t) for t in medians["ts"].unique().to_list()},
     )
 

@@ -13,6 +13,7 @@ import httpx
 import pandas as pd
 import pytest
 
+from features.payload import fleet_fact_feature
 from tests.serving.api_server import (
     ADMIN_TOKEN,
     N_GPUS,
@@ -194,7 +195,7 @@ def test_predict_from_raw_telemetry_featurises_like_training(client):
     expected = dict(zip(rows["gpu_uuid"], model.predict_risk(rows), strict=True))
     # The server's store has no aggregates to take fleet facts from: the answer names the
     # features that came from the payload alone.
-    fleet_facts = [c for c in built.columns if c == "gpu_age_h" or c.startswith("xid_") or "_model_delta_" in c]
+    fleet_facts = [c for c in built.columns if fleet_fact_feature(c)]
     assert "gpu_age_h" in fleet_facts and any(c.startswith("xid_") for c in fleet_facts)
     for g in body["gpus"]:
         assert g["risk"] == pytest.approx(expected[g["gpu_uuid"]], rel=1e-6)
