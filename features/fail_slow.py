@@ -106,6 +106,16 @@ def _times(df: pd.DataFrame) -> np.ndarray:
     return pd.to_datetime(df["ts"], utc=True).dt.tz_convert(None).to_numpy(dtype="datetime64[ns]")
 
 
+def _group_ids(*keys: np.ndarray) -> np.ndarray:
+    """0, 1, ... per distinct combination of the rows' `keys` (factorising each key and then
+    their codes: a MultiIndex of timestamps and names took most of the features' time)."""
+    ids = np.zeros(len(keys[0]), dtype=np.int64)
+    for key in keys:
+        codes, uniques = pd.factorize(key)
+        ids = pd.factorize(ids * (len(uniques) + 1) + codes)[0]
+    return ids
+
+
 def _values(df: pd.DataFrame, column: str) -> np.ndarray:
     return pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=np.float64)
 
@@ -162,9 +172,9 @@ def fail_slow_features(
     clock_mean, util_mean = values(f"sm_clock_mhz_mean_{window}"), values(f"util_gpu_pct_mean_{window}")
     loaded = util_mean >= LOADED_UTIL_PCT
     per_util = np.where(loaded, values(f"power_w_mean_{window}") / np.where(loaded, util_mean, 1.0), np.nan)
-    ts = pd.to_datetime(df["ts"], utc=True)
-    node_group = pd.MultiIndex.from_arrays([ts, df["cluster"].astype(str), df["node"].astype(str)])
-    node_id = pd.factorize(node_group)[0] + 1  # 0 is "no group" for median_of_others
+    times = _times(df)
+    node_id = _group_ids(times, df["cluster"].astype(str).to_numpy(), df["node"].astype(str).to_numpy()) + 1
+    # (+1: 0 is "no group" for median_of_others)
     # Only loaded boards compare: an idle board beside a busy job (a fresh replacement, a GPU
     # the job does not use) runs at its idle clock, and is not slow.
     clock_mean = np.where(loaded, clock_mean, np.nan)
@@ -201,10 +211,8 @@ def _model_deficit(df: pd.DataFrame, window: str, model_medians: pl.DataFrame | 
     busy = _values(df, f"util_gpu_pct_max_{window}") >= BUSY_UTIL_PCT
     model = _model_key(df)
     if model_medians is None:
-        model_key = pd.MultiIndex.from_arrays([_times(df), model.to_numpy()])
-        peer_max = (
-            pd.Series(np.where(busy, clock_max, np.nan)).groupby(pd.factorize(model_key)[0]).transform("median")
-        ).to_numpy()
+        group = _group_ids(_times(df), model.to_numpy())
+        peer_max = pd.Series(np.where(busy, clock_max, np.nan)).groupby(group).transform("median").to_numpy()
     else:
         keys = pl.DataFrame({"gpu_model": model.to_numpy().astype(str), "ts": _times(df)}).with_columns(
             pl.col("ts").dt.replace_time_zone("UTC").dt.cast_time_unit("us")
