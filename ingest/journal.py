@@ -204,7 +204,7 @@ class Journal:
         """Where the files of the next commit are written; valid until that commit."""
         if self._held is None:
             raise RuntimeError(f"journal {self.name}: use it as a context manager (it holds a lock)")
-        return Staging(self.store, f"{PENDING}{self.name}.{self._id}.", self.datasets, self.durable)
+        return Staging(self.store, pending_prefix(self.name, self._id), self.datasets, self.durable)
 
     def commit(
         self,
@@ -281,7 +281,7 @@ class Journal:
                         self._lingering.append(relative)
                     else:
                         fs.rm(path)
-        prefix = f"{PENDING}{self.name}.{record.get('id')}."
+        prefix = pending_prefix(self.name, str(record.get("id")))
         for relative in record.get("files", []):
             final = self.store.path(relative)
             folder, name = final.rsplit("/", 1)
@@ -375,7 +375,7 @@ def commit_view(store: Store) -> CommitView:
     removed: set[str] = set()
     for name, marker in markers.items():
         commit_id, files, replaces = _record_of(store, name, marker)
-        prefix = f"{PENDING}{name}.{commit_id}."
+        prefix = pending_prefix(name, commit_id)
         for relative in files:
             folder, final = relative.rsplit("/", 1)
             added.setdefault(folder, {})[final] = f"{prefix}{final}"
@@ -452,6 +452,11 @@ def state_without_commit(state: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     rest = {k: v for k, v in state.items() if k != COMMIT_KEY}
     return None if not rest and COMMIT_KEY in state else rest
+
+
+def pending_prefix(writer: str, commit_id: str) -> str:
+    """The name prefix of a commit's new files until they are renamed to their visible names."""
+    return f"{PENDING}{writer}.{commit_id}."
 
 
 def _visible(path: str, prefix: str) -> str:

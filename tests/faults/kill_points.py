@@ -22,7 +22,6 @@ its status (-9 when killed).
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import random
@@ -37,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.journal import INFLIGHT, PENDING, commit_record
+from ingest.journal import commit_view
+from ingest.store import Store
 
 PRELOAD = [
     "gpufail.cli",
@@ -252,16 +252,14 @@ def hidden_files(root: Path) -> list[str]:
 
 
 def lingering(root: Path) -> set[str]:
-    """What each writer's last commit keeps for readers while its marker stays: its new files'
-    hidden names, and the files it replaces, which carry the hidden names earlier commits kept."""
-    kept: set[str] = set()
-    for marker in (root / "_state").glob(f"*{INFLIGHT}"):
-        writer = marker.name.removesuffix(INFLIGHT)
-        state = root / "_state" / f"{writer}.json"
-        record = commit_record(json.loads(state.read_text())) if state.exists() else {}
-        for relative in record.get("files", []):
-            folder, name = relative.rsplit("/", 1)
-            if (root / relative).exists():  # the visible name is there: the commit finished
-                kept.add(f"{folder}/{PENDING}{writer}.{record.get('id')}.{name}")
-        kept.update(relative for relative in record.get("replaces", []) if (root / relative).exists())
-    return kept
+    """What the commits readers still apply keep for them (`ingest.journal.commit_view`): the
+    hidden names of new files whose visible name exists (the commit finished, its replaced
+    files linger), and the replaced files themselves, which carry earlier commits' hidden names."""
+    view = commit_view(Store.open(str(root)))
+    kept = {
+        f"{folder}/{hidden}"
+        for folder, names in view.added.items()
+        for final, hidden in names.items()
+        if (root / folder / final).exists()
+    }
+    return kept | {relative for relative in view.removed if (root / relative).exists()}
