@@ -13,6 +13,7 @@ configures the command.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,21 @@ def without_outside_config(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Non
     for name in [n for n in os.environ if n.startswith("GPUFAIL_")]:
         monkeypatch.delenv(name)
     monkeypatch.chdir(folder)
+
+
+def kernel_log_collector_env(folder: Path) -> dict[str, str]:
+    """The environment of a `gpufail collect --source kernel-log` on node n7 that reads one
+    kernel log of five XID 79 lines (written in `folder`), with no metrics endpoint."""
+    log = folder / "kern.log"
+    log.write_text(
+        "".join(
+            f"2026-03-01T00:00:{s:02d}+00:00 n7 kernel: NVRM: Xid (PCI:0000:18:00): 79, pid={s}, name=train\n"
+            for s in range(0, 50, 10)
+        )
+    )
+    return {
+        "GPUFAIL_COLLECT__KERNEL_LOG_SOURCE": "files",
+        "GPUFAIL_COLLECT__KERNEL_LOG_PATHS": json.dumps([str(log)]),
+        "GPUFAIL_COLLECT__NODE": "n7",
+        "GPUFAIL_COLLECT__LISTEN": "",
+    }

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from gpufail.cli import cli
 from ingest.store import Store
-from tests.cli import without_outside_config
+from tests.cli import kernel_log_collector_env, without_outside_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 QUICK_EVALUATE = """
@@ -147,19 +147,7 @@ def test_ingest_table_json_counts_telemetry_failures_and_repairs(tmp_path):
 
 
 def test_collect_once_json_is_the_only_thing_on_stdout(tmp_path):
-    log = tmp_path / "kern.log"
-    log.write_text(
-        "".join(
-            f"2026-03-01T00:00:{s:02d}+00:00 n7 kernel: NVRM: Xid (PCI:0000:18:00): 79, pid={s}, name=train\n"
-            for s in range(0, 50, 10)
-        )
-    )
-    env = {
-        "GPUFAIL_COLLECT__KERNEL_LOG_SOURCE": "files",
-        "GPUFAIL_COLLECT__KERNEL_LOG_PATHS": json.dumps([str(log)]),
-        "GPUFAIL_COLLECT__NODE": "n7",
-        "GPUFAIL_COLLECT__LISTEN": "",
-    }
+    env = kernel_log_collector_env(tmp_path)
     data = tmp_path / "d"
     result = CliRunner().invoke(
         cli, ["collect", "--once", "--source", "kernel-log", "--out", str(data), "--json"], env=env

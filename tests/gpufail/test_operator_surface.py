@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ingest.store import Store
-from tests.cli import gpufail, gpufail_env
+from tests.cli import gpufail, gpufail_env, kernel_log_collector_env
 
 _BLOCKED = """
 import sys
@@ -84,19 +84,7 @@ def test_a_missing_module_of_gpufail_itself_keeps_its_traceback(tmp_path):
 
 
 def test_collect_in_json_writes_only_json_lines(tmp_path):
-    log = tmp_path / "kern.log"
-    log.write_text(
-        "".join(
-            f"2026-03-01T00:00:{s:02d}+00:00 n7 kernel: NVRM: Xid (PCI:0000:18:00): 79, pid={s}, name=train\n"
-            for s in range(0, 50, 10)
-        )
-    )
-    env = {
-        "GPUFAIL_COLLECT__KERNEL_LOG_SOURCE": "files",
-        "GPUFAIL_COLLECT__KERNEL_LOG_PATHS": json.dumps([str(log)]),
-        "GPUFAIL_COLLECT__NODE": "n7",
-        "GPUFAIL_COLLECT__LISTEN": "",
-    }
+    env = kernel_log_collector_env(tmp_path)
     args = ["collect", "--once", "--source", "kernel-log", "--out", str(tmp_path / "d"), "--log-format", "json"]
     done = subprocess.run(
         [sys.executable, "-m", "gpufail.cli", *args], env=gpufail_env(env), capture_output=True, text=True, timeout=120
