@@ -15,6 +15,7 @@ import numpy as np
 
 from ingest.errors import InputError
 from models.power import compare_points
+from models.report_format import pct
 
 FIGURES = ("precision", "precision_long", "recall", "recall_long")
 
@@ -109,10 +110,6 @@ def _pooled_budget(
     }
 
 
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
 def _pts(value: Any, sign: bool = True) -> str:
     return "-" if value is None else (f"{100 * value:+.1f}" if sign else f"{100 * value:.1f}")
 
@@ -166,10 +163,10 @@ def _budget_lines(label: str, by_budget: dict[str, Any], h: str, long: str) -> l
             rate = p["alarms_per_1000_gpu_days"]
             lines.append(
                 f"| {name} | {p['n_alarms']} | {'-' if rate is None else f'{rate:.2f}'} | "
-                f"{_pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']}) | "
-                f"{_pct(p['precision_long'])} ({p['n_hits_long']}/{p['n_alarms_known_long']}) | "
-                f"{_pct(p['recall'])} ({p['n_caught']}/{p['n_failures']}) | "
-                f"{_pct(p['recall_long'])} ({p['n_caught_long']}/{p['n_failures']}) |"
+                f"{pct(p['precision'])} ({p['n_hits']}/{p['n_alarms_known']}) | "
+                f"{pct(p['precision_long'])} ({p['n_hits_long']}/{p['n_alarms_known_long']}) | "
+                f"{pct(p['recall'])} ({p['n_caught']}/{p['n_failures']}) | "
+                f"{pct(p['recall_long'])} ({p['n_caught_long']}/{p['n_failures']}) |"
             )
         lines += [
             "",

@@ -26,6 +26,7 @@ from models.report_alarms import (
 )
 from models.report_drift import drift_section
 from models.report_fail_slow import fail_slow_section
+from models.report_format import pct
 from models.report_replay import replay_section
 from models.train import write_file_atomic
 from models.walk_forward import BASELINES
@@ -38,10 +39,6 @@ def metrics_json(metrics: dict[str, Any], generated_at: datetime | None = None) 
     """`metrics` as the text of metrics.json, with `generated_at` (now, UTC, by default) first."""
     stamp = (generated_at or datetime.now(UTC)).isoformat()
     return json.dumps({"generated_at": stamp, **metrics}, indent=2, default=str, allow_nan=False) + "\n"
-
-
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -83,14 +80,14 @@ def _comparison_table(metrics: dict[str, Any], k: str) -> list[str]:
         at = s["by_k"][k]
         picks = own_volume_picks(metrics, name, k)
         precision = (
-            f"{_pct(at['precision_daily_mean'])} | {_ci(at['precision_daily_ci'])} | "
-            f"{_pct(at['precision_daily_std'])} | {_pct(at.get('precision_gpu_day_mean'))}"
+            f"{pct(at['precision_daily_mean'])} | {_ci(at['precision_daily_ci'])} | "
+            f"{pct(at['precision_daily_std'])} | {pct(at.get('precision_gpu_day_mean'))}"
             if picks is None
             else f"not comparable: {picks:.2f} picks per grid time, not K | - | - | -"
         )
         lines.append(
             f"| {name} | {what} | {precision} | "
-            f"{_pct(at['recall'])} ({at['n_caught']}/{at['n_episodes']}) | "
+            f"{pct(at['recall'])} ({at['n_caught']}/{at['n_episodes']}) | "
             f"{_ci(at['recall_ci'])} | {_num(at['lead_time_h_median'], 1)} | {_num(s['pr_auc'])} |"
         )
     return lines
@@ -119,7 +116,7 @@ def _mode_table(metrics: dict[str, Any], k: str, names: list[str]) -> list[str]:
         for n in names:
             m = metrics["scores"][n]["by_k"][k]["by_mode"].get(mode, {})
             count = m.get("n_episodes", count)
-            cells.append(f"{_pct(m.get('recall'))} ({m.get('n_caught', 0)}), {_num(m.get('lead_time_h_median'), 1)}")
+            cells.append(f"{pct(m.get('recall'))} ({m.get('n_caught', 0)}), {_num(m.get('lead_time_h_median'), 1)}")
         lines.append(f"| {mode} | {count} | " + " | ".join(cells) + " |")
     return lines
 
@@ -132,7 +129,7 @@ def _mode_notes(metrics: dict[str, Any], k: str, best: str) -> list[str]:
         rand = chance.get(mode, {}).get("recall") or 0.0
         if m["n_episodes"] and (m["recall"] or 0.0) <= 2 * rand + 1.0 / m["n_episodes"]:
             notes.append(
-                f"- {mode}: {best} caught {m['n_caught']} of {m['n_episodes']} against {_pct(rand)} for a random "
+                f"- {mode}: {best} caught {m['n_caught']} of {m['n_episodes']} against {pct(rand)} for a random "
                 "ranking; that is not evidence of prediction for this mode."
             )
     return notes
@@ -141,35 +138,35 @@ def _mode_notes(metrics: dict[str, Any], k: str, best: str) -> list[str]:
 def _claims_text(metrics: dict[str, Any]) -> list[str]:
     c = metrics["claims"]
     k_mean = metrics["scores"]["oracle"]["by_k"][metrics["top_k"]]["k_mean"]
-    lines = [f"- Best configuration: **{c['best']}**, daily precision@K {_pct(c['best_precision'])}."]
+    lines = [f"- Best configuration: **{c['best']}**, daily precision@K {pct(c['best_precision'])}."]
     if "best_static_single" in c:
         lines.append(
-            f"- Best static single model: {c['best_static_single']}, {_pct(c['best_static_precision'])}; "
+            f"- Best static single model: {c['best_static_single']}, {pct(c['best_static_precision'])}; "
             f"gain {100 * c['gain']:+.1f} points (paired bootstrap 95% CI {_ci(c['gain_ci'])} points), "
             f"ratio {_num(c['gain_ratio'], 2)}. The paper's step (46.3% -> 84.0%) is a ratio of "
-            f"{c['paper_gain_ratio']:.2f}: here that means {_pct(c['paper_step_target'])} (capped by the oracle, "
-            f"{_pct(c['oracle_precision'])}). Target {'met' if c['meets_paper_step'] else 'not met'}."
+            f"{c['paper_gain_ratio']:.2f}: here that means {pct(c['paper_step_target'])} (capped by the oracle, "
+            f"{pct(c['oracle_precision'])}). Target {'met' if c['meets_paper_step'] else 'not met'}."
         )
         if not c["meets_paper_step"]:
             lines.append(
-                f"  Why not: no ranking can exceed the oracle's {_pct(c['oracle_precision'])} here (few GPUs fail "
+                f"  Why not: no ranking can exceed the oracle's {pct(c['oracle_precision'])} here (few GPUs fail "
                 f"within any horizon: {_num(metrics['expected_failures_per_day'], 1)} failures a day on average "
-                f"before the test period), and the static models start from {_pct(c['best_static_precision'])}, "
+                f"before the test period), and the static models start from {pct(c['best_static_precision'])}, "
                 "so the room for the paper's step is what the data leaves."
             )
         lines.append(
-            f"- Stability: daily precision@K std {_pct(c['std_best'])} ({c['best']}) against {_pct(c['std_static'])} "
+            f"- Stability: daily precision@K std {pct(c['std_best'])} ({c['best']}) against {pct(c['std_static'])} "
             f"({c['best_static_single']}), ratio {_num(c['std_ratio'], 2)}; target <= 0.5 "
             f"{'met' if c['stability_target_met'] else 'not met'}."
         )
     if "sliding_ensemble" in c:
         e = c["sliding_ensemble"]
         lines.append(
-            f"- The paper's configuration, a retrained ensemble: **{e['name']}** {_pct(e['precision'])} against "
-            f"{e['static_single']} {_pct(e['static_precision'])}: step {100 * e['gain']:+.1f} points (paired 95% CI "
-            f"{_ci(e['gain_ci'])}); the paper's step here would reach {_pct(c['paper_step_target'])}: "
-            f"{'met' if e['meets_paper_step'] else 'not met'}. Daily precision std {_pct(e['std'])} against "
-            f"{_pct(e['std_static'])}, ratio {_num(e['std_ratio'], 2)} (95% CI {_ratio_ci(e['std_ratio_ci'])}); "
+            f"- The paper's configuration, a retrained ensemble: **{e['name']}** {pct(e['precision'])} against "
+            f"{e['static_single']} {pct(e['static_precision'])}: step {100 * e['gain']:+.1f} points (paired 95% CI "
+            f"{_ci(e['gain_ci'])}); the paper's step here would reach {pct(c['paper_step_target'])}: "
+            f"{'met' if e['meets_paper_step'] else 'not met'}. Daily precision std {pct(e['std'])} against "
+            f"{pct(e['std_static'])}, ratio {_num(e['std_ratio'], 2)} (95% CI {_ratio_ci(e['std_ratio_ci'])}); "
             f"target <= 0.5 {'met' if e['stability_target_met'] else 'not met'}."
             + (
                 f" Its precision@K is over {_num(e['picks_per_grid_time'], 1)} picks per grid time, not "
@@ -182,15 +179,15 @@ def _claims_text(metrics: dict[str, Any]) -> list[str]:
             first, second = e["static_of_oracle_halves"]
             drift = first is not None and second is not None and second < 0.8 * first
             lines.append(
-                f"  What the data says: {e['static_single']}, trained once, reached {_pct(first)} of the oracle's "
-                f"precision in the first half of the test period and {_pct(second)} in the second: "
+                f"  What the data says: {e['static_single']}, trained once, reached {pct(first)} of the oracle's "
+                f"precision in the first half of the test period and {pct(second)} in the second: "
                 f"{'it decays, so there is drift for retraining to follow' if drift else 'it does not decay, so there is little drift for retraining to follow'}. "
-                f"And even the oracle's daily precision varies by {_pct(e['oracle_std'])} (std), because how many "
+                f"And even the oracle's daily precision varies by {pct(e['oracle_std'])} (std), because how many "
                 "GPUs fail changes from day to day, which no model removes."
             )
     if "rule_precision" in c:
         lines.append(
-            f"- Rule baseline: {_pct(c['rule_precision'])}; the best configuration "
+            f"- Rule baseline: {pct(c['rule_precision'])}; the best configuration "
             f"{'beats' if c['beats_rule'] else 'does not beat'} it by {100 * (c['best_precision'] - c['rule_precision']):+.1f} "
             f"points (paired 95% CI {_ci(c['gain_over_rule_ci'])})."
         )

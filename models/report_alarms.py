@@ -8,10 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.alarms import LEAD_TIMES_H
-
-
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
+from models.report_format import pct
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -50,12 +47,12 @@ def _window_cells(point: dict[str, Any]) -> str:
     cells = []
     for suffix in ("", "_long"):
         cells.append(
-            f"{_pct(point[f'precision{suffix}'])} ({point[f'n_hits{suffix}']}/{point[f'n_alarms_known{suffix}']}) "
+            f"{pct(point[f'precision{suffix}'])} ({point[f'n_hits{suffix}']}/{point[f'n_alarms_known{suffix}']}) "
             f"{_ci(point[f'precision{suffix}_ci'])}"
         )
     for suffix in ("", "_long"):
         cells.append(
-            f"{_pct(point[f'recall{suffix}'])} ({point[f'n_caught{suffix}']}/{point['n_failures']}) "
+            f"{pct(point[f'recall{suffix}'])} ({point[f'n_caught{suffix}']}/{point['n_failures']}) "
             f"{_ci(point[f'recall{suffix}_ci'])}"
         )
     return " | ".join(cells)
@@ -339,8 +336,8 @@ def versus_baselines_section(metrics: dict[str, Any]) -> list[str]:
         ]
         for name, s in rule["contenders"].items():
             lines.append(
-                f"| {name} | {s['n_alarms']} | {_pct(s['precision'])} {_ci(s['precision_ci'])} | "
-                f"{_pct(s['recall'])} ({s['n_caught']}/{s['n_failures']}) | {_diff(s)} | "
+                f"| {name} | {s['n_alarms']} | {pct(s['precision'])} {_ci(s['precision_ci'])} | "
+                f"{pct(s['recall'])} ({s['n_caught']}/{s['n_failures']}) | {_diff(s)} | "
                 f"{_points(s['recall_difference'])} {_ci(s['recall_difference_ci'])} |"
             )
         lines.append("")
@@ -425,13 +422,13 @@ def equal_volume_section(metrics: dict[str, Any]) -> list[str]:
             "precision difference [95% CI] | recall difference [95% CI] |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {name} (intersection) | {_num(e['alarms_per_1000_gpu_days'], 2)} | {e['n_alarms']} | "
-            f"{_pct(e['precision'])} {_ci(e['precision_ci'])} | {_pct(e['recall'])} ({e['n_caught']}/{e['n_failures']}) | "
+            f"{pct(e['precision'])} {_ci(e['precision_ci'])} | {pct(e['recall'])} ({e['n_caught']}/{e['n_failures']}) | "
             "| |",
         ]
         for single, s in entry["singles"].items():
             lines.append(
                 f"| {single} at the same volume | {_num(s['alarms_per_1000_gpu_days'], 2)} | {s['n_alarms']} | "
-                f"{_pct(s['precision'])} {_ci(s['precision_ci'])} | {_pct(s['recall'])} ({s['n_caught']}/{s['n_failures']}) | "
+                f"{pct(s['precision'])} {_ci(s['precision_ci'])} | {pct(s['recall'])} ({s['n_caught']}/{s['n_failures']}) | "
                 f"{_points(s['precision_difference'])} {_ci(s['precision_difference_ci'])} | "
                 f"{_points(s['recall_difference'])} {_ci(s['recall_difference_ci'])} |"
             )
@@ -479,7 +476,7 @@ def mode_lead_section(metrics: dict[str, Any]) -> list[str]:
     ]
     for mode, m in {**point["by_mode"], "all": {**point, "n_failures": point["n_failures"]}}.items():
         shares = " | ".join(
-            f"{_pct(m['alarmed_before_h'][str(h)]['share'])} of {m['alarmed_before_h'][str(h)]['n_failures']}"
+            f"{pct(m['alarmed_before_h'][str(h)]['share'])} of {m['alarmed_before_h'][str(h)]['n_failures']}"
             for h in LEAD_TIMES_H
         )
         lines.append(f"| {mode} | {m['n_failures']} | {m['n_caught']} | {_num(m['lead_time_h_median'])} | {shares} |")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
+from models.report_format import pct
 
 
 def _when(iso: str | None) -> str:
@@ -58,12 +56,12 @@ def drift_section(metrics: dict[str, Any]) -> list[str]:
             s = event["scorers"][name]
             ranking, alarm = s["precision_at_k"], s.get("alarm_precision")
             alarm_cells = (
-                f"{_pct(alarm['before'])} ({alarm['n_alarms_before']}) | {_pct(alarm['after'])} ({alarm['n_alarms_after']})"
+                f"{pct(alarm['before'])} ({alarm['n_alarms_before']}) | {pct(alarm['after'])} ({alarm['n_alarms_after']})"
                 if alarm
                 else "- | -"
             )
             lines.append(
-                f"| {name} | {modes.get(name, 'baseline')} | {_pct(ranking['before'])} | {_pct(ranking['after'])} | "
+                f"| {name} | {modes.get(name, 'baseline')} | {pct(ranking['before'])} | {pct(ranking['after'])} | "
                 f"{alarm_cells} |"
             )
         lines.append("")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
+from models.report_format import pct
 
 
 def fail_slow_section(metrics: dict[str, Any]) -> list[str]:
@@ -30,7 +28,7 @@ def fail_slow_section(metrics: dict[str, Any]) -> list[str]:
         delay = slow["delay_h_median"]
         lines += [
             f"Against the simulator's truth: {slow['n_slow_gpus']} GPUs were slow during the period; "
-            f"precision {_pct(slow['precision'])} (alarms on a GPU already slow), recall {_pct(slow['recall'])} "
+            f"precision {pct(slow['precision'])} (alarms on a GPU already slow), recall {pct(slow['recall'])} "
             f"({slow['n_caught']} caught)"
             + ("" if delay is None else f", median delay {delay:.1f} h after the onset")
             + ".",

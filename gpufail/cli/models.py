@@ -315,9 +315,7 @@ def alarm_facts(metrics: dict[str, Any]) -> dict[str, Any] | None:
 
 def alarm_lines(f: dict[str, Any]) -> list[str]:
     """The lines of `alarm_facts`: every scorer at the same daily quota first."""
-
-    def pct(value: float | None) -> str:
-        return "-" if value is None else f"{100 * value:.1f}%"
+    from models.report_format import pct
 
     h, long = f"{f['horizon_h']:g} h", f"{f['long_horizon_h']:g} h"
     ratio = f["volume_ratio"]
