@@ -32,7 +32,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -299,9 +298,3 @@ def _cut(series: Series, start_ms: int, end_ms: int) -> Series:
     if keep.all():
         return series
     return Series(series.labels, series.times_ms[keep], series.values[keep])
-
-
-def warning_counts(answers: Answers) -> dict[str, Any]:
-    """The warnings of `answers` for a summary: how many, and the first."""
-    total = answers.warnings.total()
-    return {"warnings": total, "first_warning": next(iter(answers.warnings), None)}
