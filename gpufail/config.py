@@ -590,9 +590,6 @@ class EvaluateSettings(_Table):
     seed: int = Field(default=0, ge=0)
     jobs: int = Field(default=2, ge=1)
     """Processes that run the fits (each fit uses one thread)."""
-    max_memory_gb: float | None = Field(default=None, gt=0)
-    """The most memory evaluate may plan to use (it holds the whole features dataset); unset:
-    what this machine, or its cgroup limit, has available when it starts."""
     alarm_budgets: list[Annotated[float, Field(gt=0.0)]] = Field(
         default_factory=lambda: [0.5, 1.0, 2.0, 5.0], min_length=1
     )

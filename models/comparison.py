@@ -34,6 +34,7 @@ from sklearn.metrics import roc_auc_score
 
 from features.fail_slow import FAIL_SLOW_WINDOW
 from ingest.errors import InputError
+from ingest.store import Store
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
 from models.calibration import high_risk_check, reliability, top_risk_ties
 from models.drift import before_after, drift_events
@@ -42,16 +43,16 @@ from models.evaluate import (
     bootstrap_ci,
     compare_scores,
     episode_recall,
-    expected_failures_per_day,
     rule_columns,
     rule_flags,
 )
+from models.evaluation_inputs import inputs_from_store, inputs_in_memory
 from models.fail_slow import fail_slow_report, has_fail_slow_inputs
-from models.feature_baseline import choose_feature, feature_scores
+from models.feature_baseline import feature_scores
 from models.frame import labels, to_pandas
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
 from models.operating_points import alarm_comparison, baseline_verdicts, ensemble_verdict, quota_verdicts
-from models.walk_forward import Contender, WalkForwardPlan, WalkForwardResult, duration_label, run_walk_forward
+from models.walk_forward import Contender, WalkForwardPlan, WalkForwardResult, duration_label
 
 PAPER_PRECISION = (0.463, 0.840)
 """Liu et al.: precision at the top of the ranking, best single model -> sliding ensembles."""
@@ -68,7 +69,7 @@ def covered_days(times: pd.Series) -> int:
 
 
 def evaluate_walk_forward(
-    frame: Any,
+    source: Any,
     contenders: Sequence[Contender],
     plan: WalkForwardPlan,
     *,
@@ -83,7 +84,9 @@ def evaluate_walk_forward(
     client: Any = None,
     fail_slow_window: str | None = FAIL_SLOW_WINDOW,
 ) -> dict[str, Any]:
-    """Run the walk-forward comparison and return every figure of its report (JSON-ready):
+    """Run the walk-forward comparison and return every figure of its report (JSON-ready) on
+    `source`: a features frame in memory, or a `Store` whose features are read a day at a time
+    (`models.evaluation_inputs`: no process holds the whole frame). The figures are
     the contenders, the baselines `random`, `rule` (`models.evaluate.rule_flags`; absent with
     a reason when the frame lacks its columns), `heuristic` and `oracle`, scored on the same
     test rows; `model` repeats the primary contender (the first `auto` one, else the first).
@@ -101,12 +104,15 @@ def evaluate_walk_forward(
     if not specs:
         raise InputError("top_k: expected at least one K specification, got none")
     plan = WalkForwardPlan(**{**plan.__dict__, "top_k": specs[0]})
-    frame = to_pandas(frame)  # once: a polars frame of the demo is ~1 GB in pandas
-    result = run_walk_forward(frame, contenders, plan, progress=progress, client=client)
+    if isinstance(source, Store):
+        inputs = inputs_from_store(
+            source, contenders, plan, fail_slow_window=fail_slow_window, progress=progress, client=client
+        )
+    else:
+        inputs = inputs_in_memory(source, contenders, plan, progress=progress, client=client)
+    result, history = inputs.result, inputs.history
     test = result.test
-    history = frame[[c for c in ("ts", "gpu_uuid", "node", "label", "time_to_failure_h") if c in frame.columns]]
-    ts = pd.to_datetime(history["ts"], utc=True)
-    expected = expected_failures_per_day(history.loc[(ts < result.test_start - result.horizon).to_numpy()])
+    expected = history.expected_failures_per_day(result.test_start - result.horizon)
     baselines = baseline_scores(test, plan.seed)
     scores: dict[str, np.ndarray] = dict(result.scores)
     scores["random"] = baselines["random"]
@@ -118,7 +124,7 @@ def evaluate_walk_forward(
         rule_note = "the features have no hardware-XID or uncorrectable-ECC columns"
     scores["heuristic"] = baselines["heuristic"]
     assert result.validation is not None
-    feature = choose_feature(result.validation)
+    feature = inputs.best_feature
     extra = {}
     if feature is not None:
         scores["best_feature"] = feature_scores(test, feature)
@@ -149,6 +155,7 @@ def evaluate_walk_forward(
         extra_scorers=extra,
         explain=None if chosen is None else chosen["name"],
         headline=headline,
+        features=inputs.features,
     )
     if "rule" in scores:
         compared["rule"]["flagged"] = _flag_metrics(test, scores["rule"])
@@ -157,7 +164,7 @@ def evaluate_walk_forward(
     y = labels(test).to_numpy()
     at_headline = alarms["quota"][f"{headline:g}"]["points"]
     drift = before_after(
-        drift_events(frame),
+        drift_events(inputs.drift),
         result.test_start,
         result.test_end,
         {
@@ -543,7 +550,7 @@ def paired_over_seeds(per_seed: dict[str, dict[str, dict[str, float | None]]]) -
 
 
 def evaluate_seeds(
-    frame: Any, contenders: Sequence[Contender], plan: WalkForwardPlan, seeds: Sequence[int], **options: Any
+    source: Any, contenders: Sequence[Contender], plan: WalkForwardPlan, seeds: Sequence[int], **options: Any
 ) -> dict[str, Any]:
     """`evaluate_walk_forward` under each of `seeds` (the plan's seed: every fit's negative
     draw, the random baseline, the bootstrap): the first seed's metrics in full, with `seeds`
@@ -554,12 +561,12 @@ def evaluate_seeds(
         raise InputError("seeds: expected at least one seed, got none")
     if len(set(seeds)) != len(seeds):
         raise InputError(f"seeds: expected distinct seeds, got {list(seeds)}")
-    frame = to_pandas(frame)
+    source = source if isinstance(source, Store) else to_pandas(source)
     first: dict[str, Any] | None = None
     per_seed, chosen = {}, {}
     for seed in seeds:
         metrics = evaluate_walk_forward(
-            frame, contenders, WalkForwardPlan(**{**plan.__dict__, "seed": seed}), **options
+            source, contenders, WalkForwardPlan(**{**plan.__dict__, "seed": seed}), **options
         )
         first = first or metrics
         per_seed[str(seed)] = headline_figures(metrics)

@@ -20,6 +20,7 @@ split is at the event's start: from then on a static model scores rows unlike it
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,24 +34,55 @@ def _utc(values: Any) -> pd.Series:
     return pd.to_datetime(pd.Series(values), utc=True)
 
 
-def driver_rollouts(frame: pd.DataFrame) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class DriftFacts:
+    """What the events are found from, small whatever the fleet: rows per (grid time, driver)
+    and each node's first grid time. Facts of consecutive parts of the data (a store read a
+    day at a time) merge into the facts of the whole (`merged`)."""
+
+    drivers: pd.DataFrame
+    """Rows per grid time (index, sorted) and driver version (columns)."""
+    first_seen: pd.Series
+    """node -> its first grid time."""
+    first: pd.Timestamp | None
+    """The data's first grid time (None: no rows)."""
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame) -> DriftFacts:
+        """The facts of a frame with ts and, where present, driver and node."""
+        if not len(frame):
+            return cls(pd.DataFrame(), pd.Series(dtype="datetime64[ns, UTC]"), None)
+        ts = _utc(frame["ts"]).reset_index(drop=True)
+        drivers = pd.DataFrame()
+        if "driver" in frame.columns:
+            # Rows per (grid time, driver): a few thousand counts instead of a pass over every row per version.
+            drivers = (
+                pd.DataFrame({"ts": ts, "driver": frame["driver"].astype("string").reset_index(drop=True)})
+                .groupby(["ts", "driver"], observed=True)
+                .size()
+                .unstack(fill_value=0)
+                .sort_index()
+            )
+        first_seen = pd.Series(dtype="datetime64[ns, UTC]")
+        if "node" in frame.columns:
+            first_seen = ts.groupby(frame["node"].astype("string").reset_index(drop=True)).min()
+        return cls(drivers, first_seen, ts.min())
+
+    @classmethod
+    def merged(cls, parts: list[DriftFacts]) -> DriftFacts:
+        """The facts of the data whose parts (in time order, no grid time in two) are `parts`."""
+        parts = [p for p in parts if p.first is not None]
+        if not parts:
+            return cls.of(pd.DataFrame({"ts": []}))
+        drivers = pd.concat([p.drivers for p in parts]).fillna(0).astype(np.int64).sort_index()
+        seen = pd.concat([p.first_seen for p in parts])
+        return cls(drivers, seen.groupby(level=0).min(), min(p.first for p in parts if p.first is not None))
+
+
+def driver_rollouts(frame: pd.DataFrame | DriftFacts) -> list[dict[str, Any]]:
     """Driver versions absent at the data's first grid time: their first row and the grid time
     at which half the rows first run them (None if they never reach half)."""
-    if "driver" not in frame.columns or not len(frame):
-        return []
-    # Rows per (grid time, driver): a few thousand counts instead of a pass over every row per version.
-    counts = (
-        pd.DataFrame(
-            {
-                "ts": _utc(frame["ts"]).reset_index(drop=True),
-                "driver": frame["driver"].astype("string").reset_index(drop=True),
-            }
-        )
-        .groupby(["ts", "driver"], observed=True)
-        .size()
-        .unstack(fill_value=0)
-        .sort_index()
-    )
+    counts = (frame if isinstance(frame, DriftFacts) else DriftFacts.of(frame)).drivers
     if counts.empty:
         return []
     share = counts.div(counts.sum(axis=1), axis=0)
@@ -71,13 +103,13 @@ def driver_rollouts(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return events
 
 
-def new_nodes(frame: pd.DataFrame) -> list[dict[str, Any]]:
+def new_nodes(frame: pd.DataFrame | DriftFacts) -> list[dict[str, Any]]:
     """Nodes first seen a day or more after the data's first grid time, grouped by that day."""
-    if "node" not in frame.columns or not len(frame):
+    facts = frame if isinstance(frame, DriftFacts) else DriftFacts.of(frame)
+    if facts.first is None or facts.first_seen.empty:
         return []
-    ts = _utc(frame["ts"]).reset_index(drop=True)
-    seen = ts.groupby(frame["node"].astype("string").reset_index(drop=True)).min()
-    late = seen[seen >= ts.min() + pd.Timedelta(days=1)]
+    seen = facts.first_seen
+    late = seen[seen >= facts.first + pd.Timedelta(days=1)]
     events = []
     for day, nodes in late.groupby(late.dt.floor("D")):
         if len(nodes) >= MIN_NEW_NODES:
@@ -94,9 +126,10 @@ def new_nodes(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return events
 
 
-def drift_events(frame: pd.DataFrame) -> list[dict[str, Any]]:
+def drift_events(frame: pd.DataFrame | DriftFacts) -> list[dict[str, Any]]:
     """Every event `driver_rollouts` and `new_nodes` find, in time order."""
-    return sorted(driver_rollouts(frame) + new_nodes(frame), key=lambda e: e["start"])
+    facts = frame if isinstance(frame, DriftFacts) else DriftFacts.of(frame)
+    return sorted(driver_rollouts(facts) + new_nodes(facts), key=lambda e: e["start"])
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -8,6 +8,9 @@ weighed them (a model-free view, the same for every kind of model)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,12 +20,67 @@ from models.alarms import AlarmFrame, alarm_table
 from models.frame import feature_columns, labels, to_pandas
 
 
+@dataclass(frozen=True)
+class Moments:
+    """Per numeric feature column: the count, mean and sum of squared deviations of its values
+    (nulls left out). The moments of consecutive parts of the test rows merge into those of the
+    whole (`merged`, Chan et al.'s pairwise update), so a store read a day at a time gives the
+    spread the rows in memory give."""
+
+    columns: dict[str, tuple[int, float, float]]
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame) -> Moments:
+        out = {}
+        for c in [c for c in feature_columns(frame) if pd.api.types.is_numeric_dtype(frame[c])]:
+            x = pd.to_numeric(frame[c], errors="coerce").astype("Float64").to_numpy(dtype=np.float64, na_value=np.nan)
+            x = x[~np.isnan(x)]
+            mean = float(x.mean()) if len(x) else 0.0
+            out[c] = (len(x), mean, float(((x - mean) ** 2).sum()) if len(x) else 0.0)
+        return cls(out)
+
+    @classmethod
+    def merged(cls, parts: list[Moments]) -> Moments:
+        out: dict[str, tuple[int, float, float]] = {}
+        for part in parts:
+            for c, (n_b, mean_b, m2_b) in part.columns.items():
+                n_a, mean_a, m2_a = out.get(c, (0, 0.0, 0.0))
+                n = n_a + n_b
+                if n == 0:
+                    out[c] = (0, 0.0, 0.0)
+                    continue
+                delta = mean_b - mean_a
+                out[c] = (n, mean_a + delta * n_b / n, m2_a + m2_b + delta * delta * n_a * n_b / n)
+        return cls(out)
+
+    def spread(self) -> dict[str, tuple[float, float]]:
+        """feature -> (mean, standard deviation with one degree of freedom) where defined."""
+        return {c: (mean, math.sqrt(m2 / (n - 1))) for c, (n, mean, m2) in self.columns.items() if n > 1}
+
+
+@dataclass(frozen=True)
+class FeatureView:
+    """What the false alarms are explained by: the test period's spread of each feature, and
+    the test rows at given positions with every feature (from memory, or read from the store:
+    `models.store_evaluation`)."""
+
+    spread: dict[str, tuple[float, float]]
+    rows: Callable[[np.ndarray], pd.DataFrame]
+
+    @classmethod
+    def of(cls, test: Any) -> FeatureView:
+        """The view of test rows held in memory with their features."""
+        test = to_pandas(test)
+        return cls(Moments.of(test).spread(), lambda positions: test.iloc[positions])
+
+
 def top_false_alarms(
     frame: AlarmFrame,
     test: pd.DataFrame,
     alarm: np.ndarray,
     scores: np.ndarray,
     *,
+    features: FeatureView | None = None,
     failure_modes: Any = None,
     nodes: pd.Series | None = None,
     n: int = 10,
@@ -32,7 +90,8 @@ def top_false_alarms(
     `alarm` (sorted order of `frame`, the AlarmFrame of `test`), highest `scores` (sorted order)
     first: ts, gpu_uuid, node, score, the nearest failure on its node (`nearest_failure`: mode,
     gpu_uuid, hours from the alarm, negative before it; None when its node has none) and the
-    `n_features` most unusual features of its row (`leading_features`)."""
+    `n_features` most unusual features of its row (`leading_features`, from `features`:
+    default `test`'s own)."""
     table = alarm_table(frame, alarm)
     false = table.loc[~table["hit_long"].to_numpy() & table["known_long"].to_numpy()].copy()
     if len(false) == 0:
@@ -40,17 +99,15 @@ def top_false_alarms(
     false["score"] = scores[false["row"].to_numpy()]
     false = false.sort_values(["score", "ts"], ascending=[False, True]).head(n)
     test = to_pandas(test)
+    features = features or FeatureView.of(test)
     labelled = np.flatnonzero(labels(test).notna().to_numpy())
     positions = labelled[frame.order[false["row"].to_numpy()]]
-    columns = [c for c in feature_columns(test) if pd.api.types.is_numeric_dtype(test[c])]
-    rows = test.iloc[positions]
-    numbers = {c: pd.to_numeric(test[c], errors="coerce") for c in columns}
-    spread = {c: (float(v.mean()), float(v.std())) for c, v in numbers.items()}
+    rows = features.rows(positions)
     truth = _truth(failure_modes, nodes)
     out = []
-    for (_, alarm_row), (_, features) in zip(false.iterrows(), rows.iterrows(), strict=True):
+    for (_, alarm_row), (_, row) in zip(false.iterrows(), rows.iterrows(), strict=True):
         gpu = str(alarm_row["gpu_uuid"])
-        node = str(features["node"]) if "node" in rows.columns else (None if nodes is None else nodes.get(gpu))
+        node = str(row["node"]) if "node" in rows.columns else (None if nodes is None else nodes.get(gpu))
         out.append(
             {
                 "ts": alarm_row["ts"].isoformat(),
@@ -58,7 +115,7 @@ def top_false_alarms(
                 "node": node,
                 "score": float(alarm_row["score"]),
                 "nearest_failure": _nearest(truth, node, alarm_row["ts"]),
-                "leading_features": _leading(spread, features, n_features),
+                "leading_features": _leading(features.spread, row, n_features),
             }
         )
     return out

@@ -47,8 +47,9 @@ from models.alarms import (
     tie_gap,
     untied,
 )
-from models.evaluate import failure_episodes, heuristic_scores, random_scores, rule_columns, rule_flags
-from models.false_alarms import top_false_alarms
+from models.evaluate import heuristic_scores, random_scores, rule_columns, rule_flags
+from models.false_alarms import FeatureView, top_false_alarms
+from models.history import History
 from models.kinds import ENSEMBLE_KINDS, SINGLE_KINDS
 from models.power import compare_points
 from models.walk_forward import Contender, WalkForwardResult
@@ -59,7 +60,7 @@ def _public(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def alarm_comparison(
-    history: pd.DataFrame,
+    history: History,
     result: WalkForwardResult,
     contenders: Sequence[Contender],
     rules: AlarmRules,
@@ -71,15 +72,17 @@ def alarm_comparison(
     extra_scorers: dict[str, tuple[Any, Any]] | None = None,
     explain: str | None = None,
     headline: float | None = None,
+    features: FeatureView | None = None,
 ) -> dict[str, Any]:
     """The `alarms` section of the comparison's metrics (see the module docstring).
-    `history`: ts, gpu_uuid, label, time_to_failure_h (and node, for the false alarms) of every
-    row (the failures the data knows, also after the test period, judge the long window).
+    `history`: of every row of the data (the failures it knows, also after the test period,
+    judge the long window; its nodes name the false alarms'). `features`: the test rows'
+    features the false alarms are explained by (default: `result.test`'s).
     `extra_scorers`: more baselines, name -> (test scores, validation scores), thresholded as
     the heuristic is. `explain`: the contender whose top false alarms at the `headline` quota
     (default: the first budget) are listed."""
-    known = failure_episodes(history)
-    last = pd.to_datetime(history["ts"], utc=True).max()
+    known = history.episodes()
+    last = history.last
     test = AlarmFrame(
         result.test, rules, failures=known, known_until=last, start=result.test_start, failure_modes=failure_modes
     )
@@ -178,8 +181,9 @@ def alarm_comparison(
                 result.test,
                 quota_alarm_rows[shown_budget, explain],
                 test.sorted_values(ranked[explain]),
+                features=features or FeatureView.of(result.test),
                 failure_modes=failure_modes,
-                nodes=_nodes(history),
+                nodes=history.nodes,
             ),
         }
 
@@ -214,14 +218,6 @@ def volume_ratio(points: dict[str, dict[str, Any]]) -> float | None:
     if not volumes or min(volumes) <= 0:
         return None
     return float(max(volumes) / min(volumes))
-
-
-def _nodes(history: pd.DataFrame) -> pd.Series | None:
-    """gpu_uuid -> node, where the rows name the node."""
-    if "node" not in history.columns:
-        return None
-    pairs = history[["gpu_uuid", "node"]].drop_duplicates("gpu_uuid")
-    return pd.Series(pairs["node"].astype(str).to_numpy(), index=pairs["gpu_uuid"].astype(str).to_numpy())
 
 
 def _quota_scores(

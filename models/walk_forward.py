@@ -944,7 +944,7 @@ def _check_plan(contenders: Sequence[Contender], plan: WalkForwardPlan) -> None:
 
 
 @dataclass(frozen=True)
-class _Periods:
+class Periods:
     """When the test period is, when models are trained, and which rows the evaluation frame
     holds (the labelled rows with eval_start <= ts < test_end_excl)."""
 
@@ -955,6 +955,8 @@ class _Periods:
     pre_times: list[pd.Timestamp]
     eval_start: pd.Timestamp
     step: pd.Timedelta
+    validation: tuple[pd.Timestamp, pd.Timestamp]
+    """[start, end) of the validation slice: the first retrain's calibration slice."""
 
 
 def _periods(
@@ -963,7 +965,7 @@ def _periods(
     first: pd.Timestamp,
     settled: pd.Timestamp,
     step: pd.Timedelta,
-) -> _Periods:
+) -> Periods:
     """The periods of data whose first grid time is `first`, whose labels are settled until
     `settled` (the test period's last grid time), on a grid of `step`."""
     horizon = as_timedelta(plan.horizon, "horizon")
@@ -989,7 +991,8 @@ def _periods(
     pre_times = [test_start - k * every for k in range(n_pre, 0, -1)]
     # From the calibration slice of the first model trained.
     eval_start = (pre_times[0] if pre_times else test_start) - horizon - calibration_window
-    return _Periods(test_start, settled, test_end_excl, retrain_times, pre_times, eval_start, step)
+    validation = (test_start - horizon - calibration_window, test_start - horizon)
+    return Periods(test_start, settled, test_end_excl, retrain_times, pre_times, eval_start, step, validation)
 
 
 RowsFor = Callable[[list[Pool]], Rows]
@@ -1029,12 +1032,21 @@ def run_walk_forward(
     return _walk_forward(contenders, plan, periods, evaluation, eval_ns, in_memory, progress, client)
 
 
+def store_periods(store: Store, contenders: Sequence[Contender], plan: WalkForwardPlan) -> Periods:
+    """The periods `run_walk_forward_from_store` runs over the store's features (for a reader
+    that reads the evaluation rows itself, `models.store_evaluation`)."""
+    _check_plan(contenders, plan)
+    horizon = as_timedelta(plan.horizon, "horizon")
+    return _periods(contenders, plan, store_first_ts(store), store_settled_until(store, horizon), _store_step(store))
+
+
 def run_walk_forward_from_store(
     store: Store,
     contenders: Sequence[Contender],
     plan: WalkForwardPlan,
     *,
     columns: Sequence[str] = (),
+    evaluation: pd.DataFrame | None = None,
     progress: bool = False,
     client: Any = None,
 ) -> WalkForwardResult:
@@ -1042,13 +1054,14 @@ def run_walk_forward_from_store(
     them (`models.walk_forward_rows.StoreRows`): a process holds one training draw and one
     day of rows. The result is the same as `run_walk_forward(read_features(store), ...)`'s,
     except that `test` and `validation` hold only the identity and label columns and
-    `columns` (what the figures after the walk-forward read), not every feature."""
-    _check_plan(contenders, plan)
+    `columns` (what the figures after the walk-forward read), not every feature.
+    `evaluation`: those rows already read (the labelled rows of `store_periods`' eval_start
+    .. test_end_excl, sorted by (ts, gpu_uuid)); `columns` is then not read."""
+    periods = store_periods(store, contenders, plan)
     horizon = as_timedelta(plan.horizon, "horizon")
-    step = _store_step(store)
-    periods = _periods(contenders, plan, store_first_ts(store), store_settled_until(store, horizon), step)
-    keep = list(dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *columns]))
-    evaluation = _labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
+    if evaluation is None:
+        keep = list(dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *columns]))
+        evaluation = labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
     ts = pd.to_datetime(evaluation["ts"], utc=True)
     eval_ns = ts.to_numpy(dtype="datetime64[ns]").astype(np.int64)
     source = StoreRows(store.root, plan.negative_fraction, plan.seed, horizon)
@@ -1065,9 +1078,10 @@ def _store_step(store: Store) -> pd.Timedelta:
     return pd.Timedelta(int(np.diff(times).astype(np.int64).min())) if len(times) > 1 else pd.Timedelta(hours=1)
 
 
-def _labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, columns: list[str]) -> pd.DataFrame:
+def labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, columns: list[str]) -> pd.DataFrame:
     """The `columns` of the labelled rows with start <= ts < end, sorted by (ts, gpu_uuid),
-    read a day at a time (a computed store computes only what a day needs)."""
+    read a day at a time (a computed store computes only what a day needs). The label is a
+    float, as a whole frame's (which has censored rows) reads in pandas."""
     parts = []
     for day in feature_days(store, start.to_pydatetime(), end.to_pydatetime()):
         midnight = pd.Timestamp(day, tz="UTC")
@@ -1083,7 +1097,7 @@ def _labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, c
 def _walk_forward(
     contenders: Sequence[Contender],
     plan: WalkForwardPlan,
-    periods: _Periods,
+    periods: Periods,
     evaluation: pd.DataFrame,
     eval_ns: np.ndarray,
     rows_for: RowsFor,

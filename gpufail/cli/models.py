@@ -77,28 +77,6 @@ def _calibration_text(info: dict[str, Any] | None) -> str:
     )
 
 
-def _load_features(root: str) -> Any:
-    """The whole features dataset."""
-    from features.dataset import read_features
-    from ingest.store import Store
-
-    store = Store.open(root)
-    frame = read_features(store)
-    if frame.height == 0:
-        raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
-    return frame
-
-
-def _check_evaluate_fits(store: Any, max_memory_gb: float | None) -> None:
-    """Refuse before reading when the whole features dataset would not fit (`gpufail.memory`)."""
-    from features.dataset import features_dataset, features_shape
-    from gpufail.memory import available_bytes, check_evaluate_fits
-
-    rows, columns = features_shape(store)
-    budget = available_bytes() if max_memory_gb is None else int(max_memory_gb * 1e9)
-    check_evaluate_fits(store.path(features_dataset(store)), rows, columns, budget)
-
-
 @click.command()
 @data_option
 @click.option(
@@ -136,9 +114,9 @@ def evaluate(
 ) -> None:
     """Walk-forward comparison of the [evaluate] contenders and baselines; writes report.md,
     metrics.json and plots."""
+    from features.dataset import feature_days
     from ingest.store import Store
     from models.comparison import evaluate_walk_forward
-    from models.frame import to_pandas
     from models.report import write_walk_forward_report
     from models.walk_forward import Contender
 
@@ -146,10 +124,8 @@ def evaluate(
     cfg = settings.evaluate
     root = data_root(ctx, data)
     store = Store.open(root)
-    _check_evaluate_fits(store, cfg.max_memory_gb)
-    # In pandas once, here, so the polars frame is let go before the walk-forward's copies
-    # (evaluate converts a polars frame itself, but the caller's reference would keep both).
-    frame = to_pandas(_load_features(root))
+    if not feature_days(store):
+        raise GpufailError(f"{root}: the features dataset is empty; run `gpufail features --data {root}` first")
     failures = (
         store.read("failures", columns=["ts", "gpu_uuid", "mode"]).to_pandas() if store.exists("failures") else None
     )
@@ -178,9 +154,9 @@ def evaluate(
         if cfg.seeds:
             from models.comparison import evaluate_seeds
 
-            metrics = evaluate_seeds(frame, contenders, plan, cfg.seeds, **options)
+            metrics = evaluate_seeds(store, contenders, plan, cfg.seeds, **options)
         else:
-            metrics = evaluate_walk_forward(frame, contenders, plan, **options)
+            metrics = evaluate_walk_forward(store, contenders, plan, **options)
     metrics_path, report_path = write_walk_forward_report(metrics, report_dir)
     facts = evaluate_facts(metrics, metrics_path, report_path)
     report(as_json, evaluate_line(facts), facts)
