@@ -46,7 +46,7 @@ from models.evaluate import (
     rule_columns,
     rule_flags,
 )
-from models.evaluation_inputs import inputs_from_store, inputs_in_memory
+from models.evaluation_inputs import EvaluationInputs, inputs_from_store, inputs_in_memory
 from models.fail_slow import fail_slow_report, has_fail_slow_inputs
 from models.feature_baseline import feature_scores
 from models.frame import labels, to_pandas
@@ -110,6 +110,37 @@ def evaluate_walk_forward(
         )
     else:
         inputs = inputs_in_memory(source, contenders, plan, progress=progress, client=client)
+    with inputs:
+        return _figures(
+            inputs,
+            contenders,
+            plan,
+            specs,
+            failures=failures,
+            bootstrap_samples=bootstrap_samples,
+            alarm_rules=alarm_rules,
+            budgets=budgets,
+            replay=replay,
+            fail_slow_truth=fail_slow_truth,
+            fail_slow_window=fail_slow_window,
+        )
+
+
+def _figures(
+    inputs: EvaluationInputs,
+    contenders: Sequence[Contender],
+    plan: WalkForwardPlan,
+    specs: list[str],
+    *,
+    failures: Any,
+    bootstrap_samples: int,
+    alarm_rules: AlarmRules | None,
+    budgets: Sequence[float],
+    replay: Callable[[pd.DataFrame, np.ndarray, np.ndarray | None], dict[str, Any]] | None,
+    fail_slow_truth: pd.DataFrame | None,
+    fail_slow_window: str | None,
+) -> dict[str, Any]:
+    """`evaluate_walk_forward`'s figures of the walk-forward and what it read (`inputs`)."""
     result, history = inputs.result, inputs.history
     test = result.test
     expected = history.expected_failures_per_day(result.test_start - result.horizon)

@@ -26,16 +26,18 @@ period's labelled rows."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import polars as pl
 
-from features.dataset import feature_days, read_features
+from features.dataset import computed, feature_days, read_features, write_features
 from features.fail_slow import fail_slow_columns, needed_columns
 from features.schema import ID_COLUMNS, LABEL_COLUMNS
 from ingest.errors import GpufailError
@@ -64,6 +66,8 @@ slice's."""
 
 @dataclass(frozen=True)
 class EvaluationInputs:
+    """Use it as a context manager: leaving it removes the evaluation period's copy, if any."""
+
     result: WalkForwardResult
     history: History
     drift: DriftFacts
@@ -71,6 +75,14 @@ class EvaluationInputs:
     """`models.feature_baseline.choose_feature` of the validation slice; its column is in
     `result.test` and `result.validation`."""
     features: FeatureView
+    scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> EvaluationInputs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.scratch is not None:
+            self.scratch.cleanup()
 
 
 def figure_columns(frame: pd.DataFrame, fail_slow_window: str | None) -> list[str]:
@@ -108,22 +120,40 @@ def inputs_from_store(
     progress: bool,
     client: Any,
     sample: int = VALIDATION_SAMPLE,
+    scratch_dir: str | None = None,
 ) -> EvaluationInputs:
-    """The inputs read from the store's features a day at a time (see the module notes)."""
+    """The inputs read from the store's features a day at a time (see the module notes). In
+    one process (no `client`), where the store computes its features on demand, the pass keeps
+    the evaluation period's labelled rows in a temporary store of its own (`scratch_dir`: the
+    system's temporary folder by default), which the walk-forward's scoring and the reads after
+    it read instead of computing each day again."""
     periods = store_periods(store, contenders, plan)
-    read = _Pass(store, periods, fail_slow_window, sample, plan.seed)
-    for day in feature_days(store):
-        read.day(day)
-    evaluation = read.evaluation()
-    result = run_walk_forward_from_store(
-        store, contenders, plan, evaluation=evaluation, progress=progress, client=client
-    )
+    scratch = None
+    if client is None and computed(store):
+        scratch = tempfile.TemporaryDirectory(prefix="gpufail-evaluate-", dir=scratch_dir)
+    try:
+        copy = None if scratch is None else Store.create(str(Path(scratch.name) / "data"))
+        read = _Pass(store, periods, fail_slow_window, sample, plan.seed, copy)
+        for day in feature_days(store):
+            read.day(day)
+        evaluation = read.evaluation()
+        result = run_walk_forward_from_store(
+            store, contenders, plan, evaluation=evaluation, scored_from=copy, progress=progress, client=client
+        )
+    except BaseException:
+        if scratch is not None:
+            scratch.cleanup()
+        raise
+    rows_from = copy or store
     return EvaluationInputs(
         result,
         History.merged(read.history),
         DriftFacts.merged(read.drift),
         read.choice,
-        FeatureView(Moments.merged(read.moments).spread(), lambda positions: rows_at(store, result.test, positions)),
+        FeatureView(
+            Moments.merged(read.moments).spread(), lambda positions: rows_at(rows_from, result.test, positions)
+        ),
+        scratch,
     )
 
 
@@ -135,8 +165,10 @@ def _day_bounds(day: date) -> tuple[datetime, datetime]:
 class _Pass:
     """The one pass over the feature days (`inputs_from_store`)."""
 
-    def __init__(self, store: Store, periods: Periods, fail_slow_window: str | None, sample: int, seed: int) -> None:
-        self.store, self.periods, self.window, self.sample = store, periods, fail_slow_window, sample
+    def __init__(
+        self, store: Store, periods: Periods, fail_slow_window: str | None, sample: int, seed: int, copy: Store | None
+    ) -> None:
+        self.store, self.periods, self.window, self.sample, self.copy = store, periods, fail_slow_window, sample, copy
         self.rng = np.random.default_rng(seed)
         self.history: list[History] = []
         self.drift: list[DriftFacts] = []
@@ -165,6 +197,8 @@ class _Pass:
         in_period = (pl.col("ts") >= lo.to_pydatetime()) & (pl.col("ts") < hi.to_pydatetime())
         labelled = whole.filter(in_period & pl.col("label").is_not_null())
         del whole
+        if self.copy is not None:
+            write_features(self.copy, labelled)
         if self.keep is None:
             self.keep = list(
                 dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *figure_columns(labelled.head(0).to_pandas(), self.window)])
@@ -234,9 +268,8 @@ class _Pass:
         for day in dict.fromkeys(self.missing_feature):
             start, end = _day_bounds(day)
             lo, hi = np.searchsorted(ns, [pd.Timestamp(start).value, pd.Timestamp(end).value])
-            part = read_features(self.store, start, end, columns=["label", feature]).filter(
-                pl.col("label").is_not_null()
-            )
+            part = read_features(self.copy or self.store, start, end, columns=["label", feature])
+            part = part.filter(pl.col("label").is_not_null())
             part = part.filter(pl.col("ts") >= self.periods.eval_start.to_pydatetime()).filter(
                 pl.col("ts") < self.periods.test_end_excl.to_pydatetime()
             )

@@ -1047,6 +1047,7 @@ def run_walk_forward_from_store(
     *,
     columns: Sequence[str] = (),
     evaluation: pd.DataFrame | None = None,
+    scored_from: Store | None = None,
     progress: bool = False,
     client: Any = None,
 ) -> WalkForwardResult:
@@ -1056,7 +1057,9 @@ def run_walk_forward_from_store(
     except that `test` and `validation` hold only the identity and label columns and
     `columns` (what the figures after the walk-forward read), not every feature.
     `evaluation`: those rows already read (the labelled rows of `store_periods`' eval_start
-    .. test_end_excl, sorted by (ts, gpu_uuid)); `columns` is then not read."""
+    .. test_end_excl, sorted by (ts, gpu_uuid)); `columns` is then not read. `scored_from`: a
+    store holding those rows with every feature, which the scoring reads instead of `store`
+    (`models.evaluation_inputs` keeps one where `store` computes its features on demand)."""
     periods = store_periods(store, contenders, plan)
     horizon = as_timedelta(plan.horizon, "horizon")
     if evaluation is None:
@@ -1064,7 +1067,8 @@ def run_walk_forward_from_store(
         evaluation = labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
     ts = pd.to_datetime(evaluation["ts"], utc=True)
     eval_ns = ts.to_numpy(dtype="datetime64[ns]").astype(np.int64)
-    source = StoreRows(store.root, plan.negative_fraction, plan.seed, horizon)
+    scored_root = None if scored_from is None else scored_from.root
+    source = StoreRows(store.root, plan.negative_fraction, plan.seed, horizon, scored_root)
     return _walk_forward(contenders, plan, periods, evaluation, eval_ns, lambda _: source, progress, client)
 
 

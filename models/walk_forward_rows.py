@@ -148,6 +148,8 @@ class StoreRows:
     negative_fraction: float
     seed: int
     horizon: pd.Timedelta
+    scored_root: str | None = None
+    """Where the scored rows are read from, when not `root` (a copy of the evaluation period)."""
 
     def pool(self, pool: Pool) -> pd.DataFrame:
         store = _open(self.root)
@@ -166,7 +168,7 @@ class StoreRows:
         return to_pandas(pl.concat([drawn, settles], how="diagonal"))
 
     def scored(self, span: Span) -> Iterator[pd.DataFrame]:
-        store = _open(self.root)
+        store = _open(self.scored_root or self.root)
         start, end = _utc(span.start_ns), _utc(span.end_ns)
         n = 0
         for day in feature_days(store, start, end):

@@ -155,3 +155,37 @@ def test_a_test_row_gone_from_the_store_is_named(store):
     with pytest.raises(GpufailError, match=r"1 test rows not found again; expected the features unchanged"):
         inputs.rows_at(store, test, np.array([0, 2]))
     assert len(inputs.rows_at(store, test, np.array([1, 0]))) == 2
+
+
+@pytest.fixture(scope="module")
+def computed_store(tmp_path_factory) -> Store:
+    from tests.features.cached_stores import simulated_store
+
+    return Store.open(simulated_store(tmp_path_factory.mktemp("computed") / "data", seed=5, nodes=6, days=12))
+
+
+def test_a_store_computing_its_features_is_scored_from_a_copy_of_the_period_removed_after(
+    computed_store, tmp_path, monkeypatch
+):
+    import tempfile
+
+    import models.walk_forward_rows as rows
+
+    scored_from: list[str] = []
+    real = rows.read_features
+
+    def recording(store, start=None, end=None, columns=None):
+        if columns is None:
+            scored_from.append(store.root)
+        return real(store, start, end, columns)
+
+    monkeypatch.setattr(rows, "read_features", recording)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    contenders = CONTENDERS[:2]
+    ours = evaluate_walk_forward(computed_store, contenders, PLAN, **OPTIONS)
+    theirs = evaluate_walk_forward(read_features(computed_store), contenders, PLAN, **OPTIONS)
+    _assert_close(ours, theirs)
+    assert ours["test"]["n_positives"] > 0
+    # every scored day came from the copy, which is gone once the figures are made
+    assert scored_from and all(root.startswith(str(tmp_path)) for root in scored_from)
+    assert list(tmp_path.iterdir()) == []
