@@ -91,7 +91,9 @@ def figure_columns(frame: pd.DataFrame, fail_slow_window: str | None) -> list[st
     the heuristic's and the fail-slow score's (or its inputs)."""
     names = [*rule_columns(frame), *heuristic_columns(frame)]
     if fail_slow_window is not None:
-        names += [c for c in (*fail_slow_columns(fail_slow_window), *needed_columns(fail_slow_window))]
+        built = fail_slow_columns(fail_slow_window)
+        # The score's inputs only where the features do not hold the score itself.
+        names += built if built[-1] in frame.columns else [*built, *needed_columns(fail_slow_window)]
     return [c for c in dict.fromkeys(names) if c in frame.columns]
 
 
@@ -254,7 +256,9 @@ class _Pass:
                 "expected the walk-forward's period"
             )
         frame = pl.concat(self.parts, how="diagonal_relaxed").with_columns(pl.col("label").cast(pl.Float64))
+        self.parts = []
         out = to_pandas(frame)
+        del frame
         if self.choice is not None and self.choice["feature"] not in (self.keep or []):
             self._fill(out, self.choice["feature"])
         return out
