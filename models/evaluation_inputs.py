@@ -26,6 +26,8 @@ period's labelled rows."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,7 +134,8 @@ def inputs_from_store(
     periods = store_periods(store, contenders, plan)
     scratch = None
     if client is None and computed(store):
-        scratch = tempfile.TemporaryDirectory(prefix="gpufail-evaluate-", dir=scratch_dir)
+        _remove_orphans(scratch_dir)
+        scratch = tempfile.TemporaryDirectory(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-", dir=scratch_dir)
     try:
         copy = None if scratch is None else Store.create(str(Path(scratch.name) / "data"))
         read = _Pass(store, periods, fail_slow_window, sample, plan.seed, copy)
@@ -157,6 +160,29 @@ def inputs_from_store(
         ),
         scratch,
     )
+
+
+_SCRATCH_PREFIX = "gpufail-evaluate-"
+
+
+def _remove_orphans(scratch_dir: str | None) -> None:
+    """Remove the copies of evaluate runs whose process is gone (killed before it could remove
+    its own): each copy's name holds its process id."""
+    for path in Path(scratch_dir or tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(_SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _day_bounds(day: date) -> tuple[datetime, datetime]:

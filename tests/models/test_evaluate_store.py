@@ -6,6 +6,9 @@ negatives; no read holds more than a day of features."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from functools import cache
 from typing import Any
 
@@ -181,6 +184,12 @@ def test_a_store_computing_its_features_is_scored_from_a_copy_of_the_period_remo
 
     monkeypatch.setattr(rows, "read_features", recording)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # the copy of a run killed before it removed it (its process is gone) goes; a live one stays
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"gpufail-evaluate-{gone.stdout.strip()}-abc"
+    (orphan / "data").mkdir(parents=True)
+    live = tmp_path / f"gpufail-evaluate-{os.getppid()}-def"
+    live.mkdir()
     contenders = CONTENDERS[:2]
     ours = evaluate_walk_forward(computed_store, contenders, PLAN, **OPTIONS)
     theirs = evaluate_walk_forward(read_features(computed_store), contenders, PLAN, **OPTIONS)
@@ -188,4 +197,4 @@ def test_a_store_computing_its_features_is_scored_from_a_copy_of_the_period_remo
     assert ours["test"]["n_positives"] > 0
     # every scored day came from the copy, which is gone once the figures are made
     assert scored_from and all(root.startswith(str(tmp_path)) for root in scored_from)
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [live]
