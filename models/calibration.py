@@ -15,12 +15,6 @@ Methods (`METHODS`):
   slope, which corrects over- or under-confidence, and an offset). Strictly increasing, so it
   keeps the model's order and gives an alarm threshold every volume; stable with a few dozen
   failures in the slice.
-- `beta`: beta calibration (Kull, Silva Filho and Flach, 2017): logistic regression on ln p and
-  -ln(1 - p) of the odds-corrected risk p (three parameters). Where Platt's one slope bends both
-  tails alike, beta's two can pull the top and the bottom apart (a model under-confident at
-  its top and over-confident at its bottom); with both slopes kept non-negative it is
-  increasing, so it too keeps the order and every volume a threshold. Computed from the logit
-  z: ln p = -ln(1 + e^-z), -ln(1 - p) = ln(1 + e^z), so large logits keep their order.
 - `isotonic`: the pool-adjacent-violators fit (scikit-learn), interpolated linearly between
   the centres of its blocks, so that it is increasing between the first and the last block
   instead of a staircase (rows of one block would otherwise share one risk). Needs more
@@ -48,7 +42,7 @@ import pandas as pd
 
 from ingest.errors import InputError
 
-METHODS = ("platt", "beta", "isotonic")
+METHODS = ("platt", "isotonic")
 DEFAULT_METHOD = "platt"
 _EPS = 1e-12
 
@@ -101,9 +95,6 @@ class Calibration:
         z = np.asarray(z, dtype=np.float64)
         if self.method == "platt":
             return _expit(self.params["slope"] * z + self.params["offset"])
-        if self.method == "beta":
-            lower, upper = _beta_inputs(z)
-            return _expit(self.params["a"] * lower + self.params["b"] * upper + self.params["c"])
         x, y = np.asarray(self.params["x"]), np.asarray(self.params["y"])
         return np.asarray(np.interp(z, x, y), dtype=np.float64)
 
@@ -183,8 +174,7 @@ def fit_calibration_on_logits(
         )
     weight = np.where(labels == 1, 1.0, 1.0 / negative_fraction)
     p = _expit(z)
-    fit = {"platt": _platt, "beta": _beta, "isotonic": _isotonic}[method]
-    params = fit(z, labels, weight)
+    params = _platt(z, labels, weight) if method == "platt" else _isotonic(z, labels, weight)
     return Calibration(
         method=method,
         params=params,
@@ -209,32 +199,6 @@ def _platt(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
         z.reshape(-1, 1), y.astype(int), sample_weight=weight
     )
     return {"slope": float(fit.coef_[0, 0]), "offset": float(fit.intercept_[0])}
-
-
-def _beta_inputs(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ln p and -ln(1 - p) of p = expit(z), computed from z without rounding p."""
-    return -np.logaddexp(0.0, -z), np.logaddexp(0.0, z)
-
-
-def _beta(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
-    from sklearn.linear_model import LogisticRegression
-
-    def fit(columns: list[int]) -> tuple[np.ndarray, float]:
-        x = np.column_stack(_beta_inputs(z))[:, columns]
-        model = LogisticRegression(C=1e6, solver="newton-cholesky", tol=1e-8, max_iter=100)
-        model.fit(x, y.astype(int), sample_weight=weight)
-        coef = np.zeros(2)
-        coef[columns] = model.coef_[0]
-        return coef, float(model.intercept_[0])
-
-    coef, offset = fit([0, 1])
-    # A negative slope would make the map decrease somewhere: refit on the other input alone
-    # (the published procedure), which is Platt-like in that tail.
-    if coef[0] < 0:
-        coef, offset = fit([1])
-    elif coef[1] < 0:
-        coef, offset = fit([0])
-    return {"a": float(coef[0]), "b": float(coef[1]), "c": offset}
 
 
 def _isotonic(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def test_a_perfectly_calibrated_score_has_an_ece_near_zero_and_a_distorted_one_d
     assert figures["brier"] < reliability(y, distorted(p))["brier"]
 
 
-@pytest.mark.parametrize("method", ["platt", "beta", "isotonic"])
+@pytest.mark.parametrize("method", ["platt", "isotonic"])
 def test_a_calibration_fitted_on_one_slice_undoes_the_distortion_on_another(method):
     p, y = rare_event(200_000, seed=2)
     calibration = fit_calibration(distorted(p), y, method, slice_start=START, slice_end=END)
@@ -85,36 +85,6 @@ def test_a_calibration_fitted_on_one_slice_undoes_the_distortion_on_another(meth
     assert provenance["method"] == method and provenance["n_rows"] == len(y)
     assert provenance["n_positives"] == int(y.sum()) and provenance["slice_start"] == START.isoformat()
     json.dumps(provenance)  # JSON-ready
-
-
-def test_beta_bends_the_top_and_the_bottom_apart_where_platt_has_one_slope():
-    # A score under-confident at its top and over-confident at its bottom: the true log-odds are
-    # a * ln p + b * (-ln(1 - p)) + c of the score p, with a != b. One Platt slope cannot fit both
-    # tails; beta recovers the map, and the top rows' calibrated risk meets their observed rate.
-    rng = np.random.default_rng(7)
-    z = rng.normal(-5.0, 2.5, 400_000)
-    lower, upper = -np.logaddexp(0.0, -z), np.logaddexp(0.0, z)
-    truth = 1.0 / (1.0 + np.exp(-(0.6 * lower + 1.6 * upper - 0.5)))
-    y = (rng.random(len(z)) < truth).astype(float)
-    fits = {m: fit_calibration_on_logits(z, y, m, slice_start=START, slice_end=END) for m in ("platt", "beta")}
-    assert fits["beta"].params == pytest.approx({"a": 0.6, "b": 1.6, "c": -0.5}, abs=0.15)
-    top = truth >= 0.5
-    observed = y[top].mean()
-    assert abs(fits["beta"].apply_logit(z[top]).mean() - observed) < 0.02
-    assert abs(fits["platt"].apply_logit(z[top]).mean() - observed) > 0.05
-
-
-def test_beta_keeps_the_order_when_the_best_fit_would_reverse_it():
-    # Labels that fall with the score in its upper tail: the unconstrained fit has a negative
-    # slope there; the map is refitted on the other input and stays increasing.
-    rng = np.random.default_rng(8)
-    z = rng.normal(-3.0, 2.0, 100_000)
-    truth = np.where(z < 0, 1.0 / (1.0 + np.exp(-(z + 1.0))), 0.27)
-    y = (rng.random(len(z)) < truth).astype(float)
-    calibration = fit_calibration_on_logits(z, y, "beta", slice_start=START, slice_end=END)
-    assert calibration.params["a"] >= 0 and calibration.params["b"] >= 0
-    grid = np.linspace(-12.0, 12.0, 500)
-    assert np.all(np.diff(calibration.apply_logit(grid)) >= 0)
 
 
 def test_isotonic_is_interpolated_between_its_blocks_not_a_staircase():
@@ -154,7 +124,7 @@ def test_calibration_refuses_a_slice_without_failures_and_an_unknown_method():
     with pytest.raises(InputError, match=r"calibration slice .* 0 failures"):
         fit_calibration(np.full(10, 0.1), np.zeros(10), slice_start=START, slice_end=END)
     with pytest.raises(InputError, match="calibration method"):
-        fit_calibration(np.full(10, 0.1), np.arange(10) % 2, "gamma", slice_start=START, slice_end=END)
+        fit_calibration(np.full(10, 0.1), np.arange(10) % 2, "beta", slice_start=START, slice_end=END)
     with pytest.raises(InputError, match="one risk per label"):
         fit_calibration(np.full(3, 0.1), np.array([0, 1]), slice_start=START, slice_end=END)
 
