@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     fresh = train_model_from_store(store, options)
     aged_fit = train_model_from_store(store, calibration_fit_options(options, calibration_bounds(settled, options)[0]))
     # The aged fit calibrated on its own scores: the scoring fit and the served fit are one.
-    aged = calibrated_from_store(store, options, lambda _: aged_fit)
+    aged = calibrated_from_store(store, options, lambda *_: aged_fit)
     held = read_features(store, start=start.to_pydatetime(), end=(settled + spec.grid).to_pydatetime()).to_pandas()
     held = held[held["label"].notna()]
     out = {

@@ -288,6 +288,15 @@ def label_counts(store: Store, start: datetime, end: datetime) -> tuple[int, int
     return int(by_label.get(0, 0)), int(by_label.get(1, 0))
 
 
+def keep_labels(store: Store, start: datetime, end: datetime) -> None:
+    """Compute the labels of start <= ts < end once, for the reads of ranges within it that
+    follow (`label_counts`, `drawn_rows`: a retrain's windows and its calibration slice), on a
+    store whose rows are computed (`features.label_rows`); nothing on a store of stored rows,
+    whose reads of labels are each a scan of a few columns."""
+    if computed(store) and start < end:
+        label_rows.label_rows(store, start, end)
+
+
 def drawn_rows(store: Store, start: datetime, end: datetime, negative_fraction: float) -> pl.DataFrame:
     """Every positive and the negatives drawn at `negative_fraction` by the stored key, with
     start <= ts < end, sorted by (ts, gpu_uuid). At a share up to PRESAMPLED_FRACTION the

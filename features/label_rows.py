@@ -48,15 +48,28 @@ def label_rows(store: Store, start: datetime | None = None, end: datetime | None
         part.select(*COLUMNS)
         for part in iter_features_on_demand(store, start, end, spec=spec, labels_only=True, ids=False)
     ]
-    # Sorted by the uuid's text, then made categorical (the order stays that of the text).
     rows = (
-        pl.concat(parts, how="vertical").sort("ts", GPU).with_columns(pl.col(GPU).cast(pl.Categorical))
+        by_time_and_gpu(pl.concat(parts, how="vertical"))
         if parts
         else pl.DataFrame(schema={"ts": TS_DTYPE, GPU: pl.Categorical, **{c: LABEL_DTYPES[c] for c in LABEL_COLUMNS}})
     )
     with _LOCK:
         _KEPT[store.root] = (state, start, end, rows)
     return rows
+
+
+def by_time_and_gpu(rows: pl.DataFrame) -> pl.DataFrame:
+    """`rows` sorted by (ts, the uuid's text), `gpu_uuid` made categorical. The sort is on one
+    integer per row, the rank of its time among the distinct times times the number of GPUs
+    plus the rank of its uuid among the distinct uuids: a range holds a few hundred times and
+    tens of thousands of GPUs, and sorting 15M rows of the paper fleet by the timestamp and the
+    uuid's text took 14 s, most of a retrain's label reads."""
+    times = rows["ts"].unique().sort()
+    uuids = rows[GPU].cast(pl.String).unique().sort()
+    time_rank = rows["ts"].replace_strict(times, pl.int_range(times.len(), dtype=pl.UInt64, eager=True))
+    gpu_rank = rows[GPU].cast(pl.String).replace_strict(uuids, pl.int_range(uuids.len(), dtype=pl.UInt64, eager=True))
+    order = (time_rank * uuids.len() + gpu_rank).arg_sort()
+    return rows.with_columns(pl.col(GPU).cast(pl.Categorical))[order]
 
 
 def forget(store: Store) -> None:

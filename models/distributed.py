@@ -43,7 +43,7 @@ from models.train import (
     matching_features,
     sample_negatives,
 )
-from models.train_store import calibrated_from_store, store_training_bounds, window_label_counts, with_store_spec
+from models.train_store import calibrated_from_store, window_label_counts, with_store_spec
 
 DASK_KINDS = ("lightgbm", "xgboost")
 _LABEL, _TS = "_label", "_ts"
@@ -115,18 +115,19 @@ def train_model_distributed(client: Any, store: Store, options: TrainOptions) ->
             "set [dask] scheduler = '' to train it on one machine"
         )
     options = with_store_spec(store, options)
-    return calibrated_from_store(store, options, lambda fit_options: _train_distributed(client, store, fit_options))
+    return calibrated_from_store(
+        store, options, lambda fit_options, window: _train_distributed(client, store, fit_options, window)
+    )
 
 
-def _train_distributed(client: Any, store: Store, options: TrainOptions) -> TrainedModel:
+def _train_distributed(
+    client: Any, store: Store, options: TrainOptions, bounds: tuple[pd.Timestamp, pd.Timestamp]
+) -> TrainedModel:
     import dask.dataframe as dd
 
     kind = options.kind
     check_negative_fraction(options.negative_fraction)
     user_params = dict(options.params)
-    bounds = store_training_bounds(
-        store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
-    )
     options = options.drawn_from(*window_label_counts(store, *bounds))
     negative_fraction, where = options.negative_fraction, options.window_name
     days = [d for d in feature_days(store) if bounds[0].date() <= d <= (bounds[1] - _US).date()]

@@ -19,6 +19,7 @@ scikit-learn / LightGBM / XGBoost / numpy differ from the recorded ones.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ from models.calibration import Calibration, check_method, fit_calibration_on_log
 from models.ensemble import ParallelEnsemble
 from models.estimators import MAX_POS_WEIGHT, balanced_pos_weight, odds_factor, prior_correction
 from models.frame import feature_matrix, is_polars, labels, require_columns, split_xy, split_xy_polars, to_pandas
-from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, kind_params, make_model, member_kinds
+from models.kinds import ENSEMBLE_KINDS, KINDS, MONOTONE_KINDS, TREE_KINDS, kind_params, make_model, member_kinds
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc, rows_between, time_split
 
 FORMAT_VERSION = 2
@@ -677,7 +678,9 @@ def train_model_on_sample(rows: Any, options: TrainOptions) -> TrainedModel:
     ts = _utc_ts(ids)
     design = X.assign(ts=ts.to_numpy()) if kind in ENSEMBLE_KINDS else X
     try:
-        with one_blas_thread():
+        # Trees use no BLAS: their fits leave its process-wide limit alone, so that two of them
+        # can run side by side (`models.train_store.calibrated_from_store`).
+        with one_blas_thread() if set(kinds) - set(TREE_KINDS) else contextlib.nullcontext():
             estimator.fit(design, y)
     except ValueError as exc:
         if kind not in ENSEMBLE_KINDS:

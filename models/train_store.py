@@ -13,19 +13,31 @@ the rows are the ones `train_model` picks, in the same order.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, time, timedelta
 
 import pandas as pd
 import polars as pl
 
-from features.dataset import drawn_rows, feature_days, has_sample_keys, label_counts, read_features, rows_at
+from features.dataset import (
+    drawn_rows,
+    feature_days,
+    has_sample_keys,
+    keep_labels,
+    label_counts,
+    read_features,
+    rows_at,
+)
 from features.manifest import recorded_spec
 from features.spec import require_spec
 from ingest.errors import InputError
 from ingest.store import Store
 from models.calibration import check_method
+from models.kinds import TREE_KINDS, kind_params
 from models.split import DurationLike, TimeLike, as_timedelta, as_utc
 from models.train import (
     TrainedModel,
@@ -138,19 +150,55 @@ def _read_sampled_days(store: Store, options: TrainOptions) -> pl.DataFrame:
     return pl.concat(parts, how="vertical").sort(_KEYS)
 
 
+FitOnWindow = Callable[[TrainOptions, tuple[pd.Timestamp, pd.Timestamp]], TrainedModel]
+"""A fit with these options on the training window [start, end) already found."""
+
+_READS = threading.Lock()
+"""One read of drawn rows at a time: two fits side by side (`calibrated_from_store`) whose
+windows share days compute each day once (the second reads the first's kept files), and hold
+one read's blocks at a time."""
+
+
 def calibrated_from_store(
-    store: Store, options: TrainOptions, fit: Callable[[TrainOptions], TrainedModel]
+    store: Store, options: TrainOptions, fit: FitOnWindow, *, side_by_side: bool = False
 ) -> TrainedModel:
-    """`fit(options)`, or, with `options.calibration`, that fit carrying a map fitted on the
-    calibration slice (`models.train.calibration_bounds`, its rows drawn from the store as the
-    training rows are) as scored by the fit `fit` makes as of the slice's start (`train_model`
-    on a frame does the same)."""
-    if options.calibration is None:
-        return fit(options)
-    check_method(options.calibration)
+    """`fit(options, window)`, or, with `options.calibration`, that fit carrying a map fitted
+    on the calibration slice (`models.train.calibration_bounds`, its rows drawn from the store as
+    the training rows are) as scored by the fit `fit` makes as of the slice's start
+    (`train_model` on a frame does the same). The windows are found from one read of where the
+    labels settle, and every label of the windows and the slice is computed once
+    (`features.dataset.keep_labels`). `side_by_side`: the served fit runs on a thread beside
+    the fit that scores the slice and the calibration (each is a one-thread fit: on two cores,
+    the two take about the time of the longer)."""
     settled = store_settled_until(store, options.horizon)
+
+    def window(as_of: TimeLike | None) -> tuple[pd.Timestamp, pd.Timestamp]:
+        return training_bounds(settled, train_window=options.train_window, horizon=options.horizon, as_of=as_of)
+
+    if options.calibration is None:
+        return fit(options, window(options.as_of))
+    check_method(options.calibration)
     bounds = calibration_bounds(settled, options)
-    scorer = fit(calibration_fit_options(options, bounds[0]))
+    scorer_options, served_options = calibration_fit_options(options, bounds[0]), served_fit_options(options)
+    scorer_window, served_window = window(scorer_options.as_of), window(served_options.as_of)
+    # Before the labels are kept: its read of the first day would let them go.
+    note = short_history_note(store_first_ts(store), settled, options, bounds)
+    spans = (scorer_window, served_window, bounds)
+    keep_labels(store, min(s[0] for s in spans).to_pydatetime(), max(s[1] for s in spans).to_pydatetime())
+    if not side_by_side:
+        calibrated = _calibrated(store, options, fit(scorer_options, scorer_window), bounds)
+        return attach_calibration(fit(served_options, served_window), calibrated, note)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-fit") as pool:
+        served = pool.submit(fit, served_options, served_window)
+        calibrated = _calibrated(store, options, fit(scorer_options, scorer_window), bounds)
+        return attach_calibration(served.result(), calibrated, note)
+
+
+def _calibrated(
+    store: Store, options: TrainOptions, scorer: TrainedModel, bounds: tuple[pd.Timestamp, pd.Timestamp]
+) -> TrainedModel:
+    """`scorer` carrying the map fitted on its scores of the calibration slice `bounds`."""
+    assert options.calibration is not None
     counts = window_label_counts(store, *bounds)
     # The slice read as a training window of its own (files without the stored draw key are
     # drawn from the window that `train_window` and `as_of` name).
@@ -159,12 +207,11 @@ def calibrated_from_store(
         train_window=options.calibration_window,
         as_of=bounds[1] + as_timedelta(options.horizon, "horizon"),
     )
-    rows = sampled_rows_between(store, bounds, drawn) if sum(counts) else pl.DataFrame()
-    calibrated = calibrate_model(
+    with _READS:
+        rows = sampled_rows_between(store, bounds, drawn) if sum(counts) else pl.DataFrame()
+    return calibrate_model(
         scorer, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
     )
-    note = short_history_note(store_first_ts(store), settled, options, bounds)
-    return attach_calibration(fit(served_fit_options(options)), calibrated, note)
 
 
 def store_first_ts(store: Store) -> pd.Timestamp:
@@ -203,15 +250,30 @@ def with_store_spec(store: Store, options: TrainOptions) -> TrainOptions:
 def train_model_from_store(store: Store, options: TrainOptions) -> TrainedModel:
     """`models.train.train_model` on the store's features, with the same options and the same
     model (its calibration included), holding the sample in memory instead of the window. The
-    model carries the spec the features were built with (`with_store_spec`)."""
+    model carries the spec the features were built with (`with_store_spec`). The two fits of a
+    calibrated model run side by side when each is a one-thread fit of trees
+    (`fits_side_by_side`)."""
     check_model_kind(options.kind, options.params)  # before anything is read: a bad setting fails fast
     options = with_store_spec(store, options)
-    return calibrated_from_store(store, options, lambda fit_options: _train_from_store(store, fit_options))
-
-
-def _train_from_store(store: Store, options: TrainOptions) -> TrainedModel:
-    bounds = store_training_bounds(
-        store, train_window=options.train_window, horizon=options.horizon, as_of=options.as_of
+    return calibrated_from_store(
+        store,
+        options,
+        lambda fit_options, window: _train_from_store(store, fit_options, window),
+        side_by_side=fits_side_by_side(options),
     )
-    options = options.drawn_from(*window_label_counts(store, *bounds))
-    return train_model_on_sample(sampled_rows_between(store, bounds, options), options)
+
+
+def fits_side_by_side(options: TrainOptions) -> bool:
+    """Whether the two fits of a calibrated model may run at once: trees (no BLAS, whose thread
+    limit is process-wide) fitted on one thread each (`[model] threads` = 1), on a machine with
+    two cores or more. Each fit is the same as alone: only the wall time changes."""
+    if options.kind not in TREE_KINDS or (os.cpu_count() or 1) < 2:
+        return False
+    return kind_params(options.kind, options.params).get("n_jobs") == 1
+
+
+def _train_from_store(store: Store, options: TrainOptions, window: tuple[pd.Timestamp, pd.Timestamp]) -> TrainedModel:
+    options = options.drawn_from(*window_label_counts(store, *window))
+    with _READS:
+        rows = sampled_rows_between(store, window, options)
+    return train_model_on_sample(rows, options)
