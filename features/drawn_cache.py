@@ -128,8 +128,8 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     # None for the day holding the data's end: never kept (`CacheFile` neither reads nor writes it).
     keys = {day: day_key(store, spec, listed, day, threshold) if day < newest_whole_day else None for day in days}
     for day in days:
-        cached = day_file(day, threshold).load_table(store, keys[day], _ROWS)
-        if cached is not None and by_day[day].join(cached, on=_KEYS, how="anti").height == 0:
+        cached = _kept_rows(store, spec, listed, day, kept_fraction, keys[day], by_day[day])
+        if cached is not None:
             parts[day] = _with_labels(cached, by_day[day])
         else:
             missing.append(day)
@@ -144,6 +144,33 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
             parts[day] = _with_labels(rows, by_day[day])
     _prune(store)
     return pl.concat([parts[day] for day in days if day in parts], how="vertical")
+
+
+def _kept_rows(
+    store: Store,
+    spec: FeatureSpec,
+    listed: dict[str, list[str]],
+    day: date,
+    kept_fraction: float,
+    key: str | None,
+    wanted: pl.DataFrame,
+) -> pl.DataFrame | None:
+    """The candidate rows of `day` from the file of the draw's share, else from a current file
+    of a larger share (up to `LARGEST_SHARE_KEPT`: its candidates include every row of a
+    smaller share), when the file holds every `wanted` row; None when no file does. A
+    retrain's calibration slice is drawn at a larger share than its training window (more
+    negatives per positive are left in a week than in three), and the window's last days are
+    the slice's: a first retrain reads them from the slice's files instead of computing them
+    twice."""
+    share = kept_fraction
+    while key is not None and share <= LARGEST_SHARE_KEPT:
+        threshold = key_threshold(share)
+        file_key = key if share == kept_fraction else day_key(store, spec, listed, day, threshold)
+        cached = day_file(day, threshold).load_table(store, file_key, _ROWS)
+        if cached is not None and wanted.join(cached, on=_KEYS, how="anti").height == 0:
+            return cached
+        share *= 2
+    return None
 
 
 def day_key(store: Store, spec: FeatureSpec, listed: dict[str, list[str]], day: date, threshold: int) -> str | None:

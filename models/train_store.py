@@ -185,20 +185,30 @@ def calibrated_from_store(
     note = short_history_note(store_first_ts(store), settled, options, bounds)
     spans = (scorer_window, served_window, bounds)
     keep_labels(store, min(s[0] for s in spans).to_pydatetime(), max(s[1] for s in spans).to_pydatetime())
+    # The slice first: its days are drawn at a larger share than the window's (more negatives
+    # per positive are left in a week than in three) and kept, and the served window, which
+    # ends with them, reads them from those files (`features.drawn_cache`).
+    rows, slice_fraction = _slice_rows(store, options, bounds)
+
+    def calibrated(scorer: TrainedModel) -> TrainedModel:
+        assert options.calibration is not None
+        return calibrate_model(
+            scorer, rows, method=options.calibration, bounds=bounds, negative_fraction=slice_fraction
+        )
+
     if not side_by_side:
-        calibrated = _calibrated(store, options, fit(scorer_options, scorer_window), bounds)
-        return attach_calibration(fit(served_options, served_window), calibrated, note)
+        scorer = calibrated(fit(scorer_options, scorer_window))
+        return attach_calibration(fit(served_options, served_window), scorer, note)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="served-fit") as pool:
         served = pool.submit(fit, served_options, served_window)
-        calibrated = _calibrated(store, options, fit(scorer_options, scorer_window), bounds)
-        return attach_calibration(served.result(), calibrated, note)
+        scorer = calibrated(fit(scorer_options, scorer_window))
+        return attach_calibration(served.result(), scorer, note)
 
 
-def _calibrated(
-    store: Store, options: TrainOptions, scorer: TrainedModel, bounds: tuple[pd.Timestamp, pd.Timestamp]
-) -> TrainedModel:
-    """`scorer` carrying the map fitted on its scores of the calibration slice `bounds`."""
-    assert options.calibration is not None
+def _slice_rows(
+    store: Store, options: TrainOptions, bounds: tuple[pd.Timestamp, pd.Timestamp]
+) -> tuple[pl.DataFrame, float]:
+    """The drawn rows of the calibration slice `bounds` and the share of its negatives drawn."""
     counts = window_label_counts(store, *bounds)
     # The slice read as a training window of its own (files without the stored draw key are
     # drawn from the window that `train_window` and `as_of` name).
@@ -209,9 +219,7 @@ def _calibrated(
     )
     with _READS:
         rows = sampled_rows_between(store, bounds, drawn) if sum(counts) else pl.DataFrame()
-    return calibrate_model(
-        scorer, rows, method=options.calibration, bounds=bounds, negative_fraction=drawn.negative_fraction
-    )
+    return rows, drawn.negative_fraction
 
 
 def store_first_ts(store: Store) -> pd.Timestamp:

@@ -92,6 +92,21 @@ def test_a_read_again_takes_every_day_from_its_file_and_gives_the_same_bits(stor
     assert computed.days == []
 
 
+def test_a_smaller_share_reads_the_days_a_larger_share_kept(store, monkeypatch):
+    """A retrain's calibration slice, drawn at a larger share, keeps the last days of its
+    training window, drawn at a smaller one: those are read, the others computed."""
+    start, end = _window(store)
+    slice_start = start + timedelta(days=4)
+    drawn_rows_cached(store, slice_start, end, SHARE)
+    computed = ComputedDays(monkeypatch)
+    smaller = SHARE / 2
+    assert drawn_cache.stored_fraction(smaller) < drawn_cache.stored_fraction(SHARE)
+    window = drawn_rows_cached(store, start, end, smaller)
+    assert computed.days == [start.date() + timedelta(days=i) for i in range(4)]
+    assert window.equals(_in_full(store, start, end, smaller))
+    assert window.filter(pl.col("ts") >= slice_start).height < _in_full(store, slice_start, end).height
+
+
 def test_the_next_days_aggregates_compute_that_day_alone(store, monkeypatch):
     start, end = _window(store)
     drawn_rows_cached(store, start, end, SHARE)

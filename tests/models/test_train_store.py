@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from datetime import timedelta
 
 import numpy as np
@@ -20,11 +21,15 @@ from ingest.store import Store
 from models.train import TrainOptions, sample_negatives, train_model, training_rows, training_sample
 from models.train_store import (
     SKEWED_DAYS,
+    _train_from_store,
+    calibrated_from_store,
+    fits_side_by_side,
     sampled_training_rows,
     store_settled_until,
     store_training_bounds,
     train_model_from_store,
     window_label_counts,
+    with_store_spec,
 )
 from tests.models import ONE_THREAD, demo_features_store
 
@@ -264,3 +269,93 @@ def test_features_that_record_no_spec_give_the_spec_of_the_options(store):
         train_model_from_store(store, TrainOptions(kind="lightgbm", **SETTINGS, feature_spec=spec)).feature_spec == spec
     )
     assert train_model_from_store(store, TrainOptions(kind="lightgbm", **SETTINGS)).feature_spec == spec  # horizon 12h
+
+
+# -- the two fits of a calibrated retrain ---------------------------------------------------------
+
+CALIBRATED = dict(negative_fraction=0.2, calibration="platt", calibration_window="2d", **SETTINGS)
+
+
+def _recording_fit(store: Store, threads: list[str], fail_on: str | None = None):
+    """`_train_from_store`, recording the thread of each fit (and raising on the thread named
+    `fail_on`)."""
+
+    def fit(options, window):
+        name = threading.current_thread().name
+        threads.append(name)
+        if fail_on is not None and name.startswith(fail_on):
+            raise InputError(f"{options.window_name}: no rows (a planted failure)")
+        return _train_from_store(store, options, window)
+
+    return fit
+
+
+def test_the_fits_side_by_side_give_the_model_of_the_fits_one_after_the_other(store):
+    options = with_store_spec(store, TrainOptions(kind="lightgbm", **CALIBRATED))
+    assert fits_side_by_side(options)
+    threads: list[str] = []
+    together = calibrated_from_store(store, options, _recording_fit(store, threads), side_by_side=True)
+    assert sorted(t.startswith("served-fit") for t in threads) == [False, True]
+    threads.clear()
+    apart = calibrated_from_store(store, options, _recording_fit(store, threads))
+    assert [t.startswith("served-fit") for t in threads] == [False, False]
+    assert together.version == apart.version
+    assert together.calibration_info() == apart.calibration_info()
+    probe = read_features(store).tail(500)
+    np.testing.assert_array_equal(together.predict_risk(probe), apart.predict_risk(probe))
+
+
+def test_a_failing_served_fit_beside_the_other_fails_the_retrain(store):
+    options = with_store_spec(store, TrainOptions(kind="lightgbm", **CALIBRATED))
+    with pytest.raises(InputError, match="a planted failure"):
+        calibrated_from_store(store, options, _recording_fit(store, [], fail_on="served-fit"), side_by_side=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "side_by_side"),
+    [
+        ("lightgbm", {"n_jobs": 1}, True),
+        ("xgboost", {"n_jobs": 1}, True),
+        ("lightgbm", {"n_jobs": 2}, False),  # two fits of two threads on two cores wait on each other
+        ("lightgbm", {}, False),  # the kind's default: two threads
+        ("logistic", {}, False),  # BLAS's thread limit is the process's
+        ("parallel", {"n_jobs": 1}, False),
+    ],
+)
+def test_only_one_thread_fits_of_trees_run_side_by_side(kind, params, side_by_side):
+    options = TrainOptions(kind=kind, **{**CALIBRATED, "params": params})
+    assert fits_side_by_side(options) is side_by_side
+
+
+def test_a_calibrated_retrain_computes_its_labels_once(tmp_path_factory, monkeypatch):
+    """On a store whose rows are computed, the labels of the two windows and the slice are
+    computed in one pass (and the first and newest days' for where the data starts and where
+    labels settle), not once per window."""
+    from features import label_rows, on_demand
+    from tests.features.cached_stores import simulated_store
+
+    computed = Store.open(simulated_store(tmp_path_factory.mktemp("labels-once") / "data", seed=3, nodes=3, days=10))
+    passes: list[tuple] = []
+    real = label_rows.iter_features_on_demand
+
+    def counted(store, start, end, **kwargs):
+        passes.append((start, end))
+        return real(store, start, end, **kwargs)
+
+    monkeypatch.setattr(label_rows, "iter_features_on_demand", counted)
+    options = TrainOptions(
+        kind="lightgbm",
+        train_window="6d",
+        horizon=on_demand.on_demand_spec(computed).horizon,
+        params={"n_estimators": 10, "n_jobs": 1},
+        negative_fraction=0.5,
+        calibration="platt",
+        calibration_window="2d",
+    )
+    model = train_model_from_store(computed, options)
+    # (a read of the newest day, for where labels settle, runs to the end: None)
+    longer_than_a_day = [(s, e) for s, e in passes if e is not None and e - s > timedelta(days=1)]
+    assert len(longer_than_a_day) == 1 and len(passes) <= 3
+    start, end = longer_than_a_day[0]
+    assert start <= model.train_start.to_pydatetime() - timedelta(days=1)  # the scorer's window, a slice earlier
+    assert end > model.train_end.to_pydatetime()
