@@ -16,6 +16,9 @@ threshold, in service and not silent), are computed every time from a few bucket
   that the nightly share, which follows the label counts, finds the file of the night before)
   and those positive when it was written: a superset of the rows drawn while the labels do not
   turn a row of a higher key positive;
+- a draw reads a day from the file of its share, else from a current file of a larger share
+  (a superset of its candidates): a retrain's calibration slice is drawn at a larger share
+  than its window, and the window's last days are the slice's;
 - a day is computed again when its key changed (a bucket, presence or XID file it depends on,
   the spec, the code: `day_key`), or when the draw wants a row the file lacks (a failure
   recorded since made it positive);
