@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import re
-import tomllib
 from collections.abc import Collection, Mapping
 from datetime import timedelta
 from functools import cache
@@ -1108,6 +1107,8 @@ def _read_file(path: Path, where: str) -> dict[str, Any]:
                 f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); expected a TOML file"
             )
         ) from None
+    import tomllib  # only where a file is read
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -119,13 +119,17 @@ def newest_snapshot_table(store: Store) -> tuple[SnapshotKey, pa.Table] | None:
             key = max(keys, key=lambda k: k.order)
             table = _read_table(store, key.path)
             ts = table.schema.field("ts") if "ts" in table.column_names else None
-            if ts is not None and pa.types.is_timestamp(ts.type) and table["ts"].null_count == 0:
+            if (
+                ts is not None
+                and pa.types.is_timestamp(ts.type)
+                and table["ts"].null_count == 0
+                and len(set(time_integers(table["ts"]))) > 1
+            ):
                 # As before snapshots: a GPU that stopped reporting kept its last, older row in a
                 # scoring; only the rows of the grid time are the fleet at that time.
-                if len(set(time_integers(table["ts"]))) > 1:
-                    import pyarrow.compute as pc
+                import pyarrow.compute as pc
 
-                    table = table.filter(pc.equal(pc.max(table["ts"]), table["ts"]))
+                table = table.filter(pc.equal(pc.max(table["ts"]), table["ts"]))
             return key, checked_predictions(table, key.path)
     return None
 
