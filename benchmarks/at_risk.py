@@ -22,8 +22,22 @@ from pathlib import Path
 from typing import Any
 
 TARGET_S = 0.5
-HEAVY = ("pandas", "polars", "sklearn", "lightgbm", "numba", "starlette", "fastapi", "jinja2", "httpx", "mlflow")
-"""Libraries `at-risk --data` has no use for: importing one is a regression."""
+HEAVY = (
+    "pandas",
+    "polars",
+    "sklearn",
+    "lightgbm",
+    "numba",
+    "starlette",
+    "fastapi",
+    "jinja2",
+    "httpx",
+    "mlflow",
+    "fsspec",
+    "pyarrow.compute",
+    "pyarrow.dataset",
+)
+"""Libraries `at-risk --data` of a local root has no use for: importing one is a regression."""
 
 _IMPORTED = """
 import sys
