@@ -263,7 +263,9 @@ def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_pa
     )
 
 
-@pytest.mark.parametrize("root", ["ROOT", "ROOT/", "data", "./data", "./data/", ".", "../x/data", "a//b", "~/data", "~"])
+@pytest.mark.parametrize(
+    "root", ["ROOT", "ROOT/", "data", "./data", "./data/", ".", "../x/data", "a//b", "~/data", "~"]
+)
 def test_a_local_root_is_named_as_fsspec_names_it_without_fsspec(root, tmp_path, monkeypatch):
     # A local root's files are read directly (`gpufail at-risk` does without fsspec), under the
     # names they had through fsspec: paths that commands print and journals record.
@@ -297,4 +299,3 @@ def test_a_local_root_is_read_and_written_as_before(tmp_path, hours):
     assert sorted(reader.names_in(reader.path())) == sorted(p.name for p in (tmp_path / "root").iterdir())
     assert reader._fs is None
     assert reader.fs.protocol == root.fs.protocol  # made when a writer asks for it
-
