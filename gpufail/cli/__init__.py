@@ -81,7 +81,6 @@ QUICK_COMMANDS = {"at-risk": ("store", "publish", "serve")}
 look at the fleet should not pay for checking every table of the file."""
 
 
-
 def main(args: Sequence[str] | None = None) -> None:
     """Run `gpufail ARGS` (default: this process's command line). An error exits with one line on
     stderr: status 2 for bad input (`GpufailError`, click's usage errors) and for a module of an
