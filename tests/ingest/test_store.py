@@ -109,6 +109,24 @@ def test_a_partition_with_a_foreign_schema_is_named_in_the_error(store, hours, t
         store.read("xid_events")
 
 
+def test_the_schemas_of_many_files_are_checked_a_batch_at_a_time_and_a_foreign_one_is_named(
+    store, hours, tmp_path, monkeypatch
+):
+    # A day of a large fleet is hundreds of thousands of files: their footers are not all held
+    # at once, and a foreign file in a later batch is still found.
+    import ingest.store as store_module
+
+    monkeypatch.setattr(store_module, "_SCHEMA_BATCH", 2)
+    for hour in (1, 2, 3, 4):
+        store.write("xid_events", make_rows("xid_events", hours(hour), xid=79))
+    folder = tmp_path / "root" / "xid_events" / "date=2026-01-05"
+    pq.write_table(pa.table({"ts": [1]}), folder / "part-zz-foreign.parquet")  # listed last
+    with pytest.raises(StoreError, match=r"part-zz-foreign\.parquet has a foreign schema"):
+        store.scan("xid_events")
+    (folder / "part-zz-foreign.parquet").unlink()
+    assert store.collect(store.scan("xid_events"), "xid_events").height == 4
+
+
 def test_rows_that_do_not_match_the_schema_are_refused_before_anything_is_written(store, hours, tmp_path):
     bad = make_rows("xid_events", hours(1), xid=79).drop_columns(["source"])
     with pytest.raises(StoreError, match=r"missing \['source'\]"):
