@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import re
-import tomllib
 from collections.abc import Collection, Mapping
 from datetime import timedelta
 from functools import cache
@@ -1052,9 +1051,9 @@ def load_settings(
     environment variable, the table and key, what was received and what was expected.
 
     `tables` names the only tables a command reads (`gpufail at-risk`: a quick look should not
-    pay for checking the whole file): only they are checked, the others must still be gpufail
-    tables, and one that the file or the environment sets is left out of the object (reading
-    it is an AttributeError, never its default in place of the value set).
+    pay for checking the whole file): only they are checked and in the object, the others must
+    still be gpufail tables (reading one is an AttributeError, never its default in place of a
+    value set).
     """
     return load_settings_and_origins(path, environ, cwd=cwd, system=system, tables=tables)[0]
 
@@ -1108,6 +1107,8 @@ def _read_file(path: Path, where: str) -> dict[str, Any]:
                 f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); expected a TOML file"
             )
         ) from None
+    import tomllib  # only where a file is read
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -1191,18 +1192,15 @@ class _Origins:
 
 def _validated(data: dict[str, Any], origins: _Origins, only: Collection[str] | None = None) -> Settings:
     """`Settings(**data)`, validating only the tables `data` has (the others are the defaults),
-    and of those only the tables in `only` when given (`load_settings`' `tables`): a table's
-    validator is built on its first use, and building them all was most of the time of loading
-    the settings."""
+    and with `only` (`load_settings`' `tables`) holding only those tables: a table's validator
+    is built on its first use, and building them all was most of the time of loading the
+    settings."""
     errors: list[dict[str, Any]] = []
     tables: dict[str, Any] = {}
-    unread: list[str] = []
     for name, value in data.items():
         if name not in Settings.model_fields:
             errors.append({"loc": (name,), "type": "extra_forbidden", "msg": "", "input": value})
-        elif only is not None and name not in only:
-            unread.append(name)
-        else:
+        elif only is None or name in only:
             try:
                 tables[name] = _table_validator(name).validate_python(value)
             except ValidationError as exc:
@@ -1211,9 +1209,12 @@ def _validated(data: dict[str, Any], origins: _Origins, only: Collection[str] | 
         order = list(Settings.model_fields)
         errors.sort(key=lambda err: order.index(err["loc"][0]) if err["loc"][0] in order else len(order))
         raise ConfigError(_printable(_describe(errors, origins)))
-    settings = Settings.model_construct(**tables)
-    for name in unread:
-        del settings.__dict__[name]  # set but not checked: not there rather than its default
+    # Tables outside `only` are not there rather than their defaults: set, they were not checked;
+    # unset, making their defaults was most of the time left of a quick command's settings.
+    left_out = [name for name in Settings.model_fields if only is not None and name not in only]
+    settings = Settings.model_construct(**tables, **dict.fromkeys(left_out))
+    for name in left_out:
+        del settings.__dict__[name]
     return settings
 
 

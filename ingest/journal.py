@@ -325,7 +325,7 @@ class Journal:
                         _delete(self.store, path)
         state_folder = self.store.path("_state")
         with guarded("list", state_folder):
-            names = _names(self.store, state_folder) if self.store.fs.exists(state_folder) else []
+            names = self.store.names_in(state_folder) if self.store.exists_at(state_folder) else []
         half_written = temporary_prefix(f"{self.name}.json")
         for name in names:
             if name.startswith(half_written):
@@ -419,14 +419,14 @@ def markers_unchanged(store: Store, view: CommitView) -> bool:
 def _markers(store: Store) -> dict[str, bytes]:
     folder = store.path("_state")
     with guarded("list", folder):
-        if not store.fs.exists(folder):
+        if not store.exists_at(folder):
             return {}
         found = {}
-        for name in _names(store, folder):
+        for name in store.names_in(folder):
             writer = name.removesuffix(INFLIGHT)
             if name.endswith(INFLIGHT) and _NAME.match(writer):
                 try:
-                    found[writer] = store.fs.cat_file(f"{folder}/{name}")
+                    found[writer] = store.read_bytes(f"{folder}/{name}")
                 except FileNotFoundError:  # finished while we looked
                     continue
         return found
@@ -462,10 +462,6 @@ def pending_prefix(writer: str, commit_id: str) -> str:
 def _visible(path: str, prefix: str) -> str:
     folder, name = path.rsplit("/", 1)
     return f"{folder}/{name.removeprefix(prefix)}"
-
-
-def _names(store: Store, folder: str) -> list[str]:
-    return [f.rsplit("/", 1)[-1] for f in store.fs.ls(folder, detail=False)]
 
 
 def _delete(store: Store, path: str) -> None:

@@ -1,6 +1,7 @@
 """The Parquet store: one data root holding hive-partitioned datasets.
 
-Layout under the root (a local folder or any fsspec URL such as `s3://bucket/fleet`):
+Layout under the root (a local folder or any fsspec URL such as `s3://bucket/fleet`; fsspec is
+imported only for a URL or a write, so reading a local root does without it):
 
     gpufail.json                          marks the root and records the schema version
     telemetry/date=2026-01-01/part-<id>.parquet
@@ -44,17 +45,19 @@ from datetime import UTC, date, datetime, timedelta
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ingest.errors import StoreError
 from ingest.schema import SCHEMA_VERSION, TIMESTAMP, optional_columns, schema_for
 
 if TYPE_CHECKING:
+    from typing import BinaryIO
+
     import polars as pl  # imported where used: a collector may be installed without it
+    import pyarrow.compute as pc  # imported where used: a tenth of a second of `gpufail at-risk`
     import pyarrow.dataset as ds
+    from fsspec import AbstractFileSystem
 
     from ingest.journal import Journal  # which imports this module
 
@@ -93,6 +96,10 @@ _VERIFIED: set[tuple[str, int, int]] = set()
 _SCHEMA_CHECKED: set[tuple[str, int, int, int]] = set()
 # Files `Store.verify_all` checks at once: reading and hashing overlap even on one core.
 _VERIFY_THREADS = max(2, min(4, os.cpu_count() or 1))
+# Files whose schemas `Store._check_schemas` reads at once: a file's footer, which its fragment
+# keeps, is about 0.1 MB for telemetry, and a day of a 1,000-node fleet's collectors is 288,000
+# files.
+_SCHEMA_BATCH = 1000
 # Listings of a dataset taken again when a writer committed while they were taken (`files`).
 _LIST_TRIES = 3
 
@@ -100,10 +107,21 @@ _LIST_TRIES = 3
 class Store:
     """A gpufail data root. Use `Store.create` to start one and `Store.open` to use one."""
 
-    def __init__(self, root: str, fs: fsspec.AbstractFileSystem, path: str) -> None:
+    def __init__(self, root: str, fs: AbstractFileSystem | None, path: str) -> None:
+        """`fs`: the root's filesystem, None for a local folder (`fs` makes it on first use)."""
         self.root = root
-        self.fs = fs
+        self._fs = fs
         self._path = path.rstrip("/")
+
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """The root's fsspec filesystem, which writers use. A local root's is made on first use:
+        its readers go to the files directly (`names_in`, `read_bytes`, `open_file`)."""
+        if self._fs is None:
+            from fsspec.implementations.local import LocalFileSystem
+
+            self._fs = LocalFileSystem()
+        return self._fs
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A store sent to another process (a Dask worker of the feature build) brings the root's
@@ -117,7 +135,9 @@ class Store:
     def is_local(self) -> bool:
         """Whether the root is on the local filesystem (readers then use polars on the files,
         several times faster here than pyarrow's dataset reader)."""
-        protocol = self.fs.protocol
+        if self._fs is None:
+            return True
+        protocol = self._fs.protocol
         return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
     # -- opening ---------------------------------------------------------------------------
@@ -125,19 +145,19 @@ class Store:
     @classmethod
     def open(cls, root: str) -> Store:
         """Open an existing data root; refuse anything that is not one."""
-        fs, path = fsspec.core.url_to_fs(root)
-        marker = f"{path.rstrip('/')}/{MARKER}"
+        store = cls(root, *filesystem_of(root))
+        path, marker = store.path(), store.path(MARKER)
         with guarded("open the data root", path):
-            if not fs.exists(path):
+            if not store.exists_at(path):
                 raise StoreError(
                     f"data root {root!r} does not exist; create it with `gpufail simulate` or `gpufail collect`"
                 )
-            if not fs.exists(marker):
+            if not store.exists_at(marker):
                 raise StoreError(
                     f"data root {root!r} is not a gpufail dataset: {MARKER} is missing "
                     "(expected a folder written by gpufail)"
                 )
-            text = fs.cat_file(marker)
+            text = store.read_bytes(marker)
         try:
             info = json.loads(text)
             version = int(info["schema_version"])
@@ -151,19 +171,19 @@ class Store:
             )
         from ingest.user_metrics import use_recorded_metrics
 
-        store = cls(root, fs, path)
         use_recorded_metrics(store)
         return store
 
     @classmethod
     def create(cls, root: str) -> Store:
         """Open a data root, creating it if the folder is absent or empty."""
-        fs, path = fsspec.core.url_to_fs(root)
-        path = path.rstrip("/")
+        store = cls(root, *filesystem_of(root))
+        path = store.path()
         with guarded("create the data root", path):
-            if fs.exists(f"{path}/{MARKER}"):
+            if store.exists_at(f"{path}/{MARKER}"):
                 return cls.open(root)
-            entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)] if fs.exists(path) else []
+            entries = store.names_in(path) if store.exists_at(path) else []
+            fs = store.fs
             for name in entries:
                 # A create killed before its marker's rename left the marker half written.
                 if name.startswith(temporary_prefix(MARKER)):
@@ -174,7 +194,6 @@ class Store:
                     "expected an empty or absent folder"
                 )
             fs.makedirs(path, exist_ok=True)
-        store = cls(root, fs, path)
         store.write_bytes_atomic(
             f"{path}/{MARKER}", json.dumps({"format": "gpufail", "schema_version": SCHEMA_VERSION}).encode()
         )
@@ -186,12 +205,13 @@ class Store:
         """The data root an import writes to, and whether this call created it (it was absent or
         empty, `create`). If the import fails, a root created here is removed again, marker
         and all: a failed first import leaves nothing behind to be mistaken for a dataset."""
-        fs, path = fsspec.core.url_to_fs(root)
-        path = path.rstrip("/")
+        probe = cls(root, *filesystem_of(root))
+        path = probe.path()
         with guarded("open the data root", path):
-            absent = not fs.exists(path)
-            existed = not absent and fs.exists(f"{path}/{MARKER}")
+            absent = not probe.exists_at(path)
+            existed = not absent and probe.exists_at(f"{path}/{MARKER}")
         store = cls.create(root)
+        fs = store.fs
         try:
             yield store, not existed
         except BaseException:
@@ -208,6 +228,32 @@ class Store:
 
     def path(self, *parts: str) -> str:
         return "/".join([self._path, *parts])
+
+    # -- reading a file or a folder listing: a local root's directly, another through fsspec --
+
+    def exists_at(self, path: str) -> bool:
+        """Whether `path` (a file or folder of the root) exists."""
+        return os.path.exists(path) if self.is_local else bool(self.fs.exists(path))
+
+    def names_in(self, folder: str) -> list[str]:
+        """The names of every entry in `folder`, hidden ones included (fsspec's `ls` of it)."""
+        if not self.is_local:
+            return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(folder, detail=False)]
+        try:
+            return os.listdir(folder)
+        except NotADirectoryError:
+            return [folder.rsplit("/", 1)[-1]]  # as fsspec lists a file: itself
+
+    def read_bytes(self, path: str) -> bytes:
+        """The bytes of the file at `path`."""
+        if not self.is_local:
+            return bytes(self.fs.cat_file(path))
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def open_file(self, path: str) -> BinaryIO:
+        """The file at `path`, open for reading (a context manager)."""
+        return open(path, "rb") if self.is_local else self.fs.open(path, "rb")  # type: ignore[return-value]
 
     def exists(self, dataset: str) -> bool:
         return bool(self.files(dataset))
@@ -228,12 +274,11 @@ class Store:
     ) -> list[tuple[date, str, list[str]]]:
         base = self.path(dataset)
         with guarded("list the dataset", base):
-            if not self.fs.exists(base):
+            if not self.exists_at(base):
                 return []
-            entries = self.fs.ls(base, detail=False)
+            entries = self.names_in(base)
         found = []
-        for entry in entries:
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
+        for name in entries:
             if not name.startswith("date="):
                 continue
             day = date.fromisoformat(name.removeprefix("date="))
@@ -241,7 +286,7 @@ class Store:
                 continue
             folder = f"{base}/{name}"
             with guarded("list the partition", folder):
-                names = [f.rsplit("/", 1)[-1] for f in self.fs.ls(folder, detail=False)]
+                names = self.names_in(folder)
             found.append((day, folder, names))
         return sorted(found)
 
@@ -550,7 +595,7 @@ class Store:
         for path in self.files(dataset, first_day, last_day):
             try:
                 self.verify(path)
-                with self.fs.open(path, "rb") as fh:
+                with self.open_file(path) as fh:
                     pq.ParquetFile(fh, page_checksum_verification=True).read()
             except StoreError as exc:
                 return str(exc)
@@ -567,17 +612,19 @@ class Store:
         todo = [path for path in files if keys.get(path) not in _SCHEMA_CHECKED]
         if not todo:
             return
-        found = _datasets().dataset(todo, schema=expected, format=_verified_parquet(), filesystem=self.fs)
         # Files of one writer share their columns: each distinct set is checked once (a day of a
         # large fleet's collectors is hundreds of thousands of files).
         passed: set[pa.Schema] = set()
-        for fragment in found.get_fragments():
-            physical = _physical_schema(fragment)
-            if physical not in passed:
-                _check_physical(physical, expected, f"{dataset} file {fragment.path}", optional)
-                passed.add(physical)
-            if fragment.path in keys:
-                _SCHEMA_CHECKED.add(keys[fragment.path])
+        for first in range(0, len(todo), _SCHEMA_BATCH):
+            batch = todo[first : first + _SCHEMA_BATCH]
+            found = _datasets().dataset(batch, schema=expected, format=_verified_parquet(), filesystem=self.fs)
+            for fragment in found.get_fragments():
+                physical = _physical_schema(fragment)
+                if physical not in passed:
+                    _check_physical(physical, expected, f"{dataset} file {fragment.path}", optional)
+                    passed.add(physical)
+                if fragment.path in keys:
+                    _SCHEMA_CHECKED.add(keys[fragment.path])
 
     def _pyarrow_dataset(self, dataset: str, files: list[str], expected: pa.Schema | None) -> ds.Dataset:
         if expected is not None:
@@ -620,9 +667,9 @@ class Store:
         """The state file as written, with a journal's commit record (`COMMIT_KEY`)."""
         path = self.path("_state", f"{name}.json")
         with guarded("read", path):
-            if not self.fs.exists(path):
+            if not self.exists_at(path):
                 return None
-            text = self.fs.cat_file(path)
+            text = self.read_bytes(path)
         try:
             state = json.loads(text)
         except ValueError as exc:
@@ -637,6 +684,27 @@ class Store:
         from ingest.journal import Journal
 
         return Journal(self, name, datasets, **options)
+
+
+def filesystem_of(root: str) -> tuple[AbstractFileSystem | None, str]:
+    """The filesystem and path of a data root: fsspec's for a URL (`s3://...`, `file://...`, a
+    chained `a::b`); for a local folder None (`Store.fs`) and the absolute path fsspec gives it."""
+    if "://" in root or "::" in root or root.startswith(("file:", "local:", "data:")):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(root)
+        return fs, path
+    return None, _absolute(root)
+
+
+def _absolute(path: str) -> str:
+    """`path` absolute as fsspec's local filesystem writes it (not normalised: `a/../b` stays),
+    so that a local root names its files as before (a test compares the two)."""
+    if path.startswith("~"):
+        path = os.path.expanduser(path)
+    elif not path.startswith("/"):
+        path = f"{os.getcwd()}/{'' if path == '.' else path.removeprefix('./')}"
+    return path.rstrip("/") or "/"
 
 
 def temporary_prefix(name: str) -> str:
@@ -712,7 +780,7 @@ def _file_key(path: str, schema: int) -> tuple[str, int, int, int]:
     return (path, stat.st_size, stat.st_mtime_ns, schema)
 
 
-def remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def remove_quietly(fs: AbstractFileSystem, path: str) -> None:
     """Best-effort cleanup on a failure path: the failure being reported matters more."""
     try:
         if fs.exists(path):
@@ -729,6 +797,8 @@ def split_by_day(table: pa.Table) -> Iterator[tuple[str, pa.Table]]:
     """(YYYY-MM-DD, rows) for each UTC date of `table["ts"]`, in order of first appearance."""
     if table.num_rows == 0:
         return
+    import pyarrow.compute as pc
+
     days = pc.strftime(table["ts"], format="%Y-%m-%d")
     for day in pc.unique(days).to_pylist():
         yield day, table.filter(pc.equal(days, day))
@@ -774,6 +844,8 @@ def conform(table: pa.Table, dataset: str) -> pa.Table:
 
 
 def _time_filter(start: datetime | None, end: datetime | None) -> pc.Expression | None:
+    import pyarrow.compute as pc
+
     expr = None
     if start is not None:
         expr = pc.field("ts") >= pa.scalar(_utc(start), TIMESTAMP)

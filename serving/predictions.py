@@ -31,9 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ingest.errors import InputError, StoreError
@@ -121,9 +119,16 @@ def newest_snapshot_table(store: Store) -> tuple[SnapshotKey, pa.Table] | None:
             key = max(keys, key=lambda k: k.order)
             table = _read_table(store, key.path)
             ts = table.schema.field("ts") if "ts" in table.column_names else None
-            if ts is not None and pa.types.is_timestamp(ts.type) and table["ts"].null_count == 0:
+            if (
+                ts is not None
+                and pa.types.is_timestamp(ts.type)
+                and table["ts"].null_count == 0
+                and len(set(time_integers(table["ts"]))) > 1
+            ):
                 # As before snapshots: a GPU that stopped reporting kept its last, older row in a
                 # scoring; only the rows of the grid time are the fleet at that time.
+                import pyarrow.compute as pc
+
                 table = table.filter(pc.equal(pc.max(table["ts"]), table["ts"]))
             return key, checked_predictions(table, key.path)
     return None
@@ -145,37 +150,32 @@ def checked_predictions(table: pa.Table, where: str) -> pa.Table:
         nulls = table[name].null_count
         if nulls:
             problems.append(f"{nulls} null {name!r} value{'s' if nulls > 1 else ''}")
-    # A clean table is checked without leaving Arrow: a Python scalar given to pyarrow's compute,
-    # or a column converted to numpy, imports pandas (a second of `gpufail at-risk`).
+    # Checked on the columns' Python values: pyarrow's compute module, or a column converted to
+    # numpy (which imports pandas), would cost `gpufail at-risk` more than the checks themselves.
+    # Nulls are counted above; the checks below skip them.
     for name in _IDS:
-        # A zero length casts to false; nulls are counted above (the sum skips them).
-        empty = pc.sum(pc.invert(pc.cast(pc.utf8_length(table[name]), pa.bool_()))).as_py() or 0
+        empty = table[name].to_pylist().count("")
         if empty:
             problems.append(f"{empty} empty {name!r} value{'s' if empty > 1 else ''}")
-    lowest = pc.min(table["gpu_index"]).as_py()
-    if lowest is not None and lowest < 0:
-        negative = int((_numbers(table["gpu_index"]) < 0).sum())
+    negative = sum(1 for v in table["gpu_index"].to_pylist() if v is not None and v < 0)
+    if negative:
         problems.append(f"{negative} negative 'gpu_index' value{'s' if negative > 1 else ''}")
+    gpus = table["gpu_uuid"].to_pylist()
     for name in _PROBABILITIES:
-        bounds = pc.min_max(table[name]).as_py()
-        nans = pc.sum(pc.is_nan(table[name])).as_py() or 0
-        if not nans and (bounds["min"] is None or (bounds["min"] >= 0.0 and bounds["max"] <= 1.0)):
-            continue
-        values = _numbers(table[name])
-        # NaN fails both comparisons; nulls (NaN here too) are reported above as nulls.
-        bad = ~((values >= 0.0) & (values <= 1.0)) & ~_null_mask(table[name])
-        if bad.any():
-            first = int(np.flatnonzero(bad)[0])
-            gpu = table["gpu_uuid"][first].as_py()
+        values = table[name].to_pylist()
+        # NaN fails both comparisons.
+        bad = [i for i, v in enumerate(values) if v is not None and not 0.0 <= v <= 1.0]
+        if bad:
             problems.append(
-                f"{int(bad.sum())} {name!r} value{'s' if bad.sum() > 1 else ''} not a probability in [0, 1] "
-                f"(e.g. {_number(values[first])} for GPU {gpu})"
+                f"{len(bad)} {name!r} value{'s' if len(bad) > 1 else ''} not a probability in [0, 1] "
+                f"(e.g. {_number(values[bad[0]])} for GPU {gpus[bad[0]]})"
             )
-    for name in ("ts", "model_version"):
-        distinct = pc.count_distinct(table[name]).as_py()
+    for name, column in (("ts", time_integers(table["ts"])), ("model_version", table["model_version"].to_pylist())):
+        distinct = len(set(column) - {None})
         if distinct > 1:
             problems.append(f"{distinct} distinct {name!r} values (a snapshot holds one grid time of one model)")
-    duplicated = table.num_rows - table["gpu_uuid"].null_count - pc.count_distinct(table["gpu_uuid"]).as_py()
+    listed = [g for g in gpus if g is not None]
+    duplicated = len(listed) - len(set(listed))
     if duplicated > 0:
         problems.append(f"{duplicated} GPU{'s' if duplicated > 1 else ''} listed more than once")
     if problems:
@@ -206,13 +206,10 @@ def _conform(table: pa.Table, where: str) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=pa.schema(expected))
 
 
-def _numbers(column: pa.ChunkedArray) -> np.ndarray:
-    """A numeric column as float64, nulls as NaN."""
-    return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
-
-
-def _null_mask(column: pa.ChunkedArray) -> np.ndarray:
-    return np.asarray(column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+def time_integers(column: pa.ChunkedArray) -> list[int | None]:
+    """A timestamp column's values as integers of its unit (microseconds in the prediction
+    schema): pyarrow's conversion of the times themselves imports pandas."""
+    return [v for chunk in column.chunks for v in chunk.view(pa.int64()).to_pylist()]
 
 
 def _number(value: float) -> str:
@@ -233,7 +230,7 @@ def _keys_of_day(store: Store, day: date, *, skip_unreadable: bool) -> list[Snap
 def _key(store: Store, path: str) -> SnapshotKey:
     store.verify(path)
     try:
-        with store.fs.open(path, "rb") as fh:
+        with store.open_file(path) as fh:
             parquet = pq.ParquetFile(fh)
             meta = (parquet.schema_arrow.metadata or {}).get(SNAPSHOT_METADATA)
             if meta is not None:
@@ -251,13 +248,15 @@ def _key(store: Store, path: str) -> SnapshotKey:
     if rows.num_rows == 0 or rows["ts"].null_count == rows.num_rows:
         raise InputError(f"{path}: not usable predictions: no rows (expected one per scored GPU)")
     versions = sorted({str(v) for v in rows["model_version"].to_pylist()})
+    import pyarrow.compute as pc  # files written before snapshots only
+
     return SnapshotKey(path, _utc(pc.max(rows["ts"]).as_py()), ",".join(versions), "")
 
 
 def _read_table(store: Store, path: str) -> pa.Table:
     store.verify(path)
     try:
-        with store.fs.open(path, "rb") as fh:
+        with store.open_file(path) as fh:
             # One file: ParquetFile, not read_table (whose dataset layer imports pandas).
             return pq.ParquetFile(fh).read()
     except (pa.ArrowException, OSError) as exc:

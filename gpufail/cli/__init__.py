@@ -3,24 +3,62 @@
 Each command reads its inputs, calls one function, writes, and prints a one-line summary:
 cron, the Makefile and people use the same commands. The commands live in one module per group (`data`: bring data in;
 `features`; `models`: train and judge; `serving`: score and act; `operations`: the nightly job
-and tools), and take their option objects from the settings (`gpufail.config.Settings`). Heavy
-libraries are imported inside the commands so `gpufail --help` stays fast. Errors a user can
-cause (`GpufailError`) print as one line and exit with status 2.
+and tools), and take their option objects from the settings (`gpufail.config.Settings`). A
+command's module is imported when the command runs (`COMMANDS`), and heavy libraries inside the
+commands, so `gpufail --help` stays fast and a quick command loads only what it uses. Errors a
+user can cause (`GpufailError`) print as one line and exit with status 2.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import click
 
-from gpufail.cli import data, failures, features, models, operations, serving, storage
 from ingest.errors import GpufailError
-from ingest.urls import redact_urls
+
+COMMANDS = {
+    "simulate": "gpufail.cli.data:simulate",
+    "ingest": "gpufail.cli.data:ingest",
+    "collect": "gpufail.cli.data:collect",
+    "ship": "gpufail.cli.storage:ship",
+    "compact": "gpufail.cli.storage:compact",
+    "features": "gpufail.cli.features:features",
+    "train": "gpufail.cli.models:train",
+    "evaluate": "gpufail.cli.models:evaluate",
+    "summary": "gpufail.cli.models:summary",
+    "score": "gpufail.cli.serving:score",
+    "at-risk": "gpufail.cli.serving:at_risk",
+    "publish": "gpufail.cli.serving:publish",
+    "serve": "gpufail.cli.serving:serve",
+    "nightly": "gpufail.cli.operations:nightly",
+    "mlflow": "gpufail.cli.operations:mlflow_command",
+    "config": "gpufail.cli.operations:config",
+}
+"""Each command of `gpufail`, by name: the module and the name of its click command."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """A group whose commands are imported by name (`module:attribute`) when run or listed:
+    importing every command's module (and what each imports) was a tenth of a quick command."""
+
+    def __init__(self, *args: object, commands: Mapping[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lazy = dict(commands)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.lazy:
+            module, name = self.lazy[cmd_name].split(":")
+            self.add_command(getattr(importlib.import_module(module), name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Commands, commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gpufail", prog_name="gpufail", message="%(prog)s %(version)s")
 @click.option(
     "--config",
@@ -43,29 +81,6 @@ QUICK_COMMANDS = {"at-risk": ("store", "publish", "serve")}
 look at the fleet should not pay for checking every table of the file."""
 
 
-for command in (
-    data.simulate,
-    data.ingest,
-    data.collect,
-    storage.ship,
-    storage.compact,
-    features.features,
-    models.train,
-    models.evaluate,
-    models.summary,
-    serving.score,
-    serving.at_risk,
-    serving.publish,
-    serving.serve,
-    operations.nightly,
-    operations.mlflow_command,
-    operations.config,
-):
-    cli.add_command(command)
-data.ingest.add_command(failures.ingest_slurm)
-data.ingest.add_command(failures.ingest_kubernetes)
-
-
 def main(args: Sequence[str] | None = None) -> None:
     """Run `gpufail ARGS` (default: this process's command line). An error exits with one line on
     stderr: status 2 for bad input (`GpufailError`, click's usage errors) and for a module of an
@@ -84,6 +99,8 @@ def _run(argv: list[str]) -> None:
     try:
         cli.main(args=argv, prog_name="gpufail", standalone_mode=False)
     except GpufailError as exc:
+        from ingest.urls import redact_urls
+
         # A message may quote a URL the settings gave (a webhook's key, a tracking server's
         # password): masked here whatever raised it.
         _fail(redact_urls(str(exc)), 2)
@@ -120,6 +137,6 @@ def _command_name(argv: Sequence[str]) -> str | None:
     for word in words:
         if word == "--config":
             next(words, None)
-        elif word in cli.commands:
+        elif word in COMMANDS:
             return word
     return None

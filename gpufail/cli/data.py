@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from gpufail.cli.failures import ingest_kubernetes, ingest_slurm
 from gpufail.cli.options import (
     data_option,
     data_root,
@@ -438,3 +439,8 @@ def collect(
         for name, error in failed:
             line_writer(err=True)(f"collect: {name} failed: {error}")
         raise GpufailError(f"collect: every source failed ({', '.join(n for n, _ in failed)}); nothing was collected")
+
+
+# Failure records from the schedulers (gpufail.cli.failures).
+ingest.add_command(ingest_slurm)
+ingest.add_command(ingest_kubernetes)

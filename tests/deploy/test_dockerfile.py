@@ -9,7 +9,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from gpufail.cli import cli
+from gpufail.cli import COMMANDS
 
 ROOT = Path(__file__).parents[2]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -70,7 +70,7 @@ def test_the_images_run_the_packages_entry_point_as_an_unprivileged_user():
         [entry] = instruction(stage, "ENTRYPOINT")
         [cmd] = instruction(stage, "CMD")
         assert json.loads(entry) == ["gpufail"] and "gpufail" in scripts
-        assert json.loads(cmd)[0] in cli.commands
+        assert json.loads(cmd)[0] in COMMANDS
         assert any(f"--from={extras} /opt/gpufail /opt/gpufail" in line for line in stage)
     assert json.loads(instruction(found["collector"], "CMD")[0]) == ["collect"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from gpufail.cli import cli
+from gpufail.cli import COMMANDS
 from gpufail.config import CollectSettings, load_settings
 from serving.publishers import Change
 from serving.publishers.kubernetes import KubernetesPublisher
@@ -237,6 +237,6 @@ def test_containers_run_gpufail_commands_from_the_dockerfiles_images(rendered):
     _, objects = rendered
     for workload in workloads(objects):
         [container] = pod_spec(workload)["containers"]
-        assert container["args"][0] in cli.commands
+        assert container["args"][0] in COMMANDS
         expected = "gpufail-collector" if workload["kind"] == "DaemonSet" else "gpufail"
         assert container["image"].split("/")[-1].split(":")[0] == expected

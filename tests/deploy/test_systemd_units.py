@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpufail.cli import cli
+from gpufail.cli import COMMANDS
 from tests.deploy.tools import require
 
 SYSTEMD = Path(__file__).parents[2] / "deploy" / "systemd"
@@ -69,7 +69,7 @@ def test_every_service_runs_an_existing_gpufail_command_with_the_shared_config()
     for name in (n for n in UNITS if n.endswith(".service")):
         service = unit(name)["Service"]
         argv = shlex.split(service["ExecStart"])
-        assert argv[0] == INSTALLED and argv[1] in cli.commands, name
+        assert argv[0] == INSTALLED and argv[1] in COMMANDS, name
         environment = [line for line in (SYSTEMD / name).read_text().splitlines() if line.startswith("Environment=")]
         assert "Environment=GPUFAIL_CONFIG=/etc/gpufail/gpufail.toml" in environment, name
 

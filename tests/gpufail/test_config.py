@@ -199,6 +199,8 @@ def test_a_command_may_check_only_the_tables_it_reads(tmp_path):
     assert settings.store == Settings().store  # not set anywhere: its defaults
     with pytest.raises(AttributeError):
         settings.evaluate  # noqa: B018 - set but not checked: absent, never its defaults
+    with pytest.raises(AttributeError):
+        settings.serve  # noqa: B018 - neither named nor set: absent too (no defaults made)
     with pytest.raises(ConfigError, match=r"\[evaluate\] test_days"):
         load_settings(path, environ={})
     with pytest.raises(ConfigError, match=r"GPUFAIL_PUBLISH__TARGET \(\[publish\] target\)"):

@@ -62,6 +62,19 @@ def test_version_is_the_installed_packages():
     assert result.stdout.strip() == f"gpufail {metadata.version('gpufail')}"
 
 
+def test_each_command_is_imported_by_its_name_in_the_table():
+    import click
+
+    from gpufail.cli import COMMANDS, cli
+
+    ctx = click.Context(cli)
+    assert cli.list_commands(ctx) == sorted(COMMANDS)
+    for name in COMMANDS:
+        command = cli.get_command(ctx, name)
+        assert isinstance(command, click.Command) and command.name == name, name
+    assert cli.get_command(ctx, "no-such-command") is None
+
+
 def test_a_command_of_a_missing_extra_names_the_extra_in_one_line(tmp_path):
     data = tmp_path / "data"
     Store.create(str(data))

@@ -75,6 +75,27 @@ def test_a_day_becomes_few_files_of_whole_nodes_in_node_order_with_every_row_kep
     assert all(count == 1 for day in by_day.values() for count in day.values())
 
 
+def test_a_day_of_more_files_than_a_read_holds_is_read_a_batch_at_a_time_into_the_same_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A frame read from many files keeps a chunk per file and column: a day of a large fleet's
+    # collectors is read a few thousand files at a time, into the same files as in one read.
+    import ingest.compact as compaction
+
+    whole, batched = collector_like(tmp_path / "whole"), collector_like(tmp_path / "batched")
+    compact(whole, ["telemetry"], now=LATER, file_rows=200)
+    monkeypatch.setattr(compaction, "READ_FILES", 3)
+    summary = compact(batched, ["telemetry"], now=LATER, file_rows=200)
+    assert summary.files_read["telemetry"] > 3 * 5
+    # The files by their first rows (their names are random).
+    written = [
+        sorted((pl.read_parquet(path) for path in store.files("telemetry")), key=lambda f: f.row(0))
+        for store in (whole, batched)
+    ]
+    assert len(written[0]) == len(written[1]) == 4
+    assert all(a.equals(b) for a, b in zip(*written, strict=True))
+
+
 def test_a_second_run_changes_nothing(tmp_path: Path) -> None:
     store = collector_like(tmp_path / "root")
     compact(store, now=LATER, file_rows=200)

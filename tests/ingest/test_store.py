@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ingest.errors import StoreError
-from ingest.store import MARKER, Store
+from ingest.store import MARKER, Store, filesystem_of
 from tests.conftest import make_rows
 
 
@@ -107,6 +107,24 @@ def test_a_partition_with_a_foreign_schema_is_named_in_the_error(store, hours, t
     pq.write_table(pa.table({"ts": [1], "temperature": [3.0]}), foreign)
     with pytest.raises(StoreError, match=r"part-foreign\.parquet has a foreign schema.*missing column 'xid'"):
         store.read("xid_events")
+
+
+def test_the_schemas_of_many_files_are_checked_a_batch_at_a_time_and_a_foreign_one_is_named(
+    store, hours, tmp_path, monkeypatch
+):
+    # A day of a large fleet is hundreds of thousands of files: their footers are not all held
+    # at once, and a foreign file in a later batch is still found.
+    import ingest.store as store_module
+
+    monkeypatch.setattr(store_module, "_SCHEMA_BATCH", 2)
+    for hour in (1, 2, 3, 4):
+        store.write("xid_events", make_rows("xid_events", hours(hour), xid=79))
+    folder = tmp_path / "root" / "xid_events" / "date=2026-01-05"
+    pq.write_table(pa.table({"ts": [1]}), folder / "part-zz-foreign.parquet")  # listed last
+    with pytest.raises(StoreError, match=r"part-zz-foreign\.parquet has a foreign schema"):
+        store.scan("xid_events")
+    (folder / "part-zz-foreign.parquet").unlink()
+    assert store.collect(store.scan("xid_events"), "xid_events").height == 4
 
 
 def test_rows_that_do_not_match_the_schema_are_refused_before_anything_is_written(store, hours, tmp_path):
@@ -261,3 +279,41 @@ def test_a_corrupt_file_is_named_with_what_to_do_about_its_dataset(store, tmp_pa
     assert str(refused.value).endswith(
         "Rebuild its day with gpufail features --start 2026-01-05 --end 2026-01-06 --overwrite"
     )
+
+
+@pytest.mark.parametrize(
+    "root", ["ROOT", "ROOT/", "data", "./data", "./data/", ".", "../x/data", "a//b", "~/data", "~"]
+)
+def test_a_local_root_is_named_as_fsspec_names_it_without_fsspec(root, tmp_path, monkeypatch):
+    # A local root's files are read directly (`gpufail at-risk` does without fsspec), under the
+    # names they had through fsspec: paths that commands print and journals record.
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    root = root.replace("ROOT", str(tmp_path / "root"))
+    fs, path = filesystem_of(root)
+    assert fs is None
+    assert path == fsspec.core.url_to_fs(root)[1]
+
+
+@pytest.mark.parametrize("root", ["file://ROOT", "file:ROOT", "memory://fleet", "simplecache::file://ROOT"])
+def test_a_url_root_gets_its_fsspec_filesystem(root, tmp_path):
+    import fsspec
+
+    root = root.replace("ROOT", str(tmp_path / "root"))
+    fs, path = filesystem_of(root)
+    expected_fs, expected_path = fsspec.core.url_to_fs(root)
+    assert fs is expected_fs and path == expected_path
+
+
+def test_a_local_root_is_read_and_written_as_before(tmp_path, hours):
+    root = Store.create(str(tmp_path / "root"))
+    assert root.is_local and root._fs is not None  # created: written through fsspec
+    root.write("xid_events", make_rows("xid_events", hours(1), xid=79))
+    reader = Store.open(str(tmp_path / "root"))
+    assert reader._fs is None  # opened and listed without it
+    assert reader.files("xid_events") == root.files("xid_events") and reader.is_local
+    assert reader.read_bytes(reader.path(MARKER)) == (tmp_path / "root" / MARKER).read_bytes()
+    assert sorted(reader.names_in(reader.path())) == sorted(p.name for p in (tmp_path / "root").iterdir())
+    assert reader._fs is None
+    assert reader.fs.protocol == root.fs.protocol  # made when a writer asks for it
