@@ -21,21 +21,10 @@ from features.dataset import read_features
 from ingest.errors import GpufailError
 from ingest.store import Store
 from models.comparison import evaluate_walk_forward
-from models.walk_forward import Contender
-from tests.models import ONE_THREAD, demo_features_store
-from tests.models.walk_forward_cases import FAST, PLAN
+from tests.models import demo_features_store
+from tests.models.walk_forward_cases import PLAN, STORE_CONTENDERS
 
-CONTENDERS = [
-    Contender("lgb static", "lightgbm", "static", FAST),
-    Contender("lgb sliding", "lightgbm", "sliding", FAST),
-    Contender("logistic sliding", "logistic", "sliding"),
-    Contender(
-        "pair",
-        "parallel",
-        "sliding",
-        {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": FAST}, "top_k": 5, **ONE_THREAD},
-    ),
-]
+CONTENDERS = [c for c in STORE_CONTENDERS if c.mode != "auto"]
 OPTIONS: dict[str, Any] = {"top_k": ["10"], "bootstrap_samples": 50, "budgets": (20.0, 60.0)}
 
 

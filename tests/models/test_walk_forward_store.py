@@ -16,22 +16,11 @@ from features.schema import ID_COLUMNS, LABEL_COLUMNS
 from ingest.errors import GpufailError
 from ingest.store import Store
 from models.evaluate import compare_scores, expected_failures_per_day
-from models.walk_forward import Contender, WalkForwardResult, run_walk_forward, run_walk_forward_from_store
-from tests.models import ONE_THREAD, demo_features_store
-from tests.models.walk_forward_cases import FAST, PLAN
+from models.walk_forward import WalkForwardResult, run_walk_forward, run_walk_forward_from_store
+from tests.models import demo_features_store
+from tests.models.walk_forward_cases import PLAN, STORE_CONTENDERS
 
-CONTENDERS = [
-    Contender("lgb static", "lightgbm", "static", FAST),
-    Contender("lgb sliding", "lightgbm", "sliding", FAST),
-    Contender("lgb auto", "lightgbm", "auto", FAST),
-    Contender("logistic sliding", "logistic", "sliding"),
-    Contender(
-        "pair",
-        "parallel",
-        "sliding",
-        {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": FAST}, "top_k": 5, **ONE_THREAD},
-    ),
-]
+CONTENDERS = STORE_CONTENDERS
 TREES_ONLY = {"lgb static", "lgb sliding", "lgb auto"}
 """Contenders whose scores do not depend on which other rows are scored with them."""
 IDS = ["ts", "gpu_uuid", "label", "time_to_failure_h"]

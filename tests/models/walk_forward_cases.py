@@ -7,7 +7,7 @@ from functools import cache
 
 import pandas as pd
 
-from models.walk_forward import WalkForwardPlan
+from models.walk_forward import Contender, WalkForwardPlan
 from tests.models import ONE_THREAD, make_synthetic_frame
 
 FAST = {"n_estimators": 30, **ONE_THREAD}
@@ -20,6 +20,21 @@ PLAN = WalkForwardPlan(
     negative_fraction=0.3,
     calibration_window="1d",
 )
+
+STORE_CONTENDERS = [
+    Contender("lgb static", "lightgbm", "static", FAST),
+    Contender("lgb sliding", "lightgbm", "sliding", FAST),
+    Contender("lgb auto", "lightgbm", "auto", FAST),
+    Contender("logistic sliding", "logistic", "sliding"),
+    Contender(
+        "pair",
+        "parallel",
+        "sliding",
+        {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": FAST}, "top_k": 5, **ONE_THREAD},
+    ),
+]
+"""A contender of every kind of work the walk-forward shares (static, sliding and auto trees, a
+linear model, the parallel ensemble over both), for the store-against-memory tests."""
 
 
 @cache
