@@ -139,7 +139,9 @@ def inputs_from_store(
     try:
         copy = None if scratch is None else Store.create(str(Path(scratch.name) / "data"))
         read = _Pass(store, periods, fail_slow_window, sample, plan.seed, copy)
-        for day in feature_days(store):
+        from tqdm.auto import tqdm
+
+        for day in tqdm(feature_days(store), desc="evaluate reading", unit="day", disable=not progress):
             read.day(day)
         evaluation = read.evaluation()
         result = run_walk_forward_from_store(
