@@ -145,7 +145,13 @@ def inputs_from_store(
             read.day(day)
         evaluation = read.evaluation()
         result = run_walk_forward_from_store(
-            store, contenders, plan, evaluation=evaluation, scored_from=copy, progress=progress, client=client
+            store,
+            contenders,
+            plan,
+            evaluation=(periods, evaluation),
+            scored_from=copy,
+            progress=progress,
+            client=client,
         )
     except BaseException:
         if scratch is not None:

@@ -1046,7 +1046,7 @@ def run_walk_forward_from_store(
     plan: WalkForwardPlan,
     *,
     columns: Sequence[str] = (),
-    evaluation: pd.DataFrame | None = None,
+    evaluation: tuple[Periods, pd.DataFrame] | None = None,
     scored_from: Store | None = None,
     progress: bool = False,
     client: Any = None,
@@ -1056,20 +1056,23 @@ def run_walk_forward_from_store(
     day of rows. The result is the same as `run_walk_forward(read_features(store), ...)`'s,
     except that `test` and `validation` hold only the identity and label columns and
     `columns` (what the figures after the walk-forward read), not every feature.
-    `evaluation`: those rows already read (the labelled rows of `store_periods`' eval_start
-    .. test_end_excl, sorted by (ts, gpu_uuid)); `columns` is then not read. `scored_from`: a
+    `evaluation`: the store's periods (`store_periods`) and those rows, already read by the
+    caller (the labelled rows of eval_start .. test_end_excl, sorted by (ts, gpu_uuid));
+    `columns` is then not read. `scored_from`: a
     store holding those rows with every feature, which the scoring reads instead of `store`
     (`models.evaluation_inputs` keeps one where `store` computes its features on demand)."""
-    periods = store_periods(store, contenders, plan)
     horizon = as_timedelta(plan.horizon, "horizon")
     if evaluation is None:
+        periods = store_periods(store, contenders, plan)
         keep = list(dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *columns]))
-        evaluation = labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
-    ts = pd.to_datetime(evaluation["ts"], utc=True)
+        rows = labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
+    else:
+        periods, rows = evaluation  # (the plan was checked when `store_periods` made them)
+    ts = pd.to_datetime(rows["ts"], utc=True)
     eval_ns = ts.to_numpy(dtype="datetime64[ns]").astype(np.int64)
     scored_root = None if scored_from is None else scored_from.root
     source = StoreRows(store.root, plan.negative_fraction, plan.seed, horizon, scored_root)
-    return _walk_forward(contenders, plan, periods, evaluation, eval_ns, lambda _: source, progress, client)
+    return _walk_forward(contenders, plan, periods, rows, eval_ns, lambda _: source, progress, client)
 
 
 def _store_step(store: Store) -> pd.Timedelta:

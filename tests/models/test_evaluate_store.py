@@ -187,3 +187,20 @@ def test_a_store_computing_its_features_is_scored_from_a_copy_of_the_period_remo
     # every scored day came from the copy, which is gone once the figures are made
     assert scored_from and all(root.startswith(str(tmp_path)) for root in scored_from)
     assert list(tmp_path.iterdir()) == [live]
+
+
+def test_evaluate_on_the_store_finds_its_periods_once(store, monkeypatch):
+    import models.walk_forward as wf
+
+    calls: list[str] = []
+    real = wf._store_step
+
+    def counting(store):
+        calls.append(store.root)
+        return real(store)
+
+    monkeypatch.setattr(wf, "_store_step", counting)
+    inputs.inputs_from_store(
+        Store.open(store.root), CONTENDERS[:1], PLAN, fail_slow_window=None, progress=False, client=None
+    )
+    assert calls == [store.root]  # the newest days read once for the grid step, not again by the walk-forward
