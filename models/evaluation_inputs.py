@@ -55,6 +55,7 @@ from models.walk_forward import (
     Periods,
     WalkForwardPlan,
     WalkForwardResult,
+    evaluation_frame,
     run_walk_forward,
     run_walk_forward_from_store,
     store_periods,
@@ -284,15 +285,9 @@ class _Pass:
         with the chosen feature's column on the validation and test rows."""
         if not self.chosen:
             self._choose()
-        if not self.parts:
-            raise GpufailError(
-                f"{self.store.root}: no feature rows in {self.periods.eval_start} .. {self.periods.test_end_excl}; "
-                "expected the walk-forward's period"
-            )
-        frame = pl.concat(self.parts, how="diagonal_relaxed").with_columns(pl.col("label").cast(pl.Float64))
-        self.parts = []
-        out = to_pandas(frame)
-        del frame
+        parts, self.parts = self.parts, []
+        out = evaluation_frame(parts, self.store.root, self.periods.eval_start, self.periods.test_end_excl)
+        del parts
         if self.choice is not None and self.choice["feature"] not in (self.keep or []):
             self._fill(out, self.choice["feature"])
         return out

@@ -1065,7 +1065,7 @@ def run_walk_forward_from_store(
     if evaluation is None:
         periods = store_periods(store, contenders, plan)
         keep = list(dict.fromkeys([*ID_COLUMNS, *LABEL_COLUMNS, *columns]))
-        rows = labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
+        rows = _labelled_from_store(store, periods.eval_start, periods.test_end_excl, keep)
     else:
         periods, rows = evaluation  # (the plan was checked when `store_periods` made them)
     ts = pd.to_datetime(rows["ts"], utc=True)
@@ -1085,20 +1085,25 @@ def _store_step(store: Store) -> pd.Timedelta:
     return pd.Timedelta(int(np.diff(times).astype(np.int64).min())) if len(times) > 1 else pd.Timedelta(hours=1)
 
 
-def labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, columns: list[str]) -> pd.DataFrame:
+def _labelled_from_store(store: Store, start: pd.Timestamp, end: pd.Timestamp, columns: list[str]) -> pd.DataFrame:
     """The `columns` of the labelled rows with start <= ts < end, sorted by (ts, gpu_uuid),
-    read a day at a time (a computed store computes only what a day needs). The label is a
-    float, as a whole frame's (which has censored rows) reads in pandas."""
+    read a day at a time (a computed store computes only what a day needs): `evaluation_frame`."""
     parts = []
     for day in feature_days(store, start.to_pydatetime(), end.to_pydatetime()):
         midnight = pd.Timestamp(day, tz="UTC")
         lo, hi = max(start, midnight), min(end, midnight + pd.Timedelta(days=1))
         part = read_features(store, lo.to_pydatetime(), hi.to_pydatetime(), columns=columns)
         parts.append(part.filter(pl.col("label").is_not_null()).select(columns))
+    return evaluation_frame(parts, store.root, start, end)
+
+
+def evaluation_frame(parts: list[pl.DataFrame], root: str, start: pd.Timestamp, end: pd.Timestamp) -> pd.DataFrame:
+    """The evaluation frame of the labelled rows of [start, end) of the store at `root`, read a
+    day at a time into `parts` (in order; a column some parts lack is null there). The label is
+    a float, as a whole frame's (which has censored rows) reads in pandas."""
     if not parts:
-        raise InputError(f"{store.root}: no feature rows in {start} .. {end}; expected the walk-forward's period")
-    # As the label of a whole frame (which has censored rows) reads in pandas: float.
-    return to_pandas(pl.concat(parts, how="vertical_relaxed").with_columns(pl.col("label").cast(pl.Float64)))
+        raise InputError(f"{root}: no feature rows in {start} .. {end}; expected the walk-forward's period")
+    return to_pandas(pl.concat(parts, how="diagonal_relaxed").with_columns(pl.col("label").cast(pl.Float64)))
 
 
 def _walk_forward(
