@@ -47,6 +47,32 @@ def test_sign_constrained_logistic_never_gives_a_named_input_a_negative_weight()
         SignConstrainedLogistic(increasing=("bad",)).fit(X.to_numpy(), y)
 
 
+def test_sign_constrained_logistic_unconstrained_is_scikit_learns_logistic_regression():
+    # The same objective (class-weighted log loss times C plus half the squared coefficients),
+    # solved by L-BFGS-B on float32 rows: the coefficients of LogisticRegression to solver precision.
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(2)
+    X = pd.DataFrame(rng.normal(size=(4000, 6)), columns=[f"x{i}" for i in range(6)])
+    y = (X["x0"] - 0.5 * X["x3"] + rng.normal(0, 1.0, 4000) > 1.5).astype(int)
+    weights = {0: 1.0, 1: 4.0}
+    ours = SignConstrainedLogistic(C=0.3, class_weight=weights, tol=1e-8).fit(X, y)
+    theirs = LogisticRegression(C=0.3, class_weight=weights, tol=1e-10, max_iter=10_000).fit(X, y)
+    np.testing.assert_allclose(ours.coef_, theirs.coef_, atol=1e-4)
+    np.testing.assert_allclose(ours.intercept_, theirs.intercept_, atol=1e-4)
+    assert not ours.zeroed_.any()
+
+
+def test_sign_constrained_logistic_warns_when_it_stops_before_converging():
+    from sklearn.exceptions import ConvergenceWarning
+
+    rng = np.random.default_rng(3)
+    X = pd.DataFrame(rng.normal(size=(500, 4)), columns=list("abcd"))
+    y = (X["a"] + rng.normal(0, 0.5, 500) > 0).astype(int)
+    with pytest.warns(ConvergenceWarning, match=r"max_iter=2 before converging \(C=1.0\)"):
+        SignConstrainedLogistic(max_iter=2).fit(X, y)
+
+
 def test_category_codes_are_those_learnt_at_fit_whatever_the_score_order():
     enc = CategoryCodes().fit(pd.DataFrame({"gpu_model": ["H100", "A100", "V100"], "v": [1.0, 2.0, 3.0]}))
     out = enc.transform(pd.DataFrame({"gpu_model": ["V100", "X", "A100"], "v": [0.0, 0.0, 0.0]}))
