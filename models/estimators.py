@@ -285,7 +285,9 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         losses = {}
         for C in candidates:
             coef, intercept, _ = self._fit_one(X[:cut], fit_y, C)
-            losses[C] = float(log_loss(val_y, expit(held @ coef + intercept), sample_weight=weight, labels=self.classes_))
+            losses[C] = float(
+                log_loss(val_y, expit(held @ coef + intercept), sample_weight=weight, labels=self.classes_)
+            )
         return min(candidates, key=lambda c: (losses[c], c)), losses
 
     def fit(self, X: Any, y: Any) -> SignConstrainedLogistic:

@@ -59,7 +59,9 @@ from models.walk_forward import (
     run_walk_forward,
     run_walk_forward_from_store,
     store_periods,
+    training_span,
 )
+from models.walk_forward_rows import draw_ahead
 
 VALIDATION_SAMPLE = 200_000
 """The most negative validation rows the best single feature is chosen on (every positive is
@@ -133,6 +135,8 @@ def inputs_from_store(
     system's temporary folder by default), which the walk-forward's scoring and the reads after
     it read instead of computing each day again."""
     periods = store_periods(store, contenders, plan)
+    # Before anything else is held: the fits then read their draws instead of computing them.
+    draw_ahead(store, training_span(periods, contenders, plan), plan.negative_fraction, plan.seed, progress)
     scratch = None
     if client is None and computed(store):
         _remove_orphans(scratch_dir)

@@ -1032,6 +1032,19 @@ def run_walk_forward(
     return _walk_forward(contenders, plan, periods, evaluation, eval_ns, in_memory, progress, client)
 
 
+def training_span(
+    periods: Periods, contenders: Sequence[Contender], plan: WalkForwardPlan
+) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end) of the rows every fit of the walk-forward draws its pool from: the longest
+    training window before the earliest fit (the one scoring the first calibration slice,
+    trained as of `eval_start`), to a horizon before the last retrain."""
+    horizon = as_timedelta(plan.horizon, "horizon")
+    windows = [as_timedelta(c.train_window or plan.train_window, "train_window") for c in contenders]
+    if any(c.mode == "auto" for c in contenders):
+        windows += [as_timedelta(w, "candidate_windows") for w in plan.candidate_windows]
+    return periods.eval_start - horizon - max(windows), periods.retrain_times[-1] - horizon
+
+
 def store_periods(store: Store, contenders: Sequence[Contender], plan: WalkForwardPlan) -> Periods:
     """The periods `run_walk_forward_from_store` runs over the store's features (for a reader
     that reads the evaluation rows itself, `models.store_evaluation`)."""

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -209,3 +210,33 @@ def test_evaluate_on_the_store_finds_its_periods_once(store, monkeypatch):
         Store.open(store.root), CONTENDERS[:1], PLAN, fail_slow_window=None, progress=False, client=None
     )
     assert calls == [store.root]  # the newest days read once for the grid step, not again by the walk-forward
+
+
+def test_the_fits_read_the_draws_computed_before_the_pass(computed_store, tmp_path, monkeypatch):
+    """Where the store computes its features on demand, every training draw of the walk-forward
+    is computed into the day cache before the pass, so no fit computes one (a fit that did held
+    the evaluation's inputs meanwhile; Dask workers computed the same days side by side)."""
+    import features.drawn_cache as drawn_cache
+    import models.walk_forward as wf
+    from tests.features.cached_stores import uncached_copy
+
+    store = uncached_copy(computed_store.root, tmp_path)
+    phase = ["before the fits"]
+    computed_during: list[str] = []
+    compute, fit = drawn_cache.features_on_demand, wf._run_fit
+
+    def computing(*args, **kwargs):
+        computed_during.append(phase[0])
+        return compute(*args, **kwargs)
+
+    def fitting(task, source):
+        phase[0] = "a fit"
+        return fit(task, source)
+
+    monkeypatch.setattr(drawn_cache, "features_on_demand", computing)
+    monkeypatch.setattr(wf, "_run_fit", fitting)
+    plan = replace(PLAN, negative_fraction=0.1)  # a share the day cache keeps
+    ours = evaluate_walk_forward(store, CONTENDERS[:2], plan, **OPTIONS)
+    assert phase == ["a fit"] and computed_during
+    assert set(computed_during) == {"before the fits"}
+    _assert_close(ours, evaluate_walk_forward(read_features(computed_store), CONTENDERS[:2], plan, **OPTIONS))
