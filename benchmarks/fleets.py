@@ -30,10 +30,10 @@ bootstrap_samples = 1000
 PAPER_EVALUATE = """\
 retrain_every = "2d"
 """
-"""The paper preset's fleets retrain every second day: at 1,000 nodes a fit on 21 days' draw
-(about 0.2M rows) takes 45-50 s on this machine's cores, and three fleets of daily fits of
-five contenders do not fit one sitting; the sliding contenders are then up to a day staler
-than the nightly's model, the static one two weeks."""
+"""The paper preset's fleets retrain every second day: their fits (a 21-day draw of about 0.2M
+rows at 1,000 nodes, five contenders) are most of an evaluation's time, and every second day
+halves them; the sliding contenders are then up to a day staler than the nightly's model, the
+static one two weeks."""
 CONTENDERS = """\
 [[evaluate.contenders]]
 name = "lightgbm static"

@@ -90,6 +90,11 @@ def stored_fraction(negative_fraction: float) -> float:
     return min(1.0, 2.0 ** math.ceil(math.log2(negative_fraction)))
 
 
+def kept(negative_fraction: float) -> bool:
+    """Whether draws at `negative_fraction` are kept a day at a time (else computed each time)."""
+    return stored_fraction(negative_fraction) <= LARGEST_SHARE_KEPT
+
+
 def day_file(day: date, threshold: int) -> CacheFile:
     return CacheFile(f"drawn-{day.isoformat()}-{threshold}.bin", _MAGIC, VERSION, compression="zstd")
 
@@ -111,9 +116,9 @@ def drawn_rows_cached(store: Store, start: datetime, end: datetime, negative_fra
     `features_on_demand(store, start, end, rows=drawn(negative_fraction))`, with the features of
     the days whose file is current read from it."""
     spec = on_demand_spec(store)
-    kept_fraction = stored_fraction(negative_fraction)
-    if kept_fraction > LARGEST_SHARE_KEPT:
+    if not kept(negative_fraction):
         return features_on_demand(store, start, end, spec=spec, rows=drawn(negative_fraction))
+    kept_fraction = stored_fraction(negative_fraction)
     threshold = key_threshold(kept_fraction)
     # The files first, before anything is read: rows computed after are of this state of the
     # store or a later one (files only come and go forwards), never an earlier one.

@@ -215,22 +215,16 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
             raise ValueError(f"SignConstrainedLogistic: C expected a positive number or a list of them, got {self.C!r}")
         return sorted(values)
 
-    def _weights(self, y: np.ndarray) -> np.ndarray:
-        from sklearn.utils.class_weight import compute_sample_weight
-
-        if self.class_weight is None:
-            return np.ones(len(y))
-        return np.asarray(compute_sample_weight(self.class_weight, y), dtype=np.float64)
-
     def _fit_one(self, X: np.ndarray, y: np.ndarray, C: float) -> tuple[np.ndarray, float, int]:
         """(coefficients, intercept, iterations) of the constrained optimum for `C` on float32 `X`."""
         import warnings
 
         from scipy.optimize import minimize
         from sklearn.exceptions import ConvergenceWarning
+        from sklearn.utils.class_weight import compute_sample_weight
 
         target = (y == self.classes_[1]).astype(np.float64)
-        weight = self._weights(y)
+        weight = compute_sample_weight(self.class_weight, y)  # ones without class weights
         # Divided by C times the total weight, the objective's scale does not grow with the rows,
         # so one tolerance fits every window (`LogisticRegression` scales its objective alike).
         scale = float(weight.sum())
@@ -269,6 +263,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
     def _choose_C(self, X: np.ndarray, y: np.ndarray, candidates: list[float]) -> tuple[float, dict[float, float]]:
         """The candidate with the lowest class-weighted log loss on the last rows, and each loss."""
         from sklearn.metrics import log_loss
+        from sklearn.utils.class_weight import compute_sample_weight
 
         if not 0.0 < self.validation_share < 1.0:
             raise ValueError(
@@ -279,7 +274,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         if len(np.unique(fit_y)) < 2 or len(np.unique(val_y)) < 2:
             # Too few failures to split: the middle candidate, unvalidated.
             return candidates[len(candidates) // 2], {}
-        weight = self._weights(val_y) if self.class_weight is not None else None
+        weight = compute_sample_weight(self.class_weight, val_y)
         lower, upper = X[:cut].min(axis=0), X[:cut].max(axis=0)
         held = np.clip(X[cut:], lower, upper).astype(np.float64)
         losses = {}

@@ -828,15 +828,20 @@ class _Layout:
         return [(start, self.period(start, self.test_end_excl))]
 
 
+def _windows(contender: Contender, plan: WalkForwardPlan) -> list[str]:
+    """The training windows of a contender's fits: each candidate of an `auto` one, else its own
+    or the plan's."""
+    if contender.mode == "auto":
+        return [duration_label(w, "candidate_windows") for w in plan.candidate_windows]
+    return [duration_label(contender.train_window or plan.train_window, f"train_window of {contender.name}")]
+
+
 def _contender_needs(contender: Contender, plan: WalkForwardPlan, layout: _Layout) -> list[_Need]:
     monotone = _constraints_for(contender, plan.monotone_increasing)
     if contender.mode == "auto":
         times = layout.pre_times + layout.retrain_times
-        return [
-            _need(contender, duration_label(w, "candidate_windows"), monotone, layout.sliding(times))
-            for w in plan.candidate_windows
-        ]
-    window = duration_label(contender.train_window or plan.train_window, f"train_window of {contender.name}")
+        return [_need(contender, w, monotone, layout.sliding(times)) for w in _windows(contender, plan)]
+    (window,) = _windows(contender, plan)
     assignments = layout.static() if contender.mode == "static" else layout.sliding(layout.retrain_times)
     return [_need(contender, window, monotone, assignments)]
 
@@ -1039,10 +1044,8 @@ def training_span(
     training window before the earliest fit (the one scoring the first calibration slice,
     trained as of `eval_start`), to a horizon before the last retrain."""
     horizon = as_timedelta(plan.horizon, "horizon")
-    windows = [as_timedelta(c.train_window or plan.train_window, "train_window") for c in contenders]
-    if any(c.mode == "auto" for c in contenders):
-        windows += [as_timedelta(w, "candidate_windows") for w in plan.candidate_windows]
-    return periods.eval_start - horizon - max(windows), periods.retrain_times[-1] - horizon
+    longest = max(as_timedelta(w, "train_window") for c in contenders for w in _windows(c, plan))
+    return periods.eval_start - horizon - longest, periods.retrain_times[-1] - horizon
 
 
 def store_periods(store: Store, contenders: Sequence[Contender], plan: WalkForwardPlan) -> Periods:

@@ -28,7 +28,7 @@ import pandas as pd
 import polars as pl
 
 from features.dataset import computed, drawn_rows, feature_days, read_features
-from features.drawn_cache import LARGEST_SHARE_KEPT, stored_fraction
+from features.drawn_cache import kept
 from ingest.errors import GpufailError
 from ingest.store import Store
 from models.frame import labels, to_pandas
@@ -196,15 +196,14 @@ DRAWN_AHEAD_DAYS = 7
 
 def draw_ahead(
     store: Store, span: tuple[pd.Timestamp, pd.Timestamp], negative_fraction: float, seed: int, progress: bool
-) -> bool:
+) -> None:
     """Computes the training draws of [start, end) = `span` into the store's day cache
     (`features.drawn_cache`) a week at a time, when the store computes its features on demand
-    and the fits' draws are kept there (seed 0, a share of at most `LARGEST_SHARE_KEPT`);
-    returns whether it did. Every fit then reads its pool from the cache: without this, the
+    and the fits' draws are kept there (seed 0, a share the cache keeps). Every fit then reads its pool from the cache: without this, the
     first fit computed its whole window while the evaluation's other inputs were held (the
     process's peak), and Dask workers each computed the same days at once."""
-    if seed != 0 or not computed(store) or stored_fraction(negative_fraction) > LARGEST_SHARE_KEPT:
-        return False
+    if seed != 0 or not computed(store) or not kept(negative_fraction):
+        return
     from tqdm.auto import tqdm
 
     start, end = span
@@ -216,4 +215,3 @@ def draw_ahead(
         last = days[min(first + DRAWN_AHEAD_DAYS, len(days)) - 1]
         hi = datetime.combine(last, time.min, tzinfo=UTC) + timedelta(days=1)
         drawn_rows(store, max(lo, start.to_pydatetime()), min(hi, end.to_pydatetime()), negative_fraction)
-    return True

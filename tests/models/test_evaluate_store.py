@@ -147,9 +147,9 @@ def test_a_test_row_gone_from_the_store_is_named(store):
     test.loc[2, "gpu_uuid"] = "GPU-not-there"
     with pytest.raises(GpufailError, match=r"1 test rows not found again; expected the features unchanged"):
         inputs.rows_at(store, test, np.array([0, 2]))
-    assert len(inputs.rows_at(store, test, np.array([1, 0]))) == 2
     # in the order asked, each with its features
     back = inputs.rows_at(store, test, np.array([1, 0]))
+    assert len(back) == 2
     assert list(back["gpu_uuid"]) == [test.loc[1, "gpu_uuid"], test.loc[0, "gpu_uuid"]]
     assert list(pd.to_datetime(back["ts"], utc=True)) == list(pd.to_datetime(test.loc[[1, 0], "ts"], utc=True))
     assert len(back.columns) > len(test.columns)
