@@ -53,6 +53,16 @@ def replay_section(metrics: dict[str, Any]) -> list[str]:
             )
             + ".",
         ]
+    refill = replay.get("refill") or {}
+    if refill.get("busy_share") is not None:
+        wait = refill["median_hours_to_next"]
+        lines += [
+            "",
+            f"After a job left a node its GPUs were busy {refill['busy_share']:.0%} of the next "
+            f"{refill['horizon_h']:g} h ({refill['job_ends']:,} job ends"
+            + ("" if wait is None else f"; the next job came a median {wait:.1f} h later")
+            + "): the cost policy's new-job loss counts a freed node busy for the whole horizon.",
+        ]
     lines += [
         "",
         "Failures: the work since each hit job's last checkpoint plus its hang and restart, on all its GPUs. "

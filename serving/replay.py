@@ -114,6 +114,40 @@ class Trace:
         )
 
 
+def refill_after_job_ends(trace: Trace, horizon_h: float, gpus_per_node: int = 8) -> dict[str, Any]:
+    """How busy a node was in the `horizon_h` hours after a job left it: the check of the cost
+    policy's new-job loss, which takes a freed node's GPUs to be refilled for the whole horizon.
+
+    A job's end on a node is the end of its last placement (an earlier one was moved off by a
+    failure or maintenance, and the node was then down, not free); ends within `horizon_h` of the
+    trace's last end are left out (their window runs past what the trace knows). Returns the ends
+    counted, the mean share of the node's GPU-hours busy in the window after each (`busy_share`),
+    and the median hours to the node's next placement (`median_hours_to_next`; None if none)."""
+    if len(trace.end) == 0:
+        return {"horizon_h": horizon_h, "job_ends": 0, "busy_share": None, "median_hours_to_next": None}
+    last_of_job = pd.Series(trace.end).groupby(trace.job).transform("max").to_numpy()
+    cut = float(trace.end.max()) - horizon_h
+    ends = np.flatnonzero((trace.end == last_of_job) & (trace.end <= cut))
+    busy, waits = [], []
+    by_node = pd.Series(np.arange(len(trace.node))).groupby(trace.node).indices
+    ends_by_node = pd.Series(ends).groupby(trace.node[ends]).agg(list) if len(ends) else pd.Series(dtype=object)
+    for node, mine in ends_by_node.items():
+        node_rows = by_node[node]
+        start, end, gpus = trace.start[node_rows], trace.end[node_rows], trace.gpus[node_rows]
+        for t in trace.end[np.asarray(mine)]:
+            overlap = np.clip(np.minimum(end, t + horizon_h) - np.maximum(start, t), 0.0, None)
+            busy.append(float(gpus @ overlap) / (gpus_per_node * horizon_h))
+            later = start[start >= t]
+            if len(later):
+                waits.append(float(later.min() - t))
+    return {
+        "horizon_h": horizon_h,
+        "job_ends": len(busy),
+        "busy_share": float(np.mean(busy)) if busy else None,
+        "median_hours_to_next": float(np.median(waits)) if waits else None,
+    }
+
+
 def last_checkpoint(trace: Trace, job: int, t: float, extra: Mapping[int, float]) -> float:
     """The job's last checkpoint at `t`: its periodic one, or a later hint or restart."""
     start, step = trace.job_start[job], trace.job_interval[job]
@@ -397,6 +431,7 @@ def replay(
         "failures": len(fail_t),
         "jobs": len(np.unique(trace.job[(trace.end > times[0]) & (trace.start < end)])),
         "breaker_reset_after_h": breaker_reset_after.total_seconds() / 3600,
+        "refill": refill_after_job_ends(trace, horizon_h, gpus_per_node),
     }
 
 

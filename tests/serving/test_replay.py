@@ -13,7 +13,7 @@ import pytest
 from ingest.errors import InputError
 from serving.cost_policy import CostConfig
 from serving.policy import PolicyConfig, Tier
-from serving.replay import TRACE_COLUMNS, Trace, read_trace, replay
+from serving.replay import TRACE_COLUMNS, Trace, read_trace, refill_after_job_ends, replay
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 TIERS = PolicyConfig(
@@ -209,3 +209,43 @@ def test_the_days_add_up_to_the_totals_and_the_cost_policy_is_compared_day_by_da
     expected = out["policies"]["cost"]["total_gpu_h"] - out["policies"]["tiers"]["total_gpu_h"]
     assert against["difference_gpu_h"] == pytest.approx(expected)
     assert against["ci95"][0] <= expected <= against["ci95"][1]
+
+
+def test_the_refill_after_a_job_leaves_a_node_is_measured_from_the_trace():
+    # n0: a job ends at 10 h, the next starts at 12 h and holds the node's 8 GPUs to 40 h, so the
+    # 24 h after the first job's end are 22 h busy. n1: a job moved off at 5 h (it goes on on n2)
+    # is not a job end; its last placement on n2 ends at 8 h and n2 stays free. The job on n0
+    # that ends at 40 h is within a horizon of the trace's end and is not counted.
+    jobs = trace(
+        [
+            {"id": "a", "nodes": {"n0": 8}, "start": 0, "end": 10, "interval": 1},
+            {"id": "b", "nodes": {"n0": 8}, "start": 12, "end": 40, "interval": 1},
+            {"id": "c", "nodes": {"n1": 8}, "start": 0, "end": 5, "interval": 1},
+            {"id": "c", "nodes": {"n2": 8}, "start": 5, "end": 8, "interval": 1},
+        ]
+    )
+    refill = refill_after_job_ends(jobs, horizon_h=24.0)
+    assert refill["job_ends"] == 2  # a on n0, c on n2
+    assert refill["busy_share"] == pytest.approx((22 / 24 + 0.0) / 2)
+    assert refill["median_hours_to_next"] == pytest.approx(2.0)  # only n0 is refilled
+
+
+def test_the_replay_reports_the_refill_of_its_trace_at_the_cost_policys_horizon():
+    # The gang leaves its 8 nodes at 20 h; a job takes n0 from 22 h to 60 h: over the 24 h after
+    # the gang's end n0 is busy 22 h, the other seven not at all.
+    later = {"id": "next", "nodes": {"n0": 8}, "start": 22, "end": 60, "interval": 4}
+    frame, risks = grid(NODES, 48)
+    out = replay(frame, risks, None, trace([GANG, later]), failures(), TIERS, NO_OVERHEAD)
+    assert out["refill"]["job_ends"] == 8
+    assert out["refill"]["busy_share"] == pytest.approx(22 / 24 / 8)
+    assert out["refill"]["median_hours_to_next"] == pytest.approx(2.0)
+
+
+def test_the_report_says_how_busy_a_freed_node_was():
+    from models.report_replay import replay_section
+
+    later = {"id": "next", "nodes": {"n0": 8}, "start": 22, "end": 60, "interval": 4}
+    frame, risks = grid(NODES, 48)
+    out = replay(frame, risks, None, trace([GANG, later]), failures(), TIERS, NO_OVERHEAD)
+    text = "\n".join(replay_section({"replay": {"model": "m", **out}}))
+    assert "its GPUs were busy 11% of the next 24 h (8 job ends; the next job came a median 2.0 h later)" in text
