@@ -199,9 +199,10 @@ def draw_ahead(
 ) -> None:
     """Computes the training draws of [start, end) = `span` into the store's day cache
     (`features.drawn_cache`) a week at a time, when the store computes its features on demand
-    and the fits' draws are kept there (seed 0, a share the cache keeps). Every fit then reads its pool from the cache: without this, the
-    first fit computed its whole window while the evaluation's other inputs were held (the
-    process's peak), and Dask workers each computed the same days at once."""
+    and the fits' draws are kept there (seed 0, a share the cache keeps). Every fit then reads
+    its pool from the cache: without this, the first fit computed its whole window while the
+    evaluation's other inputs were held (the process's peak), and Dask workers each computed the
+    same days at once."""
     if seed != 0 or not computed(store) or not kept(negative_fraction):
         return
     from tqdm.auto import tqdm

@@ -123,23 +123,18 @@ def refill_after_job_ends(trace: Trace, horizon_h: float, gpus_per_node: int = 8
     trace's last end are left out (their window runs past what the trace knows). Returns the ends
     counted, the mean share of the node's GPU-hours busy in the window after each (`busy_share`),
     and the median hours to the node's next placement (`median_hours_to_next`; None if none)."""
-    if len(trace.end) == 0:
-        return {"horizon_h": horizon_h, "job_ends": 0, "busy_share": None, "median_hours_to_next": None}
     last_of_job = pd.Series(trace.end).groupby(trace.job).transform("max").to_numpy()
-    cut = float(trace.end.max()) - horizon_h
-    ends = np.flatnonzero((trace.end == last_of_job) & (trace.end <= cut))
-    busy, waits = [], []
+    cut = trace.end.max(initial=-np.inf) - horizon_h
     by_node = pd.Series(np.arange(len(trace.node))).groupby(trace.node).indices
-    ends_by_node = pd.Series(ends).groupby(trace.node[ends]).agg(list) if len(ends) else pd.Series(dtype=object)
-    for node, mine in ends_by_node.items():
-        node_rows = by_node[node]
-        start, end, gpus = trace.start[node_rows], trace.end[node_rows], trace.gpus[node_rows]
-        for t in trace.end[np.asarray(mine)]:
-            overlap = np.clip(np.minimum(end, t + horizon_h) - np.maximum(start, t), 0.0, None)
-            busy.append(float(gpus @ overlap) / (gpus_per_node * horizon_h))
-            later = start[start >= t]
-            if len(later):
-                waits.append(float(later.min() - t))
+    busy, waits = [], []
+    for e in np.flatnonzero((trace.end == last_of_job) & (trace.end <= cut)):
+        rows, t = by_node[trace.node[e]], trace.end[e]
+        start, end = trace.start[rows], trace.end[rows]
+        overlap = np.clip(np.minimum(end, t + horizon_h) - np.maximum(start, t), 0.0, None)
+        busy.append(float(trace.gpus[rows] @ overlap) / (gpus_per_node * horizon_h))
+        later = start[start >= t]
+        if len(later):
+            waits.append(float(later.min() - t))
     return {
         "horizon_h": horizon_h,
         "job_ends": len(busy),

@@ -230,7 +230,9 @@ def test_the_refill_after_a_job_leaves_a_node_is_measured_from_the_trace():
     assert refill["median_hours_to_next"] == pytest.approx(2.0)  # only n0 is refilled
 
 
-def test_the_replay_reports_the_refill_of_its_trace_at_the_cost_policys_horizon():
+def test_the_replay_and_its_report_give_the_refill_of_its_trace_at_the_cost_policys_horizon():
+    from models.report_replay import replay_section
+
     # The gang leaves its 8 nodes at 20 h; a job takes n0 from 22 h to 60 h: over the 24 h after
     # the gang's end n0 is busy 22 h, the other seven not at all.
     later = {"id": "next", "nodes": {"n0": 8}, "start": 22, "end": 60, "interval": 4}
@@ -239,13 +241,15 @@ def test_the_replay_reports_the_refill_of_its_trace_at_the_cost_policys_horizon(
     assert out["refill"]["job_ends"] == 8
     assert out["refill"]["busy_share"] == pytest.approx(22 / 24 / 8)
     assert out["refill"]["median_hours_to_next"] == pytest.approx(2.0)
-
-
-def test_the_report_says_how_busy_a_freed_node_was():
-    from models.report_replay import replay_section
-
-    later = {"id": "next", "nodes": {"n0": 8}, "start": 22, "end": 60, "interval": 4}
-    frame, risks = grid(NODES, 48)
-    out = replay(frame, risks, None, trace([GANG, later]), failures(), TIERS, NO_OVERHEAD)
     text = "\n".join(replay_section({"replay": {"model": "m", **out}}))
     assert "its GPUs were busy 11% of the next 24 h (8 job ends; the next job came a median 2.0 h later)" in text
+
+
+def test_a_trace_with_no_job_end_a_horizon_before_its_last_has_no_refill():
+    jobs = trace([{"id": "a", "nodes": {"n0": 8}, "start": 0, "end": 10, "interval": 1}])
+    assert refill_after_job_ends(jobs, horizon_h=24.0) == {
+        "horizon_h": 24.0,
+        "job_ends": 0,
+        "busy_share": None,
+        "median_hours_to_next": None,
+    }
