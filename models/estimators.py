@@ -157,6 +157,23 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
         return np.asarray(self.feature_names_in_, dtype=object)
 
 
+_COMPRESS_BLOCK_ROWS = 65_536
+
+
+def compress_tails(X: np.ndarray, edge: float, out: bool = False) -> np.ndarray:
+    """`X` with every value beyond +-`edge` moved to +-(edge + log(1 + |x| - edge)): unchanged
+    within, continuous with slope 1 at the edge, monotone, and a hundred times the edge becomes
+    about edge + log(100 * edge). `out=True` writes into `X` (a float array) and returns it."""
+    over = np.abs(X) > edge
+    compressed = np.copysign(edge + np.log1p(np.abs(X[over]) - edge), X[over])
+    if out:
+        X[over] = compressed
+        return X
+    result = np.array(X, dtype=np.result_type(X, np.float32), copy=True)
+    result[over] = compressed
+    return result
+
+
 class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
     """L2 logistic regression whose coefficients on the inputs named in `increasing` are never
     negative, so a rise in those inputs never lowers the probability.
@@ -178,10 +195,16 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
     The regularisation is chosen on validation when `C` lists several values: each is fit on the
     first `1 - validation_share` of the rows (the caller's rows come in time order, so that is
     the earlier part of the window) and the one with the lowest class-weighted log loss on the
-    rest is refit on all of them (`C_`). A scored input is held within the range it had in
-    training (`lower_`, `upper_`): the inputs are standardised counters with heavy tails, and a
-    row a hundred standard deviations out drove the decision function past 37, where the
-    probability is exactly 1.0 in float64 and every such row tied at the top risk."""
+    rest is refit on all of them (`C_`).
+
+    The inputs are standardised counters with heavy tails, which a linear model extrapolates:
+    a row a hundred standard deviations out on a few of them drove the decision function past
+    37, where the probability is exactly 1.0 in float64 and every such row tied at the top
+    risk, and rows far out on several added up to a risk the calibration slice never showed.
+    So an input's tail beyond `tail_from` standard deviations grows with the logarithm of the
+    distance (`compress_tails`: linear within, continuous with slope 1 at the edge, monotone, so
+    the signs of the coefficients keep their meaning), and a scored input is then held within
+    the range it had in training (`lower_`, `upper_`). `tail_from=None` leaves inputs linear."""
 
     def __init__(
         self,
@@ -191,6 +214,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         increasing: Sequence[str] = (),
         validation_share: float = 0.25,
         tol: float = 1e-4,
+        tail_from: float | None = 3.0,
     ) -> None:
         self.C = C
         self.max_iter = max_iter
@@ -198,6 +222,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         self.increasing = increasing
         self.validation_share = validation_share
         self.tol = tol
+        self.tail_from = tail_from
 
     def _constrained_mask(self) -> np.ndarray:
         n = self.n_features_in_
@@ -286,8 +311,17 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         return min(candidates, key=lambda c: (losses[c], c)), losses
 
     def fit(self, X: Any, y: Any) -> SignConstrainedLogistic:
-        X, y = validate_data(self, X, y, dtype=np.float32, order="C")
+        # copy=True copies only an array that is still the caller's: its tails are compressed in place.
+        X, y = validate_data(self, X, y, dtype=np.float32, order="C", copy=True)
         _binary_classes(self, y)
+        if self.tail_from is not None:
+            if not self.tail_from > 0:
+                raise ValueError(
+                    f"SignConstrainedLogistic: tail_from expected a positive number of standard deviations "
+                    f"or None, got {self.tail_from!r}"
+                )
+            for start in range(0, len(X), _COMPRESS_BLOCK_ROWS):  # in blocks: the mask of a whole window is large
+                compress_tails(X[start : start + _COMPRESS_BLOCK_ROWS], self.tail_from, out=True)
         candidates = self._candidates()
         self.validation_loss_: dict[float, float] = {}
         if len(candidates) == 1:
@@ -303,12 +337,19 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         return self
 
     def held_inputs(self, X: Any) -> np.ndarray:
-        """`X` as the model scores it: each input held within its training range (what the
-        contributions of `models.explain` must be computed on to add up to the logit)."""
-        X = np.asarray(X, dtype=np.float64)
-        # getattr: a model pickled before the range was kept scores its inputs as they are.
+        """`X` as the model scores it: tails compressed, each input held within its training
+        range (what the contributions of `models.explain` must be computed on to add up to the
+        logit)."""
+        X = np.array(X, dtype=np.float64)  # a copy, compressed and held in place
+        # getattr: a model pickled before the tails or the range were kept scores its inputs as
+        # it was trained on them.
+        tail_from = getattr(self, "tail_from", None)
+        if tail_from is not None:
+            compress_tails(X, tail_from, out=True)
         lower, upper = getattr(self, "lower_", None), getattr(self, "upper_", None)
-        return np.clip(X, lower, upper) if lower is not None and upper is not None else X
+        if lower is not None and upper is not None:
+            np.clip(X, lower, upper, out=X)
+        return X
 
     def decision_function(self, X: Any) -> np.ndarray:
         check_is_fitted(self, "coef_")

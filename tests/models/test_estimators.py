@@ -11,6 +11,7 @@ from models.estimators import (
     OversampledMLP,
     SignConstrainedLogistic,
     balanced_pos_weight,
+    compress_tails,
     odds_factor,
     prior_correction,
 )
@@ -55,12 +56,21 @@ def test_sign_constrained_logistic_unconstrained_is_scikit_learns_logistic_regre
     rng = np.random.default_rng(2)
     X = pd.DataFrame(rng.normal(size=(4000, 6)), columns=[f"x{i}" for i in range(6)])
     y = (X["x0"] - 0.5 * X["x3"] + rng.normal(0, 1.0, 4000) > 1.5).astype(int)
+    X.loc[:40, "x3"] *= 20.0  # some rows out in the tails
     weights = {0: 1.0, 1: 4.0}
-    ours = SignConstrainedLogistic(C=0.3, class_weight=weights, tol=1e-8).fit(X, y)
+    ours = SignConstrainedLogistic(C=0.3, class_weight=weights, tol=1e-8, tail_from=None).fit(X, y)
     theirs = LogisticRegression(C=0.3, class_weight=weights, tol=1e-10, max_iter=10_000).fit(X, y)
     np.testing.assert_allclose(ours.coef_, theirs.coef_, atol=1e-4)
     np.testing.assert_allclose(ours.intercept_, theirs.intercept_, atol=1e-4)
     assert not ours.zeroed_.any()
+    # With the tails compressed (the default), the same model of the compressed inputs.
+    compressed = pd.DataFrame(compress_tails(X.to_numpy(), 3.0), columns=X.columns)
+    assert (compressed["x3"] != X["x3"]).sum() > 20
+    tails = SignConstrainedLogistic(C=0.3, class_weight=weights, tol=1e-8).fit(X, y)
+    theirs = LogisticRegression(C=0.3, class_weight=weights, tol=1e-10, max_iter=10_000).fit(compressed, y)
+    np.testing.assert_allclose(tails.coef_, theirs.coef_, atol=1e-4)
+    np.testing.assert_allclose(tails.decision_function(X), theirs.decision_function(compressed), atol=1e-3)
+    assert not np.allclose(tails.coef_, ours.coef_, atol=1e-3)
 
 
 def test_sign_constrained_logistic_warns_when_it_stops_before_converging():
@@ -220,6 +230,46 @@ def test_sign_constrained_logistic_never_saturates_on_rows_far_outside_its_train
     p = model.predict_proba(scored)[:, 1]
     assert p.max() < 1.0 and len(np.unique(p)) == 3  # ordered by their other input, not tied
     assert np.all(np.diff(p) > 0)
+
+
+def test_compress_tails_leaves_the_bulk_and_grows_the_tails_with_the_log_of_the_distance():
+    x = np.array([-103.0, -4.0, -3.0, -1.5, 0.0, 2.999, 3.0, 3.5, 13.0, 1e6], dtype=np.float32)
+    z = compress_tails(x, 3.0)
+    np.testing.assert_array_equal(z[2:7], x[2:7])  # within the edge: unchanged
+    np.testing.assert_allclose(z[[0, 1, 8]], [-(3 + np.log(101)), -(3 + np.log(2)), 3 + np.log(11)], rtol=1e-6)
+    assert np.all(np.diff(z) > 0)  # monotone, so a sign constraint keeps its meaning
+    assert z[-1] < 20.0  # a million standard deviations out is about 16.8
+    # Continuous with slope 1 at the edge.
+    assert compress_tails(np.array([3.0 + 1e-6]), 3.0)[0] == pytest.approx(3.0 + 1e-6, abs=1e-9)
+    assert x[0] == -103.0  # a copy unless asked to write in place
+    assert compress_tails(x, 3.0, out=True) is x and x[0] == z[0]
+
+
+def test_sign_constrained_logistic_keeps_the_risks_of_rows_far_out_on_several_counters_apart():
+    from sklearn.metrics import roc_auc_score
+
+    # Rare failures and counters that are zero on most rows: a few rows lie a hundred or more
+    # standard deviations out on several at once. The linear model extrapolates them to a
+    # decision function of hundreds (probability exactly 1.0, every such row tied); with the
+    # tails compressed the same rows keep distinct risks below 1, in the same order.
+    rng = np.random.default_rng(6)
+    n = 20_000
+    counts = (rng.random((n, 4)) < 0.003) * np.ceil(rng.pareto(0.8, size=(n, 4)))  # mostly 1-3, a few thousands
+    z = (counts - counts.mean(axis=0)) / counts.std(axis=0)
+    X = pd.DataFrame(z, columns=["xid", "dbe", "sbe", "retired"])
+    y = (rng.random(n) < np.where((counts > 0).any(axis=1), 0.6, 0.003)).astype(int)
+    linear = SignConstrainedLogistic(C=1.0, tail_from=None).fit(X, y)
+    compressed = SignConstrainedLogistic(C=1.0).fit(X, y)
+    far = np.unique(z[np.argsort(-np.abs(z).sum(axis=1))[:20]], axis=0)  # the distinct rows furthest out
+    assert linear.decision_function(far).max() > 37.0
+    assert (linear.predict_proba(far)[:, 1] == 1.0).any()
+    risk = compressed.predict_proba(far)[:, 1]
+    assert compressed.decision_function(far).max() < 10.0
+    assert len(np.unique(risk)) == len(far) and risk.max() < 1.0
+    # Ranking all rows as well as before.
+    assert roc_auc_score(y, compressed.decision_function(X)) > roc_auc_score(y, linear.decision_function(X)) - 0.01
+    with pytest.raises(ValueError, match=r"tail_from expected a positive number of standard deviations or None, got 0"):
+        SignConstrainedLogistic(tail_from=0).fit(X, y)
 
 
 def test_sign_constrained_logistic_chooses_its_regularisation_on_the_last_rows():
