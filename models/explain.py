@@ -12,8 +12,10 @@ two string columns count as one feature each):
   of the node's failure probability is credited to the feature the parent split on; averaged
   over trees, in probability. Exact for the forest's output, cheaper than TreeSHAP, and
   biased towards features split near the leaves.
-- `logistic`: coefficient x standardized (imputed) value, in log-odds; one-hot columns and
-  missing-value indicators are credited to the feature they come from.
+- `logistic`: coefficient x standardized (imputed) value as the model scores it (its tails
+  compressed, held to the training range: `SignConstrainedLogistic.held_inputs`), in
+  log-odds; one-hot columns and missing-value indicators are credited to the feature they
+  come from.
 - `mlp`: gradient x input in the standardized space (the gradient of the output log-odds at
   the row, times the row's standardized values), credited like the logistic; a first-order
   approximation (the network is not linear).
