@@ -130,8 +130,10 @@ def run(
         writer.close()
         if kill is not None and kill.after_s is not None:
             child.join(kill.after_s)
+            # kill(), not os.kill: the child may end between the two calls, and the forkserver
+            # (its parent) then reaps it at once; kill() ignores a process that is gone.
             if child.is_alive():
-                os.kill(child.pid, signal.SIGKILL)
+                child.kill()
         child.join(timeout)
         if child.is_alive():
             child.kill()
