@@ -160,18 +160,13 @@ class CategoryCodes(TransformerMixin, BaseEstimator):
 _COMPRESS_BLOCK_ROWS = 65_536
 
 
-def compress_tails(X: np.ndarray, edge: float, out: bool = False) -> np.ndarray:
-    """`X` with every value beyond +-`edge` moved to +-(edge + log(1 + |x| - edge)): unchanged
-    within, continuous with slope 1 at the edge, monotone, and a hundred times the edge becomes
-    about edge + log(100 * edge). `out=True` writes into `X` (a float array) and returns it."""
+def compress_tails(X: np.ndarray, edge: float) -> np.ndarray:
+    """Moves every value of the float array `X` beyond +-`edge` to +-(edge + log(1 + |x| -
+    edge)), in place, and returns `X`: unchanged within, continuous with slope 1 at the edge,
+    monotone, and a hundred times the edge becomes about edge + log(100 * edge)."""
     over = np.abs(X) > edge
-    compressed = np.copysign(edge + np.log1p(np.abs(X[over]) - edge), X[over])
-    if out:
-        X[over] = compressed
-        return X
-    result = np.array(X, dtype=np.result_type(X, np.float32), copy=True)
-    result[over] = compressed
-    return result
+    X[over] = np.copysign(edge + np.log1p(np.abs(X[over]) - edge), X[over])
+    return X
 
 
 class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
@@ -321,7 +316,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
                     f"or None, got {self.tail_from!r}"
                 )
             for start in range(0, len(X), _COMPRESS_BLOCK_ROWS):  # in blocks: the mask of a whole window is large
-                compress_tails(X[start : start + _COMPRESS_BLOCK_ROWS], self.tail_from, out=True)
+                compress_tails(X[start : start + _COMPRESS_BLOCK_ROWS], self.tail_from)
         candidates = self._candidates()
         self.validation_loss_: dict[float, float] = {}
         if len(candidates) == 1:
@@ -345,7 +340,7 @@ class SignConstrainedLogistic(BinaryClassifierMixin, BaseEstimator):
         # it was trained on them.
         tail_from = getattr(self, "tail_from", None)
         if tail_from is not None:
-            compress_tails(X, tail_from, out=True)
+            compress_tails(X, tail_from)
         lower, upper = getattr(self, "lower_", None), getattr(self, "upper_", None)
         if lower is not None and upper is not None:
             np.clip(X, lower, upper, out=X)

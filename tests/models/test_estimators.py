@@ -64,7 +64,7 @@ def test_sign_constrained_logistic_unconstrained_is_scikit_learns_logistic_regre
     np.testing.assert_allclose(ours.intercept_, theirs.intercept_, atol=1e-4)
     assert not ours.zeroed_.any()
     # With the tails compressed (the default), the same model of the compressed inputs.
-    compressed = pd.DataFrame(compress_tails(X.to_numpy(), 3.0), columns=X.columns)
+    compressed = pd.DataFrame(compress_tails(X.to_numpy(copy=True), 3.0), columns=X.columns)
     assert (compressed["x3"] != X["x3"]).sum() > 20
     tails = SignConstrainedLogistic(C=0.3, class_weight=weights, tol=1e-8).fit(X, y)
     theirs = LogisticRegression(C=0.3, class_weight=weights, tol=1e-10, max_iter=10_000).fit(compressed, y)
@@ -234,15 +234,15 @@ def test_sign_constrained_logistic_never_saturates_on_rows_far_outside_its_train
 
 def test_compress_tails_leaves_the_bulk_and_grows_the_tails_with_the_log_of_the_distance():
     x = np.array([-103.0, -4.0, -3.0, -1.5, 0.0, 2.999, 3.0, 3.5, 13.0, 1e6], dtype=np.float32)
-    z = compress_tails(x, 3.0)
+    z = compress_tails(x.copy(), 3.0)
     np.testing.assert_array_equal(z[2:7], x[2:7])  # within the edge: unchanged
     np.testing.assert_allclose(z[[0, 1, 8]], [-(3 + np.log(101)), -(3 + np.log(2)), 3 + np.log(11)], rtol=1e-6)
     assert np.all(np.diff(z) > 0)  # monotone, so a sign constraint keeps its meaning
     assert z[-1] < 20.0  # a million standard deviations out is about 16.8
     # Continuous with slope 1 at the edge.
     assert compress_tails(np.array([3.0 + 1e-6]), 3.0)[0] == pytest.approx(3.0 + 1e-6, abs=1e-9)
-    assert x[0] == -103.0  # a copy unless asked to write in place
-    assert compress_tails(x, 3.0, out=True) is x and x[0] == z[0]
+    assert x[0] == -103.0  # the copy was written, not x
+    assert compress_tails(x, 3.0) is x and x[0] == z[0]  # in place
 
 
 def test_sign_constrained_logistic_keeps_the_risks_of_rows_far_out_on_several_counters_apart():
