@@ -285,7 +285,7 @@ class ModelSettings(_Table):
     """kind = "cascade": the second stage's parameters on top of its kind's defaults."""
     cascade_recall: float = Field(default=0.95, gt=0.0, le=1.0)
     """kind = "cascade": share of the failures the first stage must keep (out of fold)."""
-    calibration: Literal["platt", "isotonic"] = "platt"
+    calibration: Literal["platt", "beta", "isotonic"] = "platt"
     """How the served risk is calibrated (models/calibration.py), on the calibration_window of
     labels at the end of the training window, as scored by a fit made as of its start."""
     calibration_window: PositiveDuration = timedelta(days=7)

@@ -15,6 +15,13 @@ Methods (`METHODS`):
   slope, which corrects over- or under-confidence, and an offset). Strictly increasing, so it
   keeps the model's order and gives an alarm threshold every volume; stable with a few dozen
   failures in the slice.
+- `beta`: beta calibration (Kull, Silva Filho and Flach, 2017): a logistic regression on
+  log(p) and -log(1 - p), so a slope of its own for each tail of the logit (at the top the
+  map's slope is b, at the bottom a, Platt being a = b). One slope fitted on a slice that is
+  almost all healthy rows is set by the bulk and can be too steep where the few high risks
+  are; three parameters are still stable with a few dozen failures. Both slopes are kept
+  non-negative (a feature whose slope comes out negative is dropped and the rest refitted),
+  so the map is increasing.
 - `isotonic`: the pool-adjacent-violators fit (scikit-learn), interpolated linearly between
   the centres of its blocks, so that it is increasing between the first and the last block
   instead of a staircase (rows of one block would otherwise share one risk). Needs more
@@ -42,7 +49,7 @@ import pandas as pd
 
 from ingest.errors import InputError
 
-METHODS = ("platt", "isotonic")
+METHODS = ("platt", "beta", "isotonic")
 DEFAULT_METHOD = "platt"
 _EPS = 1e-12
 
@@ -70,7 +77,8 @@ class Calibration:
 
     method: str
     params: dict[str, Any]
-    """platt: {"slope", "offset"} on the logit; isotonic: {"x", "y"}, the block centres (lists)."""
+    """platt: {"slope", "offset"} on the logit; beta: {"a", "b", "c"} on log(p) and -log(1 - p);
+    isotonic: {"x", "y"}, the block centres (lists)."""
     slice_start: pd.Timestamp
     slice_end: pd.Timestamp
     """The labelled rows the map was fitted on: slice_start <= ts < slice_end."""
@@ -95,6 +103,8 @@ class Calibration:
         z = np.asarray(z, dtype=np.float64)
         if self.method == "platt":
             return _expit(self.params["slope"] * z + self.params["offset"])
+        if self.method == "beta":
+            return _expit(_beta_argument(z, self.params))
         x, y = np.asarray(self.params["x"]), np.asarray(self.params["y"])
         return np.asarray(np.interp(z, x, y), dtype=np.float64)
 
@@ -174,7 +184,10 @@ def fit_calibration_on_logits(
         )
     weight = np.where(labels == 1, 1.0, 1.0 / negative_fraction)
     p = _expit(z)
-    params = _platt(z, labels, weight) if method == "platt" else _isotonic(z, labels, weight)
+    if method == "beta":
+        params = _beta(z, labels, weight, f"{where} {slice_start} .. {slice_end}")
+    else:
+        params = (_platt if method == "platt" else _isotonic)(z, labels, weight)
     return Calibration(
         method=method,
         params=params,
@@ -199,6 +212,43 @@ def _platt(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
         z.reshape(-1, 1), y.astype(int), sample_weight=weight
     )
     return {"slope": float(fit.coef_[0, 0]), "offset": float(fit.intercept_[0])}
+
+
+def _beta_features(z: np.ndarray) -> np.ndarray:
+    """log(p) and -log(1 - p) of p = expit(z), computed from z so that neither overflows nor
+    rounds to zero in the tails."""
+    return np.column_stack([-np.logaddexp(0.0, -z), np.logaddexp(0.0, z)])
+
+
+def _beta_argument(z: np.ndarray, params: dict[str, Any]) -> np.ndarray:
+    features = _beta_features(z)
+    return np.asarray(params["a"] * features[:, 0] + params["b"] * features[:, 1] + params["c"], dtype=np.float64)
+
+
+def _beta(z: np.ndarray, y: np.ndarray, weight: np.ndarray, where: str) -> dict[str, Any]:
+    from sklearn.linear_model import LogisticRegression
+
+    features = _beta_features(z)
+
+    # As for Platt: almost no penalty, Newton steps to the maximum-likelihood fit.
+    def fit(columns: list[int]) -> tuple[np.ndarray, float]:
+        model = LogisticRegression(C=1e6, solver="newton-cholesky", tol=1e-8, max_iter=100)
+        model.fit(features[:, columns], y.astype(int), sample_weight=weight)
+        coef = np.zeros(2)
+        coef[columns] = model.coef_[0]
+        return coef, float(model.intercept_[0])
+
+    coef, offset = fit([0, 1])
+    if (coef < 0).any():
+        # A negative slope would make the map decrease on one side; refit on the other feature.
+        kept = int(np.argmax(coef))
+        coef, offset = fit([kept])
+        if coef[kept] < 0:
+            raise InputError(
+                f"{where}: beta calibration found the risk falling as the failure rate rises "
+                f"(slopes {coef.tolist()}); expected a model whose risk ranks failures higher"
+            )
+    return {"a": float(coef[0]), "b": float(coef[1]), "c": offset}
 
 
 def _isotonic(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:

@@ -276,7 +276,7 @@ def _figures(
         "scores": compared,
         "alarms": alarms,
         "alarm_headline_budget": headline,
-        "calibration": calibration_figures(y, result.scores, result.calibrated),
+        "calibration": calibration_figures(y, result.scores, result.calibrated, result.calibrated_by_method),
         "drift": drift,
         "claims": {
             **claims(
@@ -322,11 +322,16 @@ def chosen_on_validation(result: WalkForwardResult, contenders: Sequence[Contend
 
 
 def calibration_figures(
-    y: np.ndarray, uncalibrated: dict[str, np.ndarray], calibrated: dict[str, np.ndarray]
+    y: np.ndarray,
+    uncalibrated: dict[str, np.ndarray],
+    calibrated: dict[str, np.ndarray],
+    by_method: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """Per contender, the reliability figures (`models.calibration.reliability`) and the check
     of the rows at risk >= 0.5 (`high_risk_check`) of its calibrated risk on the test period,
-    how many rows share its top risk (`top_risk_ties`), and the same figures of its uncalibrated (odds-corrected) risk for comparison."""
+    how many rows share its top risk (`top_risk_ties`), the same figures of its uncalibrated
+    (odds-corrected) risk, and under "methods" those of the other calibration methods fitted on
+    the same slices (`WalkForwardResult.calibrated_by_method`)."""
     out = {}
     for name, risk in calibrated.items():
         before = reliability(y, uncalibrated[name])
@@ -340,8 +345,28 @@ def calibration_figures(
                 "mean_risk": before["mean_risk"],
                 "high_risk": high_risk_check(y, uncalibrated[name]),
             },
+            "methods": {
+                method: _method_figures(y, other, risk)
+                for method, other in sorted((by_method or {}).get(name, {}).items())
+            },
         }
     return out
+
+
+def _method_figures(y: np.ndarray, risk: np.ndarray, in_use: np.ndarray) -> dict[str, Any]:
+    """A method's figures on the rows the map in use scores; `n_missing` of them it could not
+    (its fit failed on that retrain's slice, so its figures leave them out)."""
+    scored = np.isfinite(in_use)
+    missing = scored & ~np.isfinite(risk)
+    keep = scored & ~missing
+    figures = reliability(y[keep], risk[keep])
+    return {
+        "ece": figures["ece"],
+        "brier": figures["brier"],
+        "high_risk": high_risk_check(y[keep], risk[keep]),
+        "top_ties": top_risk_ties(risk[keep]),
+        "n_missing": int(missing.sum()),
+    }
 
 
 def _flag_metrics(test: pd.DataFrame, flags: np.ndarray) -> dict[str, Any]:

@@ -513,6 +513,7 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
             f"{_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | {h['verdict']} | "
             f"{ties.get('n_rows', '-')} |"
         )
+    lines += _methods_table(plan.get("calibration", "-"), figures)
     primary = metrics["primary"]
     lines += [
         "",
@@ -528,6 +529,32 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
                 f"{b['observed_rate']:.4f} {_ci(b['observed_ci'], 1.0, 4)} |"
             )
     return [*lines, ""]
+
+
+def _methods_table(in_use: str, figures: dict[str, Any]) -> list[str]:
+    """Every calibration method on the same out-of-time scores: each retrain's map of each
+    method fitted on the same slice, applied to the same test rows."""
+    if not any(f.get("methods") for f in figures.values()):
+        return []
+    lines = [
+        "",
+        f"The calibration methods compared (`[model] calibration`, in use: {in_use}): each retrain's slice fitted "
+        "with every method, each map applied to the rows that retrain's model scores.",
+        "",
+        "| configuration | method | ECE | Brier | rows >= 0.5 | mean risk there | observed [95% CI] | verdict | "
+        "rows at top risk |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for name, f in figures.items():
+        for method, m in [(in_use, f), *f.get("methods", {}).items()]:
+            h, ties = m["high_risk"], m.get("top_ties") or {}
+            missing = f" ({m['n_missing']:,} rows unscored)" if m.get("n_missing") else ""
+            lines.append(
+                f"| {name} | {method}{missing} | {_num(m['ece'], 4)} | {_num(m['brier'], 5)} | {h['n_rows']} | "
+                f"{_num(h['mean_risk'], 3)} | {_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | "
+                f"{h['verdict']} | {ties.get('n_rows', '-')} |"
+            )
+    return lines
 
 
 def seeds_section(metrics: dict[str, Any]) -> list[str]:

@@ -117,7 +117,7 @@ class TrainOptions:
     seed: int = 0
     """Seed of the negative draw (`sample_negatives`)."""
     calibration: str | None = None
-    """Fit a calibration (`models.calibration.METHODS`: "platt" or "isotonic") on the
+    """Fit a calibration (`models.calibration.METHODS`: "platt", "beta" or "isotonic") on the
     `calibration_window` of labelled rows after the training window (`calibration_bounds`);
     None: none (the walk-forward calibrates its fits itself)."""
     calibration_window: DurationLike = "7d"

@@ -65,6 +65,7 @@ from ingest.errors import GpufailError, InputError
 from ingest.store import Store
 from models.calibration import (
     DEFAULT_METHOD,
+    METHODS,
     Calibration,
     check_method,
     fit_calibration,
@@ -201,6 +202,9 @@ class WalkForwardResult:
     validation_flags: dict[str, np.ndarray] = field(default_factory=dict)
     """Per parallel contender, its intersection flags on the validation rows."""
     calibration_window: pd.Timedelta | None = None
+    calibrated_by_method: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    """Per contender, per calibration method other than the plan's, the calibrated risk of each
+    test row by that method's maps, fitted on the same slices (`models.calibration.METHODS`)."""
 
 
 def available_kinds() -> tuple[str, ...]:
@@ -366,6 +370,9 @@ class _FitOutcome:
     calibration_error: str | None = None
     slice_logit: np.ndarray | None = None
     """The odds-corrected logits on that calibration slice."""
+    alternatives: dict[str, Calibration] = field(default_factory=dict)
+    """The other methods' maps (`models.calibration.METHODS`) fitted on the same slice, which
+    the report compares on the same out-of-time scores (a method that fails there is absent)."""
 
 
 def _scored_by(calibration: Calibration, scorer: TrainedModel) -> Calibration:
@@ -470,7 +477,33 @@ def _outcome(
         outcome.calibration = _scored_by(calibration, fit.model)
     except InputError as exc:
         outcome.calibration_error = str(exc)
+        return outcome
+    outcome.alternatives = _alternatives(
+        outcome.slice_logit, frame_labels[on_slice], method, calibrates.bounds, fit.model
+    )
     return outcome
+
+
+def _alternatives(
+    slice_logit: np.ndarray,
+    slice_labels: np.ndarray,
+    method: str,
+    bounds: tuple[pd.Timestamp, pd.Timestamp],
+    scorer: TrainedModel,
+) -> dict[str, Calibration]:
+    """Every calibration method but `method` fitted on the same slice's logits and labels."""
+    out = {}
+    for other in METHODS:
+        if other == method:
+            continue
+        try:
+            fitted = fit_calibration_on_logits(
+                slice_logit, slice_labels, other, slice_start=bounds[0], slice_end=bounds[1]
+            )
+        except InputError:
+            continue
+        out[other] = _scored_by(fitted, scorer)
+    return out
 
 
 _WORKER_ROWS: list[Rows] = []
@@ -606,6 +639,8 @@ class _Track:
     its decision function: never rounded to a probability of 1.0)."""
     flags: np.ndarray | None = None
     calibration: dict[pd.Timestamp, Calibration | None] = field(default_factory=dict)
+    alternatives: dict[pd.Timestamp, dict[str, Calibration]] = field(default_factory=dict)
+    """Per retraining time, the other calibration methods' maps on the slice of the one in use."""
     on_slice: dict[pd.Timestamp, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
 
 
@@ -660,6 +695,18 @@ class _Tracks:
         return out.raw[np.searchsorted(out.rows, self.layout.calibration_rows(t))]
 
     @staticmethod
+    def by_method(track: _Track, assignments: Assignments) -> dict[str, np.ndarray]:
+        """Per other calibration method, every row's calibrated risk by that method's map on
+        the slice of the map in use (NaN where it could not be fitted)."""
+        out: dict[str, np.ndarray] = {}
+        for t, rows in assignments:
+            for method, calibration in track.alternatives.get(t, {}).items():
+                if len(rows):
+                    risk = out.setdefault(method, np.full(len(track.logit), np.nan))
+                    risk[rows] = calibration.apply_logit(track.logit[rows])
+        return out
+
+    @staticmethod
     def _apply_calibrations(track: _Track, assignments: Assignments) -> None:
         for t, rows in assignments:
             calibration = track.calibration.get(t)
@@ -672,6 +719,7 @@ class _Tracks:
             return self._cache[key]
         track = _empty_track(len(self.frame))
         latest: tuple[TrainedModel, pd.Timestamp, Calibration] | None = None
+        alternatives: dict[str, Calibration] = {}
         for t, rows in assignments:
             out = self.outcomes[(spec, t)]
             scorer = self.outcomes[(spec, self.layout.scorer_as_of(t))]
@@ -683,7 +731,7 @@ class _Tracks:
                         scorer.status if scorer.model is None else f"kept previous model: {scorer.calibration_error}"
                     )
                 else:
-                    latest = (out.model, t, calibration)
+                    latest, alternatives = (out.model, t, calibration), scorer.alternatives
                     at = np.searchsorted(out.rows, rows)
                     track.raw[rows], track.logit[rows] = out.raw[at], out.logit[at]
                     track.on_slice[t] = (calibration.apply_logit(slice_logit), None)
@@ -692,6 +740,7 @@ class _Tracks:
                 track.raw[rows], track.logit[rows] = self.rescore(latest[0], rows)
             track.at[t] = (status, None if latest is None else latest[0])
             track.calibration[t] = None if latest is None else latest[2]
+            track.alternatives[t] = alternatives
             if latest is not None:
                 track.weight[rows] = latest[0].pos_weight
                 track.trained_ns[rows] = latest[1].value
@@ -719,6 +768,7 @@ class _Tracks:
         track.risk = _risk(track.raw, track.weight)
         track.logit = logit(track.risk)
         latest: Calibration | None = None
+        alternatives: dict[str, Calibration] = {}
         for t, _ in assignments:
             states = [m.at[t] for m in tracks]
             failed = next((s for s, _ in states if s != "trained"), None)
@@ -737,8 +787,16 @@ class _Tracks:
                     failed = f"kept previous model: {exc}"
                 else:
                     track.on_slice[t] = (latest.apply(slice_risk), intersection_flags(member_raw, slice_ns, top_k))
+                    alternatives = _alternatives(
+                        logit(slice_risk),
+                        self.labels[self.layout.calibration_rows(t)],
+                        self.method,
+                        self.layout.calibration_bounds(t),
+                        scorer,
+                    )
             track.at[t] = (failed or "trained", model)
             track.calibration[t] = latest
+            track.alternatives[t] = alternatives
         self._apply_calibrations(track, assignments)
         return track
 
@@ -924,8 +982,9 @@ def _auto_choice(
         chosen = candidates[current]
         track.raw[rows], track.weight[rows] = chosen.raw[rows], chosen.weight[rows]
         track.risk[rows], track.trained_ns[rows] = chosen.risk[rows], chosen.trained_ns[rows]
-        track.calibrated[rows] = chosen.calibrated[rows]
+        track.calibrated[rows], track.logit[rows] = chosen.calibrated[rows], chosen.logit[rows]
         track.at[t], track.calibration[t] = chosen.at[t], chosen.calibration[t]
+        track.alternatives[t] = chosen.alternatives.get(t, {})
         if t in chosen.on_slice:
             track.on_slice[t] = chosen.on_slice[t]
         choices.append((t, current, {w: None if s is None else s[0] for w, s in scored.items()}))
@@ -1206,12 +1265,13 @@ def _walk_forward(
         return built.parallel(need.specs, need.settings, need.assignments)
 
     scores, ages, fits = {}, {}, []
-    calibrated, flags, on_validation, validation_flags = {}, {}, {}, {}
+    calibrated, flags, on_validation, validation_flags, by_method = {}, {}, {}, {}, {}
     hour = pd.Timedelta(hours=1).value
     for c in contenders:
         if c.mode == "auto":
             candidates = {need.window: track_of(need) for need in needs[c.name]}
             choices, track = _auto_choice(c.name, candidates, layout, plan)
+            assignments = layout.sliding(layout.retrain_times)
             for t, window, validation in choices:
                 fit = _fit_record(c.name, t, window, track)
                 fit.validation = validation
@@ -1220,11 +1280,13 @@ def _walk_forward(
         else:
             (need,) = needs[c.name]
             track = track_of(need)
+            assignments = need.assignments
             first = need.assignments[0][0]
             _first_model_or_error(c.name, first, track.at[first])
             fits += [_fit_record(c.name, t, need.window, track) for t, _ in need.assignments]
         scores[c.name] = track.risk[offset:]
         calibrated[c.name] = track.calibrated[offset:]
+        by_method[c.name] = {m: risk[offset:] for m, risk in _Tracks.by_method(track, assignments).items()}
         ages[c.name] = (eval_ns[offset:] - track.trained_ns[offset:]) / hour
         if test_start not in track.on_slice:
             raise InputError(
@@ -1253,4 +1315,5 @@ def _walk_forward(
         validation_calibrated=on_validation,
         validation_flags=validation_flags,
         calibration_window=calibration_window,
+        calibrated_by_method=by_method,
     )

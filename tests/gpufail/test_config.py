@@ -48,7 +48,7 @@ def test_config_path_can_come_from_the_environment(tmp_path):
         ("[model]\ntop_k = 0\n", r"\[model\] top_k.*greater than 0, got 0"),
         ("[model]\nmax_negatives_per_positive = 0\n", r"\[model\] max_negatives_per_positive.*greater than 0, got 0"),
         ('[model]\nkind = "magic"\n', r"\[model\] kind.*'lightgbm', 'xgboost', .*'parallel' or 'cascade'"),
-        ('[model]\ncalibration = "beta"\n', r"\[model\] calibration.*'platt' or 'isotonic', got 'beta'"),
+        ('[model]\ncalibration = "spline"\n', r"\[model\] calibration.*'platt', 'beta' or 'isotonic', got 'spline'"),
         ('[model]\ncalibration_window = "0s"\n', r"\[model\] calibration_window: expected a duration above zero"),
         ("[evaluate]\nalarm_budgets = []\n", r"\[evaluate\] alarm_budgets.*at least 1 item"),
         ("[evaluate]\nalarm_budgets = [1, 0]\n", r"\[evaluate\] alarm_budgets.1.*greater than 0, got 0"),

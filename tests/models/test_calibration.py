@@ -70,7 +70,7 @@ def test_a_perfectly_calibrated_score_has_an_ece_near_zero_and_a_distorted_one_d
     assert figures["brier"] < reliability(y, distorted(p))["brier"]
 
 
-@pytest.mark.parametrize("method", ["platt", "isotonic"])
+@pytest.mark.parametrize("method", ["platt", "beta", "isotonic"])
 def test_a_calibration_fitted_on_one_slice_undoes_the_distortion_on_another(method):
     p, y = rare_event(200_000, seed=2)
     calibration = fit_calibration(distorted(p), y, method, slice_start=START, slice_end=END)
@@ -81,6 +81,8 @@ def test_a_calibration_fitted_on_one_slice_undoes_the_distortion_on_another(meth
     if method == "platt":
         assert calibration.params["slope"] == pytest.approx(0.5, abs=0.05)
         assert calibration.params["offset"] == pytest.approx(-0.5, abs=0.15)
+    if method == "beta":  # linear in the logit: the bulk's slope is Platt's (few rows set the top's)
+        assert calibration.params["a"] == pytest.approx(0.5, abs=0.05)
     provenance = calibration.provenance()
     assert provenance["method"] == method and provenance["n_rows"] == len(y)
     assert provenance["n_positives"] == int(y.sum()) and provenance["slice_start"] == START.isoformat()
@@ -124,9 +126,50 @@ def test_calibration_refuses_a_slice_without_failures_and_an_unknown_method():
     with pytest.raises(InputError, match=r"calibration slice .* 0 failures"):
         fit_calibration(np.full(10, 0.1), np.zeros(10), slice_start=START, slice_end=END)
     with pytest.raises(InputError, match="calibration method"):
-        fit_calibration(np.full(10, 0.1), np.arange(10) % 2, "beta", slice_start=START, slice_end=END)
+        fit_calibration(np.full(10, 0.1), np.arange(10) % 2, "spline", slice_start=START, slice_end=END)
     with pytest.raises(InputError, match="one risk per label"):
         fit_calibration(np.full(3, 0.1), np.array([0, 1]), slice_start=START, slice_end=END)
+
+
+def two_slopes(n: int, seed: int, top_slope: float) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of a score whose true log-odds follow it with slope 1 at the bottom and
+    `top_slope` at the top (beta calibration's own family: log(p) + top_slope * -log(1 - p)),
+    and labels drawn from them; about one row in 300 above a logit of 0."""
+    rng = np.random.default_rng(seed)
+    z = rng.normal(-5.0, 2.0, n)
+    true = -np.logaddexp(0.0, -z) + top_slope * np.logaddexp(0.0, z)
+    return z, (rng.random(n) < 1.0 / (1.0 + np.exp(-true))).astype(float)
+
+
+def test_beta_gives_the_top_its_own_slope_where_platt_is_over_confident_there():
+    z, y = two_slopes(600_000, seed=7, top_slope=0.3)
+    fresh_z, fresh_y = two_slopes(600_000, seed=8, top_slope=0.3)
+    platt = fit_calibration_on_logits(z, y, "platt", slice_start=START, slice_end=END)
+    beta = fit_calibration_on_logits(z, y, "beta", slice_start=START, slice_end=END)
+    assert beta.params["a"] == pytest.approx(1.0, abs=0.1)
+    assert beta.params["b"] == pytest.approx(0.3, abs=0.15)
+    # One slope is set by the bulk of healthy rows and is too steep for the few high risks.
+    assert high_risk_check(fresh_y, platt.apply_logit(fresh_z))["verdict"] == "outside"
+    high = high_risk_check(fresh_y, beta.apply_logit(fresh_z))
+    assert high["verdict"] == "within" and high["n_rows"] > 300
+    calibrated = beta.apply_logit(np.sort(fresh_z))
+    assert np.all(np.diff(calibrated) >= 0) and calibrated[-1] < 1.0
+
+
+def test_beta_drops_a_tail_whose_slope_comes_out_negative_and_stays_increasing():
+    # True log-odds that fall at the top: a decreasing map would fit better; the fit keeps the
+    # bottom's slope and refits with none at the top, so the map rises to a ceiling.
+    z, y = two_slopes(300_000, seed=9, top_slope=-0.5)
+    beta = fit_calibration_on_logits(z, y, "beta", slice_start=START, slice_end=END)
+    assert beta.params["b"] == 0.0 and beta.params["a"] > 0.5
+    grid = beta.apply_logit(np.linspace(-15.0, 30.0, 1000))
+    assert np.all(np.diff(grid) >= 0) and grid[-1] < 1.0
+
+
+def test_beta_refuses_a_score_that_ranks_failures_below_healthy_rows():
+    z, y = two_slopes(50_000, seed=10, top_slope=1.0)
+    with pytest.raises(InputError, match=r"calibration slice 2026-01-01 .*beta calibration found the risk falling"):
+        fit_calibration_on_logits(-z, y, "beta", slice_start=START, slice_end=END)
 
 
 def test_wilson_interval_by_hand():

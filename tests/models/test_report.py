@@ -108,6 +108,9 @@ def test_the_markdown_report_has_the_comparison_targets_modes_and_auto_choices(t
     ties = metrics()["calibration"]["lr auto"]["top_ties"]["n_rows"]
     assert "| verdict | rows at top risk |" in text
     assert any(line.startswith("| lr auto | ") and line.endswith(f" | {ties} |") for line in text.splitlines())
+    assert "The calibration methods compared (`[model] calibration`, in use: platt)" in text
+    beta = metrics()["calibration"]["lr auto"]["methods"]["beta"]
+    assert f"| lr auto | beta | {beta['ece']:.4f} | " in text
     assert "## The paper's parallel ensemble at equal alarm volume" not in text  # no parallel contender
     # Every contender against the baselines, and the configuration chosen before the test.
     assert "## Against the baselines, alarm by alarm" in text and "### Minus the heuristic" in text

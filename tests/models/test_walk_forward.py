@@ -451,3 +451,33 @@ def test_the_walk_forward_draws_the_same_negatives_whatever_the_order_or_the_oth
     assert {(g, t) for g, t in zip(trained["gpu_uuid"], pd.to_datetime(trained["ts"], utc=True), strict=True)} == drawn
     # another seed draws other negatives
     assert _pool_keys(frame, seed=1) != drawn
+
+
+def test_every_calibration_method_is_fitted_on_the_slice_of_the_map_in_use():
+    # What the report compares for `[model] calibration`: a plan's other methods give each test
+    # row what a plan with that method would serve it, fits and slices the same.
+    from dataclasses import replace
+
+    ensemble = {"members": ["lightgbm", "logistic"], "member_params": {"lightgbm": {"n_estimators": 20}}, "top_k": 5}
+    contenders = [
+        Contender("lgb static", "lightgbm", "static", {"n_estimators": 20, "n_jobs": 1}),
+        Contender("lr", "logistic", "sliding"),
+        Contender("par", "parallel", "sliding", ensemble),
+    ]
+    runs = {
+        method: run_walk_forward(tiny_frame(), contenders, replace(TINY, calibration=method))
+        for method in ("platt", "beta")
+    }
+    for name in ("lgb static", "lr", "par"):
+        assert set(runs["platt"].calibrated_by_method[name]) == {"beta", "isotonic"}
+        assert set(runs["beta"].calibrated_by_method[name]) == {"platt", "isotonic"}
+        for method, other in (("platt", "beta"), ("beta", "platt")):
+            np.testing.assert_allclose(
+                runs[method].calibrated_by_method[name][other], runs[other].calibrated[name], rtol=1e-9
+            )
+        np.testing.assert_allclose(
+            runs["platt"].calibrated_by_method[name]["isotonic"],
+            runs["beta"].calibrated_by_method[name]["isotonic"],
+            rtol=1e-9,
+        )
+        assert not np.allclose(runs["platt"].calibrated[name], runs["beta"].calibrated[name])
