@@ -232,8 +232,8 @@ CALIBRATED = dict(
 )
 
 
-def calibrated_model():
-    return train_model(demo_frame(), TrainOptions(**CALIBRATED))
+def calibrated_model(method: str = "platt"):
+    return train_model(demo_frame(), TrainOptions(**{**CALIBRATED, "calibration": method}))
 
 
 def test_a_calibrated_model_is_trained_to_the_newest_settled_label_and_calibrated_out_of_time():
@@ -299,12 +299,14 @@ def test_a_short_history_says_how_many_days_train_and_calibrate(caplog):
     assert not [r for r in caplog.records if "short history" in r.getMessage()]
 
 
-def test_a_calibrated_model_saves_and_loads_with_its_calibration(tmp_path):
-    model = calibrated_model()
+@pytest.mark.parametrize("method", ["platt", "beta"])
+def test_a_calibrated_model_saves_and_loads_with_its_calibration(tmp_path, method):
+    model = calibrated_model(method)
     folder = save_model(model, tmp_path / "model")
     meta = json.loads((folder / METADATA_FILE).read_text())
     assert meta["format_version"] == FORMAT_VERSION == 2
-    assert meta["calibrated"] is True and meta["calibration"]["method"] == "platt"
+    assert meta["calibrated"] is True and meta["calibration"]["method"] == method
+    assert set(meta["calibration"]["params"]) == ({"slope", "offset"} if method == "platt" else {"a", "b", "c"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a calibrated model loads without a warning
         loaded = load_model(folder)
