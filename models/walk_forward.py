@@ -695,15 +695,17 @@ class _Tracks:
         return out.raw[np.searchsorted(out.rows, self.layout.calibration_rows(t))]
 
     @staticmethod
-    def by_method(track: _Track, assignments: Assignments) -> dict[str, np.ndarray]:
-        """Per other calibration method, every row's calibrated risk by that method's map on
-        the slice of the map in use (NaN where it could not be fitted)."""
+    def by_method(track: _Track, assignments: Assignments, first: int) -> dict[str, np.ndarray]:
+        """Per other calibration method, the calibrated risk of the rows from position `first`
+        on (the test period) by that method's map on the slice of the map in use (NaN where it
+        could not be fitted). Only those rows: at fleet scale each such array is tens of MB."""
         out: dict[str, np.ndarray] = {}
         for t, rows in assignments:
+            rows = rows[rows >= first]
             for method, calibration in track.alternatives.get(t, {}).items():
                 if len(rows):
-                    risk = out.setdefault(method, np.full(len(track.logit), np.nan))
-                    risk[rows] = calibration.apply_logit(track.logit[rows])
+                    risk = out.setdefault(method, np.full(len(track.logit) - first, np.nan))
+                    risk[rows - first] = calibration.apply_logit(track.logit[rows])
         return out
 
     @staticmethod
@@ -1286,7 +1288,7 @@ def _walk_forward(
             fits += [_fit_record(c.name, t, need.window, track) for t, _ in need.assignments]
         scores[c.name] = track.risk[offset:]
         calibrated[c.name] = track.calibrated[offset:]
-        by_method[c.name] = {m: risk[offset:] for m, risk in _Tracks.by_method(track, assignments).items()}
+        by_method[c.name] = _Tracks.by_method(track, assignments, offset)
         ages[c.name] = (eval_ns[offset:] - track.trained_ns[offset:]) / hour
         if test_start not in track.on_slice:
             raise InputError(
