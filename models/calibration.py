@@ -177,17 +177,18 @@ def fit_calibration_on_logits(
     keep = ~np.isnan(labels) & np.isfinite(z)
     z, labels = z[keep], labels[keep]
     n_pos = int((labels == 1).sum())
+    place = f"{where} {slice_start} .. {slice_end}"
     if n_pos == 0 or n_pos == len(labels):
         raise InputError(
-            f"{where} {slice_start} .. {slice_end}: {len(labels)} labelled rows with {n_pos} failures; "
+            f"{place}: {len(labels)} labelled rows with {n_pos} failures; "
             "expected failing and healthy rows to calibrate on (a longer calibration_window)"
         )
     weight = np.where(labels == 1, 1.0, 1.0 / negative_fraction)
     p = _expit(z)
-    if method == "beta":
-        params = _beta(z, labels, weight, f"{where} {slice_start} .. {slice_end}")
-    else:
-        params = (_platt if method == "platt" else _isotonic)(z, labels, weight)
+    try:
+        params = _FITS[method](z, labels, weight)
+    except _CannotCalibrate as exc:
+        raise InputError(f"{place}: {exc}") from exc
     return Calibration(
         method=method,
         params=params,
@@ -225,7 +226,11 @@ def _beta_argument(z: np.ndarray, params: dict[str, Any]) -> np.ndarray:
     return np.asarray(params["a"] * features[:, 0] + params["b"] * features[:, 1] + params["c"], dtype=np.float64)
 
 
-def _beta(z: np.ndarray, y: np.ndarray, weight: np.ndarray, where: str) -> dict[str, Any]:
+class _CannotCalibrate(ValueError):
+    """The slice's scores admit no increasing map of this method (the caller names the slice)."""
+
+
+def _beta(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any]:
     from sklearn.linear_model import LogisticRegression
 
     features = _beta_features(z)
@@ -244,8 +249,8 @@ def _beta(z: np.ndarray, y: np.ndarray, weight: np.ndarray, where: str) -> dict[
         kept = int(np.argmax(coef))
         coef, offset = fit([kept])
         if coef[kept] < 0:
-            raise InputError(
-                f"{where}: beta calibration found the risk falling as the failure rate rises "
+            raise _CannotCalibrate(
+                f"beta calibration found the risk falling as the failure rate rises "
                 f"(slopes {coef.tolist()}); expected a model whose risk ranks failures higher"
             )
     return {"a": float(coef[0]), "b": float(coef[1]), "c": offset}
@@ -259,6 +264,10 @@ def _isotonic(z: np.ndarray, y: np.ndarray, weight: np.ndarray) -> dict[str, Any
     blocks = pd.DataFrame({"value": fitted, "zw": z * weight, "w": weight}).groupby("value", sort=True).sum()
     centres = (blocks["zw"] / blocks["w"]).to_numpy()
     return {"x": centres.tolist(), "y": blocks.index.to_numpy(dtype=np.float64).tolist()}
+
+
+_FITS = {"platt": _platt, "beta": _beta, "isotonic": _isotonic}
+"""Each method's fit: (logits, labels, weights) -> the map's parameters."""
 
 
 # -- how well a probability is calibrated --------------------------------------------------------

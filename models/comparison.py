@@ -357,15 +357,14 @@ def _method_figures(y: np.ndarray, risk: np.ndarray, in_use: np.ndarray) -> dict
     """A method's figures on the rows the map in use scores; `n_missing` of them it could not
     (its fit failed on that retrain's slice, so its figures leave them out)."""
     scored = np.isfinite(in_use)
-    missing = scored & ~np.isfinite(risk)
-    keep = scored & ~missing
+    keep = scored & np.isfinite(risk)
     figures = reliability(y[keep], risk[keep])
     return {
         "ece": figures["ece"],
         "brier": figures["brier"],
         "high_risk": high_risk_check(y[keep], risk[keep]),
         "top_ties": top_risk_ties(risk[keep]),
-        "n_missing": int(missing.sum()),
+        "n_missing": int(scored.sum() - keep.sum()),
     }
 
 

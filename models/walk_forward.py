@@ -68,7 +68,6 @@ from models.calibration import (
     METHODS,
     Calibration,
     check_method,
-    fit_calibration,
     fit_calibration_on_logits,
     logit,
 )
@@ -469,41 +468,37 @@ def _outcome(
         return outcome
     on_slice = calibrates.rows
     outcome.slice_logit = z[np.searchsorted(rows, on_slice)]
-    start, end = calibrates.bounds
     try:
-        calibration = fit_calibration_on_logits(
-            outcome.slice_logit, frame_labels[on_slice], method, slice_start=start, slice_end=end
+        outcome.calibration, outcome.alternatives = _fit_maps(
+            outcome.slice_logit, frame_labels[on_slice], method, calibrates.bounds, fit.model
         )
-        outcome.calibration = _scored_by(calibration, fit.model)
     except InputError as exc:
         outcome.calibration_error = str(exc)
-        return outcome
-    outcome.alternatives = _alternatives(
-        outcome.slice_logit, frame_labels[on_slice], method, calibrates.bounds, fit.model
-    )
     return outcome
 
 
-def _alternatives(
+def _fit_maps(
     slice_logit: np.ndarray,
     slice_labels: np.ndarray,
     method: str,
     bounds: tuple[pd.Timestamp, pd.Timestamp],
     scorer: TrainedModel,
-) -> dict[str, Calibration]:
-    """Every calibration method but `method` fitted on the same slice's logits and labels."""
-    out = {}
-    for other in METHODS:
-        if other == method:
-            continue
+) -> tuple[Calibration, dict[str, Calibration]]:
+    """The map of `method` fitted on a slice's logits and labels as scored by `scorer`, and
+    every other method's on the same (those that cannot be fitted there left out). InputError
+    when `method`'s cannot."""
+    maps = {}
+    for each in METHODS:
         try:
             fitted = fit_calibration_on_logits(
-                slice_logit, slice_labels, other, slice_start=bounds[0], slice_end=bounds[1]
+                slice_logit, slice_labels, each, slice_start=bounds[0], slice_end=bounds[1]
             )
         except InputError:
+            if each == method:
+                raise
             continue
-        out[other] = _scored_by(fitted, scorer)
-    return out
+        maps[each] = _scored_by(fitted, scorer)
+    return maps.pop(method), maps
 
 
 _WORKER_ROWS: list[Rows] = []
@@ -644,6 +639,33 @@ class _Track:
     on_slice: dict[pd.Timestamp, tuple[np.ndarray, np.ndarray | None]] = field(default_factory=dict)
 
 
+def _calibrated(
+    logit: np.ndarray, assignments: Assignments, maps: Mapping[pd.Timestamp, Calibration | None], first: int = 0
+) -> np.ndarray:
+    """The calibrated risk of the rows from position `first` on, each by the map `maps` holds
+    for the retraining time that scores it (NaN: none)."""
+    out = np.full(len(logit) - first, np.nan)
+    for t, rows in assignments:
+        rows = rows[rows >= first]
+        calibration = maps.get(t)
+        if calibration is not None and len(rows):
+            out[rows - first] = calibration.apply_logit(logit[rows])
+    return out
+
+
+def _by_method(track: _Track, assignments: Assignments, first: int) -> dict[str, np.ndarray]:
+    """Per calibration method other than the one in use, the calibrated risk of the rows from
+    position `first` on (the test period: at fleet scale each array is tens of MB) by that
+    method's maps on the slices of the maps in use (NaN where it could not be fitted)."""
+    methods = sorted({method for maps in track.alternatives.values() for method in maps})
+    return {
+        method: _calibrated(
+            track.logit, assignments, {t: maps.get(method) for t, maps in track.alternatives.items()}, first
+        )
+        for method in methods
+    }
+
+
 def _empty_track(n: int) -> _Track:
     nan = np.full(n, np.nan)
     return _Track(nan.copy(), nan.copy(), nan.copy(), np.zeros(n, dtype=np.int64), {}, nan.copy(), nan.copy())
@@ -681,47 +703,19 @@ class _Tracks:
         self.frame, self.ns = layout.frame, layout.ns
         self._cache: dict[tuple[Any, ...], _Track] = {}
 
-    def _calibrate(self, t: pd.Timestamp, risk: np.ndarray) -> Calibration:
-        """The calibration of the model retrained at `t`, from its risk on its slice."""
-        start, end = self.layout.calibration_bounds(t)
-        return fit_calibration(
-            risk, self.labels[self.layout.calibration_rows(t)], self.method, slice_start=start, slice_end=end
-        )
-
     def _slice_raw(self, spec: _Spec, t: pd.Timestamp) -> np.ndarray:
         """The probabilities on t's calibration slice of the fit that scores it out of time."""
         out = self.outcomes[(spec, self.layout.scorer_as_of(t))]
         assert out.raw is not None
         return out.raw[np.searchsorted(out.rows, self.layout.calibration_rows(t))]
 
-    @staticmethod
-    def by_method(track: _Track, assignments: Assignments, first: int) -> dict[str, np.ndarray]:
-        """Per other calibration method, the calibrated risk of the rows from position `first`
-        on (the test period) by that method's map on the slice of the map in use (NaN where it
-        could not be fitted). Only those rows: at fleet scale each such array is tens of MB."""
-        out: dict[str, np.ndarray] = {}
-        for t, rows in assignments:
-            rows = rows[rows >= first]
-            for method, calibration in track.alternatives.get(t, {}).items():
-                if len(rows):
-                    risk = out.setdefault(method, np.full(len(track.logit) - first, np.nan))
-                    risk[rows - first] = calibration.apply_logit(track.logit[rows])
-        return out
-
-    @staticmethod
-    def _apply_calibrations(track: _Track, assignments: Assignments) -> None:
-        for t, rows in assignments:
-            calibration = track.calibration.get(t)
-            if calibration is not None and len(rows):
-                track.calibrated[rows] = calibration.apply_logit(track.logit[rows])
-
     def single(self, spec: _Spec, assignments: Assignments) -> _Track:
         key = (spec, tuple(t for t, _ in assignments), tuple(len(r) for _, r in assignments))
         if key in self._cache:
             return self._cache[key]
         track = _empty_track(len(self.frame))
-        latest: tuple[TrainedModel, pd.Timestamp, Calibration] | None = None
-        alternatives: dict[str, Calibration] = {}
+        # (the model in use, its retraining time, its map and the other methods' on its slice)
+        latest: tuple[TrainedModel, pd.Timestamp, Calibration, dict[str, Calibration]] | None = None
         for t, rows in assignments:
             out = self.outcomes[(spec, t)]
             scorer = self.outcomes[(spec, self.layout.scorer_as_of(t))]
@@ -733,7 +727,7 @@ class _Tracks:
                         scorer.status if scorer.model is None else f"kept previous model: {scorer.calibration_error}"
                     )
                 else:
-                    latest, alternatives = (out.model, t, calibration), scorer.alternatives
+                    latest = (out.model, t, calibration, scorer.alternatives)
                     at = np.searchsorted(out.rows, rows)
                     track.raw[rows], track.logit[rows] = out.raw[at], out.logit[at]
                     track.on_slice[t] = (calibration.apply_logit(slice_logit), None)
@@ -741,13 +735,12 @@ class _Tracks:
                 # A retrain that could not be done: the previous model goes on scoring.
                 track.raw[rows], track.logit[rows] = self.rescore(latest[0], rows)
             track.at[t] = (status, None if latest is None else latest[0])
-            track.calibration[t] = None if latest is None else latest[2]
-            track.alternatives[t] = alternatives
+            track.calibration[t], track.alternatives[t] = (None, {}) if latest is None else latest[2:]
             if latest is not None:
                 track.weight[rows] = latest[0].pos_weight
                 track.trained_ns[rows] = latest[1].value
         track.risk = _risk(track.raw, track.weight)
-        self._apply_calibrations(track, assignments)
+        track.calibrated = _calibrated(track.logit, assignments, track.calibration)
         self._cache[key] = track
         return track
 
@@ -784,22 +777,21 @@ class _Tracks:
                     combine_probabilities(member_raw, slice_ns, combine, top_k), scorer.pos_weight
                 )
                 try:
-                    latest = _scored_by(self._calibrate(t, slice_risk), scorer)
-                except InputError as exc:  # (the members' own slices are the same: they kept theirs)
-                    failed = f"kept previous model: {exc}"
-                else:
-                    track.on_slice[t] = (latest.apply(slice_risk), intersection_flags(member_raw, slice_ns, top_k))
-                    alternatives = _alternatives(
+                    latest, alternatives = _fit_maps(
                         logit(slice_risk),
                         self.labels[self.layout.calibration_rows(t)],
                         self.method,
                         self.layout.calibration_bounds(t),
                         scorer,
                     )
+                except InputError as exc:  # (the members' own slices are the same: they kept theirs)
+                    failed = f"kept previous model: {exc}"
+                else:
+                    track.on_slice[t] = (latest.apply(slice_risk), intersection_flags(member_raw, slice_ns, top_k))
             track.at[t] = (failed or "trained", model)
             track.calibration[t] = latest
             track.alternatives[t] = alternatives
-        self._apply_calibrations(track, assignments)
+        track.calibrated = _calibrated(track.logit, assignments, track.calibration)
         return track
 
 
@@ -1288,7 +1280,7 @@ def _walk_forward(
             fits += [_fit_record(c.name, t, need.window, track) for t, _ in need.assignments]
         scores[c.name] = track.risk[offset:]
         calibrated[c.name] = track.calibrated[offset:]
-        by_method[c.name] = _Tracks.by_method(track, assignments, offset)
+        by_method[c.name] = _by_method(track, assignments, offset)
         ages[c.name] = (eval_ns[offset:] - track.trained_ns[offset:]) / hour
         if test_start not in track.on_slice:
             raise InputError(

@@ -423,3 +423,20 @@ def test_the_fail_slow_section_reads_the_score_of_the_spec_s_window():
     assert [a["gpu_uuid"] for a in six["fail_slow"]["top"]] == [slow_gpu]
     # The default window's features are not in the frame: no section rather than the wrong window.
     assert "fail_slow" not in evaluate_walk_forward(frame, contenders, PLAN, top_k=["5"], bootstrap_samples=20)
+
+
+def test_a_method_missing_on_some_rows_is_judged_on_the_rest_and_says_how_many():
+    from models.comparison import calibration_figures
+    from models.report_alarms import calibration_section
+
+    rng = np.random.default_rng(3)
+    risk = rng.uniform(0.0, 0.2, 5_000)
+    y = (rng.random(len(risk)) < risk).astype(float)
+    other = risk * 1.5
+    other[:1_200] = np.nan  # its fit failed on the slice of the retrain that scores these rows
+    figures = calibration_figures(y, {"m": risk}, {"m": risk}, {"m": {"beta": other}})
+    beta = figures["m"]["methods"]["beta"]
+    assert beta["n_missing"] == 1_200
+    assert beta["brier"] == pytest.approx(np.mean((other[1_200:] - y[1_200:]) ** 2))
+    metrics = {"plan": {"calibration": "platt"}, "calibration": figures, "primary": "m"}
+    assert any(line.startswith("| m | beta (1,200 rows unscored) | ") for line in calibration_section(metrics))

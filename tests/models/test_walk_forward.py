@@ -481,3 +481,20 @@ def test_every_calibration_method_is_fitted_on_the_slice_of_the_map_in_use():
             rtol=1e-9,
         )
         assert not np.allclose(runs["platt"].calibrated[name], runs["beta"].calibrated[name])
+
+
+def test_a_method_that_cannot_map_a_slice_is_left_out_unless_it_is_the_one_in_use():
+    from models.train import TrainOptions, train_model
+    from models.walk_forward import _fit_maps
+
+    scorer = train_model(tiny_frame(), TrainOptions(kind="logistic", train_window="3d", horizon="12h"))
+    rng = np.random.default_rng(0)
+    z = rng.normal(-4.0, 1.5, 20_000)
+    y = (rng.random(len(z)) < 1.0 / (1.0 + np.exp(z + 8.0))).astype(float)  # failures where the score is low
+    bounds = (START, START + pd.Timedelta(days=1))
+    in_use, others = _fit_maps(z, y, "platt", bounds, scorer)
+    assert in_use.method == "platt" and in_use.params["slope"] < 0
+    assert set(others) == {"isotonic"}  # beta refuses a falling score; the rest go on
+    assert others["isotonic"].extra["scored_by_train_end"] == scorer.train_end.isoformat()
+    with pytest.raises(InputError, match="beta calibration found the risk falling"):
+        _fit_maps(z, y, "beta", bounds, scorer)
