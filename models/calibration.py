@@ -35,7 +35,10 @@ Figures (`reliability`): Brier score, expected calibration error over ten equal-
 risk (the usual definition; with a rare event most rows are in the first bin), and a
 reliability table over log-spaced bins with the observed rate's 95% Wilson interval;
 `high_risk_check` compares the mean predicted and observed rate among rows at or above a risk;
-`top_risk_ties` counts the rows that share the highest risk.
+`top_risk_ties` counts the rows that share the highest risk. Given each row's GPU, the
+intervals count the rows as the GPUs they come from (`effective_rows`): a GPU's hours at high
+risk fail or survive together, and read as independent rows, 37 hours of three GPUs would
+claim the precision of 37 draws.
 """
 
 from __future__ import annotations
@@ -297,20 +300,65 @@ def expected_calibration_error(y: Any, p: Any, bins: int = 10) -> float:
     return float(gap.sum() / n.sum())
 
 
-def reliability(y: Any, p: Any, edges: tuple[float, ...] = RELIABILITY_EDGES) -> dict[str, Any]:
+def effective_rows(y: Any, groups: Any | None) -> float:
+    """How many independent rows labels `y` are worth when the rows of one group (a GPU: its
+    consecutive hours share one fate within the horizon) are correlated: the rows divided by
+    the design effect of the cluster-robust variance of their rate, at most the rows. Every
+    group at the same rate (all failing, or none): the groups, each counted once. `groups`:
+    integer codes (`pandas.factorize`), or None: every row independent."""
+    y = np.asarray(y, dtype=np.float64)
+    n = len(y)
+    if groups is None or n == 0:
+        return float(n)
+    codes = np.asarray(groups, dtype=np.int64)
+    sizes = np.bincount(codes)
+    present = sizes > 0
+    positives, sizes = np.bincount(codes, weights=y)[present], sizes[present]
+    n_groups = len(sizes)
+    rate = positives.sum() / n
+    if n_groups < 2 or rate in (0.0, 1.0):
+        return float(min(n, n_groups))
+    variance = n_groups / (n_groups - 1) * float(((positives - rate * sizes) ** 2).sum()) / n**2
+    if variance <= 0.0:
+        return float(n)
+    return float(min(n, rate * (1.0 - rate) / variance))
+
+
+def rate_interval(y: Any, groups: Any | None) -> tuple[float | None, float | None]:
+    """The 95% Wilson interval of the failure rate of labels `y`, counted as `effective_rows`."""
+    y = np.asarray(y, dtype=np.float64)
+    n_eff = effective_rows(y, groups)
+    return wilson_interval(float(y.mean()) * n_eff if len(y) else 0.0, n_eff)
+
+
+def _group_codes(groups: Any | None, n: int) -> np.ndarray | None:
+    if groups is None:
+        return None
+    codes = np.asarray(groups)
+    if codes.shape != (n,) or not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"groups: expected {n} integer codes (pandas.factorize), got {codes.dtype} {codes.shape}")
+    return codes
+
+
+def reliability(
+    y: Any, p: Any, edges: tuple[float, ...] = RELIABILITY_EDGES, groups: Any | None = None
+) -> dict[str, Any]:
     """Brier score, expected calibration error (`expected_calibration_error`) and the
     reliability table (per bin of `edges`: rows, failures, mean risk, observed rate and its
-    95% Wilson interval) of risks `p` against labels `y` (NaN labels are left out)."""
+    95% Wilson interval, over `rate_interval`'s effective rows when each row's `groups` code
+    is given) of risks `p` against labels `y` (NaN labels are left out)."""
     y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    codes = _group_codes(groups, len(y))
     keep = ~np.isnan(y)
     y, p = y[keep], p[keep]
+    codes = None if codes is None else codes[keep]
     which = np.clip(np.searchsorted(np.asarray(edges), p, side="right") - 1, 0, len(edges) - 2)
     table = []
     for b in range(len(edges) - 1):
         mask = which == b
         n = int(mask.sum())
         pos = float(y[mask].sum())
-        low, high = wilson_interval(pos, n)
+        low, high = rate_interval(y[mask], None if codes is None else codes[mask])
         table.append(
             {
                 "low": edges[b],
@@ -337,18 +385,31 @@ HIGH_RISK = 0.5
 HIGH_RISK_TOLERANCE = 0.1
 
 
-def high_risk_check(y: Any, p: Any, level: float = HIGH_RISK, tolerance: float = HIGH_RISK_TOLERANCE) -> dict[str, Any]:
-    """Among rows with risk >= `level`: how many, their mean risk, the observed failure rate
-    with its 95% Wilson interval, and a verdict: `outside` when the whole interval lies more than
+def high_risk_check(
+    y: Any,
+    p: Any,
+    level: float = HIGH_RISK,
+    tolerance: float = HIGH_RISK_TOLERANCE,
+    groups: Any | None = None,
+) -> dict[str, Any]:
+    """Among rows with risk >= `level`: how many (and of how many `groups`: GPUs), their mean
+    risk, the observed failure rate with its 95% Wilson interval over the rows' effective number
+    (`effective_rows`), and a verdict: `outside` when the whole interval lies more than
     `tolerance` from the mean risk (however few the rows, they show it); else `too few rows`
     when the interval is wider than the tolerance on either side (the rows cannot tell); else
     `within` (|observed - mean risk| <= `tolerance`) or `outside`."""
     y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    codes = _group_codes(groups, len(y))
     keep = ~np.isnan(y) & (p >= level)
     n = int(keep.sum())
     pos = float(y[keep].sum())
-    low, high = wilson_interval(pos, n)
+    kept_codes = None if codes is None else codes[keep]
+    n_eff = effective_rows(y[keep], kept_codes)
+    low, high = wilson_interval(pos / n * n_eff if n else 0.0, n_eff)
     out: dict[str, Any] = {"level": level, "tolerance": tolerance, "n_rows": n, "n_positives": int(pos)}
+    if kept_codes is not None:
+        out["n_groups"] = len(np.unique(kept_codes))
+        out["effective_rows"] = n_eff
     if n == 0:
         return {**out, "mean_risk": None, "observed_rate": None, "observed_ci": [None, None], "verdict": "no rows"}
     mean, rate = float(p[keep].mean()), pos / n

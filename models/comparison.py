@@ -276,7 +276,13 @@ def _figures(
         "scores": compared,
         "alarms": alarms,
         "alarm_headline_budget": headline,
-        "calibration": calibration_figures(y, result.scores, result.calibrated, result.calibrated_by_method),
+        "calibration": calibration_figures(
+            y,
+            result.scores,
+            result.calibrated,
+            result.calibrated_by_method,
+            gpus=pd.factorize(test["gpu_uuid"])[0],
+        ),
         "drift": drift,
         "claims": {
             **claims(
@@ -326,43 +332,47 @@ def calibration_figures(
     uncalibrated: dict[str, np.ndarray],
     calibrated: dict[str, np.ndarray],
     by_method: dict[str, dict[str, np.ndarray]] | None = None,
+    gpus: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Per contender, the reliability figures (`models.calibration.reliability`) and the check
     of the rows at risk >= 0.5 (`high_risk_check`) of its calibrated risk on the test period,
     how many rows share its top risk (`top_risk_ties`), the same figures of its uncalibrated
     (odds-corrected) risk, and under "methods" those of the other calibration methods fitted on
-    the same slices (`WalkForwardResult.calibrated_by_method`)."""
+    the same slices (`WalkForwardResult.calibrated_by_method`). `gpus`: each row's GPU as an
+    integer code, so that the intervals count a GPU's correlated hours as what they are worth
+    (`models.calibration.effective_rows`)."""
     out = {}
     for name, risk in calibrated.items():
-        before = reliability(y, uncalibrated[name])
+        before = reliability(y, uncalibrated[name], groups=gpus)
         out[name] = {
-            **reliability(y, risk),
-            "high_risk": high_risk_check(y, risk),
+            **reliability(y, risk, groups=gpus),
+            "high_risk": high_risk_check(y, risk, groups=gpus),
             "top_ties": top_risk_ties(risk),
             "uncalibrated": {
                 "ece": before["ece"],
                 "brier": before["brier"],
                 "mean_risk": before["mean_risk"],
-                "high_risk": high_risk_check(y, uncalibrated[name]),
+                "high_risk": high_risk_check(y, uncalibrated[name], groups=gpus),
             },
             "methods": {
-                method: _method_figures(y, other, risk)
+                method: _method_figures(y, other, risk, gpus)
                 for method, other in sorted((by_method or {}).get(name, {}).items())
             },
         }
     return out
 
 
-def _method_figures(y: np.ndarray, risk: np.ndarray, in_use: np.ndarray) -> dict[str, Any]:
+def _method_figures(y: np.ndarray, risk: np.ndarray, in_use: np.ndarray, gpus: np.ndarray | None) -> dict[str, Any]:
     """A method's figures on the rows the map in use scores; `n_missing` of them it could not
     (its fit failed on that retrain's slice, so its figures leave them out)."""
     scored = np.isfinite(in_use)
     keep = scored & np.isfinite(risk)
-    figures = reliability(y[keep], risk[keep])
+    kept_gpus = None if gpus is None else gpus[keep]
+    figures = reliability(y[keep], risk[keep], groups=kept_gpus)
     return {
         "ece": figures["ece"],
         "brier": figures["brier"],
-        "high_risk": high_risk_check(y[keep], risk[keep]),
+        "high_risk": high_risk_check(y[keep], risk[keep], groups=kept_gpus),
         "top_ties": top_risk_ties(risk[keep]),
         "n_missing": int(scored.sum() - keep.sum()),
     }

@@ -496,11 +496,12 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
         "class weighting and negative subsampling is divided out first. ECE: expected calibration error over ten equal-width bins of risk (with a rare event "
         "most rows fall in the first bin, so it is small even for a poor score: the table below shows the tails). "
         "High risk: rows with calibrated risk >= 0.5, their mean risk and observed failure rate within the "
-        "horizon (95% Wilson interval); the verdict says whether they agree within 0.1, or that there are too "
-        "few rows to tell. Rows at top risk: how many test rows share the contender's highest calibrated risk "
+        "horizon (95% Wilson interval over the rows' effective number: the hours of one GPU fail or survive "
+        "together, so they count as fewer independent rows; the GPUs they come from in brackets); the verdict says "
+        "whether they agree within 0.1, or that there are too few rows to tell. Rows at top risk: how many test rows share the contender's highest calibrated risk "
         "(more than a few: its output saturates, and the tie-break picks among them).",
         "",
-        "| configuration | ECE, uncalibrated -> calibrated | Brier | mean risk / observed rate | rows >= 0.5 | "
+        "| configuration | ECE, uncalibrated -> calibrated | Brier | mean risk / observed rate | rows >= 0.5 (GPUs) | "
         "mean risk there | observed [95% CI] | verdict | rows at top risk |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
@@ -509,7 +510,7 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
         ties = f.get("top_ties") or {}
         lines.append(
             f"| {name} | {_num(f['uncalibrated']['ece'], 4)} -> {_num(f['ece'], 4)} | {_num(f['brier'], 5)} | "
-            f"{_num(f['mean_risk'], 4)} / {_num(f['observed_rate'], 4)} | {h['n_rows']} | {_num(h['mean_risk'], 3)} | "
+            f"{_num(f['mean_risk'], 4)} / {_num(f['observed_rate'], 4)} | {_high_rows(h)} | {_num(h['mean_risk'], 3)} | "
             f"{_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | {h['verdict']} | "
             f"{ties.get('n_rows', '-')} |"
         )
@@ -531,6 +532,12 @@ def calibration_section(metrics: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _high_rows(high_risk: dict[str, Any]) -> str:
+    """The rows at high risk, and the GPUs they come from where the check counted them."""
+    groups = high_risk.get("n_groups")
+    return f"{high_risk['n_rows']:,}" if groups is None else f"{high_risk['n_rows']:,} ({groups:,})"
+
+
 def _methods_table(in_use: str, figures: dict[str, Any]) -> list[str]:
     """Every calibration method on the same out-of-time scores: each retrain's map of each
     method fitted on the same slice, applied to the same test rows."""
@@ -541,7 +548,7 @@ def _methods_table(in_use: str, figures: dict[str, Any]) -> list[str]:
         f"The calibration methods compared (`[model] calibration`, in use: {in_use}): each retrain's slice fitted "
         "with every method, each map applied to the rows that retrain's model scores.",
         "",
-        "| configuration | method | ECE | Brier | rows >= 0.5 | mean risk there | observed [95% CI] | verdict | "
+        "| configuration | method | ECE | Brier | rows >= 0.5 (GPUs) | mean risk there | observed [95% CI] | verdict | "
         "rows at top risk |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
@@ -550,7 +557,7 @@ def _methods_table(in_use: str, figures: dict[str, Any]) -> list[str]:
             h, ties = m["high_risk"], m.get("top_ties") or {}
             missing = f" ({m['n_missing']:,} rows unscored)" if m.get("n_missing") else ""
             lines.append(
-                f"| {name} | {method}{missing} | {_num(m['ece'], 4)} | {_num(m['brier'], 5)} | {h['n_rows']} | "
+                f"| {name} | {method}{missing} | {_num(m['ece'], 4)} | {_num(m['brier'], 5)} | {_high_rows(h)} | "
                 f"{_num(h['mean_risk'], 3)} | {_num(h['observed_rate'], 3)} {_ci(h['observed_ci'], 1.0, 3)} | "
                 f"{h['verdict']} | {ties.get('n_rows', '-')} |"
             )

@@ -12,10 +12,12 @@ import pytest
 
 from ingest.errors import InputError
 from models.calibration import (
+    effective_rows,
     expected_calibration_error,
     fit_calibration,
     fit_calibration_on_logits,
     high_risk_check,
+    rate_interval,
     reliability,
     wilson_interval,
 )
@@ -217,6 +219,50 @@ def test_high_risk_check_says_within_outside_or_too_few():
     assert over["verdict"] == "outside"
     assert few["mean_risk"] == pytest.approx(0.7333, abs=1e-3)
     assert high_risk_check(np.zeros(3), np.full(3, 0.1))["verdict"] == "no rows"
+
+
+def test_rows_of_one_gpu_count_as_what_they_are_worth():
+    # 10 GPUs, 10 hours each, every hour of a GPU sharing its fate: 6 fail, 4 do not.
+    gpus = np.repeat(np.arange(10), 10)
+    y = np.repeat(np.r_[np.ones(6), np.zeros(4)], 10)
+    assert effective_rows(y, gpus) == pytest.approx(9.0)  # the GPUs, less the rate's degree of freedom
+    assert rate_interval(y, gpus) == pytest.approx(wilson_interval(0.6 * 9.0, 9.0))
+    assert rate_interval(y, None) == pytest.approx(wilson_interval(60, 100))  # no GPUs given: rows
+    # Rows each of their own GPU are independent draws; hours that do not share a fate count fully.
+    rng = np.random.default_rng(1)
+    alone = (rng.random(500) < 0.3).astype(float)
+    assert effective_rows(alone, np.arange(500)) == pytest.approx(499, abs=1.0)
+    mixed = np.tile([1.0, 0.0], 50)  # every GPU half failing: no correlation within a GPU
+    assert effective_rows(mixed, np.repeat(np.arange(10), 10)) == 100
+    # Every GPU failing: nothing to estimate the correlation from; each GPU counts once.
+    assert effective_rows(np.ones(30), np.repeat(np.arange(3), 10)) == 3
+    assert effective_rows(np.ones(30), np.zeros(30, dtype=np.int64)) == 1
+    assert effective_rows(np.array([]), np.array([], dtype=np.int64)) == 0
+
+
+def test_a_few_gpus_hours_at_high_risk_cannot_say_outside():
+    # 40 hours at risk 0.6 that all failed: as 40 independent rows, clearly above the risk; as
+    # the 4 GPUs they come from, too few to tell.
+    y, p, gpus = np.ones(40), np.full(40, 0.6), np.repeat(np.arange(4), 10)
+    assert high_risk_check(y, p)["verdict"] == "outside"
+    by_gpu = high_risk_check(y, p, groups=gpus)
+    assert by_gpu["verdict"] == "too few rows"
+    assert (by_gpu["n_rows"], by_gpu["n_groups"], by_gpu["effective_rows"]) == (40, 4, 4.0)
+    assert by_gpu["observed_ci"][0] == pytest.approx(wilson_interval(4, 4)[0])
+    # 400 GPUs of the same fates: enough to say it.
+    many = high_risk_check(np.ones(4000), np.full(4000, 0.6), groups=np.repeat(np.arange(400), 10))
+    assert many["verdict"] == "outside"
+    # The reliability table's intervals count the same way.
+    table = reliability(y, p, groups=gpus)["bins"]
+    top = next(b for b in table if b["n_rows"])
+    assert top["observed_ci"] == pytest.approx(list(wilson_interval(4, 4)))
+
+
+def test_group_codes_must_be_one_integer_per_row():
+    with pytest.raises(ValueError, match="groups: expected 3 integer codes"):
+        high_risk_check(np.ones(3), np.full(3, 0.6), groups=np.array(["a", "b", "c"]))
+    with pytest.raises(ValueError, match="groups: expected 3 integer codes"):
+        reliability(np.ones(3), np.full(3, 0.6), groups=np.arange(2))
 
 
 # -- calibrated models ------------------------------------------------------------------------

@@ -306,10 +306,9 @@ def unchanged_figures(metrics):
         json.dumps(
             {
                 "scores": metrics["scores"],
-                # (the other calibration methods' figures came later: new, not changed)
-                "calibration": {
-                    name: {k: v for k, v in f.items() if k != "methods"} for name, f in metrics["calibration"].items()
-                },
+                # (the other calibration methods' figures came later: new, not changed; the
+                # intervals came to count the GPUs the rows come from: changed on purpose)
+                "calibration": {name: _without_intervals(f) for name, f in metrics["calibration"].items()},
                 "test": metrics["test"],
                 "fits": metrics["fits"],
                 "retrain_times": metrics["retrain_times"],
@@ -323,12 +322,26 @@ def unchanged_figures(metrics):
     )
 
 
+INTERVAL_KEYS = ("observed_ci", "verdict", "n_groups", "effective_rows", "methods")
+
+
+def _without_intervals(figures):
+    """Calibration figures less their intervals and what is read from them, at every depth."""
+    if isinstance(figures, dict):
+        return {k: _without_intervals(v) for k, v in figures.items() if k not in INTERVAL_KEYS}
+    if isinstance(figures, list):
+        return [_without_intervals(v) for v in figures]
+    return figures
+
+
 def test_the_figures_outside_the_alarms_stay_what_they_were():
     """tests/fixtures/evaluation/unchanged_figures.json holds these figures as the code before the
     daily quota and the one alarm definition computed them on this run (`alarm_run`); only the
     alarm figures may differ. (The logistic contender's and the parallel ensemble's were written
     again when the logistic model began compressing its inputs' tails: nothing else moved.)"""
-    assert unchanged_figures(rule_run()) == json.loads(UNCHANGED.read_text())
+    before = json.loads(UNCHANGED.read_text())
+    before["calibration"] = {name: _without_intervals(f) for name, f in before["calibration"].items()}
+    assert unchanged_figures(rule_run()) == before
 
 
 def test_every_scorer_at_a_quota_raises_the_same_alarms_where_thresholds_do_not():
@@ -440,3 +453,23 @@ def test_a_method_missing_on_some_rows_is_judged_on_the_rest_and_says_how_many()
     assert beta["brier"] == pytest.approx(np.mean((other[1_200:] - y[1_200:]) ** 2))
     metrics = {"plan": {"calibration": "platt"}, "calibration": figures, "primary": "m"}
     assert any(line.startswith("| m | beta (1,200 rows unscored) | ") for line in calibration_section(metrics))
+
+
+def test_calibration_intervals_count_the_gpus_the_high_risk_rows_come_from():
+    from models.comparison import calibration_figures
+    from models.report_alarms import calibration_section
+
+    # 50 hours at risk 0.6 of five GPUs, every one of which failed, among healthy low-risk rows.
+    risk = np.r_[np.full(50, 0.6), np.full(950, 0.01)]
+    y = np.r_[np.ones(50), np.zeros(950)]
+    gpus = np.r_[np.repeat(np.arange(5), 10), 5 + np.arange(950)]
+    alone = calibration_figures(y, {"m": risk}, {"m": risk})["m"]["high_risk"]
+    assert alone["verdict"] == "outside" and "n_groups" not in alone
+    figures = calibration_figures(y, {"m": risk}, {"m": risk}, {"m": {"beta": risk}}, gpus=gpus)
+    for high in (figures["m"]["high_risk"], figures["m"]["methods"]["beta"]["high_risk"]):
+        assert (high["n_rows"], high["n_groups"], high["verdict"]) == (50, 5, "too few rows")
+    lines = calibration_section({"plan": {"calibration": "platt"}, "calibration": figures, "primary": "m"})
+    assert any(
+        line.startswith("| m | platt | ") and "| 50 (5) | 0.600 | 1.000 [0.566, 1.000] | too few rows |" in line
+        for line in lines
+    )
