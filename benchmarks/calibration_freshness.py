@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import pandas as pd
 from sklearn.metrics import average_precision_score
 
 from features.dataset import read_features
@@ -38,7 +39,8 @@ from models.train_store import calibrated_from_store, store_settled_until, train
 def figures(model: TrainedModel, held: Any, start: Any) -> dict[str, Any]:
     y = held["label"].to_numpy(dtype=float)
     risk = model.predict_risk(held)
-    figures = reliability(y, risk)
+    gpus = pd.factorize(held["gpu_uuid"])[0]
+    figures = reliability(y, risk, groups=gpus)
     return {
         "train_end": model.train_end.isoformat(),
         "age_h": (start - model.train_end) / timedelta(hours=1),
@@ -46,7 +48,7 @@ def figures(model: TrainedModel, held: Any, start: Any) -> dict[str, Any]:
         "ece": figures["ece"],
         "mean_risk": figures["mean_risk"],
         "observed_rate": figures["observed_rate"],
-        "high_risk": high_risk_check(y, risk),
+        "high_risk": high_risk_check(y, risk, groups=gpus),
         "top_ties": top_risk_ties(risk),
     }
 

@@ -33,3 +33,5 @@ def test_the_fresh_model_is_a_calibration_window_younger_and_both_are_judged_on_
     for scheme in (fresh, aged):
         assert 0 < scheme["average_precision"] <= 1 and 0 <= scheme["ece"] < 0.1
         assert scheme["top_ties"]["n_rows"] >= 1
+        high = scheme["high_risk"]  # its interval counts the GPUs the rows come from
+        assert high["n_groups"] <= high["n_rows"] and high["effective_rows"] <= high["n_rows"]
