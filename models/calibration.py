@@ -414,13 +414,18 @@ def high_risk_check(
         return {**out, "mean_risk": None, "observed_rate": None, "observed_ci": [None, None], "verdict": "no rows"}
     mean, rate = float(p[keep].mean()), pos / n
     assert low is not None and high is not None
-    if low > mean + tolerance or high < mean - tolerance:
-        verdict = "outside"
-    elif high - rate > tolerance or rate - low > tolerance:
-        verdict = "too few rows"
-    else:
-        verdict = "within" if abs(rate - mean) <= tolerance else "outside"
+    verdict = high_risk_verdict(mean, rate, (low, high), tolerance)
     return {**out, "mean_risk": mean, "observed_rate": rate, "observed_ci": [low, high], "verdict": verdict}
+
+
+def high_risk_verdict(mean: float, rate: float, interval: tuple[float, float], tolerance: float) -> str:
+    """`high_risk_check`'s verdict on a mean risk against an observed rate and its interval."""
+    low, high = interval
+    if low > mean + tolerance or high < mean - tolerance:
+        return "outside"
+    if high - rate > tolerance or rate - low > tolerance:
+        return "too few rows"
+    return "within" if abs(rate - mean) <= tolerance else "outside"
 
 
 def top_risk_ties(p: Any) -> dict[str, Any]:

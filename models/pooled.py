@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ingest.errors import InputError
+from models.calibration import high_risk_verdict, wilson_interval
 from models.power import compare_points
 from models.report_format import pct
 
@@ -74,11 +75,65 @@ def pool_fleets(fleets: Mapping[str, dict[str, Any]], *, samples: int = 1000, se
     if all("matched" in m["alarms"] for m in fleets.values()):
         out["matched"] = {b: _pooled_budget(fleets, "matched", b, samples, seed) for b in budgets}
     first_scorer = next(iter(first["alarms"]["quota"][budgets[0]]["points"]))
+    if all("calibration" in m for m in fleets.values()):
+        out["calibration"] = pooled_calibration(fleets)
     out["n_failures_per_fleet"] = {
         name: int(np.sum(m["alarms"]["quota"][budgets[0]]["points"][first_scorer]["day_counts"]["failures"]))
         for name, m in fleets.items()
     }
     return out
+
+
+def pooled_calibration(fleets: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per contender and calibration map (the one in use, then the others the evaluation
+    compared), the rows at calibrated risk >= 0.5 of every fleet pooled: summed rows and
+    failures, their mean risk, and the observed rate's Wilson interval over the fleets' summed
+    effective rows (each fleet's rows counted as the GPUs they come from,
+    `models.calibration.effective_rows`; a report without them counts rows), with the
+    `high_risk_check` verdict, beside each fleet's own."""
+    first = next(iter(fleets.values()))
+    in_use = first["plan"].get("calibration") or "-"
+    out: dict[str, Any] = {}
+    for name in first["calibration"]:
+        if not all(name in m["calibration"] for m in fleets.values()):
+            continue
+        figures = [m["calibration"][name] for m in fleets.values()]
+        maps = {in_use: [f["high_risk"] for f in figures]}
+        for method in figures[0].get("methods", {}):
+            if all(method in f.get("methods", {}) for f in figures):
+                maps[method] = [f["methods"][method]["high_risk"] for f in figures]
+        out[name] = {method: _pooled_high_risk(checks, list(fleets)) for method, checks in maps.items()}
+    return out
+
+
+def _pooled_high_risk(checks: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    n = sum(c["n_rows"] for c in checks)
+    positives = sum(c["n_positives"] for c in checks)
+    tolerance = checks[0]["tolerance"]
+    pooled: dict[str, Any] = {"n_rows": n, "n_positives": positives, "tolerance": tolerance}
+    if all("n_groups" in c for c in checks):
+        pooled["n_groups"] = sum(c["n_groups"] for c in checks)
+    if n == 0:
+        pooled.update(mean_risk=None, observed_rate=None, observed_ci=[None, None], verdict="no rows")
+    else:
+        mean = sum(c["mean_risk"] * c["n_rows"] for c in checks if c["n_rows"]) / n
+        effective = sum(c.get("effective_rows", c["n_rows"]) for c in checks)
+        rate = positives / n
+        low, high = wilson_interval(rate * effective, effective)
+        assert low is not None and high is not None
+        pooled.update(
+            mean_risk=mean,
+            observed_rate=rate,
+            effective_rows=effective,
+            observed_ci=[low, high],
+            verdict=high_risk_verdict(mean, rate, (low, high), tolerance),
+        )
+    pooled["fleets"] = {
+        name: {k: c.get(k) for k in ("n_rows", "n_groups", "mean_risk", "observed_rate", "verdict")}
+        for name, c in zip(names, checks, strict=True)
+    }
+    pooled["n_fleets_within"] = sum(c["verdict"] == "within" for c in checks)
+    return pooled
 
 
 def _pooled_budget(
@@ -144,7 +199,42 @@ def pooled_markdown(pooled: dict[str, Any]) -> str:
         sections.append(("Thresholds matched on the test scores,", pooled["matched"]))
     for label, by_budget in sections:
         lines += _budget_lines(label, by_budget, h, long)
+    if "calibration" in pooled:
+        lines += _calibration_lines(pooled["calibration"])
     return "\n".join(lines)
+
+
+def _calibration_lines(calibration: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Calibration: the rows at risk >= 0.5, over fleets",
+        "",
+        "Per contender and calibration map (the one in use first), the fleets' rows at calibrated risk >= 0.5 "
+        "pooled: rows (GPUs), their mean risk, the observed failure rate within the horizon with its 95% Wilson "
+        "interval over the fleets' effective rows (a GPU's hours counted as what they are worth), and whether "
+        "they agree within 0.1 (pooled, opposite errors of two fleets cancel: read the fleets too); then on how "
+        "many fleets they agree, and each fleet's mean risk / observed rate and verdict.",
+        "",
+        "| configuration | map | rows (GPUs) | mean risk | observed [95% CI] | verdict | fleets within | each fleet |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
+    ]
+    for name, maps in calibration.items():
+        for method, c in maps.items():
+            groups = f" ({c['n_groups']:,})" if "n_groups" in c else ""
+            low, high = c["observed_ci"]
+            interval = "-" if low is None else f"{c['observed_rate']:.3f} [{low:.3f}, {high:.3f}]"
+            each = "; ".join(
+                f"{fleet} {_rate(f['mean_risk'])} / {_rate(f['observed_rate'])} {f['verdict']}"
+                for fleet, f in c["fleets"].items()
+            )
+            lines.append(
+                f"| {name} | {method} | {c['n_rows']:,}{groups} | {_rate(c['mean_risk'])} | {interval} | "
+                f"{c['verdict']} | {c['n_fleets_within']}/{len(c['fleets'])} | {each} |"
+            )
+    return [*lines, ""]
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _budget_lines(label: str, by_budget: dict[str, Any], h: str, long: str) -> list[str]:
