@@ -300,12 +300,20 @@ def expected_calibration_error(y: Any, p: Any, bins: int = 10) -> float:
     return float(gap.sum() / n.sum())
 
 
+FEW_GROUPS = 30
+"""Below this many GPUs the cluster-robust variance is itself too uncertain to lean on (it is
+estimated from the GPUs' spread: a handful of them can look like independent rows by chance),
+so each GPU counts as at most one draw."""
+
+
 def effective_rows(y: Any, groups: Any | None) -> float:
     """How many independent rows labels `y` are worth when the rows of one group (a GPU: its
     consecutive hours share one fate within the horizon) are correlated: the rows divided by
     the design effect of the cluster-robust variance of their rate, at most the rows. Every
-    group at the same rate (all failing, or none): the groups, each counted once. `groups`:
-    integer codes (`pandas.factorize`), or None: every row independent."""
+    group at one rate (all failing, or none) shows no spread to estimate it from, and fewer than
+    `FEW_GROUPS` groups too little: then each group counts as one draw, the groups' effective
+    number n^2 / sum(rows of a group ^ 2) (the groups, when they hold as many rows each).
+    `groups`: integer codes (`pandas.factorize`), or None: every row independent."""
     y = np.asarray(y, dtype=np.float64)
     n = len(y)
     if groups is None or n == 0:
@@ -315,13 +323,13 @@ def effective_rows(y: Any, groups: Any | None) -> float:
     present = sizes > 0
     positives, sizes = np.bincount(codes, weights=y)[present], sizes[present]
     n_groups = len(sizes)
+    one_per_group = float(n**2 / (sizes.astype(np.float64) ** 2).sum())
     rate = positives.sum() / n
     if n_groups < 2 or rate in (0.0, 1.0):
-        return float(min(n, n_groups))
+        return one_per_group
     variance = n_groups / (n_groups - 1) * float(((positives - rate * sizes) ** 2).sum()) / n**2
-    if variance <= 0.0:
-        return float(n)
-    return float(min(n, rate * (1.0 - rate) / variance))
+    robust = float(n) if variance <= 0.0 else min(float(n), rate * (1.0 - rate) / variance)
+    return min(robust, one_per_group) if n_groups < FEW_GROUPS else robust
 
 
 def rate_interval(y: Any, groups: Any | None) -> tuple[float | None, float | None]:

@@ -232,11 +232,19 @@ def test_rows_of_one_gpu_count_as_what_they_are_worth():
     rng = np.random.default_rng(1)
     alone = (rng.random(500) < 0.3).astype(float)
     assert effective_rows(alone, np.arange(500)) == pytest.approx(499, abs=1.0)
-    mixed = np.tile([1.0, 0.0], 50)  # every GPU half failing: no correlation within a GPU
-    assert effective_rows(mixed, np.repeat(np.arange(10), 10)) == 100
-    # Every GPU failing: nothing to estimate the correlation from; each GPU counts once.
+    # Every GPU half failing, alternate hours: no correlation within a GPU, and with enough
+    # GPUs to see that, every row counts; ten GPUs are too few to lean on it (one draw each).
+    assert effective_rows(np.tile([1.0, 0.0], 250), np.repeat(np.arange(50), 10)) == 500
+    assert effective_rows(np.tile([1.0, 0.0], 50), np.repeat(np.arange(10), 10)) == 10
+    # Every GPU failing: nothing to estimate the correlation from; each GPU counts once, by
+    # its share of the rows (n^2 / sum of squared sizes).
     assert effective_rows(np.ones(30), np.repeat(np.arange(3), 10)) == 3
     assert effective_rows(np.ones(30), np.zeros(30, dtype=np.int64)) == 1
+    assert effective_rows(np.ones(40), np.repeat(np.arange(2), [30, 10])) == pytest.approx(1600 / 1000)
+    # Four GPUs, one healthy hour among 22: their spread looks like independent rows by chance;
+    # four GPUs are still about four draws.
+    gpus = np.repeat(np.arange(4), [6, 6, 5, 5])
+    assert effective_rows(np.r_[np.ones(5), 0.0, np.ones(16)], gpus) == pytest.approx(22**2 / 122)
     assert effective_rows(np.array([]), np.array([], dtype=np.int64)) == 0
 
 
