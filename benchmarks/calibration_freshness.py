@@ -31,7 +31,7 @@ from sklearn.metrics import average_precision_score
 from features.dataset import read_features
 from gpufail.config import load_settings
 from ingest.store import Store
-from models.calibration import high_risk_check, reliability, top_risk_ties
+from models.calibration import calibration_summary, high_risk_check, top_risk_ties
 from models.train import TrainedModel, calibration_bounds, calibration_fit_options
 from models.train_store import calibrated_from_store, store_settled_until, train_model_from_store, with_store_spec
 
@@ -40,7 +40,7 @@ def figures(model: TrainedModel, held: Any, start: Any) -> dict[str, Any]:
     y = held["label"].to_numpy(dtype=float)
     risk = model.predict_risk(held)
     gpus = pd.factorize(held["gpu_uuid"])[0]
-    figures = reliability(y, risk, groups=gpus)
+    figures = calibration_summary(y, risk)
     return {
         "train_end": model.train_end.isoformat(),
         "age_h": (start - model.train_end) / timedelta(hours=1),

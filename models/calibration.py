@@ -328,7 +328,7 @@ def effective_rows(y: Any, groups: Any | None) -> float:
     if n_groups < 2 or rate in (0.0, 1.0):
         return one_per_group
     variance = n_groups / (n_groups - 1) * float(((positives - rate * sizes) ** 2).sum()) / n**2
-    robust = float(n) if variance <= 0.0 else min(float(n), rate * (1.0 - rate) / variance)
+    robust = float(n) if variance <= 0.0 else min(float(n), float(rate * (1.0 - rate) / variance))
     return min(robust, one_per_group) if n_groups < FEW_GROUPS else robust
 
 
@@ -378,6 +378,18 @@ def reliability(
                 "observed_ci": [low, high],
             }
         )
+    return {**_summary(y, p), "bins": table}
+
+
+def calibration_summary(y: Any, p: Any) -> dict[str, Any]:
+    """`reliability` without its table: rows, failures, mean risk, observed rate, Brier score
+    and ECE of risks `p` against labels `y` (NaN labels left out), for callers that show no bins."""
+    y, p = np.asarray(y, dtype=np.float64), np.asarray(p, dtype=np.float64)
+    keep = ~np.isnan(y)
+    return _summary(y[keep], p[keep])
+
+
+def _summary(y: np.ndarray, p: np.ndarray) -> dict[str, Any]:
     return {
         "n_rows": len(y),
         "n_positives": int(y.sum()),
@@ -385,7 +397,6 @@ def reliability(
         "observed_rate": float(y.mean()) if len(y) else None,
         "brier": float(np.mean((p - y) ** 2)) if len(y) else None,
         "ece": _finite(expected_calibration_error(y, p)),
-        "bins": table,
     }
 
 

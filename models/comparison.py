@@ -36,7 +36,7 @@ from features.fail_slow import FAIL_SLOW_WINDOW
 from ingest.errors import InputError
 from ingest.store import Store
 from models.alarms import DEFAULT_BUDGETS, AlarmRules
-from models.calibration import high_risk_check, reliability, top_risk_ties
+from models.calibration import calibration_summary, high_risk_check, reliability, top_risk_ties
 from models.drift import before_after, drift_events
 from models.evaluate import (
     baseline_scores,
@@ -343,7 +343,7 @@ def calibration_figures(
     (`models.calibration.effective_rows`)."""
     out = {}
     for name, risk in calibrated.items():
-        before = reliability(y, uncalibrated[name], groups=gpus)
+        before = calibration_summary(y, uncalibrated[name])
         out[name] = {
             **reliability(y, risk, groups=gpus),
             "high_risk": high_risk_check(y, risk, groups=gpus),
@@ -368,7 +368,7 @@ def _method_figures(y: np.ndarray, risk: np.ndarray, in_use: np.ndarray, gpus: n
     scored = np.isfinite(in_use)
     keep = scored & np.isfinite(risk)
     kept_gpus = None if gpus is None else gpus[keep]
-    figures = reliability(y[keep], risk[keep], groups=kept_gpus)
+    figures = calibration_summary(y[keep], risk[keep])
     return {
         "ece": figures["ece"],
         "brier": figures["brier"],

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pandas as pd
 import pytest
 
-from benchmarks.calibration_freshness import main
+from benchmarks.calibration_freshness import figures, main
 from tests.models import demo_features_store
 
 
@@ -33,5 +35,23 @@ def test_the_fresh_model_is_a_calibration_window_younger_and_both_are_judged_on_
     for scheme in (fresh, aged):
         assert 0 < scheme["average_precision"] <= 1 and 0 <= scheme["ece"] < 0.1
         assert scheme["top_ties"]["n_rows"] >= 1
-        high = scheme["high_risk"]  # its interval counts the GPUs the rows come from
+        high = scheme["high_risk"]  # (this small fleet has no rows >= 0.5: GPUs counted below)
         assert high["n_groups"] <= high["n_rows"] and high["effective_rows"] <= high["n_rows"]
+
+
+class _AtRisk:
+    """A model whose every risk is 0.6: the figures are what is tested, not the fit."""
+
+    train_end = pd.Timestamp("2026-01-01", tz="UTC")
+
+    def predict_risk(self, held):
+        return np.full(len(held), 0.6)
+
+
+def test_its_high_risk_interval_counts_the_gpus_the_rows_come_from():
+    # 40 hours at risk 0.6 of four GPUs that all failed: too few GPUs to say "outside".
+    held = pd.DataFrame({"label": np.ones(40), "gpu_uuid": np.repeat([f"GPU-{i}" for i in range(4)], 10)})
+    held.loc[0, "label"] = 0.0  # (both classes, for average precision)
+    high = figures(_AtRisk(), held, pd.Timestamp("2026-01-02", tz="UTC"))["high_risk"]
+    assert (high["n_rows"], high["n_groups"]) == (40, 4)
+    assert high["effective_rows"] <= 4 and high["verdict"] == "too few rows"

@@ -12,6 +12,7 @@ import pytest
 
 from ingest.errors import InputError
 from models.calibration import (
+    calibration_summary,
     effective_rows,
     expected_calibration_error,
     fit_calibration,
@@ -226,6 +227,7 @@ def test_rows_of_one_gpu_count_as_what_they_are_worth():
     gpus = np.repeat(np.arange(10), 10)
     y = np.repeat(np.r_[np.ones(6), np.zeros(4)], 10)
     assert effective_rows(y, gpus) == pytest.approx(9.0)  # the GPUs, less the rate's degree of freedom
+    assert type(effective_rows(y, gpus)) is float  # written to metrics.json as it is
     assert rate_interval(y, gpus) == pytest.approx(wilson_interval(0.6 * 9.0, 9.0))
     assert rate_interval(y, None) == pytest.approx(wilson_interval(60, 100))  # no GPUs given: rows
     # Rows each of their own GPU are independent draws; hours that do not share a fate count fully.
@@ -264,6 +266,15 @@ def test_a_few_gpus_hours_at_high_risk_cannot_say_outside():
     table = reliability(y, p, groups=gpus)["bins"]
     top = next(b for b in table if b["n_rows"])
     assert top["observed_ci"] == pytest.approx(list(wilson_interval(4, 4)))
+
+
+def test_the_summary_is_the_reliability_figures_without_the_table():
+    rng = np.random.default_rng(2)
+    p = rng.uniform(0.0, 0.3, 400)
+    y = (rng.random(400) < p).astype(float)
+    y[:7] = np.nan
+    table = reliability(y, p, groups=np.repeat(np.arange(40), 10))
+    assert calibration_summary(y, p) == {k: v for k, v in table.items() if k != "bins"}
 
 
 def test_group_codes_must_be_one_integer_per_row():

@@ -455,6 +455,16 @@ def test_a_method_missing_on_some_rows_is_judged_on_the_rest_and_says_how_many()
     assert any(line.startswith("| m | beta (1,200 rows unscored) | ") for line in calibration_section(metrics))
 
 
+def test_the_evaluation_counts_the_gpus_of_its_high_risk_rows():
+    # Each contender's rows >= 0.5 on this run are a few hours of fewer GPUs: the check got each
+    # row's GPU (not a code per row, not none), and its interval counts fewer rows than there are.
+    for name, figures in rule_run()["calibration"].items():
+        high = figures["high_risk"]
+        assert 1 < high["n_groups"] < high["n_rows"], name
+        assert high["effective_rows"] < high["n_rows"], name
+        assert type(high["effective_rows"]) is float, name
+
+
 def test_calibration_intervals_count_the_gpus_the_high_risk_rows_come_from():
     from models.comparison import calibration_figures
     from models.report_alarms import calibration_section
